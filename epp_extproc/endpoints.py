@@ -1,0 +1,106 @@
+"""The set of worker endpoints the picker may name, and who wants to hear when it changes.
+
+Every discovery source (static list, watched file, Kubernetes InferencePool) produces the same plain
+`Endpoint` values and hands the full current set to `EndpointRegistry.replace`. The registry diffs it and
+tells listeners (KV-event subscribers, load accounting) what was added and removed, so discovery code never
+needs to know who consumes endpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One routable worker. `address` is what Envoy receives (`ip:port`, IPv6 as `[addr]:port`)."""
+
+    name: str
+    address: str
+    kv_events: str | None = None  # ZMQ PUB endpoint, e.g. tcp://10.0.0.5:5557
+    replay: str | None = None  # ZMQ ROUTER replay endpoint
+    labels: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def host(self) -> str:
+        return split_host_port(self.address)[0]
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """Split `ip:port` / `[v6]:port`; raises ValueError on anything else."""
+    address = address.strip()
+    if address.startswith("["):
+        host, sep, port = address[1:].partition("]:")
+        if not sep:
+            raise ValueError(f"bad address {address!r}")
+    else:
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or ":" in host:
+            raise ValueError(f"bad address {address!r}")
+    p = int(port)
+    if not 0 < p < 65536:
+        raise ValueError(f"bad port in {address!r}")
+    return host, p
+
+
+def format_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def zmq_tcp(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+Listener = Callable[[list[Endpoint], list[Endpoint]], None]  # (added, removed)
+
+
+class EndpointRegistry:
+    """Current endpoints keyed by address; `synced` turns true after the first full set arrives."""
+
+    def __init__(self) -> None:
+        self._by_address: dict[str, Endpoint] = {}
+        self._listeners: list[Listener] = []
+        self.synced = False
+
+    def subscribe(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+        if self._by_address:
+            listener(list(self._by_address.values()), [])
+
+    def replace(self, endpoints: Iterable[Endpoint]) -> tuple[list[Endpoint], list[Endpoint]]:
+        new: dict[str, Endpoint] = {}
+        for ep in endpoints:
+            if ep.address in new:
+                log.warning("duplicate endpoint address %s (%s and %s); keeping the first",
+                            ep.address, new[ep.address].name, ep.name)
+                continue
+            new[ep.address] = ep
+        removed = [ep for addr, ep in self._by_address.items() if new.get(addr) != ep]
+        added = [ep for addr, ep in new.items() if self._by_address.get(addr) != ep]
+        self._by_address = new
+        self.synced = True
+        if added or removed:
+            log.info("endpoints changed: +%s -%s (now %d)", [e.name for e in added],
+                     [e.name for e in removed], len(new))
+            for listener in self._listeners:
+                try:
+                    listener(added, removed)
+                except Exception:  # a broken listener must not stop discovery
+                    log.exception("endpoint listener failed")
+        return added, removed
+
+    def get(self, address: str) -> Endpoint | None:
+        return self._by_address.get(address)
+
+    def all(self) -> list[Endpoint]:
+        return list(self._by_address.values())
+
+    def __len__(self) -> int:
+        return len(self._by_address)
+
+    def __contains__(self, address: object) -> bool:
+        return address in self._by_address

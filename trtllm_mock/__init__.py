@@ -1,0 +1,1 @@
+"""trtllm_mock: a trtllm-serve double that behaves, and fails, like the real server."""
