@@ -1,0 +1,83 @@
+"""Plain data types for decoded KV-cache events.
+
+The decoder turns wire bytes (TensorRT-LLM maps, vLLM/SGLang positional arrays, any envelope) into these
+objects so the index never has to know about encodings.  They are slotted dataclasses because the ingest path
+creates one per event and attribute access on slots is the cheapest Python offers.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class BlockStored:
+    """A chain of consecutive full blocks the engine just stored.
+
+    ``block_hashes`` are engine hashes already normalised to unsigned 64-bit, ``token_ids`` is a packed
+    ``array('I')`` (validated to fit u32) so the index can hash memoryview slices without re-packing.
+    """
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: array
+    block_size: int
+    lora_name: str | None = None
+    lora_id: int | None = None
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    """Engine hashes (u64) of blocks the engine evicted from the GPU tier."""
+
+    block_hashes: list[int]
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    """The engine dropped its whole cache (or restarted / lost events and says so)."""
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(slots=True)
+class DecodeCounters:
+    """What the decoder dropped and why, so per-worker metrics can say what a publisher gets wrong."""
+
+    skipped_length: int = 0  # len(token_ids) != block_size * len(block_hashes)
+    skipped_medium: int = 0  # not the GPU tier
+    skipped_group: int = 0  # not the main KV-cache group
+    skipped_extra_keys: int = 0  # multimodal / extra keys: token ids alone do not identify the block
+    garbage_events: int = 0  # an event with wrong types or absurd sizes
+    unknown_events: int = 0  # event type we do not know (ignored)
+    unknown_keys: int = 0  # keys we do not know inside known events (ignored)
+
+    @property
+    def skipped(self) -> int:
+        """Valid-looking events deliberately not applied."""
+        return self.skipped_length + self.skipped_medium + self.skipped_group + self.skipped_extra_keys
+
+
+@dataclass(slots=True)
+class DecodedBatch:
+    """One publisher batch: its events plus everything the decoder noticed.
+
+    ``garbage`` is set (with ``reason``) when the whole payload was unusable; ``events`` is then empty.
+    ``raw_event_count`` is the number of events on the wire, so an empty list on the wire (a heartbeat) can be
+    told apart from a batch whose events were all skipped.
+    """
+
+    ts: float = 0.0
+    events: list[Event] = field(default_factory=list)
+    dp_rank: int | None = None
+    raw_event_count: int = 0
+    counters: DecodeCounters = field(default_factory=DecodeCounters)
+    garbage: bool = False
+    reason: str = ""
+
+    @property
+    def heartbeat(self) -> bool:
+        """An empty event list is the publisher saying 'alive, nothing new'."""
+        return not self.garbage and self.raw_event_count == 0
