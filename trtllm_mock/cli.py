@@ -1,0 +1,94 @@
+"""``trtllm-mock`` command line: parse flags into a MockConfig, run a MockWorker until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from .config import MockConfig
+from .server import MockWorker
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """All flags map 1:1 onto MockConfig fields (see README.md for what each one simulates)."""
+    d = MockConfig()
+    p = argparse.ArgumentParser(prog="trtllm-mock", description="A trtllm-serve double for picker tests.")
+    a = p.add_argument
+    a("--host", default=d.host)
+    a("--port", type=int, default=d.port, help="HTTP port (0 = pick a free one)")
+    a("--name", default=d.name, help="value of the x-trtllm-mock-worker header on every response")
+    a("--model", default=d.model)
+    a("--role", choices=["worker", "renderer"], default=d.role)
+    a(
+        "--enable-render-endpoints",
+        action="store_true",
+        default=os.environ.get("TRTLLM_ENABLE_RENDER_ENDPOINTS") == "1",
+        help="serve the render routes on a worker (also TRTLLM_ENABLE_RENDER_ENDPOINTS=1)",
+    )
+    a("--error-shape", choices=["current", "legacy"], default=d.error_shape)
+    a("--tokens-per-block", type=int, default=d.tokens_per_block)
+    a("--num-blocks", type=int, default=d.num_blocks)
+    a("--max-seq-len", type=int, default=d.max_seq_len)
+    a("--default-max-tokens", type=int, default=d.default_max_tokens)
+    a("--no-kv-events", dest="kv_events", action="store_false", help="do not bind a KV-event PUB")
+    a("--kv-events-endpoint", default=d.kv_events_endpoint)
+    a("--kv-events-topic", default=d.kv_events_topic)
+    a("--replay-endpoint", default=d.replay_endpoint)
+    a("--replay-buffer", type=int, default=d.replay_buffer, help="batches kept for replay")
+    a("--seq-start", choices=["zero", "time_ns"], default=d.seq_start)
+    a("--heartbeat-interval", type=float, default=d.heartbeat_interval, help="seconds; 0 disables")
+    a("--event-encoding", choices=["compact", "int64"], default=d.event_encoding)
+    a("--dp-rank", type=int, default=d.dp_rank)
+    a("--prefill-ms-per-token", type=float, default=d.prefill_ms_per_token)
+    a("--decode-ms-per-token", type=float, default=d.decode_ms_per_token)
+    a("--max-batch-size", type=int, default=d.max_batch_size)
+    a("--speedup", type=float, default=d.speedup)
+    a("--log-level", default="INFO")
+    return p
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> tuple[MockConfig, str]:
+    """Parse ``argv`` into a config (and the log level), keeping the CLI free of behaviour of its own."""
+    ns = vars(build_parser().parse_args(argv))
+    log_level = ns.pop("log_level")
+    return MockConfig(**ns), log_level
+
+
+async def serve(config: MockConfig) -> None:
+    """Start a worker, print its endpoints one per line, and wait for SIGINT/SIGTERM to stop cleanly."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    async with MockWorker(config) as worker:
+        print(f"trtllm-mock {config.name} ({config.role}) HTTP {worker.url}", flush=True)
+        if worker.kv_events_endpoint:
+            print(f"trtllm-mock {config.name} KV events {worker.kv_events_endpoint}", flush=True)
+        if worker.replay_endpoint:
+            print(f"trtllm-mock {config.name} replay {worker.replay_endpoint}", flush=True)
+        await stop.wait()
+    print(f"trtllm-mock {config.name} stopped", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console-script entry point (``trtllm-mock``)."""
+    try:
+        config, log_level = config_from_args(argv)
+        config.validate()
+    except ValueError as exc:
+        print(f"trtllm-mock: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""Native TensorRT-LLM KV-cache events over ZeroMQ: PUB with sequence numbers, heartbeats, replay, faults.
+
+Wire format (what the picker must parse): three frames ``[topic, seq (8 bytes big-endian unsigned), payload]``
+where payload is msgpack ``[ts, events, data_parallel_rank]``. Two encodings exist in the wild and both are
+offered: ``compact`` (smallest msgpack ints, like msgspec) and ``int64`` (every integer as 0xd3 and ``ts`` as
+float64 0xcb, like the C++ serializer), so a picker that only handles one breaks here rather than in production.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from .config import MockConfig
+
+log = logging.getLogger(__name__)
+
+REPLAY_END_SEQ = b"\xff" * 8
+
+
+def pack_int64(obj: Any) -> bytes:
+    """msgpack with EVERY integer as int64 (0xd3) and every float as float64 (0xcb), like TRT-LLM's C++ side.
+
+    msgpack-python always picks the smallest integer encoding, so this small packer exists only to
+    reproduce the fat encoding; the result decodes to the same values with any msgpack reader.
+    """
+    out = bytearray()
+    _pack_into(obj, out)
+    return bytes(out)
+
+
+def _pack_into(obj: Any, out: bytearray) -> None:
+    if obj is None:
+        out.append(0xC0)
+    elif obj is True:
+        out.append(0xC3)
+    elif obj is False:
+        out.append(0xC2)
+    elif isinstance(obj, int):
+        if obj >= 1 << 63:  # cannot be an int64; the C++ side would have sent it as uint64
+            out += b"\xcf" + struct.pack(">Q", obj)
+        else:
+            out += b"\xd3" + struct.pack(">q", obj)
+    elif isinstance(obj, float):
+        out += b"\xcb" + struct.pack(">d", obj)
+    elif isinstance(obj, str):
+        data = obj.encode("utf-8")
+        n = len(data)
+        if n < 32:
+            out.append(0xA0 | n)
+        elif n < 1 << 8:
+            out += b"\xd9" + struct.pack(">B", n)
+        elif n < 1 << 16:
+            out += b"\xda" + struct.pack(">H", n)
+        else:
+            out += b"\xdb" + struct.pack(">I", n)
+        out += data
+    elif isinstance(obj, bytes | bytearray):
+        n = len(obj)
+        if n < 1 << 8:
+            out += b"\xc4" + struct.pack(">B", n)
+        elif n < 1 << 16:
+            out += b"\xc5" + struct.pack(">H", n)
+        else:
+            out += b"\xc6" + struct.pack(">I", n)
+        out += obj
+    elif isinstance(obj, list | tuple):
+        n = len(obj)
+        if n < 16:
+            out.append(0x90 | n)
+        elif n < 1 << 16:
+            out += b"\xdc" + struct.pack(">H", n)
+        else:
+            out += b"\xdd" + struct.pack(">I", n)
+        for item in obj:
+            _pack_into(item, out)
+    elif isinstance(obj, dict):
+        n = len(obj)
+        if n < 16:
+            out.append(0x80 | n)
+        elif n < 1 << 16:
+            out += b"\xde" + struct.pack(">H", n)
+        else:
+            out += b"\xdf" + struct.pack(">I", n)
+        for k, v in obj.items():
+            _pack_into(k, out)
+            _pack_into(v, out)
+    else:
+        raise TypeError(f"cannot msgpack {type(obj).__name__}")
+
+
+class KvEventPublisher:
+    """Binds the PUB (and optional replay ROUTER) and numbers every batch it publishes.
+
+    ``publish`` is synchronous on purpose: the engine calls it right after the cache mutation it describes,
+    so batches leave in exactly the order the cache changed. A PUB socket never blocks (it drops at the high
+    water mark, like the real one), so a plain non-blocking send is safe inside the event loop.
+    """
+
+    def __init__(self, config: MockConfig, on_restart: Callable[[], None] | None = None) -> None:
+        self.config = config
+        self._ctx = zmq.Context()
+        self._actx = zmq.asyncio.Context()
+        self._pub: zmq.Socket | None = None
+        self._router: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.replay_buffer)
+        self._drop_next = 0
+        self._last_publish = time.monotonic()
+        self._on_restart = on_restart
+        self.next_seq = 0
+        self.generation = 0
+        self.batches_published = 0
+        self.batches_dropped = 0
+        self.pub_endpoint = config.kv_events_endpoint
+        self.replay_endpoint = config.replay_endpoint
+
+    # --------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """Bind sockets, start heartbeat/replay loops, and announce a fresh start when seq starts at time_ns."""
+        await self._bind_pub()
+        if self.config.replay_endpoint:
+            self._router = self._actx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.bind(self.config.replay_endpoint)
+            self.replay_endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self._tasks.append(asyncio.create_task(self._replay_loop(), name="kv-replay"))
+        if self.config.heartbeat_interval > 0:
+            self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="kv-heartbeat"))
+        self._reset_sequence()
+
+    async def stop(self) -> None:
+        """Stop loops and close sockets with zero linger so a stopped worker frees its ports at once."""
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        if self._pub is not None:
+            self._pub.close(linger=0)
+            self._pub = None
+        if self._router is not None:
+            self._router.close(linger=0)
+            self._router = None
+        self._ctx.term()
+        self._actx.term()
+
+    async def _bind_pub(self) -> None:
+        sock = self._ctx.socket(zmq.PUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Rebinding right after close can race the old socket's teardown; retry briefly like a restart would.
+        for attempt in range(100):
+            try:
+                sock.bind(
+                    self.pub_endpoint
+                )  # the RESOLVED endpoint after the first bind, so a wildcard port sticks
+                break
+            except zmq.ZMQError:
+                if attempt == 99:
+                    sock.close(linger=0)
+                    raise
+                await asyncio.sleep(0.02)
+        self._pub = sock
+        self.pub_endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    def _reset_sequence(self) -> None:
+        """Start numbering like a freshly started process: 0, or time_ns followed by an AllBlocksCleared."""
+        self._buffer.clear()
+        if self.config.seq_start == "time_ns":
+            self.next_seq = time.time_ns()
+            self.publish([{"type": "AllBlocksCleared"}])
+        else:
+            self.next_seq = 0
+
+    async def restart(self) -> None:
+        """Fault: close and rebind the PUB and restart numbering, as a restarted worker process would.
+
+        A restarted process also has an empty cache and replay buffer, so ``on_restart`` clears the cache
+        (silently: only the time_ns variant announces it with AllBlocksCleared).
+        """
+        if self._pub is not None:
+            self._pub.close(linger=0)
+            self._pub = None
+        await self._bind_pub()
+        self.generation += 1
+        if self._on_restart is not None:
+            self._on_restart()
+        self._reset_sequence()
+
+    def drop_next_batch(self) -> None:
+        """Fault: the next batch consumes its seq but is never sent, so subscribers see a gap.
+
+        It still enters the replay buffer, like a batch lost to the PUB high-water mark: replay can heal it.
+        """
+        self._drop_next += 1
+
+    # ---------------------------------------------------------------- publish
+    def encode(self, events: list[dict[str, Any]]) -> bytes:
+        """Payload bytes ``[ts, events, rank]`` in the configured encoding."""
+        payload = [time.time(), events, self.config.dp_rank]
+        if self.config.event_encoding == "int64":
+            return pack_int64(payload)
+        return msgpack.packb(payload, use_bin_type=True)
+
+    def publish(self, events: list[dict[str, Any]]) -> int:
+        """Number, buffer and send one batch; returns its sequence number."""
+        seq = self.next_seq
+        self.next_seq += 1
+        payload = self.encode(events)
+        self._buffer.append((seq, payload))
+        self._last_publish = time.monotonic()
+        if self._drop_next:
+            self._drop_next -= 1
+            self.batches_dropped += 1
+            return seq
+        if self._pub is not None:
+            frames = [self.config.kv_events_topic.encode(), seq.to_bytes(8, "big"), payload]
+            try:
+                self._pub.send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("KV event batch %d dropped at the PUB high-water mark", seq)
+        self.batches_published += 1
+        return seq
+
+    async def _heartbeat_loop(self) -> None:
+        """Send ``[ts, [], rank]`` whenever nothing was published for a whole interval (newer TRT-LLM)."""
+        interval = self.config.heartbeat_interval
+        while True:
+            idle = time.monotonic() - self._last_publish
+            if idle >= interval:
+                self.publish([])
+                idle = 0.0
+            await asyncio.sleep(interval - idle)
+
+    async def _replay_loop(self) -> None:
+        """Answer DEALER requests ``[b"", start_seq]`` with every buffered batch >= start, then the end marker."""
+        assert self._router is not None
+        topic = self.config.kv_events_topic.encode()
+        while True:
+            frames = await self._router.recv_multipart()
+            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+                log.warning("ignoring malformed replay request with %d frames", len(frames))
+                continue
+            identity, start = frames[0], int.from_bytes(frames[2], "big")
+            for seq, payload in list(self._buffer):
+                if seq >= start:
+                    await self._router.send_multipart([identity, b"", topic, seq.to_bytes(8, "big"), payload])
+            await self._router.send_multipart([identity, b"", b"", REPLAY_END_SEQ, b""])

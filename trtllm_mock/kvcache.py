@@ -1,0 +1,290 @@
+"""Simulated paged KV cache with prefix reuse, salts, LRU eviction and TensorRT-LLM style events.
+
+The cache is a radix tree of FULL blocks keyed by an engine hash chained over (parent hash, salt, tokens).
+It is deliberately pure and synchronous: the engine calls it between awaits, so no lock is needed and every
+state change and the events describing it happen atomically.
+
+Rules copied from the real engine because a picker that ignores them must get measurably worse results:
+
+* the last prompt token is never reusable, so a prompt of exactly k full blocks reuses at most k-1;
+* a salted request only reuses blocks stored with the same salt (the salt changes the engine hash), yet the
+  published ``token_ids`` look unsalted;
+* only full blocks are stored and published; partial tails and decode blocks are private to their request;
+* blocks referenced by running requests are pinned; eviction takes the least recently used unreferenced LEAF,
+  so the tree never holds a child whose parent was evicted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+U64 = 1 << 64
+
+
+def wire_hash(h: int) -> int:
+    """Engine hash as published: SIGNED int64 when the top bit is set, so pickers must normalise to u64."""
+    return h - U64 if h >= 1 << 63 else h
+
+
+def engine_block_hash(parent: int | None, tokens: Sequence[int], salt: str | None) -> int:
+    """64-bit engine hash of one block; chaining the parent makes equal blocks at different prefixes differ."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(b"root" if parent is None else parent.to_bytes(8, "little"))
+    if salt is not None:
+        h.update(b"\x01salt:" + salt.encode("utf-8") + b"\x00")
+    h.update(b"".join((t & 0xFFFFFFFF).to_bytes(4, "little") for t in tokens))
+    return int.from_bytes(h.digest(), "little")
+
+
+@dataclass(eq=False)
+class Block:
+    """One cached full block."""
+
+    engine_hash: int
+    parent: Block | None
+    tokens: tuple[int, ...]
+    salt: str | None
+    position: int
+    ref_count: int = 0
+    children: int = 0
+    last_used: int = 0
+    cleared: bool = False
+
+
+@dataclass(eq=False)
+class Allocation:
+    """The blocks one running request holds: reused (pinned) cached blocks plus private ones."""
+
+    prompt: list[int]
+    salt: str | None
+    hashes: list[int]
+    held: list[Block] = field(default_factory=list)
+    private: int = 0
+    reused_blocks: int = 0
+    cached_tokens: int = 0
+    committed: bool = False
+
+
+class KVCache:
+    """The simulated cache; see the module docstring for the rules it enforces."""
+
+    def __init__(self, tokens_per_block: int, num_blocks: int) -> None:
+        self.tokens_per_block = tokens_per_block
+        self.num_blocks = num_blocks
+        self.blocks: dict[int, Block] = {}
+        self._lru: OrderedDict[int, Block] = OrderedDict()
+        self.private_in_use = 0
+        self.orphans = 0
+        self._clock = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def used_blocks(self) -> int:
+        """Physical blocks in use: cached, private to running requests, or orphaned by a clear."""
+        return len(self.blocks) + self.private_in_use + self.orphans
+
+    @property
+    def utilization(self) -> float:
+        """Fraction of capacity in use, as ``trtllm_kv_cache_utilization`` reports it."""
+        return self.used_blocks / self.num_blocks
+
+    def blocks_needed(self, total_tokens: int) -> int:
+        """Blocks a request of ``total_tokens`` (prompt + max output) occupies while it runs."""
+        return -(-total_tokens // self.tokens_per_block)
+
+    def chain_hashes(self, prompt: Sequence[int], salt: str | None) -> list[int]:
+        """Engine hashes of every FULL block of ``prompt``, chained from the root."""
+        tpb = self.tokens_per_block
+        out: list[int] = []
+        parent: int | None = None
+        for i in range(len(prompt) // tpb):
+            parent = engine_block_hash(parent, prompt[i * tpb : (i + 1) * tpb], salt)
+            out.append(parent)
+        return out
+
+    def match(self, prompt: Sequence[int], salt: str | None) -> list[Block]:
+        """Cached blocks a new request may reuse: the longest cached chain within ``prompt[:-1]``."""
+        reusable = max(len(prompt) - 1, 0) // self.tokens_per_block
+        found: list[Block] = []
+        for h in self.chain_hashes(prompt, salt)[:reusable]:
+            b = self.blocks.get(h)
+            if b is None:
+                break
+            found.append(b)
+        return found
+
+    # ---------------------------------------------------------------- mutations
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _pin(self, b: Block) -> None:
+        if b.ref_count == 0:
+            self._lru.pop(b.engine_hash, None)
+        b.ref_count += 1
+        b.last_used = self._tick()
+
+    def _unpin(self, b: Block) -> None:
+        b.ref_count -= 1
+        if b.cleared:
+            if b.ref_count == 0:
+                self.orphans -= 1
+            return
+        if b.ref_count == 0:
+            b.last_used = self._tick()
+            self._lru[b.engine_hash] = b
+
+    def _evict_one(self) -> Block | None:
+        for h, b in self._lru.items():
+            if b.children == 0:
+                del self._lru[h]
+                del self.blocks[h]
+                if b.parent is not None:
+                    b.parent.children -= 1
+                return b
+        return None
+
+    def admit(
+        self, prompt: list[int], salt: str | None, total_tokens: int
+    ) -> tuple[Allocation, list[dict[str, Any]]] | None:
+        """Reserve blocks for a request, evicting LRU blocks if needed; None if it must wait for capacity.
+
+        Returns the allocation and the events to publish (a ``BlockRemoved`` if anything was evicted).
+        """
+        reused = self.match(prompt, salt)
+        need_new = self.blocks_needed(total_tokens) - len(reused)
+        for b in reused:
+            self._pin(b)
+        free = self.num_blocks - self.used_blocks
+        evictable = len(self._lru)
+        if need_new > free + evictable:
+            for b in reused:
+                self._unpin(b)
+            return None
+        removed: list[int] = []
+        while self.num_blocks - self.used_blocks < need_new:
+            victim = self._evict_one()
+            if victim is None:  # cannot happen: evictable counted leaves-eventually
+                break
+            removed.append(victim.engine_hash)
+        self.private_in_use += need_new
+        alloc = Allocation(
+            prompt=prompt,
+            salt=salt,
+            hashes=self.chain_hashes(prompt, salt),
+            held=list(reused),
+            private=need_new,
+            reused_blocks=len(reused),
+            cached_tokens=len(reused) * self.tokens_per_block,
+        )
+        events: list[dict[str, Any]] = []
+        if removed:
+            events.append(
+                {"type": "BlockRemoved", "block_hashes": [wire_hash(h) for h in removed], "medium": "GPU"}
+            )
+        return alloc, events
+
+    def commit_prefill(self, alloc: Allocation) -> list[dict[str, Any]]:
+        """Store the request's full prompt blocks once prefill completes; return coalesced BlockStored events.
+
+        A block another request stored meanwhile is shared instead of duplicated (its private copy is freed)
+        and breaks the run, so every event's parent is the engine hash of the block right before it.
+        """
+        alloc.committed = True
+        if any(b.cleared for b in alloc.held):
+            return []  # the chain it builds on was wiped by a clear; nothing it stores could be found again
+        tpb = self.tokens_per_block
+        events: list[dict[str, Any]] = []
+        run: list[Block] = []
+
+        def flush() -> None:
+            if not run:
+                return
+            parent = run[0].parent
+            events.append(
+                {
+                    "type": "BlockStored",
+                    "block_hashes": [wire_hash(b.engine_hash) for b in run],
+                    "parent_block_hash": None if parent is None else wire_hash(parent.engine_hash),
+                    "token_ids": [t for b in run for t in b.tokens],
+                    "block_size": tpb,
+                    "lora_id": None,
+                    "medium": "GPU",
+                    "lora_name": None,
+                }
+            )
+            run.clear()
+
+        for i in range(alloc.reused_blocks, len(alloc.hashes)):
+            h = alloc.hashes[i]
+            existing = self.blocks.get(h)
+            alloc.private -= 1
+            self.private_in_use -= 1
+            if existing is not None:
+                flush()
+                self._pin(existing)
+                alloc.held.append(existing)
+                continue
+            parent = alloc.held[-1] if alloc.held else None
+            b = Block(
+                engine_hash=h,
+                parent=parent,
+                tokens=tuple(alloc.prompt[i * tpb : (i + 1) * tpb]),
+                salt=alloc.salt,
+                position=i,
+                ref_count=1,
+                last_used=self._tick(),
+            )
+            if parent is not None:
+                parent.children += 1
+            self.blocks[h] = b
+            alloc.held.append(b)
+            run.append(b)
+        flush()
+        return events
+
+    def release(self, alloc: Allocation) -> None:
+        """Return a finished (or cancelled) request's blocks: private ones are freed, cached ones unpinned."""
+        for b in alloc.held:
+            self._unpin(b)
+        alloc.held = []
+        self.private_in_use -= alloc.private
+        alloc.private = 0
+
+    def clear(self) -> None:
+        """Forget every cached block (AllBlocksCleared); blocks still used by running requests become orphans."""
+        for b in self.blocks.values():
+            if b.ref_count > 0:
+                b.cleared = True
+                self.orphans += 1
+        self.blocks.clear()
+        self._lru.clear()
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON view for ``GET /mock/cache``: lets tests compare an index with what the engine really holds."""
+        blocks = sorted(self.blocks.values(), key=lambda b: (b.position, b.last_used))
+        return {
+            "tokens_per_block": self.tokens_per_block,
+            "num_blocks": self.num_blocks,
+            "used_blocks": self.used_blocks,
+            "cached_blocks": len(self.blocks),
+            "private_blocks": self.private_in_use,
+            "blocks": [
+                {
+                    "position": b.position,
+                    "engine_hash": b.engine_hash,
+                    "published_hash": wire_hash(b.engine_hash),
+                    "parent": None if b.parent is None else b.parent.engine_hash,
+                    "token_count": len(b.tokens),
+                    "token_ids": list(b.tokens),
+                    "salt": b.salt,
+                    "ref_count": b.ref_count,
+                    "last_used": b.last_used,
+                }
+                for b in blocks
+            ],
+        }

@@ -1,0 +1,523 @@
+"""HTTP side of the mock: the trtllm-serve routes, the render routes, and mock-only admin routes.
+
+Run it in-process with :class:`MockWorker` (``async with MockWorker(cfg) as w``) or via the ``trtllm-mock``
+CLI, which is only a thin argument parser over :class:`~trtllm_mock.config.MockConfig`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .config import MockConfig
+from .engine import Engine, Prefilled
+from .events import KvEventPublisher
+from .kvcache import KVCache
+from .schema import (
+    MULTIMODAL_RENDER_ERROR,
+    RENDER_STRIPPED_FIELDS,
+    RequestRejected,
+    RequestValidationError,
+    completion_prompts,
+    multimodal_part_type,
+    validate_chat,
+    validate_completion,
+)
+from .tokenizer import detokenize, fingerprint, prompt_ids_for_chat, prompt_ids_for_completion
+
+WORKER_HEADER = "x-trtllm-mock-worker"
+KV_CACHE_HASH_ALGO = "v1_block_key"
+RENDER_SCHEMA_VERSION = 1
+
+
+class BadRequest(Exception):
+    """Any 400: carries the message; the route decides which of the two error shapes it is wrapped in."""
+
+
+def object_error(message: str, status: int = 400) -> web.Response:
+    """The ``ErrorResponse`` shape: render routes always, inference routes with ``--error-shape legacy``."""
+    err_type = (
+        "BadRequestError" if status == 400 else "NotFoundError" if status == 404 else "InternalServerError"
+    )
+    body = {"object": "error", "message": message, "type": err_type, "param": None, "code": status}
+    return web.json_response(body, status=status)
+
+
+class _EngineCollector(Collector):
+    """Reads gauges at scrape time, so /metrics is never stale and nothing has to update gauges eagerly."""
+
+    def __init__(self, worker: MockWorker) -> None:
+        self.worker = worker
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        e = self.worker.engine
+        cfg = self.worker.config
+        yield GaugeMetricFamily(
+            "trtllm_num_requests_waiting", "Requests waiting for admission", len(e.waiting)
+        )
+        yield GaugeMetricFamily("trtllm_num_requests_running", "Requests running", e.running)
+        yield GaugeMetricFamily(
+            "trtllm_kv_cache_utilization", "Fraction of KV blocks in use", e.cache.utilization
+        )
+        yield GaugeMetricFamily(
+            "trtllm_kv_cache_tokens_per_block", "Tokens per KV block", cfg.tokens_per_block
+        )
+        yield GaugeMetricFamily("trtllm_kv_cache_max_blocks", "KV block capacity", cfg.num_blocks)
+
+
+class MockWorker:
+    """One mock trtllm-serve (or standalone renderer) process, runnable inside a test's event loop."""
+
+    def __init__(self, config: MockConfig) -> None:
+        config.validate()
+        self.config = config
+        self.cache = KVCache(config.tokens_per_block, config.num_blocks)
+        self.publisher: KvEventPublisher | None = None
+        if config.role == "worker" and config.kv_events:
+            self.publisher = KvEventPublisher(config, on_restart=self.cache.clear)
+        self.engine = Engine(config, self.cache, self.publisher)
+        self.fingerprint = fingerprint(config.model)
+        self.registry = CollectorRegistry()
+        self.render_counter = Counter(
+            "trtllm_mock_render_requests", "Render requests received", ["route"], registry=self.registry
+        )
+        self.inference_counter = Counter(
+            "trtllm_mock_inference_requests", "Inference requests received", ["route"], registry=self.registry
+        )
+        self.registry.register(_EngineCollector(self))
+        self.render_count = 0
+        self.inference_count = 0
+        self.app = self._build_app()
+        self._runner: web.AppRunner | None = None
+        self.port: int = config.port
+
+    # --------------------------------------------------------------- lifecycle
+    @property
+    def url(self) -> str:
+        """Base HTTP URL (with the real port when the config asked for port 0)."""
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "") else self.config.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        """The endpoint the PUB is bound to (resolved, e.g. ``tcp://127.0.0.1:5557``); None without events."""
+        return self.publisher.pub_endpoint if self.publisher else None
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        """The replay ROUTER endpoint, if one was configured."""
+        return self.publisher.replay_endpoint if self.publisher and self.config.replay_endpoint else None
+
+    async def start(self) -> None:
+        """Bind the KV-event sockets first (a worker publishes from its first request), then serve HTTP."""
+        if self.publisher is not None:
+            await self.publisher.start()
+        self._runner = web.AppRunner(self.app, handle_signals=False, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        """Stop serving and close sockets; safe to call twice."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.publisher is not None:
+            await self.publisher.stop()
+            self.publisher = None
+
+    async def __aenter__(self) -> MockWorker:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ------------------------------------------------------------------- app
+    def _build_app(self) -> web.Application:
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app.on_response_prepare.append(self._tag_response)
+        r = app.router
+        cfg = self.config
+        r.add_get("/health", self.health)
+        r.add_get("/server_info", self.server_info)
+        if cfg.role == "renderer" or cfg.enable_render_endpoints:
+            r.add_post("/v1/chat/completions/render", self.render_chat)
+            r.add_post("/v1/completions/render", self.render_completions)
+        if cfg.role == "worker":
+            r.add_post("/v1/chat/completions", self.chat_completions)
+            r.add_post("/v1/completions", self.completions)
+            r.add_get("/v1/models", self.models)
+            r.add_get("/metrics", self.metrics)
+            r.add_get("/mock/cache", self.mock_cache)
+            r.add_get("/mock/stats", self.mock_stats)
+            r.add_post("/mock/cache/clear", self.mock_cache_clear)
+            r.add_post("/mock/faults/drop-next-batch", self.mock_drop_next_batch)
+            r.add_post("/mock/faults/restart-publisher", self.mock_restart_publisher)
+        return app
+
+    async def _tag_response(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Stamp every response (404s and errors too), so tests can always tell which worker answered."""
+        response.headers[WORKER_HEADER] = self.config.name
+
+    # --------------------------------------------------------------- helpers
+    @staticmethod
+    async def _json_object(request: web.Request, model: str) -> dict[str, Any]:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"JSON decode error: {exc}") from None
+        if not isinstance(body, dict):
+            raise BadRequest(
+                f"1 validation error for {model}\n  Input should be a valid dictionary or object to extract fields "
+                f"from [type=model_attributes_type, input_value={str(body)[:50]}, input_type={type(body).__name__}]"
+            )
+        return body
+
+    def _inference_error(self, message: str) -> web.Response:
+        if self.config.error_shape == "legacy":
+            return object_error(message)
+        return web.json_response({"error": message}, status=400)
+
+    def _usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        }
+
+    # ---------------------------------------------------------- plain routes
+    async def health(self, request: web.Request) -> web.Response:
+        """Renderer answers ``{"status":"ok"}``; a worker answers 200 with an empty body like trtllm-serve."""
+        if self.config.role == "renderer":
+            return web.json_response({"status": "ok"})
+        return web.Response(status=200)
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        """What a picker reads at discovery: fingerprint to compare, and the LIVE tokens_per_block."""
+        cfg = self.config
+        if cfg.role == "renderer":
+            info: dict[str, Any] = {
+                "role": "renderer",
+                "model": cfg.model,
+                "schema_version": RENDER_SCHEMA_VERSION,
+                "render_fingerprint": self.fingerprint,
+            }
+        else:
+            info = {
+                "model": cfg.model,
+                "render_fingerprint": self.fingerprint,
+                "max_batch_size": cfg.max_batch_size,
+                "kv_cache_hash_algo": KV_CACHE_HASH_ALGO,
+                "tokens_per_block": cfg.tokens_per_block,
+                "disaggregated_params": None,
+            }
+        return web.json_response(info)
+
+    async def models(self, request: web.Request) -> web.Response:
+        """OpenAI model list with the one served model."""
+        card = {
+            "id": self.config.model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "tensorrt_llm",
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text from this worker's own registry (several workers may share one test process)."""
+        return web.Response(body=generate_latest(self.registry), content_type="text/plain", charset="utf-8")
+
+    # -------------------------------------------------------------- render
+    def _render_object(self, kind: str, token_ids: list[int], request_body: dict[str, Any]) -> dict[str, Any]:
+        trusted, reason = True, None
+        if isinstance(request_body.get("tool_choice"), dict):
+            trusted, reason = False, "named_tool_choice"
+        kwargs = request_body.get("chat_template_kwargs")
+        thinking = kwargs.get("enable_thinking") if isinstance(kwargs, dict) else None
+        return {
+            "schema_version": RENDER_SCHEMA_VERSION,
+            "kind": kind,
+            "fingerprint": self.fingerprint,
+            "token_ids": token_ids,
+            "tokens_trusted": trusted,
+            "untrusted_reason": reason,
+            "context": {
+                "prompt_tokens_excluded_from_usage": 0,
+                "resolved_thinking": thinking if isinstance(thinking, bool) else None,
+            },
+            "request": request_body,
+        }
+
+    async def render_chat(self, request: web.Request) -> web.Response:
+        """POST /v1/chat/completions/render: ONE object with the token ids inference would cache."""
+        self.render_counter.labels(route="chat").inc()
+        self.render_count += 1
+        try:
+            body = await self._json_object(request, "ChatCompletionRequest")
+            for f in RENDER_STRIPPED_FIELDS:
+                body.pop(f, None)
+            validate_chat(body)
+            if multimodal_part_type(body) is not None:
+                raise BadRequest(MULTIMODAL_RENDER_ERROR)
+        except (BadRequest, RequestValidationError, RequestRejected) as exc:
+            return object_error(str(exc))
+        return web.json_response(self._render_object("chat", prompt_ids_for_chat(body), body))
+
+    async def render_completions(self, request: web.Request) -> web.Response:
+        """POST /v1/completions/render: a JSON ARRAY with one object per prompt."""
+        self.render_counter.labels(route="completions").inc()
+        self.render_count += 1
+        try:
+            body = await self._json_object(request, "CompletionRequest")
+            for f in RENDER_STRIPPED_FIELDS:
+                body.pop(f, None)
+            validate_completion(body)
+            prompts = completion_prompts(body["prompt"])
+            if any(len(p) == 0 for p in prompts):
+                raise BadRequest("Unsupported prompt type: an empty prompt cannot be rendered.")
+        except (BadRequest, RequestValidationError, RequestRejected) as exc:
+            return object_error(str(exc))
+        out = [self._render_object("completion", prompt_ids_for_completion(p), body) for p in prompts]
+        return web.json_response(out)
+
+    # ----------------------------------------------------------- inference
+    def _admission_checks(self, body: dict[str, Any], prompt: list[int]) -> int:
+        """Shared refusals after schema validation; returns the effective max_tokens."""
+        if body.get("n", 1) != 1:
+            raise BadRequest("trtllm_mock only supports n=1")
+        if not prompt:
+            raise BadRequest("The prompt must not be empty.")
+        max_tokens = (
+            body.get("max_tokens") or body.get("max_completion_tokens") or self.config.default_max_tokens
+        )
+        if len(prompt) + max_tokens > self.config.max_seq_len:
+            raise BadRequest(
+                f"The sum of prompt length ({len(prompt)}) and max_tokens ({max_tokens}) exceeds "
+                f"max_seq_len ({self.config.max_seq_len})."
+            )
+        if not self.engine.fits_at_all(len(prompt) + max_tokens):
+            raise BadRequest(
+                f"Request needs {self.cache.blocks_needed(len(prompt) + max_tokens)} KV blocks but the cache "
+                f"only has {self.cache.num_blocks}."
+            )
+        return max_tokens
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions with the strict ChatCompletionRequest schema."""
+        self.inference_counter.labels(route="chat").inc()
+        self.inference_count += 1
+        try:
+            body = validate_chat(await self._json_object(request, "ChatCompletionRequest"))
+            part = multimodal_part_type(body)
+            if part is not None:
+                raise BadRequest(
+                    f"Content part type {part!r} is not supported: the mock serves a text-only model."
+                )
+            prompt = prompt_ids_for_chat(body)
+            max_tokens = self._admission_checks(body, prompt)
+        except (BadRequest, RequestValidationError, RequestRejected) as exc:
+            return self._inference_error(str(exc))
+        return await self._serve(request, "chat", body, prompt, body.get("cache_salt"), max_tokens)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/completions: one prompt (text or ids); this schema has no cache_salt at all."""
+        self.inference_counter.labels(route="completions").inc()
+        self.inference_count += 1
+        try:
+            body = validate_completion(await self._json_object(request, "CompletionRequest"))
+            prompts = completion_prompts(body["prompt"])
+            if len(prompts) != 1:
+                raise BadRequest("trtllm_mock serves one prompt per /v1/completions request")
+            prompt = prompt_ids_for_completion(prompts[0])
+            max_tokens = self._admission_checks(body, prompt)
+        except (BadRequest, RequestValidationError, RequestRejected) as exc:
+            return self._inference_error(str(exc))
+        return await self._serve(request, "completion", body, prompt, None, max_tokens)
+
+    async def _serve(
+        self,
+        request: web.Request,
+        kind: str,
+        body: dict[str, Any],
+        prompt: list[int],
+        salt: str | None,
+        max_tokens: int,
+    ) -> web.StreamResponse:
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        model = self.config.model
+        if body.get("stream"):
+            return await self._stream(request, kind, rid, created, body, prompt, salt, max_tokens)
+        tokens: list[int] = []
+        cached = 0
+        async with contextlib.aclosing(self.engine.generate(prompt, salt, max_tokens)) as gen:
+            async for item in gen:
+                if isinstance(item, Prefilled):
+                    cached = item.cached_tokens
+                else:
+                    tokens.append(item)
+        text = detokenize(tokens)
+        usage = self._usage(len(prompt), len(tokens), cached)
+        if kind == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": text,
+                    "reasoning_content": None,
+                    "tool_calls": [],
+                },
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+            }
+            obj = "text_completion"
+        resp = {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": usage,
+        }
+        return web.json_response(resp)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        kind: str,
+        rid: str,
+        created: int,
+        body: dict[str, Any],
+        prompt: list[int],
+        salt: str | None,
+        max_tokens: int,
+    ) -> web.StreamResponse:
+        """SSE: chunks leave as decode proceeds (the chat role chunk right after prefill), usage last, [DONE]."""
+        opts = body.get("stream_options") or {}
+        include_usage = (
+            body.get("stream_options") is not None and opts.get("include_usage", True) is not False
+        )
+        continuous = bool(opts.get("continuous_usage_stats"))
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        cached = 0
+        produced = 0
+
+        async def send(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> None:
+            chunk: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": self.config.model}
+            chunk["choices"] = choices
+            if usage is not None:
+                chunk["usage"] = usage
+            elif continuous:
+                chunk["usage"] = self._usage(len(prompt), produced, cached)
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+        try:
+            async with contextlib.aclosing(self.engine.generate(prompt, salt, max_tokens)) as gen:
+                async for item in gen:
+                    if isinstance(item, Prefilled):
+                        cached = item.cached_tokens
+                        if kind == "chat":
+                            delta = {"role": "assistant", "content": ""}
+                            await send(
+                                [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]
+                            )
+                        continue
+                    produced += 1
+                    finish = "length" if produced == max_tokens else None
+                    piece = detokenize([item])
+                    if kind == "chat":
+                        choice = {
+                            "index": 0,
+                            "delta": {"content": piece},
+                            "logprobs": None,
+                            "finish_reason": finish,
+                        }
+                    else:
+                        choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
+                    await send([choice])
+            if include_usage:
+                await send([], self._usage(len(prompt), produced, cached))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionResetError, ConnectionError):
+            pass  # client went away; aclosing already released the request's blocks and batch slot
+        return resp
+
+    # ------------------------------------------------------------- admin
+    async def mock_cache(self, request: web.Request) -> web.Response:
+        """GET /mock/cache: the simulated cache, to compare a picker's index with the engine's truth."""
+        return web.json_response(self.cache.snapshot())
+
+    async def mock_stats(self, request: web.Request) -> web.Response:
+        """GET /mock/stats: counters tests assert on (served, cached tokens, renders, publisher state)."""
+        s = self.engine.stats
+        pub = self.publisher
+        return web.json_response(
+            {
+                "name": self.config.name,
+                "requests_served": s.requests_served,
+                "requests_started": s.requests_started,
+                "inference_requests": self.inference_count,
+                "render_requests": self.render_count,
+                "prompt_tokens_total": s.prompt_tokens_total,
+                "cached_tokens_total": s.cached_tokens_total,
+                "completion_tokens_total": s.completion_tokens_total,
+                "running": self.engine.running,
+                "waiting": len(self.engine.waiting),
+                "kv_events": None
+                if pub is None
+                else {
+                    "endpoint": pub.pub_endpoint,
+                    "replay_endpoint": self.replay_endpoint,
+                    "next_seq": pub.next_seq,
+                    "batches_published": pub.batches_published,
+                    "batches_dropped": pub.batches_dropped,
+                    "publisher_generation": pub.generation,
+                },
+            }
+        )
+
+    async def mock_cache_clear(self, request: web.Request) -> web.Response:
+        """POST /mock/cache/clear: evict everything and publish AllBlocksCleared."""
+        self.cache.clear()
+        seq = self.publisher.publish([{"type": "AllBlocksCleared"}]) if self.publisher else None
+        return web.json_response({"cleared": True, "seq": seq})
+
+    async def mock_drop_next_batch(self, request: web.Request) -> web.Response:
+        """POST /mock/faults/drop-next-batch: the next batch consumes its seq but is not sent (a gap)."""
+        if self.publisher is None:
+            return object_error("KV events are disabled on this worker", 409)
+        self.publisher.drop_next_batch()
+        return web.json_response({"armed": True, "next_seq": self.publisher.next_seq})
+
+    async def mock_restart_publisher(self, request: web.Request) -> web.Response:
+        """POST /mock/faults/restart-publisher: rebind the PUB and restart numbering like a new process."""
+        if self.publisher is None:
+            return object_error("KV events are disabled on this worker", 409)
+        await self.publisher.restart()
+        return web.json_response({"restarted": True, "next_seq": self.publisher.next_seq})
