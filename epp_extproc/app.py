@@ -1,0 +1,116 @@
+"""Wiring: one picker instance = discovery + load + pipeline + the three listeners.
+
+`PickerApp` is what the CLI runs and what tests start in-process; nothing here decides anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+from aiohttp import web
+
+from .admin import build_admin_app
+from .config import Config
+from .discovery_static import FileDiscovery, parse_flag
+from .endpoints import Endpoint, EndpointRegistry
+from .extproc import ExtProcServicer, pb_grpc
+from .health import Health
+from .load import LoadTracker
+from .metrics import PickerMetrics
+from .pipeline import Pipeline
+
+log = logging.getLogger(__name__)
+
+
+class PickerApp:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.metrics = PickerMetrics()
+        self.registry = EndpointRegistry()
+        self.load = LoadTracker(self.metrics.endpoint_inflight)
+        self.pipeline = Pipeline(config, self.registry, self.load, self.metrics)
+        self.health = Health()
+        self.servicer = ExtProcServicer(self.pipeline, allowed_modes=config.body_modes())
+        self._grpc: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self._admin: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.grpc_port = config.grpc_port
+        self.health_port = config.health_port
+        self.metrics_port = config.metrics_port
+        self.registry.subscribe(self._on_endpoints)
+
+    def _on_endpoints(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
+        for ep in removed:
+            if self.registry.get(ep.address) is None:
+                self.load.forget(ep.address)
+        self.metrics.endpoints.set(len(self.registry))
+        self._spawn(self.health.set_ready(self.registry.synced and len(self.registry) > 0))
+
+    def _spawn(self, coro) -> None:  # noqa: ANN001
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    async def start(self) -> None:
+        cfg = self.config
+        await self.health.start()
+        msg_limit = cfg.max_body_bytes + 1024 * 1024
+        opts = [("grpc.max_receive_message_length", msg_limit), ("grpc.max_send_message_length", msg_limit),
+                ("grpc.so_reuseport", 0)]
+        self._grpc = grpc.aio.server(options=opts)
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
+        self.grpc_port = self._grpc.add_insecure_port(f"{cfg.bind}:{cfg.grpc_port}")
+        self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.health.add_to(self._health_server)
+        self.health_port = self._health_server.add_insecure_port(f"{cfg.bind}:{cfg.health_port}")
+        admin = build_admin_app(self.registry, self.load, self.metrics)
+        self._admin = web.AppRunner(admin, access_log=None)
+        await self._admin.setup()
+        site = web.TCPSite(self._admin, cfg.bind, cfg.metrics_port)
+        await site.start()
+        self.metrics_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        await self._start_discovery()
+        await self._grpc.start()
+        await self._health_server.start()
+        log.info("picker listening: ext_proc %s:%d, health %s:%d, metrics http://%s:%d/metrics",
+                 cfg.bind, self.grpc_port, cfg.bind, self.health_port, cfg.bind, self.metrics_port)
+
+    async def _start_discovery(self) -> None:
+        cfg = self.config
+        replay = cfg.kv_event_replay_port
+        if cfg.endpoints:
+            self.registry.replace(parse_flag(cfg.endpoints, kv_event_port=cfg.kv_event_port, replay_port=replay))
+        elif cfg.endpoints_file:
+            fd = FileDiscovery(self.registry, cfg.endpoints_file, kv_event_port=cfg.kv_event_port,
+                               replay_port=replay)
+            fd.load_once()
+            self._tasks.append(asyncio.create_task(fd.run()))
+        elif cfg.inference_pool_name:
+            from .discovery_k8s import InferencePoolDiscovery
+
+            d = InferencePoolDiscovery(self.registry, cfg.inference_pool_name, cfg.namespace,
+                                       kv_event_port=cfg.kv_event_port, replay_port=replay,
+                                       kubeconfig=cfg.kubeconfig)
+            self._tasks.append(asyncio.create_task(d.run()))
+        else:
+            log.warning("no endpoint source configured (--endpoints, --endpoints-file or "
+                        "--inference-pool-name): every request will get 503")
+            self.registry.replace([])
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.health.shutdown()
+        for t in list(self._tasks):
+            t.cancel()
+        for t in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self._grpc is not None:
+            await self._grpc.stop(grace)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
+        if self._admin is not None:
+            await self._admin.cleanup()

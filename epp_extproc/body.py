@@ -1,0 +1,139 @@
+"""Reading and rewriting request bodies without re-serialising them.
+
+The picker must forward exactly what the client sent, minus the members it consumed (`nvext`), plus the
+members it injects (`cache_salt`). Re-encoding the whole body would change number formatting, escapes and
+key order, which breaks byte-exact clients and costs time on multi-megabyte prompts. So one pass over the
+top level records each member's byte span, and a rewrite splices spans.
+
+Only the top level is walked; each value is parsed by the C JSON scanner (`raw_decode`), so nested data is
+never touched by Python code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from json.decoder import scanstring  # type: ignore[attr-defined]
+from typing import Any
+
+_decoder = json.JSONDecoder()
+_WS = " \t\n\r"
+
+
+class BodyError(ValueError):
+    """The body is not something the picker can route: answered with HTTP 400."""
+
+
+@dataclass(slots=True)
+class Member:
+    key: str
+    start: int  # index of the opening quote of the key
+    end: int  # index just past the value
+
+
+@dataclass(slots=True)
+class ParsedBody:
+    """A JSON object body with the span of every top-level member (in `text` character indices)."""
+
+    text: str
+    members: list[Member]
+    values: dict[str, Any] = field(default_factory=dict)  # last occurrence wins, as in json.loads
+
+    def has(self, key: str) -> bool:
+        return key in self.values
+
+
+def _skip_ws(s: str, i: int) -> int:
+    n = len(s)
+    while i < n and s[i] in _WS:
+        i += 1
+    return i
+
+
+def parse_object(raw: bytes) -> ParsedBody:
+    """Parse a body that must be one JSON object; raise BodyError with a short reason otherwise."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BodyError(f"request body is not valid UTF-8 (byte {e.start})") from None
+    if text.startswith("\ufeff"):
+        raise BodyError("request body starts with a byte-order mark")
+    i = _skip_ws(text, 0)
+    if i >= len(text) or text[i] != "{":
+        raise BodyError("request body must be a JSON object")
+    members: list[Member] = []
+    values: dict[str, Any] = {}
+    i = _skip_ws(text, i + 1)
+    try:
+        if i < len(text) and text[i] == "}":
+            i += 1
+        else:
+            while True:
+                if i >= len(text) or text[i] != '"':
+                    raise BodyError(f"malformed JSON: expected a member name at character {i}")
+                key, j = scanstring(text, i + 1, True)
+                j = _skip_ws(text, j)
+                if j >= len(text) or text[j] != ":":
+                    raise BodyError(f"malformed JSON: expected ':' at character {j}")
+                j = _skip_ws(text, j + 1)
+                value, end = _decoder.raw_decode(text, j)
+                members.append(Member(key, i, end))
+                values[key] = value
+                i = _skip_ws(text, end)
+                if i < len(text) and text[i] == ",":
+                    i = _skip_ws(text, i + 1)
+                    continue
+                if i < len(text) and text[i] == "}":
+                    i += 1
+                    break
+                raise BodyError(f"malformed JSON: expected ',' or '}}' at character {i}")
+    except json.JSONDecodeError as e:
+        raise BodyError(f"malformed JSON: {e.msg} at character {e.pos}") from None
+    except RecursionError:
+        raise BodyError("malformed JSON: nesting too deep") from None
+    if _skip_ws(text, i) != len(text):
+        raise BodyError("malformed JSON: trailing data after the object")
+    return ParsedBody(text, members, values)
+
+
+def rewrite(body: ParsedBody, raw: bytes, *, drop: frozenset[str] = frozenset(),
+            set_members: dict[str, Any] | None = None) -> bytes:
+    """Return the forwarded body: `drop` members removed, `set_members` replaced in place or appended.
+
+    Every untouched member keeps its exact bytes, its position and the separator that followed it; with
+    nothing to change the original bytes object itself is returned.
+    """
+    set_members = set_members or {}
+    members = body.members
+    if not set_members and not any(m.key in drop for m in members):
+        return raw
+    text = body.text
+    pending = dict(set_members)
+    kept: list[tuple[int, str]] = []  # (original index, member text)
+    for i, m in enumerate(members):
+        if m.key in drop:
+            continue
+        if m.key in set_members:
+            if m.key not in pending:  # a later duplicate of a replaced key goes
+                continue
+            kept.append((i, _member(m.key, pending.pop(m.key))))
+        else:
+            kept.append((i, text[m.start:m.end]))
+    if members:
+        prefix, suffix = text[:members[0].start], text[members[-1].end:]
+    else:
+        close = text.rindex("}")
+        prefix, suffix = text[:close], text[close:]
+    out = [prefix]
+    for j, (i, member) in enumerate(kept):
+        out.append(member)
+        if j < len(kept) - 1:
+            out.append(text[members[i].end:members[i + 1].start])  # the original ", " after this member
+    for key, value in pending.items():
+        out.append(("," if len(out) > 1 else "") + _member(key, value))
+    out.append(suffix)
+    return "".join(out).encode("utf-8")
+
+
+def _member(key: str, value: Any) -> str:
+    return json.dumps(key, ensure_ascii=False) + ":" + json.dumps(value, ensure_ascii=False)

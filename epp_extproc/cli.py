@@ -1,0 +1,36 @@
+"""`epp-extproc`: run the picker until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from .app import PickerApp
+from .config import load_config
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = load_config(argv)
+    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(_serve(cfg))
+
+
+async def _serve(cfg) -> int:  # noqa: ANN001
+    app = PickerApp(cfg)
+    await app.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logging.getLogger("epp_extproc").info("shutting down")
+    await app.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

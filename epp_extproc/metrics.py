@@ -1,0 +1,50 @@
+"""Prometheus metrics of one picker instance.
+
+Each picker gets its own CollectorRegistry so several pickers (tests, two replicas in one process) never
+share counters.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+DECISION_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25,
+                    0.5, 1.0, 2.5, 5.0)
+TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class PickerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("epp_requests", "Requests seen by the picker, by outcome", ["outcome"],
+                                registry=r)
+        self.decision_seconds = Histogram(
+            "epp_decision_seconds", "Time from the end of the request body to the routing decision "
+            "(includes the render call when there is one)", buckets=DECISION_BUCKETS, registry=r)
+        self.score_seconds = Histogram(
+            "epp_score_seconds", "Time spent scoring and picking (index lookup + cost), without render",
+            buckets=DECISION_BUCKETS, registry=r)
+        self.endpoint_inflight = Gauge("epp_endpoint_inflight_requests",
+                                       "Requests booked on each endpoint", ["endpoint"], registry=r)
+        self.picker_inflight = Gauge("epp_inflight_requests", "Requests currently inside the picker "
+                                     "(from request headers to the end of the response)", registry=r)
+        self.endpoints = Gauge("epp_endpoints", "Endpoints currently known", registry=r)
+        self.picks = Counter("epp_picks", "Routing decisions per endpoint", ["endpoint"], registry=r)
+        self.render_requests = Counter("epp_render_requests", "Render (tokenize) calls",
+                                       ["protocol", "outcome"], registry=r)
+        self.render_seconds = Histogram("epp_render_seconds", "Duration of render calls",
+                                        buckets=DECISION_BUCKETS, registry=r)
+        self.cached_tokens = Histogram("dynamo_epp_cached_tokens", "Prompt tokens the worker reported as "
+                                       "reused from its KV cache (usage.prompt_tokens_details.cached_tokens)",
+                                       ["model"], buckets=TOKEN_BUCKETS, registry=r)
+        self.predicted_cached_tokens = Histogram(
+            "epp_predicted_cached_tokens", "Prompt tokens the picker expected the chosen worker to reuse",
+            ["model"], buckets=TOKEN_BUCKETS, registry=r)
+        self.cache_prediction_error = Histogram(
+            "epp_cached_tokens_prediction_error", "observed minus predicted cached tokens per request",
+            buckets=(-65536, -8192, -1024, -128, -32, -1, 0, 1, 32, 128, 1024, 8192, 65536), registry=r)
+        self.prompt_tokens = Counter("epp_prompt_tokens", "Prompt tokens reported by workers", ["model"],
+                                     registry=r)
+        self.usage_observed = Counter("epp_usage_observed", "Responses whose usage the picker could read",
+                                      ["kind"], registry=r)

@@ -1,0 +1,172 @@
+"""The ext_proc conversation itself, driven by a raw gRPC client: what Envoy would see message by message."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from epp_extproc.app import PickerApp
+from epp_extproc.config import Config
+
+Mode = processing_mode_pb2.ProcessingMode
+
+
+def headers_msg(path: str = "/v1/chat/completions", method: str = "POST", eos: bool = False,
+                extra: dict[str, str] | None = None, mode: str | None = None) -> pb.ProcessingRequest:
+    hs = [(":method", method), (":path", path), ("content-type", "application/json")]
+    hs += list((extra or {}).items())
+    req = pb.ProcessingRequest(request_headers=pb.HttpHeaders(
+        headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in hs]),
+        end_of_stream=eos))
+    if mode:
+        req.protocol_config.request_body_mode = Mode.BodySendMode.Value(mode)
+        req.protocol_config.response_body_mode = Mode.BodySendMode.Value("FULL_DUPLEX_STREAMED")
+    return req
+
+
+def body_msg(data: bytes, eos: bool) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=eos))
+
+
+@pytest.fixture
+async def picker():
+    cfg = Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1",
+                 endpoints="a=127.0.0.1:9,b=127.0.0.1:10", max_inflight_requests=1,
+                 allowed_body_modes="FULL_DUPLEX_STREAMED")
+    app = PickerApp(cfg)
+    await app.start()
+    ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}")
+    yield app, pb_grpc.ExternalProcessorStub(ch)
+    await ch.close()
+    await app.stop()
+
+
+def dest_of(resp: pb.ProcessingResponse) -> str:
+    common = resp.request_headers.response
+    vals = [h.header.raw_value.decode() for h in common.header_mutation.set_headers
+            if h.header.key == "x-gateway-destination-endpoint"]
+    assert len(vals) == 1
+    return vals[0]
+
+
+async def test_decision_is_one_headers_response_then_the_body_in_chunks(picker) -> None:
+    _, stub = picker
+    call = stub.Process()
+    body = b'{"model":"m","pad":"' + b"x" * 150_000 + b'"}'
+    await call.write(headers_msg(mode="FULL_DUPLEX_STREAMED"))
+    await call.write(body_msg(body[:100_000], False))
+    await call.write(body_msg(body[100_000:], True))
+    first = await call.read()
+    assert first.WhichOneof("response") == "request_headers"
+    dest = dest_of(first)
+    assert dest in ("127.0.0.1:9", "127.0.0.1:10")
+    assert first.request_headers.response.clear_route_cache
+    assert first.dynamic_metadata.fields["envoy.lb"].struct_value.fields[
+        "x-gateway-destination-endpoint"].string_value == dest
+    header = [h for h in first.request_headers.response.header_mutation.set_headers][0].header
+    assert header.value == ""  # raw_value only: Envoy answers 500 when both are set
+    got = b""
+    while True:
+        r = await call.read()
+        sr = r.request_body.response.body_mutation.streamed_response
+        assert len(sr.body) <= 62_000
+        got += sr.body
+        if sr.end_of_stream:
+            break
+    assert got == body
+    await call.done_writing()
+
+
+async def test_body_chunks_after_end_of_stream_are_ignored(picker) -> None:
+    _, stub = picker
+    call = stub.Process()
+    await call.write(headers_msg(mode="FULL_DUPLEX_STREAMED"))
+    await call.write(body_msg(b'{"a":1}', True))
+    await call.write(body_msg(b'{"a":1}', True))  # Envoy 1.35-1.37 repeat the last chunk on large bodies
+    await call.write(pb.ProcessingRequest(response_headers=pb.HttpHeaders()))
+    kinds = []
+    for _ in range(3):
+        r = await call.read()
+        kinds.append(r.WhichOneof("response"))
+    assert kinds == ["request_headers", "request_body", "response_headers"]
+    await call.done_writing()
+
+
+async def test_trailers_are_answered_in_order_after_the_body(picker) -> None:
+    _, stub = picker
+    call = stub.Process()
+    await call.write(headers_msg(mode="FULL_DUPLEX_STREAMED"))
+    await call.write(body_msg(b'{"a":1}', False))
+    await call.write(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+    kinds = [(await call.read()).WhichOneof("response") for _ in range(3)]
+    assert kinds == ["request_headers", "request_body", "request_trailers"]
+    await call.done_writing()
+
+
+async def test_unsupported_body_mode_fails_the_stream_naming_the_mode(picker) -> None:
+    _, stub = picker
+    call = stub.Process()
+    await call.write(headers_msg(mode="BUFFERED"))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await call.read()
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "BUFFERED" in e.value.details()
+
+
+async def test_requests_above_the_inflight_cap_get_503_overloaded(picker) -> None:
+    app, stub = picker
+    held = stub.Process()
+    await held.write(headers_msg(mode="FULL_DUPLEX_STREAMED"))  # body still to come: occupies the one slot
+    for _ in range(50):
+        if app.servicer.active == 1:
+            break
+        await asyncio.sleep(0.01)
+    call = stub.Process()
+    await call.write(headers_msg(mode="FULL_DUPLEX_STREAMED"))
+    r = await call.read()
+    assert r.immediate_response.status.code == 503
+    assert r.immediate_response.body == b"endpoint picker overloaded\n"
+    held.cancel()
+
+
+async def test_bodyless_request_is_picked_on_headers(picker) -> None:
+    _, stub = picker
+    call = stub.Process()
+    await call.write(headers_msg("/v1/models", "GET", eos=True, mode="FULL_DUPLEX_STREAMED"))
+    r = await call.read()
+    assert dest_of(r) in ("127.0.0.1:9", "127.0.0.1:10")
+    await call.done_writing()
+
+
+async def test_client_disconnect_mid_pick_frees_everything(picker) -> None:
+    app, stub = picker
+    call = stub.Process()
+    await call.write(headers_msg(mode="FULL_DUPLEX_STREAMED"))
+    await call.write(body_msg(b'{"a":1}', True))
+    await call.read()  # picked and booked
+    assert app.load.total_inflight() == 1
+    call.cancel()
+    for _ in range(100):
+        if app.load.total_inflight() == 0 and app.servicer.active == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert app.load.total_inflight() == 0 and app.servicer.active == 0
+
+
+async def test_spoofed_destination_headers_are_removed(picker) -> None:
+    _, stub = picker
+    call = stub.Process()
+    await call.write(headers_msg(mode="FULL_DUPLEX_STREAMED", extra={
+        "x-gateway-destination-endpoint": "6.6.6.6:1", "x-gateway-destination-endpoint-subset": "6.6.6.6:1"}))
+    await call.write(body_msg(b"{}", True))
+    r = await call.read()
+    mut = r.request_headers.response.header_mutation
+    assert "x-gateway-destination-endpoint-subset" in mut.remove_headers
+    assert dest_of(r) != "6.6.6.6:1"
+    await call.done_writing()
