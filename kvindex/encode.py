@@ -54,6 +54,18 @@ def cleared_event() -> dict[str, Any]:
     return {"type": "AllBlocksCleared"}
 
 
+def _container_header(n: int, fix: int, head16: int, out: bytearray) -> None:
+    """Smallest array/map header (only scalars are widened by the C++ serializer)."""
+    if n < 16:
+        out.append(fix | n)
+    elif n < 1 << 16:
+        out.append(head16)
+        out += struct.pack(">H", n)
+    else:
+        out.append(head16 + 1)
+        out += struct.pack(">I", n)
+
+
 def _pack_int64(obj: Any, out: bytearray) -> None:
     if obj is None:
         out.append(0xC0)
@@ -82,13 +94,11 @@ def _pack_int64(obj: Any, out: bytearray) -> None:
         out += struct.pack(">I", len(obj))
         out += obj
     elif isinstance(obj, list | tuple):
-        out.append(0xDD)
-        out += struct.pack(">I", len(obj))
+        _container_header(len(obj), 0x90, 0xDC, out)
         for x in obj:
             _pack_int64(x, out)
     elif isinstance(obj, dict):
-        out.append(0xDF)
-        out += struct.pack(">I", len(obj))
+        _container_header(len(obj), 0x80, 0xDE, out)
         for k, v in obj.items():
             _pack_int64(k, out)
             _pack_int64(v, out)

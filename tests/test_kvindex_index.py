@@ -1,0 +1,310 @@
+"""KvIndex semantics: chains, parents, removal, clearing, caps, block sizes, predictions, lookups."""
+
+from __future__ import annotations
+
+import logging
+import tracemalloc
+
+import pytest
+
+from kvindex.decode import decode_payload
+from kvindex.encode import cleared_event, pack_batch, removed_event, stored_event
+from kvindex.hashing import block_hashes
+from kvindex.index import KvIndex
+
+BS = 4
+
+
+def toks(n_blocks: int, start: int = 1, bs: int = BS) -> list[int]:
+    return list(range(start, start + n_blocks * bs))
+
+
+def batch(*events, rank=0):
+    return decode_payload(pack_batch(list(events), rank=rank))
+
+
+def store(idx, worker, engine_hashes, tokens, parent=None, bs=BS, rank=0, **kw):
+    idx.apply_batch(worker, batch(stored_event(engine_hashes, parent, tokens, bs, **kw), rank=rank))
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def idx():
+    return KvIndex(default_block_size=BS)
+
+
+def test_stored_chain_is_found_as_leading_blocks(idx):
+    store(idx, "w", [11, 12, 13], toks(3))
+    assert idx.overlap(toks(3), exclude_last_token=False) == {"w": 3}
+
+
+def test_last_token_rule_lets_a_prompt_of_k_full_blocks_reuse_k_minus_1(idx):
+    store(idx, "w", [11, 12, 13], toks(3))
+    assert idx.overlap(toks(3)) == {"w": 2}
+
+
+def test_prompt_longer_than_the_stored_chain_matches_the_chain(idx):
+    store(idx, "w", [11, 12], toks(2))
+    assert idx.overlap(toks(5)) == {"w": 2}
+
+
+def test_diverging_prompt_stops_at_the_first_different_block(idx):
+    store(idx, "w", [11, 12, 13], toks(3))
+    prompt = toks(3)
+    prompt[5] = 999  # inside block 1
+    assert idx.overlap(prompt + [0]) == {"w": 1}
+
+
+def test_workers_without_overlap_are_omitted(idx):
+    store(idx, "a", [1], toks(1))
+    store(idx, "b", [1], toks(1, start=50))
+    assert idx.overlap(toks(1) + [0]) == {"a": 1}
+
+
+def test_event_with_known_parent_continues_that_chain(idx):
+    store(idx, "w", [11], toks(1))
+    store(idx, "w", [12, 13], toks(3)[BS:], parent=11)
+    assert idx.overlap(toks(3) + [0]) == {"w": 3}
+
+
+def test_event_with_unknown_parent_is_skipped_and_counted(idx):
+    store(idx, "w", [12], toks(2)[BS:], parent=999)
+    assert idx.blocks_indexed("w") == 0
+    assert idx.stats("w").skipped_unknown_parent == 1
+
+
+def test_parent_given_as_signed_int_resolves_the_unsigned_engine_hash(idx):
+    store(idx, "w", [(1 << 64) - 5], toks(1))
+    store(idx, "w", [12], toks(2)[BS:], parent=-5)
+    assert idx.overlap(toks(2) + [0]) == {"w": 2}
+
+
+def test_block_removed_drops_the_block_and_stops_the_chain_there(idx):
+    store(idx, "w", [11, 12, 13], toks(3))
+    idx.apply_batch("w", batch(removed_event([12])))
+    assert idx.overlap(toks(3) + [0]) == {"w": 1}
+
+
+def test_removing_an_unknown_block_is_counted(idx):
+    idx.apply_batch("w", batch(removed_event([77])))
+    assert idx.stats("w").removed_unknown == 1
+
+
+def test_removal_on_one_worker_keeps_the_block_for_another(idx):
+    store(idx, "a", [1], toks(1))
+    store(idx, "b", [2], toks(1))
+    idx.apply_batch("a", batch(removed_event([1])))
+    assert idx.overlap(toks(1) + [0]) == {"b": 1}
+
+
+def test_two_engine_hashes_for_the_same_tokens_need_two_removals(idx):
+    # e.g. salted blocks: engine hashes differ, token ids (hence our hash) are the same
+    store(idx, "w", [1], toks(1))
+    store(idx, "w", [2], toks(1))
+    idx.apply_batch("w", batch(removed_event([1])))
+    assert idx.overlap(toks(1) + [0]) == {"w": 1}
+    idx.apply_batch("w", batch(removed_event([2])))
+    assert idx.overlap(toks(1) + [0]) == {}
+
+
+def test_all_blocks_cleared_empties_the_worker(idx):
+    store(idx, "w", [11, 12], toks(2))
+    idx.apply_batch("w", batch(cleared_event()))
+    assert idx.overlap(toks(2) + [0]) == {} and idx.blocks_indexed("w") == 0
+
+
+def test_clear_worker_keeps_other_workers(idx):
+    store(idx, "a", [1], toks(1))
+    store(idx, "b", [1], toks(1))
+    idx.clear_worker("a")
+    assert idx.overlap(toks(1) + [0]) == {"b": 1}
+    assert "a" in idx.workers()
+
+
+def test_drop_worker_forgets_it_and_its_slot_is_reused_cleanly(idx):
+    store(idx, "a", [1], toks(1))
+    idx.drop_worker("a")
+    store(idx, "b", [2], toks(1, start=50))
+    assert idx.workers() == ["b"]
+    assert idx.overlap(toks(1) + [0]) == {}
+    assert idx.unique_blocks() == 1
+
+
+def test_lora_blocks_only_match_requests_for_that_lora(idx):
+    store(idx, "w", [1], toks(1), lora_name="ad")
+    assert idx.overlap(toks(1) + [0]) == {}
+    assert idx.overlap(toks(1) + [0], lora_name="ad") == {"w": 1}
+
+
+def test_salted_requests_do_not_match_unsalted_event_blocks(idx):
+    store(idx, "w", [1], toks(1))
+    assert idx.overlap(toks(1) + [0], salt="tenant") == {}
+
+
+def test_workers_filter_restricts_the_answer(idx):
+    store(idx, "a", [1], toks(1))
+    store(idx, "b", [1], toks(1))
+    assert idx.overlap(toks(1) + [0], workers=["b", "unknown"]) == {"b": 1}
+
+
+def test_per_worker_cap_evicts_the_oldest_blocks_first():
+    idx = KvIndex(default_block_size=BS, max_blocks_per_worker=3)
+    for i in range(5):
+        store(idx, "w", [100 + i], toks(1, start=10 * i + 1))
+    assert idx.blocks_indexed("w") == 3
+    assert idx.overlap(toks(1, start=1) + [0]) == {}
+    assert idx.overlap(toks(1, start=41) + [0]) == {"w": 1}
+    assert idx.stats("w").evicted == 2
+
+
+def test_event_block_size_disagreeing_with_config_is_adopted_counted_and_logged(idx, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvindex.index"):
+        store(idx, "w", [1, 2], toks(2, bs=8), bs=8)
+    assert idx.block_size("w") == 8
+    assert idx.stats("w").block_size_mismatch == 1
+    assert "block_size=8" in caplog.text
+    assert idx.overlap(toks(2, bs=8) + [0]) == {"w": 2}
+
+
+def test_block_size_mismatch_is_logged_once(idx, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvindex.index"):
+        store(idx, "w", [1], toks(1, bs=8), bs=8)
+        store(idx, "w", [2], toks(1, bs=4), bs=4)
+    assert caplog.text.count("publishes block_size") == 1
+
+
+def test_workers_with_different_block_sizes_are_each_matched_with_their_own(idx):
+    store(idx, "small", [1, 2, 3, 4], toks(4, bs=4), bs=4)
+    idx.set_block_size("big", 8)
+    store(idx, "big", [1, 2], toks(2, bs=8), bs=8)
+    assert idx.overlap(toks(4) + [0]) == {"small": 4, "big": 2}
+
+
+def test_set_block_size_reports_back(idx):
+    idx.set_block_size("w", 64)
+    assert idx.block_size("w") == 64 and idx.block_size("other") == BS
+
+
+def test_overlap_hashes_matches_overlap_for_precomputed_hashes(idx):
+    store(idx, "w", [1, 2, 3], toks(3))
+    assert idx.overlap_hashes(block_hashes(toks(3), BS), BS) == {"w": 3}
+
+
+def test_overlap_hashes_ignores_workers_of_another_block_size(idx):
+    store(idx, "w", [1, 2, 3], toks(3))
+    assert idx.overlap_hashes(block_hashes(toks(3), 8), 8) == {}
+
+
+def test_each_dp_rank_is_indexed_separately_and_the_worker_gets_its_best_rank(idx):
+    store(idx, "w", [1], toks(1), rank=0)
+    store(idx, "w", [1, 2, 3], toks(3), rank=1)
+    idx.apply_batch("w", batch(cleared_event(), rank=0))
+    assert idx.overlap(toks(3) + [0]) == {"w": 3}
+    assert idx.snapshot()["workers"]["w"]["ranks"] == {"0": {"blocks_indexed": 0}, "1": {"blocks_indexed": 3}}
+
+
+def test_prediction_counts_like_a_real_block():
+    idx = KvIndex(default_block_size=BS, clock=FakeClock())
+    idx.predict("w", toks(3) + [0], ttl_s=5)
+    assert idx.overlap(toks(3) + [0]) == {"w": 3}
+
+
+def test_prediction_vanishes_after_its_ttl():
+    clock = FakeClock()
+    idx = KvIndex(default_block_size=BS, clock=clock)
+    idx.predict("w", toks(3) + [0], ttl_s=5)
+    clock.t += 5.1
+    assert idx.overlap(toks(3) + [0]) == {}
+    assert idx.stats("w").predictions_expired == 3
+
+
+def test_confirmed_prediction_outlives_its_ttl():
+    clock = FakeClock()
+    idx = KvIndex(default_block_size=BS, clock=clock)
+    idx.predict("w", toks(2) + [0], ttl_s=5)
+    store(idx, "w", [1, 2], toks(2))
+    clock.t += 10
+    assert idx.overlap(toks(2) + [0]) == {"w": 2}
+    assert idx.predicted_count("w") == 0 and idx.stats("w").predictions_confirmed == 2
+
+
+def test_refreshed_prediction_survives_the_first_ttl():
+    clock = FakeClock()
+    idx = KvIndex(default_block_size=BS, clock=clock)
+    idx.predict("w", toks(2) + [0], ttl_s=5)
+    clock.t += 3
+    idx.predict("w", toks(2) + [0], ttl_s=5)
+    clock.t += 3
+    assert idx.overlap(toks(2) + [0]) == {"w": 2}
+
+
+def test_prediction_uses_the_last_token_rule():
+    idx = KvIndex(default_block_size=BS, clock=FakeClock())
+    idx.predict("w", toks(2), ttl_s=5)
+    assert idx.predicted_count("w") == 1
+
+
+def test_clear_worker_drops_predictions_too():
+    idx = KvIndex(default_block_size=BS, clock=FakeClock())
+    idx.predict("w", toks(2) + [0], ttl_s=5)
+    idx.clear_worker("w")
+    assert idx.overlap(toks(2) + [0]) == {}
+
+
+def test_heartbeat_batch_is_counted_and_changes_nothing(idx):
+    idx.apply_batch("w", batch())
+    assert idx.stats("w").heartbeats == 1 and idx.blocks_indexed("w") == 0
+
+
+def test_garbage_batch_is_counted(idx):
+    idx.apply_batch("w", decode_payload(b"\xc1"))
+    assert idx.stats("w").garbage_batches == 1
+
+
+def test_decoder_skips_are_accumulated_per_worker(idx):
+    idx.apply_batch("w", batch(removed_event([1], medium="CPU"), {"type": "Nope"}))
+    st = idx.stats("w")
+    assert (st.skipped_medium, st.unknown_events) == (1, 1)
+
+
+def test_lookup_stops_at_the_first_block_no_worker_holds(idx, monkeypatch):
+    store(idx, "w", [1], toks(1))
+    calls = []
+    real_get = idx._blocks.get
+
+    class Spy(dict):
+        def get(self, k, d=None):
+            calls.append(k)
+            return real_get(k, d)
+
+    monkeypatch.setattr(idx, "_blocks", Spy(idx._blocks))
+    idx.overlap(toks(100) + [0])
+    assert len(calls) == 2
+
+
+def test_snapshot_is_json_serialisable_and_reports_per_worker_state(idx):
+    import json
+
+    store(idx, "w", [1, 2], toks(2))
+    snap = json.loads(json.dumps(idx.snapshot()))
+    w = snap["workers"]["w"]
+    assert (w["blocks_indexed"], w["block_size"], w["events_applied"], w["stale"]) == (2, BS, 1, False)
+
+
+def test_memory_per_block_worker_entry_is_under_200_bytes():
+    idx = KvIndex(default_block_size=BS)
+    prompt = toks(256)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for w in range(16):
+        store(idx, f"w{w}", [(w << 32) + i for i in range(256)], prompt)
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert (after - before) / (16 * 256) <= 200
