@@ -456,3 +456,21 @@ def test_container_commands_from_our_image_are_console_scripts(rendered, variant
         for c in spec.get("initContainers", []) + spec["containers"]:
             if c["image"] == image and "command" in c:
                 assert c["command"][0] in _console_scripts()
+
+
+def _mock_containers(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [c for d in objs if d["kind"] == "Deployment"
+            for c in d["spec"]["template"]["spec"].get("initContainers", []) + d["spec"]["template"]["spec"]["containers"]
+            if c.get("command") == ["trtllm-mock"]]
+
+
+def test_cpu_mock_arguments_are_accepted_by_the_mock_cli(rendered):
+    from trtllm_mock.cli import config_from_args
+
+    containers = _mock_containers(rendered["cpu-mock"])
+    roles = set()
+    for c in containers:
+        cfg, _ = config_from_args([a.replace("$(POD_NAME)", "mock-worker-0") for a in c["args"]])
+        cfg.validate()
+        roles.add(cfg.role)
+    assert roles == {"worker", "renderer"}
