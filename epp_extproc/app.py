@@ -18,9 +18,12 @@ from .discovery_static import FileDiscovery, parse_flag
 from .endpoints import Endpoint, EndpointRegistry
 from .extproc import ExtProcServicer, pb_grpc
 from .health import Health
+from .kv_routing import KvRouting
 from .load import LoadTracker
 from .metrics import PickerMetrics
 from .pipeline import Pipeline
+from .render_client import RenderClient
+from .usage import ModelLabels, UsageObserver
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +34,24 @@ class PickerApp:
         self.metrics = PickerMetrics()
         self.registry = EndpointRegistry()
         self.load = LoadTracker(self.metrics.endpoint_inflight)
-        self.pipeline = Pipeline(config, self.registry, self.load, self.metrics)
+        self.renderer: RenderClient | None = None
+        self.kv: KvRouting | None = None
+        if config.tokenizer_protocol != "none":
+            assert config.tokenizer_service_url is not None  # validated by Config
+            self.renderer = RenderClient(config.tokenizer_protocol, config.tokenizer_service_url,
+                                         timeout_ms=config.tokenization_timeout_ms,
+                                         max_response_bytes=config.tokenizer_max_response_bytes,
+                                         metrics=self.metrics)
+            self.kv = KvRouting(self.registry, block_size=config.kv_cache_block_size,
+                                max_blocks_per_worker=config.max_index_blocks_per_worker,
+                                topic=config.kv_event_topic, prediction_ttl_s=config.prediction_ttl_s,
+                                metrics_registry=self.metrics.registry)
+        self.pipeline = Pipeline(config, self.registry, self.load, self.metrics, renderer=self.renderer,
+                                 kv=self.kv)
         self.health = Health()
-        self.servicer = ExtProcServicer(self.pipeline, allowed_modes=config.body_modes())
+        labels = ModelLabels()
+        self.servicer = ExtProcServicer(self.pipeline, allowed_modes=config.body_modes(),
+                                        observer_factory=lambda d: UsageObserver(d, self.metrics, labels))
         self._grpc: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
         self._admin: web.AppRunner | None = None
@@ -67,7 +85,9 @@ class PickerApp:
         self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self.health.add_to(self._health_server)
         self.health_port = self._health_server.add_insecure_port(f"{cfg.bind}:{cfg.health_port}")
-        admin = build_admin_app(self.registry, self.load, self.metrics)
+        admin = build_admin_app(self.registry, self.load, self.metrics,
+                                kv_snapshot=self.kv.snapshot if self.kv else None,
+                                score=self.pipeline.score_only)
         self._admin = web.AppRunner(admin, access_log=None)
         await self._admin.setup()
         site = web.TCPSite(self._admin, cfg.bind, cfg.metrics_port)
@@ -114,3 +134,7 @@ class PickerApp:
             await self._health_server.stop(0)
         if self._admin is not None:
             await self._admin.cleanup()
+        if self.kv is not None:
+            await self.kv.close()
+        if self.renderer is not None:
+            await self.renderer.close()

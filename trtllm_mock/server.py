@@ -151,6 +151,8 @@ class MockWorker:
         cfg = self.config
         r.add_get("/health", self.health)
         r.add_get("/server_info", self.server_info)
+        # a mock-only test hook on both roles: tests count render calls on the standalone renderer too
+        r.add_get("/mock/stats", self.mock_stats)
         if cfg.role == "renderer" or cfg.enable_render_endpoints:
             r.add_post("/v1/chat/completions/render", self.render_chat)
             r.add_post("/v1/completions/render", self.render_completions)
@@ -160,7 +162,6 @@ class MockWorker:
             r.add_get("/v1/models", self.models)
             r.add_get("/metrics", self.metrics)
             r.add_get("/mock/cache", self.mock_cache)
-            r.add_get("/mock/stats", self.mock_stats)
             r.add_post("/mock/cache/clear", self.mock_cache_clear)
             r.add_post("/mock/faults/drop-next-batch", self.mock_drop_next_batch)
             r.add_post("/mock/faults/restart-publisher", self.mock_restart_publisher)

@@ -1,0 +1,89 @@
+"""The picker's KV view: one KvIndex fed by one ZMQ subscriber per discovered worker.
+
+Endpoint changes open and close subscribers (and drop a departed worker's entries); each new worker's live
+block size is asked from its /server_info so the index hashes prompts the way that worker does even before its
+first event. Workers are keyed by their routable address, the same string the picker names to Envoy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from kvindex.index import KvIndex
+from kvindex.subscriber import SubscriberManager
+
+from .endpoints import Endpoint, EndpointRegistry
+from .render_client import fetch_block_size
+
+log = logging.getLogger(__name__)
+
+
+class KvRouting:
+    def __init__(self, registry: EndpointRegistry, *, block_size: int, max_blocks_per_worker: int, topic: str,
+                 prediction_ttl_s: float, metrics_registry: CollectorRegistry | None,
+                 ask_server_info: bool = True) -> None:
+        self.index = KvIndex(block_size, max_blocks_per_worker, metrics_registry)
+        self.subscribers = SubscriberManager(self.index, topic=topic)
+        self.prediction_ttl_s = prediction_ttl_s
+        self.ask_server_info = ask_server_info
+        self._registry = registry
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._lock = asyncio.Lock()
+        registry.subscribe(self._on_change)
+
+    def _on_change(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
+        self._spawn(self._apply(added, removed))
+
+    def _spawn(self, coro: Any) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _apply(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
+        async with self._lock:  # keep add/remove of the same address in order
+            for ep in removed:
+                await self.subscribers.remove(ep.address)
+                self.index.drop_worker(ep.address)
+            for ep in added:
+                self.index.add_worker(ep.address)
+                if ep.kv_events:
+                    await self.subscribers.add(ep.address, ep.kv_events, ep.replay)
+                else:
+                    log.warning("endpoint %s (%s) has no KV-event endpoint: it gets load-based routing only",
+                                ep.name, ep.address)
+                if self.ask_server_info:
+                    self._spawn(self._learn_block_size(ep.address))
+
+    async def _learn_block_size(self, address: str) -> None:
+        n = await fetch_block_size(address)
+        if n is not None and address in self._registry and n != self.index.block_size(address):
+            log.info("worker %s reports tokens_per_block=%d (configured default %d)", address, n,
+                     self.index.default_block_size)
+            self.index.set_block_size(address, n)
+
+    def block_size(self, address: str) -> int:
+        return self.index.block_size(address)
+
+    def overlap(self, token_ids: Sequence[int], workers: Sequence[str], salt: str | None) -> dict[str, int]:
+        return self.index.overlap(token_ids, workers=workers, salt=salt, exclude_last_token=True)
+
+    def predict(self, address: str, token_ids: Sequence[int], salt: str | None) -> None:
+        if self.prediction_ttl_s > 0:
+            self.index.predict(address, token_ids, self.prediction_ttl_s, salt=salt, exclude_last_token=True)
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.index.snapshot()
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        for t in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await self.subscribers.close()

@@ -1,0 +1,195 @@
+"""A full local gateway for end-to-end tests: real Envoy, the picker, mock renderer and mock workers.
+
+Workers and the renderer are separate `trtllm-mock` processes (so a test can kill and restart them); the
+picker runs in-process on a background loop so tests can look at its state directly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from epp_extproc import envoy_config
+from epp_extproc.app import PickerApp
+from epp_extproc.config import Config
+from tests.gateway_client import Reply, request
+from tests.harness import BackgroundLoop, EnvoyProcess
+from tests.netutil import free_port, wait_port
+
+MOCK = str(Path(sys.executable).parent / "trtllm-mock")
+
+
+@dataclass
+class MockProc:
+    name: str
+    argv: list[str]
+    port: int
+    kv_port: int | None = None
+    replay_port: int | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> MockProc:
+        assert self.log is not None
+        self.proc = subprocess.Popen(self.argv, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
+        try:
+            wait_port(self.port, timeout=20)
+        except TimeoutError:
+            raise RuntimeError(f"{self.name} did not start:\n{self.log.read_text()[-3000:]}") from None
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            body = r.read()
+        return json.loads(body) if body[:1] in (b"{", b"[") else body.decode()
+
+    def post(self, path: str, doc: Any = None) -> Any:
+        data = json.dumps(doc or {}).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            body = r.read()
+        return json.loads(body) if body[:1] in (b"{", b"[") else body
+
+    def metric(self, name: str) -> float:
+        text = self.get("/metrics")
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name) and not line.startswith("#"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+@dataclass
+class GatewayStack:
+    workers: int = 2
+    worker_args: list[str] = field(default_factory=list)
+    picker: dict[str, Any] = field(default_factory=dict)
+    body_mode: str = "FULL_DUPLEX_STREAMED"
+    tokenizer_protocol: str = "trtllm-render"
+
+    def __post_init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="epp-stack-"))
+        self.mocks: list[MockProc] = []
+        for i in range(self.workers):
+            port, kv, rp = free_port(), free_port(), free_port()
+            argv = [MOCK, "--name", f"worker-{i}", "--port", str(port), "--tokens-per-block", "32",
+                    "--kv-events-endpoint", f"tcp://127.0.0.1:{kv}", "--replay-endpoint",
+                    f"tcp://127.0.0.1:{rp}", "--heartbeat-interval", "1", *self.worker_args]
+            self.mocks.append(MockProc(f"worker-{i}", argv, port, kv, rp, log=self.dir / f"worker-{i}.log"))
+        rport = free_port()
+        self.renderer = MockProc("renderer", [MOCK, "--role", "renderer", "--name", "renderer", "--port",
+                                              str(rport)], rport, log=self.dir / "renderer.log")
+        self.bg = BackgroundLoop()
+        self.app: PickerApp | None = None
+        self.envoy: EnvoyProcess | None = None
+
+    def endpoints_spec(self) -> str:
+        return ",".join(f"{m.name}={m.address};kv=tcp://127.0.0.1:{m.kv_port};replay=tcp://127.0.0.1:"
+                        f"{m.replay_port}" for m in self.mocks)
+
+    def start(self) -> GatewayStack:
+        for m in [*self.mocks, self.renderer]:
+            m.start()
+        cfg = Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1",
+                     endpoints=self.endpoints_spec(), tokenizer_protocol=self.tokenizer_protocol,
+                     tokenizer_service_url=self.renderer.url if self.tokenizer_protocol != "none" else None,
+                     tokenization_timeout_ms=2000, **self.picker)
+        cfg.validate()
+        self.app = PickerApp(cfg)
+        self.bg.run(self.app.start())
+        self.envoy = EnvoyProcess(envoy_config.EnvoyOptions(picker_port=self.app.grpc_port,
+                                                            body_mode=self.body_mode)).start()
+        self.wait_subscribed()
+        return self
+
+    def wait_subscribed(self, timeout: float = 10.0) -> None:
+        """Until every worker's subscriber has received at least one batch (heartbeat or clear)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            snap = self.kv_snapshot()["workers"]
+            if all(snap.get(m.address, {}).get("batches", 0) > 0 for m in self.mocks):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"subscribers did not connect: {self.kv_snapshot()}")
+
+    # -- client side
+    @property
+    def url(self) -> str:
+        assert self.envoy is not None
+        return self.envoy.url
+
+    def chat(self, messages: list[dict[str, Any]], headers: dict[str, str] | None = None, **extra: Any) -> Reply:
+        body = {"model": "mock-model", "messages": messages, "max_tokens": 4, **extra}
+        return request(self.url, body=json.dumps(body).encode(), headers=headers)
+
+    def post_raw(self, body: bytes, headers: dict[str, str] | None = None,
+                 path: str = "/v1/chat/completions") -> Reply:
+        return request(self.url, body=body, headers=headers, path=path)
+
+    def stream_chat(self, messages: list[dict[str, Any]]) -> tuple[int, str, list[dict[str, Any]]]:
+        body = {"model": "mock-model", "messages": messages, "max_tokens": 4, "stream": True,
+                "stream_options": {"include_usage": True}}
+        r = request(self.url, body=json.dumps(body).encode())
+        events = [json.loads(m) for m in re.findall(rb"^data: (\{.*\})$", r.body, re.M)]
+        return r.status, r.headers.get("x-trtllm-mock-worker", ""), events
+
+    # -- picker side
+    def picker_get(self, path: str) -> Any:
+        assert self.app is not None
+        r = request(f"http://127.0.0.1:{self.app.metrics_port}", method="GET", path=path)
+        return r.json() if path.startswith("/debug") else r.body.decode()
+
+    def kv_snapshot(self) -> dict[str, Any]:
+        return self.picker_get("/debug/kv")
+
+    def picker_metric(self, name: str, labels: str = "") -> float:
+        pat = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", re.M)
+        total = 0.0
+        for lab, val in pat.findall(self.picker_get("/metrics")):
+            if labels in lab:
+                total += float(val)
+        return total
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        assert self.app is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.app.load.total_inflight() == 0 and self.app.servicer.active == 0:
+                return
+            time.sleep(0.02)
+        raise TimeoutError("picker still has requests in flight")
+
+    def stop(self) -> None:
+        if self.envoy is not None:
+            self.envoy.stop()
+        if self.app is not None:
+            self.bg.run(self.app.stop())
+        for m in [*self.mocks, self.renderer]:
+            m.stop()
+        self.bg.close()
