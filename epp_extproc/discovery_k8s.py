@@ -198,18 +198,26 @@ class InferencePoolDiscovery:
     async def _reflect(self, what: str, request: Callable[..., Awaitable[Any]],
                        on_list: Callable[[list[dict[str, Any]]], None],
                        on_event: Callable[[str, dict[str, Any]], None]) -> None:
-        """List, then watch from the list's resourceVersion; re-list on 410, back off on errors. Forever."""
+        """List, then watch from the list's resourceVersion; re-list on 410, back off on errors. Forever.
+
+        The backoff resets only once a watch has worked (delivered an event or ran to its timeout), not on a
+        successful list: a server whose lists succeed but whose watches fail must not be re-listed in a
+        tight loop.
+        """
         attempt = 0
+
+        def progress() -> None:
+            nonlocal attempt
+            attempt = 0
+
         while True:
             try:
                 listing = await self._get_json(request(_preload_content=False))
                 rv = (listing.get("metadata") or {}).get("resourceVersion", "")
                 on_list(list(listing.get("items") or ()))
-                attempt = 0
                 while True:  # watch windows; each ends by server timeout or connection drop
-                    rv, got_any = await self._watch_once(what, request, rv, on_event)
-                    if got_any:
-                        attempt = 0
+                    rv = await self._watch_once(what, request, rv, on_event, progress)
+                    progress()
             except asyncio.CancelledError:
                 raise
             except ResourceExpired as e:
@@ -223,15 +231,14 @@ class InferencePoolDiscovery:
                 await self._sleep(delay)
 
     async def _watch_once(self, what: str, request: Callable[..., Awaitable[Any]], rv: str,
-                          on_event: Callable[[str, dict[str, Any]], None]) -> tuple[str, bool]:
-        """One watch request from `rv`; returns the newest resourceVersion seen and whether anything came."""
+                          on_event: Callable[[str, dict[str, Any]], None], progress: Callable[[], None]) -> str:
+        """One watch request from `rv`; returns the newest resourceVersion seen. Calls `progress` per event."""
         # Server-side timeout with jitter (like client-go) so replicas do not reconnect in lockstep; the client
         # read timeout sits above it so a silently dead connection is still noticed.
         timeout = int(self._watch_timeout_s * (1 + self._rng.random()))
         resp = await request(watch=True, resource_version=rv, allow_watch_bookmarks=True,
                              timeout_seconds=max(timeout, 1), _preload_content=False,
                              _request_timeout=aiohttp.ClientTimeout(connect=10, sock_read=timeout + 30))
-        got_any = False
         try:
             if resp.status == 410:
                 raise ResourceExpired(await self._error_text(resp))
@@ -240,7 +247,7 @@ class InferencePoolDiscovery:
             while True:
                 line = await resp.content.readline()
                 if not line:
-                    return rv, got_any  # server closed the window: watch again from rv
+                    return rv  # server closed the window: watch again from rv
                 if not line.strip():
                     continue
                 event = json.loads(line)
@@ -254,7 +261,7 @@ class InferencePoolDiscovery:
                 new_rv = (obj.get("metadata") or {}).get("resourceVersion")
                 if new_rv:
                     rv = new_rv
-                got_any = True
+                progress()
                 if etype == "BOOKMARK":
                     log.debug("%s bookmark at resourceVersion %s", what, rv)
                     continue

@@ -118,7 +118,7 @@ class FakeKube:
         self.deliver = True
         self.requests: list[Request] = []
         self._watches: set[_Watch] = set()
-        self._failures: list[tuple[str, int]] = []
+        self._failures: list[tuple[str, int, bool]] = []
         self._holds: dict[str, asyncio.Event] = {}
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -200,9 +200,9 @@ class FakeKube:
         self.compacted_rv = self.rv
         self.history.clear()
 
-    def fail_next(self, count: int, status: int = 500, resource: str = PODS) -> None:
-        """Answer the next `count` requests for `resource` with an HTTP error carrying a Status body."""
-        self._failures.extend([(resource, status)] * count)
+    def fail_next(self, count: int, status: int = 500, resource: str = PODS, *, watches_only: bool = False) -> None:
+        """Answer the next `count` requests for `resource` (or only its watches) with an HTTP error + Status."""
+        self._failures.extend([(resource, status, watches_only)] * count)
 
     def hold_lists(self, resource: str) -> asyncio.Event:
         """Block list answers for `resource` until the returned event is set."""
@@ -245,8 +245,8 @@ class FakeKube:
         query = dict(request.query)
         req = Request(resource, ns, query)
         self.requests.append(req)
-        for i, (res, status) in enumerate(self._failures):
-            if res == resource:
+        for i, (res, status, watches_only) in enumerate(self._failures):
+            if res == resource and (req.watch or not watches_only):
                 del self._failures[i]
                 return web.json_response(self._status(status, "InternalError", "injected failure"),
                                          status=status)

@@ -6,12 +6,14 @@ Waits are for conditions (bounded by a generous cap so a bug fails instead of ha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import yaml
 
 from epp_extproc.discovery_k8s import (
     InferencePoolDiscovery,
@@ -383,15 +385,28 @@ async def test_watch_error_after_sync_keeps_the_published_set_and_relists(kube, 
     assert len(kube.lists(PODS)) == 2
 
 
-async def test_backoff_resets_after_a_successful_list(kube, start):
+async def test_backoff_resets_once_the_watch_works_again(kube, start):
     seed(kube, make_pod("w0", "10.0.0.1"))
     kube.fail_next(2, 500, PODS)
     r = await start()
     await r.wait_names("w0")
+    await until(lambda: kube.open_watches(PODS) == 1, "open pod watch")
     kube.fail_next(1, 500, PODS)
-    kube.expire_watches()
+    kube.expire_watches()  # the window ended normally, so the next failure starts from the first delay
     await until(lambda: len(r.delays) == 3, "third backoff")
     assert r.delays[2] <= 0.1
+
+
+async def test_failing_watches_back_off_exponentially_although_lists_succeed(kube, start):
+    seed(kube, make_pod("w0", "10.0.0.1"))
+    kube.fail_next(3, 500, PODS, watches_only=True)
+    r = await start()
+    await r.wait_names("w0")
+    await until(lambda: kube.open_watches(PODS) == 1, "open pod watch")
+    assert len(r.delays) == 3
+    for attempt, d in enumerate(r.delays):
+        nominal = 0.1 * 2**attempt
+        assert nominal / 2 <= d <= nominal
 
 
 async def test_close_after_cancel_releases_the_client(kube, start):
@@ -403,6 +418,25 @@ async def test_close_after_cancel_releases_the_client(kube, start):
         await r.task
     await r.discovery.close()
     assert r.discovery._api is None and r.discovery._pod_task is None
+
+
+async def test_kubeconfig_is_used_when_given(kube, tmp_path):
+    seed(kube, make_pod("w0", "10.0.0.1"))
+    cfg = tmp_path / "kubeconfig"
+    cfg.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": kube.url}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u"}}]}))
+    registry = EndpointRegistry()
+    disc = InferencePoolDiscovery(registry, "llm-pool", "default", kubeconfig=str(cfg))
+    task = asyncio.create_task(disc.run())
+    try:
+        await until(lambda: registry.synced and len(registry) == 1, "sync through the kubeconfig")
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 # ---------------------------------------------------------------------------------------------- pure helpers
