@@ -135,6 +135,7 @@ class _Stream:
         self.svc = svc
         self.context = context
         self.mode = FULL_DUPLEX
+        self.response_mode = FULL_DUPLEX
         self.ctx = RequestContext()
         self.chunks: list[bytes] = []
         self.size = 0
@@ -165,6 +166,7 @@ class _Stream:
                                              f"request_body_mode {name} is not supported by this picker; use "
                                              f"one of {sorted(_MODE_NAMES[m] for m in svc.allowed_modes)}")
                 self.mode = mode
+                self.response_mode = req.protocol_config.response_body_mode
             kind = req.WhichOneof("request")
             if kind == "request_headers":
                 async for r in self._on_request_headers(req):
@@ -187,9 +189,12 @@ class _Stream:
                     self.observer.on_chunk(body.body)
                 if self.decision is not None and body.body:
                     self.decision.booking.prefill_done()
-                yield pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
-                    body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
-                        body=body.body, end_of_stream=body.end_of_stream)))))
+                if self.response_mode == FULL_DUPLEX:  # every chunk must be handed back, as it came
+                    yield pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
+                        body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                            body=body.body, end_of_stream=body.end_of_stream)))))
+                else:  # STREAMED / BUFFERED: an empty answer lets the chunk through unchanged
+                    yield pb.ProcessingResponse(response_body=pb.BodyResponse())
             elif kind == "response_trailers":
                 yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
             if self.finished:

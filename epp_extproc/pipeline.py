@@ -65,8 +65,10 @@ class Pipeline:
 
     # ---------------------------------------------------------------- steps
     def parse(self, ctx: RequestContext) -> ParsedBody | None:
-        if ctx.body is None:
-            return None
+        if not ctx.body:
+            if ctx.body is not None and render_kind(ctx.path) is not None:
+                raise Rejection(400, "request body must be a JSON object", "bad_request")
+            return None  # an empty body outside the inference routes is routed like a body-less request
         if len(ctx.body) > self.config.max_body_bytes:
             raise Rejection(413, f"request body larger than {self.config.max_body_bytes} bytes",
                             "body_too_large")

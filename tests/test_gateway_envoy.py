@@ -157,8 +157,6 @@ def test_get_models_is_routed_on_headers_alone(stack: Stack) -> None:
 
 
 def test_sse_first_chunk_reaches_the_client_before_the_upstream_finishes(stack: Stack) -> None:
-    if stack.mode == "BUFFERED":
-        pytest.skip("response bodies stream the same way in both request modes; checked once")
     for u in (stack.a, stack.b):
         stack.bg.loop.call_soon_threadsafe(u.sse_release.clear)
     conn = http.client.HTTPConnection("127.0.0.1", stack.envoy.opts.listen_port, timeout=10)
@@ -204,6 +202,11 @@ def test_grpc_health_answers_every_service_name(stack: Stack) -> None:
         for name in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor", ""):
             status = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
             assert status == health_pb2.HealthCheckResponse.SERVING, name
+
+
+def test_empty_body_outside_the_inference_routes_is_routed(stack: Stack) -> None:
+    r = stack.post(b"", path="/v1/other")
+    assert r.status == 200 and r.json()["length"] == 0
 
 
 def test_response_body_passes_through_unchanged(stack: Stack) -> None:
