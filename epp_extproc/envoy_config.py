@@ -70,7 +70,7 @@ def build(opts: EnvoyOptions) -> dict[str, Any]:
                     "request_trailer_mode": "SEND",
                     "response_trailer_mode": "SEND",
                 },
-                "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]}},
+                "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint", "envoy.lb"]}},
             },
         })
     filters.append({"name": "envoy.filters.http.router", "typed_config": {

@@ -24,7 +24,15 @@ from google.protobuf import struct_pb2
 
 from .picker import parse_subset
 from .pipeline import Decision, Pipeline
-from .request import DEST_HEADER, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE, Rejection, RequestContext
+from .request import (
+    DEST_HEADER,
+    LB_NAMESPACE,
+    SERVED_KEY,
+    SUBSET_KEY,
+    SUBSET_NAMESPACE,
+    Rejection,
+    RequestContext,
+)
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +188,7 @@ class _Stream:
                         yield r
                 yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
             elif kind == "response_headers":
+                self._follow_served_endpoint(req)
                 if self.observer is not None:
                     self.observer.on_headers(_headers(req.response_headers)[2])
                 yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
@@ -199,6 +208,18 @@ class _Stream:
                 yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
             if self.finished:
                 return
+
+    def _follow_served_endpoint(self, req: pb.ProcessingRequest) -> None:
+        """Move the booking when the gateway reports it served a different (known) endpoint than picked."""
+        if self.decision is None or not req.HasField("metadata_context"):
+            return
+        ns = req.metadata_context.filter_metadata.get(LB_NAMESPACE)
+        if ns is None or SERVED_KEY not in ns.fields:
+            return
+        served = ns.fields[SERVED_KEY].string_value
+        if served and served != self.decision.address and served in self.svc.pipeline.registry:
+            log.info("gateway served %s instead of %s; moving the booking", served, self.decision.address)
+            self.decision.booking.move(served)
 
     def _admit(self) -> None:
         limit = self.svc.pipeline.config.max_inflight_requests

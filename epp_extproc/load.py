@@ -42,6 +42,15 @@ class Booking:
             self._prefilling = False
             self._tracker._release_prefill(self)
 
+    def move(self, address: str) -> None:
+        """The gateway served the request elsewhere (a fallback): carry the load over to where it runs."""
+        if not self._live or address == self.address:
+            return
+        prefilling = self._prefilling
+        self._tracker._release(self, prefilling)
+        self.address = address
+        self._tracker._add(self, prefilling)
+
     def free(self) -> None:
         if self._live:
             self._live = False
@@ -66,14 +75,18 @@ class LoadTracker:
         """Book a request; `prompt_blocks` <= 0 (prompt unknown) counts the request as one block."""
         weight = prompt_blocks if prompt_blocks > 0 else 1.0
         b = Booking(self, f"epp-{next(self._ids)}", address, weight, weight)
-        ld = self._loads.setdefault(address, EndpointLoad())
+        self._add(b, True)
+        return b
+
+    def _add(self, b: Booking, prefilling: bool) -> None:
+        ld = self._loads.setdefault(b.address, EndpointLoad())
         ld.inflight += 1
-        ld.prefill_blocks += weight
-        ld.decode_blocks += weight
+        if prefilling:
+            ld.prefill_blocks += b.prefill_blocks
+        ld.decode_blocks += b.decode_blocks
         self._bookings[b.id] = b
         if self._gauge is not None:
-            self._gauge.labels(address).set(ld.inflight)
-        return b
+            self._gauge.labels(b.address).set(ld.inflight)
 
     def _release_prefill(self, b: Booking) -> None:
         ld = self._loads.get(b.address)

@@ -82,3 +82,14 @@ def test_subset_hint_narrows_and_never_widens() -> None:
     assert eligible(["a", "b"], ["b", "z"]) == ["b"]
     assert eligible(["a", "b"], []) == []
     assert eligible(["a", "b"], None) == ["a", "b"]
+
+
+def test_moving_a_booking_carries_its_load_and_frees_cleanly() -> None:
+    t = LoadTracker()
+    b = t.book("a", 4)
+    b.move("b")
+    assert (t.load("a").inflight, t.load("a").prefill_blocks, t.load("a").decode_blocks) == (0, 0, 0)
+    assert (t.load("b").inflight, t.load("b").prefill_blocks, t.load("b").decode_blocks) == (1, 4, 4)
+    b.prefill_done()
+    b.free()
+    assert t.load("b").inflight == 0 and t.total_inflight() == 0
