@@ -172,40 +172,39 @@ async def test_spoofed_destination_headers_are_removed(picker) -> None:
     await call.done_writing()
 
 
-async def test_booking_follows_the_endpoint_the_gateway_reports_it_served(picker) -> None:
+
+
+async def routed_then_served(stub, served_for) -> tuple[str, object]:  # noqa: ANN001
+    """Route one request, then answer its response headers reporting `served_for(picked)` as served."""
     from google.protobuf import struct_pb2
 
-    app, stub = picker
     call = stub.Process()
     await call.write(headers_msg(mode="FULL_DUPLEX_STREAMED"))
     await call.write(body_msg(b"{}", True))
     picked = dest_of(await call.read())
     await call.read()  # the body
-    other = "127.0.0.1:10" if picked == "127.0.0.1:9" else "127.0.0.1:9"
     resp = pb.ProcessingRequest(response_headers=pb.HttpHeaders())
-    served = struct_pb2.Struct()
-    served.update({"x-gateway-destination-endpoint-served": other})
-    resp.metadata_context.filter_metadata["envoy.lb"].CopyFrom(served)
+    meta = struct_pb2.Struct()
+    meta.update({"x-gateway-destination-endpoint-served": served_for(picked)})
+    resp.metadata_context.filter_metadata["envoy.lb"].CopyFrom(meta)
     await call.write(resp)
     await call.read()
-    assert app.load.load(other).inflight == 1 and app.load.load(picked).inflight == 0
+    return picked, call
+
+
+def the_other(address: str) -> str:
+    return "127.0.0.1:10" if address == "127.0.0.1:9" else "127.0.0.1:9"
+
+
+async def test_booking_follows_the_endpoint_the_gateway_reports_it_served(picker) -> None:
+    app, stub = picker
+    picked, call = await routed_then_served(stub, the_other)
+    assert app.load.load(the_other(picked)).inflight == 1 and app.load.load(picked).inflight == 0
     await call.done_writing()
 
 
 async def test_served_endpoint_the_picker_never_discovered_is_ignored(picker) -> None:
-    from google.protobuf import struct_pb2
-
     app, stub = picker
-    call = stub.Process()
-    await call.write(headers_msg(mode="FULL_DUPLEX_STREAMED"))
-    await call.write(body_msg(b"{}", True))
-    picked = dest_of(await call.read())
-    await call.read()
-    resp = pb.ProcessingRequest(response_headers=pb.HttpHeaders())
-    served = struct_pb2.Struct()
-    served.update({"x-gateway-destination-endpoint-served": "6.6.6.6:1"})
-    resp.metadata_context.filter_metadata["envoy.lb"].CopyFrom(served)
-    await call.write(resp)
-    await call.read()
+    picked, call = await routed_then_served(stub, lambda _: "6.6.6.6:1")
     assert app.load.load(picked).inflight == 1 and app.load.load("6.6.6.6:1").inflight == 0
     await call.done_writing()
