@@ -15,6 +15,7 @@ from aiohttp import web
 from .admin import build_admin_app
 from .config import Config
 from .discovery_static import FileDiscovery, parse_flag
+from .endpoint_probe import EndpointProber
 from .endpoints import Endpoint, EndpointRegistry
 from .extproc import ExtProcServicer, pb_grpc
 from .health import Health
@@ -60,6 +61,12 @@ class PickerApp:
         self.health_port = config.health_port
         self.metrics_port = config.metrics_port
         self.registry.subscribe(self._on_endpoints)
+        self.prober: EndpointProber | None = None
+        if config.endpoint_probe_interval_ms > 0:
+            kv = self.kv
+            self.prober = EndpointProber(self.registry, interval_s=config.endpoint_probe_interval_ms / 1000,
+                                         path=config.endpoint_probe_path,
+                                         on_lost=kv.resync if kv is not None else None)
 
     def _on_endpoints(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
         for ep in removed:
@@ -94,6 +101,8 @@ class PickerApp:
         await site.start()
         self.metrics_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         await self._start_discovery()
+        if self.prober is not None:
+            self._tasks.append(asyncio.create_task(self.prober.run()))
         await self._grpc.start()
         await self._health_server.start()
         log.info("picker listening: ext_proc %s:%d, health %s:%d, metrics http://%s:%d/metrics",

@@ -67,6 +67,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("--namespace", "POD_NAMESPACE", None, _opt_str, "namespace of the InferencePool (default: own)"),
     Option("--kubeconfig", "KUBECONFIG", None, _opt_str,
            "kubeconfig for running outside the cluster (default: in-cluster config)"),
+    Option("--endpoint-probe-interval-ms", "DYN_EPP_ENDPOINT_PROBE_INTERVAL_MS", 1000, int,
+           "GET each endpoint's probe path this often; refused = out of rotation at once (and its KV entries "
+           "dropped), other failures after 2 in a row, back after 1 success; 0 = off"),
+    Option("--endpoint-probe-path", "DYN_EPP_ENDPOINT_PROBE_PATH", "/health", str,
+           "HTTP path the endpoint prober GETs (trtllm-serve, vLLM and SGLang answer /health)"),
     Option("--kv-event-port", "DYN_EPP_KV_EVENT_PORT", 5557, int,
            "per-worker ZMQ PUB port for KV events (used when an endpoint names none)"),
     Option("--kv-event-replay-port", "DYN_EPP_KV_EVENT_REPLAY_PORT", None,
@@ -126,6 +131,8 @@ class Config:
     inference_pool_name: str | None = None
     namespace: str | None = None
     kubeconfig: str | None = None
+    endpoint_probe_interval_ms: int = 1000
+    endpoint_probe_path: str = "/health"
     kv_event_port: int = 5557
     kv_event_replay_port: int | None = None
     kv_event_topic: str = ""
@@ -158,6 +165,8 @@ class Config:
                                  f"{self.tokenizer_service_url!r}")
         if self.kv_cache_block_size <= 0:
             raise ValueError("DYN_KV_CACHE_BLOCK_SIZE must be positive")
+        if self.endpoint_probe_interval_ms < 0:
+            raise ValueError("DYN_EPP_ENDPOINT_PROBE_INTERVAL_MS must be >= 0 (0 = off)")
         if self.max_inflight_requests <= 0:
             raise ValueError("DYN_EPP_MAX_INFLIGHT_REQUESTS must be positive")
         if self.max_body_bytes <= 0:

@@ -59,11 +59,16 @@ Listener = Callable[[list[Endpoint], list[Endpoint]], None]  # (added, removed)
 
 
 class EndpointRegistry:
-    """Current endpoints keyed by address; `synced` turns true after the first full set arrives."""
+    """Current endpoints keyed by address; `synced` turns true after the first full set arrives.
+
+    Discovery says which endpoints exist; the prober (endpoint_probe.py) says which of them answer. Only
+    `routable()` ones are named to Envoy.
+    """
 
     def __init__(self) -> None:
         self._by_address: dict[str, Endpoint] = {}
         self._listeners: list[Listener] = []
+        self._down: set[str] = set()
         self.synced = False
 
     def subscribe(self, listener: Listener) -> None:
@@ -82,6 +87,7 @@ class EndpointRegistry:
         removed = [ep for addr, ep in self._by_address.items() if new.get(addr) != ep]
         added = [ep for addr, ep in new.items() if self._by_address.get(addr) != ep]
         self._by_address = new
+        self._down &= new.keys()
         self.synced = True
         if added or removed:
             log.info("endpoints changed: +%s -%s (now %d)", [e.name for e in added],
@@ -92,6 +98,26 @@ class EndpointRegistry:
                 except Exception:  # a broken listener must not stop discovery
                     log.exception("endpoint listener failed")
         return added, removed
+
+    def set_healthy(self, address: str, healthy: bool) -> bool:
+        """Record a probe verdict; returns True when it changed the endpoint's state."""
+        if address not in self._by_address:
+            return False
+        was = address not in self._down
+        if healthy:
+            self._down.discard(address)
+        else:
+            self._down.add(address)
+        return was != healthy
+
+    def healthy(self, address: str) -> bool:
+        return address in self._by_address and address not in self._down
+
+    def routable(self) -> list[Endpoint]:
+        """The endpoints the picker may name now: the healthy ones, or all of them when none is healthy
+        (Envoy's panic mode: a probe outage must not take the whole pool out of rotation)."""
+        up = [ep for addr, ep in self._by_address.items() if addr not in self._down]
+        return up or list(self._by_address.values())
 
     def get(self, address: str) -> Endpoint | None:
         return self._by_address.get(address)

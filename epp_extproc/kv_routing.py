@@ -67,6 +67,12 @@ class KvRouting:
                      self.index.default_block_size)
             self.index.set_block_size(address, n)
 
+    def resync(self, address: str) -> None:
+        """The worker at `address` died: forget its blocks, rebuild from its events when it is back."""
+        if address in self._registry:
+            log.warning("worker %s is gone: its KV entries are dropped until it publishes again", address)
+            self.subscribers.resync(address)
+
     def block_size(self, address: str) -> int:
         return self.index.block_size(address)
 

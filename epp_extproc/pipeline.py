@@ -124,7 +124,7 @@ class Pipeline:
 
     # ---------------------------------------------------------------- decide
     def _eligible(self, ctx: RequestContext) -> list[str]:
-        addresses = eligible([ep.address for ep in self.registry.all()], ctx.subset)
+        addresses = eligible([ep.address for ep in self.registry.routable()], ctx.subset)
         if not addresses:
             if ctx.subset is not None:
                 raise Rejection(503, "no endpoint of the gateway's subset hint is available", "no_endpoint")
@@ -163,7 +163,7 @@ class Pipeline:
     # ---------------------------------------------------------------- debug
     async def score_only(self, payload: dict[str, Any]) -> dict[str, Any]:
         """What the picker would do with this request, without booking or predicting anything."""
-        addresses = [ep.address for ep in self.registry.all()]
+        addresses = [ep.address for ep in self.registry.routable()]
         if isinstance(payload.get("token_ids"), list):
             tokens = payload["token_ids"]
             if not all(type(t) is int and 0 <= t < 2**32 for t in tokens):

@@ -590,6 +590,11 @@ class KvIndex:
         w = self._workers.get(worker_id)
         return sum(len(s.engine) for s in w.slots.values()) if w is not None else 0
 
+    def engine_hashes(self, worker_id: str) -> set[int]:
+        """The worker's engine block hashes (u64) currently indexed, all ranks: to compare with its cache."""
+        w = self._workers.get(worker_id)
+        return {eh for s in w.slots.values() for eh in s.engine} if w is not None else set()
+
     def predicted_count(self, worker_id: str) -> int:
         """Blocks currently predicted (not yet confirmed or expired) for a worker."""
         if self._pred_heap:

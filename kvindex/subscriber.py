@@ -119,6 +119,15 @@ class SubscriberManager:
         if sub.sock is not None:
             sub.sock.close(linger=0)
 
+    def resync(self, worker_id: str) -> None:
+        """The worker's cache is known to be gone (its process died): drop its entries now, and treat its
+        next message like a first connect (warm up through replay when it has a replay endpoint)."""
+        self.idx.clear_worker(worker_id)
+        sub = self._subs.get(worker_id)
+        if sub is not None:
+            sub.last_live = None
+            sub.applied = None
+
     def workers(self) -> list[str]:
         """Workers with an open subscriber."""
         return list(self._subs)

@@ -92,6 +92,7 @@ class GatewayStack:
     picker: dict[str, Any] = field(default_factory=dict)
     body_mode: str = "FULL_DUPLEX_STREAMED"
     tokenizer_protocol: str = "trtllm-render"
+    replay: bool = True  # False: the picker is not told the workers' replay endpoints
 
     def __post_init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="epp-stack-"))
@@ -110,23 +111,98 @@ class GatewayStack:
         self.envoy: EnvoyProcess | None = None
 
     def endpoints_spec(self) -> str:
-        return ",".join(f"{m.name}={m.address};kv=tcp://127.0.0.1:{m.kv_port};replay=tcp://127.0.0.1:"
-                        f"{m.replay_port}" for m in self.mocks)
+        return ",".join(f"{m.name}={m.address};kv=tcp://127.0.0.1:{m.kv_port}"
+                        + (f";replay=tcp://127.0.0.1:{m.replay_port}" if self.replay else "")
+                        for m in self.mocks)
 
     def start(self) -> GatewayStack:
         for m in [*self.mocks, self.renderer]:
             m.start()
-        cfg = Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1",
-                     endpoints=self.endpoints_spec(), tokenizer_protocol=self.tokenizer_protocol,
-                     tokenizer_service_url=self.renderer.url if self.tokenizer_protocol != "none" else None,
-                     tokenization_timeout_ms=2000, **self.picker)
-        cfg.validate()
-        self.app = PickerApp(cfg)
+        self.app = self._new_picker(grpc_port=0)
         self.bg.run(self.app.start())
-        self.envoy = EnvoyProcess(envoy_config.EnvoyOptions(picker_port=self.app.grpc_port,
-                                                            body_mode=self.body_mode)).start()
+        self.envoy = EnvoyProcess(self.envoy_options()).start()
         self.wait_subscribed()
         return self
+
+    def _new_picker(self, grpc_port: int) -> PickerApp:
+        extra = {"tokenization_timeout_ms": 2000, **self.picker}
+        cfg = Config(grpc_port=grpc_port, health_port=0, metrics_port=0, bind="127.0.0.1",
+                     endpoints=self.endpoints_spec(), tokenizer_protocol=self.tokenizer_protocol,
+                     tokenizer_service_url=self.renderer.url if self.tokenizer_protocol != "none" else None,
+                     **extra)
+        cfg.validate()
+        return PickerApp(cfg)
+
+    def envoy_options(self) -> envoy_config.EnvoyOptions:
+        assert self.app is not None
+        return envoy_config.EnvoyOptions(picker_port=self.app.grpc_port, body_mode=self.body_mode)
+
+    def restart_picker(self, down_s: float = 0.0) -> None:
+        """Stop the picker and start a fresh one (empty index, no bookings) on the same ext_proc port."""
+        assert self.app is not None
+        port = self.app.grpc_port
+        self.bg.run(self.app.stop(grace=0.5))
+        time.sleep(down_s)
+        self.app = self._new_picker(grpc_port=port)
+        self.bg.run(self.app.start())
+
+    def restart_envoy(self, down_s: float = 0.0) -> None:
+        """Stop Envoy and start a new one listening on the same port."""
+        assert self.envoy is not None
+        port = self.envoy.opts.listen_port
+        self.envoy.stop()
+        time.sleep(down_s)
+        opts = self.envoy_options()
+        opts.listen_port = port
+        self.envoy = EnvoyProcess(opts).start()
+
+    def index_mismatches(self, mock: MockProc) -> list[str]:
+        """Differences between the picker's index of `mock` and the mock's own view of its cache.
+
+        Checks that the index holds exactly the worker's engine blocks, and that for every cached chain the
+        index's overlap for its tokens is the chain's length. Empty list = they agree.
+        """
+        assert self.app is not None and self.app.kv is not None
+        cache = mock.get("/mock/cache")
+        by_hash = {b["engine_hash"]: b for b in cache["blocks"]}
+        chains: list[tuple[list[int], int]] = []
+        for b in cache["blocks"]:
+            tokens: list[int] = []
+            cur: dict[str, Any] | None = b
+            depth = 0
+            while cur is not None:
+                tokens[:0] = cur["token_ids"]
+                depth += 1
+                cur = by_hash.get(cur["parent"]) if cur["parent"] is not None else None
+            chains.append((tokens + [0], depth))  # one extra token: the last prompt token is never cached
+        kv = self.app.kv
+        address = mock.address
+
+        async def probe() -> tuple[set[int], list[int]]:
+            return kv.index.engine_hashes(address), [
+                kv.index.overlap(t, workers=[address]).get(address, 0) for t, _ in chains]
+
+        indexed, overlaps = self.bg.run(probe())
+        out = []
+        if indexed != set(by_hash):
+            out.append(f"{mock.name}: indexed {len(indexed)} blocks, worker holds {len(by_hash)} "
+                       f"({len(indexed - set(by_hash))} extra, {len(set(by_hash) - indexed)} missing)")
+        for (_, depth), got in zip(chains, overlaps, strict=True):
+            if got != depth:
+                out.append(f"{mock.name}: a cached chain of {depth} blocks overlaps {got}")
+                break
+        return out
+
+    def wait_index_matches(self, timeout: float = 10.0) -> None:
+        """Until the index agrees with every worker's cache (events are asynchronous), else fail loudly."""
+        deadline = time.monotonic() + timeout
+        while True:
+            bad = [d for m in self.mocks for d in self.index_mismatches(m)]
+            if not bad:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"index does not match the workers' caches: {bad}")
+            time.sleep(0.1)
 
     def wait_subscribed(self, timeout: float = 10.0) -> None:
         """Until every worker's subscriber has received at least one batch (heartbeat or clear)."""
