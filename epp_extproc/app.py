@@ -24,6 +24,7 @@ from .load import LoadTracker
 from .metrics import PickerMetrics
 from .pipeline import Pipeline
 from .render_client import RenderClient
+from .tls import ServerCert, server_cert
 from .usage import ModelLabels, UsageObserver
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class PickerApp:
         self.health_port = config.health_port
         self.metrics_port = config.metrics_port
         self.registry.subscribe(self._on_endpoints)
+        self.tls: ServerCert | None = None
         self.prober: EndpointProber | None = None
         if config.endpoint_probe_interval_ms > 0:
             kv = self.kv
@@ -88,7 +90,15 @@ class PickerApp:
                 ("grpc.so_reuseport", 0)]
         self._grpc = grpc.aio.server(options=opts)
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
-        self.grpc_port = self._grpc.add_insecure_port(f"{cfg.bind}:{cfg.grpc_port}")
+        if cfg.secure_serving:
+            self.tls = server_cert(cfg.cert_path)
+            creds = grpc.ssl_server_credentials([(self.tls.key_pem, self.tls.cert_pem)])
+            self.grpc_port = self._grpc.add_secure_port(f"{cfg.bind}:{cfg.grpc_port}", creds)
+            log.info("ext_proc serves TLS with a %s certificate (%s, sha256 %s)",
+                     "self-signed" if self.tls.self_signed else "provided", self.tls.cert_file,
+                     self.tls.fingerprint())
+        else:
+            self.grpc_port = self._grpc.add_insecure_port(f"{cfg.bind}:{cfg.grpc_port}")
         self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self.health.add_to(self._health_server)
         self.health_port = self._health_server.add_insecure_port(f"{cfg.bind}:{cfg.health_port}")

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
+from .tls import cert_files
+
 TOKENIZER_PROTOCOLS = ("none", "trtllm-render", "vllm-render", "sglang-renderer")
 SALT_POLICIES = ("reject", "load-only")
 RENDER_FAILURE_POLICIES = ("load-only", "fail")
@@ -57,6 +59,11 @@ OPTIONS: tuple[Option, ...] = (
            "HTTP port for /metrics (Prometheus) and the /debug admin API"),
     Option("--bind", "DYN_EPP_BIND_ADDRESS", "0.0.0.0", str, "address the three ports listen on"),
     Option("--log-level", "DYN_EPP_LOG_LEVEL", "INFO", str, "DEBUG, INFO, WARNING, ERROR"),
+    Option("--secure-serving", "DYN_EPP_SECURE_SERVING", False, _bool,
+           "TLS on the ext_proc port (health and metrics stay plain); the gateway must then speak TLS to it"),
+    Option("--cert-path", "DYN_EPP_CERT_PATH", None, _opt_str,
+           "directory with tls.crt and tls.key for secure serving; unset = a self-signed certificate is "
+           "generated at start-up (needs the openssl tool)"),
     # Endpoints
     Option("--endpoints", "DYN_EPP_ENDPOINTS", None, _opt_str,
            "static endpoints, comma separated `name=ip:port` (or just `ip:port`)"),
@@ -126,6 +133,8 @@ class Config:
     metrics_port: int = 9090
     bind: str = "0.0.0.0"
     log_level: str = "INFO"
+    secure_serving: bool = False
+    cert_path: str | None = None
     endpoints: str | None = None
     endpoints_file: str | None = None
     inference_pool_name: str | None = None
@@ -163,6 +172,11 @@ class Config:
                 raise ValueError("DYN_EPP_TOKENIZER_SERVICE_URL must be an absolute http(s) URL when "
                                  f"DYN_EPP_TOKENIZER_PROTOCOL={self.tokenizer_protocol}; got "
                                  f"{self.tokenizer_service_url!r}")
+        if self.cert_path is not None:
+            if not self.secure_serving:
+                raise ValueError("DYN_EPP_CERT_PATH is set but DYN_EPP_SECURE_SERVING is off: the ext_proc port "
+                                 "would serve plain h2c; enable secure serving or drop the cert path")
+            cert_files(self.cert_path)
         if self.kv_cache_block_size <= 0:
             raise ValueError("DYN_KV_CACHE_BLOCK_SIZE must be positive")
         if self.endpoint_probe_interval_ms < 0:
@@ -198,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
         if o.choices:
             kw["choices"] = list(o.choices)
         kw["type"] = o.type
+        if o.type is _bool:  # `--secure-serving` alone means true; `--secure-serving=false` also works
+            kw.update(nargs="?", const=True)
         p.add_argument(o.flag, **kw)
     return p
 
