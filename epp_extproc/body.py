@@ -17,6 +17,18 @@ from json.decoder import scanstring  # type: ignore[attr-defined]
 from typing import Any
 
 _decoder = json.JSONDecoder()
+
+
+def _int_or_float(digits: str) -> int | float:
+    try:
+        return int(digits)
+    except ValueError:  # longer than sys.get_int_max_str_digits(): keep its magnitude, never fail the body
+        return float(digits)
+
+
+# Only for a value the fast decoder refused with a plain ValueError: an integer of more than 4300 digits is
+# valid JSON, the worker decides what it means, and the picker forwards its bytes untouched anyway.
+_tolerant_decoder = json.JSONDecoder(parse_int=_int_or_float)
 _WS = " \t\n\r"
 
 
@@ -76,7 +88,12 @@ def parse_object(raw: bytes) -> ParsedBody:
                 if j >= len(text) or text[j] != ":":
                     raise BodyError(f"malformed JSON: expected ':' at character {j}")
                 j = _skip_ws(text, j + 1)
-                value, end = _decoder.raw_decode(text, j)
+                try:
+                    value, end = _decoder.raw_decode(text, j)
+                except json.JSONDecodeError:
+                    raise
+                except ValueError:
+                    value, end = _tolerant_decoder.raw_decode(text, j)
                 members.append(Member(key, i, end))
                 values[key] = value
                 i = _skip_ws(text, end)
