@@ -1,0 +1,132 @@
+"""The real picker (`epp-extproc`, same flags) with benchmark probes added from outside the product code.
+
+    python -m bench.picker_host [epp-extproc flags...]
+
+Adds to the picker's own /metrics, with fine log-spaced buckets so percentiles are exact to ~10%:
+
+* ``bench_decision_seconds``: `Pipeline.decide` (parse, render call, score, book, predict, rewrite);
+* ``bench_lookup_seconds``: `Pipeline.candidates` (KV index overlap for every worker + loads);
+* ``bench_kv_ingest_lag_seconds``: wall time from the publisher stamping a batch (its msgpack ``ts``, taken
+  just before the send) to the batch being applied to the index, i.e. visible to the next lookup;
+* ``bench_kv_apply_seconds``: CPU time of applying one non-empty batch to the index.
+
+Nothing in the request path changes: the wrappers only time the original methods. One exception, only with
+``--bench-book-new-blocks`` (a prototype of a recommended product change, never the default): the load booked
+for a request becomes its blocks NOT already cached on the chosen worker (prompt blocks - overlap, at least
+one), like Dynamo's prefill-token and unique-active-block accounting, instead of every prompt block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+from collections.abc import Sequence
+
+from prometheus_client import Histogram
+
+from epp_extproc.app import PickerApp
+from epp_extproc.config import load_config
+
+FINE_BUCKETS = tuple(round(10e-6 * 1.2 ** i, 9) for i in range(76))  # 10 us .. ~10 s, 20% apart
+
+
+def book_new_blocks_only(app: PickerApp) -> None:
+    """Prototype: book max(prompt blocks - overlap on the chosen worker, 1) instead of the prompt blocks."""
+    import epp_extproc.pipeline as pipeline_mod
+
+    orig_choose = pipeline_mod.choose
+    last: dict[str, object] = {}
+
+    def choose(cands, params, rng=None):  # noqa: ANN001, ANN202
+        c = orig_choose(cands, params, rng)
+        last["c"] = c
+        return c
+
+    pipeline_mod.choose = choose  # decide() calls choose then book with no await in between
+    load = app.load
+    orig_book = load.book
+
+    def book(address, prompt_blocks):  # noqa: ANN001, ANN202
+        c = last.pop("c", None)
+        if c is not None and getattr(c, "address", None) == address and prompt_blocks > 0:
+            prompt_blocks = max(prompt_blocks - c.overlap_blocks, 1.0)  # type: ignore[attr-defined]
+        return orig_book(address, prompt_blocks)
+
+    load.book = book  # type: ignore[method-assign]
+
+
+def instrument(app: PickerApp) -> None:
+    reg = app.metrics.registry
+    decision = Histogram("bench_decision_seconds", "Pipeline.decide wall time", buckets=FINE_BUCKETS,
+                         registry=reg)
+    lookup = Histogram("bench_lookup_seconds", "Pipeline.candidates wall time", buckets=FINE_BUCKETS,
+                       registry=reg)
+    pipe = app.pipeline
+    orig_decide, orig_cands = pipe.decide, pipe.candidates
+
+    async def decide(ctx):  # noqa: ANN001, ANN202
+        t0 = time.perf_counter()
+        try:
+            return await orig_decide(ctx)
+        finally:
+            decision.observe(time.perf_counter() - t0)
+
+    def candidates(addresses, plan):  # noqa: ANN001, ANN202
+        t0 = time.perf_counter()
+        try:
+            return orig_cands(addresses, plan)
+        finally:
+            lookup.observe(time.perf_counter() - t0)
+
+    pipe.decide = decide  # type: ignore[method-assign]
+    pipe.candidates = candidates  # type: ignore[method-assign]
+    if app.kv is None:
+        return
+    lag = Histogram("bench_kv_ingest_lag_seconds", "KV batch publish (ts) -> applied to the index",
+                    buckets=FINE_BUCKETS, registry=reg)
+    apply_s = Histogram("bench_kv_apply_seconds", "KvIndex.apply_batch of one non-empty batch",
+                        buckets=FINE_BUCKETS, registry=reg)
+    idx = app.kv.index
+    orig_apply = idx.apply_batch
+
+    def apply_batch(worker_id, batch):  # noqa: ANN001, ANN202
+        t0 = time.perf_counter()
+        orig_apply(worker_id, batch)
+        if batch.events:
+            apply_s.observe(time.perf_counter() - t0)
+            lag.observe(max(0.0, time.time() - batch.ts))
+
+    idx.apply_batch = apply_batch  # type: ignore[method-assign]
+
+
+async def serve(argv: Sequence[str]) -> int:
+    argv = list(argv)
+    new_blocks = "--bench-book-new-blocks" in argv
+    if new_blocks:
+        argv.remove("--bench-book-new-blocks")
+    cfg = load_config(argv)
+    app = PickerApp(cfg)
+    instrument(app)
+    if new_blocks:
+        book_new_blocks_only(app)
+    await app.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await app.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    return asyncio.run(serve(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
