@@ -94,6 +94,24 @@ async def _wait_http(url: str, timeout: float = 30.0) -> None:
             await asyncio.sleep(0.1)
 
 
+async def _until_ready_or_dead(ready: asyncio.Future, children: list[Child]) -> None:  # type: ignore[type-arg]
+    """Wait for every listener, but fail at once (naming it) when a child exits during start-up."""
+    exits = {asyncio.create_task(c.proc.wait()): c for c in children if c.proc is not None}
+    try:
+        done, _ = await asyncio.wait([ready, *exits], return_when=asyncio.FIRST_COMPLETED)
+        if ready in done:
+            ready.result()
+            return
+        dead = [exits[t].name for t in done if t in exits]
+        ready.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await ready
+        raise RuntimeError(f"{', '.join(dead)} exited during start-up (port in use?); see its output above")
+    finally:
+        for t in exits:
+            t.cancel()
+
+
 async def run(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="epp-gateway-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -132,12 +150,13 @@ async def run(args: argparse.Namespace) -> int:
     try:
         for c in children:
             await c.start()
-        for i in range(args.workers):
-            await _wait_http(f"http://127.0.0.1:{args.worker_base_port + i}/health")
-        await _wait_http(f"http://127.0.0.1:{args.renderer_port}/health")
-        await _wait_http(f"http://127.0.0.1:{args.metrics_port}/debug/endpoints")
-        await _wait_http(f"http://127.0.0.1:{args.envoy_admin_port}/ready")
-    except (TimeoutError, OSError) as e:
+        ready = asyncio.gather(
+            *(_wait_http(f"http://127.0.0.1:{args.worker_base_port + i}/health") for i in range(args.workers)),
+            _wait_http(f"http://127.0.0.1:{args.renderer_port}/health"),
+            _wait_http(f"http://127.0.0.1:{args.metrics_port}/debug/endpoints"),
+            _wait_http(f"http://127.0.0.1:{args.envoy_admin_port}/ready"))
+        await _until_ready_or_dead(ready, children)
+    except (TimeoutError, OSError, RuntimeError) as e:
         print(f"local gateway failed to start: {e}", file=sys.stderr)
         for c in reversed(children):
             await c.stop()

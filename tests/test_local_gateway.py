@@ -11,14 +11,14 @@ import time
 from pathlib import Path
 
 from tests.gateway_client import request
-from tests.netutil import free_port, wait_port
+from tests.netutil import free_base_port, free_port, wait_port
 
 
 def test_local_gateway_serves_a_chat_request_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     ports = {k: free_port() for k in ("port", "renderer-port", "picker-port", "health-port", "metrics-port",
                                        "envoy-admin-port")}
-    wbase = free_port()
-    kvbase = free_port()
+    wbase = free_base_port((0, 1))  # worker i listens on wbase + i
+    kvbase = free_base_port((0, 1, 10, 11))  # worker i publishes on kvbase + 10*i and replays on +1
     argv = [str(Path(sys.executable).parent / "epp-local-gateway"), "--workdir", str(tmp_path),
             "--worker-base-port", str(wbase), "--kv-base-port", str(kvbase)]
     for k, v in ports.items():
