@@ -15,6 +15,8 @@ costs ~4x the whole 8-token answer) and a KV capacity that holds only a few grou
   (d) oracle bound on the cached-token ratio, computed from the very prompts (c) sent, in send order:
       `infinite` = one cache holding every earlier prompt (no placement can reuse more);
       `affinity_lru` = every group pinned to one worker, each worker an LRU cache of the real capacity.
+  c_new (full runs only) NOT the product: the KV-aware picker with a prototype of the recommended booking
+      change (`bench/picker_host.py --bench-book-new-blocks`), measured next to (c) on the same schedule.
 
 Every (config, rate) run starts from empty caches (POST /mock/cache/clear, which also clears the picker's
 index through the AllBlocksCleared event) and replays the same schedule. TTFT is measured with streaming
