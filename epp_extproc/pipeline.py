@@ -122,6 +122,14 @@ class Pipeline:
             c.overlap_blocks = overlaps.get(c.address, 0)
         return cands
 
+    def _booked_blocks(self, chosen: Candidate, plan: Plan) -> float:
+        """What this request adds to the chosen worker: only the blocks it must compute (Dynamo books the
+        new tokens the same way). Booking the whole prompt would let one extra request in flight cancel the
+        overlap credit of a long cached prefix, spreading every group over every worker."""
+        if plan.tokens is None:
+            return plan.est_tokens / self.config.kv_cache_block_size
+        return max(chosen.prompt_blocks - chosen.overlap_blocks, 1.0)
+
     # ---------------------------------------------------------------- decide
     def _eligible(self, ctx: RequestContext) -> list[str]:
         addresses = eligible([ep.address for ep in self.registry.routable()], ctx.subset)
@@ -140,9 +148,7 @@ class Pipeline:
         score_started = time.perf_counter()
         cands = self.candidates(addresses, plan)
         chosen = choose(cands, self.params)
-        weight = chosen.prompt_blocks if plan.tokens is not None else \
-            plan.est_tokens / self.config.kv_cache_block_size
-        booking = self.load.book(chosen.address, weight)
+        booking = self.load.book(chosen.address, self._booked_blocks(chosen, plan))
         predicted = None
         if plan.tokens is not None and self.kv is not None:
             self.kv.predict(chosen.address, plan.tokens, plan.hash_salt)

@@ -281,3 +281,16 @@ async def test_malformed_body_is_400_without_a_render_call(stub: StubRenderer) -
         await app.pipeline.decide(RequestContext("POST", "/v1/chat/completions", {}, b"[1]"))
     assert e.value.status == 400 and stub.seen == []
     await app.stop()
+
+
+async def test_a_request_books_only_the_blocks_its_worker_must_compute(stub: StubRenderer) -> None:
+    stub.doc = {"token_ids": list(range(640))}  # 20 blocks
+    app = await picker(f"http://127.0.0.1:{stub.port}")
+    first = await app.pipeline.decide(chat({"messages": []}))
+    assert first.booking.prefill_blocks == 20  # cold: the whole prompt
+    second = await app.pipeline.decide(chat({"messages": []}))
+    assert second.address == first.address
+    assert second.booking.prefill_blocks == 1  # 19 blocks already there (predicted), 1 to compute
+    first.booking.free()
+    second.booking.free()
+    await app.stop()
