@@ -288,9 +288,9 @@ async def test_a_request_books_only_the_blocks_its_worker_must_compute(stub: Stu
     app = await picker(f"http://127.0.0.1:{stub.port}")
     first = await app.pipeline.decide(chat({"messages": []}))
     assert first.booking.prefill_blocks == 20  # cold: the whole prompt
+    first.booking.free()
     second = await app.pipeline.decide(chat({"messages": []}))
     assert second.address == first.address
     assert second.booking.prefill_blocks == 1  # 19 blocks already there (predicted), 1 to compute
-    first.booking.free()
     second.booking.free()
     await app.stop()
