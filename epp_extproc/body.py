@@ -5,8 +5,11 @@ members it injects (`cache_salt`). Re-encoding the whole body would change numbe
 key order, which breaks byte-exact clients and costs time on multi-megabyte prompts. So one pass over the
 top level records each member's byte span, and a rewrite splices spans.
 
-Only the top level is walked; each value is parsed by the C JSON scanner (`raw_decode`), so nested data is
-never touched by Python code.
+The common case (nothing to strip or inject) never needs spans: values come from orjson in one C call and the
+original bytes are forwarded as they are. Spans are computed only when a rewrite needs them, or when orjson
+refuses a body the standard library accepts (NaN, lone surrogate escapes, integers beyond 64 bits), by walking
+the top level with the C JSON scanner (`raw_decode`) for each value, so nested data is never touched by Python
+code.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import json
 from dataclasses import dataclass, field
 from json.decoder import scanstring  # type: ignore[attr-defined]
 from typing import Any
+
+import orjson
 
 _decoder = json.JSONDecoder()
 
@@ -45,14 +50,27 @@ class Member:
 
 @dataclass(slots=True)
 class ParsedBody:
-    """A JSON object body with the span of every top-level member (in `text` character indices)."""
+    """A JSON object body; `members` (spans in `text` character indices) are computed on first use."""
 
-    text: str
-    members: list[Member]
+    raw: bytes
     values: dict[str, Any] = field(default_factory=dict)  # last occurrence wins, as in json.loads
+    _text: str | None = None
+    _members: list[Member] | None = None
 
     def has(self, key: str) -> bool:
         return key in self.values
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            self._text = self.raw.decode("utf-8")
+        return self._text
+
+    @property
+    def members(self) -> list[Member]:
+        if self._members is None:
+            self._text, self._members, _ = _walk(self.raw)
+        return self._members
 
 
 def _skip_ws(s: str, i: int) -> int:
@@ -64,6 +82,20 @@ def _skip_ws(s: str, i: int) -> int:
 
 def parse_object(raw: bytes) -> ParsedBody:
     """Parse a body that must be one JSON object; raise BodyError with a short reason otherwise."""
+    try:
+        values = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        values = None  # the walker gives the verdict (and the reason) for what orjson refuses
+    if isinstance(values, dict):
+        return ParsedBody(raw, values)
+    if values is not None:
+        raise BodyError("request body must be a JSON object")
+    text, members, values = _walk(raw)
+    return ParsedBody(raw, values, text, members)
+
+
+def _walk(raw: bytes) -> tuple[str, list[Member], dict[str, Any]]:
+    """The top-level members of a JSON object body with their spans; BodyError when it is not one."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -110,7 +142,7 @@ def parse_object(raw: bytes) -> ParsedBody:
         raise BodyError("malformed JSON: nesting too deep") from None
     if _skip_ws(text, i) != len(text):
         raise BodyError("malformed JSON: trailing data after the object")
-    return ParsedBody(text, members, values)
+    return text, members, values
 
 
 def rewrite(body: ParsedBody, raw: bytes, *, drop: frozenset[str] = frozenset(),
@@ -121,9 +153,9 @@ def rewrite(body: ParsedBody, raw: bytes, *, drop: frozenset[str] = frozenset(),
     nothing to change the original bytes object itself is returned.
     """
     set_members = set_members or {}
-    members = body.members
-    if not set_members and not any(m.key in drop for m in members):
+    if not set_members and drop.isdisjoint(body.values):
         return raw
+    members = body.members
     text = body.text
     pending = dict(set_members)
     kept: list[tuple[int, str]] = []  # (original index, member text)
