@@ -15,6 +15,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from kvindex.hashing import chain_hashes, pack_tokens, root_seed
 from kvindex.index import KvIndex
 from kvindex.subscriber import SubscriberManager
 
@@ -22,6 +23,32 @@ from .endpoints import Endpoint, EndpointRegistry
 from .render_client import fetch_block_size
 
 log = logging.getLogger(__name__)
+
+
+class Prompt:
+    """A rendered prompt, packed once, with its chained block hashes per block size computed at most once.
+
+    The TensorRT-LLM rule applies: the last prompt token is never part of a reusable block, so the hashes
+    cover `tokens[:-1]`.
+    """
+
+    __slots__ = ("packed", "salt", "_hashes", "_seed")
+
+    def __init__(self, tokens: Sequence[int], salt: str | None) -> None:
+        self.packed = pack_tokens(tokens)
+        self.salt = salt
+        self._seed = root_seed(None, salt)
+        self._hashes: dict[int, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self.packed)
+
+    def hashes(self, block_size: int) -> list[int]:
+        h = self._hashes.get(block_size)
+        if h is None:
+            h = self._hashes[block_size] = chain_hashes(self.packed, max(len(self.packed) - 1, 0), block_size,
+                                                        self._seed)
+        return h
 
 
 class KvRouting:
@@ -76,12 +103,16 @@ class KvRouting:
     def block_size(self, address: str) -> int:
         return self.index.block_size(address)
 
-    def overlap(self, token_ids: Sequence[int], workers: Sequence[str], salt: str | None) -> dict[str, int]:
-        return self.index.overlap(token_ids, workers=workers, salt=salt, exclude_last_token=True)
+    def overlap(self, prompt: Prompt, workers: Sequence[str]) -> dict[str, int]:
+        sizes = self.index.block_sizes()
+        if len(sizes) == 1:  # the usual pool: hash once, reuse the hashes for the prediction
+            return self.index.overlap_hashes(prompt.hashes(sizes[0]), sizes[0], workers)
+        return self.index.overlap(prompt.packed, workers=workers, salt=prompt.salt, exclude_last_token=True)
 
-    def predict(self, address: str, token_ids: Sequence[int], salt: str | None) -> None:
+    def predict(self, address: str, prompt: Prompt) -> None:
         if self.prediction_ttl_s > 0:
-            self.index.predict(address, token_ids, self.prediction_ttl_s, salt=salt, exclude_last_token=True)
+            self.index.predict_hashes(address, prompt.hashes(self.index.block_size(address)),
+                                      self.prediction_ttl_s)
 
     def snapshot(self) -> dict[str, Any]:
         return self.index.snapshot()

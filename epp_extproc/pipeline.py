@@ -16,7 +16,7 @@ from typing import Any
 from .body import BodyError, ParsedBody, parse_object, rewrite
 from .config import Config
 from .endpoints import EndpointRegistry
-from .kv_routing import KvRouting
+from .kv_routing import KvRouting, Prompt
 from .load import Booking, LoadTracker
 from .metrics import PickerMetrics
 from .picker import Candidate, CostParams, choose, eligible, loads_for
@@ -45,6 +45,7 @@ class Plan:
     """What the request needs before scoring: its tokens (if any), salt handling and body injections."""
 
     tokens: list[int] | None = None
+    prompt: Prompt | None = None  # the tokens packed and hashed for the index (KV routing only)
     hash_salt: str | None = None
     inject: dict[str, Any] = field(default_factory=dict)
     est_tokens: int = 0
@@ -103,6 +104,8 @@ class Pipeline:
             self._render_failed(e, ctx)
             return plan
         plan.route = "kv"
+        if self.kv is not None:
+            plan.prompt = Prompt(plan.tokens, plan.hash_salt)
         return plan
 
     def _render_failed(self, e: RenderError, ctx: RequestContext) -> None:
@@ -115,7 +118,9 @@ class Pipeline:
         cands = loads_for(addresses, self.load.loads())
         if plan.tokens is None or self.kv is None:
             return cands
-        overlaps = self.kv.overlap(plan.tokens, addresses, plan.hash_salt)
+        if plan.prompt is None:
+            plan.prompt = Prompt(plan.tokens, plan.hash_salt)
+        overlaps = self.kv.overlap(plan.prompt, addresses)
         n = len(plan.tokens)
         for c in cands:
             c.prompt_blocks = n / self.kv.block_size(c.address)
@@ -150,8 +155,8 @@ class Pipeline:
         chosen = choose(cands, self.params)
         booking = self.load.book(chosen.address, self._booked_blocks(chosen, plan))
         predicted = None
-        if plan.tokens is not None and self.kv is not None:
-            self.kv.predict(chosen.address, plan.tokens, plan.hash_salt)
+        if plan.prompt is not None and self.kv is not None:
+            self.kv.predict(chosen.address, plan.prompt)
             predicted = chosen.overlap_blocks * self.kv.block_size(chosen.address)
         now = time.perf_counter()
         self.metrics.score_seconds.observe(now - score_started)

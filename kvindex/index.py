@@ -243,6 +243,10 @@ class KvIndex:
                 self._evict(w, s)
 
     # --------------------------------------------------------------- block size
+    def block_sizes(self) -> list[int]:
+        """The distinct block sizes of the indexed workers (usually one per pool)."""
+        return list(self._group_masks())
+
     def block_size(self, worker_id: str) -> int:
         """The block size this worker's prompts are hashed with (configured default until learned)."""
         w = self._workers.get(worker_id)
@@ -425,12 +429,17 @@ class KvIndex:
     ) -> None:
         """Count the prompt's blocks as held by ``worker_id`` for ``ttl_s`` seconds or until a
         ``BlockStored`` confirms them, so a burst of similar requests does not all pick a cold worker."""
+        w = self._worker(worker_id)
+        toks = token_ids[:-1] if exclude_last_token and len(token_ids) else token_ids
+        self.predict_hashes(worker_id, block_hashes(toks, w.block_size, lora_name=lora_name, salt=salt), ttl_s)
+
+    def predict_hashes(self, worker_id: str, hashes: Sequence[int], ttl_s: float) -> None:
+        """:meth:`predict` for chain hashes already computed with :func:`block_hashes` in this worker's
+        block size, so a picker that just scored the prompt does not hash it a second time."""
         now = self._clock()
         if self._pred_heap:
             self._expire(now)
         w = self._worker(worker_id)
-        toks = token_ids[:-1] if exclude_last_token and len(token_ids) else token_ids
-        hashes = block_hashes(toks, w.block_size, lora_name=lora_name, salt=salt)
         if not hashes:
             return
         exp = now + ttl_s

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from epp_extproc.app import PickerApp
 from epp_extproc.config import Config
+from epp_extproc.kv_routing import Prompt
 from epp_extproc.metrics import PickerMetrics
 from epp_extproc.pipeline import TRTLLM_SALT_MESSAGE
 from epp_extproc.render_client import RenderClient, RenderError, render_kind
@@ -223,8 +224,9 @@ async def test_sglang_salt_is_used_for_selection_but_not_injected(stub: StubRend
 async def test_salted_and_unsalted_prompts_do_not_share_predicted_blocks(stub: StubRenderer) -> None:
     app = await picker(f"http://127.0.0.1:{stub.port}", protocol="vllm-render")
     d = await app.pipeline.decide(chat({"messages": []}, {"x-tenant-id": ["t"]}))
-    assert app.kv.overlap(list(range(100)), ["127.0.0.1:9", "127.0.0.1:10"], "t") == {d.address: 3}
-    assert app.kv.overlap(list(range(100)), ["127.0.0.1:9", "127.0.0.1:10"], None) == {}
+    both = ["127.0.0.1:9", "127.0.0.1:10"]
+    assert app.kv.overlap(Prompt(list(range(100)), "t"), both) == {d.address: 3}
+    assert app.kv.overlap(Prompt(list(range(100)), None), both) == {}
     d.booking.free()
     await app.stop()
 
