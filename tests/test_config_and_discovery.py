@@ -91,3 +91,11 @@ def test_registry_tells_listeners_what_changed() -> None:
     reg.replace(eps)
     reg.replace(eps[1:])
     assert seen == [(["a", "b"], []), ([], ["a"])]
+
+
+def test_readme_documents_every_flag_and_env_name() -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    missing = [o.flag for o in OPTIONS if f"`{o.flag}`" not in readme or (o.env and f"`{o.env}`" not in readme)]
+    assert missing == []
