@@ -12,11 +12,11 @@ costs ~4x the whole 8-token answer) and a KV capacity that holds only a few grou
   (a) Envoy round-robin, no ext_proc (baseline)
   (b) Envoy + picker, load only (--tokenizer-protocol none)
   (c) Envoy + picker, trtllm-render + KV-aware scoring
+  (c2) the same with DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT=2 (full runs only): at the saturating rate the default
+      credit 1 is bistable (cached ratio 0.45-0.88 across repeated runs), credit 2 held 0.84-0.88
   (d) oracle bound on the cached-token ratio, computed from the very prompts (c) sent, in send order:
       `infinite` = one cache holding every earlier prompt (no placement can reuse more);
       `affinity_lru` = every group pinned to one worker, each worker an LRU cache of the real capacity.
-  c_new (full runs only) NOT the product: the KV-aware picker with a prototype of the recommended booking
-      change (`bench/picker_host.py --bench-book-new-blocks`), measured next to (c) on the same schedule.
 
 Every (config, rate) run starts from empty caches (POST /mock/cache/clear, which also clears the picker's
 index through the AllBlocksCleared event) and replays the same schedule. TTFT is measured with streaming
@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import json
 import random
-import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -41,9 +40,7 @@ from bench import harness as H
 
 CONFIGS = {"a": "envoy round-robin", "b": "picker, load only", "c": "picker, KV-aware"}
 PICKER_ARGS: dict[str, list[str]] = {"a": [], "b": [], "c": []}
-# Not the product: a prototype of the booking change recommended in bench/README.md, run next to (c) so its
-# effect is measured on the same workload in the same run (see bench/picker_host.py).
-PROTOTYPE = ("c_new", "PROTOTYPE: KV-aware, booking only uncached blocks", ["--bench-book-new-blocks"])
+TUNED = ("c2", "picker, KV-aware, overlap credit 2", ["--kv-overlap-score-credit", "2"])
 BS = 32
 
 
@@ -236,9 +233,7 @@ def run(w: Workload, quick: bool) -> dict[str, Any]:
                 else:
                     kv = cfg != "b"
                     pk = H.picker(st, H.endpoints_spec(workers), "trtllm-render" if kv else "none",
-                                  renderer if kv else None, extra=PICKER_ARGS[cfg],
-                                  argv0=[sys.executable, "-m", "bench.picker_host"]
-                                  if "--bench-book-new-blocks" in PICKER_ARGS[cfg] else None)
+                                  renderer if kv else None, extra=PICKER_ARGS[cfg])
                     if kv:
                         H.wait_subscribed(pk, [m.address for m in workers])
                     env = H.envoy(st, picker_proc=pk)
@@ -280,16 +275,26 @@ def _group_of(body: dict[str, Any], w: Workload) -> int:
 
 
 def targets(doc: dict[str, Any]) -> dict[str, Any]:
+    """Both targets for every KV-aware configuration present ((c), and (c2) in full runs)."""
+    out: dict[str, Any] = {}
+    for cfg in [k for k in doc["configs"] if k.startswith("c")]:
+        t = _targets_for(doc, cfg)
+        if t:
+            out[cfg] = t
+    return out
+
+
+def _targets_for(doc: dict[str, Any], cfg: str) -> dict[str, Any]:
     rows = doc["result"]["rows"]
     top = max(r["rate"] for r in rows)
     a = next((r for r in rows if r["config"] == "a" and r["rate"] == top), None)
-    c = next((r for r in rows if r["config"] == "c" and r["rate"] == top), None)
+    c = next((r for r in rows if r["config"] == cfg and r["rate"] == top), None)
     if a is None or c is None:
         return {}
     gap = H.ratio(a.get("ttft_p90_ms"), c.get("ttft_p90_ms"))
     ratios = []
     for r in rows:
-        if r["config"] == "c":
+        if r["config"] == cfg and str(r["rate"]) in doc["result"]["oracle"]:
             o = doc["result"]["oracle"][str(r["rate"])]
             ratios.append({"rate": r["rate"], "c": r["cached_ratio"], "oracle_infinite": o["infinite"],
                            "oracle_affinity_lru": o["affinity_lru"],
@@ -357,8 +362,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = ap.parse_args(argv)
     w = QUICK if a.quick else Workload()
     if not a.quick:
-        CONFIGS[PROTOTYPE[0]] = PROTOTYPE[1]
-        PICKER_ARGS[PROTOTYPE[0]] = PROTOTYPE[2]
+        CONFIGS[TUNED[0]] = TUNED[1]
+        PICKER_ARGS[TUNED[0]] = TUNED[2]
     for v in a.variant:
         name, _, flags = v.partition("=")
         CONFIGS[name] = f"picker, KV-aware, {flags}"

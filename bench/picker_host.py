@@ -10,10 +10,7 @@ Adds to the picker's own /metrics, with fine log-spaced buckets so percentiles a
   just before the send) to the batch being applied to the index, i.e. visible to the next lookup;
 * ``bench_kv_apply_seconds``: CPU time of applying one non-empty batch to the index.
 
-Nothing in the request path changes: the wrappers only time the original methods. One exception, only with
-``--bench-book-new-blocks`` (a prototype of a recommended product change, never the default): the load booked
-for a request becomes its blocks NOT already cached on the chosen worker (prompt blocks - overlap, at least
-one), like Dynamo's prefill-token and unique-active-block accounting, instead of every prompt block.
+Nothing in the request path changes: the wrappers only time the original methods.
 """
 
 from __future__ import annotations
@@ -31,31 +28,6 @@ from epp_extproc.app import PickerApp
 from epp_extproc.config import load_config
 
 FINE_BUCKETS = tuple(round(10e-6 * 1.2 ** i, 9) for i in range(76))  # 10 us .. ~10 s, 20% apart
-
-
-def book_new_blocks_only(app: PickerApp) -> None:
-    """Prototype: book max(prompt blocks - overlap on the chosen worker, 1) instead of the prompt blocks."""
-    import epp_extproc.pipeline as pipeline_mod
-
-    orig_choose = pipeline_mod.choose
-    last: dict[str, object] = {}
-
-    def choose(cands, params, rng=None):  # noqa: ANN001, ANN202
-        c = orig_choose(cands, params, rng)
-        last["c"] = c
-        return c
-
-    pipeline_mod.choose = choose  # decide() calls choose then book with no await in between
-    load = app.load
-    orig_book = load.book
-
-    def book(address, prompt_blocks):  # noqa: ANN001, ANN202
-        c = last.pop("c", None)
-        if c is not None and getattr(c, "address", None) == address and prompt_blocks > 0:
-            prompt_blocks = max(prompt_blocks - c.overlap_blocks, 1.0)  # type: ignore[attr-defined]
-        return orig_book(address, prompt_blocks)
-
-    load.book = book  # type: ignore[method-assign]
 
 
 def instrument(app: PickerApp) -> None:
@@ -103,15 +75,9 @@ def instrument(app: PickerApp) -> None:
 
 
 async def serve(argv: Sequence[str]) -> int:
-    argv = list(argv)
-    new_blocks = "--bench-book-new-blocks" in argv
-    if new_blocks:
-        argv.remove("--bench-book-new-blocks")
-    cfg = load_config(argv)
+    cfg = load_config(list(argv))
     app = PickerApp(cfg)
     instrument(app)
-    if new_blocks:
-        book_new_blocks_only(app)
     await app.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
