@@ -12,8 +12,9 @@ costs ~4x the whole 8-token answer) and a KV capacity that holds only a few grou
   (a) Envoy round-robin, no ext_proc (baseline)
   (b) Envoy + picker, load only (--tokenizer-protocol none)
   (c) Envoy + picker, trtllm-render + KV-aware scoring
-  (c2) the same with DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT=2 (full runs only): at the saturating rate the default
-      credit 1 is bistable (cached ratio 0.45-0.88 across repeated runs), credit 2 held 0.84-0.88
+  (c1) the same with Dynamo's default DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT=1 (full runs only): at the
+      saturating rate credit 1 is bistable (cached ratio 0.41-0.88 across repeated runs) where the picker's
+      default of 2 held 0.84-0.90
   (d) oracle bound on the cached-token ratio, computed from the very prompts (c) sent, in send order:
       `infinite` = one cache holding every earlier prompt (no placement can reuse more);
       `affinity_lru` = every group pinned to one worker, each worker an LRU cache of the real capacity.
@@ -40,7 +41,7 @@ from bench import harness as H
 
 CONFIGS = {"a": "envoy round-robin", "b": "picker, load only", "c": "picker, KV-aware"}
 PICKER_ARGS: dict[str, list[str]] = {"a": [], "b": [], "c": []}
-TUNED = ("c2", "picker, KV-aware, overlap credit 2", ["--kv-overlap-score-credit", "2"])
+TUNED = ("c1", "picker, KV-aware, Dynamo's overlap credit 1", ["--kv-overlap-score-credit", "1"])
 BS = 32
 
 
@@ -275,7 +276,7 @@ def _group_of(body: dict[str, Any], w: Workload) -> int:
 
 
 def targets(doc: dict[str, Any]) -> dict[str, Any]:
-    """Both targets for every KV-aware configuration present ((c), and (c2) in full runs)."""
+    """Both targets for every KV-aware configuration present ((c), and (c1) in full runs)."""
     out: dict[str, Any] = {}
     for cfg in [k for k in doc["configs"] if k.startswith("c")]:
         t = _targets_for(doc, cfg)
