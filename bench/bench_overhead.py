@@ -20,7 +20,6 @@ prefixes of the prompt, scored through its ext_proc port; its histograms give th
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -292,16 +291,11 @@ def chart(doc: dict[str, Any], path: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("Picker overhead: same Envoy, same near-instant mock workers (2-core machine)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    H.save_figure(fig, "Picker overhead: same Envoy, same near-instant mock workers (2-core machine)", path)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="tiny settings (smoke test): seconds, not minutes")
-    ap.add_argument("--out", default=str(H.RESULTS), help="directory for overhead.json / overhead.png")
+    ap = H.bench_parser(__doc__, "overhead")
     a = ap.parse_args(argv)
     out = Path(a.out)
     print("overhead: end to end", flush=True)

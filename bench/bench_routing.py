@@ -27,7 +27,6 @@ the workers report (`usage.prompt_tokens_details.cached_tokens`), cross-checked 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -346,16 +345,11 @@ def chart(doc: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     axes[1].legend(fontsize=7)
-    fig.suptitle("Shared-prefix workload on 4 mock workers: round-robin vs load-only vs KV-aware")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    H.save_figure(fig, "Shared-prefix workload on 4 mock workers: round-robin vs load-only vs KV-aware", path)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="tiny settings (smoke test): seconds, not minutes")
-    ap.add_argument("--out", default=str(H.RESULTS), help="directory for routing.json / routing.png")
+    ap = H.bench_parser(__doc__, "routing")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="extra KV-aware picker configuration, e.g. 'c2=--prefill-load-scale 4'")
     ap.add_argument("--only", help="comma-separated subset of configurations to run (calibration)")

@@ -16,7 +16,6 @@ tokens at the same worker count). Chart: log-log growth with workers and with pr
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -185,16 +184,11 @@ def chart(doc: dict[str, Any], path: Path) -> None:
         ax.set_xlabel(xl)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=6)
-    fig.suptitle("Picker scale: workers publishing KV events (10 batches/s each) while requests are scored")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    H.save_figure(fig, "Picker scale: workers publishing KV events (10 batches/s each) while requests are scored", path)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="tiny settings (smoke test): seconds, not minutes")
-    ap.add_argument("--out", default=str(H.RESULTS), help="directory for scale.json / scale.png")
+    ap = H.bench_parser(__doc__, "scale")
     ap.add_argument("--rate", type=float, default=10.0, help="KV-event batches per second per worker")
     a = ap.parse_args(argv)
     if a.quick:

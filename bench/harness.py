@@ -7,6 +7,7 @@ every process a benchmark starts is stopped by :class:`Stack` on exit, also on C
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -500,6 +501,22 @@ def pyplot():  # noqa: ANN201 - matplotlib is an optional extra; import lazily w
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig: Any, title: str, path: Path) -> None:
+    plt = pyplot()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def bench_parser(doc: str | None, name: str) -> argparse.ArgumentParser:
+    """The flags every benchmark shares: --quick (the smoke-test size) and --out (results directory)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny settings (smoke test): seconds, not minutes")
+    ap.add_argument("--out", default=str(RESULTS), help=f"directory for {name}.json / {name}.png")
+    return ap
 
 
 def fmt(v: Any, spec: str = ".2f") -> str:

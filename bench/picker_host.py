@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ from collections.abc import Sequence
 from prometheus_client import Histogram
 
 from epp_extproc.app import PickerApp
+from epp_extproc.cli import serve
 from epp_extproc.config import load_config
 
 FINE_BUCKETS = tuple(round(10e-6 * 1.2 ** i, 9) for i in range(76))  # 10 us .. ~10 s, 20% apart
@@ -74,24 +74,10 @@ def instrument(app: PickerApp) -> None:
     idx.apply_batch = apply_batch  # type: ignore[method-assign]
 
 
-async def serve(argv: Sequence[str]) -> int:
-    cfg = load_config(list(argv))
-    app = PickerApp(cfg)
-    instrument(app)
-    await app.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await app.stop()
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    return asyncio.run(serve(argv))
+    return asyncio.run(serve(load_config(argv), instrument))
 
 
 if __name__ == "__main__":

@@ -6,21 +6,24 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .app import PickerApp
-from .config import load_config
+from .config import Config, load_config
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_config(argv)
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(_serve(cfg))
+    return asyncio.run(serve(cfg))
 
 
-async def _serve(cfg) -> int:  # noqa: ANN001
+async def serve(cfg: Config, prepare: Callable[[PickerApp], None] | None = None) -> int:
+    """Run one picker until SIGINT/SIGTERM; `prepare` may instrument the app before it starts (benchmarks)."""
     app = PickerApp(cfg)
+    if prepare is not None:
+        prepare(app)
     await app.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
