@@ -115,13 +115,7 @@ def run_decision_process(n_workers: int, n_tokens: int, reps: int) -> dict[str, 
         rend = H.mock_renderer(st)
         pk = H.picker(st, spec, "trtllm-render", rend, argv0=[sys.executable, "-m", "bench.picker_host"])
         H.wait_subscribed(pk, addrs)
-        warm = H.kvpub_command(pub, "go")["warm"]
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            snap = H.get_json(H.picker_url(pk) + "/debug/kv")["workers"]
-            if all(snap[a]["blocks_indexed"] >= k for a, k in zip(addrs, warm, strict=True)):
-                break
-            time.sleep(0.1)
+        H.wait_warm(pk, addrs, H.kvpub_command(pub, "go")["warm"], timeout=20, poll=0.1)
 
         async def go() -> list[float]:
             c = H.ExtProcClient(pk.port)
@@ -297,7 +291,6 @@ def chart(doc: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = H.bench_parser(__doc__, "overhead")
     a = ap.parse_args(argv)
-    out = Path(a.out)
     print("overhead: end to end", flush=True)
     e2e = run_e2e(a.quick)
     print("overhead: decision time for 8k-token prompts", flush=True)
@@ -305,10 +298,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     doc = {"bench": "overhead", **H.meta(a.quick), "configs": CONFIGS, "mock_args": FAST_MOCK,
            "e2e": e2e, "decision_8k": dec}
     doc["targets"] = targets(e2e, dec)
-    print_report(doc)
-    H.write_json(out / "overhead.json", doc)
-    chart(doc, out / "overhead.png")
-    return doc
+    return H.publish(doc, a.out, "overhead", print_report, chart)
 
 
 if __name__ == "__main__":

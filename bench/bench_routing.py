@@ -373,10 +373,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     doc = {"bench": "routing", **H.meta(a.quick), "configs": CONFIGS, "workload": w.__dict__,
            "mock_args": w.mock_args(), "result": result}
     doc["targets"] = targets(doc)
-    print_report(doc)
-    H.write_json(Path(a.out) / "routing.json", doc)
-    chart(doc, Path(a.out) / "routing.png")
-    return doc
+    return H.publish(doc, a.out, "routing", print_report, chart)
 
 
 if __name__ == "__main__":

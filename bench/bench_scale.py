@@ -77,13 +77,7 @@ def run_workers(n: int, lengths: list[int], seconds: float, rate: float, cap: in
         pk = H.picker(st, spec, "trtllm-render", rend, argv0=[sys.executable, "-m", "bench.picker_host"])
         H.wait_subscribed(pk, addrs, timeout=60)
         rss_idle = pk.rss_bytes()
-        warm = H.kvpub_command(pub, "go")["warm"]
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            snap = H.get_json(H.picker_url(pk) + "/debug/kv")["workers"]
-            if all(snap[a]["blocks_indexed"] >= k for a, k in zip(addrs, warm, strict=True)):
-                break
-            time.sleep(0.2)
+        H.wait_warm(pk, addrs, H.kvpub_command(pub, "go")["warm"], timeout=60, poll=0.2)
         time.sleep(0.5)
         for length in lengths:
             bodies = bodies_for(doc, length, 8, rng)
@@ -203,10 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     doc = {"bench": "scale", **H.meta(a.quick), "rate_per_worker": a.rate, "doc_blocks": DOC_BLOCKS,
            "rows": rows}
     doc["first_bottleneck"] = first_bottleneck(rows)
-    print_report(doc)
-    H.write_json(Path(a.out) / "scale.json", doc)
-    chart(doc, Path(a.out) / "scale.png")
-    return doc
+    return H.publish(doc, a.out, "scale", print_report, chart)
 
 
 if __name__ == "__main__":

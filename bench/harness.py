@@ -239,6 +239,25 @@ def envoy(st: Stack, *, picker_proc: Proc | None = None, upstreams: Sequence[str
     raise RuntimeError(f"envoy not ready:\n{p.log.read_text()[-3000:]}")
 
 
+def wait_warm(pk: Proc, addrs: Sequence[str], warm: Sequence[int], *, timeout: float, poll: float) -> None:
+    """Until the picker's index holds at least `warm[i]` blocks for worker `addrs[i]` (or the timeout)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        snap = get_json(picker_url(pk) + "/debug/kv")["workers"]
+        if all(snap[a]["blocks_indexed"] >= k for a, k in zip(addrs, warm, strict=True)):
+            return
+        time.sleep(poll)
+
+
+def publish(doc: dict[str, Any], out: str, name: str, report: Callable[[dict[str, Any]], None],
+            chart: Callable[[dict[str, Any], Path], None]) -> dict[str, Any]:
+    """The common tail of every benchmark: print the table, write <name>.json and <name>.png."""
+    report(doc)
+    write_json(Path(out) / f"{name}.json", doc)
+    chart(doc, Path(out) / f"{name}.png")
+    return doc
+
+
 def get_json(url: str, timeout: float = 10.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read())
