@@ -146,14 +146,14 @@ def run_decision_process(n_workers: int, n_tokens: int, reps: int) -> dict[str, 
 
 # ----------------------------------------------------------------------------- decision time, in-process
 async def _inproc(n_workers: int, n_tokens: int, reps: int) -> dict[str, Any]:
+    from epp_extproc.adapters.kv_routing import KvRouting
     from epp_extproc.config import Config
-    from epp_extproc.endpoints import Endpoint, EndpointRegistry
-    from epp_extproc.kv_routing import KvRouting
-    from epp_extproc.load import LoadTracker
+    from epp_extproc.core.cost import choose
+    from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
+    from epp_extproc.core.load import LoadTracker
+    from epp_extproc.core.pipeline import Pipeline
+    from epp_extproc.core.request import RequestContext
     from epp_extproc.metrics import PickerMetrics
-    from epp_extproc.picker import choose
-    from epp_extproc.pipeline import Pipeline
-    from epp_extproc.request import RequestContext
     from kvindex.decode import decode_payload
     from kvindex.encode import pack_batch, stored_event
 
@@ -198,7 +198,7 @@ async def _inproc(n_workers: int, n_tokens: int, reps: int) -> dict[str, Any]:
         d = await pipe.decide(ctx)
         decide.append(time.perf_counter() - t0)
         d.booking.free()
-        from epp_extproc.pipeline import Plan
+        from epp_extproc.core.pipeline import Plan
 
         t0 = time.perf_counter()
         choose(pipe.candidates(addrs, Plan(tokens=rend.tokens, route="kv")), pipe.params)

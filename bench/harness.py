@@ -28,7 +28,7 @@ from typing import Any
 
 import aiohttp
 
-from epp_extproc import envoy_config
+from epp_extproc.dev import envoy_config
 
 BIN = Path(sys.executable).parent
 MOCK = str(BIN / "trtllm-mock")

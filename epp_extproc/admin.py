@@ -8,9 +8,9 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .endpoints import EndpointRegistry
-from .load import LoadTracker
-from .metrics import PickerMetrics
+from epp_extproc.core.endpoints import EndpointRegistry
+from epp_extproc.core.load import LoadTracker
+from epp_extproc.metrics import PickerMetrics
 
 ScoreHandler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 

@@ -12,20 +12,20 @@ import logging
 import grpc
 from aiohttp import web
 
-from .admin import build_admin_app
-from .config import Config
-from .discovery_static import FileDiscovery, parse_flag
-from .endpoint_probe import EndpointProber
-from .endpoints import Endpoint, EndpointRegistry
-from .extproc import ExtProcServicer, pb_grpc
-from .health import Health
-from .kv_routing import KvRouting
-from .load import LoadTracker
-from .metrics import PickerMetrics
-from .pipeline import Pipeline
-from .render_client import RenderClient
-from .tls import ServerCert, server_cert
-from .usage import ModelLabels, UsageObserver
+from epp_extproc.adapters.discovery_static import FileDiscovery, parse_flag
+from epp_extproc.adapters.endpoint_probe import EndpointProber
+from epp_extproc.adapters.kv_routing import KvRouting
+from epp_extproc.adapters.render_client import RenderClient
+from epp_extproc.admin import build_admin_app
+from epp_extproc.config import Config
+from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
+from epp_extproc.core.load import LoadTracker
+from epp_extproc.core.pipeline import Pipeline
+from epp_extproc.core.usage import ModelLabels, UsageObserver
+from epp_extproc.envoy.extproc import ExtProcServicer, pb_grpc
+from epp_extproc.envoy.health import Health
+from epp_extproc.envoy.tls import ServerCert, server_cert
+from epp_extproc.metrics import PickerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class PickerApp:
             fd.load_once()
             self._tasks.append(asyncio.create_task(fd.run()))
         elif cfg.inference_pool_name:
-            from .discovery_k8s import InferencePoolDiscovery
+            from epp_extproc.adapters.discovery_k8s import InferencePoolDiscovery
 
             d = InferencePoolDiscovery(self.registry, cfg.inference_pool_name, cfg.namespace,
                                        kv_event_port=cfg.kv_event_port, replay_port=replay,

@@ -8,8 +8,8 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
-from .app import PickerApp
-from .config import Config, load_config
+from epp_extproc.app import PickerApp
+from epp_extproc.config import Config, load_config
 
 
 def main(argv: Sequence[str] | None = None) -> int:

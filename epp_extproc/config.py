@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from .tls import cert_files
+from epp_extproc.envoy.tls import cert_files
 
 TOKENIZER_PROTOCOLS = ("none", "trtllm-render", "vllm-render", "sglang-renderer")
 SALT_POLICIES = ("reject", "load-only")

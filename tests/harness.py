@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from epp_extproc import envoy_config
+from epp_extproc.dev import envoy_config
 from tests.netutil import free_port, wait_port
 
 T = TypeVar("T")

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from epp_extproc import envoy_config
 from epp_extproc.app import PickerApp
 from epp_extproc.config import Config
+from epp_extproc.dev import envoy_config
 from tests.gateway_client import Reply, request
 from tests.harness import BackgroundLoop, EnvoyProcess
 from tests.netutil import free_port, wait_port

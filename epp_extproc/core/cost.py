@@ -1,0 +1,83 @@
+"""Choosing a worker: the Dynamo KV-router cost over the candidates, on plain Python values.
+
+cost = prefill_load_scale * max(prefill blocks in flight + this prompt's blocks - credit * overlap, 0)
+       + decode blocks in flight
+
+Temperature 0 picks the argmin with exact ties broken at random; temperature T > 0 samples from a softmax
+over range-normalised costs. With no prompt information (no render, body-less request) every booking
+weighs one block, so the rule degrades to "fewest requests in flight, random among ties".
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from epp_extproc.core.load import EndpointLoad
+
+
+@dataclass(frozen=True, slots=True)
+class CostParams:
+    overlap_credit: float = 1.0
+    prefill_load_scale: float = 1.0
+    temperature: float = 0.0
+
+
+@dataclass(slots=True)
+class Candidate:
+    address: str
+    load: EndpointLoad
+    prompt_blocks: float = 0.0  # this prompt in the candidate's block size
+    overlap_blocks: int = 0
+    cost: float = 0.0
+
+
+def compute_cost(c: Candidate, p: CostParams) -> float:
+    prefill = c.load.prefill_blocks + c.prompt_blocks - p.overlap_credit * c.overlap_blocks
+    return p.prefill_load_scale * max(prefill, 0.0) + c.load.decode_blocks
+
+
+def choose(candidates: Sequence[Candidate], params: CostParams, rng: random.Random | None = None) -> Candidate:
+    """Fill in each candidate's cost and return the chosen one. `candidates` must not be empty."""
+    rng = rng or random
+    for c in candidates:
+        c.cost = compute_cost(c, params)
+    if params.temperature <= 0 or len(candidates) == 1:
+        best = min(c.cost for c in candidates)
+        ties = [c for c in candidates if c.cost == best]
+        return ties[0] if len(ties) == 1 else rng.choice(ties)
+    lo = min(c.cost for c in candidates)
+    hi = max(c.cost for c in candidates)
+    if hi == lo:
+        return rng.choice(list(candidates))
+    weights = [math.exp(-(c.cost - lo) / ((hi - lo) * params.temperature)) for c in candidates]
+    return rng.choices(list(candidates), weights=weights, k=1)[0]
+
+
+def parse_subset(value: object) -> list[str] | None:
+    """The gateway's subset hint: a list of `ip:port` or one comma-separated string; None = no hint."""
+    if value is None:
+        return None
+    items: list[str] = []
+    if isinstance(value, str):
+        items = value.split(",")
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            if isinstance(v, str):
+                items.extend(v.split(","))
+    return [s.strip() for s in items if s.strip()]
+
+
+def eligible(addresses: Sequence[str], subset: Sequence[str] | None) -> list[str]:
+    """Endpoints the picker may name: the discovered ones, narrowed (never widened) by the subset hint."""
+    if subset is None:
+        return list(addresses)
+    allowed = set(subset)
+    return [a for a in addresses if a in allowed]
+
+
+def loads_for(addresses: Sequence[str], loads: Mapping[str, EndpointLoad]) -> list[Candidate]:
+    empty = EndpointLoad()
+    return [Candidate(a, loads.get(a, empty)) for a in addresses]

@@ -1,0 +1,75 @@
+"""Each benchmark starts, runs its tiny --quick setting against real processes and writes well-formed
+results (figures are not asserted: performance is judged from the printed tables, as ratios against the
+baseline measured in the same run)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_bench(name: str, out: Path, timeout: float = 50) -> dict:
+    proc = subprocess.run([sys.executable, "-m", f"bench.bench_{name}", "--quick", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / f"{name}.png").stat().st_size > 0
+    return json.loads((out / f"{name}.json").read_text())
+
+
+@pytest.mark.timeout(60)
+def test_overhead_quick(tmp_path: Path) -> None:
+    doc = run_bench("overhead", tmp_path)
+    rows = doc["e2e"]["rows"]
+    assert {(r["config"], r["concurrency"]) for r in rows} == {(c, n) for c in "abc" for n in (1, 16, 32, 64)}
+    for r in rows:
+        assert r["errors"] == 0 and r["rps"] > 0 and r["p50_ms"] <= r["p99_ms"]
+        assert r["p50_ratio"] is not None and r["rps_ratio"] is not None
+        if r["config"] != "a":
+            assert r["epp_decision_seconds"]["count"] >= r["requests"]
+    assert {d["workers"] for d in doc["decision_8k"]} == {8, 64}
+    for d in doc["decision_8k"]:
+        assert d["prompt_tokens"] == 8192
+        assert d["histogram_epp_decision"]["count"] == d["requests"]
+        assert d["in_process"]["decide_without_render"]["p99_ms"] > 0
+    assert set(doc["targets"]) == {"decision_p50_le_0.2ms", "decision_p99_le_1ms", "added_p50_at_c1_le_2ms",
+                                   "c_sustains_1000_rps"}
+
+
+@pytest.mark.timeout(60)
+def test_routing_quick(tmp_path: Path) -> None:
+    doc = run_bench("routing", tmp_path)
+    rows = doc["result"]["rows"]
+    assert {r["config"] for r in rows} == {"a", "b", "c"}
+    for r in rows:
+        assert r["errors"] == 0 and r["requests"] > 0
+        assert r["ttft_p50_ms"] <= r["ttft_p90_ms"]
+        assert 0 <= r["cached_ratio"] <= 1 and r["output_tokens_per_s"] > 0
+        assert abs(r["cached_ratio"] - r["mock_stats_cached_ratio"]) < 1e-9  # usage agrees with the workers
+    for o in doc["result"]["oracle"].values():
+        assert 0 <= o["affinity_lru"] <= o["infinite"] <= 1
+    assert set(doc["targets"]["c"]) == {"ttft_p90_a_over_c_at_top_rate", "cached_ratio_within_10pct_of_oracle"}
+
+
+@pytest.mark.timeout(60)
+def test_scale_quick(tmp_path: Path) -> None:
+    doc = run_bench("scale", tmp_path)
+    rows = doc["rows"]
+    assert {(r["workers"], r["prompt_tokens"]) for r in rows} == {(w, n) for w in (4, 16) for n in (1024, 8192)}
+    for r in rows:
+        assert r["decisions"] > 0 and r["rejected"] == 0
+        assert r["ingest_lag"]["count"] > 0 and r["ingest_lag"]["p99_ms"] is not None
+        assert r["lookup"]["p99_ms"] > 0 and r["picker_rss_mb"] > 0
+        assert r["index_blocks_total"] > 0 and r["vs_fewest_workers"]["decision"] is not None
+    assert "crossed" in doc["first_bottleneck"]
+
+
+def test_run_all_rejects_unknown_names(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "bench.run_all", "--quick", "--out", str(tmp_path), "--only",
+                           "nope"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert proc.returncode != 0 and "unknown benchmark" in proc.stderr + proc.stdout

@@ -1,0 +1,101 @@
+"""Configuration from flags and Dynamo env names; static endpoints from a flag or a watched file."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from epp_extproc.adapters.discovery_static import EndpointSpecError, FileDiscovery, parse_flag
+from epp_extproc.config import OPTIONS, Config, load_config
+from epp_extproc.core.endpoints import EndpointRegistry, split_host_port
+
+
+def test_dynamo_env_names_are_read() -> None:
+    cfg = load_config([], {"DYN_KV_CACHE_BLOCK_SIZE": "64", "DYN_ROUTER_TEMPERATURE": "0.5",
+                           "DYN_EPP_MAX_INFLIGHT_REQUESTS": "7"})
+    assert (cfg.kv_cache_block_size, cfg.router_temperature, cfg.max_inflight_requests) == (64, 0.5, 7)
+
+
+def test_flag_wins_over_env() -> None:
+    assert load_config(["--kv-cache-block-size", "16"], {"DYN_KV_CACHE_BLOCK_SIZE": "64"}).kv_cache_block_size == 16
+
+
+def test_bad_env_value_stops_startup_naming_the_variable() -> None:
+    with pytest.raises(SystemExit, match="DYN_KV_CACHE_BLOCK_SIZE"):
+        load_config([], {"DYN_KV_CACHE_BLOCK_SIZE": "many"})
+
+
+def test_render_protocol_needs_an_absolute_http_url() -> None:
+    with pytest.raises(SystemExit, match="DYN_EPP_TOKENIZER_SERVICE_URL"):
+        load_config([], {"DYN_EPP_TOKENIZER_PROTOCOL": "trtllm-render", "DYN_EPP_TOKENIZER_SERVICE_URL": "r:9"})
+
+
+def test_config_defaults_match_the_option_table() -> None:
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    for o in OPTIONS:
+        assert defaults[o.dest] == o.default, o.flag
+
+
+def test_flag_endpoints_with_derived_and_explicit_kv_addresses() -> None:
+    eps = parse_flag("w0=10.0.0.1:8000, w1=10.0.0.2:8000;kv=tcp://10.0.0.2:6000;replay=tcp://10.0.0.2:6001",
+                     kv_event_port=5557, replay_port=None)
+    assert eps[0].kv_events == "tcp://10.0.0.1:5557" and eps[0].replay is None
+    assert eps[1].kv_events == "tcp://10.0.0.2:6000" and eps[1].replay == "tcp://10.0.0.2:6001"
+
+
+def test_ipv6_endpoints_are_bracketed() -> None:
+    assert split_host_port("[fd00::1]:8000") == ("fd00::1", 8000)
+    ep = parse_flag("[fd00::1]:8000", kv_event_port=5557, replay_port=5558)[0]
+    assert ep.kv_events == "tcp://[fd00::1]:5557" and ep.replay == "tcp://[fd00::1]:5558"
+
+
+@pytest.mark.parametrize("bad", ["w0=nohost", "w0=1.2.3.4:0", "1.2.3.4:99999", "w=1.2.3.4:80;zz=1"])
+def test_bad_endpoint_specs_are_refused(bad: str) -> None:
+    with pytest.raises(EndpointSpecError):
+        parse_flag(bad, kv_event_port=5557, replay_port=None)
+
+
+def test_endpoints_file_is_reloaded_when_it_changes(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "eps.yaml"
+    path.write_text("endpoints:\n  - name: a\n    address: 127.0.0.1:1\n")
+    reg = EndpointRegistry()
+    fd = FileDiscovery(reg, str(path), kv_event_port=5557, replay_port=None)
+    fd.load_once()
+    assert [e.name for e in reg.all()] == ["a"]
+    path.write_text(json.dumps({"endpoints": [{"name": "b", "address": "127.0.0.1:2"}]}))
+    os.utime(path, (1, 1))  # force a different mtime even within the same clock tick
+    fd.load_once()
+    assert [e.name for e in reg.all()] == ["b"]
+
+
+def test_broken_endpoints_file_keeps_the_previous_set(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "eps.yaml"
+    path.write_text("- 127.0.0.1:1\n- 127.0.0.1:2\n")
+    reg = EndpointRegistry()
+    fd = FileDiscovery(reg, str(path), kv_event_port=5557, replay_port=None)
+    fd.load_once()
+    path.write_text("endpoints: [ {address: ")
+    os.utime(path, (2, 2))
+    fd.load_once()
+    assert len(reg) == 2
+
+
+def test_registry_tells_listeners_what_changed() -> None:
+    reg = EndpointRegistry()
+    seen = []
+    reg.subscribe(lambda added, removed: seen.append(([e.name for e in added], [e.name for e in removed])))
+    eps = parse_flag("a=127.0.0.1:1,b=127.0.0.1:2", kv_event_port=5557, replay_port=None)
+    reg.replace(eps)
+    reg.replace(eps[1:])
+    assert seen == [(["a", "b"], []), ([], ["a"])]
+
+
+def test_readme_documents_every_flag_and_env_name() -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    missing = [o.flag for o in OPTIONS if f"`{o.flag}`" not in readme or (o.env and f"`{o.env}`" not in readme)]
+    assert missing == []

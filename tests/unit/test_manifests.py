@@ -1,0 +1,476 @@
+"""The Kubernetes manifests parse, validate against the real schemas, and agree with each other and the code.
+
+Built-in kinds are checked with kubernetes-validate (strict: unknown fields fail); InferencePool, HTTPRoute and
+Gateway with the description-free schemas derived from the upstream CRDs (manifests/schemas/). Overlays are
+rendered by a minimal kustomize (resources + JSON6902 patches, the only features the manifests use; anything
+else fails the test), cross-checked against `kubectl kustomize` when kubectl is installed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from epp_extproc.config import ENV_NAMES, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+MANIFESTS = ROOT / "manifests"
+SCHEMAS = MANIFESTS / "schemas"
+CRD_DIR = ROOT.parent / "shared" / "crds"
+K8S_VERSION = "1.33"  # native sidecars are GA here; kubernetes-validate ships schemas up to 1.37
+VARIANTS = ("trtllm", "cpu-mock")
+CRD_KINDS = {("inference.networking.k8s.io/v1", "InferencePool"): "inferencepool-v1.json",
+             ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproute-v1.json",
+             ("gateway.networking.k8s.io/v1", "Gateway"): "gateway-v1.json"}
+KUSTOMIZE_KEYS = {"apiVersion", "kind", "resources", "patches"}
+
+sys.path.insert(0, str(SCHEMAS))
+import derive  # noqa: E402  (manifests/schemas/derive.py: not a package)
+
+# ---------------------------------------------------------------------------------------------- rendering
+
+
+def yaml_files() -> list[Path]:
+    return sorted(MANIFESTS.rglob("*.yaml"))
+
+
+def load_docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def _pointer(path: str) -> list[str]:
+    return [p.replace("~1", "/").replace("~0", "~") for p in path.lstrip("/").split("/")]
+
+
+def apply_json6902(obj: dict[str, Any], ops: list[dict[str, Any]]) -> None:
+    for op in ops:
+        *parents, last = _pointer(op["path"])
+        node: Any = obj
+        for p in parents:
+            node = node[int(p)] if isinstance(node, list) else node[p]
+        key: Any = int(last) if isinstance(node, list) and last != "-" else last
+        if op["op"] == "replace":
+            assert key in node if isinstance(node, dict) else key < len(node), f"replace of missing {op['path']}"
+            node[key] = copy.deepcopy(op["value"])
+        elif op["op"] == "add":
+            if isinstance(node, list):
+                node.insert(len(node) if key == "-" else key, copy.deepcopy(op["value"]))
+            else:
+                node[key] = copy.deepcopy(op["value"])
+        elif op["op"] == "remove":
+            del node[key]
+        else:
+            raise AssertionError(f"unsupported patch op {op['op']}")
+
+
+def _targets(obj: dict[str, Any], target: dict[str, str]) -> bool:
+    group, _, version = obj["apiVersion"].rpartition("/")
+    return all(target.get(k) in (None, v) for k, v in (("group", group), ("version", version),
+                                                       ("kind", obj["kind"]),
+                                                       ("name", obj["metadata"]["name"])))
+
+
+def build(directory: Path) -> list[dict[str, Any]]:
+    """What `kubectl kustomize directory` renders, for the subset of kustomize these manifests use."""
+    kust = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    unknown = set(kust) - KUSTOMIZE_KEYS
+    assert not unknown, f"{directory}: kustomization uses {unknown}; extend tests/unit/test_manifests.py build()"
+    objs: list[dict[str, Any]] = []
+    for res in kust.get("resources", []):
+        path = directory / res
+        objs.extend(build(path) if path.is_dir() else load_docs(path))
+    for patch in kust.get("patches", []):
+        assert set(patch) == {"target", "patch"}, f"{directory}: only inline JSON6902 patches are supported"
+        ops = yaml.safe_load(patch["patch"])
+        hits = [o for o in objs if _targets(o, patch["target"])]
+        assert len(hits) == 1, f"{directory}: patch target {patch['target']} matched {len(hits)} objects"
+        apply_json6902(hits[0], ops)
+    return objs
+
+
+def find(objs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    hits = [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    assert len(hits) == 1, f"expected one {kind} {name or ''}, found {len(hits)}"
+    return hits[0]
+
+
+def env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def env_value(container: dict[str, Any], name: str) -> str:
+    return env_of(container)[name]["value"]
+
+
+def arg_after(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def picker_deployment(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    pool = find(objs, "InferencePool")
+    svc = find(objs, "Service", pool["spec"]["endpointPickerRef"]["name"])
+    deps = [d for d in objs if d["kind"] == "Deployment"
+            and all(d["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in svc["spec"]["selector"].items())]
+    assert len(deps) == 1, "the picker Service must select exactly one Deployment"
+    return deps[0]
+
+
+def picker(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    return picker_deployment(objs)["spec"]["template"]["spec"]["containers"][0]
+
+
+def sidecar(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    (renderer,) = picker_deployment(objs)["spec"]["template"]["spec"]["initContainers"]
+    return renderer
+
+
+def worker_deployment(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    pool = find(objs, "InferencePool")
+    sel = pool["spec"]["selector"]["matchLabels"]
+    deps = [d for d in objs if d["kind"] == "Deployment"
+            and all(d["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in sel.items())]
+    assert len(deps) == 1, f"the pool selector {sel} must select exactly one Deployment, got {len(deps)}"
+    return deps[0]
+
+
+def worker(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    return worker_deployment(objs)["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict[str, Any]]]:
+    return {name: build(MANIFESTS / name) for name in ("base", *VARIANTS)}
+
+
+def crd_validator(filename: str) -> jsonschema.Draft7Validator:
+    return jsonschema.Draft7Validator(json.loads((SCHEMAS / filename).read_text()))
+
+
+# ---------------------------------------------------------------------------------------------- parsing and schemas
+
+
+@pytest.mark.parametrize("path", yaml_files(), ids=lambda p: str(p.relative_to(MANIFESTS)))
+def test_every_yaml_file_parses_into_objects_with_kind_and_api_version(path):
+    docs = load_docs(path)
+    assert docs
+    assert all(isinstance(d, dict) and d.get("apiVersion") and d.get("kind") for d in docs)
+
+
+@pytest.mark.parametrize("path", yaml_files(), ids=lambda p: str(p.relative_to(MANIFESTS)))
+def test_manifests_are_namespace_agnostic(path):
+    assert all("namespace" not in d.get("metadata", {}) for d in load_docs(path))
+
+
+@pytest.mark.parametrize("variant", ("base", *VARIANTS))
+def test_builtin_kinds_validate_strictly_against_the_kubernetes_schemas(rendered, variant):
+    builtin = [o for o in rendered[variant] if (o["apiVersion"], o["kind"]) not in CRD_KINDS]
+    assert builtin
+    for obj in builtin:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_kubernetes_validation_rejects_an_unknown_container_field(rendered):
+    dep = copy.deepcopy(picker_deployment(rendered["base"]))
+    dep["spec"]["template"]["spec"]["containers"][0]["envv"] = []
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("variant", ("base", *VARIANTS))
+def test_custom_objects_validate_against_the_derived_crd_schemas(rendered, variant):
+    custom = [o for o in rendered[variant] if (o["apiVersion"], o["kind"]) in CRD_KINDS]
+    assert {o["kind"] for o in custom} == {"InferencePool", "HTTPRoute", "Gateway"}
+    for obj in custom:
+        crd_validator(CRD_KINDS[(obj["apiVersion"], obj["kind"])]).validate(obj)
+
+
+def test_derived_schema_rejects_an_unknown_failure_mode(rendered):
+    pool = copy.deepcopy(find(rendered["base"], "InferencePool"))
+    pool["spec"]["endpointPickerRef"]["failureMode"] = "FailSometimes"
+    with pytest.raises(jsonschema.ValidationError):
+        crd_validator("inferencepool-v1.json").validate(pool)
+
+
+def test_derived_schemas_carry_no_descriptions():
+    for name in CRD_KINDS.values():
+        assert '"description":' not in (SCHEMAS / name).read_text()
+
+
+@pytest.mark.skipif(not CRD_DIR.is_dir(), reason="../shared/crds not present (plain clone)")
+def test_derived_schemas_are_up_to_date_with_the_upstream_crds():
+    for name, text in derive.derive(CRD_DIR).items():
+        assert (SCHEMAS / name).read_text() == text, f"{name} is stale: run python manifests/schemas/derive.py"
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+@pytest.mark.parametrize("variant", ("base", *VARIANTS))
+def test_kubectl_kustomize_renders_what_the_test_renderer_renders(rendered, variant):
+    out = subprocess.run(["kubectl", "kustomize", str(MANIFESTS / variant)], check=True, capture_output=True,
+                         text=True, timeout=60).stdout
+    key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
+    assert sorted((d for d in yaml.safe_load_all(out) if d), key=key) == sorted(rendered[variant], key=key)
+
+
+# ---------------------------------------------------------------------------------------------- cross-references
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pool_selector_selects_the_worker_pods_and_not_the_picker(rendered, variant):
+    objs = rendered[variant]
+    sel = find(objs, "InferencePool")["spec"]["selector"]["matchLabels"]
+    labels = picker_deployment(objs)["spec"]["template"]["metadata"]["labels"]
+    assert worker_deployment(objs)  # exactly one Deployment carries the selected labels
+    assert not all(labels.get(k) == v for k, v in sel.items())
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pool_target_ports_are_worker_container_ports(rendered, variant):
+    objs = rendered[variant]
+    ports = {p["containerPort"] for p in worker(objs)["ports"]}
+    assert {p["number"] for p in find(objs, "InferencePool")["spec"]["targetPorts"]} <= ports
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_worker_readiness_probes_the_served_port(rendered, variant):
+    w = worker(rendered[variant])
+    probe = w["readinessProbe"]["httpGet"]
+    named = {p["name"]: p["containerPort"] for p in w["ports"]}
+    port = named.get(probe["port"], probe["port"])
+    assert (probe["path"], port) == ("/health", find(rendered[variant], "InferencePool")["spec"]["targetPorts"][0]["number"])
+
+
+def test_endpoint_picker_ref_names_the_picker_service_grpc_port(rendered):
+    objs = rendered["base"]
+    ref = find(objs, "InferencePool")["spec"]["endpointPickerRef"]
+    svc = find(objs, "Service", ref["name"])
+    (port,) = [p for p in svc["spec"]["ports"] if p["port"] == ref["port"]["number"]]
+    assert (ref.get("kind", "Service"), ref.get("group", ""), port["appProtocol"]) == \
+        ("Service", "", "kubernetes.io/h2c")
+
+
+def test_picker_service_ports_reach_the_configured_picker_ports(rendered):
+    objs = rendered["base"]
+    svc = find(objs, "Service", "llm-pool-epp")
+    c = picker(objs)
+    named = {p["name"]: p["containerPort"] for p in c["ports"]}
+    cfg = load_config([], env={k: v["value"] for k, v in env_of(c).items() if "value" in v})
+    want = {9002: cfg.grpc_port, 9003: cfg.health_port, 9090: cfg.metrics_port}
+    got = {p["port"]: named[p["targetPort"]] for p in svc["spec"]["ports"]}
+    assert got == want == {9002: 9002, 9003: 9003, 9090: 9090}
+
+
+def test_picker_probes_are_grpc_health_services_on_the_health_port(rendered):
+    c = picker(rendered["base"])
+    port = int(env_value(c, "DYN_EPP_HEALTH_PORT"))
+    assert c["livenessProbe"]["grpc"] == {"port": port, "service": "liveness"}
+    assert c["readinessProbe"]["grpc"] == {"port": port, "service": "readiness"}
+
+
+def test_httproute_sends_to_the_pool_through_the_gateway(rendered):
+    objs = rendered["base"]
+    route = find(objs, "HTTPRoute")
+    backends = [b for rule in route["spec"]["rules"] for b in rule["backendRefs"]]
+    assert backends == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                         "name": find(objs, "InferencePool")["metadata"]["name"]}]
+    assert [p["name"] for p in route["spec"]["parentRefs"]] == [find(objs, "Gateway")["metadata"]["name"]]
+
+
+def test_rolebinding_binds_the_picker_service_account_to_the_role(rendered):
+    objs = rendered["base"]
+    sa = picker_deployment(objs)["spec"]["template"]["spec"]["serviceAccountName"]
+    rb = find(objs, "RoleBinding")
+    assert find(objs, "ServiceAccount", sa)
+    assert rb["subjects"] == [{"kind": "ServiceAccount", "name": sa}]
+    assert find(objs, "Role", rb["roleRef"]["name"])["metadata"]["name"] == rb["roleRef"]["name"]
+
+
+def test_role_grants_read_and_watch_on_pods_and_inferencepools(rendered):
+    rules = find(rendered["base"], "Role")["rules"]
+    granted = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]
+               for v in rule["verbs"]}
+    for group, resource in (("", "pods"), ("inference.networking.k8s.io", "inferencepools")):
+        assert {(group, resource, v) for v in ("get", "list", "watch")} <= granted
+
+
+@pytest.mark.parametrize("variant", ("base", *VARIANTS))
+def test_picker_env_names_are_ones_the_picker_reads(rendered, variant):
+    names = {n for n in env_of(picker(rendered[variant])) if n.startswith("DYN_") or n == "POD_NAMESPACE"}
+    assert names and names <= ENV_NAMES
+
+
+def test_picker_env_is_a_valid_picker_configuration(rendered):
+    env = {k: v.get("value", "ns-from-downward-api") for k, v in env_of(picker(rendered["base"])).items()}
+    cfg = load_config([], env=env)
+    assert (cfg.tokenizer_protocol, cfg.kv_cache_block_size) == ("trtllm-render", 32)
+
+
+def test_picker_watches_the_pool_in_its_own_namespace(rendered):
+    objs = rendered["base"]
+    c = picker(objs)
+    assert env_value(c, "DYN_EPP_INFERENCE_POOL_NAME") == find(objs, "InferencePool")["metadata"]["name"]
+    assert env_of(c)["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+
+
+@pytest.mark.parametrize("variant", ("base", *VARIANTS))
+def test_renderer_is_a_native_sidecar_whose_readiness_gates_the_pod(rendered, variant):
+    r = sidecar(rendered[variant])
+    assert r["restartPolicy"] == "Always"
+    assert "readinessProbe" in r
+
+
+@pytest.mark.parametrize("variant", ("base", *VARIANTS))
+def test_renderer_url_names_the_sidecar_port_on_loopback(rendered, variant):
+    objs = rendered[variant]
+    url = urlparse(env_value(picker(objs), "DYN_EPP_TOKENIZER_SERVICE_URL"))
+    r = sidecar(objs)
+    assert url.hostname == "127.0.0.1"
+    assert url.port == int(arg_after(r["args"], "--port"))
+    assert url.port in {p["containerPort"] for p in r["ports"]}
+    probe = " ".join(r["readinessProbe"]["exec"]["command"])
+    assert f"http://127.0.0.1:{url.port}/health" in probe
+
+
+def test_cpu_mock_sidecar_runs_the_mock_renderer_from_the_picker_image(rendered):
+    objs = rendered["cpu-mock"]
+    r = sidecar(objs)
+    assert (r["image"], r["command"], arg_after(r["args"], "--role")) == \
+        (picker(objs)["image"], ["trtllm-mock"], "renderer")
+
+
+def _trtllm_options(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    w = worker(objs)
+    path = Path(arg_after(w["args"], "--extra_llm_api_options"))
+    (mount,) = [m for m in w["volumeMounts"] if Path(m["mountPath"]) == path.parent]
+    (vol,) = [v for v in worker_deployment(objs)["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+    cm = find(objs, "ConfigMap", vol["configMap"]["name"])
+    return yaml.safe_load(cm["data"][path.name])
+
+
+def _kv_endpoint_and_block_size(variant: str, objs: list[dict[str, Any]]) -> tuple[str, int]:
+    if variant == "trtllm":
+        kv = _trtllm_options(objs)["kv_cache_config"]
+        assert (kv["kv_events_config"]["enable_kv_cache_events"], kv["kv_events_config"]["publisher"]) == \
+            (True, "zmq")
+        return kv["kv_events_config"]["endpoint"], kv["tokens_per_block"]
+    args = worker(objs)["args"]
+    return arg_after(args, "--kv-events-endpoint"), int(arg_after(args, "--tokens-per-block"))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_worker_kv_events_port_is_the_pickers_kv_event_port(rendered, variant):
+    objs = rendered[variant]
+    endpoint, _ = _kv_endpoint_and_block_size(variant, objs)
+    port = int(re.fullmatch(r"tcp://\*:(\d+)", endpoint).group(1))
+    assert port == int(env_value(picker(objs), "DYN_EPP_KV_EVENT_PORT"))
+    assert {"name": "kv-events", "containerPort": port, "protocol": "TCP"} in worker(objs)["ports"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_worker_tokens_per_block_is_the_pickers_block_size(rendered, variant):
+    objs = rendered[variant]
+    _, block = _kv_endpoint_and_block_size(variant, objs)
+    assert block == int(env_value(picker(objs), "DYN_KV_CACHE_BLOCK_SIZE"))
+
+
+def test_trtllm_worker_enables_render_endpoints_and_requests_a_gpu(rendered):
+    w = worker(rendered["trtllm"])
+    assert env_value(w, "TRTLLM_ENABLE_RENDER_ENDPOINTS") == "1"
+    assert w["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert w["image"].startswith("nvcr.io/nvidia/tensorrt-llm/release:")
+
+
+def test_trtllm_worker_and_renderer_serve_the_same_model(rendered):
+    objs = rendered["trtllm"]
+    assert worker(objs)["args"][0] == sidecar(objs)["args"][0]
+
+
+def test_trtllm_worker_serves_on_the_pool_target_port(rendered):
+    objs = rendered["trtllm"]
+    port = int(arg_after(worker(objs)["args"], "--port"))
+    assert port in {p["number"] for p in find(objs, "InferencePool")["spec"]["targetPorts"]}
+
+
+def test_mock_worker_serves_on_the_pool_target_port_with_render_endpoints(rendered):
+    objs = rendered["cpu-mock"]
+    args = worker(objs)["args"]
+    assert int(arg_after(args, "--port")) in {p["number"] for p in find(objs, "InferencePool")["spec"]["targetPorts"]}
+    assert "--enable-render-endpoints" in args and arg_after(args, "--role") == "worker"
+
+
+# ---------------------------------------------------------------------------------------------- Dockerfile
+
+
+def _dockerfile() -> list[tuple[str, str]]:
+    text = (MANIFESTS / "Dockerfile").read_text().replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            instr, _, rest = line.partition(" ")
+            out.append((instr.upper(), rest.strip()))
+    return out
+
+
+def _console_scripts() -> set[str]:
+    return set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"])
+
+
+def test_dockerfile_copy_sources_exist_in_the_repository_root():
+    copies = [shlex.split(rest)[:-1] for instr, rest in _dockerfile() if instr == "COPY"]
+    assert copies
+    for sources in copies:
+        for src in sources:
+            assert (ROOT / src).exists(), f"COPY source {src} missing (build context is the repo root)"
+
+
+def test_dockerfile_copies_every_package_pyproject_installs():
+    copied = {Path(s).name for instr, rest in _dockerfile() if instr == "COPY" for s in shlex.split(rest)[:-1]}
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert {p.rstrip("*") for p in include["include"]} <= copied
+
+
+def test_dockerfile_entrypoint_is_the_picker_console_script():
+    (entry,) = [json.loads(rest) for instr, rest in _dockerfile() if instr == "ENTRYPOINT"]
+    assert entry[0] == "epp-extproc" and entry[0] in _console_scripts()
+
+
+@pytest.mark.parametrize("variant", ("base", *VARIANTS))
+def test_container_commands_from_our_image_are_console_scripts(rendered, variant):
+    image = picker(rendered[variant])["image"]
+    for dep in (o for o in rendered[variant] if o["kind"] == "Deployment"):
+        spec = dep["spec"]["template"]["spec"]
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            if c["image"] == image and "command" in c:
+                assert c["command"][0] in _console_scripts()
+
+
+def _mock_containers(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [c for d in objs if d["kind"] == "Deployment"
+            for c in d["spec"]["template"]["spec"].get("initContainers", []) + d["spec"]["template"]["spec"]["containers"]
+            if c.get("command") == ["trtllm-mock"]]
+
+
+def test_cpu_mock_arguments_are_accepted_by_the_mock_cli(rendered):
+    from trtllm_mock.cli import config_from_args
+
+    containers = _mock_containers(rendered["cpu-mock"])
+    roles = set()
+    for c in containers:
+        cfg, _ = config_from_args([a.replace("$(POD_NAME)", "mock-worker-0") for a in c["args"]])
+        cfg.validate()
+        roles.add(cfg.role)
+    assert roles == {"worker", "renderer"}
