@@ -113,7 +113,7 @@ def test_an_unknown_body_mode_is_refused() -> None:
 def test_validate_mode_does_reject_a_broken_config(tmp_path: Path) -> None:
     """The check above can fail: a route to a cluster that does not exist is refused."""
     doc = envoy_config.to_dict(EnvoyOptions())
-    doc["static_resources"]["clusters"] = [c for c in doc["static_resources"]["clusters"] if c["name"] != "picker"]
+    doc["static_resources"]["clusters"] = [c for c in doc["static_resources"]["clusters"] if c["name"] != "workers"]
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(doc))
     assert _validate(bad).returncode != 0
