@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 class ServerCert:
     cert_pem: bytes
     key_pem: bytes
-    cert_file: Path  # where the certificate can be read (the self-signed one too), e.g. as a client's CA
+    cert_file: Path | None  # where the certificate can be read, e.g. as a client's CA (None: not written)
     self_signed: bool
 
     def fingerprint(self) -> str:
@@ -82,7 +82,7 @@ def load(cert_path: str) -> ServerCert:
 
 
 def self_signed(common_name: str = "epp-extproc", cert_dir: Path | None = None) -> ServerCert:
-    """Mint a P-256 certificate valid for a year; only the certificate is written (to `cert_dir`)."""
+    """Mint a P-256 certificate valid for a year; only the certificate is written (into `cert_dir`, if any)."""
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     now = datetime.datetime.now(datetime.UTC)
@@ -98,9 +98,10 @@ def self_signed(common_name: str = "epp-extproc", cert_dir: Path | None = None) 
     cert_pem = cert.public_bytes(serialization.Encoding.PEM)
     key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())
-    d = cert_dir or Path(tempfile.mkdtemp(prefix="epp-tls-"))
-    crt = d / CERT_FILE
-    crt.write_bytes(cert_pem)
+    crt: Path | None = None
+    if cert_dir is not None:
+        crt = cert_dir / CERT_FILE
+        crt.write_bytes(cert_pem)
     return ServerCert(cert_pem, key_pem, crt, self_signed=True)
 
 
@@ -129,7 +130,11 @@ class CertSource:
             self.current = load(cert_path)
         else:
             self._paths = None
-            self._tmpdir = Path(tempfile.mkdtemp(prefix="epp-tls-"))
+            try:
+                self._tmpdir = Path(tempfile.mkdtemp(prefix="epp-tls-"))
+            except OSError as e:  # e.g. a read-only root filesystem without a /tmp volume: serve anyway
+                log.warning("cannot write the self-signed certificate to a temporary folder (%s); serving "
+                            "it without a copy on disk", e)
             self.current = self_signed(cert_dir=self._tmpdir)
         self.reloads = 0
         self._pending: ServerCert | None = None

@@ -108,7 +108,7 @@ def provided(tmp_path_factory: pytest.TempPathFactory, cas: dict[str, tuple[Path
 def test_self_signed_certificate_is_minted_when_no_cert_path_is_given(self_signed: TlsGateway) -> None:
     tls = self_signed.app.tls
     assert tls is not None and tls.self_signed
-    assert tls.cert_file.read_bytes() == tls.cert_pem
+    assert tls.cert_file is not None and tls.cert_file.read_bytes() == tls.cert_pem
     assert b"BEGIN CERTIFICATE" in tls.cert_pem and len(tls.fingerprint()) == 64
 
 

@@ -258,8 +258,23 @@ def test_endpoint_picker_ref_names_the_picker_service_grpc_port(rendered):
     ref = find(objs, "InferencePool")["spec"]["endpointPickerRef"]
     svc = find(objs, "Service", ref["name"])
     (port,) = [p for p in svc["spec"]["ports"] if p["port"] == ref["port"]["number"]]
-    assert (ref.get("kind", "Service"), ref.get("group", ""), port["appProtocol"]) == \
-        ("Service", "", "kubernetes.io/h2c")
+    assert (ref.get("kind", "Service"), ref.get("group", "")) == ("Service", "")
+    assert port.get("appProtocol") != "kubernetes.io/h2c"  # the picker serves TLS there (next test)
+
+
+def test_picker_serves_tls_on_the_ext_proc_port_as_gaie_gateways_expect(rendered):
+    env = {k: v.get("value", "ns") for k, v in env_of(picker(rendered["base"])).items()}
+    assert load_config([], env=env).secure_serving is True
+
+
+def test_picker_has_a_writable_tmp_for_its_self_signed_certificate(rendered):
+    """readOnlyRootFilesystem: the self-signed certificate file (never the key) needs a writable /tmp."""
+    dep = picker_deployment(rendered["base"])
+    c = picker(rendered["base"])
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    (mount,) = [m for m in c.get("volumeMounts", []) if m["mountPath"] == "/tmp"]
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert "emptyDir" in vols[mount["name"]]
 
 
 def test_picker_service_ports_reach_the_configured_picker_ports(rendered):
