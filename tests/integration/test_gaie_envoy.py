@@ -30,7 +30,7 @@ from epp_extproc.dev.envoy_config import envoy_binary
 from tests.gateway_client import request
 from tests.harness import BackgroundLoop
 from tests.netutil import free_port, wait_port
-from tests.stack import MOCK, MockProc
+from tests.stack import MOCK, GatewayStack, MockProc
 
 EXT_PROC = "envoy.service.ext_proc.v3.ExternalProcessor"
 
@@ -227,3 +227,27 @@ def test_openai_sdk_shows_the_pickers_error_message(gw: GaieGateway) -> None:
     assert exc.status_code == 503
     assert "no endpoint available" in str(exc)
     assert isinstance(exc.body, dict) and "no endpoint available" in exc.body.get("message", ""), exc.body
+
+
+# ------------------------------------------------------------------ the same SDK behind our generated config
+@pytest.fixture(scope="module")
+def ours() -> Iterator[GatewayStack]:
+    s = GatewayStack(workers=2).start()  # the generator's defaults: TLS to the picker, health check, metadata
+    yield s
+    s.stop()
+
+
+def test_openai_sdk_through_our_generated_config_lands_on_the_cached_worker(ours: GatewayStack) -> None:
+    client = openai.OpenAI(base_url=ours.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    messages = [{"role": "system", "content": "You are a careful assistant. " * 40},
+                {"role": "user", "content": "first question"}]
+    first = client.chat.completions.with_raw_response.create(model="mock-model", messages=messages, max_tokens=2)
+    worker = first.headers["x-trtllm-mock-worker"]
+    ours.wait_index_matches()
+    again = client.chat.completions.with_raw_response.create(model="mock-model", max_tokens=2,
+                                                             messages=[*messages[:1],
+                                                                       {"role": "user", "content": "second"}])
+    assert again.headers["x-trtllm-mock-worker"] == worker  # KV-aware through TLS + the SDK
+    usage = again.parse().usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens > 0
