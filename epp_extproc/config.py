@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 from epp_extproc.envoy.tls import cert_files
 
 BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
+LOG_FORMATS = ("text", "json")
 
 
 class TokenizerProtocol(StrEnum):
@@ -78,18 +79,24 @@ def _opt_str(s: str) -> str | None:
 
 OPTIONS: tuple[Option, ...] = (
     # Serving
-    Option("--grpc-port", "DYN_EPP_GRPC_PORT", 9002, int, "ext_proc gRPC port (Envoy connects here, h2c)"),
+    Option("--grpc-port", "DYN_EPP_GRPC_PORT", 9002, int,
+           "ext_proc gRPC port (Envoy connects here; TLS unless --secure-serving=false); also serves gRPC "
+           "health like the health port"),
     Option("--health-port", "DYN_EPP_HEALTH_PORT", 9003, int,
            "gRPC health port (services liveness, readiness, ExternalProcessor, \"\")"),
     Option("--metrics-port", "DYN_EPP_METRICS_PORT", 9090, int,
            "HTTP port for /metrics (Prometheus) and the /debug admin API"),
     Option("--bind", "DYN_EPP_BIND_ADDRESS", "0.0.0.0", str, "address the three ports listen on"),
     Option("--log-level", "DYN_EPP_LOG_LEVEL", "INFO", str, "DEBUG, INFO, WARNING, ERROR"),
-    Option("--secure-serving", "DYN_EPP_SECURE_SERVING", False, _bool,
-           "TLS on the ext_proc port (health and metrics stay plain); the gateway must then speak TLS to it"),
+    Option("--log-format", "DYN_EPP_LOG_FORMAT", "text", str,
+           "`text` for people, `json` = one JSON object per line (time, level, logger, message) for log "
+           "pipelines", LOG_FORMATS),
+    Option("--secure-serving", "DYN_EPP_SECURE_SERVING", True, _bool,
+           "TLS on the ext_proc port, as GAIE's and Dynamo's pickers and their gateway configs expect (health "
+           "port and metrics stay plain); `--secure-serving=false` serves plaintext h2c"),
     Option("--cert-path", "DYN_EPP_CERT_PATH", None, _opt_str,
-           "directory with tls.crt and tls.key for secure serving; unset = a self-signed certificate is "
-           "generated at start-up (needs the openssl tool)"),
+           "directory with tls.crt and tls.key for secure serving, re-read when they change; unset = a "
+           "self-signed certificate minted in memory at start-up"),
     # Endpoints
     Option("--endpoints", "DYN_EPP_ENDPOINTS", None, _opt_str,
            "static endpoints, comma separated `name=ip:port` (or just `ip:port`)"),
@@ -174,6 +181,7 @@ class Config:
     metrics_port: int = _default("metrics_port")
     bind: str = _default("bind")
     log_level: str = _default("log_level")
+    log_format: str = _default("log_format")
     secure_serving: bool = _default("secure_serving")
     cert_path: str | None = _default("cert_path")
     endpoints: str | None = _default("endpoints")
@@ -279,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="epp-extproc",
         description="KV-cache-aware endpoint picker for Envoy (ext_proc). Every flag can also be set "
                     "through the environment variable shown in brackets.",
+        epilog="`epp-extproc envoy-config --help`: print a ready Envoy configuration for this picker.",
     )
     for o in OPTIONS:
         env = f" [env {o.env}]" if o.env else ""

@@ -20,11 +20,13 @@ from epp_extproc.core.body import BodyError, ParsedBody, parse_object, rewrite
 from epp_extproc.core.cost import Candidate, CostParams, choose, eligible, loads_for
 from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.errors import PickError, Problem
+from epp_extproc.core.late_usage import LateUsage
 from epp_extproc.core.load import Booking, LoadTracker
 from epp_extproc.core.logs import Throttled
 from epp_extproc.core.render import Renderer, RenderError, render_kind
 from epp_extproc.core.request import RequestContext, clip
 from epp_extproc.core.salt import resolve_salt
+from epp_extproc.core.usage import record_usage, usage_from_tail
 from epp_extproc.metrics import PickerMetrics
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,10 @@ class Decision:
     booking: Booking
     model: str | None = None
     predicted_cached_tokens: int | None = None
+
+    @property
+    def booking_id(self) -> str:
+        return self.booking.id
 
 
 @dataclass(slots=True)
@@ -108,6 +114,7 @@ class Pipeline:
                                  config.router_temperature)
         self.gate = InflightGate(config.max_inflight_requests, metrics.picker_inflight)
         self.bodies = BodyBudget(config.max_body_bytes, config.max_buffered_body_bytes, metrics.buffered_bytes)
+        self.late_usage = LateUsage()
 
     # ---------------------------------------------------------------- propose: no side effects
     def parse(self, ctx: RequestContext) -> ParsedBody | None:
@@ -257,6 +264,30 @@ class Pipeline:
 
         self.gate.enter()
         return PickerExchange(self)
+
+    def first_chunk(self, booking_id: str) -> None:
+        """Lean mode: the observer stream saw the first non-empty response chunk of this booking."""
+        b = self.load.booking(booking_id)
+        if b is not None:
+            b.prefill_done()
+            self.metrics.lean_signals.labels("first_chunk").inc()
+        else:
+            self.metrics.lean_signals.labels("first_chunk_unknown").inc()
+
+    def access_logged(self, booking_id: str, usage_tail: bytes | None, flags: list[str]) -> None:
+        """Lean mode: Envoy's access log reports how a request ended and, when it had one, its usage."""
+        for f in flags:
+            self.metrics.response_flags.labels(f).inc()
+        pending = self.late_usage.take(booking_id)
+        if pending is None:
+            self.metrics.lean_signals.labels("access_log_unmatched").inc()
+            return
+        usage = usage_from_tail(usage_tail) if usage_tail else None
+        if usage is None:
+            self.metrics.lean_signals.labels("access_log_no_usage").inc()
+            return
+        self.metrics.lean_signals.labels("access_log_usage").inc()
+        record_usage(self.metrics, pending.model, pending.predicted_cached_tokens, usage, "access_log")
 
     def count_rejection(self, err: PickError) -> None:
         label = f"render_{err.render.label}" if err.render is not None else err.problem.value
