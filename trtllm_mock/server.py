@@ -109,6 +109,7 @@ class MockWorker:
         self.registry.register(_EngineCollector(self))
         self.render_count = 0
         self.inference_count = 0
+        self.last_inference_body = b""  # exact bytes of the latest inference request (GET /mock/last-request)
         self.app = self._build_app()
         self._runner: web.AppRunner | None = None
         self.port: int = config.port
@@ -176,6 +177,7 @@ class MockWorker:
             r.add_get("/v1/models", self.models)
             r.add_get("/metrics", self.metrics)
             r.add_get("/mock/cache", self.mock_cache)
+            r.add_get("/mock/last-request", self.mock_last_request)
             r.add_post("/mock/cache/clear", self.mock_cache_clear)
             r.add_post("/mock/faults/drop-next-batch", self.mock_drop_next_batch)
             r.add_post("/mock/faults/restart-publisher", self.mock_restart_publisher)
@@ -359,6 +361,7 @@ class MockWorker:
         """POST /v1/chat/completions with the strict ChatCompletionRequest schema."""
         self.inference_counter.labels(route="chat").inc()
         self.inference_count += 1
+        self.last_inference_body = await request.read()
         try:
             body = validate_chat(await self._json_object(request, "ChatCompletionRequest"))
             part = multimodal_part_type(body)
@@ -378,6 +381,7 @@ class MockWorker:
         """POST /v1/completions: one prompt (text or ids); this schema has no cache_salt at all."""
         self.inference_counter.labels(route="completions").inc()
         self.inference_count += 1
+        self.last_inference_body = await request.read()
         try:
             body = validate_completion(await self._json_object(request, "CompletionRequest"))
             ids = [await self._completion_prompt_ids(p) for p in completion_prompts(body["prompt"])]
@@ -599,6 +603,10 @@ class MockWorker:
                 },
             }
         )
+
+    async def mock_last_request(self, request: web.Request) -> web.Response:
+        """GET /mock/last-request: the exact body bytes of the latest inference request this worker got."""
+        return web.Response(body=self.last_inference_body, content_type="application/octet-stream")
 
     async def mock_cache_clear(self, request: web.Request) -> web.Response:
         """POST /mock/cache/clear: evict everything and publish AllBlocksCleared."""
