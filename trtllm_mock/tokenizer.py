@@ -144,6 +144,14 @@ def prompt_ids_for_completion(prompt: str | list[int]) -> list[int]:
     return list(prompt)
 
 
+# Generated tokens always detokenize to their output word, whatever this process tokenized before: without
+# this, a prompt word whose id collides with an output word's id (likely in a 32k vocabulary) would be the
+# first to register it, and the answer text would depend on whether the worker ever saw the prompt as text
+# (it does not when it gets prompt_token_ids), unlike a real tokenizer's fixed vocabulary.
+for _w in _OUTPUT_WORDS:
+    _reverse[piece_id(_w)] = _w
+
+
 def output_token_ids(prompt_ids: Sequence[int], count: int) -> list[int]:
     """Deterministic "generated" tokens: the same prompt always yields the same continuation."""
     seed = hashlib.blake2b(b"".join(i.to_bytes(4, "little", signed=True) for i in prompt_ids), digest_size=8)

@@ -155,3 +155,16 @@ async def test_render_context_reports_the_configured_usage_exclusion_and_thinkin
         _, out = await post(session, w.url + "/v1/chat/completions/render",
                             chat_body("x", chat_template_kwargs={"enable_thinking": True}))  # fmt: skip
     assert out["context"] == {"prompt_tokens_excluded_from_usage": 3, "resolved_thinking": True}
+
+
+def test_generated_text_does_not_depend_on_which_prompt_words_the_process_tokenized_before():
+    """The prompt piece ' w212' and the output word ' under' share an id: tokenizing the prompt first (what a
+    worker that renders does, and one that gets prompt_token_ids does not) must not change the answer text."""
+    import subprocess
+    import sys
+
+    code = ("from trtllm_mock.tokenizer import tokenize, piece_id, detokenize\n"
+            "tokenize('x w212')\n"
+            "print(detokenize([piece_id(' under')]))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True)
+    assert out.stdout == " under\n"
