@@ -60,6 +60,7 @@ class Workload:
     speedup: float = 2.0
     max_batch: int = 4
     num_blocks: int = 4096
+    repeats: int = 2  # each (prompt, load) pair this often, the two configs in alternating order
 
     def mock_args(self) -> list[str]:
         return ["--prefill-ms-per-token", str(self.prefill_ms), "--decode-ms-per-token", str(self.decode_ms),
@@ -68,7 +69,7 @@ class Workload:
 
 
 QUICK = Workload(workers=2, long_tokens=2048, long_groups=2, c1_requests=4, rate=20.0, seconds=1.0,
-                 speedup=20.0)
+                 speedup=20.0, repeats=1)
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -159,12 +160,12 @@ def run(w: Workload) -> dict[str, Any]:
         wait_passthrough_ready(pickers["auto"])
         n_sat = int(w.rate * w.seconds)
         warm = make_bodies(w, "long", w.long_groups, seed=999)
-        for shape in ("short", "long"):
-            for load in ("c1", "saturating"):
+        for shape, load, repeat in [(s, ld, k) for s in ("short", "long") for ld in ("c1", "saturating")
+                                    for k in range(w.repeats)]:
                 n = w.c1_requests if load == "c1" else n_sat
-                bodies = make_bodies(w, shape, n, seed=zlib.crc32(f"{shape}/{load}".encode()))
+                bodies = make_bodies(w, shape, n, seed=zlib.crc32(f"{shape}/{load}/{repeat}".encode()))
                 texts: dict[str, dict[int, tuple[str, int, int]]] = {}
-                for cfg in CONFIGS:
+                for cfg in list(CONFIGS)[:: 1 if repeat % 2 == 0 else -1]:  # neither always goes first
                     # the same starting state for both: empty caches (the picker's index follows through
                     # AllBlocksCleared), then, for long prompts, each prefix cached where this picker puts it
                     wait_idle(workers)
@@ -184,7 +185,7 @@ def run(w: Workload) -> dict[str, Any]:
                     ok = [r for r in res if r.ok]
                     texts[cfg] = {i: (r.text, r.prompt_tokens, r.completion_tokens)
                                   for i, r in enumerate(res) if r.ok} if load == "c1" else {}
-                    row = {"shape": shape, "load": load, "config": cfg, **H.summarize(res, el),
+                    row = {"shape": shape, "load": load, "repeat": repeat, "config": cfg, **H.summarize(res, el),
                            "prompt_tokens_mean": sum(r.prompt_tokens for r in ok) / len(ok) if ok else 0,
                            "worker_rendered": after["rendered"] - before["rendered"],
                            "worker_pretokenized": after["pretokenized"] - before["pretokenized"],
@@ -195,51 +196,54 @@ def run(w: Workload) -> dict[str, Any]:
                            "picker_passthrough": {k: v - pt_before.get(k, 0.0) for k, v in pt_after.items()
                                                   if v - pt_before.get(k, 0.0) > 0}}
                     rows.append(row)
-                    print(f"  {shape:5} {load:10} ({cfg:4}) TTFT p50 {H.fmt(row.get('ttft_p50_ms'))} p90 "
+                    print(f"  {shape:5} {load:10} #{repeat} ({cfg:4}) TTFT p50 {H.fmt(row.get('ttft_p50_ms'))} p90 "
                           f"{H.fmt(row.get('ttft_p90_ms'))} ms, errors {row['errors']}, worker render CPU "
                           f"{row['worker_render_cpu_ms_per_req']:.2f} ms/req, proc CPU "
                           f"{row['worker_proc_cpu_ms_per_req']:.2f} ms/req, {row['picker_passthrough']}",
                           flush=True)
                 if load == "c1":
                     same = texts["off"] == texts["auto"] and len(texts["off"]) == len(bodies)
-                    identical[shape] = {"requests": len(bodies), "identical": same,
+                    prev = identical.get(shape, {"requests": 0, "identical": True})
+                    identical[shape] = {"requests": prev["requests"] + len(bodies),
+                                        "identical": prev["identical"] and same,
                                         "compared": "generated text, prompt_tokens, completion_tokens per "
                                                     "request index"}
     return {"rows": rows, "identical_outputs": identical, "ratios": ratios(rows)}
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """(off) over (auto) per shape and load: > 1 means passthrough is faster / cheaper."""
+    """(off) over (auto) per shape, load and repeat: > 1 means passthrough is faster / cheaper."""
     out = []
-    for shape in ("short", "long"):
-        for load in ("c1", "saturating"):
-            off = next((r for r in rows if (r["shape"], r["load"], r["config"]) == (shape, load, "off")), None)
-            on = next((r for r in rows if (r["shape"], r["load"], r["config"]) == (shape, load, "auto")), None)
-            if off is None or on is None:
-                continue
-            out.append({"shape": shape, "load": load,
-                        "ttft_p50_off_over_auto": H.ratio(off.get("ttft_p50_ms"), on.get("ttft_p50_ms")),
-                        "ttft_p90_off_over_auto": H.ratio(off.get("ttft_p90_ms"), on.get("ttft_p90_ms")),
-                        "worker_render_cpu_saved_ms_per_req": off["worker_render_cpu_ms_per_req"]
-                        - on["worker_render_cpu_ms_per_req"],
-                        "worker_proc_cpu_saved_ms_per_req": off["worker_proc_cpu_ms_per_req"]
-                        - on["worker_proc_cpu_ms_per_req"]})
+    for shape, load, repeat in sorted({(r["shape"], r["load"], r["repeat"]) for r in rows},
+                                      key=lambda k: (k[0] != "short", k[1] != "c1", k[2])):
+        key = (shape, load, repeat)
+        off = next((r for r in rows if (r["shape"], r["load"], r["repeat"], r["config"]) == (*key, "off")), None)
+        on = next((r for r in rows if (r["shape"], r["load"], r["repeat"], r["config"]) == (*key, "auto")), None)
+        if off is None or on is None:
+            continue
+        out.append({"shape": shape, "load": load, "repeat": repeat,
+                    "ttft_p50_off_over_auto": H.ratio(off.get("ttft_p50_ms"), on.get("ttft_p50_ms")),
+                    "ttft_p90_off_over_auto": H.ratio(off.get("ttft_p90_ms"), on.get("ttft_p90_ms")),
+                    "worker_render_cpu_saved_ms_per_req": off["worker_render_cpu_ms_per_req"]
+                    - on["worker_render_cpu_ms_per_req"],
+                    "worker_proc_cpu_saved_ms_per_req": off["worker_proc_cpu_ms_per_req"]
+                    - on["worker_proc_cpu_ms_per_req"]})
     return out
 
 
 def print_report(doc: dict[str, Any]) -> None:
     res = doc["result"]
     print("\nPrompt passthrough: (off) worker renders again, (auto) worker gets prompt_token_ids")
-    print(H.table([[r["shape"], r["load"], r["config"], r["requests"], r["errors"], r.get("ttft_p50_ms"),
+    print(H.table([[r["shape"], r["load"], r["repeat"], r["config"], r["requests"], r["errors"], r.get("ttft_p50_ms"),
                     r.get("ttft_p90_ms"), r["worker_rendered"], r["worker_pretokenized"],
                     r["worker_render_cpu_ms_per_req"], r["worker_proc_cpu_ms_per_req"]] for r in res["rows"]],
-                  ["prompt", "load", "cfg", "reqs", "err", "TTFT p50", "TTFT p90", "w.render", "w.ids",
+                  ["prompt", "load", "#", "cfg", "reqs", "err", "TTFT p50", "TTFT p90", "w.render", "w.ids",
                    "render CPU ms/req", "proc CPU ms/req"]))
     print("\nRatios (off / auto; CPU: off - auto)")
-    print(H.table([[x["shape"], x["load"], x["ttft_p50_off_over_auto"], x["ttft_p90_off_over_auto"],
+    print(H.table([[x["shape"], x["load"], x["repeat"], x["ttft_p50_off_over_auto"], x["ttft_p90_off_over_auto"],
                     x["worker_render_cpu_saved_ms_per_req"], x["worker_proc_cpu_saved_ms_per_req"]]
                    for x in res["ratios"]],
-                  ["prompt", "load", "p50 off/auto", "p90 off/auto", "render CPU saved ms", "proc CPU saved ms"]))
+                  ["prompt", "load", "#", "p50 off/auto", "p90 off/auto", "render CPU saved ms", "proc CPU saved ms"]))
     print("\nIdentical outputs:", json.dumps(res["identical_outputs"]))
 
 
@@ -250,10 +254,10 @@ def chart(doc: dict[str, Any], path: Path) -> None:
     keys = [(s, ld) for s in ("short", "long") for ld in ("c1", "saturating")]
     x = range(len(keys))
     for k, (cfg, color) in enumerate((("off", "tab:red"), ("auto", "tab:green"))):
-        p90 = [next((r.get("ttft_p90_ms") for r in rows if (r["shape"], r["load"], r["config"]) == (*key, cfg)),
-                    None) or 0 for key in keys]
+        p90 = [next((r.get("ttft_p90_ms") for r in rows if (r["shape"], r["load"], r["config"], r["repeat"])
+                     == (*key, cfg, 0)), None) or 0 for key in keys]
         cpu = [next((r["worker_proc_cpu_ms_per_req"] for r in rows
-                     if (r["shape"], r["load"], r["config"]) == (*key, cfg)), 0) for key in keys]
+                     if (r["shape"], r["load"], r["config"], r["repeat"]) == (*key, cfg, 0)), 0) for key in keys]
         axes[0].bar([i + 0.4 * k for i in x], p90, 0.4, color=color, label=f"({cfg})")
         axes[1].bar([i + 0.4 * k for i in x], cpu, 0.4, color=color, label=f"({cfg})")
     for ax, title in zip(axes, ("TTFT p90 (ms)", "worker process CPU per request (ms)"), strict=True):

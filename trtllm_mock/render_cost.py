@@ -5,7 +5,8 @@ scheduler sees it, so that time lands in time-to-first-token and burns a fronten
 carries ``prompt_token_ids`` (or a completions prompt given as ids) skips it. The mock reproduces both
 effects: :meth:`RenderCost.charge` really burns CPU for ``chars * render_us_per_char`` (hashing a buffer,
 which releases the GIL, so the event loop keeps serving other requests as it does upstream) on a small thread
-pool, so queueing behind other renders shows at saturation, and it counts what it charged and skipped for
+pool, where the mock's own template + tokenizer pass then runs too (off the event loop, like upstream's
+``asyncio.to_thread``), so queueing behind other renders shows at saturation, and it counts what it charged and skipped for
 ``GET /mock/stats``. With ``render_us_per_char = 0`` (the test default) nothing is burnt.
 """
 
@@ -14,21 +15,26 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from .config import MockConfig
 
+T = TypeVar("T")
 _BUF = b"\x5a" * 65536  # sha256 over >= 2 KiB releases the GIL; 64 KiB is ~0.1 ms of work per call
 
 
-def _burn(seconds: float) -> float:
-    """Spin on real CPU work until ``seconds`` of wall time passed; returns the thread CPU time used."""
+def _burn_then(seconds: float, work: Callable[[], T]) -> tuple[T, float]:
+    """Spin on real CPU work until ``seconds`` of wall time passed, then do ``work`` (the mock's own template
+    and tokenizer pass); returns its result and the thread CPU time both used."""
     cpu0 = time.thread_time()
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         hashlib.sha256(_BUF).digest()
-    return time.thread_time() - cpu0
+    out = work()
+    return out, time.thread_time() - cpu0
 
 
 @dataclass
@@ -59,19 +65,22 @@ class RenderCost:
         self.stats = RenderStats()
         self._pool: ThreadPoolExecutor | None = None
 
-    async def charge(self, chars: int) -> None:
-        """This request's prompt (``chars`` characters of text) must be rendered here."""
+    async def render(self, chars: int, work: Callable[[], T]) -> T:
+        """This request's prompt (``chars`` characters of text) must be rendered here: pay the configured
+        cost, then run ``work`` (the actual templating + tokenizing) on the render thread, as trtllm-serve
+        does; with no cost configured ``work`` runs inline (fast tests)."""
         self.stats.rendered_requests += 1
         self.stats.rendered_chars_total += chars
         seconds = chars * self.config.render_us_per_char / 1e6 / self.config.speedup
         if seconds <= 0:
-            return
+            return work()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.config.render_threads, thread_name_prefix="mock-render")
         started = time.perf_counter()
-        cpu = await asyncio.get_running_loop().run_in_executor(self._pool, _burn, seconds)
+        out, cpu = await asyncio.get_running_loop().run_in_executor(self._pool, _burn_then, seconds, work)
         self.stats.render_wall_seconds_total += time.perf_counter() - started
         self.stats.render_cpu_seconds_total += cpu
+        return out
 
     def skipped(self) -> None:
         """This request arrived as token ids: no template, no tokenizer."""

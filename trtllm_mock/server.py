@@ -38,8 +38,8 @@ from .tokenizer import (
     chat_prompt_text,
     detokenize,
     fingerprint,
-    prompt_ids_for_chat,
     prompt_ids_for_completion,
+    tokenize,
 )
 
 WORKER_HEADER = "x-trtllm-mock-worker"
@@ -324,15 +324,13 @@ class MockWorker:
             self.render_cost.skipped()
             return list(body["prompt_token_ids"])
         text = chat_prompt_text(body, self.config.chat_template)
-        await self.render_cost.charge(len(text))
-        return prompt_ids_for_chat(body, self.config.chat_template)
+        return await self.render_cost.render(len(text), lambda: tokenize(text))
 
     async def _completion_prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """A text prompt is tokenized (paying the render cost); a prompt given as ids is taken verbatim."""
         if isinstance(prompt, str):
-            await self.render_cost.charge(len(prompt))
-        else:
-            self.render_cost.skipped()
+            return await self.render_cost.render(len(prompt), lambda: prompt_ids_for_completion(prompt))
+        self.render_cost.skipped()
         return prompt_ids_for_completion(prompt)
 
     # ----------------------------------------------------------- inference

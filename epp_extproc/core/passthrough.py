@@ -112,7 +112,10 @@ def decide(policy: str, kind: str, values: Mapping[str, Any], rendered: Rendered
     if not fingerprints_match(worker, fingerprint_id(rendered.fingerprint)):
         return Verdict(ORIGINAL, "fingerprint_mismatch")
     if kind == "chat":
-        return Verdict(TOKENS, "ok", {"prompt_token_ids": rendered.token_ids})
-    assert rendered.prompts is not None
-    ids: Any = rendered.prompts if len(rendered.prompts) > 1 else rendered.prompts[0]
-    return Verdict(TOKENS, "ok", {"prompt": ids})
+        member, ids = "prompt_token_ids", rendered.token_ids
+    else:
+        assert rendered.prompts is not None
+        member, ids = "prompt", rendered.prompts if len(rendered.prompts) > 1 else rendered.prompts[0]
+    if values.get(member) == ids:  # the client already sent these ids: forward its bytes untouched
+        return Verdict(TOKENS, "ok")
+    return Verdict(TOKENS, "ok", {member: ids})

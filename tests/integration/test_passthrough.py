@@ -158,6 +158,21 @@ def test_salted_request_under_load_only_forwards_the_salt_but_not_the_ids(stack)
     assert reason_count(stack, "original", "salted_load_only") == before + 1
 
 
+def test_debug_score_says_what_would_be_forwarded(stack) -> None:
+    assert stack.app is not None
+    url = f"http://127.0.0.1:{stack.app.metrics_port}"
+
+    def score(body: dict[str, Any]) -> dict[str, Any]:
+        return request(url, path="/debug/score", body=json.dumps(body).encode()).json()
+
+    plain = score({"model": "mock-model", "messages": user("score me")})
+    named = score({"model": "mock-model", "messages": user("score me"), "tools": [{"type": "function",
+                   "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    assert plain["forwarded"] == {"body": "tokens", "reason": "ok", "members": ["prompt_token_ids"]}
+    assert {w["prompt_passthrough"]["forwarded"] for w in plain["workers"]} == {"tokens"}
+    assert named["forwarded"] == {"body": "original", "reason": "untrusted", "members": []}
+
+
 def test_policy_off_forwards_the_original_body(stack) -> None:
     stack.picker["prompt_passthrough"] = "off"
     try:
@@ -181,6 +196,20 @@ def test_renderer_down_forwards_the_original_body(stack) -> None:  # last: it st
     w = served_by(stack, r)
     assert last_body(w) == raw
     assert reason_count(stack, "original", "render_failed") == 1
+
+
+def test_buffered_mode_forwards_the_longer_body_with_a_matching_content_length() -> None:
+    s = GatewayStack(workers=1, body_mode="BUFFERED").start()
+    try:
+        wait_fingerprints(s)
+        raw = json.dumps({"model": "mock-model", "messages": user("buffered " * 300), "max_tokens": 3}).encode()
+        r = s.post_raw(raw)
+        assert r.status == 200, r.body
+        got = last_body(s.mocks[0])
+        assert len(got) > len(raw) + 600 and json.loads(got)["prompt_token_ids"]
+        assert render_stats(s.mocks[0])["pretokenized_requests"] == 1
+    finally:
+        s.stop()
 
 
 # ------------------------------------------------------------------ fingerprints that differ

@@ -90,3 +90,9 @@ def test_completions_render_that_missed_a_prompt_forwards_the_original(prompt: A
 
 def test_completions_with_echo_forward_the_original_body() -> None:
     assert completion("hello", [[4, 5]], echo=True).reason == "echo"
+
+
+def test_ids_the_client_already_sent_are_not_injected_again() -> None:
+    v = chat(values={**CHAT, "prompt_token_ids": [1, 2, 3]})
+    assert (v.forward, v.inject) == ("tokens", {})
+    assert completion([4, 5], [[4, 5]]).inject == {}
