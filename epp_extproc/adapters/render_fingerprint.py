@@ -6,7 +6,9 @@ reads it once per worker at admission (the registry's `added`), again as soon as
 worker's process gone (`lost`: a restarted worker may have been redeployed with another template), and
 every `refresh_s` otherwise, so a restart the prober missed is picked up within that bound. Until a read
 succeeds the fingerprint is unknown, and an unknown fingerprint never matches: the picker forwards the
-original body, which is always correct.
+original body, which is always correct. A read that fails (timeout, 5xx) keeps what was read before: a
+saturated worker answering `/server_info` late has not changed its template, and dropping its fingerprint
+would make the picker send it MORE work (the original body) exactly when it is busiest.
 
 Bounded: one small GET per worker per refresh (a failed read retries after `retry_s`), answers over
 `max_bytes` are refused, and entries live only as long as their endpoint.
@@ -105,10 +107,9 @@ class FingerprintWatcher:
         self.metrics.fingerprint_reads.labels(outcome).inc()
         now = time.monotonic()
         if outcome == "error":
-            if entry.state != "unknown":
-                log.info("cannot read /server_info of %s; its render fingerprint is unknown until it answers",
-                         address)
-            entry.fingerprint, entry.state, entry.due = None, "unknown", now + self.retry_s
+            # A busy worker that misses one read has not changed its configuration: keep what was read (a
+            # restart shows as a refused connection, `lost`) and try again soon.
+            entry.due = now + self.retry_s
             return
         if fp != entry.fingerprint or entry.state == "unknown":
             log.info("render fingerprint of %s: %s", address,
