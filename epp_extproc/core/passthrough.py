@@ -32,7 +32,7 @@ POLICIES = ("off", "auto")
 TOKENS = "tokens"
 ORIGINAL = "original"
 REASONS = ("ok", "off", "salted_load_only", "render_failed", "partial_render", "untrusted", "context",
-           "echo", "fingerprint_mismatch")
+           "echo", "fingerprint_mismatch", "too_large")  # too_large: decided by the pipeline after the rewrite
 
 
 @dataclass(frozen=True, slots=True)

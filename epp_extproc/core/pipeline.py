@@ -22,7 +22,7 @@ from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.load import Booking, LoadTracker
 from epp_extproc.core.logs import Throttled
-from epp_extproc.core.passthrough import FingerprintId, Verdict, decide
+from epp_extproc.core.passthrough import ORIGINAL, FingerprintId, Verdict, decide
 from epp_extproc.core.render import Rendered, Renderer, RenderError, render_kind
 from epp_extproc.core.request import RequestContext, clip
 from epp_extproc.core.salt import resolve_salt
@@ -232,9 +232,14 @@ class Pipeline:
         if parsed is not None and body is not None:
             inject = {**plan.inject, **verdict.inject} if verdict is not None and verdict.inject else plan.inject
             try:
-                body = rewrite(parsed, body, drop=DROP_MEMBERS, set_members=inject)
+                forwarded = rewrite(parsed, body, drop=DROP_MEMBERS, set_members=inject)
+                if verdict is not None and verdict.inject and len(forwarded) > self.config.max_body_bytes:
+                    # the ids would push the body past the size every hop is sized for: send the original
+                    verdict = Verdict(ORIGINAL, "too_large")
+                    forwarded = rewrite(parsed, body, drop=DROP_MEMBERS, set_members=plan.inject)
             except BodyError as e:
                 raise PickError(Problem.BAD_REQUEST, str(e)) from None
+            body = forwarded
         model = parsed.values.get("model") if parsed is not None else None
         p = Proposal(chosen.address, body, self._booked_blocks(chosen, plan), plan, cands, chosen,
                      model if isinstance(model, str) else None, started, score_seconds, parsed=parsed,

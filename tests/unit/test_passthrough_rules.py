@@ -96,3 +96,46 @@ def test_ids_the_client_already_sent_are_not_injected_again() -> None:
     v = chat(values={**CHAT, "prompt_token_ids": [1, 2, 3]})
     assert (v.forward, v.inject) == ("tokens", {})
     assert completion([4, 5], [[4, 5]]).inject == {}
+
+
+class MatchingRenderer:
+    """A TensorRT-LLM renderer whose answer allows passthrough (trusted, trivial context, complete fp)."""
+
+    protocol = "trtllm-render"
+
+    def __init__(self, n_ids: int) -> None:
+        self.n_ids = n_ids
+
+    async def render(self, kind: str, body: bytes, *, count: bool = True) -> Rendered:
+        return rendered(token_ids=list(range(10_000, 10_000 + self.n_ids)))
+
+
+async def propose_chat(n_ids: int, max_body_bytes: int):  # noqa: ANN201
+    from epp_extproc.config import Config
+    from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
+    from epp_extproc.core.load import LoadTracker
+    from epp_extproc.core.pipeline import Pipeline
+    from epp_extproc.core.request import RequestContext
+    from epp_extproc.metrics import PickerMetrics
+
+    reg = EndpointRegistry()
+    reg.replace([Endpoint("w0", "127.0.0.1:9")])
+    metrics = PickerMetrics()
+    cfg = Config(tokenizer_protocol="trtllm-render", tokenizer_service_url="http://127.0.0.1:1",
+                 max_body_bytes=max_body_bytes, max_buffered_body_bytes=max_body_bytes)
+    pipe = Pipeline(cfg, reg, LoadTracker(metrics.endpoint_inflight), metrics, renderer=MatchingRenderer(n_ids),
+                    fingerprint_of=lambda _: WORKER)
+    body = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+    return await pipe.propose(RequestContext("POST", "/v1/chat/completions", {}, body)), body
+
+
+async def test_pipeline_injects_the_ids_after_the_pick() -> None:
+    p, body = await propose_chat(3, 1 << 20)
+    assert p.body == body[:-1] + b',"prompt_token_ids":[10000, 10001, 10002]}'
+    assert (p.passthrough.forward, p.passthrough.reason) == ("tokens", "ok")  # type: ignore[union-attr]
+
+
+async def test_ids_that_would_push_the_body_past_the_size_limit_are_not_injected() -> None:
+    p, body = await propose_chat(1000, 2000)
+    assert p.body == body
+    assert (p.passthrough.forward, p.passthrough.reason) == ("original", "too_large")  # type: ignore[union-attr]
