@@ -10,7 +10,8 @@ original body, which is always correct. A read that fails (timeout, 5xx) keeps w
 saturated worker answering `/server_info` late has not changed its template, and dropping its fingerprint
 would make the picker send it MORE work (the original body) exactly when it is busiest.
 
-Bounded: one small GET per worker per refresh (a failed read retries after `retry_s`), answers over
+Bounded: one small GET per worker per refresh (a failed read retries after `retry_s`, doubling up to
+`refresh_s`), answers over
 `max_bytes` are refused, and entries live only as long as their endpoint.
 """
 
@@ -39,6 +40,7 @@ class _Entry:
     fingerprint: FingerprintId | None = None
     state: str = "unknown"  # unknown (never read, or lost) | missing (read: no usable fingerprint) | known
     due: float = 0.0  # monotonic time of the next read
+    failures: int = 0  # failed reads in a row (the retry interval doubles with each, up to refresh_s)
 
 
 class FingerprintWatcher:
@@ -94,11 +96,6 @@ class FingerprintWatcher:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), max(0.01, nxt - now))
 
-    async def refresh_now(self) -> None:
-        """Read every worker once (tests, and a start-up that wants fingerprints before traffic)."""
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as session:
-            await asyncio.gather(*(self._read(session, a) for a in list(self._entries)))
-
     async def _read(self, session: aiohttp.ClientSession, address: str) -> None:
         fp, outcome = await self._fetch(session, address)
         entry = self._entries.get(address)
@@ -108,13 +105,15 @@ class FingerprintWatcher:
         now = time.monotonic()
         if outcome == "error":
             # A busy worker that misses one read has not changed its configuration: keep what was read (a
-            # restart shows as a refused connection, `lost`) and try again soon.
-            entry.due = now + self.retry_s
+            # restart shows as a refused connection, `lost`) and try again soon, backing off.
+            entry.failures += 1
+            entry.due = now + min(self.refresh_s, self.retry_s * 2 ** min(entry.failures - 1, 16))
             return
         if fp != entry.fingerprint or entry.state == "unknown":
             log.info("render fingerprint of %s: %s", address,
                      f"{fp.digest[:12]}{'' if fp.complete else ' (incomplete)'}" if fp else "none")
         entry.fingerprint, entry.state, entry.due = fp, "known" if fp else "missing", now + self.refresh_s
+        entry.failures = 0
 
     async def _fetch(self, session: aiohttp.ClientSession, address: str) -> tuple[FingerprintId | None, str]:
         """(fingerprint, outcome): outcome ok | missing (answered without one) | error (no usable answer)."""
