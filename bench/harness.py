@@ -167,10 +167,10 @@ def mock_worker(st: Stack, name: str, args: Sequence[str] = (), *, kv: bool = Tr
     return st.add(p)
 
 
-def mock_renderer(st: Stack) -> Proc:
+def mock_renderer(st: Stack, args: Sequence[str] = ()) -> Proc:
     port = free_port()
     return st.add(Proc("renderer", [MOCK, "--role", "renderer", "--name", "renderer", "--port", str(port),
-                                    "--log-level", "WARNING"], port, st.dir / "renderer.log"))
+                                    "--log-level", "WARNING", *args], port, st.dir / "renderer.log"))
 
 
 def endpoints_spec(workers: Sequence[Proc]) -> str:

@@ -17,6 +17,7 @@ from epp_extproc.adapters.discovery_static import FileDiscovery, parse_flag
 from epp_extproc.adapters.endpoint_probe import EndpointProber
 from epp_extproc.adapters.kv_routing import KvRouting
 from epp_extproc.adapters.render_client import RenderClient
+from epp_extproc.adapters.render_fingerprint import FingerprintWatcher
 from epp_extproc.admin import build_admin_app, debug_score
 from epp_extproc.config import Config
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
@@ -49,8 +50,12 @@ class PickerApp:
                                 max_blocks_per_worker=config.max_index_blocks_per_worker,
                                 topic=config.kv_event_topic, prediction_ttl_s=config.prediction_ttl_s,
                                 metrics_registry=self.metrics.registry)
+        self.fingerprints: FingerprintWatcher | None = None
+        if config.tokenizer_protocol == "trtllm-render" and config.prompt_passthrough != "off":
+            self.fingerprints = FingerprintWatcher(self.registry, self.metrics,
+                                                   refresh_s=config.render_fingerprint_refresh_ms / 1000)
         self.pipeline = Pipeline(config, self.registry, self.load, self.metrics, renderer=self.renderer,
-                                 kv=self.kv)
+                                 kv=self.kv, fingerprint_of=self.fingerprints.get if self.fingerprints else None)
         self.health = Health()
         self.servicer = ExtProcServicer(self.pipeline, allowed_modes=config.body_modes(),
                                         body_timeout_s=config.request_body_timeout_ms / 1000)
@@ -65,10 +70,15 @@ class PickerApp:
         self.cert_source: CertSource | None = None
         self.prober: EndpointProber | None = None
         if config.endpoint_probe_interval_ms > 0:
-            kv = self.kv
             self.prober = EndpointProber(self.registry, interval_s=config.endpoint_probe_interval_ms / 1000,
-                                         path=config.endpoint_probe_path,
-                                         on_lost=kv.resync if kv is not None else None)
+                                         path=config.endpoint_probe_path, on_lost=self._on_lost)
+
+    def _on_lost(self, address: str) -> None:
+        """A worker's process is gone: its KV cache (and perhaps its rendering configuration) with it."""
+        if self.kv is not None:
+            self.kv.resync(address)
+        if self.fingerprints is not None:
+            self.fingerprints.lost(address)
 
     def _on_endpoints(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
         for ep in removed:
@@ -124,6 +134,8 @@ class PickerApp:
         await self._start_discovery()
         if self.prober is not None:
             self._tasks.append(asyncio.create_task(self.prober.run()))
+        if self.fingerprints is not None:
+            self._tasks.append(asyncio.create_task(self.fingerprints.run()))
         await self._grpc.start()
         await self._health_server.start()
         log.info("picker listening: ext_proc %s:%d, health %s:%d, metrics http://%s:%d/metrics",

@@ -43,6 +43,13 @@ class SaltPolicy(StrEnum):
     LOAD_ONLY = "load-only"
 
 
+class PassthroughPolicy(StrEnum):
+    """Whether the forwarded request carries the rendered prompt (TensorRT-LLM workers skip rendering)."""
+
+    OFF = "off"
+    AUTO = "auto"
+
+
 TOKENIZER_PROTOCOLS = tuple(p.value for p in TokenizerProtocol)
 
 
@@ -146,6 +153,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("--cache-salt-policy", "DYN_EPP_CACHE_SALT_POLICY", SaltPolicy.REJECT, SaltPolicy,
            "trtllm-render + salted request: `reject` = 400 like Dynamo; `load-only` = route by load, forward "
            "the salt as top-level cache_salt"),
+    Option("--prompt-passthrough", "DYN_EPP_PROMPT_PASSTHROUGH", PassthroughPolicy.AUTO, PassthroughPolicy,
+           "trtllm-render: `auto` forwards the rendered prompt (chat: top-level prompt_token_ids; completions: "
+           "prompt as ids) so the worker skips templating and tokenizing, whenever the worker's render "
+           "fingerprint matches and the render says the ids are safe; `off` always forwards the original body"),
+    Option("--render-fingerprint-refresh-ms", "DYN_EPP_RENDER_FINGERPRINT_REFRESH_MS", 10_000, int,
+           "re-read each worker's /server_info render_fingerprint this often (also at admission and when the "
+           "prober finds the worker gone)"),
     # KV scoring
     Option("--kv-cache-block-size", "DYN_KV_CACHE_BLOCK_SIZE", 32, int,
            "tokens per KV block (TensorRT-LLM default 32); learned per worker from its events"),
@@ -206,6 +220,8 @@ class Config:
     render_failure_policy: RenderPolicy = _default("render_failure_policy")
     render_reject_policy: RenderPolicy = _default("render_reject_policy")
     cache_salt_policy: SaltPolicy = _default("cache_salt_policy")
+    prompt_passthrough: PassthroughPolicy = _default("prompt_passthrough")
+    render_fingerprint_refresh_ms: int = _default("render_fingerprint_refresh_ms")
     kv_cache_block_size: int = _default("kv_cache_block_size")
     max_index_blocks_per_worker: int = _default("max_index_blocks_per_worker")
     kv_overlap_score_credit: float = _default("kv_overlap_score_credit")
@@ -237,6 +253,8 @@ class Config:
             cert_files(self.cert_path)
         if self.kv_cache_block_size <= 0:
             raise ValueError("DYN_KV_CACHE_BLOCK_SIZE must be positive")
+        if self.render_fingerprint_refresh_ms <= 0:
+            raise ValueError("DYN_EPP_RENDER_FINGERPRINT_REFRESH_MS must be positive")
         if self.endpoint_probe_interval_ms < 0:
             raise ValueError("DYN_EPP_ENDPOINT_PROBE_INTERVAL_MS must be >= 0 (0 = off)")
         if self.max_inflight_requests <= 0:

@@ -54,5 +54,12 @@ class PickerMetrics:
         self.response_flags = Counter("epp_response_flags", "Envoy response flags of finished requests "
                                       "(lean mode's access log), e.g. downstream_connection_termination",
                                       ["flag"], registry=r)
+        self.prompt_passthrough = Counter(
+            "epp_prompt_passthrough", "Inference requests by what the forwarded body carried: `tokens` (the "
+            "rendered prompt, the worker skips rendering) or `original`, and why", ["forwarded", "reason"],
+            registry=r)
+        self.fingerprint_reads = Counter(
+            "epp_render_fingerprint_reads", "Reads of a worker's /server_info render_fingerprint by outcome "
+            "(ok, missing, error)", ["outcome"], registry=r)
         self.usage_observed = Counter("epp_usage_observed", "Responses whose usage the picker could read",
                                       ["kind"], registry=r)
