@@ -133,7 +133,7 @@ class PickerApp:
         elif cfg.endpoints_file:
             fd = FileDiscovery(self.registry, cfg.endpoints_file, kv_event_port=cfg.kv_event_port,
                                replay_port=replay)
-            fd.load_once()
+            await fd.load_once()
             self._tasks.append(asyncio.create_task(fd.run()))
         elif cfg.inference_pool_name:
             from epp_extproc.adapters.discovery_k8s import InferencePoolDiscovery
