@@ -67,6 +67,7 @@ class PickerApp:
             kv = self.kv
             self.prober = EndpointProber(self.registry, interval_s=config.endpoint_probe_interval_ms / 1000,
                                          path=config.endpoint_probe_path,
+                                         max_rate=config.endpoint_probe_max_rate,
                                          on_lost=kv.resync if kv is not None else None)
 
     def _on_endpoints(self, added: list[Endpoint], removed: list[Endpoint]) -> None:

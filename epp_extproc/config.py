@@ -105,6 +105,9 @@ OPTIONS: tuple[Option, ...] = (
            "dropped), other failures after 2 in a row, back after 1 success; 0 = off"),
     Option("--endpoint-probe-path", "DYN_EPP_ENDPOINT_PROBE_PATH", "/health", str,
            "HTTP path the endpoint prober GETs (trtllm-serve, vLLM and SGLang answer /health)"),
+    Option("--endpoint-probe-max-rate", "DYN_EPP_ENDPOINT_PROBE_MAX_RATE", 100.0, float,
+           "cap on probes per second over the whole pool (probes spread evenly, 32 at most in flight): a "
+           "pool larger than rate x interval is probed less often, e.g. 1,000 endpoints every 10 s"),
     Option("--kv-event-port", "DYN_EPP_KV_EVENT_PORT", 5557, int,
            "per-worker ZMQ PUB port for KV events (used when an endpoint names none)"),
     Option("--kv-event-replay-port", "DYN_EPP_KV_EVENT_REPLAY_PORT", None,
@@ -183,6 +186,7 @@ class Config:
     kubeconfig: str | None = _default("kubeconfig")
     endpoint_probe_interval_ms: int = _default("endpoint_probe_interval_ms")
     endpoint_probe_path: str = _default("endpoint_probe_path")
+    endpoint_probe_max_rate: float = _default("endpoint_probe_max_rate")
     kv_event_port: int = _default("kv_event_port")
     kv_event_replay_port: int | None = _default("kv_event_replay_port")
     kv_event_topic: str = _default("kv_event_topic")
@@ -231,6 +235,8 @@ class Config:
             raise ValueError("DYN_KV_CACHE_BLOCK_SIZE must be positive")
         if self.endpoint_probe_interval_ms < 0:
             raise ValueError("DYN_EPP_ENDPOINT_PROBE_INTERVAL_MS must be >= 0 (0 = off)")
+        if not self.endpoint_probe_max_rate > 0:
+            raise ValueError("DYN_EPP_ENDPOINT_PROBE_MAX_RATE must be positive")
         if self.max_inflight_requests <= 0:
             raise ValueError("DYN_EPP_MAX_INFLIGHT_REQUESTS must be positive")
         if self.max_body_bytes <= 0:

@@ -191,3 +191,89 @@ async def test_a_missing_file_keeps_the_set_and_its_return_is_picked_up(watched:
     assert watched.names() == ["a", "b"]
     write(watched.path, "- {name: c, address: 127.0.0.1:8003}\n", 3)
     await watched.until(["c"])
+
+
+class CountingPool:
+    """N real listening sockets on 127.0.0.1 answering HTTP 200 (or never answering, `silent`), counting
+    requests per address and the most connections open at once."""
+
+    OK = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
+
+    def __init__(self, silent: bool = False) -> None:
+        self.silent = silent
+        self.requests: dict[str, int] = {}
+        self.open = 0
+        self.max_open = 0
+        self.servers: list[asyncio.Server] = []
+
+    async def start(self, n: int) -> list[str]:
+        loop = asyncio.get_running_loop()
+        addresses = []
+        for _ in range(n):
+            server = await loop.create_server(lambda: _Counting(self), "127.0.0.1", 0)
+            self.servers.append(server)
+            addresses.append(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        return addresses
+
+    def close(self) -> None:
+        for s in self.servers:
+            s.close()
+
+
+class _Counting(asyncio.Protocol):
+    def __init__(self, pool: CountingPool) -> None:
+        self.pool = pool
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.pool.open += 1
+        self.pool.max_open = max(self.pool.max_open, self.pool.open)
+        host, port = transport.get_extra_info("sockname")[:2]
+        self.address = f"{host}:{port}"
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.pool.open -= 1
+
+    def data_received(self, data: bytes) -> None:
+        if b"\r\n\r\n" in data:
+            self.pool.requests[self.address] = self.pool.requests.get(self.address, 0) + 1
+            if not self.pool.silent:
+                self.transport.write(CountingPool.OK)  # type: ignore[attr-defined]
+
+
+async def run_prober(addresses: list[str], seconds: float, **kw: object) -> EndpointRegistry:
+    from epp_extproc.adapters.endpoint_probe import EndpointProber
+
+    reg = EndpointRegistry()
+    reg.replace([Endpoint(f"w{i}", a) for i, a in enumerate(addresses)])
+    task = asyncio.create_task(EndpointProber(reg, **kw).run())  # type: ignore[arg-type]
+    await asyncio.sleep(seconds)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    return reg
+
+
+async def test_probing_a_big_pool_is_capped_at_the_rate_and_still_reaches_every_endpoint() -> None:
+    pool = CountingPool()
+    addresses = await pool.start(300)
+    try:
+        # 300 endpoints every 0.1 s would be 3,000 probes/s; the cap makes the round 300 / 200 = 1.5 s
+        await run_prober(addresses, 2.0, interval_s=0.1, timeout_s=1.0, max_rate=200.0)
+    finally:
+        pool.close()
+    total = sum(pool.requests.values())
+    assert total <= 200 * 2.0 * 1.15, f"{total} probes in 2 s"
+    assert set(pool.requests) == set(addresses), "every endpoint is probed within one round"
+
+
+async def test_a_pool_of_hung_workers_holds_at_most_max_concurrency_probe_sockets() -> None:
+    pool = CountingPool(silent=True)
+    addresses = await pool.start(12)
+    try:
+        reg = await run_prober(addresses, 3.0, interval_s=0.05, timeout_s=0.4, max_rate=1000.0,
+                               max_concurrency=4)
+    finally:
+        pool.close()
+    assert 0 < pool.max_open <= 4
+    assert sum(not reg.healthy(a) for a in addresses) > 0  # the hung ones are still judged, just slower
