@@ -23,7 +23,7 @@ from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.core.load import LoadTracker
 from epp_extproc.core.pipeline import Pipeline
 from epp_extproc.envoy.extproc import ExtProcServicer, pb_grpc
-from epp_extproc.envoy.health import Health
+from epp_extproc.envoy.health import HEALTH_SERVER_OPTIONS, Health
 from epp_extproc.envoy.tls import ServerCert, server_cert
 from epp_extproc.metrics import PickerMetrics
 
@@ -103,7 +103,7 @@ class PickerApp:
                      self.tls.fingerprint())
         else:
             self.grpc_port = self._grpc.add_insecure_port(f"{cfg.bind}:{cfg.grpc_port}")
-        self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self._health_server = grpc.aio.server(options=HEALTH_SERVER_OPTIONS)
         self.health.add_to(self._health_server)
         self.health_port = self._health_server.add_insecure_port(f"{cfg.bind}:{cfg.health_port}")
         admin = build_admin_app(self.registry, self.load, self.metrics,
