@@ -43,7 +43,9 @@ class PickerApp:
             self.renderer = RenderClient(config.tokenizer_protocol, config.tokenizer_service_url,
                                          timeout_ms=config.tokenization_timeout_ms,
                                          max_response_bytes=config.tokenizer_max_response_bytes,
-                                         metrics=self.metrics)
+                                         metrics=self.metrics,
+                                         breaker_failures=config.render_circuit_failures,
+                                         breaker_open_ms=config.render_circuit_open_ms)
             self.kv = KvRouting(self.registry, block_size=config.kv_cache_block_size,
                                 max_blocks_per_worker=config.max_index_blocks_per_worker,
                                 topic=config.kv_event_topic, prediction_ttl_s=config.prediction_ttl_s,

@@ -135,6 +135,13 @@ OPTIONS: tuple[Option, ...] = (
            "timeout of the whole render call"),
     Option("--tokenizer-max-response-bytes", "DYN_EPP_TOKENIZER_MAX_RESPONSE_BYTES", 16 * 1024 * 1024, int,
            "cap on the render answer"),
+    Option("--render-circuit-failures", "DYN_EPP_RENDER_CIRCUIT_FAILURES", 5, int,
+           "this many render failures in a row (timeout, unreachable, 401/403/404/429/5xx, redirect, unusable "
+           "answer; not a rejecting 4xx) open the renderer's circuit: requests skip it (circuit_open, handled "
+           "by the failure policy) until a probe call succeeds; 0 = never open"),
+    Option("--render-circuit-open-ms", "DYN_EPP_RENDER_CIRCUIT_OPEN_MS", 5000, int,
+           "how long an open circuit skips the renderer before one request probes it; doubles after each "
+           "failed probe, up to 60 s"),
     Option("--render-failure-policy", "DYN_EPP_RENDER_FAILURE_POLICY", RenderPolicy.LOAD_ONLY, RenderPolicy,
            "renderer down/5xx/timeout: `load-only` routes by load; `fail` answers 503/502/504 like Dynamo"),
     Option("--render-reject-policy", "DYN_EPP_RENDER_REJECT_POLICY", RenderPolicy.LOAD_ONLY, RenderPolicy,
@@ -199,6 +206,8 @@ class Config:
     tokenizer_service_url: str | None = _default("tokenizer_service_url")
     tokenization_timeout_ms: int = _default("tokenization_timeout_ms")
     tokenizer_max_response_bytes: int = _default("tokenizer_max_response_bytes")
+    render_circuit_failures: int = _default("render_circuit_failures")
+    render_circuit_open_ms: int = _default("render_circuit_open_ms")
     render_failure_policy: RenderPolicy = _default("render_failure_policy")
     render_reject_policy: RenderPolicy = _default("render_reject_policy")
     cache_salt_policy: SaltPolicy = _default("cache_salt_policy")
@@ -231,6 +240,10 @@ class Config:
                 raise ValueError("DYN_EPP_CERT_PATH is set but DYN_EPP_SECURE_SERVING is off: the ext_proc port "
                                  "would serve plain h2c; enable secure serving or drop the cert path")
             cert_files(self.cert_path)
+        if self.render_circuit_failures < 0:
+            raise ValueError("DYN_EPP_RENDER_CIRCUIT_FAILURES must be >= 0 (0 = never open)")
+        if self.render_circuit_open_ms <= 0:
+            raise ValueError("DYN_EPP_RENDER_CIRCUIT_OPEN_MS must be positive")
         if self.kv_cache_block_size <= 0:
             raise ValueError("DYN_KV_CACHE_BLOCK_SIZE must be positive")
         if self.endpoint_probe_interval_ms < 0:
