@@ -17,7 +17,7 @@ from epp_extproc.adapters.discovery_static import FileDiscovery, parse_flag
 from epp_extproc.adapters.endpoint_probe import EndpointProber
 from epp_extproc.adapters.kv_routing import KvRouting
 from epp_extproc.adapters.render_client import RenderClient
-from epp_extproc.admin import build_admin_app, debug_score
+from epp_extproc.admin import build_admin_app, build_metrics_app, debug_score
 from epp_extproc.config import Config
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.core.load import LoadTracker
@@ -28,6 +28,13 @@ from epp_extproc.envoy.tls import ServerCert, server_cert
 from epp_extproc.metrics import PickerMetrics
 
 log = logging.getLogger(__name__)
+
+
+async def _serve(runner: web.AppRunner, host: str, port: int) -> int:
+    """Start `runner` on host:port; the port actually bound (port 0 = any free one)."""
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner.addresses[0][1]
 
 
 class PickerApp:
@@ -58,10 +65,12 @@ class PickerApp:
         self._grpc: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
         self._admin: web.AppRunner | None = None
+        self._metrics_http: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.grpc_port = config.grpc_port
         self.health_port = config.health_port
         self.metrics_port = config.metrics_port
+        self.admin_port = config.admin_port
         self.registry.subscribe(self._on_endpoints)
         self.tls: ServerCert | None = None
         self.prober: EndpointProber | None = None
@@ -111,18 +120,22 @@ class PickerApp:
         admin = build_admin_app(self.registry, self.load, self.metrics,
                                 kv_snapshot=self.kv.snapshot if self.kv else None,
                                 score=self.debug_score)
+        shared = (cfg.admin_bind, cfg.admin_port) == (cfg.bind, cfg.metrics_port) and cfg.admin_port != 0
         self._admin = web.AppRunner(admin, access_log=None)
-        await self._admin.setup()
-        site = web.TCPSite(self._admin, cfg.bind, cfg.metrics_port)
-        await site.start()
-        self.metrics_port = self._admin.addresses[0][1]
+        self.admin_port = await _serve(self._admin, cfg.admin_bind, cfg.admin_port)
+        if shared:  # the operator asked for one listener: /debug on the metrics address
+            self.metrics_port = self.admin_port
+        else:
+            self._metrics_http = web.AppRunner(build_metrics_app(self.metrics), access_log=None)
+            self.metrics_port = await _serve(self._metrics_http, cfg.bind, cfg.metrics_port)
         await self._start_discovery()
         if self.prober is not None:
             self._tasks.append(asyncio.create_task(self.prober.run()))
         await self._grpc.start()
         await self._health_server.start()
-        log.info("picker listening: ext_proc %s:%d, health %s:%d, metrics http://%s:%d/metrics",
-                 cfg.bind, self.grpc_port, cfg.bind, self.health_port, cfg.bind, self.metrics_port)
+        log.info("picker listening: ext_proc %s:%d, health %s:%d, metrics http://%s:%d/metrics, "
+                 "admin http://%s:%d/debug/", cfg.bind, self.grpc_port, cfg.bind, self.health_port, cfg.bind,
+                 self.metrics_port, cfg.admin_bind, self.admin_port)
 
     async def debug_score(self, payload: dict[str, Any]) -> dict[str, Any]:
         """`/debug/score`: a proposal that is never committed, and whose render is not counted as traffic."""
@@ -163,6 +176,8 @@ class PickerApp:
             await self._health_server.stop(0)
         if self._admin is not None:
             await self._admin.cleanup()
+        if self._metrics_http is not None:
+            await self._metrics_http.cleanup()
         if self.kv is not None:
             await self.kv.close()
         if self.renderer is not None:

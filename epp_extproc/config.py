@@ -82,8 +82,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("--health-port", "DYN_EPP_HEALTH_PORT", 9003, int,
            "gRPC health port (services liveness, readiness, ExternalProcessor, \"\")"),
     Option("--metrics-port", "DYN_EPP_METRICS_PORT", 9090, int,
-           "HTTP port for /metrics (Prometheus) and the /debug admin API"),
-    Option("--bind", "DYN_EPP_BIND_ADDRESS", "0.0.0.0", str, "address the three ports listen on"),
+           "HTTP port for /metrics (Prometheus), on --bind"),
+    Option("--bind", "DYN_EPP_BIND_ADDRESS", "0.0.0.0", str,
+           "address the ext_proc, health and metrics ports listen on"),
+    Option("--admin-port", "DYN_EPP_ADMIN_PORT", 9091, int,
+           "HTTP port for the /debug admin API (and /metrics), on --admin-bind; the same address and port "
+           "as --bind/--metrics-port = one listener for both"),
+    Option("--admin-bind", "DYN_EPP_ADMIN_BIND_ADDRESS", "127.0.0.1", str,
+           "address the /debug admin API listens on; it has no authentication, so loopback by default "
+           "(kubectl port-forward reaches it)"),
     Option("--log-level", "DYN_EPP_LOG_LEVEL", "INFO", str, "DEBUG, INFO, WARNING, ERROR"),
     Option("--secure-serving", "DYN_EPP_SECURE_SERVING", False, _bool,
            "TLS on the ext_proc port (health and metrics stay plain); the gateway must then speak TLS to it"),
@@ -183,6 +190,8 @@ class Config:
     health_port: int = _default("health_port")
     metrics_port: int = _default("metrics_port")
     bind: str = _default("bind")
+    admin_port: int = _default("admin_port")
+    admin_bind: str = _default("admin_bind")
     log_level: str = _default("log_level")
     secure_serving: bool = _default("secure_serving")
     cert_path: str | None = _default("cert_path")
@@ -244,6 +253,10 @@ class Config:
             raise ValueError("DYN_EPP_RENDER_CIRCUIT_FAILURES must be >= 0 (0 = never open)")
         if self.render_circuit_open_ms <= 0:
             raise ValueError("DYN_EPP_RENDER_CIRCUIT_OPEN_MS must be positive")
+        if self.admin_port == self.metrics_port != 0 and self.admin_bind != self.bind:
+            raise ValueError("DYN_EPP_ADMIN_PORT equals DYN_EPP_METRICS_PORT on a different address: set "
+                             "DYN_EPP_ADMIN_BIND_ADDRESS to DYN_EPP_BIND_ADDRESS to serve /debug on the "
+                             "metrics listener, or choose another admin port")
         if self.kv_cache_block_size <= 0:
             raise ValueError("DYN_KV_CACHE_BLOCK_SIZE must be positive")
         if self.endpoint_probe_interval_ms < 0:

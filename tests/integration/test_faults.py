@@ -382,7 +382,7 @@ def test_dropped_kv_batch_without_replay_clears_the_worker_and_indexes_only_what
                "the batch after the gap is applied")
     assert lone.app.kv.index.engine_hashes(m.address) < held  # a strict subset: never a block it lacks
     # the prefix that arrived after the gap is indexed in full, so routing by it works again
-    score = request(f"http://127.0.0.1:{lone.app.metrics_port}", path="/debug/score",
+    score = request(f"http://127.0.0.1:{lone.app.admin_port}", path="/debug/score",
                     body=json.dumps({"model": "mock-model", "messages": fresh}).encode()).json()
     assert score["workers"][0]["overlap_blocks"] == (score["prompt_tokens"] - 1) // 32 > 0
 

@@ -37,7 +37,7 @@ def rss_mb(pid: int) -> float:
 def picker_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     health = free_port()
     argv = [str(BIN / "epp-extproc"), "--bind", "127.0.0.1", "--grpc-port", str(free_port()), "--health-port",
-            str(health), "--metrics-port", str(free_port()),
+            str(health), "--metrics-port", str(free_port()), "--admin-port", str(free_port()),
             "--endpoints", "127.0.0.1:1", "--endpoint-probe-interval-ms", "0", "--log-level", "WARNING"]
     with open(tmp_path / "picker.log", "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
@@ -146,3 +146,76 @@ async def test_check_on_a_huge_unknown_name_is_not_found(health_server) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="y" * 100_000))
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+# ---------------------------------------------------------------------------------------------- admin bind
+
+
+def http_status(host: str, port: int, path: str) -> int | None:
+    """The HTTP status of GET path, or None when nothing listens there."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=5) as r:  # noqa: S310 - loopback
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (ConnectionRefusedError, urllib.error.URLError):
+        return None
+
+
+@pytest.fixture
+async def split_picker() -> AsyncIterator[object]:
+    from epp_extproc.app import PickerApp
+    from epp_extproc.config import Config
+
+    # metrics on 127.0.0.2 stands for the pod IP; the admin API keeps its default loopback bind 127.0.0.1
+    app = PickerApp(Config(grpc_port=0, health_port=0, metrics_port=0, admin_port=0, bind="127.0.0.2",
+                           endpoints="a=127.0.0.1:9", endpoint_probe_interval_ms=0))
+    await app.start()
+    yield app
+    await app.stop()
+
+
+def test_defaults_put_metrics_on_all_interfaces_and_the_debug_api_on_loopback() -> None:
+    from epp_extproc.config import load_config
+
+    cfg = load_config([], env={})
+    assert (cfg.bind, cfg.metrics_port, cfg.admin_bind, cfg.admin_port) == ("0.0.0.0", 9090, "127.0.0.1", 9091)
+
+
+async def test_the_metrics_listener_serves_metrics_but_not_the_debug_api(split_picker) -> None:  # noqa: ANN001
+    port = split_picker.metrics_port
+    assert await asyncio.to_thread(http_status, "127.0.0.2", port, "/metrics") == 200
+    for path in ("/debug/endpoints", "/debug/kv"):
+        assert await asyncio.to_thread(http_status, "127.0.0.2", port, path) == 404
+
+
+async def test_the_debug_api_listens_on_the_admin_bind_only(split_picker) -> None:  # noqa: ANN001
+    port = split_picker.admin_port
+    assert await asyncio.to_thread(http_status, "127.0.0.1", port, "/debug/endpoints") == 200
+    assert await asyncio.to_thread(http_status, "127.0.0.2", port, "/debug/endpoints") is None
+
+
+async def test_the_same_address_and_port_for_both_is_one_listener_serving_everything() -> None:
+    from epp_extproc.app import PickerApp
+    from epp_extproc.config import Config
+
+    port = free_port()
+    app = PickerApp(Config(grpc_port=0, health_port=0, metrics_port=port, admin_port=port, bind="127.0.0.1",
+                           admin_bind="127.0.0.1", endpoints="a=127.0.0.1:9", endpoint_probe_interval_ms=0))
+    await app.start()
+    try:
+        assert (app.metrics_port, app.admin_port) == (port, port)
+        for path in ("/metrics", "/debug/endpoints"):
+            assert await asyncio.to_thread(http_status, "127.0.0.1", port, path) == 200
+    finally:
+        await app.stop()
+
+
+def test_the_admin_port_on_the_metrics_port_with_another_address_is_refused_at_start() -> None:
+    from epp_extproc.config import load_config
+
+    with pytest.raises(SystemExit, match="DYN_EPP_ADMIN_PORT"):
+        load_config(["--admin-port", "9090"], env={})

@@ -226,7 +226,7 @@ class HungRendererGateway:
         for part in (self.a, self.b):
             self.bg.run(part.start())
         self.bg.run(self.renderer.start())
-        cfg = Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1",
+        cfg = Config(grpc_port=0, health_port=0, metrics_port=0, admin_port=0, bind="127.0.0.1",
                      endpoints=f"a={self.a.address},b={self.b.address}", endpoint_probe_interval_ms=0,
                      tokenizer_protocol="trtllm-render", tokenizer_service_url=self.renderer.url,
                      tokenization_timeout_ms=300, render_circuit_failures=3, render_circuit_open_ms=60_000)
