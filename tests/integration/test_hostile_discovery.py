@@ -167,7 +167,8 @@ async def test_a_5_mb_file_is_refused_without_stalling_the_loop(watched: Watched
     assert len(hostile) > 5_000_000
     with LoopLag() as lag:
         await assert_kept_then_recovers(watched, hostile)
-    assert lag.max_s < 0.25, f"event loop blocked {lag.max_s:.3f}s"
+    print(f"5 MB endpoints file: refused, longest event-loop stall {lag.max_s * 1000:.1f} ms")
+    assert lag.max_s < 0.5, f"event loop blocked {lag.max_s:.3f}s"  # the old code: seconds
 
 
 async def test_a_file_near_the_cap_loads_off_the_loop(watched: Watched) -> None:
@@ -178,7 +179,8 @@ async def test_a_file_near_the_cap_loads_off_the_loop(watched: Watched) -> None:
         while len(watched.registry) != discovery_static.MAX_ENDPOINTS:
             assert time.monotonic() < deadline
             await asyncio.sleep(POLL_S)
-    assert lag.max_s < 0.25, f"event loop blocked {lag.max_s:.3f}s"
+    print(f"{discovery_static.MAX_ENDPOINTS} endpoints ({len(text)} B): longest stall {lag.max_s * 1000:.1f} ms")
+    assert lag.max_s < 0.5, f"event loop blocked {lag.max_s:.3f}s"  # the old code: seconds
 
 
 async def test_more_endpoints_than_the_cap_keep_the_previous_set(watched: Watched) -> None:
