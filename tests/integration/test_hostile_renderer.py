@@ -195,6 +195,16 @@ async def test_answers_over_the_size_cap_never_open_the_circuit(renderers: tuple
     assert outcomes == {"bad_gateway"} and c.breaker.state == "closed" and r.calls == 6
 
 
+async def test_server_errors_with_bodies_over_the_cap_still_open_the_circuit(
+        renderers: tuple[Renderer, Renderer]) -> None:
+    r, _ = renderers
+    r.mode, r.status = "status", 500
+    c = client(r, breaker_failures=2, max_response_bytes=8)  # {"error": "nope"} is 17 bytes
+    outcomes = [(await render(c))[0] for _ in range(3)]
+    await c.close()
+    assert outcomes == ["bad_gateway", "bad_gateway", "circuit_open"]
+
+
 async def test_a_cancelled_probe_lets_the_next_request_probe(renderers: tuple[Renderer, Renderer]) -> None:
     r, _ = renderers
     r.mode, r.status = "status", 503
