@@ -113,8 +113,19 @@ def test_renderer_killed_under_traffic_every_request_still_succeeds(stack: Gatew
     settle(stack)
 
 
+def wait_renderer_circuit_closed(stack: GatewayStack, timeout_s: float = 20.0) -> None:
+    """Send requests until one probes the renderer's circuit closed (it opened while the renderer was dead)."""
+    deadline = time.monotonic() + timeout_s
+    while stack.picker_metric("epp_render_circuit_state") != 0:
+        assert time.monotonic() < deadline, "the renderer circuit did not close"
+        assert stack.chat(user("probing the renderer circuit")).status == 200  # routed by load meanwhile
+        time.sleep(0.2)
+
+
 def test_restarted_renderer_brings_kv_routing_back(stack: GatewayStack) -> None:
     stack.renderer.start()
+    # the dead renderer opened the circuit: KV routing returns once the next probe after the open time succeeds
+    wait_renderer_circuit_closed(stack)
     ok = stack.picker_metric("epp_render_requests_total", 'outcome="ok"')
     fresh = [{"role": "system", "content": "A prefix nobody has sent before the renderer restart. " * 10},
              {"role": "user", "content": "q"}]

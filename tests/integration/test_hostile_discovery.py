@@ -171,7 +171,19 @@ async def test_a_5_mb_file_is_refused_without_stalling_the_loop(watched: Watched
     assert lag.max_s < 0.5, f"event loop blocked {lag.max_s:.3f}s"  # the old code: seconds
 
 
-async def test_a_file_near_the_cap_loads_off_the_loop(watched: Watched) -> None:
+async def test_a_file_near_the_cap_is_read_and_parsed_off_the_loop(
+        watched: Watched, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    loop_thread = threading.get_ident()
+    parsed_in: list[int] = []
+    parse = discovery_static.parse_bytes
+
+    def recording(raw: bytes, **kw: int | None) -> list[Endpoint]:
+        parsed_in.append(threading.get_ident())
+        return parse(raw, **kw)
+
+    monkeypatch.setattr(discovery_static, "parse_bytes", recording)
     text = big_yaml(discovery_static.MAX_ENDPOINTS)  # ~200 kB, the most endpoints a file may list
     with LoopLag() as lag:
         write(watched.path, text, 2)
@@ -179,8 +191,10 @@ async def test_a_file_near_the_cap_loads_off_the_loop(watched: Watched) -> None:
         while len(watched.registry) != discovery_static.MAX_ENDPOINTS:
             assert time.monotonic() < deadline
             await asyncio.sleep(POLL_S)
+    # the stall is GIL sharing with the parsing thread (~130 ms of CPU here), so it depends on the machine's
+    # load: printed, not asserted; where the parse runs is asserted
     print(f"{discovery_static.MAX_ENDPOINTS} endpoints ({len(text)} B): longest stall {lag.max_s * 1000:.1f} ms")
-    assert lag.max_s < 0.5, f"event loop blocked {lag.max_s:.3f}s"  # the old code: seconds
+    assert parsed_in and loop_thread not in parsed_in
 
 
 async def test_more_endpoints_than_the_cap_keep_the_previous_set(watched: Watched) -> None:
