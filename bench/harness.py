@@ -191,7 +191,8 @@ def picker(st: Stack, spec: str, protocol: str = "none", renderer: Proc | None =
     """The real picker as its own process (the `epp-extproc` console script unless `argv0` says otherwise)."""
     grpc_port, health, metrics = free_port(), free_port(), free_port()
     argv = [*(argv0 or [PICKER]), "--bind", "127.0.0.1", "--grpc-port", str(grpc_port), "--health-port",
-            str(health), "--metrics-port", str(metrics), "--endpoints", spec, "--log-level", "WARNING",
+            str(health), "--metrics-port", str(metrics), "--admin-bind", "127.0.0.1",
+            "--admin-port", str(metrics), "--endpoints", spec, "--log-level", "WARNING",
             "--tokenizer-protocol", protocol, "--max-inflight-requests", str(PICKER_MAX_INFLIGHT)]
     if renderer is not None:
         argv += ["--tokenizer-service-url", renderer.url]

@@ -1,4 +1,9 @@
-"""The HTTP side port (9090): Prometheus /metrics and the /debug API for operators.
+"""The HTTP side ports: Prometheus /metrics (9090, all interfaces) and the /debug admin API (9091, loopback).
+
+They are two listeners because they face different clients. Prometheus scrapes the pod IP, so /metrics must
+listen there; /debug shows the pool, the KV index and runs scoring on request, and has no authentication,
+so by default it listens on 127.0.0.1 only (reach it with `kubectl port-forward`). `build_admin_app` serves
+/metrics too, so one listener can serve both when an operator binds them to the same address and port.
 
 `/debug/score` shares the event loop with the request path, so its cost is bounded: a 4 MiB body, at most
 `MAX_DEBUG_TOKENS` token ids, one call at a time (others wait), and its render call is not counted as traffic.
@@ -58,14 +63,24 @@ async def debug_score(pipe: Pipeline, payload: dict[str, Any]) -> dict[str, Any]
         return pipe.explain(proposal)
 
 
+def _metrics_handler(metrics: PickerMetrics) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def get_metrics(_: web.Request) -> web.Response:
+        body = generate_latest(metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return get_metrics
+
+
+def build_metrics_app(metrics: PickerMetrics) -> web.Application:
+    """/metrics only: what the all-interfaces listener serves."""
+    app = web.Application(client_max_size=1024)  # GET only: no request body worth buffering
+    app.router.add_get("/metrics", _metrics_handler(metrics))
+    return app
+
+
 def build_admin_app(registry: EndpointRegistry, load: LoadTracker, metrics: PickerMetrics, *,
                     kv_snapshot: Callable[[], dict[str, Any]] | None = None,
                     score: ScoreHandler | None = None) -> web.Application:
     app = web.Application(client_max_size=MAX_ADMIN_BODY)
-
-    async def get_metrics(_: web.Request) -> web.Response:
-        body = generate_latest(metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def get_endpoints(_: web.Request) -> web.Response:
         out = []
@@ -99,7 +114,7 @@ def build_admin_app(registry: EndpointRegistry, load: LoadTracker, metrics: Pick
         except ValueError as e:
             return web.json_response({"error": str(e)}, status=400)
 
-    app.router.add_get("/metrics", get_metrics)
+    app.router.add_get("/metrics", _metrics_handler(metrics))
     app.router.add_get("/debug/endpoints", get_endpoints)
     app.router.add_get("/debug/kv", get_kv)
     app.router.add_post("/debug/score", post_score)

@@ -18,18 +18,25 @@ from epp_extproc.adapters.endpoint_probe import EndpointProber
 from epp_extproc.adapters.kv_routing import KvRouting
 from epp_extproc.adapters.render_client import RenderClient
 from epp_extproc.adapters.render_fingerprint import FingerprintWatcher
-from epp_extproc.admin import build_admin_app, debug_score
+from epp_extproc.admin import build_admin_app, build_metrics_app, debug_score
 from epp_extproc.config import Config
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.core.load import LoadTracker
 from epp_extproc.core.pipeline import Pipeline
 from epp_extproc.envoy.access_log import AccessLogServicer, als_pb2_grpc
 from epp_extproc.envoy.extproc import ExtProcServicer, pb_grpc
-from epp_extproc.envoy.health import Health
+from epp_extproc.envoy.health import HEALTH_SERVER_OPTIONS, Health
 from epp_extproc.envoy.tls import CertSource, ServerCert
 from epp_extproc.metrics import PickerMetrics
 
 log = logging.getLogger(__name__)
+
+
+async def _serve(runner: web.AppRunner, host: str, port: int) -> int:
+    """Start `runner` on host:port; the port actually bound (port 0 = any free one)."""
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner.addresses[0][1]
 
 
 class PickerApp:
@@ -45,7 +52,9 @@ class PickerApp:
             self.renderer = RenderClient(config.tokenizer_protocol, config.tokenizer_service_url,
                                          timeout_ms=config.tokenization_timeout_ms,
                                          max_response_bytes=config.tokenizer_max_response_bytes,
-                                         metrics=self.metrics)
+                                         metrics=self.metrics,
+                                         breaker_failures=config.render_circuit_failures,
+                                         breaker_open_ms=config.render_circuit_open_ms)
             self.kv = KvRouting(self.registry, block_size=config.kv_cache_block_size,
                                 max_blocks_per_worker=config.max_index_blocks_per_worker,
                                 topic=config.kv_event_topic, prediction_ttl_s=config.prediction_ttl_s,
@@ -62,16 +71,19 @@ class PickerApp:
         self._grpc: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
         self._admin: web.AppRunner | None = None
+        self._metrics_http: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.grpc_port = config.grpc_port
         self.health_port = config.health_port
         self.metrics_port = config.metrics_port
+        self.admin_port = config.admin_port
         self.registry.subscribe(self._on_endpoints)
         self.cert_source: CertSource | None = None
         self.prober: EndpointProber | None = None
         if config.endpoint_probe_interval_ms > 0:
             self.prober = EndpointProber(self.registry, interval_s=config.endpoint_probe_interval_ms / 1000,
-                                         path=config.endpoint_probe_path, on_lost=self._on_lost)
+                                         path=config.endpoint_probe_path,
+                                         max_rate=config.endpoint_probe_max_rate, on_lost=self._on_lost)
 
     def _on_lost(self, address: str) -> None:
         """A worker's process is gone: its KV cache (and perhaps its rendering configuration) with it."""
@@ -120,17 +132,20 @@ class PickerApp:
                 self._tasks.append(asyncio.create_task(self.cert_source.run()))
         else:
             self.grpc_port = self._grpc.add_insecure_port(f"{cfg.bind}:{cfg.grpc_port}")
-        self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self._health_server = grpc.aio.server(options=HEALTH_SERVER_OPTIONS)
         self.health.add_to(self._health_server)
         self.health_port = self._health_server.add_insecure_port(f"{cfg.bind}:{cfg.health_port}")
         admin = build_admin_app(self.registry, self.load, self.metrics,
                                 kv_snapshot=self.kv.snapshot if self.kv else None,
                                 score=self.debug_score)
+        shared = (cfg.admin_bind, cfg.admin_port) == (cfg.bind, cfg.metrics_port) and cfg.admin_port != 0
         self._admin = web.AppRunner(admin, access_log=None)
-        await self._admin.setup()
-        site = web.TCPSite(self._admin, cfg.bind, cfg.metrics_port)
-        await site.start()
-        self.metrics_port = self._admin.addresses[0][1]
+        self.admin_port = await _serve(self._admin, cfg.admin_bind, cfg.admin_port)
+        if shared:  # the operator asked for one listener: /debug on the metrics address
+            self.metrics_port = self.admin_port
+        else:
+            self._metrics_http = web.AppRunner(build_metrics_app(self.metrics), access_log=None)
+            self.metrics_port = await _serve(self._metrics_http, cfg.bind, cfg.metrics_port)
         await self._start_discovery()
         if self.prober is not None:
             self._tasks.append(asyncio.create_task(self.prober.run()))
@@ -138,8 +153,9 @@ class PickerApp:
             self._tasks.append(asyncio.create_task(self.fingerprints.run()))
         await self._grpc.start()
         await self._health_server.start()
-        log.info("picker listening: ext_proc %s:%d, health %s:%d, metrics http://%s:%d/metrics",
-                 cfg.bind, self.grpc_port, cfg.bind, self.health_port, cfg.bind, self.metrics_port)
+        log.info("picker listening: ext_proc %s:%d, health %s:%d, metrics http://%s:%d/metrics, "
+                 "admin http://%s:%d/debug/", cfg.bind, self.grpc_port, cfg.bind, self.health_port, cfg.bind,
+                 self.metrics_port, cfg.admin_bind, self.admin_port)
 
     async def debug_score(self, payload: dict[str, Any]) -> dict[str, Any]:
         """`/debug/score`: a proposal that is never committed, and whose render is not counted as traffic."""
@@ -158,7 +174,7 @@ class PickerApp:
         elif cfg.endpoints_file:
             fd = FileDiscovery(self.registry, cfg.endpoints_file, kv_event_port=cfg.kv_event_port,
                                replay_port=replay)
-            fd.load_once()
+            await fd.load_once()
             self._tasks.append(asyncio.create_task(fd.run()))
         elif cfg.inference_pool_name:
             from epp_extproc.adapters.discovery_k8s import InferencePoolDiscovery
@@ -187,6 +203,8 @@ class PickerApp:
             self.cert_source.close()
         if self._admin is not None:
             await self._admin.cleanup()
+        if self._metrics_http is not None:
+            await self._metrics_http.cleanup()
         if self.kv is not None:
             await self.kv.close()
         if self.renderer is not None:

@@ -92,8 +92,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("--health-port", "DYN_EPP_HEALTH_PORT", 9003, int,
            "gRPC health port (services liveness, readiness, ExternalProcessor, \"\")"),
     Option("--metrics-port", "DYN_EPP_METRICS_PORT", 9090, int,
-           "HTTP port for /metrics (Prometheus) and the /debug admin API"),
-    Option("--bind", "DYN_EPP_BIND_ADDRESS", "0.0.0.0", str, "address the three ports listen on"),
+           "HTTP port for /metrics (Prometheus), on --bind"),
+    Option("--bind", "DYN_EPP_BIND_ADDRESS", "0.0.0.0", str,
+           "address the ext_proc, health and metrics ports listen on"),
+    Option("--admin-port", "DYN_EPP_ADMIN_PORT", 9091, int,
+           "HTTP port for the /debug admin API (and /metrics), on --admin-bind; the same address and port "
+           "as --bind/--metrics-port = one listener for both"),
+    Option("--admin-bind", "DYN_EPP_ADMIN_BIND_ADDRESS", "127.0.0.1", str,
+           "address the /debug admin API listens on; it has no authentication, so loopback by default "
+           "(kubectl port-forward reaches it)"),
     Option("--log-level", "DYN_EPP_LOG_LEVEL", "INFO", str, "DEBUG, INFO, WARNING, ERROR"),
     Option("--log-format", "DYN_EPP_LOG_FORMAT", "text", str,
            "`text` for people, `json` = one JSON object per line (time, level, logger, message) for log "
@@ -119,6 +126,9 @@ OPTIONS: tuple[Option, ...] = (
            "dropped), other failures after 2 in a row, back after 1 success; 0 = off"),
     Option("--endpoint-probe-path", "DYN_EPP_ENDPOINT_PROBE_PATH", "/health", str,
            "HTTP path the endpoint prober GETs (trtllm-serve, vLLM and SGLang answer /health)"),
+    Option("--endpoint-probe-max-rate", "DYN_EPP_ENDPOINT_PROBE_MAX_RATE", 100.0, float,
+           "cap on probes per second over the whole pool (probes spread evenly, 32 at most in flight): a "
+           "pool larger than rate x interval is probed less often, e.g. 1,000 endpoints every 10 s"),
     Option("--kv-event-port", "DYN_EPP_KV_EVENT_PORT", 5557, int,
            "per-worker ZMQ PUB port for KV events (used when an endpoint names none)"),
     Option("--kv-event-replay-port", "DYN_EPP_KV_EVENT_REPLAY_PORT", None,
@@ -146,6 +156,13 @@ OPTIONS: tuple[Option, ...] = (
            "timeout of the whole render call"),
     Option("--tokenizer-max-response-bytes", "DYN_EPP_TOKENIZER_MAX_RESPONSE_BYTES", 16 * 1024 * 1024, int,
            "cap on the render answer"),
+    Option("--render-circuit-failures", "DYN_EPP_RENDER_CIRCUIT_FAILURES", 5, int,
+           "this many render failures in a row (timeout, unreachable, 401/403/404/429/5xx, redirect, unusable "
+           "answer; not a rejecting 4xx) open the renderer's circuit: requests skip it (circuit_open, handled "
+           "by the failure policy) until a probe call succeeds; 0 = never open"),
+    Option("--render-circuit-open-ms", "DYN_EPP_RENDER_CIRCUIT_OPEN_MS", 5000, int,
+           "how long an open circuit skips the renderer before one request probes it; doubles after each "
+           "failed probe, up to 60 s"),
     Option("--render-failure-policy", "DYN_EPP_RENDER_FAILURE_POLICY", RenderPolicy.LOAD_ONLY, RenderPolicy,
            "renderer down/5xx/timeout: `load-only` routes by load; `fail` answers 503/502/504 like Dynamo"),
     Option("--render-reject-policy", "DYN_EPP_RENDER_REJECT_POLICY", RenderPolicy.LOAD_ONLY, RenderPolicy,
@@ -194,6 +211,8 @@ class Config:
     health_port: int = _default("health_port")
     metrics_port: int = _default("metrics_port")
     bind: str = _default("bind")
+    admin_port: int = _default("admin_port")
+    admin_bind: str = _default("admin_bind")
     log_level: str = _default("log_level")
     log_format: str = _default("log_format")
     secure_serving: bool = _default("secure_serving")
@@ -205,6 +224,7 @@ class Config:
     kubeconfig: str | None = _default("kubeconfig")
     endpoint_probe_interval_ms: int = _default("endpoint_probe_interval_ms")
     endpoint_probe_path: str = _default("endpoint_probe_path")
+    endpoint_probe_max_rate: float = _default("endpoint_probe_max_rate")
     kv_event_port: int = _default("kv_event_port")
     kv_event_replay_port: int | None = _default("kv_event_replay_port")
     kv_event_topic: str = _default("kv_event_topic")
@@ -217,6 +237,8 @@ class Config:
     tokenizer_service_url: str | None = _default("tokenizer_service_url")
     tokenization_timeout_ms: int = _default("tokenization_timeout_ms")
     tokenizer_max_response_bytes: int = _default("tokenizer_max_response_bytes")
+    render_circuit_failures: int = _default("render_circuit_failures")
+    render_circuit_open_ms: int = _default("render_circuit_open_ms")
     render_failure_policy: RenderPolicy = _default("render_failure_policy")
     render_reject_policy: RenderPolicy = _default("render_reject_policy")
     cache_salt_policy: SaltPolicy = _default("cache_salt_policy")
@@ -251,12 +273,22 @@ class Config:
                 raise ValueError("DYN_EPP_CERT_PATH is set but DYN_EPP_SECURE_SERVING is off: the ext_proc port "
                                  "would serve plain h2c; enable secure serving or drop the cert path")
             cert_files(self.cert_path)
+        if self.render_circuit_failures < 0:
+            raise ValueError("DYN_EPP_RENDER_CIRCUIT_FAILURES must be >= 0 (0 = never open)")
+        if self.render_circuit_open_ms <= 0:
+            raise ValueError("DYN_EPP_RENDER_CIRCUIT_OPEN_MS must be positive")
+        if self.admin_port == self.metrics_port != 0 and self.admin_bind != self.bind:
+            raise ValueError("DYN_EPP_ADMIN_PORT equals DYN_EPP_METRICS_PORT on a different address: set "
+                             "DYN_EPP_ADMIN_BIND_ADDRESS to DYN_EPP_BIND_ADDRESS to serve /debug on the "
+                             "metrics listener, or choose another admin port")
         if self.kv_cache_block_size <= 0:
             raise ValueError("DYN_KV_CACHE_BLOCK_SIZE must be positive")
         if self.render_fingerprint_refresh_ms <= 0:
             raise ValueError("DYN_EPP_RENDER_FINGERPRINT_REFRESH_MS must be positive")
         if self.endpoint_probe_interval_ms < 0:
             raise ValueError("DYN_EPP_ENDPOINT_PROBE_INTERVAL_MS must be >= 0 (0 = off)")
+        if not self.endpoint_probe_max_rate > 0:
+            raise ValueError("DYN_EPP_ENDPOINT_PROBE_MAX_RATE must be positive")
         if self.max_inflight_requests <= 0:
             raise ValueError("DYN_EPP_MAX_INFLIGHT_REQUESTS must be positive")
         if self.max_body_bytes <= 0:

@@ -3,6 +3,14 @@
 The protocols differ only in the answer's field that carries the token ids (`token_ids` vs `input_ids`), so
 one client serves all three. Failures are reported as facts (`core.render.RenderError`): the pipeline applies
 its policy and the edge maps them to the reference statuses.
+
+Redirects are never followed: a 3xx would re-POST the whole prompt to wherever the renderer (or whoever
+answers in its place) points, so it is a failed render (upstream status 3xx) like any other unexpected
+status. A circuit breaker (`breaker.py`) stops calling a renderer that keeps failing (timeouts, refused
+connections, 401/403/404/429/5xx, redirects, answers that are not token ids): while open, `render` fails at
+once with `circuit_open` instead of adding the timeout to every request. A 4xx the reference maps to
+"rejected" (the request's fault) or a 200 answer over the size cap (the prompt's size) proves the renderer
+alive, so a client cannot open the circuit with bad requests.
 """
 
 from __future__ import annotations
@@ -15,7 +23,9 @@ from typing import Any
 
 import aiohttp
 import orjson
+from prometheus_client import Counter, Gauge
 
+from epp_extproc.adapters.breaker import STATE_VALUE, CircuitBreaker
 from epp_extproc.core.render import Rendered, RenderError, RenderFailure
 from epp_extproc.metrics import PickerMetrics
 
@@ -24,11 +34,21 @@ log = logging.getLogger(__name__)
 TOKEN_FIELD = {"trtllm-render": "token_ids", "vllm-render": "token_ids", "sglang-renderer": "input_ids"}
 CHAT_PATH = "/v1/chat/completions/render"
 COMPLETIONS_PATH = "/v1/completions/render"
+SERVER_INFO_MAX_BYTES = 1024 * 1024
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + f"...({len(text)} chars)"
+
+
+class _OverCap(RenderError):
+    """A 200 answer over the size cap: the prompt's size, not a failing renderer (the breaker ignores it)."""
 
 
 class RenderClient:
     def __init__(self, protocol: str, base_url: str, *, timeout_ms: int, max_response_bytes: int,
-                 metrics: PickerMetrics) -> None:
+                 metrics: PickerMetrics, breaker_failures: int = 5, breaker_open_ms: int = 5000,
+                 breaker_max_open_ms: int = 60_000) -> None:
         if protocol not in TOKEN_FIELD:
             raise ValueError(f"unknown tokenizer protocol {protocol!r}")
         self.protocol = protocol
@@ -38,6 +58,19 @@ class RenderClient:
         self.max_bytes = max_response_bytes
         self.metrics = metrics
         self._session: aiohttp.ClientSession | None = None
+        self._circuit_state = Gauge("epp_render_circuit_state", "Renderer circuit breaker: 0 closed, "
+                                    "1 half-open (probing), 2 open (not called, routing by load)",
+                                    registry=metrics.registry)
+        self._circuit_opens = Counter("epp_render_circuit_opens", "Times the renderer circuit opened "
+                                      "(a failed half-open probe re-opens it)", registry=metrics.registry)
+        self.breaker = CircuitBreaker(f"renderer {self.base_url}", failures=breaker_failures,
+                                      open_s=breaker_open_ms / 1000, max_open_s=breaker_max_open_ms / 1000,
+                                      on_change=self._on_circuit)
+
+    def _on_circuit(self, state: str) -> None:
+        self._circuit_state.set(STATE_VALUE[state])
+        if state == "open":
+            self._circuit_opens.inc()
 
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -53,21 +86,45 @@ class RenderClient:
     async def render(self, kind: str, body: bytes, *, count: bool = True) -> Rendered:
         started = time.perf_counter()
         outcome = "ok"
+        ticket = self.breaker.admit()
         try:
-            return await self._render(kind, body)
+            if ticket is None:
+                raise RenderError(RenderFailure.CIRCUIT_OPEN, "renderer not called: its circuit is open after "
+                                  f"repeated failures (next probe in {self.breaker.retry_in():.1f}s)")
+            ids = await self._render(kind, body)
+            ticket.success()
+            return ids
         except RenderError as e:
             outcome = e.label
+            if ticket is not None:
+                if e.rejected or isinstance(e, _OverCap):
+                    ticket.success()  # it answered: the request is at fault, not the renderer
+                else:
+                    ticket.failure(str(e))
             raise
         finally:
+            if ticket is not None:
+                ticket.release()  # cancelled mid-call: no verdict, free the half-open probe slot
             if count:  # a /debug/score call is not traffic
                 self.metrics.render_requests.labels(self.protocol, outcome).inc()
-                self.metrics.render_seconds.observe(time.perf_counter() - started)
+                if ticket is not None:
+                    self.metrics.render_seconds.observe(time.perf_counter() - started)
 
     async def _render(self, kind: str, body: bytes) -> Rendered:
         url = self.base_url + (CHAT_PATH if kind == "chat" else COMPLETIONS_PATH)
         try:
-            async with self._sess().post(url, data=body, headers={"content-type": "application/json"}) as r:
-                raw = await self._read_capped(r)
+            async with self._sess().post(url, data=body, headers={"content-type": "application/json"},
+                                         allow_redirects=False) as r:
+                if 300 <= r.status < 400:
+                    raise RenderError(RenderFailure.UPSTREAM_STATUS, f"renderer answered HTTP {r.status} "
+                                      f"(redirect to {_clip(r.headers.get('location', '?'), 120)!r}); "
+                                      "redirects are not followed", r.status)
+                try:
+                    raw = await self._read_capped(r)
+                except _OverCap:
+                    if r.status == 200:
+                        raise
+                    raw = b""  # an error page over the cap: its status decides, its text is not worth it
                 if r.status != 200:
                     raise RenderError(RenderFailure.UPSTREAM_STATUS, f"renderer answered HTTP {r.status}: "
                                       f"{raw[:200].decode(errors='replace')}", r.status)
@@ -76,20 +133,20 @@ class RenderClient:
         except TimeoutError:
             raise RenderError(RenderFailure.TIMEOUT, f"no answer from {url} within {self.timeout.total}s") from None
         except aiohttp.ClientConnectionError as e:
-            raise RenderError(RenderFailure.UNAVAILABLE, f"cannot reach {url}: {e}") from None
+            raise RenderError(RenderFailure.UNAVAILABLE, f"cannot reach {url}: {_clip(str(e))}") from None
         except aiohttp.ClientError as e:
-            raise RenderError(RenderFailure.INVALID_ANSWER, f"{url}: {e}") from None
+            raise RenderError(RenderFailure.INVALID_ANSWER, f"{url}: {_clip(str(e))}") from None
         return self._token_ids(raw, kind)
 
     async def _read_capped(self, r: aiohttp.ClientResponse) -> bytes:
         if r.content_length is not None and r.content_length > self.max_bytes:
-            raise RenderError(RenderFailure.INVALID_ANSWER, f"render answer of {r.content_length} bytes exceeds the "
-                                                  f"{self.max_bytes}-byte cap")
+            raise _OverCap(RenderFailure.INVALID_ANSWER, f"render answer of {r.content_length} bytes exceeds the "
+                                                         f"{self.max_bytes}-byte cap")
         buf = bytearray()
         async for chunk in r.content.iter_chunked(65536):
             buf += chunk
             if len(buf) > self.max_bytes:
-                raise RenderError(RenderFailure.INVALID_ANSWER, f"render answer exceeds the {self.max_bytes}-byte cap")
+                raise _OverCap(RenderFailure.INVALID_ANSWER, f"render answer exceeds the {self.max_bytes}-byte cap")
         return bytes(buf)
 
     def _token_ids(self, raw: bytes, kind: str) -> Rendered:
@@ -124,10 +181,15 @@ async def fetch_block_size(address: str, timeout_s: float = 2.0) -> int | None:
     """A worker's live tokens_per_block from its /server_info, or None when it does not say."""
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s, \
-                s.get(f"http://{address}/server_info") as r:
+                s.get(f"http://{address}/server_info", allow_redirects=False) as r:
             if r.status != 200:
                 return None
-            doc = await r.json(content_type=None)
+            raw = bytearray()
+            async for chunk in r.content.iter_chunked(65536):
+                raw += chunk
+                if len(raw) > SERVER_INFO_MAX_BYTES:  # a worker is not trusted with our memory
+                    return None
+            doc = orjson.loads(raw)
     except (aiohttp.ClientError, TimeoutError, ValueError):
         return None
     n = doc.get("tokens_per_block") if isinstance(doc, dict) else None

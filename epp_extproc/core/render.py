@@ -16,6 +16,7 @@ class RenderFailure(StrEnum):
     UNAVAILABLE = "unavailable"  # cannot connect
     UPSTREAM_STATUS = "upstream_status"  # the renderer answered a non-200 status (see `status`)
     INVALID_ANSWER = "invalid_answer"  # 200, but not a usable answer (not JSON, no ids, too large)
+    CIRCUIT_OPEN = "circuit_open"  # not called: it failed repeatedly, the circuit breaker skips it for a while
 
 
 @dataclass(slots=True)
@@ -34,13 +35,13 @@ class RenderError(Exception):
 
     @property
     def label(self) -> str:
-        """Metric label: `rejected`, `unavailable` (incl. 429/503), `timeout`, `bad_gateway`."""
+        """Metric label: `rejected`, `unavailable` (incl. 429/503), `timeout`, `circuit_open`, `bad_gateway`."""
         if self.failure is RenderFailure.UPSTREAM_STATUS:
             if self.rejected:
                 return "rejected"
             return "unavailable" if self.status in (429, 503) else "bad_gateway"
-        return {RenderFailure.TIMEOUT: "timeout", RenderFailure.UNAVAILABLE: "unavailable"}.get(
-            self.failure, "bad_gateway")
+        return {RenderFailure.TIMEOUT: "timeout", RenderFailure.UNAVAILABLE: "unavailable",
+                RenderFailure.CIRCUIT_OPEN: "circuit_open"}.get(self.failure, "bad_gateway")
 
     def __str__(self) -> str:
         return f"render {self.label}: {self.detail}"

@@ -2,7 +2,7 @@
 
 Statuses follow the references (GAIE/llm-d and Dynamo's `PickError`): 400 for a request the picker cannot
 route, 413 too large, 415 encoded body, 503 no endpoint / overloaded / busy, 408 body too slow, and the render
-failures under the `fail` policy: renderer 4xx -> 400, unreachable / 429 / 503 -> 503, timeout -> 504,
+failures under the `fail` policy: renderer 4xx -> 400, unreachable / 429 / 503 / circuit open -> 503, timeout -> 504,
 anything else -> 502. On the OpenAI routes the body is OpenAI's error JSON, which SDKs show to their users;
 elsewhere it is one line of text.
 """
@@ -39,7 +39,7 @@ def render_status(e: RenderError) -> int:
     """Dynamo's mapping of a render failure to the client status."""
     if e.failure is RenderFailure.TIMEOUT:
         return 504
-    if e.failure is RenderFailure.UNAVAILABLE:
+    if e.failure in (RenderFailure.UNAVAILABLE, RenderFailure.CIRCUIT_OPEN):  # not called: unavailable
         return 503
     if e.failure is RenderFailure.UPSTREAM_STATUS and e.status is not None:
         if e.status in (400, 422) or e.rejected:

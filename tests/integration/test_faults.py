@@ -113,8 +113,19 @@ def test_renderer_killed_under_traffic_every_request_still_succeeds(stack: Gatew
     settle(stack)
 
 
+def wait_renderer_circuit_closed(stack: GatewayStack, timeout_s: float = 20.0) -> None:
+    """Send requests until one probes the renderer's circuit closed (it opened while the renderer was dead)."""
+    deadline = time.monotonic() + timeout_s
+    while stack.picker_metric("epp_render_circuit_state") != 0:
+        assert time.monotonic() < deadline, "the renderer circuit did not close"
+        assert stack.chat(user("probing the renderer circuit")).status == 200  # routed by load meanwhile
+        time.sleep(0.2)
+
+
 def test_restarted_renderer_brings_kv_routing_back(stack: GatewayStack) -> None:
     stack.renderer.start()
+    # the dead renderer opened the circuit: KV routing returns once the next probe after the open time succeeds
+    wait_renderer_circuit_closed(stack)
     ok = stack.picker_metric("epp_render_requests_total", 'outcome="ok"')
     fresh = [{"role": "system", "content": "A prefix nobody has sent before the renderer restart. " * 10},
              {"role": "user", "content": "q"}]
@@ -382,7 +393,7 @@ def test_dropped_kv_batch_without_replay_clears_the_worker_and_indexes_only_what
                "the batch after the gap is applied")
     assert lone.app.kv.index.engine_hashes(m.address) < held  # a strict subset: never a block it lacks
     # the prefix that arrived after the gap is indexed in full, so routing by it works again
-    score = request(f"http://127.0.0.1:{lone.app.metrics_port}", path="/debug/score",
+    score = request(f"http://127.0.0.1:{lone.app.admin_port}", path="/debug/score",
                     body=json.dumps({"model": "mock-model", "messages": fresh}).encode()).json()
     assert score["workers"][0]["overlap_blocks"] == (score["prompt_tokens"] - 1) // 32 > 0
 

@@ -25,8 +25,9 @@ class Stack:
         self.a, self.b, self.third = EchoUpstream("a"), EchoUpstream("b"), EchoUpstream("third")
         for u in (self.a, self.b, self.third):
             self.bg.run(u.start())
-        cfg = Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1",
-                     endpoints=f"a={self.a.address},b={self.b.address}", max_body_bytes=MAX_BODY)
+        cfg = Config(grpc_port=0, health_port=0, metrics_port=0, admin_port=0, bind="127.0.0.1",
+                     endpoints=f"a={self.a.address},b={self.b.address}", max_body_bytes=MAX_BODY,
+                     endpoint_probe_interval_ms=0)  # a probe's GET /health would race the tests' seen[-1]
         self.app = PickerApp(cfg)
         self.bg.run(self.app.start())
         self.envoy = EnvoyProcess(envoy_config.EnvoyOptions(
@@ -255,7 +256,7 @@ def test_metrics_and_debug_endpoints_answer(stack: Stack) -> None:
     assert 'epp_requests_total{outcome="routed"}' in text
     assert "epp_decision_seconds_bucket" in text
     assert "epp_endpoint_inflight_requests" in text
-    d = request(f"http://127.0.0.1:{port}", method="GET", path="/debug/endpoints").json()
+    d = request(f"http://127.0.0.1:{stack.app.admin_port}", method="GET", path="/debug/endpoints").json()
     assert {e["name"] for e in d["endpoints"]} == {"a", "b"}
     assert d["synced"] is True
 

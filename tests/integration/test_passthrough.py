@@ -160,7 +160,7 @@ def test_salted_request_under_load_only_forwards_the_salt_but_not_the_ids(stack)
 
 def test_debug_score_says_what_would_be_forwarded(stack) -> None:
     assert stack.app is not None
-    url = f"http://127.0.0.1:{stack.app.metrics_port}"
+    url = f"http://127.0.0.1:{stack.app.admin_port}"
 
     def score(body: dict[str, Any]) -> dict[str, Any]:
         return request(url, path="/debug/score", body=json.dumps(body).encode()).json()

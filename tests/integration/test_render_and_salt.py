@@ -166,7 +166,7 @@ def test_empty_and_non_string_salts_are_ignored() -> None:
 
 # ---------------------------------------------------------------- pipeline policies
 async def picker(url: str, **kw: Any) -> PickerApp:
-    cfg = Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1",
+    cfg = Config(grpc_port=0, health_port=0, metrics_port=0, admin_port=0, bind="127.0.0.1",
                  endpoints="a=127.0.0.1:9;kv=tcp://127.0.0.1:1,b=127.0.0.1:10;kv=tcp://127.0.0.1:2",
                  tokenizer_protocol=kw.pop("protocol", "trtllm-render"), tokenizer_service_url=url, **kw)
     app = PickerApp(cfg)
@@ -329,7 +329,7 @@ async def test_debug_score_over_http_refuses_a_body_over_four_mebibytes(stub: St
 
     app = await picker(f"http://127.0.0.1:{stub.port}")
     async with aiohttp.ClientSession() as s, s.post(
-            f"http://127.0.0.1:{app.metrics_port}/debug/score",
+            f"http://127.0.0.1:{app.admin_port}/debug/score",
             data=b'{"token_ids":[' + b"1," * (3 * 1024 * 1024) + b'1]}') as r:
         assert r.status == 413
     await app.stop()

@@ -55,7 +55,7 @@ class TlsGateway:
         self.bg = BackgroundLoop()
         self.up = EchoUpstream("a")
         self.bg.run(self.up.start())
-        cfg = Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1",
+        cfg = Config(grpc_port=0, health_port=0, metrics_port=0, admin_port=0, bind="127.0.0.1",
                      endpoints=f"a={self.up.address}", endpoint_probe_interval_ms=0, **picker)  # type: ignore
         cfg.validate()
         self.app = PickerApp(cfg)

@@ -80,15 +80,19 @@ def test_parsed_values_match_json_loads() -> None:
 
 def test_a_body_padded_with_megabytes_of_whitespace_is_rewritten_at_c_speed() -> None:
     """The span walk must not loop in Python per whitespace character (a 30 MB padded body stalled the event
-    loop ~1.4 s): it must cost about what decoding the same bytes costs, measured in the same run."""
+    loop ~1.4 s): padding must cost about what the same bytes cost inside a string member (read by the C
+    scanner), measured in the same run."""
     import time
 
-    raw = b'{"nvext":{"a":1},' + b" " * 8_000_000 + b'"messages":[]' + b"\n" * 4_000_000 + b"}"
-    t0 = time.perf_counter()
-    raw.decode("utf-8")
-    decode_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    out = rewrite(parse_object(raw), raw, drop=frozenset({"nvext"}))
-    rewrite_s = time.perf_counter() - t0
-    assert b"nvext" not in out and out.endswith(b"}")
-    assert rewrite_s < 50 * max(decode_s, 1e-4), (rewrite_s, decode_s)
+    def rewrite_time(raw: bytes) -> float:
+        t0 = time.perf_counter()
+        out = rewrite(parse_object(raw), raw, drop=frozenset({"nvext"}))
+        assert b"nvext" not in out and out.endswith(b"}")
+        return time.perf_counter() - t0
+
+    pad = 12_000_000
+    padded = b'{"nvext":{"a":1},' + b" " * pad + b'"messages":[]}'
+    in_string = b'{"nvext":{"a":1},"pad":"' + b" " * (pad - 9) + b'","messages":[]}'
+    padded_s = min(rewrite_time(padded) for _ in range(2))
+    string_s = min(rewrite_time(in_string) for _ in range(2))
+    assert padded_s < 4 * string_s, (padded_s, string_s)  # measured: ~1x now, 15x with the old walker

@@ -58,28 +58,28 @@ def test_bad_endpoint_specs_are_refused(bad: str) -> None:
         parse_flag(bad, kv_event_port=5557, replay_port=None)
 
 
-def test_endpoints_file_is_reloaded_when_it_changes(tmp_path) -> None:  # noqa: ANN001
+async def test_endpoints_file_is_reloaded_when_it_changes(tmp_path) -> None:  # noqa: ANN001
     path = tmp_path / "eps.yaml"
     path.write_text("endpoints:\n  - name: a\n    address: 127.0.0.1:1\n")
     reg = EndpointRegistry()
     fd = FileDiscovery(reg, str(path), kv_event_port=5557, replay_port=None)
-    fd.load_once()
+    await fd.load_once()
     assert [e.name for e in reg.all()] == ["a"]
     path.write_text(json.dumps({"endpoints": [{"name": "b", "address": "127.0.0.1:2"}]}))
     os.utime(path, (1, 1))  # force a different mtime even within the same clock tick
-    fd.load_once()
+    await fd.load_once()
     assert [e.name for e in reg.all()] == ["b"]
 
 
-def test_broken_endpoints_file_keeps_the_previous_set(tmp_path) -> None:  # noqa: ANN001
+async def test_broken_endpoints_file_keeps_the_previous_set(tmp_path) -> None:  # noqa: ANN001
     path = tmp_path / "eps.yaml"
     path.write_text("- 127.0.0.1:1\n- 127.0.0.1:2\n")
     reg = EndpointRegistry()
     fd = FileDiscovery(reg, str(path), kv_event_port=5557, replay_port=None)
-    fd.load_once()
+    await fd.load_once()
     path.write_text("endpoints: [ {address: ")
     os.utime(path, (2, 2))
-    fd.load_once()
+    await fd.load_once()
     assert len(reg) == 2
 
 

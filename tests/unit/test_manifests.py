@@ -543,3 +543,80 @@ def test_podmonitor_scrapes_the_picker_pods_metrics_port(rendered):
     named = {p["name"]: p["containerPort"] for p in picker(rendered["base"])["ports"]}
     assert ep["port"] in named and ep["path"] == "/metrics"
     assert named[ep["port"]] == int(env_value(picker(rendered["base"]), "DYN_EPP_METRICS_PORT"))
+
+
+# ---------------------------------------------------------------------------------------------- network exposure
+
+
+def _ingress_rules_for(objs: list[dict[str, Any]], container_port: int) -> list[dict[str, Any]]:
+    """The ingress rules of NetworkPolicies selecting the picker pods that admit `container_port`."""
+    labels = picker_deployment(objs)["spec"]["template"]["metadata"]["labels"]
+    named = {p["name"]: p["containerPort"] for p in picker(objs)["ports"]}
+    out = []
+    for np in (o for o in objs if o["kind"] == "NetworkPolicy"):
+        sel = np["spec"]["podSelector"].get("matchLabels", {})
+        if not all(labels.get(k) == v for k, v in sel.items()):
+            continue
+        for rule in np["spec"].get("ingress", []):
+            ports = {named.get(p["port"], p["port"]) for p in rule.get("ports", [])}
+            if not rule.get("ports") or container_port in ports:
+                out.append(rule)
+    return out
+
+
+@pytest.mark.parametrize("variant", ("base", *VARIANTS))
+def test_a_network_policy_isolates_the_picker_pods_for_ingress(rendered, variant):
+    objs = rendered[variant]
+    np = find(objs, "NetworkPolicy", picker_deployment(objs)["metadata"]["name"])
+    assert np["spec"]["policyTypes"] == ["Ingress"]
+    labels = picker_deployment(objs)["spec"]["template"]["metadata"]["labels"]
+    sel = np["spec"]["podSelector"]["matchLabels"]
+    assert sel and all(labels.get(k) == v for k, v in sel.items())
+
+
+@pytest.mark.parametrize("variant", ("base", *VARIANTS))
+def test_no_network_policy_rule_admits_every_peer_or_every_port(rendered, variant):
+    for np in (o for o in rendered[variant] if o["kind"] == "NetworkPolicy"):
+        for rule in np["spec"]["ingress"]:
+            assert rule.get("from") and rule.get("ports"), rule
+            for peer in rule["from"]:
+                assert "ipBlock" not in peer and any(s.get("matchLabels") for s in peer.values()), peer
+
+
+@pytest.mark.parametrize("variant", ("base", *VARIANTS))
+def test_only_the_gateway_pods_reach_the_ext_proc_and_health_ports(rendered, variant):
+    objs = rendered[variant]
+    c = picker(objs)
+    gateway = find(objs, "Gateway")["metadata"]["name"]
+    for port in (int(env_value(c, "DYN_EPP_GRPC_PORT")), int(env_value(c, "DYN_EPP_HEALTH_PORT"))):
+        (rule,) = _ingress_rules_for(objs, port)
+        assert rule["from"] == [{"podSelector": {"matchLabels": {"gateway.networking.k8s.io/gateway-name": gateway}}}]
+
+
+@pytest.mark.parametrize("variant", ("base", *VARIANTS))
+def test_only_prometheus_reaches_the_metrics_port(rendered, variant):
+    objs = rendered[variant]
+    (rule,) = _ingress_rules_for(objs, int(env_value(picker(objs), "DYN_EPP_METRICS_PORT")))
+    (peer,) = rule["from"]
+    assert set(peer) == {"namespaceSelector", "podSelector"}  # both: a pod name alone would match any namespace
+    assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+
+
+@pytest.mark.parametrize("variant", ("base", *VARIANTS))
+def test_every_picker_container_port_is_covered_by_the_network_policy(rendered, variant):
+    objs = rendered[variant]
+    for p in picker(objs)["ports"]:
+        assert _ingress_rules_for(objs, p["containerPort"]), f"port {p['name']} unreachable for everyone"
+
+
+@pytest.mark.parametrize("variant", ("base", *VARIANTS))
+def test_the_debug_api_stays_on_loopback_and_off_every_port_list(rendered, variant):
+    objs = rendered[variant]
+    c = picker(objs)
+    env = {k: v.get("value", "ns") for k, v in env_of(c).items()}
+    cfg = load_config([], env=env)
+    assert cfg.admin_bind == "127.0.0.1" and cfg.admin_port != cfg.metrics_port
+    assert cfg.admin_port not in {p["containerPort"] for p in c["ports"]}
+    svc = find(objs, "Service", "llm-pool-epp")
+    assert cfg.admin_port not in {p["port"] for p in svc["spec"]["ports"]}
+    assert not _ingress_rules_for(objs, cfg.admin_port)
