@@ -32,7 +32,9 @@ def pack_int64(obj: Any) -> bytes:
     """msgpack with EVERY integer as int64 (0xd3) and every float as float64 (0xcb), like TRT-LLM's C++ side.
 
     msgpack-python always picks the smallest integer encoding, so this small packer exists only to
-    reproduce the fat encoding; the result decodes to the same values with any msgpack reader.
+    reproduce the fat encoding; the result decodes to the same values with any msgpack reader.  The test
+    encoders (``bench/kvwire.py``) have a similar one; this copy is deliberate: the mock is the engine double
+    the picker is tested against and shares no code with the picker's side of the wire.
     """
     out = bytearray()
     _pack_into(obj, out)

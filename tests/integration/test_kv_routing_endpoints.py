@@ -7,10 +7,10 @@ import asyncio
 import zmq
 import zmq.asyncio
 
+from bench.kvwire import pack_batch, stored_event
 from epp_extproc.adapters.kv_routing import KvRouting, Prompt
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from kvindex.decode import encode_seq
-from kvindex.encode import pack_batch, stored_event
 from tests.netutil import free_port
 
 TOKENS = list(range(1000, 1000 + 32 * 4 + 1))

@@ -10,8 +10,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from bench.kvwire import cleared_event, pack_batch, stored_event
 from kvindex.decode import encode_seq
-from kvindex.encode import cleared_event, pack_batch, stored_event
 from kvindex.index import KvIndex
 from kvindex.subscriber import SubscriberManager
 from tests.netutil import free_port
@@ -85,9 +85,9 @@ class FakeWorker:
             await self.pub.send_multipart([self.topic if topic is None else topic, encode_seq(self.seq), payload])
         return self.seq
 
-    async def sync(self, idx: KvIndex, worker_id: str) -> None:
+    async def sync(self, mgr: SubscriberManager, worker_id: str) -> None:
         """Heartbeat until the subscriber demonstrably receives (PUB drops messages before it connects)."""
-        st = idx.stats(worker_id)
+        st = mgr.stats(worker_id)
         deadline = time.monotonic() + 5
         while st.last_seq is None:
             assert time.monotonic() < deadline, "subscriber never connected"
@@ -122,7 +122,7 @@ async def env(ctx):
         w = FakeWorker(ctx, **kw)
         workers.append(w)
         await mgr.add(worker_id, w.endpoint, w.replay_endpoint)
-        await w.sync(idx, worker_id)
+        await w.sync(mgr, worker_id)
         return w
 
     yield idx, mgr, start
@@ -132,91 +132,92 @@ async def env(ctx):
 
 
 async def test_published_blocks_reach_the_index(env):
-    idx, _, start = env
+    idx, mgr, start = env
     w = await start()
     seq = await w.publish([stored_event([1, 2], None, toks(2), BS)])
-    await until(lambda: idx.stats("w").last_seq == seq)
+    await until(lambda: mgr.stats("w").last_seq == seq)
     assert idx.overlap(toks(2) + [0]) == {"w": 2}
 
 
 @pytest.mark.parametrize("mode", ["trtllm", "vllm"])
 async def test_gap_is_recovered_through_replay_without_losing_state(env, mode):
-    idx, _, start = env
+    idx, mgr, start = env
     w = await start(replay=mode)
     await w.publish([stored_event([1], None, block(0), BS)])
     await w.publish([stored_event([2], 1, block(1), BS)], send=False)  # lost on the wire
     seq = await w.publish([stored_event([3], 2, block(2), BS)])
-    await until(lambda: idx.stats("w").last_seq == seq)
+    await until(lambda: mgr.stats("w").last_seq == seq)
     assert idx.overlap(toks(3) + [0]) == {"w": 3}
-    assert idx.stats("w").gaps == 1 and w.replay_requests[-1] == seq - 1
+    # the replay starts at the last applied batch: its payload proves the publisher has the same history
+    assert mgr.stats("w").gaps == 1 and w.replay_requests[-1] == seq - 2
 
 
 async def test_gap_without_replay_clears_the_worker(env):
-    idx, _, start = env
+    idx, mgr, start = env
     w = await start()
     await w.publish([stored_event([1], None, block(0), BS)])
     await w.publish([stored_event([2], 1, block(1), BS)], send=False)
     seq = await w.publish([])
-    await until(lambda: idx.stats("w").last_seq == seq)
-    assert idx.overlap(toks(2) + [0]) == {} and idx.stats("w").gaps == 1
+    await until(lambda: mgr.stats("w").last_seq == seq)
+    assert idx.overlap(toks(2) + [0]) == {} and mgr.stats("w").gaps == 1
 
 
 async def test_replay_that_lost_the_missing_batches_is_counted_and_clears(env):
-    idx, _, start = env
+    idx, mgr, start = env
     w = await start(replay="trtllm")
     await w.publish([stored_event([1], None, block(0), BS)])
     await w.publish([stored_event([2], 1, block(1), BS)], send=False)
     w.buffer.pop()  # the replay buffer no longer holds the lost batch
     seq = await w.publish([])
-    await until(lambda: idx.stats("w").last_seq == seq)
-    assert idx.stats("w").replay_lost == 1 and idx.overlap(toks(1) + [0]) == {}
+    await until(lambda: mgr.stats("w").last_seq == seq)
+    assert mgr.stats("w").replay_lost == 1 and idx.overlap(toks(1) + [0]) == {}
 
 
 async def test_backwards_sequence_means_restart_and_clears(env):
-    idx, _, start = env
+    idx, mgr, start = env
     w = await start()
     await w.publish([stored_event([1], None, block(0), BS)])
     seq = await w.publish([], seq=0)
-    await until(lambda: idx.stats("w").last_seq == seq)
-    assert idx.stats("w").restarts == 1 and idx.overlap(toks(1) + [0]) == {}
+    await until(lambda: mgr.stats("w").last_seq == seq)
+    assert mgr.stats("w").restarts == 1 and idx.overlap(toks(1) + [0]) == {}
 
 
 async def test_after_a_restart_new_events_are_indexed_again(env):
-    idx, _, start = env
+    idx, mgr, start = env
     w = await start()
     await w.publish([], seq=0)
     seq = await w.publish([stored_event([1], None, block(0), BS)])
-    await until(lambda: idx.stats("w").last_seq == seq)
+    await until(lambda: mgr.stats("w").last_seq == seq)
     assert idx.overlap(toks(1) + [0]) == {"w": 1}
 
 
 async def test_garbage_is_counted_and_the_subscriber_keeps_going(env):
-    idx, _, start = env
+    idx, mgr, start = env
     w = await start()
     await w.pub.send_multipart([b"only", b"two"])
     await w.pub.send_multipart([b"", b"short", b"x"])
     w.seq += 1
     await w.pub.send_multipart([b"", encode_seq(w.seq), b"\xc1\xc1"])
     seq = await w.publish([stored_event([1], None, block(0), BS)])
-    await until(lambda: idx.stats("w").last_seq == seq)
+    await until(lambda: mgr.stats("w").last_seq == seq)
     st = idx.stats("w")
     assert (st.garbage_frames, st.garbage_batches) == (2, 1)
     assert idx.overlap(toks(1) + [0]) == {"w": 1}
 
 
 async def test_heartbeating_worker_that_goes_silent_is_marked_stale(env):
-    idx, _, start = env
+    idx, mgr, start = env
     await start()
-    await until(lambda: idx.stats("w").stale, timeout=3)
-    assert idx.snapshot()["workers"]["w"]["stale"] is True
+    await until(lambda: mgr.stats("w").stale, timeout=3)
+    assert mgr.stats_snapshot()["w"]["stale"] is True
 
 
 async def test_stale_worker_recovers_on_its_next_message(env):
-    idx, _, start = env
+    idx, mgr, start = env
     w = await start()
-    await until(lambda: idx.stats("w").stale, timeout=3)
+    await until(lambda: mgr.stats("w").stale, timeout=3)
     await w.publish([])
-    await until(lambda: not idx.stats("w").stale, timeout=3)
+    await until(lambda: not mgr.stats("w").stale, timeout=3)
 
 
 async def test_worker_that_never_heartbeats_is_not_marked_stale(ctx):
@@ -225,7 +226,7 @@ async def test_worker_that_never_heartbeats_is_not_marked_stale(ctx):
     w = FakeWorker(ctx)
     try:
         await mgr.add("w", w.endpoint)
-        st = idx.stats("w")
+        st = mgr.stats("w")
         while st.last_seq is None:
             await w.publish([stored_event([w.seq], None, block(0), BS)])
             await asyncio.sleep(0.02)
@@ -241,12 +242,12 @@ async def test_workers_added_and_removed_at_runtime(env):
     b = await start("b")
     sa = await a.publish([stored_event([1], None, block(0), BS)])
     sb = await b.publish([stored_event([1], None, block(0), BS)])
-    await until(lambda: idx.stats("a").last_seq == sa and idx.stats("b").last_seq == sb)
+    await until(lambda: mgr.stats("a").last_seq == sa and mgr.stats("b").last_seq == sb)
     await mgr.remove("a")
     assert mgr.workers() == ["b"] and "a" not in idx.workers()
     assert idx.overlap(toks(1) + [0]) == {"b": 1}
     sb = await b.publish([stored_event([2], 1, block(1), BS)])
-    await until(lambda: idx.stats("b").last_seq == sb)
+    await until(lambda: mgr.stats("b").last_seq == sb)
     assert idx.overlap(toks(2) + [0]) == {"b": 2}
 
 
@@ -259,7 +260,7 @@ async def test_new_subscriber_warms_up_from_the_replay_buffer(ctx):
         await w.publish([cleared_event()], send=False)
         await w.publish([stored_event([1, 2], None, toks(2), BS)], send=False)
         await mgr.add("w", w.endpoint, w.replay_endpoint)
-        await w.sync(idx, "w")
+        await w.sync(mgr, "w")
         assert w.replay_requests[0] == 0
         assert idx.overlap(toks(2) + [0]) == {"w": 2}
     finally:
@@ -273,10 +274,10 @@ async def test_dead_replay_endpoint_is_counted_and_live_events_still_flow(ctx):
     w = FakeWorker(ctx)
     try:
         await mgr.add("w", w.endpoint, f"tcp://127.0.0.1:{free_port()}")
-        await w.sync(idx, "w")
+        await w.sync(mgr, "w")
         seq = await w.publish([stored_event([1], None, block(0), BS)])
-        await until(lambda: idx.stats("w").last_seq == seq)
-        assert idx.stats("w").replay_failures >= 1
+        await until(lambda: mgr.stats("w").last_seq == seq)
+        assert mgr.stats("w").replay_failures >= 1
         assert idx.overlap(toks(1) + [0]) == {"w": 1}
     finally:
         await mgr.close()
@@ -289,11 +290,11 @@ async def test_only_the_configured_topic_is_indexed(ctx):
     w = FakeWorker(ctx, topic=b"kv")
     try:
         await mgr.add("w", w.endpoint)
-        await w.sync(idx, "w")
+        await w.sync(mgr, "w")
         # had the filter let it through, this store would be applied (the next seq follows on)
         await w.publish([stored_event([1], None, block(0), BS)], topic=b"other")
         seq = await w.publish([])
-        await until(lambda: idx.stats("w").last_seq == seq)
+        await until(lambda: mgr.stats("w").last_seq == seq)
         assert idx.overlap(toks(1) + [0]) == {}
     finally:
         await mgr.close()

@@ -7,6 +7,7 @@ import struct
 import msgpack
 import pytest
 
+from bench.kvwire import cleared_event, pack_all_int64, pack_batch, removed_event, stored_event
 from kvindex.decode import (
     REPLAY_END_SEQ,
     decode_payload,
@@ -14,7 +15,6 @@ from kvindex.decode import (
     split_live_frames,
     split_replay_frames,
 )
-from kvindex.encode import cleared_event, pack_all_int64, pack_batch, removed_event, stored_event
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 TOKS = list(range(1, 9))  # two blocks of 4

@@ -7,8 +7,8 @@ import tracemalloc
 
 import pytest
 
+from bench.kvwire import cleared_event, pack_batch, removed_event, stored_event
 from kvindex.decode import decode_payload
-from kvindex.encode import cleared_event, pack_batch, removed_event, stored_event
 from kvindex.hashing import block_hashes
 from kvindex.index import KvIndex
 
