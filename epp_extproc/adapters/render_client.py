@@ -143,20 +143,6 @@ class RenderClient:
         return ids
 
 
-async def fetch_block_size(address: str, timeout_s: float = 2.0) -> int | None:
-    """A worker's live tokens_per_block from its /server_info, or None when it does not say."""
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s, \
-                s.get(f"http://{address}/server_info") as r:
-            if r.status != 200:
-                return None
-            doc = await r.json(content_type=None)
-    except (aiohttp.ClientError, TimeoutError, ValueError):
-        return None
-    n = doc.get("tokens_per_block") if isinstance(doc, dict) else None
-    return n if isinstance(n, int) and n > 0 else None
-
-
 def _valid_ids(ids: list[Any]) -> bool:
     """Every id a u32 int: array() checks that in C (a Python loop costs ~1 ms on a 32k prompt)."""
     try:
