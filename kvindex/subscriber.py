@@ -76,6 +76,7 @@ class SubscriberStats:
     replay_ok: int = 0
     restarts: int = 0
     oversized: int = 0
+    reconnects: int = 0
     heartbeating: bool = False
     stale: bool = False
     silent: bool = False
@@ -84,7 +85,7 @@ class SubscriberStats:
 
 
 _SUMMED = ("messages", "gaps", "dropped_batches", "replays", "replay_lost", "replay_failures", "replay_holes",
-           "replay_ok", "restarts", "oversized")
+           "replay_ok", "restarts", "oversized", "reconnects")
 
 
 class _Reset(Exception):
@@ -96,7 +97,7 @@ class _ReplayFailed(Exception):
 
 
 class _Sub:
-    __slots__ = ("worker_id", "source", "sock", "task", "stats", "last_live", "applied", "digest", "gen",
+    __slots__ = ("worker_id", "source", "sock", "task", "monitor", "stats", "last_live", "applied", "digest", "gen",
                  "need_warm", "gap_warned_at", "gaps_unwarned")
 
     def __init__(self, worker_id: str, source: KvSource) -> None:
@@ -104,6 +105,7 @@ class _Sub:
         self.source = source
         self.sock: zmq.asyncio.Socket | None = None
         self.task: asyncio.Task[None] | None = None
+        self.monitor: asyncio.Task[None] | None = None
         self.stats = SubscriberStats(endpoint=source.endpoint, rank=source.rank)
         self.last_live: int | None = None  # last seq seen on the SUB socket (restart detection)
         self.applied: int | None = None  # last seq applied from any source (gap detection, dedup)
@@ -192,9 +194,12 @@ class SubscriberManager:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self.max_batch_bytes + 4096)
             sock.setsockopt(zmq.SUBSCRIBE, self.topic)
+            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(source.endpoint)
             sub.sock = sock
             sub.task = asyncio.create_task(self._run(sub), name=f"kvindex-sub-{sub.label}")
+            sub.monitor = asyncio.create_task(self._reconnect_on_disconnect(sub, mon),
+                                              name=f"kvindex-mon-{sub.label}")
             subs.append(sub)
         self._subs[worker_id] = subs
         if self._watchdog is None:
@@ -222,12 +227,32 @@ class SubscriberManager:
 
     async def _stop(self, sub: _Sub) -> None:
         sub.gen += 1
-        if sub.task is not None:
-            sub.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sub.task
+        for task in (sub.task, sub.monitor):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if sub.sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                sub.sock.disable_monitor()
             sub.sock.close(linger=0)
+
+    async def _reconnect_on_disconnect(self, sub: _Sub, mon: zmq.asyncio.Socket) -> None:
+        """libzmq does not reconnect a SUB whose peer it dropped for exceeding ZMQ_MAXMSGSIZE: reconnect it
+        ourselves, so an oversized frame costs one lost batch (a gap, healed as usual), not the stream."""
+        try:
+            while True:
+                await mon.recv_multipart()
+                sock = sub.sock
+                if sock is None or sock.closed:
+                    return
+                sub.stats.reconnects += 1
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.disconnect(sub.source.endpoint)
+                sock.connect(sub.source.endpoint)
+                await asyncio.sleep(0.05)  # a peer that keeps being dropped is not reconnected in a tight loop
+        finally:
+            mon.close(linger=0)
 
     def resync(self, worker_id: str) -> None:
         """The worker's cache is known to be gone (its process died): drop its entries now, invalidate any

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
@@ -10,7 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from bench.kvwire import cleared_event, pack_batch, stored_event
+from bench.kvwire import cleared_event, pack_batch, removed_event, stored_event
 from kvindex.decode import encode_seq
 from kvindex.index import KvIndex
 from kvindex.subscriber import SubscriberManager
@@ -39,9 +40,10 @@ async def until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
 class FakeWorker:
     """Plays a worker's KV-event publisher: PUB for live batches, optional ROUTER answering replays."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, *, replay: str | None = None, topic: bytes = b"") -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, *, replay: str | None = None, topic: bytes = b"",
+                 port: int | None = None) -> None:
         self.topic = topic
-        self.port = free_port()
+        self.port = port or free_port()
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.bind(f"tcp://127.0.0.1:{self.port}")
@@ -51,6 +53,13 @@ class FakeWorker:
         self.replay_mode = replay
         self.replay_endpoint = None
         self.replay_requests: list[int] = []
+        # replay faults: seqs left out of the next replays (a ROUTER dropping frames at its send HWM), a delay
+        # before answering, garbage instead of answers, no end marker
+        self.replay_drop: set[int] = set()
+        self.replay_drop_times = 0
+        self.replay_delay_s = 0.0
+        self.replay_garbage = False
+        self.replay_no_end = False
         self._task = None
         if replay:
             rport = free_port()
@@ -65,21 +74,33 @@ class FakeWorker:
             ident, _, start8 = await self.router.recv_multipart()
             start = int.from_bytes(start8, "big")
             self.replay_requests.append(start)
+            if self.replay_delay_s:
+                await asyncio.sleep(self.replay_delay_s)
+            if self.replay_garbage:
+                for _ in range(100):
+                    await self.router.send_multipart([ident, b"", b"garbage"])
+                continue
+            drop = self.replay_drop if self.replay_drop_times > 0 else set()
+            self.replay_drop_times -= 1
             for seq, payload in sorted(self.buffer):
+                if seq in drop:
+                    continue
                 if seq >= start:
                     if self.replay_mode == "trtllm":
                         await self.router.send_multipart([ident, b"", self.topic, encode_seq(seq), payload])
                     else:
                         await self.router.send_multipart([ident, b"", encode_seq(seq), payload])
             end = [ident, b"", b"", b"\xff" * 8, b""] if self.replay_mode == "trtllm" else [ident, b"", b"\xff" * 8, b""]
-            await self.router.send_multipart(end)
+            if not self.replay_no_end:
+                await self.router.send_multipart(end)
 
     async def publish(
-        self, events: list, *, send: bool = True, seq: int | None = None, topic: bytes | None = None
+        self, events: list, *, send: bool = True, seq: int | None = None, topic: bytes | None = None,
+        envelope: str = "array3",
     ) -> int:
         """Buffer (for replay) and, unless ``send`` is False (a dropped batch), publish the next batch."""
         self.seq = self.seq + 1 if seq is None else seq
-        payload = pack_batch(events, rank=0)
+        payload = pack_batch(events, rank=0, envelope=envelope)
         self.buffer.append((self.seq, payload))
         if send:
             await self.pub.send_multipart([self.topic if topic is None else topic, encode_seq(self.seq), payload])
@@ -296,6 +317,241 @@ async def test_only_the_configured_topic_is_indexed(ctx):
         seq = await w.publish([])
         await until(lambda: mgr.stats("w").last_seq == seq)
         assert idx.overlap(toks(1) + [0]) == {}
+    finally:
+        await mgr.close()
+        w.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Real-engine behaviours (issue 12): each test below failed on the subscriber/decoder before these fixes.
+
+def chain_events(n: int, *, first_hash: int = 1) -> list[list[dict]]:
+    """One batch per block of the prompt toks(n): block i has engine hash first_hash + i."""
+    return [[stored_event([first_hash + i], None if i == 0 else first_hash + i - 1, block(i), BS)]
+            for i in range(n)]
+
+
+async def test_replay_with_a_hole_is_not_applied_as_complete_and_is_asked_again_from_the_hole(env):
+    idx, mgr, start = env
+    w = await start(replay="trtllm")
+    await w.publish(chain_events(1)[0])
+    for ev in chain_events(6)[1:]:
+        await w.publish(ev, send=False)  # five batches lost on the wire
+    w.replay_drop, w.replay_drop_times = {w.seq - 2}, 1  # and the first replay drops one in the middle
+    seq = await w.publish([])
+    await until(lambda: mgr.stats("w").last_seq == seq)
+    # asked from the last applied batch, then again from the hole
+    assert mgr.stats("w").replay_holes == 1 and w.replay_requests[-2:] == [seq - 6, seq - 3]
+    assert idx.engine_hashes("w") == {1, 2, 3, 4, 5, 6}
+    assert idx.overlap(toks(6) + [0]) == {"w": 6}
+
+
+async def test_replay_without_end_marker_is_a_failure_that_clears_not_a_success(env):
+    idx, mgr, start = env
+    w = await start(replay="trtllm")
+    await w.publish(chain_events(1)[0])
+    await w.publish(chain_events(2)[1], send=False)
+    w.replay_no_end = True
+    await w.publish([])
+    await until(lambda: mgr.stats("w").replay_failures == 1, timeout=5)
+    assert idx.engine_hashes("w") == set()
+
+
+async def test_a_reset_during_an_in_flight_replay_drops_what_it_fetched_and_the_new_process_is_indexed(env):
+    idx, mgr, start = env
+    w = await start(replay="trtllm")
+    await w.publish(chain_events(1)[0])
+    await w.publish(chain_events(2)[1], send=False)
+    w.replay_delay_s = 0.2
+    await w.publish([])  # gap: the subscriber waits for the slow replay
+    await until(lambda: len(w.replay_requests) == 2)
+    mgr.resync("w")  # meanwhile the prober sees the worker die
+    await asyncio.sleep(0.3)
+    assert idx.engine_hashes("w") == set()
+    # the restarted process numbers from 0 again: its batches must not be dropped as "old"
+    w.replay_delay_s = 0.0
+    w.buffer.clear()
+    w.seq = -1
+    seq = await w.publish([stored_event([50], None, block(0), BS)])
+    await until(lambda: mgr.stats("w").last_seq == seq)
+    assert idx.engine_hashes("w") == {50}
+
+
+async def test_idle_worker_without_heartbeats_is_warmed_up_as_soon_as_the_subscriber_connects(ctx):
+    idx = KvIndex(default_block_size=BS)
+    mgr = SubscriberManager(idx, zmq_context=ctx, replay_timeout_s=0.5)
+    w = FakeWorker(ctx, replay="vllm")
+    try:
+        for ev in chain_events(3):  # stored before the picker (re)started; the engine is idle now
+            await w.publish(ev, send=False)
+        await mgr.add("w", w.endpoint, w.replay_endpoint)
+        await until(lambda: idx.engine_hashes("w") == {1, 2, 3})  # no live message was ever sent
+        assert w.replay_requests == [0] and mgr.stats("w").messages == 0
+    finally:
+        await mgr.close()
+        w.close()
+
+
+async def test_restart_whose_first_seen_seq_is_above_the_old_one_is_detected_and_the_old_blocks_dropped(env):
+    idx, mgr, start = env
+    w = await start(replay="trtllm")
+    for ev in chain_events(2):
+        await w.publish(ev)
+    await until(lambda: idx.engine_hashes("w") == {1, 2})
+    old_last = w.seq
+    # the worker restarts and its first batches are lost to the slow-joining SUB: the first one seen is
+    # above the old last seq, and the replay buffer holds the NEW process's history
+    w.buffer.clear()
+    w.seq = -1
+    for ev in chain_events(old_last + 3, first_hash=1000)[: old_last + 3]:
+        await w.publish(ev, send=False)
+    seq = await w.publish([])
+    await until(lambda: mgr.stats("w").last_seq == seq)
+    assert mgr.stats("w").restarts == 1
+    assert idx.engine_hashes("w") == set(range(1000, 1000 + old_last + 3))
+
+
+async def test_far_sequence_jump_is_a_restart(env):
+    idx, mgr, start = env
+    w = await start()
+    await w.publish(chain_events(1)[0])
+    seq = await w.publish([stored_event([7], None, block(0), BS)], seq=time.time_ns())
+    await until(lambda: mgr.stats("w").last_seq == seq)
+    assert mgr.stats("w").restarts == 1 and idx.engine_hashes("w") == {7}
+
+
+async def test_vllm_salt_in_the_first_blocks_extra_keys_matches_salted_prompts_only(env):
+    idx, mgr, start = env
+    w = await start()
+    ev = stored_event([1, 2], None, toks(2), BS, extra_keys=[["tenant-a"], None])
+    seq = await w.publish([ev], envelope="map")
+    await until(lambda: mgr.stats("w").last_seq == seq)
+    assert idx.overlap(toks(2) + [0], salt="tenant-a") == {"w": 2}
+    assert idx.overlap(toks(2) + [0]) == {} and idx.overlap(toks(2) + [0], salt="tenant-b") == {}
+
+
+async def test_sglang_typed_cache_salt_is_not_credited_to_unsalted_prompts(env):
+    idx, mgr, start = env
+    w = await start()
+    seq = await w.publish([stored_event([1, 2], None, toks(2), BS, cache_salt="tenant-a", session_id="s1")])
+    await until(lambda: mgr.stats("w").last_seq == seq)
+    assert idx.overlap(toks(2) + [0]) == {}
+    assert idx.overlap(toks(2) + [0], salt="tenant-a") == {"w": 2}
+    assert idx.stats("w").unknown_keys == 0
+
+
+@pytest.mark.parametrize("keys", [[["ad"], ["ad"]], [[{"type": "lora", "name": "ad"}]] * 2])
+async def test_vllm_lora_blocks_are_indexed_under_their_adapter(env, keys):
+    idx, mgr, start = env
+    w = await start()
+    seq = await w.publish([stored_event([1, 2], None, toks(2), BS, lora_id=1, lora_name="ad", extra_keys=keys)])
+    await until(lambda: mgr.stats("w").last_seq == seq)
+    assert idx.overlap(toks(2) + [0], lora_name="ad") == {"w": 2}
+    assert idx.overlap(toks(2) + [0]) == {}
+
+
+async def test_gap_warnings_are_one_per_burst(env, caplog):
+    idx, mgr, start = env
+    w = await start()
+    with caplog.at_level(logging.WARNING, logger="kvindex.subscriber"):
+        for _ in range(20):
+            await w.publish([], send=False)
+            seq = await w.publish([])
+        await until(lambda: mgr.stats("w").last_seq == seq)
+    assert mgr.stats("w").gaps == 20 and mgr.stats("w").dropped_batches == 20
+    assert caplog.text.count("gap") == 1
+
+
+async def test_subscriber_that_never_receives_anything_from_a_healthy_worker_says_so(ctx, caplog):
+    idx = KvIndex(default_block_size=BS)
+    mgr = SubscriberManager(idx, topic="kv", zmq_context=ctx, heartbeat_stale_s=0.2, silent_after_s=0.3,
+                            is_healthy=lambda _w: True)
+    w = FakeWorker(ctx, topic=b"other")  # publishes on another topic than the one subscribed
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvindex.subscriber"):
+            await mgr.add("w", w.endpoint)
+            for _ in range(40):
+                await w.publish([])
+                await asyncio.sleep(0.02)
+        assert mgr.stats_snapshot()["w"]["silent"] is True
+        assert caplog.text.count("no KV events from w") == 1
+    finally:
+        await mgr.close()
+        w.close()
+
+
+async def test_garbage_replay_replies_do_not_freeze_the_subscriber(env):
+    idx, mgr, start = env
+    w = await start(replay="trtllm")
+    await w.publish(chain_events(1)[0])
+    await w.publish(chain_events(2)[1], send=False)
+    w.replay_garbage = True
+    await w.publish([])
+    seq = await w.publish([stored_event([9], None, block(0), BS)])
+    await until(lambda: mgr.stats("w").last_seq == seq)
+    assert mgr.stats("w").replay_failures >= 1 and 9 in idx.engine_hashes("w")
+
+
+async def test_batch_over_the_event_budget_is_refused_and_the_rank_cleared(ctx):
+    idx = KvIndex(default_block_size=BS)
+    mgr = SubscriberManager(idx, zmq_context=ctx, max_batch_events=4)
+    w = FakeWorker(ctx)
+    try:
+        await mgr.add("w", w.endpoint)
+        await w.sync(mgr, "w")
+        await w.publish(chain_events(1)[0])
+        seq = await w.publish([removed_event([99])] * 5)
+        await until(lambda: mgr.stats("w").last_seq == seq)
+        assert mgr.stats("w").oversized == 1 and idx.engine_hashes("w") == set()
+        assert idx.stats("w").removed_unknown == 0  # refused before it was applied
+    finally:
+        await mgr.close()
+        w.close()
+
+
+async def test_frame_over_the_byte_budget_is_refused_by_zeromq_and_the_stream_goes_on(ctx):
+    idx = KvIndex(default_block_size=BS)
+    mgr = SubscriberManager(idx, zmq_context=ctx, max_batch_bytes=64 * 1024)
+    w = FakeWorker(ctx)
+    try:
+        await mgr.add("w", w.endpoint)
+        await w.sync(mgr, "w")
+        await w.pub.send_multipart([b"", encode_seq(w.seq + 1), b"\x00" * (1 << 20)])
+        w.seq += 1
+        deadline = time.monotonic() + 5
+        while 42 not in idx.engine_hashes("w"):  # the SUB reconnects after ZeroMQ dropped the peer
+            assert time.monotonic() < deadline
+            await w.publish([stored_event([42], None, block(0), BS)])
+            await asyncio.sleep(0.05)
+        assert idx.stats("w").garbage_batches == 0  # never buffered whole, never decoded
+        assert mgr.stats("w").reconnects >= 1
+    finally:
+        await mgr.close()
+        w.close()
+
+
+async def test_a_flood_does_not_starve_the_event_loop(ctx):
+    idx = KvIndex(default_block_size=BS)
+    mgr = SubscriberManager(idx, zmq_context=ctx, turn_budget_s=0.002)
+    w = FakeWorker(ctx)
+    w.pub.setsockopt(zmq.SNDHWM, 0)
+    try:
+        await mgr.add("w", w.endpoint)
+        await w.sync(mgr, "w")
+        payload = pack_batch([stored_event(list(range(i, i + 64)), None, list(range(64 * BS)), BS)
+                              for i in range(0, 640, 64)])
+        for _ in range(3000):  # queued faster than it is applied
+            w.seq += 1
+            w.pub.send_multipart([b"", encode_seq(w.seq), payload])
+        stalls: list[float] = []
+        last = start = time.perf_counter()
+        while mgr.stats("w").last_seq != w.seq and last - start < 3.0:
+            await asyncio.sleep(0)
+            now = time.perf_counter()
+            stalls.append(now - last)
+            last = now
+        assert mgr.stats("w").messages > 100  # it did ingest meanwhile
+        assert max(stalls) < 0.1, f"the loop stalled {max(stalls):.3f}s"
     finally:
         await mgr.close()
         w.close()
