@@ -380,7 +380,10 @@ class KvIndex:
         st = w.stats
         bs = ev.block_size
         slot = w.slots.get((rank, bs))
-        if bs != w.block_size:
+        if bs == w.block_size:
+            if w.size_source == "default":
+                w.size_source = "events"  # confirmed: a later other size is a second size, not a correction
+        else:
             st.block_size_mismatch += 1
             if slot is None or not slot.engine:
                 sizes = {s.block_size for s in w.slots.values() if s.engine} | {w.block_size}

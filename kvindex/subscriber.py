@@ -11,8 +11,9 @@ numbers its batches on its own).  Each subscription owns its stream's sequence b
   payload, a far jump (a ``time_ns`` start) or a replay that no longer holds the range means lost state
   (a restart): the rank is cleared, counted, and warmed up again.  Without replay the rank is cleared;
 * **replay** must be contiguous up to the end marker: publishers keep ZeroMQ's default send high-water mark on
-  their replay ROUTER, which drops frames in the middle of a large replay.  A hole stops applying, the rest is
-  drained and the replay is asked again from the hole (bounded rounds); a missing end marker is a timeout;
+  their replay ROUTER, which drops frames in the middle (and the end marker) of a large replay.  A hole stops
+  applying and the replay is asked again from the hole on a fresh socket, as long as each round makes progress
+  (bounded rounds); a missing end marker without progress is a timeout, never a success;
 * **reset**: any reset (prober saw the worker die, restart, clear) bumps a generation number that every step
   of an in-flight replay checks after each await, so nothing stale is applied after a reset.
 
@@ -44,7 +45,7 @@ from kvindex.index import KvIndex
 log = logging.getLogger(__name__)
 
 FAR_JUMP = 1 << 32  # a seq this far past the last one is another numbering (a time_ns start): a restart
-MAX_REPLAY_ROUNDS = 8  # replays re-asked from a hole before the subscriber gives up and clears
+MAX_REPLAY_ROUNDS = 256  # replays re-asked from a hole (each must make progress) before giving up
 MAX_REPLAY_GARBAGE = 16  # malformed replay replies tolerated in one replay
 GAP_WARN_INTERVAL_S = 10.0  # one gap warning per burst, not one per gap
 
@@ -480,18 +481,20 @@ class SubscriberManager:
     async def _replay(self, sub: _Sub, start: int, accept: Callable[[int, bytes], bool]) -> bool:
         """Ask for every buffered batch with seq >= ``start`` and apply them as they arrive, contiguously.
 
-        A hole (frames dropped at the publisher's send HWM) stops applying; the rest is drained and the replay
-        asked again from the hole, at most :data:`MAX_REPLAY_ROUNDS` times.  ``accept(seq, payload)`` sees each
+        A hole (frames dropped at the publisher's send HWM), or a timeout after progress (the end marker is
+        dropped too), stops applying and the replay is asked again from there on a fresh socket, as long as each
+        round makes progress, at most :data:`MAX_REPLAY_ROUNDS` times, within one batch/byte budget.  ``accept(seq, payload)`` sees each
         first reply (False: do not apply it).  True when the stream is contiguous up to the end marker; False
         after a failure (counted), with whatever contiguous prefix was applied kept.  Raises :class:`_Reset` if
         the subscription was reset meanwhile."""
         st = sub.stats
         gen = sub.gen
         ask = start
+        spent = [0, 0]  # batches and bytes received over every round: the budget is per replay
         for rnd in range(MAX_REPLAY_ROUNDS):
             st.replays += 1
             try:
-                hole = await self._replay_round(sub, ask, rnd == 0, accept, gen)
+                hole = await self._replay_round(sub, ask, rnd == 0, accept, gen, spent)
             except _ReplayFailed as exc:
                 st.replay_failures += 1
                 log.warning("kv replay from %s (%s) failed: %s", sub.label, sub.source.replay_endpoint, exc)
@@ -499,6 +502,10 @@ class SubscriberManager:
             if hole is None:
                 st.replay_ok += 1
                 return True
+            if rnd and hole == ask:
+                st.replay_failures += 1
+                log.warning("kv replay from %s made no progress past seq %d: rank cleared", sub.label, hole)
+                return False
             st.replay_holes += 1
             (log.warning if rnd == 0 else log.debug)(
                 "kv replay from %s has a hole at seq %d (frames dropped by the publisher): asking again from "
@@ -510,7 +517,7 @@ class SubscriberManager:
         return False
 
     async def _replay_round(
-        self, sub: _Sub, ask: int, initial: bool, accept: Callable[[int, bytes], bool], gen: int
+        self, sub: _Sub, ask: int, initial: bool, accept: Callable[[int, bytes], bool], gen: int, spent: list[int]
     ) -> int | None:
         """One replay request; returns the seq of the first hole, or None when contiguous to the end marker.
         The first round lets ``accept`` judge its first reply (where the buffer starts); a round re-asked from
@@ -519,11 +526,9 @@ class SubscriberManager:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.MAXMSGSIZE, self.max_batch_bytes + 4096)
-        hole: int | None = None
         first_reply = True
         garbage = 0
         received = 0
-        nbytes = 0
         turn = time.perf_counter()
         try:
             dealer.connect(sub.source.replay_endpoint)  # type: ignore[arg-type]
@@ -532,6 +537,10 @@ class SubscriberManager:
                 try:
                     frames = await asyncio.wait_for(dealer.recv_multipart(copy=True), self.replay_timeout_s)
                 except TimeoutError:
+                    if received and sub.gen == gen:
+                        # the end marker is the frame a full send HWM drops first: ask again from where the
+                        # contiguous part ended (a re-ask past the newest batch answers the end marker alone)
+                        return expected
                     raise _ReplayFailed("no end marker within the timeout") from None
                 except zmq.ZMQError as exc:
                     raise _ReplayFailed(repr(exc)) from None
@@ -546,14 +555,13 @@ class SubscriberManager:
                     continue
                 seq, payload = parsed
                 if seq == REPLAY_END_SEQ:
-                    return hole
+                    return None
                 received += 1
-                nbytes += len(payload)
-                if received > self.replay_max_batches or nbytes > self.max_replay_bytes:
+                spent[0] += 1
+                spent[1] += len(payload)
+                if spent[0] > self.replay_max_batches or spent[1] > self.max_replay_bytes:
                     sub.stats.oversized += 1
                     raise _ReplayFailed("replay over its batch/byte budget")
-                if hole is not None:
-                    continue  # drain up to the end marker, then ask again from the hole
                 if first_reply:
                     first_reply = False
                     if initial:
@@ -561,16 +569,15 @@ class SubscriberManager:
                         if not accept(seq, payload):
                             continue
                     elif seq != expected:
-                        # a send-HWM drop never takes the first frames of a burst: the batch is gone for good
+                        # a send-HWM drop never takes the first frame of a burst: the batch is gone for good
                         sub.stats.replay_lost += 1
                         log.warning("kv replay from %s no longer holds batch %d: rank cleared", sub.label, expected)
                         self._clear(sub)
                         sub.applied = seq - 1
-                elif seq < expected:  # type: ignore[operator]
+                elif seq < expected:
                     continue  # a duplicate
-                elif seq > expected:  # type: ignore[operator]
-                    hole = expected
-                    continue
+                elif seq > expected:
+                    return expected  # a hole: ask again from it on a fresh socket (the rest goes nowhere)
                 expected = seq + 1
                 if sub.applied is None or seq > sub.applied:
                     self._apply(sub, seq, payload)

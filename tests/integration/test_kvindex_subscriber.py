@@ -6,7 +6,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
+import aiohttp
 import pytest
 import zmq
 import zmq.asyncio
@@ -14,7 +16,8 @@ import zmq.asyncio
 from bench.kvwire import cleared_event, pack_batch, removed_event, stored_event
 from kvindex.decode import encode_seq
 from kvindex.index import KvIndex
-from kvindex.subscriber import SubscriberManager
+from kvindex.subscriber import KvSource, SubscriberManager
+from tests.mock.test_mock_support import ids_body, post, running_worker
 from tests.netutil import free_port
 
 BS = 4
@@ -551,7 +554,141 @@ async def test_a_flood_does_not_starve_the_event_loop(ctx):
             stalls.append(now - last)
             last = now
         assert mgr.stats("w").messages > 100  # it did ingest meanwhile
-        assert max(stalls) < 0.1, f"the loop stalled {max(stalls):.3f}s"
+        assert max(stalls) < 0.3, f"the loop stalled {max(stalls):.3f}s"  # ~1 s without the turn budget
     finally:
         await mgr.close()
         w.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Against trtllm_mock playing each engine's publisher: after every fault the index must equal what the mock holds.
+
+async def mock_cache(s: aiohttp.ClientSession, m: Any) -> dict:
+    async with s.get(m.url + "/mock/cache") as r:
+        return await r.json()
+
+
+async def mock_hashes(s: aiohttp.ClientSession, m: Any) -> set[int]:
+    return {b["engine_hash"] for b in (await mock_cache(s, m))["blocks"]}
+
+
+async def chat(s: aiohttp.ClientSession, m: Any, prompt: list[int], **extra: Any) -> None:
+    status, body = await post(s, m.url + "/v1/chat/completions", ids_body(prompt, **extra))
+    assert status == 200, body
+
+
+async def index_matches(idx: KvIndex, s: aiohttp.ClientSession, m: Any, wid: str = "m", timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        want = await mock_hashes(s, m)
+        if idx.engine_hashes(wid) == want and want:
+            return
+        if time.monotonic() > deadline:
+            have = idx.engine_hashes(wid)
+            raise AssertionError(f"index holds {len(have)} blocks, the mock {len(want)}: {len(have - want)} "
+                                 f"extra, {len(want - have)} missing; {idx.snapshot()['workers'].get(wid)}")
+        await asyncio.sleep(0.05)
+
+
+def prompts(n: int, length: int = 3 * BS + 1) -> list[list[int]]:
+    """n prompts with distinct first blocks, inside the mock's vocabulary."""
+    return [[100 + (i * 7919 + j) % 31_000 for j in range(length)] for i in range(n)]
+
+
+async def test_large_replay_through_a_dropping_router_converges_to_what_the_mock_holds(ctx):
+    """vLLM <= 0.11, SGLang 0.5 and TensorRT-LLM keep the ROUTER's default send HWM: big replays lose frames."""
+    async with running_worker(tokens_per_block=BS, num_blocks=100_000, replay_hwm=20, replay_buffer=5000,
+                              replay_endpoint=f"tcp://127.0.0.1:{free_port()}") as m, aiohttp.ClientSession() as s:
+        for p in prompts(400):  # stored while no picker listens: only the replay can tell
+            await chat(s, m, p)
+        idx = KvIndex(default_block_size=BS)
+        mgr = SubscriberManager(idx, zmq_context=ctx, replay_timeout_s=0.3)
+        try:
+            await mgr.add("m", m.kv_events_endpoint, m.replay_endpoint)
+            await index_matches(idx, s, m, timeout=30)
+            assert mgr.stats("m").replay_holes >= 1  # the mock did drop frames: the fix was exercised
+        finally:
+            await mgr.close()
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "vllm-array", "sglang"])
+async def test_salted_blocks_of_each_engine_match_salted_prompts_like_the_engine_does(ctx, dialect):
+    async with running_worker(tokens_per_block=BS, event_dialect=dialect, heartbeat_interval=0.05,
+                              replay_endpoint=f"tcp://127.0.0.1:{free_port()}") as m, aiohttp.ClientSession() as s:
+        idx = KvIndex(default_block_size=BS)
+        mgr = SubscriberManager(idx, zmq_context=ctx, replay_timeout_s=0.5)
+        try:
+            await mgr.add("m", m.kv_events_endpoint, m.replay_endpoint)
+            p = prompts(1)[0]
+            await chat(s, m, p, cache_salt="tenant-a")
+            await index_matches(idx, s, m)
+            assert idx.overlap(p, salt="tenant-a") == {"m": 3}
+            assert idx.overlap(p) == {} and idx.overlap(p, salt="tenant-b") == {}  # no cross-tenant credit
+        finally:
+            await mgr.close()
+
+
+async def test_sglang_bigram_pages_are_decoded_not_counted_as_garbage(ctx):
+    async with running_worker(tokens_per_block=BS, event_dialect="sglang", bigram_pages=True,
+                              heartbeat_interval=0.05) as m, aiohttp.ClientSession() as s:
+        idx = KvIndex(default_block_size=BS)
+        mgr = SubscriberManager(idx, zmq_context=ctx)
+        try:
+            await mgr.add("m", m.kv_events_endpoint)
+            await until(lambda: mgr.stats("m").messages > 0)
+            p = prompts(1)[0]
+            await chat(s, m, p)
+            await index_matches(idx, s, m)
+            assert idx.overlap(p) == {"m": 3} and idx.stats("m").garbage_events == 0
+        finally:
+            await mgr.close()
+
+
+async def test_hybrid_tail_blocks_in_another_block_size_never_wipe_the_worker(ctx):
+    async with running_worker(tokens_per_block=BS, tail_block_size=2, heartbeat_interval=0.05) as m, \
+            aiohttp.ClientSession() as s:
+        idx = KvIndex(default_block_size=BS)
+        mgr = SubscriberManager(idx, zmq_context=ctx)
+        try:
+            await mgr.add("m", m.kv_events_endpoint)
+            await until(lambda: mgr.stats("m").messages > 0)
+            for p in prompts(3, length=3 * BS + 3):  # each prompt leaves a 3-token tail: one 2-token tail block
+                await chat(s, m, p)
+            await until(lambda: idx.stats("m").skipped_unknown_parent == 3)
+            await index_matches(idx, s, m)
+            assert idx.stats("m").clears == 0 and idx.block_size("m") == BS
+        finally:
+            await mgr.close()
+
+
+async def test_data_parallel_ranks_on_base_port_plus_rank_are_all_kept_under_one_worker(ctx):
+    base = free_port()
+    while True:  # two consecutive free ports: rank r binds base + r, like the engines
+        try:
+            probe = zmq.Context.instance().socket(zmq.PUB)
+            probe.bind(f"tcp://127.0.0.1:{base + 1}")
+            probe.close(0)
+            break
+        except zmq.ZMQError:
+            base = free_port()
+    ep = f"tcp://127.0.0.1:{base}"
+    async with running_worker(tokens_per_block=BS, kv_events_endpoint=ep, dp_rank=0, heartbeat_interval=0.05) as r0, \
+            running_worker(tokens_per_block=BS, kv_events_endpoint=ep, dp_rank=1, heartbeat_interval=0.05) as r1, \
+            aiohttp.ClientSession() as s:
+        assert r1.kv_events_endpoint == f"tcp://127.0.0.1:{base + 1}"
+        idx = KvIndex(default_block_size=BS)
+        mgr = SubscriberManager(idx, zmq_context=ctx)
+        try:
+            await mgr.add("w", [KvSource(ep, None, 0), KvSource(f"tcp://127.0.0.1:{base + 1}", None, 1)])
+            await until(lambda: all(mgr.stats("w", r).messages > 0 for r in (0, 1)))
+            a, b = prompts(2)
+            await chat(s, r0, a)
+            await chat(s, r1, b[: 2 * BS + 1])
+            await chat(s, r1, a[: 2 * BS + 1])
+            for rank, m in ((0, r0), (1, r1)):
+                want = await mock_hashes(s, m)
+                await until(lambda rank=rank, want=want: idx.engine_hashes("w", rank) == want)
+            assert idx.overlap(a) == {"w": 3}  # best over the ranks: rank 0 holds 3 blocks of a, rank 1 holds 2
+            assert idx.overlap(b) == {"w": 2}
+        finally:
+            await mgr.close()
