@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -662,15 +663,14 @@ async def test_hybrid_tail_blocks_in_another_block_size_never_wipe_the_worker(ct
 
 
 async def test_data_parallel_ranks_on_base_port_plus_rank_are_all_kept_under_one_worker(ctx):
-    base = free_port()
     while True:  # two consecutive free ports: rank r binds base + r, like the engines
-        try:
-            probe = zmq.Context.instance().socket(zmq.PUB)
-            probe.bind(f"tcp://127.0.0.1:{base + 1}")
-            probe.close(0)
-            break
-        except zmq.ZMQError:
-            base = free_port()
+        base = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+        break
     ep = f"tcp://127.0.0.1:{base}"
     async with running_worker(tokens_per_block=BS, kv_events_endpoint=ep, dp_rank=0, heartbeat_interval=0.05) as r0, \
             running_worker(tokens_per_block=BS, kv_events_endpoint=ep, dp_rank=1, heartbeat_interval=0.05) as r1, \

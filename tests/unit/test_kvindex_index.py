@@ -327,3 +327,24 @@ def test_memory_per_block_worker_entry_is_under_200_bytes():
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     assert (after - before) / (16 * 256) <= 200
+
+
+def test_payload_ranks_are_bounded_so_a_publisher_cannot_open_a_slot_per_rank():
+    idx = KvIndex(default_block_size=BS, max_ranks_per_worker=4)
+    store(idx, "w", [1], toks(1), rank=60_000)
+    store(idx, "w", [2], toks(1), rank=3)
+    assert idx.stats("w").skipped_rank == 1 and idx.engine_hashes("w") == {2}
+    assert len(idx.snapshot()["workers"]["w"]["ranks"]) == 1
+
+
+def test_the_block_cap_counts_the_whole_worker_over_its_ranks():
+    idx = KvIndex(default_block_size=BS, max_blocks_per_worker=10)
+    for rank in range(4):
+        store(idx, "w", list(range(rank * 100, rank * 100 + 5)), toks(5), rank=rank)
+    assert idx.blocks_indexed("w") <= 10 and idx.stats("w").evicted == 10
+
+
+def test_salted_event_chains_match_salted_prompts_only(idx):
+    store(idx, "w", [1, 2], toks(2), cache_salt="tenant-a")
+    assert idx.overlap(toks(2) + [0], salt="tenant-a") == {"w": 2}
+    assert idx.overlap(toks(2) + [0]) == {}
