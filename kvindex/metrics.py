@@ -18,61 +18,52 @@ if TYPE_CHECKING:
 
 PREFIX = "epp_kv_"
 
-# (stats attribute, metric suffix, help); counters get "_total" appended by prometheus-client
-_COUNTERS = [
-    ("batches", "batches", "Batches received and decoded"),
-    ("heartbeats", "heartbeats", "Empty-event (heartbeat) batches"),
-    ("events_applied", "events_applied", "Events applied to the index"),
-    ("blocks_stored", "blocks_stored", "Blocks added from BlockStored events"),
-    ("blocks_removed", "blocks_removed", "Blocks removed by BlockRemoved events"),
-    ("removed_unknown", "removed_unknown_blocks", "BlockRemoved hashes the index did not know"),
-    ("evicted", "evicted_blocks", "Blocks evicted by the per-worker cap"),
-    ("clears", "clears", "Times a worker's entries were cleared (gap, restart, AllBlocksCleared)"),
-    ("unknown_events", "unknown_events", "Events of an unknown type (ignored)"),
-    ("unknown_keys", "unknown_keys", "Unknown keys inside known events (ignored)"),
-    ("block_size_mismatch", "block_size_mismatch", "Events whose block_size disagreed with the worker's"),
-    ("predictions_confirmed", "predictions_confirmed", "Predicted blocks confirmed by BlockStored"),
-    ("predictions_expired", "predictions_expired", "Predicted blocks that expired unconfirmed"),
-]
-_GAUGES = [
-    ("predicted", "predicted_blocks", "Predicted (unconfirmed) blocks"),
-    ("block_size", "block_size", "Tokens per block used for this worker"),
-    ("max_blocks", "max_blocks", "Per-worker block cap"),
-]
-# the subscriber's own counters (kvindex.subscriber.SubscriberStats), summed over a worker's ranks
-_SUB_COUNTERS = [
-    ("gaps", "seq_gaps", "Sequence gaps (lost batches)"),
-    ("replays", "replays", "Replay requests sent"),
-    ("replay_lost", "replay_lost", "Replays that no longer held the missing batches"),
-    ("replay_failures", "replay_failures", "Replay requests that timed out, failed or overran their budget"),
-    ("replay_holes", "replay_holes", "Replays with missing batches in the middle (frames dropped)"),
-    ("restarts", "publisher_restarts", "Publisher restarts detected (seq back, seq jump, other history)"),
-    ("dropped_batches", "dropped_batches", "Live batches dropped unread because ingest was over its budget"),
-    ("oversized", "oversized_messages", "Messages refused for exceeding the byte or event budget"),
-]
-_SUB_GAUGES = [
-    ("stale", "worker_stale", "1 if a heartbeating worker went silent"),
-    ("silent", "worker_silent", "1 if nothing was ever received from a worker that answers its health probe"),
-    ("last_seq", "last_seq", "Last applied sequence number"),
+# One table of the per-worker metrics: (source, kind, stats key, metric suffix, help).  "index" rows read
+# KvIndex.snapshot(), "subscriber" rows SubscriberManager.stats_snapshot(); counters get "_total" appended.
+_WORKER_METRICS = [
+    ("index", "counter", "batches", "batches", "Batches received and decoded"),
+    ("index", "counter", "heartbeats", "heartbeats", "Empty-event (heartbeat) batches"),
+    ("index", "counter", "events_applied", "events_applied", "Events applied to the index"),
+    ("index", "counter", "blocks_stored", "blocks_stored", "Blocks added from BlockStored events"),
+    ("index", "counter", "blocks_removed", "blocks_removed", "Blocks removed by BlockRemoved events"),
+    ("index", "counter", "removed_unknown", "removed_unknown_blocks", "BlockRemoved hashes the index did not know"),
+    ("index", "counter", "evicted", "evicted_blocks", "Blocks evicted by the per-worker cap"),
+    ("index", "counter", "clears", "clears", "Times a worker's entries were cleared (gap, restart, AllBlocksCleared)"),
+    ("index", "counter", "unknown_events", "unknown_events", "Events of an unknown type (ignored)"),
+    ("index", "counter", "unknown_keys", "unknown_keys", "Unknown keys inside known events (ignored)"),
+    ("index", "counter", "block_size_mismatch", "block_size_mismatch", "Events in another block size than the worker's"),
+    ("index", "counter", "predictions_confirmed", "predictions_confirmed", "Predicted blocks confirmed by BlockStored"),
+    ("index", "counter", "predictions_expired", "predictions_expired", "Predicted blocks that expired unconfirmed"),
+    ("index", "gauge", "predicted", "predicted_blocks", "Predicted (unconfirmed) blocks"),
+    ("index", "gauge", "block_size", "block_size", "Tokens per block used for this worker"),
+    ("index", "gauge", "max_blocks", "max_blocks", "Per-worker block cap"),
+    ("subscriber", "counter", "gaps", "seq_gaps", "Sequence gaps (lost batches)"),
+    ("subscriber", "counter", "dropped_batches", "dropped_batches", "Batches lost on the wire (sum of gap sizes)"),
+    ("subscriber", "counter", "replays", "replays", "Replay requests sent"),
+    ("subscriber", "counter", "replay_lost", "replay_lost", "Replays that no longer held the missing batches"),
+    ("subscriber", "counter", "replay_failures", "replay_failures", "Replays that timed out, failed or overran budget"),
+    ("subscriber", "counter", "replay_holes", "replay_holes", "Replays with frames missing in the middle"),
+    ("subscriber", "counter", "restarts", "publisher_restarts", "Publisher restarts detected"),
+    ("subscriber", "counter", "oversized", "oversized_messages", "Batches or replays refused for their size"),
+    ("subscriber", "counter", "reconnects", "reconnects", "SUB reconnects after the peer was dropped"),
+    ("subscriber", "gauge", "stale", "worker_stale", "1 if a heartbeating worker went silent"),
+    ("subscriber", "gauge", "silent", "worker_silent", "1 if nothing ever came from a worker that is up"),
+    ("subscriber", "gauge", "last_seq", "last_seq", "Last applied sequence number"),
 ]
 _SKIP_REASONS = ["length", "medium", "group", "extra_keys", "unknown_parent", "rank", "block_size"]
 _GARBAGE_KINDS = ["frames", "batches", "events"]
 
 
-def _per_worker(workers: dict[str, dict[str, Any]], counters: list[tuple[str, str, str]],
-                gauges: list[tuple[str, str, str]]) -> Iterator[Metric]:
-    for key, name, doc in gauges:
-        g = GaugeMetricFamily(PREFIX + name, doc, labels=["worker"])
+def _per_worker(workers: dict[str, dict[str, Any]], source: str) -> Iterator[Metric]:
+    for src, kind, key, name, doc in _WORKER_METRICS:
+        if src != source:
+            continue
+        fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(PREFIX + name, doc, labels=["worker"])
         for wid, d in workers.items():
             v = d.get(key)
             if v is not None:
-                g.add_metric([wid], float(v))
-        yield g
-    for key, name, doc in counters:
-        c = CounterMetricFamily(PREFIX + name, doc, labels=["worker"])
-        for wid, d in workers.items():
-            c.add_metric([wid], d[key])
-        yield c
+                fam.add_metric([wid], float(v))
+        yield fam
 
 
 class KvIndexCollector(Collector):
@@ -93,7 +84,7 @@ class KvIndexCollector(Collector):
             for rank, r in d["ranks"].items():
                 blocks.add_metric([wid, rank], r["blocks_indexed"])
         yield blocks
-        yield from _per_worker(workers, _COUNTERS, _GAUGES)
+        yield from _per_worker(workers, "index")
         sk = CounterMetricFamily(PREFIX + "events_skipped", "Events not applied, by reason", labels=["worker", "reason"])
         for wid, d in workers.items():
             for r in _SKIP_REASONS:
@@ -118,7 +109,7 @@ class SubscriberCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
-        yield from _per_worker(self._snapshot(), _SUB_COUNTERS, _SUB_GAUGES)
+        yield from _per_worker(self._snapshot(), "subscriber")
 
 
 def register_index(index: KvIndex, registry: CollectorRegistry) -> KvIndexCollector:

@@ -692,3 +692,24 @@ async def test_data_parallel_ranks_on_base_port_plus_rank_are_all_kept_under_one
             assert idx.overlap(b) == {"w": 2}
         finally:
             await mgr.close()
+
+
+async def test_subscriber_counters_are_exported_by_their_own_collector(ctx):
+    from prometheus_client import CollectorRegistry
+
+    reg = CollectorRegistry()
+    idx = KvIndex(default_block_size=BS, registry=reg)
+    mgr = SubscriberManager(idx, zmq_context=ctx, registry=reg)
+    w = FakeWorker(ctx)
+    try:
+        await mgr.add("w", w.endpoint)
+        await w.sync(mgr, "w")
+        await w.publish([], send=False)
+        seq = await w.publish([])
+        await until(lambda: mgr.stats("w").last_seq == seq)
+        assert reg.get_sample_value("epp_kv_seq_gaps_total", {"worker": "w"}) == 1
+        assert reg.get_sample_value("epp_kv_dropped_batches_total", {"worker": "w"}) == 1
+        assert reg.get_sample_value("epp_kv_last_seq", {"worker": "w"}) == seq
+    finally:
+        await mgr.close()
+        w.close()
