@@ -29,6 +29,7 @@ MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
 MAX_HASHES_PER_EVENT = 1_000_000
 MAX_BLOCK_SIZE = 1 << 16
 REPLAY_END_SEQ = MASK64  # ff ff ff ff ff ff ff ff ends a replay
+TOO_MANY_EVENTS = "too many events"
 
 # One declared field order per event, shared by the map and the positional-array encodings.  vLLM <= 0.31 and
 # SGLang < 0.5 send msgspec ``array_like`` events (``[tag, *fields]`` in this order, trailing fields optional);
@@ -259,8 +260,12 @@ def _garbage(reason: str) -> DecodedBatch:
     return DecodedBatch(garbage=True, reason=reason)
 
 
-def decode_payload(payload: bytes | bytearray | memoryview) -> DecodedBatch:
-    """Decode one msgpack batch payload.  Never raises; see :class:`DecodedBatch` for the outcome."""
+def decode_payload(payload: bytes | bytearray | memoryview, max_events: int | None = None) -> DecodedBatch:
+    """Decode one msgpack batch payload.  Never raises; see :class:`DecodedBatch` for the outcome.
+
+    ``max_events``: a batch with more events is refused (``garbage``, ``reason == TOO_MANY_EVENTS``,
+    ``raw_event_count`` set) before any per-event work, so its cost is one C-level unpack of a bounded payload.
+    """
     if not isinstance(payload, bytes | bytearray | memoryview):
         return _garbage("payload is not bytes")
     if len(payload) > MAX_PAYLOAD_BYTES:
@@ -282,6 +287,8 @@ def decode_payload(payload: bytes | bytearray | memoryview) -> DecodedBatch:
         return _garbage("envelope has wrong types")
     if rank is not None and (type(rank) is not int or not 0 <= rank < 1 << 16):
         return _garbage("bad data_parallel_rank")
+    if max_events is not None and len(events) > max_events:
+        return DecodedBatch(garbage=True, reason=TOO_MANY_EVENTS, raw_event_count=len(events))
     counters = DecodeCounters()
     out: list[Event] = []
     append = out.append

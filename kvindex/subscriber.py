@@ -39,7 +39,14 @@ import xxhash
 import zmq
 import zmq.asyncio
 
-from kvindex.decode import REPLAY_END_SEQ, decode_payload, encode_seq, split_live_frames, split_replay_frames
+from kvindex.decode import (
+    REPLAY_END_SEQ,
+    TOO_MANY_EVENTS,
+    decode_payload,
+    encode_seq,
+    split_live_frames,
+    split_replay_frames,
+)
 from kvindex.index import KvIndex
 
 log = logging.getLogger(__name__)
@@ -133,7 +140,7 @@ class SubscriberManager:
         *,
         replay_timeout_s: float = 2.0,
         replay_max_batches: int = 1_000_000,
-        max_batch_bytes: int = 64 * 1024 * 1024,
+        max_batch_bytes: int = 16 * 1024 * 1024,
         max_batch_events: int = 100_000,
         max_replay_bytes: int = 512 * 1024 * 1024,
         turn_budget_s: float = 0.005,
@@ -365,8 +372,8 @@ class SubscriberManager:
                 turn = time.perf_counter()
 
     def _apply(self, sub: _Sub, seq: int, payload: bytes) -> None:
-        batch = decode_payload(payload)
-        if batch.raw_event_count > self.max_batch_events:
+        batch = decode_payload(payload, self.max_batch_events)
+        if batch.reason == TOO_MANY_EVENTS:
             sub.stats.oversized += 1
             self._clear(sub)  # its effects are unknown: whatever the rank held may be wrong now
             log.warning("kv batch %d from %s has %d events (budget %d): refused, rank cleared", seq, sub.label,

@@ -19,7 +19,7 @@ from tests.mock.test_mock_support import (
     running_worker,
     subscribed,
 )
-from tests.netutil import free_port
+from tests.netutil import free_base_port, free_port
 
 TPB = 4
 HB = 0.02  # heartbeat used only to know when the SUB is connected
@@ -225,7 +225,8 @@ async def test_replay_from_beyond_the_newest_seq_returns_only_the_end_marker():
 
 
 async def test_heartbeat_is_an_empty_events_batch_carrying_the_rank():
-    async with running_worker(heartbeat_interval=HB, dp_rank=3) as w:
+    base = free_base_port((0, 3))  # rank 3 binds the base port + 3
+    async with running_worker(heartbeat_interval=HB, dp_rank=3, kv_events_endpoint=f"tcp://127.0.0.1:{base}") as w:
         async with subscribed(w) as sub:
             batch = await sub.synced()
     assert batch.events == [] and batch.rank == 3 and isinstance(batch.ts, float)
@@ -380,7 +381,7 @@ async def test_tail_blocks_are_published_in_their_own_block_size_under_the_last_
 
 
 async def test_dp_rank_binds_the_base_ports_plus_the_rank():
-    base = free_port()
+    base = free_base_port((0, 2))
     async with running_worker(kv_events_endpoint=f"tcp://127.0.0.1:{base}", dp_rank=2) as w:
         assert w.kv_events_endpoint == f"tcp://127.0.0.1:{base + 2}"
 

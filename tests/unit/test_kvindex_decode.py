@@ -284,3 +284,11 @@ def test_positional_and_map_events_decode_through_one_field_order():
                      group_idx=0)
     arr = ["BlockStored", *(m.get(f) for f in STORED_FIELDS)]
     assert _one(arr) == _one(m)
+
+
+def test_a_batch_over_the_event_budget_is_refused_before_any_per_event_work():
+    from kvindex.decode import TOO_MANY_EVENTS
+
+    batch = decode_payload(pack_batch([removed_event([i]) for i in range(11)]), max_events=10)
+    assert batch.garbage and batch.reason == TOO_MANY_EVENTS and batch.raw_event_count == 11
+    assert batch.counters.garbage_events == 0 and batch.events == []
