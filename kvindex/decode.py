@@ -260,6 +260,28 @@ def _garbage(reason: str) -> DecodedBatch:
     return DecodedBatch(garbage=True, reason=reason)
 
 
+_TS_SIZE = {0xCA: 5, 0xCB: 9, 0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9, 0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9}
+
+
+def peek_event_count(payload: bytes | bytearray | memoryview) -> int | None:
+    """The length of an array envelope's events array read from the msgpack headers alone (O(1)), so a batch
+    over the event budget is refused without unpacking it; None for other shapes (map envelopes)."""
+    if len(payload) < 3 or payload[0] not in (0x92, 0x93):
+        return None
+    b = payload[1]
+    i = 2 if b <= 0x7F or b >= 0xE0 else 1 + _TS_SIZE.get(b, 0)
+    if i == 1 or i >= len(payload):
+        return None
+    h = payload[i]
+    if 0x90 <= h <= 0x9F:
+        return h & 0x0F
+    if h == 0xDC and i + 3 <= len(payload):
+        return int.from_bytes(payload[i + 1 : i + 3], "big")
+    if h == 0xDD and i + 5 <= len(payload):
+        return int.from_bytes(payload[i + 1 : i + 5], "big")
+    return None
+
+
 def decode_payload(payload: bytes | bytearray | memoryview, max_events: int | None = None) -> DecodedBatch:
     """Decode one msgpack batch payload.  Never raises; see :class:`DecodedBatch` for the outcome.
 
@@ -270,6 +292,10 @@ def decode_payload(payload: bytes | bytearray | memoryview, max_events: int | No
         return _garbage("payload is not bytes")
     if len(payload) > MAX_PAYLOAD_BYTES:
         return _garbage("payload too large")
+    if max_events is not None:
+        n = peek_event_count(payload)
+        if n is not None and n > max_events:
+            return DecodedBatch(garbage=True, reason=TOO_MANY_EVENTS, raw_event_count=n)
     try:
         # tuples, not lists: ~40% cheaper to build, and the ints are the bulk of every payload
         obj = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=False)

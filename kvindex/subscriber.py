@@ -141,7 +141,7 @@ class SubscriberManager:
         replay_timeout_s: float = 2.0,
         replay_max_batches: int = 1_000_000,
         max_batch_bytes: int = 16 * 1024 * 1024,
-        max_batch_events: int = 100_000,
+        max_batch_events: int = 16_384,
         max_replay_bytes: int = 512 * 1024 * 1024,
         turn_budget_s: float = 0.005,
         silent_after_s: float = 60.0,

@@ -292,3 +292,13 @@ def test_a_batch_over_the_event_budget_is_refused_before_any_per_event_work():
     batch = decode_payload(pack_batch([removed_event([i]) for i in range(11)]), max_events=10)
     assert batch.garbage and batch.reason == TOO_MANY_EVENTS and batch.raw_event_count == 11
     assert batch.counters.garbage_events == 0 and batch.events == []
+
+
+@pytest.mark.parametrize("n", [0, 3, 15, 16, 70_000])
+@pytest.mark.parametrize("all_int64", [False, True])
+def test_event_count_is_read_from_the_headers_alone(n, all_int64):
+    from kvindex.decode import peek_event_count
+
+    payload = pack_batch([cleared_event()] * n, all_int64=all_int64)
+    assert peek_event_count(payload) == n
+    assert peek_event_count(pack_batch([cleared_event()] * n, envelope="map")) is None
