@@ -478,8 +478,7 @@ class SubscriberManager:
 
     async def _warm_up(self, sub: _Sub) -> None:
         """Connect, restart or reset: rebuild from everything the publisher's replay buffer still holds."""
-        sub.need_warm = False
-        self._clear(sub)
+        sub.need_warm = False  # every path here comes from an empty rank: connect, or after a clear/reset
         sub.applied = None
         if not await self._replay(sub, 0, lambda seq, payload: True):
             self._clear(sub)

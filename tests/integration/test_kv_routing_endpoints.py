@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 
 import pytest
 import zmq
@@ -16,7 +15,7 @@ from epp_extproc.adapters.kv_routing import KvRouting, Prompt
 from epp_extproc.adapters.server_info import fetch_block_size
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from kvindex.decode import encode_seq
-from tests.netutil import free_port
+from tests.netutil import free_base_port, free_port
 
 TOKENS = list(range(1000, 1000 + 32 * 4 + 1))
 
@@ -62,20 +61,8 @@ async def test_discovered_worker_is_subscribed_and_a_departed_one_is_dropped() -
 # ---------------------------------------------------------------------------------------------------------------
 # Real engines (issue 12): data-parallel ranks, vLLM's /server_info 404, LoRA adapters from /v1/models.
 
-def consecutive_ports() -> int:
-    """A base port whose next port is free too (rank r binds base + r)."""
-    while True:
-        base = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", base + 1))
-            except OSError:
-                continue
-        return base
-
-
 async def test_an_endpoint_with_kv_ranks_keeps_one_subscription_per_rank_and_scores_the_best_rank() -> None:
-    base = consecutive_ports()
+    base = free_base_port((0, 1))  # rank r binds base + r
     ctx = zmq.asyncio.Context()
     pubs = [ctx.socket(zmq.PUB) for _ in range(2)]
     for r, p in enumerate(pubs):

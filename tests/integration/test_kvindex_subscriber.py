@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +18,7 @@ from kvindex.decode import encode_seq
 from kvindex.index import KvIndex
 from kvindex.subscriber import KvSource, SubscriberManager
 from tests.mock.test_mock_support import ids_body, post, running_worker
-from tests.netutil import free_port
+from tests.netutil import free_base_port, free_port
 
 BS = 4
 
@@ -326,6 +325,28 @@ async def test_only_the_configured_topic_is_indexed(ctx):
         w.close()
 
 
+@pytest.fixture
+async def custom(ctx):
+    """Factories for an index + manager with test-specific settings and FakeWorkers, all closed afterwards."""
+    managers: list[SubscriberManager] = []
+    workers: list[FakeWorker] = []
+
+    def make(*, registry: Any = None, **kw: Any) -> tuple[KvIndex, SubscriberManager]:
+        idx = KvIndex(default_block_size=BS, registry=registry)
+        managers.append(SubscriberManager(idx, zmq_context=ctx, registry=registry, **kw))
+        return idx, managers[-1]
+
+    def worker(**kw: Any) -> FakeWorker:
+        workers.append(FakeWorker(ctx, **kw))
+        return workers[-1]
+
+    yield make, worker
+    for m in managers:
+        await m.close()
+    for w in workers:
+        w.close()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Real-engine behaviours (issue 12): each test below failed on the subscriber/decoder before these fixes.
 
@@ -350,13 +371,21 @@ async def test_replay_with_a_hole_is_not_applied_as_complete_and_is_asked_again_
     assert idx.overlap(toks(6) + [0]) == {"w": 6}
 
 
-async def test_replay_without_end_marker_is_a_failure_that_clears_not_a_success(env):
-    idx, mgr, start = env
+async def gap_with_faulty_replay(start: Callable, **faults: Any) -> FakeWorker:
+    """A replaying worker whose block 0 was applied and block 1 lost; the next batch (sent here) reveals the gap
+    and the replay that follows has ``faults`` (FakeWorker replay_* attributes)."""
     w = await start(replay="trtllm")
     await w.publish(chain_events(1)[0])
     await w.publish(chain_events(2)[1], send=False)
-    w.replay_no_end = True
+    for k, v in faults.items():
+        setattr(w, k, v)
     await w.publish([])
+    return w
+
+
+async def test_replay_without_end_marker_is_a_failure_that_clears_not_a_success(env):
+    idx, mgr, start = env
+    await gap_with_faulty_replay(start, replay_no_end=True)
     await until(lambda: mgr.stats("w").replay_failures == 1, timeout=5)
     assert idx.engine_hashes("w") == set()
 
@@ -381,19 +410,15 @@ async def test_a_reset_during_an_in_flight_replay_drops_what_it_fetched_and_the_
     assert idx.engine_hashes("w") == {50}
 
 
-async def test_idle_worker_without_heartbeats_is_warmed_up_as_soon_as_the_subscriber_connects(ctx):
-    idx = KvIndex(default_block_size=BS)
-    mgr = SubscriberManager(idx, zmq_context=ctx, replay_timeout_s=0.5)
-    w = FakeWorker(ctx, replay="vllm")
-    try:
-        for ev in chain_events(3):  # stored before the picker (re)started; the engine is idle now
-            await w.publish(ev, send=False)
-        await mgr.add("w", w.endpoint, w.replay_endpoint)
-        await until(lambda: idx.engine_hashes("w") == {1, 2, 3})  # no live message was ever sent
-        assert w.replay_requests == [0] and mgr.stats("w").messages == 0
-    finally:
-        await mgr.close()
-        w.close()
+async def test_idle_worker_without_heartbeats_is_warmed_up_as_soon_as_the_subscriber_connects(custom):
+    make, worker = custom
+    idx, mgr = make(replay_timeout_s=0.5)
+    w = worker(replay="vllm")
+    for ev in chain_events(3):  # stored before the picker (re)started; the engine is idle now
+        await w.publish(ev, send=False)
+    await mgr.add("w", w.endpoint, w.replay_endpoint)
+    await until(lambda: idx.engine_hashes("w") == {1, 2, 3})  # no live message was ever sent
+    assert w.replay_requests == [0] and mgr.stats("w").messages == 0
 
 
 async def test_restart_whose_first_seen_seq_is_above_the_old_one_is_detected_and_the_old_blocks_dropped(env):
@@ -466,99 +491,78 @@ async def test_gap_warnings_are_one_per_burst(env, caplog):
     assert caplog.text.count("gap") == 1
 
 
-async def test_subscriber_that_never_receives_anything_from_a_healthy_worker_says_so(ctx, caplog):
-    idx = KvIndex(default_block_size=BS)
-    mgr = SubscriberManager(idx, topic="kv", zmq_context=ctx, heartbeat_stale_s=0.2, silent_after_s=0.3,
-                            is_healthy=lambda _w: True)
-    w = FakeWorker(ctx, topic=b"other")  # publishes on another topic than the one subscribed
-    try:
-        with caplog.at_level(logging.WARNING, logger="kvindex.subscriber"):
-            await mgr.add("w", w.endpoint)
-            for _ in range(40):
-                await w.publish([])
-                await asyncio.sleep(0.02)
-        assert mgr.stats_snapshot()["w"]["silent"] is True
-        assert caplog.text.count("no KV events from w") == 1
-    finally:
-        await mgr.close()
-        w.close()
+async def test_subscriber_that_never_receives_anything_from_a_healthy_worker_says_so(custom, caplog):
+    make, worker = custom
+    idx, mgr = make(topic="kv", heartbeat_stale_s=0.2, silent_after_s=0.3, is_healthy=lambda _w: True)
+    w = worker(topic=b"other")  # publishes on another topic than the one subscribed
+    with caplog.at_level(logging.WARNING, logger="kvindex.subscriber"):
+        await mgr.add("w", w.endpoint)
+        for _ in range(40):
+            await w.publish([])
+            await asyncio.sleep(0.02)
+    assert mgr.stats_snapshot()["w"]["silent"] is True
+    assert caplog.text.count("no KV events from w") == 1
 
 
 async def test_garbage_replay_replies_do_not_freeze_the_subscriber(env):
     idx, mgr, start = env
-    w = await start(replay="trtllm")
-    await w.publish(chain_events(1)[0])
-    await w.publish(chain_events(2)[1], send=False)
-    w.replay_garbage = True
-    await w.publish([])
+    w = await gap_with_faulty_replay(start, replay_garbage=True)
     seq = await w.publish([stored_event([9], None, block(0), BS)])
     await until(lambda: mgr.stats("w").last_seq == seq)
     assert mgr.stats("w").replay_failures >= 1 and 9 in idx.engine_hashes("w")
 
 
-async def test_batch_over_the_event_budget_is_refused_and_the_rank_cleared(ctx):
-    idx = KvIndex(default_block_size=BS)
-    mgr = SubscriberManager(idx, zmq_context=ctx, max_batch_events=4)
-    w = FakeWorker(ctx)
-    try:
-        await mgr.add("w", w.endpoint)
-        await w.sync(mgr, "w")
-        await w.publish(chain_events(1)[0])
-        seq = await w.publish([removed_event([99])] * 5)
-        await until(lambda: mgr.stats("w").last_seq == seq)
-        assert mgr.stats("w").oversized == 1 and idx.engine_hashes("w") == set()
-        assert idx.stats("w").removed_unknown == 0  # refused before it was applied
-    finally:
-        await mgr.close()
-        w.close()
+async def test_batch_over_the_event_budget_is_refused_and_the_rank_cleared(custom):
+    make, worker = custom
+    idx, mgr = make(max_batch_events=4)
+    w = worker()
+    await mgr.add("w", w.endpoint)
+    await w.sync(mgr, "w")
+    await w.publish(chain_events(1)[0])
+    seq = await w.publish([removed_event([99])] * 5)
+    await until(lambda: mgr.stats("w").last_seq == seq)
+    assert mgr.stats("w").oversized == 1 and idx.engine_hashes("w") == set()
+    assert idx.stats("w").removed_unknown == 0  # refused before it was applied
 
 
-async def test_frame_over_the_byte_budget_is_refused_by_zeromq_and_the_stream_goes_on(ctx):
-    idx = KvIndex(default_block_size=BS)
-    mgr = SubscriberManager(idx, zmq_context=ctx, max_batch_bytes=64 * 1024)
-    w = FakeWorker(ctx)
-    try:
-        await mgr.add("w", w.endpoint)
-        await w.sync(mgr, "w")
-        await w.pub.send_multipart([b"", encode_seq(w.seq + 1), b"\x00" * (1 << 20)])
-        w.seq += 1
-        deadline = time.monotonic() + 5
-        while 42 not in idx.engine_hashes("w"):  # the SUB reconnects after ZeroMQ dropped the peer
-            assert time.monotonic() < deadline
-            await w.publish([stored_event([42], None, block(0), BS)])
-            await asyncio.sleep(0.05)
-        assert idx.stats("w").garbage_batches == 0  # never buffered whole, never decoded
-        assert mgr.stats("w").reconnects >= 1
-    finally:
-        await mgr.close()
-        w.close()
+async def test_frame_over_the_byte_budget_is_refused_by_zeromq_and_the_stream_goes_on(custom):
+    make, worker = custom
+    idx, mgr = make(max_batch_bytes=64 * 1024)
+    w = worker()
+    await mgr.add("w", w.endpoint)
+    await w.sync(mgr, "w")
+    await w.pub.send_multipart([b"", encode_seq(w.seq + 1), b"\x00" * (1 << 20)])
+    w.seq += 1
+    deadline = time.monotonic() + 5
+    while 42 not in idx.engine_hashes("w"):  # the SUB reconnects after ZeroMQ dropped the peer
+        assert time.monotonic() < deadline
+        await w.publish([stored_event([42], None, block(0), BS)])
+        await asyncio.sleep(0.05)
+    assert idx.stats("w").garbage_batches == 0  # never buffered whole, never decoded
+    assert mgr.stats("w").reconnects >= 1
 
 
-async def test_a_flood_does_not_starve_the_event_loop(ctx):
-    idx = KvIndex(default_block_size=BS)
-    mgr = SubscriberManager(idx, zmq_context=ctx, turn_budget_s=0.002)
-    w = FakeWorker(ctx)
+async def test_a_flood_does_not_starve_the_event_loop(custom):
+    make, worker = custom
+    idx, mgr = make(turn_budget_s=0.002)
+    w = worker()
     w.pub.setsockopt(zmq.SNDHWM, 0)
-    try:
-        await mgr.add("w", w.endpoint)
-        await w.sync(mgr, "w")
-        payload = pack_batch([stored_event(list(range(i, i + 64)), None, list(range(64 * BS)), BS)
-                              for i in range(0, 640, 64)])
-        for _ in range(3000):  # queued faster than it is applied
-            w.seq += 1
-            w.pub.send_multipart([b"", encode_seq(w.seq), payload])
-        stalls: list[float] = []
-        last = start = time.perf_counter()
-        while mgr.stats("w").last_seq != w.seq and last - start < 3.0:
-            await asyncio.sleep(0)
-            now = time.perf_counter()
-            stalls.append(now - last)
-            last = now
-        assert mgr.stats("w").messages > 100  # it did ingest meanwhile
-        assert max(stalls) < 0.3, f"the loop stalled {max(stalls):.3f}s"  # ~1 s without the turn budget
-    finally:
-        await mgr.close()
-        w.close()
+    await mgr.add("w", w.endpoint)
+    await w.sync(mgr, "w")
+    payload = pack_batch([stored_event(list(range(i, i + 64)), None, list(range(64 * BS)), BS)
+                          for i in range(0, 640, 64)])
+    for _ in range(3000):  # queued faster than it is applied
+        w.seq += 1
+        w.pub.send_multipart([b"", encode_seq(w.seq), payload])
+    stalls: list[float] = []
+    last = start = time.perf_counter()
+    while mgr.stats("w").last_seq != w.seq and last - start < 3.0:
+        await asyncio.sleep(0)
+        now = time.perf_counter()
+        stalls.append(now - last)
+        last = now
+    assert mgr.stats("w").messages > 100  # it did ingest meanwhile
+    assert max(stalls) < 0.3, f"the loop stalled {max(stalls):.3f}s"  # ~1 s without the turn budget
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -596,120 +600,89 @@ def prompts(n: int, length: int = 3 * BS + 1) -> list[list[int]]:
     return [[100 + (i * 7919 + j) % 31_000 for j in range(length)] for i in range(n)]
 
 
-async def test_large_replay_through_a_dropping_router_converges_to_what_the_mock_holds(ctx):
+async def test_large_replay_through_a_dropping_router_converges_to_what_the_mock_holds(custom):
     """vLLM <= 0.11, SGLang 0.5 and TensorRT-LLM keep the ROUTER's default send HWM: big replays lose frames."""
     async with running_worker(tokens_per_block=BS, num_blocks=100_000, replay_hwm=20, replay_buffer=5000,
                               replay_endpoint=f"tcp://127.0.0.1:{free_port()}") as m, aiohttp.ClientSession() as s:
         for p in prompts(400):  # stored while no picker listens: only the replay can tell
             await chat(s, m, p)
-        idx = KvIndex(default_block_size=BS)
-        mgr = SubscriberManager(idx, zmq_context=ctx, replay_timeout_s=0.3)
-        try:
-            await mgr.add("m", m.kv_events_endpoint, m.replay_endpoint)
-            await index_matches(idx, s, m, timeout=30)
-            assert mgr.stats("m").replay_holes >= 1  # the mock did drop frames: the fix was exercised
-        finally:
-            await mgr.close()
+        idx, mgr = custom[0](replay_timeout_s=0.3)
+        await mgr.add("m", m.kv_events_endpoint, m.replay_endpoint)
+        await index_matches(idx, s, m, timeout=30)
+        assert mgr.stats("m").replay_holes >= 1  # the mock did drop frames: the fix was exercised
 
 
 @pytest.mark.parametrize("dialect", ["vllm", "vllm-array", "sglang"])
-async def test_salted_blocks_of_each_engine_match_salted_prompts_like_the_engine_does(ctx, dialect):
+async def test_salted_blocks_of_each_engine_match_salted_prompts_like_the_engine_does(custom, dialect):
     async with running_worker(tokens_per_block=BS, event_dialect=dialect, heartbeat_interval=0.05,
                               replay_endpoint=f"tcp://127.0.0.1:{free_port()}") as m, aiohttp.ClientSession() as s:
-        idx = KvIndex(default_block_size=BS)
-        mgr = SubscriberManager(idx, zmq_context=ctx, replay_timeout_s=0.5)
-        try:
-            await mgr.add("m", m.kv_events_endpoint, m.replay_endpoint)
-            p = prompts(1)[0]
-            await chat(s, m, p, cache_salt="tenant-a")
-            await index_matches(idx, s, m)
-            assert idx.overlap(p, salt="tenant-a") == {"m": 3}
-            assert idx.overlap(p) == {} and idx.overlap(p, salt="tenant-b") == {}  # no cross-tenant credit
-        finally:
-            await mgr.close()
+        idx, mgr = custom[0](replay_timeout_s=0.5)
+        await mgr.add("m", m.kv_events_endpoint, m.replay_endpoint)
+        p = prompts(1)[0]
+        await chat(s, m, p, cache_salt="tenant-a")
+        await index_matches(idx, s, m)
+        assert idx.overlap(p, salt="tenant-a") == {"m": 3}
+        assert idx.overlap(p) == {} and idx.overlap(p, salt="tenant-b") == {}  # no cross-tenant credit
 
 
-async def test_sglang_bigram_pages_are_decoded_not_counted_as_garbage(ctx):
+async def test_sglang_bigram_pages_are_decoded_not_counted_as_garbage(custom):
     async with running_worker(tokens_per_block=BS, event_dialect="sglang", bigram_pages=True,
                               heartbeat_interval=0.05) as m, aiohttp.ClientSession() as s:
-        idx = KvIndex(default_block_size=BS)
-        mgr = SubscriberManager(idx, zmq_context=ctx)
-        try:
-            await mgr.add("m", m.kv_events_endpoint)
-            await until(lambda: mgr.stats("m").messages > 0)
-            p = prompts(1)[0]
-            await chat(s, m, p)
-            await index_matches(idx, s, m)
-            assert idx.overlap(p) == {"m": 3} and idx.stats("m").garbage_events == 0
-        finally:
-            await mgr.close()
+        idx, mgr = custom[0]()
+        await mgr.add("m", m.kv_events_endpoint)
+        await until(lambda: mgr.stats("m").messages > 0)
+        p = prompts(1)[0]
+        await chat(s, m, p)
+        await index_matches(idx, s, m)
+        assert idx.overlap(p) == {"m": 3} and idx.stats("m").garbage_events == 0
 
 
-async def test_hybrid_tail_blocks_in_another_block_size_never_wipe_the_worker(ctx):
+async def test_hybrid_tail_blocks_in_another_block_size_never_wipe_the_worker(custom):
     async with running_worker(tokens_per_block=BS, tail_block_size=2, heartbeat_interval=0.05) as m, \
             aiohttp.ClientSession() as s:
-        idx = KvIndex(default_block_size=BS)
-        mgr = SubscriberManager(idx, zmq_context=ctx)
-        try:
-            await mgr.add("m", m.kv_events_endpoint)
-            await until(lambda: mgr.stats("m").messages > 0)
-            for p in prompts(3, length=3 * BS + 3):  # each prompt leaves a 3-token tail: one 2-token tail block
-                await chat(s, m, p)
-            await until(lambda: idx.stats("m").skipped_unknown_parent == 3)
-            await index_matches(idx, s, m)
-            assert idx.stats("m").clears == 0 and idx.block_size("m") == BS
-        finally:
-            await mgr.close()
+        idx, mgr = custom[0]()
+        await mgr.add("m", m.kv_events_endpoint)
+        await until(lambda: mgr.stats("m").messages > 0)
+        for p in prompts(3, length=3 * BS + 3):  # each prompt leaves a 3-token tail: one 2-token tail block
+            await chat(s, m, p)
+        await until(lambda: idx.stats("m").skipped_unknown_parent == 3)
+        await index_matches(idx, s, m)
+        assert idx.stats("m").clears == 0 and idx.block_size("m") == BS
 
 
-async def test_data_parallel_ranks_on_base_port_plus_rank_are_all_kept_under_one_worker(ctx):
-    while True:  # two consecutive free ports: rank r binds base + r, like the engines
-        base = free_port()
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", base + 1))
-            except OSError:
-                continue
-        break
+async def test_data_parallel_ranks_on_base_port_plus_rank_are_all_kept_under_one_worker(custom):
+    base = free_base_port((0, 1))  # rank r binds base + r, like the engines
     ep = f"tcp://127.0.0.1:{base}"
     async with running_worker(tokens_per_block=BS, kv_events_endpoint=ep, dp_rank=0, heartbeat_interval=0.05) as r0, \
             running_worker(tokens_per_block=BS, kv_events_endpoint=ep, dp_rank=1, heartbeat_interval=0.05) as r1, \
             aiohttp.ClientSession() as s:
         assert r1.kv_events_endpoint == f"tcp://127.0.0.1:{base + 1}"
-        idx = KvIndex(default_block_size=BS)
-        mgr = SubscriberManager(idx, zmq_context=ctx)
-        try:
-            await mgr.add("w", [KvSource(ep, None, 0), KvSource(f"tcp://127.0.0.1:{base + 1}", None, 1)])
-            await until(lambda: all(mgr.stats("w", r).messages > 0 for r in (0, 1)))
-            a, b = prompts(2)
-            await chat(s, r0, a)
-            await chat(s, r1, b[: 2 * BS + 1])
-            await chat(s, r1, a[: 2 * BS + 1])
-            for rank, m in ((0, r0), (1, r1)):
-                want = await mock_hashes(s, m)
-                await until(lambda rank=rank, want=want: idx.engine_hashes("w", rank) == want)
-            assert idx.overlap(a) == {"w": 3}  # best over the ranks: rank 0 holds 3 blocks of a, rank 1 holds 2
-            assert idx.overlap(b) == {"w": 2}
-        finally:
-            await mgr.close()
+        idx, mgr = custom[0]()
+        await mgr.add("w", [KvSource(ep, None, 0), KvSource(f"tcp://127.0.0.1:{base + 1}", None, 1)])
+        await until(lambda: all(mgr.stats("w", r).messages > 0 for r in (0, 1)))
+        a, b = prompts(2)
+        await chat(s, r0, a)
+        await chat(s, r1, b[: 2 * BS + 1])
+        await chat(s, r1, a[: 2 * BS + 1])
+        for rank, m in ((0, r0), (1, r1)):
+            want = await mock_hashes(s, m)
+            await until(lambda rank=rank, want=want: idx.engine_hashes("w", rank) == want)
+        assert idx.overlap(a) == {"w": 3}  # best over the ranks: rank 0 holds 3 blocks of a, rank 1 holds 2
+        assert idx.overlap(b) == {"w": 2}
 
 
-async def test_subscriber_counters_are_exported_by_their_own_collector(ctx):
+async def test_subscriber_counters_are_exported_by_their_own_collector(custom):
     from prometheus_client import CollectorRegistry
 
+    make, worker = custom
     reg = CollectorRegistry()
-    idx = KvIndex(default_block_size=BS, registry=reg)
-    mgr = SubscriberManager(idx, zmq_context=ctx, registry=reg)
-    w = FakeWorker(ctx)
-    try:
-        await mgr.add("w", w.endpoint)
-        await w.sync(mgr, "w")
-        await w.publish([], send=False)
-        seq = await w.publish([])
-        await until(lambda: mgr.stats("w").last_seq == seq)
-        assert reg.get_sample_value("epp_kv_seq_gaps_total", {"worker": "w"}) == 1
-        assert reg.get_sample_value("epp_kv_dropped_batches_total", {"worker": "w"}) == 1
-        assert reg.get_sample_value("epp_kv_last_seq", {"worker": "w"}) == seq
-    finally:
-        await mgr.close()
-        w.close()
+    idx, mgr = make(registry=reg)
+    w = worker()
+    await mgr.add("w", w.endpoint)
+    await w.sync(mgr, "w")
+    await w.publish([], send=False)
+    seq = await w.publish([])
+    await until(lambda: mgr.stats("w").last_seq == seq)
+    assert reg.get_sample_value("epp_kv_seq_gaps_total", {"worker": "w"}) == 1
+    assert reg.get_sample_value("epp_kv_dropped_batches_total", {"worker": "w"}) == 1
+    assert reg.get_sample_value("epp_kv_last_seq", {"worker": "w"}) == seq

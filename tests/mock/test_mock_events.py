@@ -301,30 +301,10 @@ END = b"\xff" * 8
 
 
 async def replay_raw(endpoint: str, start: int = 0, timeout: float = 2.0) -> tuple[list[list[bytes]], bool]:
-    """Every reply to one replay request, and whether the end marker came (3- and 4-frame forms)."""
-    import asyncio
-
-    import zmq
-    import zmq.asyncio
-
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    out: list[list[bytes]] = []
-    try:
-        await sock.send_multipart([b"", start.to_bytes(8, "big")])
-        while True:
-            try:
-                frames = await asyncio.wait_for(sock.recv_multipart(), timeout)
-            except TimeoutError:
-                return out, False
-            if END in frames and frames[-1] == b"":
-                return out, True
-            out.append(frames)
-    finally:
-        sock.close(linger=0)
-        ctx.term()
+    """Every reply to one replay request but the end marker, and whether the end marker came."""
+    answers = await replay(endpoint, start, timeout, partial=True)
+    ended = bool(answers) and answers[-1][-2] == END and answers[-1][-1] == b""
+    return (answers[:-1] if ended else answers), ended
 
 
 def replayed_events(replies: list[list[bytes]]) -> list:
