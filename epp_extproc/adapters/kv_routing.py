@@ -134,6 +134,11 @@ class KvRouting:
     def block_size(self, address: str) -> int:
         return self.index.block_size(address)
 
+    def prompt(self, tokens: Sequence[int], salt: str | None, *, model: object = None) -> Prompt:
+        """The request's prompt as the engines hash it: with its salt and, when `model` names a LoRA adapter
+        a worker serves, with that adapter (see `adapter_for`)."""
+        return Prompt(tokens, salt, self.adapter_for(model))
+
     def overlap(self, prompt: Prompt, workers: Sequence[str]) -> dict[str, int]:
         sizes = self.index.block_sizes()
         if len(sizes) == 1:  # the usual pool: hash once, reuse the hashes for the prediction

@@ -190,3 +190,11 @@ async def test_lora_adapters_a_worker_serves_are_learned_and_a_request_naming_on
     finally:
         await kv.close()
         await runner.cleanup()
+
+
+def test_the_prompt_of_a_request_naming_an_adapter_is_hashed_with_it() -> None:
+    kv = KvRouting(EndpointRegistry(), block_size=32, max_blocks_per_worker=1000, topic="", prediction_ttl_s=0.0,
+                   metrics_registry=None, ask_server_info=False)
+    kv.set_adapters("10.0.0.5:8000", ["sql-lora"])
+    assert kv.prompt(TOKENS, None, model="sql-lora").lora == "sql-lora"
+    assert kv.prompt(TOKENS, None, model="base").lora is None and kv.prompt(TOKENS, None).lora is None
