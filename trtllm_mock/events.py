@@ -4,6 +4,9 @@ Wire format (what the picker must parse): three frames ``[topic, seq (8 bytes bi
 where payload is msgpack ``[ts, events, data_parallel_rank]``. Two encodings exist in the wild and both are
 offered: ``compact`` (smallest msgpack ints, like msgspec) and ``int64`` (every integer as 0xd3 and ``ts`` as
 float64 0xcb, like the C++ serializer), so a picker that only handles one breaks here rather than in production.
+``event_dialect`` switches to the other engines' forms (vLLM 0.32+ maps with salts in ``extra_keys``, vLLM <= 0.31
+positional arrays and 3-frame replays, SGLang 0.5 typed ``cache_salt``), and ``replay_hwm``/``tail_block_size``/
+``bigram_pages``/``dp_rank`` reproduce their replay drops, hybrid tail blocks, EAGLE pages and per-rank ports.
 """
 
 from __future__ import annotations

@@ -41,7 +41,9 @@ async def until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
 
 
 class FakeWorker:
-    """Plays a worker's KV-event publisher: PUB for live batches, optional ROUTER answering replays."""
+    """Plays a worker's KV-event publisher: PUB for live batches, optional ROUTER answering replays
+    (``replay="trtllm"``: 4-frame replies with the topic, as TensorRT-LLM and vLLM 0.32+; ``"vllm"``: 3-frame,
+    as vLLM <= 0.31 and SGLang)."""
 
     def __init__(self, ctx: zmq.asyncio.Context, *, replay: str | None = None, topic: bytes = b"",
                  port: int | None = None) -> None:
