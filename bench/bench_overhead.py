@@ -146,6 +146,7 @@ def run_decision_process(n_workers: int, n_tokens: int, reps: int) -> dict[str, 
 
 # ----------------------------------------------------------------------------- decision time, in-process
 async def _inproc(n_workers: int, n_tokens: int, reps: int) -> dict[str, Any]:
+    from bench.kvwire import pack_batch, stored_event
     from epp_extproc.adapters.kv_routing import KvRouting
     from epp_extproc.config import Config
     from epp_extproc.core.cost import choose
@@ -156,7 +157,6 @@ async def _inproc(n_workers: int, n_tokens: int, reps: int) -> dict[str, Any]:
     from epp_extproc.core.request import RequestContext
     from epp_extproc.metrics import PickerMetrics
     from kvindex.decode import decode_payload
-    from kvindex.encode import pack_batch, stored_event
 
     logging.getLogger("epp_extproc").setLevel(logging.ERROR)  # 64 "no KV-event endpoint" warnings
     doc = make_doc(n_tokens // 32 + 2, 1)

@@ -4,7 +4,7 @@
 
 A light stand-in for hundreds of `trtllm-mock` processes: each worker binds its own PUB socket and sends the
 exact wire form (three frames: topic, 8-byte big-endian seq, msgpack ``[ts, events, rank]``) with
-`kvindex.encode`. Protocol on stdin/stdout, one JSON line per answer:
+msgpack. Protocol on stdin/stdout, one JSON line per answer:
 
 * at start: ``{"endpoints": [...]}``, then an empty heartbeat batch per worker every 0.2 s (so the
   subscribers can connect before anything that matters is sent);

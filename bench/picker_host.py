@@ -64,9 +64,9 @@ def instrument(app: PickerApp) -> None:
     idx = app.kv.index
     orig_apply = idx.apply_batch
 
-    def apply_batch(worker_id, batch):  # noqa: ANN001, ANN202
+    def apply_batch(worker_id, batch, rank=None):  # noqa: ANN001, ANN202
         t0 = time.perf_counter()
-        orig_apply(worker_id, batch)
+        orig_apply(worker_id, batch, rank)
         if batch.events:
             apply_s.observe(time.perf_counter() - t0)
             lag.observe(max(0.0, time.time() - batch.ts))

@@ -1,8 +1,10 @@
 """Pure decoding of KV-event wire data into :mod:`kvindex.events` objects.
 
-Accepts every variant listed in the worker reference (section 3): TensorRT-LLM map events in the compact
-(msgspec) and all-int64 (C++) msgpack encodings, vLLM/SGLang positional-array events, and the 2-element,
-3-element and map envelopes.  Nothing here raises on bad input: a publisher bug or a hostile peer must not be
+Accepts every variant the engines send: TensorRT-LLM map events in the compact (msgspec) and all-int64 (C++)
+msgpack encodings; vLLM <= 0.31 / SGLang < 0.5 positional-array events and vLLM 0.32+ / SGLang 0.5 tagged-map
+events (one declared field order, :data:`STORED_FIELDS`, serves both); the 2-element, 3-element and map
+envelopes; vLLM's per-block ``extra_keys`` (LoRA name on every block, cache salt on the first, raw tuples or
+typed keys), SGLang's typed ``cache_salt`` and its bigram (EAGLE) pages.  Nothing here raises on bad input: a publisher bug or a hostile peer must not be
 able to kill a subscriber, so garbage is reported in the returned :class:`DecodedBatch` and counted upstream.
 """
 
@@ -27,15 +29,22 @@ MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
 MAX_HASHES_PER_EVENT = 1_000_000
 MAX_BLOCK_SIZE = 1 << 16
 REPLAY_END_SEQ = MASK64  # ff ff ff ff ff ff ff ff ends a replay
+TOO_MANY_EVENTS = "too many events"
 
-_KNOWN_STORED = frozenset(
-    {
-        "type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-        "lora_name", "group_idx", "extra_keys", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
-        "locality", "mm_keys",
-    }
+# One declared field order per event, shared by the map and the positional-array encodings.  vLLM <= 0.31 and
+# SGLang < 0.5 send msgspec ``array_like`` events (``[tag, *fields]`` in this order, trailing fields optional);
+# vLLM 0.32+ and SGLang 0.5 send tagged maps (``{"type": tag, field: value}``), like TensorRT-LLM.
+STORED_FIELDS = (
+    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+    "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
 )
-_KNOWN_REMOVED = frozenset({"type", "block_hashes", "medium", "group_idx", "locality"})
+REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+# keys newer engines add that carry nothing the index needs (vLLM: event_version, locality, ownership, mm_keys,
+# session_id; SGLang 0.5: session_id; cache_salt is read) are known, so they are not counted as unknown
+_KNOWN_STORED = frozenset(
+    (*STORED_FIELDS, "type", "mm_keys", "locality", "ownership", "session_id", "event_version", "cache_salt")
+)
+_KNOWN_REMOVED = frozenset((*REMOVED_FIELDS, "type", "locality", "ownership", "session_id"))
 _KNOWN_CLEARED = frozenset({"type"})
 _SEQ = (tuple, list)
 
@@ -87,67 +96,136 @@ def _check_group(group_idx: object) -> None:
         raise _Skip("skipped_group")
 
 
-def _has_extra(extra_keys: object, mm_keys: object) -> bool:
-    """True when blocks carry identity beyond their token ids (images, per-block extra keys)."""
+def _block_key_strings(entry: object) -> list[str]:
+    """The string identities of one block's ``extra_keys`` entry (LoRA name, cache salt), in order.
+
+    vLLM <= 0.32 sends raw tuples (``("tenant-a",)``, ``("adapter",)``); 0.33+ sends typed tagged maps
+    (``{"type": "lora", "name": ...}``, ``{"type": "cache_salt", "salt": ...}``).  Anything else (multimodal
+    ``(identifier, offset)`` pairs, prompt-embedding bytes, typed ``mm``/``prompt_embeds``/``legacy`` keys)
+    makes the block's identity depend on data the request side does not have: the event is skipped.
+    """
+    if entry is None:
+        return []
+    if type(entry) not in _SEQ:
+        raise _Garbage("extra_keys entry is not a list")
+    out: list[str] = []
+    for item in entry:
+        t = type(item)
+        if t is str:
+            out.append(item)
+        elif t is dict:
+            kind = item.get("type")
+            val = item.get("name") if kind == "lora" else item.get("salt") if kind == "cache_salt" else None
+            if type(val) is not str:
+                raise _Skip("skipped_extra_keys")
+            out.append(val)
+        else:
+            raise _Skip("skipped_extra_keys")
+    return out
+
+
+def _identity(
+    extra_keys: object, n_blocks: int, root: bool, lora_name: object, lora_id: object, cache_salt: object,
+    mm_keys: object,
+) -> tuple[str | None, str | None]:
+    """(LoRA adapter, cache salt) the event's chain is hashed with, the way the engine hashed it.
+
+    vLLM assembles each block's extra keys as ``lora + mm + salt`` with the LoRA name on every block and the
+    salt on the chain's first block only; SGLang 0.5 sends the salt as a typed ``cache_salt`` field.  Only a
+    chain that starts at the root needs the salt: a continuation inherits it through its parent's hash.
+    """
     if mm_keys:
-        return True
-    if extra_keys is None:
-        return False
-    if type(extra_keys) not in _SEQ:
-        return True
-    return any(k is not None and k != () for k in extra_keys)
-
-
-def _stored(
-    hashes: object, parent: object, tokens: object, block_size: object, lora_id: object, medium: object,
-    lora_name: object, group_idx: object, extra_keys: object, mm_keys: object,
-) -> BlockStored:
-    hs = _norm_hashes(hashes)
-    if type(block_size) is not int or not 0 < block_size <= MAX_BLOCK_SIZE:
-        raise _Garbage("bad block_size")
-    if type(tokens) not in _SEQ:
-        raise _Garbage("token_ids is not a list")
+        raise _Skip("skipped_extra_keys")
     if lora_name is not None and type(lora_name) is not str:
         raise _Garbage("lora_name is not a string")
     if lora_id is not None and type(lora_id) is not int:
         raise _Garbage("lora_id is not an int")
+    if cache_salt is not None and type(cache_salt) is not str:
+        raise _Garbage("cache_salt is not a string")
+    lora = lora_name or None
+    salt = cache_salt or None
+    has_lora = lora is not None or lora_id is not None
+    if extra_keys is not None:
+        if type(extra_keys) not in _SEQ:
+            raise _Garbage("extra_keys is not a list")
+        if extra_keys and len(extra_keys) != n_blocks:
+            raise _Garbage("extra_keys does not have one entry per block")
+        for i, entry in enumerate(extra_keys):
+            keys = _block_key_strings(entry)
+            if has_lora and keys:
+                name = keys.pop(0)
+                if lora is None:
+                    lora = name
+                elif name != lora:
+                    raise _Garbage("extra_keys names another LoRA adapter than lora_name")
+            if keys:
+                if i != 0 or not root or len(keys) > 1:
+                    raise _Skip("skipped_extra_keys")  # a string key we cannot place: do not guess
+                if salt is not None and keys[0] != salt:
+                    raise _Garbage("extra_keys salt disagrees with cache_salt")
+                salt = keys[0]
+    if has_lora and lora is None:
+        raise _Skip("skipped_extra_keys")  # a LoRA block whose adapter name we are not told
+    return lora, salt if root else None
+
+
+def _tokens(tokens: object) -> object:
+    """Token ids as a flat sequence.  SGLang's EAGLE (speculative decoding) radix cache keys pages by
+    bigrams, so its events carry ``[[t0, t1], [t1, t2], ...]``: the page's tokens are the first elements."""
+    if type(tokens) not in _SEQ:
+        raise _Garbage("token_ids is not a list")
+    if tokens and type(tokens[0]) in _SEQ:
+        try:
+            return [p[0] for p in tokens if len(p) == 2]  # type: ignore[index, arg-type]
+        except TypeError as exc:
+            raise _Garbage("bigram token_ids are not pairs") from exc
+    return tokens
+
+
+def _stored(ev: dict) -> BlockStored:
+    g = ev.get
+    hs = _norm_hashes(g("block_hashes"))
+    block_size = g("block_size")
+    if type(block_size) is not int or not 0 < block_size <= MAX_BLOCK_SIZE:
+        raise _Garbage("bad block_size")
+    raw_tokens = g("token_ids")
+    tokens = _tokens(raw_tokens)
+    if tokens is not raw_tokens and len(tokens) != len(raw_tokens):  # type: ignore[arg-type]
+        raise _Garbage("bigram token_ids are not pairs")
+    parent = g("parent_block_hash")
     par = None if parent is None else _norm_hash(parent)
-    _check_medium(medium)
-    _check_group(group_idx)
-    if len(tokens) != block_size * len(hs):
+    _check_medium(g("medium"))
+    _check_group(g("group_idx"))
+    if len(tokens) != block_size * len(hs):  # type: ignore[arg-type]
         raise _Skip("skipped_length")
-    if _has_extra(extra_keys, mm_keys):
-        raise _Skip("skipped_extra_keys")
+    lora, salt = _identity(g("extra_keys"), len(hs), par is None, g("lora_name"), g("lora_id"), g("cache_salt"),
+                           g("mm_keys"))
     try:
-        packed = pack_tokens(tokens)
+        packed = pack_tokens(tokens)  # type: ignore[arg-type]
     except (TypeError, OverflowError, ValueError) as exc:
         raise _Garbage("token id is not a u32") from exc
-    return BlockStored(hs, par, packed, block_size, lora_name or None, lora_id)
+    lora_id = g("lora_id")
+    return BlockStored(hs, par, packed, block_size, lora, lora_id, salt)
 
 
-def _removed(hashes: object, medium: object, group_idx: object) -> BlockRemoved:
-    hs = _norm_hashes(hashes)
-    _check_medium(medium)
-    _check_group(group_idx)
+def _removed(ev: dict) -> BlockRemoved:
+    hs = _norm_hashes(ev.get("block_hashes"))
+    _check_medium(ev.get("medium"))
+    _check_group(ev.get("group_idx"))
     return BlockRemoved(hs)
 
 
-def _map_event(ev: dict, counters: DecodeCounters) -> Event | None:
-    tag = ev.get("type")
-    g = ev.get
+def _decode_event(tag: object, ev: dict, counters: DecodeCounters) -> Event | None:
     if tag == "BlockStored":
         if not ev.keys() <= _KNOWN_STORED:
             counters.unknown_keys += len(ev.keys() - _KNOWN_STORED)
-        return _stored(
-            g("block_hashes"), g("parent_block_hash"), g("token_ids"), g("block_size"), g("lora_id"),
-            g("medium"), g("lora_name"), g("group_idx"), g("extra_keys"), g("mm_keys"),
-        )
+        return _stored(ev)
     if tag == "BlockRemoved":
         if not ev.keys() <= _KNOWN_REMOVED:
             counters.unknown_keys += len(ev.keys() - _KNOWN_REMOVED)
-        return _removed(g("block_hashes"), g("medium"), g("group_idx"))
+        return _removed(ev)
     if tag == "AllBlocksCleared":
-        if len(ev) > 1:
+        if not ev.keys() <= _KNOWN_CLEARED:
             counters.unknown_keys += len(ev.keys() - _KNOWN_CLEARED)
         return AllBlocksCleared()
     if type(tag) is not str:
@@ -156,40 +234,68 @@ def _map_event(ev: dict, counters: DecodeCounters) -> Event | None:
     return None
 
 
-def _opt(seq: Sequence[object], i: int) -> object:
-    return seq[i] if len(seq) > i else None
+_ARRAY_FIELDS = {"BlockStored": STORED_FIELDS, "BlockRemoved": REMOVED_FIELDS, "AllBlocksCleared": ()}
+_ARRAY_MIN = {"BlockStored": 5, "BlockRemoved": 2}
 
 
 def _array_event(ev: tuple, counters: DecodeCounters) -> Event | None:
+    """A positional event -> the same map the map encoding gives, through the one declared field order."""
     if not ev or type(ev[0]) is not str:
         raise _Garbage("array event without a string tag")
     tag = ev[0]
-    if tag == "BlockStored":
-        if len(ev) < 5:
-            raise _Garbage("short BlockStored array")
-        return _stored(
-            ev[1], ev[2], ev[3], ev[4], _opt(ev, 5), _opt(ev, 6), _opt(ev, 7), _opt(ev, 9), _opt(ev, 8), None
-        )
-    if tag == "BlockRemoved":
-        if len(ev) < 2:
-            raise _Garbage("short BlockRemoved array")
-        return _removed(ev[1], _opt(ev, 2), _opt(ev, 3))
-    if tag == "AllBlocksCleared":
-        return AllBlocksCleared()
-    counters.unknown_events += 1
-    return None
+    fields = _ARRAY_FIELDS.get(tag)
+    if fields is None:
+        counters.unknown_events += 1
+        return None
+    if len(ev) < _ARRAY_MIN.get(tag, 1):
+        raise _Garbage(f"short {tag} array")
+    return _decode_event(tag, dict(zip(fields, ev[1:], strict=False)), counters)
+
+
+def _opt(seq: Sequence[object], i: int) -> object:
+    return seq[i] if len(seq) > i else None
 
 
 def _garbage(reason: str) -> DecodedBatch:
     return DecodedBatch(garbage=True, reason=reason)
 
 
-def decode_payload(payload: bytes | bytearray | memoryview) -> DecodedBatch:
-    """Decode one msgpack batch payload.  Never raises; see :class:`DecodedBatch` for the outcome."""
+_TS_SIZE = {0xCA: 5, 0xCB: 9, 0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9, 0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9}
+
+
+def peek_event_count(payload: bytes | bytearray | memoryview) -> int | None:
+    """The length of an array envelope's events array read from the msgpack headers alone (O(1)), so a batch
+    over the event budget is refused without unpacking it; None for other shapes (map envelopes)."""
+    if len(payload) < 3 or payload[0] not in (0x92, 0x93):
+        return None
+    b = payload[1]
+    i = 2 if b <= 0x7F or b >= 0xE0 else 1 + _TS_SIZE.get(b, 0)
+    if i == 1 or i >= len(payload):
+        return None
+    h = payload[i]
+    if 0x90 <= h <= 0x9F:
+        return h & 0x0F
+    if h == 0xDC and i + 3 <= len(payload):
+        return int.from_bytes(payload[i + 1 : i + 3], "big")
+    if h == 0xDD and i + 5 <= len(payload):
+        return int.from_bytes(payload[i + 1 : i + 5], "big")
+    return None
+
+
+def decode_payload(payload: bytes | bytearray | memoryview, max_events: int | None = None) -> DecodedBatch:
+    """Decode one msgpack batch payload.  Never raises; see :class:`DecodedBatch` for the outcome.
+
+    ``max_events``: a batch with more events is refused (``garbage``, ``reason == TOO_MANY_EVENTS``,
+    ``raw_event_count`` set) before any per-event work, so its cost is one C-level unpack of a bounded payload.
+    """
     if not isinstance(payload, bytes | bytearray | memoryview):
         return _garbage("payload is not bytes")
     if len(payload) > MAX_PAYLOAD_BYTES:
         return _garbage("payload too large")
+    if max_events is not None:
+        n = peek_event_count(payload)
+        if n is not None and n > max_events:
+            return DecodedBatch(garbage=True, reason=TOO_MANY_EVENTS, raw_event_count=n)
     try:
         # tuples, not lists: ~40% cheaper to build, and the ints are the bulk of every payload
         obj = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=False)
@@ -207,6 +313,8 @@ def decode_payload(payload: bytes | bytearray | memoryview) -> DecodedBatch:
         return _garbage("envelope has wrong types")
     if rank is not None and (type(rank) is not int or not 0 <= rank < 1 << 16):
         return _garbage("bad data_parallel_rank")
+    if max_events is not None and len(events) > max_events:
+        return DecodedBatch(garbage=True, reason=TOO_MANY_EVENTS, raw_event_count=len(events))
     counters = DecodeCounters()
     out: list[Event] = []
     append = out.append
@@ -214,7 +322,7 @@ def decode_payload(payload: bytes | bytearray | memoryview) -> DecodedBatch:
         try:
             t = type(ev)
             if t is dict:
-                dec = _map_event(ev, counters)
+                dec = _decode_event(ev.get("type"), ev, counters)
             elif t is tuple:
                 dec = _array_event(ev, counters)
             else:
@@ -243,8 +351,9 @@ def split_live_frames(frames: Sequence[bytes]) -> tuple[bytes, int, bytes] | Non
 def split_replay_frames(frames: Sequence[bytes]) -> tuple[int, bytes] | None:
     """One replay reply -> (seq, payload); None if malformed.
 
-    TensorRT-LLM answers ``[b"", topic, seq8, payload]``, vLLM ``[b"", seq8, payload]``; the end marker has
-    seq ``ff..ff`` (:data:`REPLAY_END_SEQ`).  The leading empty delimiter is optional.
+    TensorRT-LLM and vLLM 0.32+ answer ``[b"", topic, seq8, payload]`` (4 frames), vLLM <= 0.31 and SGLang
+    ``[b"", seq8, payload]`` (3 frames); the end marker has seq ``ff..ff`` (:data:`REPLAY_END_SEQ`).  The
+    leading empty delimiter is optional.
     """
     f = list(frames)
     if f and len(f[0]) == 0 and len(f) in (3, 4):
@@ -263,6 +372,8 @@ def encode_seq(seq: int) -> bytes:
 
 __all__ = [
     "MAX_HASHES_PER_EVENT",
+    "REMOVED_FIELDS",
+    "STORED_FIELDS",
     "REPLAY_END_SEQ",
     "decode_payload",
     "encode_seq",

@@ -1,6 +1,6 @@
 """Plain data types for decoded KV-cache events.
 
-The decoder turns wire bytes (TensorRT-LLM maps, vLLM/SGLang positional arrays, any envelope) into these
+The decoder turns wire bytes (TensorRT-LLM/vLLM/SGLang maps or positional arrays, any envelope) into these
 objects so the index never has to know about encodings.  They are slotted dataclasses because the ingest path
 creates one per event and attribute access on slots is the cheapest Python offers.
 """
@@ -17,6 +17,8 @@ class BlockStored:
 
     ``block_hashes`` are engine hashes already normalised to unsigned 64-bit, ``token_ids`` is a packed
     ``array('I')`` (validated to fit u32) so the index can hash memoryview slices without re-packing.
+    ``lora_name`` and ``salt`` are what the engine hashed the chain with (from ``lora_name``/``extra_keys``/
+    ``cache_salt``); ``salt`` is only set on a chain that starts at the root, the only place it seeds.
     """
 
     block_hashes: list[int]
@@ -25,6 +27,7 @@ class BlockStored:
     block_size: int
     lora_name: str | None = None
     lora_id: int | None = None
+    salt: str | None = None
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ import heapq
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -35,8 +35,9 @@ _FIRST_CHUNK_TOKENS = 8192  # lookups pack the prompt lazily, so an early stop d
 
 @dataclass(slots=True)
 class WorkerStats:
-    """Per-worker counters.  The index fills the event counters, the subscriber the sequence/liveness ones;
-    both end up in :meth:`KvIndex.snapshot` and in the ``epp_kv_*`` metrics."""
+    """Per-worker counters of what the index did with the worker's events; they end up in
+    :meth:`KvIndex.snapshot` and in the ``epp_kv_*`` metrics.  Sequence and liveness counters (gaps, replays,
+    staleness) belong to the subscriber (:class:`kvindex.subscriber.SubscriberStats`)."""
 
     batches: int = 0
     heartbeats: int = 0
@@ -46,6 +47,8 @@ class WorkerStats:
     skipped_group: int = 0
     skipped_extra_keys: int = 0
     skipped_unknown_parent: int = 0
+    skipped_rank: int = 0
+    skipped_block_size: int = 0
     garbage_events: int = 0
     garbage_batches: int = 0
     garbage_frames: int = 0
@@ -59,22 +62,13 @@ class WorkerStats:
     block_size_mismatch: int = 0
     predictions_confirmed: int = 0
     predictions_expired: int = 0
-    last_seq: int | None = None
-    gaps: int = 0
-    replays: int = 0
-    replay_lost: int = 0
-    replay_failures: int = 0
-    restarts: int = 0
-    heartbeating: bool = False
-    stale: bool = False
-    last_message_monotonic: float | None = None
 
     @property
     def events_skipped(self) -> int:
         """Events deliberately not applied, all reasons together."""
         return (
             self.skipped_length + self.skipped_medium + self.skipped_group + self.skipped_extra_keys
-            + self.skipped_unknown_parent
+            + self.skipped_unknown_parent + self.skipped_rank + self.skipped_block_size
         )
 
     @property
@@ -84,13 +78,19 @@ class WorkerStats:
 
 
 class _Slot:
-    """One (worker, dp rank): its bit in the shared masks and its engine->our hash map."""
+    """One (worker, dp rank, block size): its bit in the shared masks and its engine->our hash map.
 
-    __slots__ = ("worker", "rank", "index", "bit", "engine", "multi")
+    A worker has one slot per data-parallel rank it publishes from and per block size its events use (vLLM
+    hybrid models publish tail blocks in a second size): each lives in its own hash space, so none of them ever
+    has to be wiped because another one exists.
+    """
 
-    def __init__(self, worker: _Worker, rank: int, index: int) -> None:
+    __slots__ = ("worker", "rank", "block_size", "index", "bit", "engine", "multi")
+
+    def __init__(self, worker: _Worker, rank: int, block_size: int, index: int) -> None:
         self.worker = worker
         self.rank = rank
+        self.block_size = block_size
         self.index = index
         self.bit = 1 << index
         self.engine: dict[int, int] = {}
@@ -100,18 +100,25 @@ class _Slot:
 
 
 class _Worker:
-    __slots__ = ("id", "block_size", "cap", "slots", "stats", "pred", "pred_gen", "mask", "warned")
+    __slots__ = ("id", "block_size", "size_source", "cap", "max_ranks", "slots", "stats", "pred", "pred_gen",
+                 "n_blocks", "warned")
 
-    def __init__(self, worker_id: str, block_size: int, cap: int) -> None:
+    def __init__(self, worker_id: str, block_size: int, cap: int, max_ranks: int) -> None:
         self.id = worker_id
-        self.block_size = block_size
+        self.block_size = block_size  # the size prompts are hashed with for predictions and block_size()
+        self.size_source = "default"  # default | configured (server_info, /metrics) | events
         self.cap = cap
-        self.slots: dict[int, _Slot] = {}
+        self.max_ranks = max_ranks
+        self.slots: dict[tuple[int, int], _Slot] = {}
         self.stats = WorkerStats()
-        self.pred: dict[int, float] = {}  # our_hash -> expiry (monotonic), predictions live on rank 0's bit
+        self.pred: dict[int, float] = {}  # our_hash -> expiry (monotonic), on the (rank 0, block_size) bit
         self.pred_gen = 0
-        self.mask = 0
-        self.warned = False
+        self.n_blocks = 0  # engine blocks over all slots: the per-worker cap counts the whole worker
+        self.warned: set[str] = set()  # one warning per worker and kind, not one per event
+
+
+MAX_BLOCK_SIZES_PER_WORKER = 4  # a publisher inventing block sizes must not multiply its slots
+DEFAULT_MAX_RANKS = 64  # data-parallel ranks per worker accepted from the payload's rank field
 
 
 class KvIndex:
@@ -123,15 +130,18 @@ class KvIndex:
         max_blocks_per_worker: int = 1_000_000,
         registry: Any = None,
         *,
+        max_ranks_per_worker: int = DEFAULT_MAX_RANKS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``registry``: a prometheus ``CollectorRegistry`` to export ``epp_kv_*`` metrics into (None: no
-        export, so tests and benches can build many indexes).  ``clock`` is injectable so prediction expiry
-        is testable without sleeping."""
-        if default_block_size <= 0 or max_blocks_per_worker <= 0:
-            raise ValueError("block size and cap must be positive")
+        export, so tests and benches can build many indexes).  ``max_ranks_per_worker`` bounds the slots a
+        payload's ``data_parallel_rank`` may open (a worker's configured rank count overrides it, see
+        :meth:`set_ranks`).  ``clock`` is injectable so prediction expiry is testable without sleeping."""
+        if default_block_size <= 0 or max_blocks_per_worker <= 0 or max_ranks_per_worker <= 0:
+            raise ValueError("block size, cap and rank bound must be positive")
         self.default_block_size = default_block_size
         self.max_blocks_per_worker = max_blocks_per_worker
+        self.max_ranks_per_worker = max_ranks_per_worker
         self._clock = clock
         self._blocks: dict[int, int] = {}
         self._pred: dict[int, int] = {}
@@ -154,25 +164,34 @@ class KvIndex:
     def _worker(self, worker_id: str) -> _Worker:
         w = self._workers.get(worker_id)
         if w is None:
-            w = _Worker(worker_id, self.default_block_size, self.max_blocks_per_worker)
+            w = _Worker(worker_id, self.default_block_size, self.max_blocks_per_worker, self.max_ranks_per_worker)
             self._workers[worker_id] = w
-            self._slot(w, 0)
         return w
 
-    def _slot(self, w: _Worker, rank: int) -> _Slot:
-        s = w.slots.get(rank)
+    def _slot(self, w: _Worker, rank: int, block_size: int) -> _Slot:
+        key = (rank, block_size)
+        s = w.slots.get(key)
         if s is None:
             if self._free:
                 idx = heapq.heappop(self._free)
             else:
                 idx = len(self._slots)
                 self._slots.append(None)
-            s = _Slot(w, rank, idx)
+            s = _Slot(w, rank, block_size, idx)
             self._slots[idx] = s
-            w.slots[rank] = s
-            w.mask |= s.bit
+            w.slots[key] = s
             self._groups = None
         return s
+
+    def _pred_bit(self, w: _Worker) -> int:
+        """Predictions live on the (rank 0, worker block size) slot: the one prompts are hashed for."""
+        return self._slot(w, 0, w.block_size).bit
+
+    def set_ranks(self, worker_id: str, n: int) -> None:
+        """The worker's data-parallel rank count (from its endpoint's ``kv_ranks``): ranks >= n are refused."""
+        if n <= 0:
+            raise ValueError("rank count must be positive")
+        self._worker(worker_id).max_ranks = n
 
     def drop_worker(self, worker_id: str) -> None:
         """Forget a worker entirely (entries, predictions, counters) and recycle its slots."""
@@ -186,17 +205,30 @@ class KvIndex:
         w.slots.clear()
         self._groups = None
 
-    def clear_worker(self, worker_id: str) -> None:
-        """Drop a worker's blocks and predictions but keep it (lost state: gap, restart, AllBlocksCleared)."""
+    def clear_worker(self, worker_id: str, rank: int | None = None) -> None:
+        """Drop a worker's blocks (all ranks, or one rank's) and, unless only a rank > 0 lost state, its
+        predictions; the worker stays known (lost state: gap, restart, AllBlocksCleared)."""
         w = self._workers.get(worker_id)
-        if w is not None:
+        if w is None:
+            return
+        if rank is None:
             self._clear(w)
+            return
+        w.stats.clears += 1
+        self._clear_rank(w, rank)
+        if rank == 0:
+            self._clear_predictions(w)
 
     def _clear(self, w: _Worker) -> None:
         w.stats.clears += 1
         for s in w.slots.values():
             self._clear_slot(s)
         self._clear_predictions(w)
+
+    def _clear_rank(self, w: _Worker, rank: int) -> None:
+        for s in w.slots.values():
+            if s.rank == rank:
+                self._clear_slot(s)
 
     def _clear_slot(self, s: _Slot) -> None:
         blocks = self._blocks
@@ -209,12 +241,13 @@ class KvIndex:
                     blocks[h] = m
                 else:
                     del blocks[h]
+        s.worker.n_blocks -= len(s.engine)
         s.engine.clear()
         s.multi.clear()
 
     def _clear_predictions(self, w: _Worker) -> None:
         pred = self._pred
-        keep = ~w.slots[0].bit
+        keep = ~self._pred_bit(w)
         for h in w.pred:
             m = pred.get(h, 0) & keep
             if m:
@@ -229,22 +262,21 @@ class KvIndex:
         return list(self._workers)
 
     def stats(self, worker_id: str) -> WorkerStats:
-        """The worker's mutable counters (creates the worker); the subscriber updates them in place."""
+        """The worker's mutable counters (creates the worker)."""
         return self._worker(worker_id).stats
 
-    def set_capacity(self, worker_id: str, max_blocks: int) -> None:
-        """Per-worker block cap, e.g. from the worker's reported ``kv_cache_max_blocks``."""
-        if max_blocks <= 0:
-            raise ValueError("cap must be positive")
-        w = self._worker(worker_id)
-        w.cap = max_blocks
-        for s in w.slots.values():
-            if len(s.engine) > max_blocks:
-                self._evict(w, s)
+    def count_garbage_frames(self, worker_id: str, n: int = 1) -> None:
+        """The subscriber received ``n`` unusable frames from this worker (wrong frame count, bad seq)."""
+        self._worker(worker_id).stats.garbage_frames += n
+
+    def _warn_once(self, w: _Worker, kind: str, msg: str, *args: object) -> None:
+        if kind not in w.warned:
+            w.warned.add(kind)
+            log.warning(msg, *args)
 
     # --------------------------------------------------------------- block size
     def block_sizes(self) -> list[int]:
-        """The distinct block sizes of the indexed workers (usually one per pool)."""
+        """The distinct block sizes of the indexed slots (usually one per pool)."""
         return list(self._group_masks())
 
     def block_size(self, worker_id: str) -> int:
@@ -253,42 +285,54 @@ class KvIndex:
         return w.block_size if w is not None else self.default_block_size
 
     def set_block_size(self, worker_id: str, n: int) -> None:
-        """Set a worker's block size explicitly (e.g. from ``/server_info`` ``tokens_per_block``)."""
+        """Set a worker's block size from what the worker says (``/server_info``, ``/metrics``).  Entries under
+        another size stay: they live in their own hash space and still match prompts hashed in that size."""
         if n <= 0:
             raise ValueError("block size must be positive")
         w = self._worker(worker_id)
+        w.size_source = "configured"
+        self._adopt_block_size(w, n)
+
+    def _adopt_block_size(self, w: _Worker, n: int) -> None:
         if n != w.block_size:
-            self._change_block_size(w, n)
+            self._clear_predictions(w)  # hashed in the old size: they can no longer be confirmed
+            w.block_size = n
+            self._slot(w, 0, n)
+            self._groups = None
 
-    def _change_block_size(self, w: _Worker, n: int) -> None:
-        # entries hashed under another block size live in another hash space: drop them, they cannot match
-        if any(s.engine for s in w.slots.values()) or w.pred:
-            self._clear(w)
-        w.block_size = n
-        self._groups = None
-
-    def _event_block_size(self, w: _Worker, n: int) -> None:
-        w.stats.block_size_mismatch += 1
-        if not w.warned:
-            w.warned = True
-            log.warning(
-                "worker %s publishes block_size=%d but %d was configured/learned; adopting %d for it",
-                w.id, n, w.block_size, n,
-            )
-        self._change_block_size(w, n)
+    def _event_block_size(self, w: _Worker, slot_count: int, n: int) -> bool:
+        """A BlockStored in size ``n`` != the worker's: adopt it while the size is only the default, else index
+        it under its own size (a bounded number of sizes per worker).  False: skip it."""
+        st = w.stats
+        if w.size_source == "default":
+            log.info("worker %s publishes block_size=%d (default %d): hashing its prompts with %d",
+                     w.id, n, w.block_size, n)
+            w.size_source = "events"
+            self._adopt_block_size(w, n)
+            return True
+        if slot_count >= MAX_BLOCK_SIZES_PER_WORKER:
+            st.skipped_block_size += 1
+            self._warn_once(w, "sizes", "worker %s publishes more than %d block sizes: skipping block_size=%d",
+                            w.id, MAX_BLOCK_SIZES_PER_WORKER, n)
+            return False
+        self._warn_once(w, "size", "worker %s publishes block_size=%d besides its %d (e.g. a hybrid model's "
+                        "tail blocks): indexed under their own size", w.id, n, w.block_size)
+        return True
 
     def _group_masks(self) -> dict[int, int]:
         g = self._groups
         if g is None:
             g = {}
-            for w in self._workers.values():
-                g[w.block_size] = g.get(w.block_size, 0) | w.mask
+            for s in self._slots:
+                if s is not None:
+                    g[s.block_size] = g.get(s.block_size, 0) | s.bit
             self._groups = g
         return g
 
     # ------------------------------------------------------------------- ingest
-    def apply_batch(self, worker_id: str, batch: DecodedBatch) -> None:
-        """Apply one decoded batch from ``worker_id`` (its ``dp_rank`` selects the slot)."""
+    def apply_batch(self, worker_id: str, batch: DecodedBatch, rank: int | None = None) -> None:
+        """Apply one decoded batch from ``worker_id``.  ``rank``: the data-parallel rank of the endpoint the
+        batch came from (a per-rank subscription); None: the payload's ``data_parallel_rank`` (bounded)."""
         w = self._worker(worker_id)
         st = w.stats
         if batch.garbage:
@@ -306,37 +350,54 @@ class KvIndex:
             st.unknown_keys += c.unknown_keys
         if batch.raw_event_count == 0:
             st.heartbeats += 1
-            st.heartbeating = True
             return
         if not batch.events:
             return
+        if rank is None:
+            rank = batch.dp_rank or 0
+        if rank >= w.max_ranks:
+            st.skipped_rank += len(batch.events)
+            self._warn_once(w, "rank", "worker %s sends data_parallel_rank=%d, above its %d ranks: skipped",
+                            w.id, rank, w.max_ranks)
+            return
         if self._pred_heap:
             self._expire(self._clock())
-        slot = self._slot(w, batch.dp_rank or 0)
         for ev in batch.events:
             t = type(ev)
             if t is BlockStored:
-                self._store(w, slot, ev)
+                self._store(w, rank, ev)
             elif t is BlockRemoved:
-                self._remove(slot, ev.block_hashes)
+                self._remove(w, rank, ev.block_hashes)
                 st.events_applied += 1
             elif t is AllBlocksCleared:
-                self._clear_slot(slot)
-                if slot.rank == 0:
+                self._clear_rank(w, rank)
+                if rank == 0:
                     self._clear_predictions(w)
                 st.clears += 1
                 st.events_applied += 1
 
-    def _store(self, w: _Worker, slot: _Slot, ev: BlockStored) -> None:
+    def _store(self, w: _Worker, rank: int, ev: BlockStored) -> None:
         st = w.stats
         bs = ev.block_size
-        if bs != w.block_size:
-            self._event_block_size(w, bs)
+        slot = w.slots.get((rank, bs))
+        if bs == w.block_size:
+            if w.size_source == "default":
+                w.size_source = "events"  # confirmed: a later other size is a second size, not a correction
+        else:
+            st.block_size_mismatch += 1
+            if slot is None or not slot.engine:
+                sizes = {s.block_size for s in w.slots.values() if s.engine} | {w.block_size}
+                if not self._event_block_size(w, len(sizes), bs):
+                    return
+                if w.block_size == bs:
+                    slot = w.slots.get((rank, bs))
+        if slot is None:
+            slot = self._slot(w, rank, bs)
         eng = slot.engine
         setdefault = eng.setdefault
         parent = ev.parent_block_hash
         if parent is None:
-            h = root_seed(ev.lora_name)
+            h = root_seed(ev.lora_name, ev.salt)
         else:
             h = eng.get(parent)
             if h is None:
@@ -347,10 +408,11 @@ class KvIndex:
         blocks = self._blocks
         bit = slot.bit
         multi = slot.multi
-        wpred = w.pred
+        wpred = w.pred if bs == w.block_size and rank == 0 else None
         step = bs * 4
         mv = memoryview(ev.token_ids).cast("B")
         off = 0
+        before = len(eng)
         for eh in ev.block_hashes:
             h = _xxh3(mv[off : off + step], h)
             off += step
@@ -368,9 +430,10 @@ class KvIndex:
                 blocks[h] = m | bit
             if wpred and h in wpred:
                 self._confirm(w, h)
+        w.n_blocks += len(eng) - before
         st.blocks_stored += len(ev.block_hashes)
         st.events_applied += 1
-        if len(eng) > w.cap:
+        if w.n_blocks > w.cap:
             self._evict(w, slot)
 
     def _unref(self, slot: _Slot, h: int) -> None:
@@ -392,29 +455,40 @@ class KvIndex:
             else:
                 del blocks[h]
 
-    def _remove(self, slot: _Slot, hashes: Sequence[int]) -> None:
-        eng = slot.engine
-        st = slot.worker.stats
+    def _remove(self, w: _Worker, rank: int, hashes: Sequence[int]) -> None:
+        st = w.stats
+        slots = [s for s in w.slots.values() if s.rank == rank and s.engine]
         unknown = 0
         for eh in hashes:
-            h = eng.pop(eh, None)
-            if h is None:
-                unknown += 1
+            for slot in slots:
+                h = slot.engine.pop(eh, None)
+                if h is not None:
+                    self._unref(slot, h)
+                    break
             else:
-                self._unref(slot, h)
+                unknown += 1
+        w.n_blocks -= len(hashes) - unknown
         st.blocks_removed += len(hashes) - unknown
         st.removed_unknown += unknown
 
     def _evict(self, w: _Worker, slot: _Slot) -> None:
-        # evict a batch down to a low-water mark: one ordered scan per batch keeps eviction O(1) amortised
-        eng = slot.engine
+        # evict a batch down to a low-water mark (one ordered scan per batch keeps eviction O(1) amortised),
+        # oldest first from the slot that grew, then from the worker's largest slots: the cap is per worker
         target = w.cap - (w.cap // 16 if w.cap >= 1024 else 0)
-        n = len(eng) - target
+        n = w.n_blocks - target
         if n <= 0:
             return
-        for eh in list(itertools.islice(eng, n)):
-            self._unref(slot, eng.pop(eh))
-        w.stats.evicted += n
+        order = [slot, *sorted((s for s in w.slots.values() if s is not slot), key=lambda s: -len(s.engine))]
+        for s in order:
+            if n <= 0:
+                break
+            eng = s.engine
+            k = min(n, len(eng))
+            for eh in list(itertools.islice(eng, k)):
+                self._unref(s, eng.pop(eh))
+            n -= k
+            w.n_blocks -= k
+            w.stats.evicted += k
 
     # -------------------------------------------------------------- predictions
     def predict(
@@ -443,7 +517,7 @@ class KvIndex:
         if not hashes:
             return
         exp = now + ttl_s
-        bit = w.slots[0].bit
+        bit = self._pred_bit(w)
         blocks = self._blocks
         pred = self._pred
         wpred = w.pred
@@ -466,7 +540,7 @@ class KvIndex:
 
     def _unpredict(self, w: _Worker, h: int) -> None:
         pred = self._pred
-        m = pred.get(h, 0) & ~w.slots[0].bit
+        m = pred.get(h, 0) & ~self._pred_bit(w)
         if m:
             pred[h] = m
         else:
@@ -495,7 +569,8 @@ class KvIndex:
         for wid in workers:
             w = get(wid)
             if w is not None:
-                allowed |= w.mask
+                for sl in w.slots.values():
+                    allowed |= sl.bit
         return allowed
 
     def _record(self, res: dict[str, int], dead: int, count: int) -> None:
@@ -537,72 +612,54 @@ class KvIndex:
         for bs, gmask in self._group_masks().items():
             alive = gmask & allowed
             if alive and n_tok >= bs:
-                self._walk_tokens(token_ids, n_tok // bs, bs, root_seed(lora_name, salt), alive, res)
+                self._walk(_chain(token_ids, n_tok // bs, bs, root_seed(lora_name, salt)), alive, res)
         return res
-
-    def _walk_tokens(
-        self, tokens: Sequence[int], nblocks: int, bs: int, seed: int, alive: int, res: dict[str, int]
-    ) -> None:
-        blocks_get = self._blocks.get
-        pred_get = self._pred.get if self._pred else None
-        step = bs * 4
-        chunk = max(1, _FIRST_CHUNK_TOKENS // bs)
-        h = seed
-        i = 0
-        while i < nblocks:
-            j = min(nblocks, i + chunk)
-            mv = memoryview(pack_tokens(tokens[i * bs : j * bs])).cast("B")
-            for off in range(0, (j - i) * step, step):
-                h = _xxh3(mv[off : off + step], h)
-                m = blocks_get(h, 0)
-                if pred_get is not None:
-                    m |= pred_get(h, 0)
-                m &= alive
-                if m != alive:
-                    self._record(res, alive ^ m, i + off // step)
-                    alive = m
-                    if not alive:
-                        return
-            i = j
-            chunk *= 2
-        self._record(res, alive, nblocks)
 
     def overlap_hashes(
         self, hashes: Sequence[int], block_size: int, workers: Iterable[str] | None = None
     ) -> dict[str, int]:
-        """Like :meth:`overlap` for chain hashes already computed with :func:`block_hashes`; only workers
+        """Like :meth:`overlap` for chain hashes already computed with :func:`block_hashes`; only slots
         whose block size is ``block_size`` can match."""
         if self._pred_heap:
             self._expire(self._clock())
         alive = self._group_masks().get(block_size, 0) & self._allowed(workers)
         res: dict[str, int] = {}
-        if not alive:
-            return res
+        if alive:
+            self._walk((h & MASK64 for h in hashes), alive, res)
+        return res
+
+    def _walk(self, hashes: Iterable[int], alive: int, res: dict[str, int]) -> None:
+        """The one mask walk: AND each block's holders (real or predicted) into ``alive`` and record, for the
+        slots that drop out, how many leading blocks they held; stops when no candidate is left."""
         blocks_get = self._blocks.get
         pred_get = self._pred.get if self._pred else None
+        n = 0
         for i, h in enumerate(hashes):
-            m = blocks_get(h & MASK64, 0)
+            m = blocks_get(h, 0)
             if pred_get is not None:
-                m |= pred_get(h & MASK64, 0)
+                m |= pred_get(h, 0)
             m &= alive
             if m != alive:
                 self._record(res, alive ^ m, i)
                 alive = m
                 if not alive:
-                    return res
-        self._record(res, alive, len(hashes))
-        return res
+                    return
+            n = i + 1
+        self._record(res, alive, n)
 
     # ------------------------------------------------------------ observability
     def blocks_indexed(self, worker_id: str) -> int:
-        """Engine blocks currently indexed for a worker (all ranks)."""
+        """Engine blocks currently indexed for a worker (all ranks and block sizes)."""
         w = self._workers.get(worker_id)
-        return sum(len(s.engine) for s in w.slots.values()) if w is not None else 0
+        return w.n_blocks if w is not None else 0
 
-    def engine_hashes(self, worker_id: str) -> set[int]:
-        """The worker's engine block hashes (u64) currently indexed, all ranks: to compare with its cache."""
+    def engine_hashes(self, worker_id: str, rank: int | None = None) -> set[int]:
+        """The worker's engine block hashes (u64) currently indexed (all ranks, or one): to compare with what
+        the engine really holds."""
         w = self._workers.get(worker_id)
-        return {eh for s in w.slots.values() for eh in s.engine} if w is not None else set()
+        if w is None:
+            return set()
+        return {eh for s in w.slots.values() if rank is None or s.rank == rank for eh in s.engine}
 
     def predicted_count(self, worker_id: str) -> int:
         """Blocks currently predicted (not yet confirmed or expired) for a worker."""
@@ -630,13 +687,40 @@ class KvIndex:
             d = asdict(w.stats)
             d.update(
                 block_size=w.block_size,
-                block_size_mismatch_flag=w.warned,
+                block_size_source=w.size_source,
+                block_sizes=sorted({s.block_size for s in w.slots.values() if s.engine} | {w.block_size}),
                 max_blocks=w.cap,
-                blocks_indexed=sum(len(s.engine) for s in w.slots.values()),
+                max_ranks=w.max_ranks,
+                blocks_indexed=w.n_blocks,
                 predicted=len(w.pred),
                 events_skipped=w.stats.events_skipped,
                 garbage=w.stats.garbage,
-                ranks={str(r): {"blocks_indexed": len(s.engine)} for r, s in sorted(w.slots.items())},
+                ranks=_per_rank(w),
             )
             out["workers"][wid] = d
         return out
+
+
+def _per_rank(w: _Worker) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for s in w.slots.values():
+        d = out.setdefault(str(s.rank), {"blocks_indexed": 0})
+        d["blocks_indexed"] += len(s.engine)
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
+def _chain(tokens: Sequence[int], nblocks: int, bs: int, seed: int) -> Iterator[int]:
+    """Chained hashes of the prompt's first ``nblocks`` blocks, packed lazily in doubling chunks so a walk that
+    stops early does not pay for packing the tail."""
+    step = bs * 4
+    chunk = max(1, _FIRST_CHUNK_TOKENS // bs)
+    h = seed
+    i = 0
+    while i < nblocks:
+        j = min(nblocks, i + chunk)
+        mv = memoryview(pack_tokens(tokens[i * bs : j * bs])).cast("B")
+        for off in range(0, (j - i) * step, step):
+            h = _xxh3(mv[off : off + step], h)
+            yield h
+        i = j
+        chunk *= 2

@@ -7,8 +7,8 @@ applying the event.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -18,29 +18,52 @@ if TYPE_CHECKING:
 
 PREFIX = "epp_kv_"
 
-# (stats attribute, metric suffix, help); counters get "_total" appended by prometheus-client
-_COUNTERS = [
-    ("batches", "batches", "Batches received and decoded"),
-    ("heartbeats", "heartbeats", "Empty-event (heartbeat) batches"),
-    ("events_applied", "events_applied", "Events applied to the index"),
-    ("blocks_stored", "blocks_stored", "Blocks added from BlockStored events"),
-    ("blocks_removed", "blocks_removed", "Blocks removed by BlockRemoved events"),
-    ("removed_unknown", "removed_unknown_blocks", "BlockRemoved hashes the index did not know"),
-    ("evicted", "evicted_blocks", "Blocks evicted by the per-worker cap"),
-    ("clears", "clears", "Times a worker's entries were cleared (gap, restart, AllBlocksCleared)"),
-    ("unknown_events", "unknown_events", "Events of an unknown type (ignored)"),
-    ("unknown_keys", "unknown_keys", "Unknown keys inside known events (ignored)"),
-    ("gaps", "seq_gaps", "Sequence gaps (lost batches)"),
-    ("replays", "replays", "Replay requests sent"),
-    ("replay_lost", "replay_lost", "Replays that no longer held the missing batches"),
-    ("replay_failures", "replay_failures", "Replay requests that timed out or failed"),
-    ("restarts", "publisher_restarts", "Backwards sequence jumps (publisher restarted)"),
-    ("block_size_mismatch", "block_size_mismatch", "Events whose block_size disagreed with the worker's"),
-    ("predictions_confirmed", "predictions_confirmed", "Predicted blocks confirmed by BlockStored"),
-    ("predictions_expired", "predictions_expired", "Predicted blocks that expired unconfirmed"),
+# One table of the per-worker metrics: (source, kind, stats key, metric suffix, help).  "index" rows read
+# KvIndex.snapshot(), "subscriber" rows SubscriberManager.stats_snapshot(); counters get "_total" appended.
+_WORKER_METRICS = [
+    ("index", "counter", "batches", "batches", "Batches received and decoded"),
+    ("index", "counter", "heartbeats", "heartbeats", "Empty-event (heartbeat) batches"),
+    ("index", "counter", "events_applied", "events_applied", "Events applied to the index"),
+    ("index", "counter", "blocks_stored", "blocks_stored", "Blocks added from BlockStored events"),
+    ("index", "counter", "blocks_removed", "blocks_removed", "Blocks removed by BlockRemoved events"),
+    ("index", "counter", "removed_unknown", "removed_unknown_blocks", "BlockRemoved hashes the index did not know"),
+    ("index", "counter", "evicted", "evicted_blocks", "Blocks evicted by the per-worker cap"),
+    ("index", "counter", "clears", "clears", "Times a worker's entries were cleared (gap, restart, AllBlocksCleared)"),
+    ("index", "counter", "unknown_events", "unknown_events", "Events of an unknown type (ignored)"),
+    ("index", "counter", "unknown_keys", "unknown_keys", "Unknown keys inside known events (ignored)"),
+    ("index", "counter", "block_size_mismatch", "block_size_mismatch", "Events in another block size than the worker's"),
+    ("index", "counter", "predictions_confirmed", "predictions_confirmed", "Predicted blocks confirmed by BlockStored"),
+    ("index", "counter", "predictions_expired", "predictions_expired", "Predicted blocks that expired unconfirmed"),
+    ("index", "gauge", "predicted", "predicted_blocks", "Predicted (unconfirmed) blocks"),
+    ("index", "gauge", "block_size", "block_size", "Tokens per block used for this worker"),
+    ("index", "gauge", "max_blocks", "max_blocks", "Per-worker block cap"),
+    ("subscriber", "counter", "gaps", "seq_gaps", "Sequence gaps (lost batches)"),
+    ("subscriber", "counter", "dropped_batches", "dropped_batches", "Batches lost on the wire (sum of gap sizes)"),
+    ("subscriber", "counter", "replays", "replays", "Replay requests sent"),
+    ("subscriber", "counter", "replay_lost", "replay_lost", "Replays that no longer held the missing batches"),
+    ("subscriber", "counter", "replay_failures", "replay_failures", "Replays that timed out, failed or overran budget"),
+    ("subscriber", "counter", "replay_holes", "replay_holes", "Replays with frames missing in the middle"),
+    ("subscriber", "counter", "restarts", "publisher_restarts", "Publisher restarts detected"),
+    ("subscriber", "counter", "oversized", "oversized_messages", "Batches or replays refused for their size"),
+    ("subscriber", "counter", "reconnects", "reconnects", "SUB reconnects after the peer was dropped"),
+    ("subscriber", "gauge", "stale", "worker_stale", "1 if a heartbeating worker went silent"),
+    ("subscriber", "gauge", "silent", "worker_silent", "1 if nothing ever came from a worker that is up"),
+    ("subscriber", "gauge", "last_seq", "last_seq", "Last applied sequence number"),
 ]
-_SKIP_REASONS = ["length", "medium", "group", "extra_keys", "unknown_parent"]
+_SKIP_REASONS = ["length", "medium", "group", "extra_keys", "unknown_parent", "rank", "block_size"]
 _GARBAGE_KINDS = ["frames", "batches", "events"]
+
+
+def _per_worker(workers: dict[str, dict[str, Any]], source: str) -> Iterator[Metric]:
+    for src, kind, key, name, doc in _WORKER_METRICS:
+        if src != source:
+            continue
+        fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(PREFIX + name, doc, labels=["worker"])
+        for wid, d in workers.items():
+            v = d.get(key)
+            if v is not None:
+                fam.add_metric([wid], float(v))
+        yield fam
 
 
 class KvIndexCollector(Collector):
@@ -54,33 +77,14 @@ class KvIndexCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
-        idx = self._index
-        snap = idx.snapshot()
+        snap = self._index.snapshot()
         workers = snap["workers"]
         blocks = GaugeMetricFamily(PREFIX + "blocks_indexed", "Blocks indexed", labels=["worker", "dp_rank"])
         for wid, d in workers.items():
             for rank, r in d["ranks"].items():
                 blocks.add_metric([wid, rank], r["blocks_indexed"])
         yield blocks
-        gauges = [
-            ("predicted", "predicted_blocks", "Predicted (unconfirmed) blocks"),
-            ("block_size", "block_size", "Tokens per block used for this worker"),
-            ("stale", "worker_stale", "1 if a heartbeating worker went silent"),
-            ("last_seq", "last_seq", "Last applied sequence number"),
-            ("max_blocks", "max_blocks", "Per-worker block cap"),
-        ]
-        for key, name, doc in gauges:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=["worker"])
-            for wid, d in workers.items():
-                v = d[key]
-                if v is not None:
-                    g.add_metric([wid], float(v))
-            yield g
-        for key, name, doc in _COUNTERS:
-            c = CounterMetricFamily(PREFIX + name, doc, labels=["worker"])
-            for wid, d in workers.items():
-                c.add_metric([wid], d[key])
-            yield c
+        yield from _per_worker(workers, "index")
         sk = CounterMetricFamily(PREFIX + "events_skipped", "Events not applied, by reason", labels=["worker", "reason"])
         for wid, d in workers.items():
             for r in _SKIP_REASONS:
@@ -95,8 +99,29 @@ class KvIndexCollector(Collector):
         yield GaugeMetricFamily(PREFIX + "workers", "Workers known to the index", value=len(workers))
 
 
+class SubscriberCollector(Collector):
+    """The subscribers' sequence/liveness counters, read at scrape time like the index's."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, dict[str, Any]]]) -> None:
+        self._snapshot = snapshot
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from _per_worker(self._snapshot(), "subscriber")
+
+
 def register_index(index: KvIndex, registry: CollectorRegistry) -> KvIndexCollector:
     """Export ``index`` into ``registry`` (a fresh one in tests, the global REGISTRY in the picker)."""
     collector = KvIndexCollector(index)
+    registry.register(collector)
+    return collector
+
+
+def register_subscribers(snapshot: Callable[[], dict[str, dict[str, Any]]],
+                         registry: CollectorRegistry) -> SubscriberCollector:
+    """Export the subscribers' per-worker stats (``SubscriberManager.stats_snapshot``) into ``registry``."""
+    collector = SubscriberCollector(snapshot)
     registry.register(collector)
     return collector

@@ -8,6 +8,7 @@ from typing import Literal
 Role = Literal["worker", "renderer"]
 SeqStart = Literal["zero", "time_ns"]
 EventEncoding = Literal["compact", "int64"]
+EventDialect = Literal["trtllm", "vllm", "vllm-array", "sglang"]
 ErrorShape = Literal["current", "legacy"]
 
 
@@ -42,7 +43,15 @@ class MockConfig:
     seq_start: SeqStart = "zero"
     heartbeat_interval: float = 5.0
     event_encoding: EventEncoding = "compact"
-    dp_rank: int = 0
+    dp_rank: int = 0  # like the engines, rank r binds the PUB and replay ports + r
+    # Publisher behaviours of the other engines, so the picker is tested against each one's wire form:
+    # trtllm (maps, no salt, 4-frame replay), vllm (0.32+: maps in a map envelope, salt in the first block's
+    # extra_keys, 4-frame replay), vllm-array (<= 0.31: positional arrays, 3-frame replay), sglang (0.5: maps
+    # with a typed cache_salt, 3-frame replay).
+    event_dialect: EventDialect = "trtllm"
+    replay_hwm: int = 0  # send HWM of the replay ROUTER (0: ZeroMQ's 1000); small values drop replay frames
+    tail_block_size: int = 0  # > 0: also publish each prompt's partial tail in blocks of this size (vLLM hybrid)
+    bigram_pages: bool = False  # SGLang EAGLE: token_ids published as [t, next] pairs
 
     # Timing model.
     prefill_ms_per_token: float = 0.01
@@ -91,5 +100,11 @@ class MockConfig:
             raise ValueError("render_threads must be >= 1")
         if self.prompt_tokens_excluded_from_usage < 0:
             raise ValueError("prompt_tokens_excluded_from_usage must be >= 0")
+        if self.event_dialect not in ("trtllm", "vllm", "vllm-array", "sglang"):
+            raise ValueError("event_dialect must be trtllm, vllm, vllm-array or sglang")
+        if self.replay_hwm < 0 or self.tail_block_size < 0 or self.dp_rank < 0:
+            raise ValueError("replay_hwm, tail_block_size and dp_rank must be >= 0")
+        if self.tail_block_size >= self.tokens_per_block:
+            raise ValueError("tail_block_size must be smaller than tokens_per_block")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")

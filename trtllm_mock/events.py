@@ -4,6 +4,9 @@ Wire format (what the picker must parse): three frames ``[topic, seq (8 bytes bi
 where payload is msgpack ``[ts, events, data_parallel_rank]``. Two encodings exist in the wild and both are
 offered: ``compact`` (smallest msgpack ints, like msgspec) and ``int64`` (every integer as 0xd3 and ``ts`` as
 float64 0xcb, like the C++ serializer), so a picker that only handles one breaks here rather than in production.
+``event_dialect`` switches to the other engines' forms (vLLM 0.32+ maps with salts in ``extra_keys``, vLLM <= 0.31
+positional arrays and 3-frame replays, SGLang 0.5 typed ``cache_salt``), and ``replay_hwm``/``tail_block_size``/
+``bigram_pages``/``dp_rank`` reproduce their replay drops, hybrid tail blocks, EAGLE pages and per-rank ports.
 """
 
 from __future__ import annotations
@@ -26,13 +29,29 @@ from .config import MockConfig
 log = logging.getLogger(__name__)
 
 REPLAY_END_SEQ = b"\xff" * 8
+# positional field order of vLLM <= 0.31's msgspec array_like BlockStored/BlockRemoved (vllm kv_events.py)
+_VLLM_STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+                "extra_keys")
+_VLLM_REMOVED = ("block_hashes", "medium")
+_SGLANG_STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                  "cache_salt")
+
+
+def offset_port(endpoint: str, rank: int) -> str:
+    """The engines' data-parallel rule (vLLM/SGLang ``offset_endpoint_port``): rank r binds port + r."""
+    base, sep, port = endpoint.rpartition(":")
+    if rank == 0 or not endpoint.startswith("tcp://") or not sep or not port.isdigit() or port == "0":
+        return endpoint
+    return f"{base}:{int(port) + rank}"
 
 
 def pack_int64(obj: Any) -> bytes:
     """msgpack with EVERY integer as int64 (0xd3) and every float as float64 (0xcb), like TRT-LLM's C++ side.
 
     msgpack-python always picks the smallest integer encoding, so this small packer exists only to
-    reproduce the fat encoding; the result decodes to the same values with any msgpack reader.
+    reproduce the fat encoding; the result decodes to the same values with any msgpack reader.  The test
+    encoders (``bench/kvwire.py``) have a similar one; this copy is deliberate: the mock is the engine double
+    the picker is tested against and shares no code with the picker's side of the wire.
     """
     out = bytearray()
     _pack_into(obj, out)
@@ -122,8 +141,11 @@ class KvEventPublisher:
         self.generation = 0
         self.batches_published = 0
         self.batches_dropped = 0
-        self.pub_endpoint = config.kv_events_endpoint
-        self.replay_endpoint = config.replay_endpoint
+        self.replays_served = 0
+        self.pub_endpoint = offset_port(config.kv_events_endpoint, config.dp_rank)
+        self.replay_endpoint = offset_port(config.replay_endpoint, config.dp_rank) if config.replay_endpoint else None
+        self._tails: dict[int, list[int]] = {}  # parent engine hash -> its tail blocks' hashes (tail_block_size)
+        self._tail_counter = 0
 
     # --------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -132,7 +154,9 @@ class KvEventPublisher:
         if self.config.replay_endpoint:
             self._router = self._actx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
-            self._router.bind(self.config.replay_endpoint)
+            if self.config.replay_hwm:
+                self._router.setsockopt(zmq.SNDHWM, self.config.replay_hwm)
+            self._router.bind(self.replay_endpoint)
             self.replay_endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
             self._tasks.append(asyncio.create_task(self._replay_loop(), name="kv-replay"))
         if self.config.heartbeat_interval > 0:
@@ -206,18 +230,77 @@ class KvEventPublisher:
         self._drop_next += 1
 
     # ---------------------------------------------------------------- publish
-    def encode(self, events: list[dict[str, Any]]) -> bytes:
-        """Payload bytes ``[ts, events, rank]`` in the configured encoding."""
-        payload = [time.time(), events, self.config.dp_rank]
+    def encode(self, events: list[Any]) -> bytes:
+        """Payload bytes in the configured encoding: ``[ts, events, rank]``, or vLLM 0.32+'s map envelope."""
+        if self.config.event_dialect == "vllm":
+            payload: Any = {"ts": time.time(), "events": events, "data_parallel_rank": self.config.dp_rank}
+        else:
+            payload = [time.time(), events, self.config.dp_rank]
         if self.config.event_encoding == "int64":
             return pack_int64(payload)
         return msgpack.packb(payload, use_bin_type=True)
+
+    def to_dialect(self, events: list[dict[str, Any]]) -> list[Any]:
+        """The cache's events as the configured engine publishes them (private ``_salt``/``_tail`` dropped)."""
+        cfg = self.config
+        dialect = cfg.event_dialect
+        out: list[Any] = []
+        for raw in events:
+            ev = dict(raw)
+            salt = ev.pop("_salt", None)
+            tail = ev.pop("_tail", None)
+            kind = ev["type"]
+            if kind == "BlockStored":
+                root = ev["parent_block_hash"] is None
+                if dialect in ("vllm", "vllm-array") and salt is not None and root:
+                    # vLLM: the salt is an extra key of the chain's first block only (generate_block_hash_extra_keys)
+                    ev["extra_keys"] = [[salt]] + [None] * (len(ev["block_hashes"]) - 1)
+                elif dialect == "sglang":
+                    del ev["lora_name"]
+                    if salt is not None:
+                        ev["cache_salt"] = salt
+                    if cfg.bigram_pages:
+                        toks = ev["token_ids"]
+                        ev["token_ids"] = [[t, toks[i + 1] if i + 1 < len(toks) else 0] for i, t in enumerate(toks)]
+                out.append(self._shape(ev, _VLLM_STORED if dialect == "vllm-array" else _SGLANG_STORED))
+                if cfg.tail_block_size and tail and len(tail) < cfg.tokens_per_block:
+                    out.extend(self._tail_event(ev, tail))
+            elif kind == "BlockRemoved":
+                extra = [t for h in ev["block_hashes"] for t in self._tails.pop(h, [])]
+                ev["block_hashes"] = ev["block_hashes"] + extra
+                out.append(self._shape(ev, _VLLM_REMOVED))
+            else:
+                if kind == "AllBlocksCleared":
+                    self._tails.clear()
+                out.append(self._shape(ev, ()))
+        return out
+
+    def _shape(self, ev: dict[str, Any], fields: tuple[str, ...]) -> Any:
+        if self.config.event_dialect != "vllm-array":
+            return ev
+        return [ev["type"], *(ev.get(f) for f in fields)]  # msgspec array_like: tag, then fields in order
+
+    def _tail_event(self, ev: dict[str, Any], tail: list[int]) -> list[dict[str, Any]]:
+        """vLLM hybrid models: the tail after the last full block, in blocks of the hash block size."""
+        tbs = self.config.tail_block_size
+        n = len(tail) // tbs
+        if n == 0:
+            return []
+        parent = ev["block_hashes"][-1]
+        hashes = []
+        for _ in range(n):
+            self._tail_counter += 1
+            hashes.append((0x7A11 << 40) + self._tail_counter)
+        self._tails.setdefault(parent, []).extend(hashes)
+        return [{"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+                 "token_ids": tail[: n * tbs], "block_size": tbs, "lora_id": None, "medium": "GPU",
+                 "lora_name": None}]
 
     def publish(self, events: list[dict[str, Any]]) -> int:
         """Number, buffer and send one batch; returns its sequence number."""
         seq = self.next_seq
         self.next_seq += 1
-        payload = self.encode(events)
+        payload = self.encode(self.to_dialect(events))
         self._buffer.append((seq, payload))
         self._last_publish = time.monotonic()
         if self._drop_next:
@@ -253,7 +336,13 @@ class KvEventPublisher:
                 log.warning("ignoring malformed replay request with %d frames", len(frames))
                 continue
             identity, start = frames[0], int.from_bytes(frames[2], "big")
+            # one burst with no await in between, like the engines' publisher threads: with a small send HWM
+            # the ROUTER silently drops frames in the middle of a large replay, as the real ones do
+            with_topic = self.config.event_dialect in ("trtllm", "vllm")
             for seq, payload in list(self._buffer):
                 if seq >= start:
-                    await self._router.send_multipart([identity, b"", topic, seq.to_bytes(8, "big"), payload])
-            await self._router.send_multipart([identity, b"", b"", REPLAY_END_SEQ, b""])
+                    head = [identity, b"", topic] if with_topic else [identity, b""]
+                    self._router.send_multipart([*head, seq.to_bytes(8, "big"), payload])
+            end = [identity, b"", b"", REPLAY_END_SEQ, b""] if with_topic else [identity, b"", REPLAY_END_SEQ, b""]
+            self._router.send_multipart(end)
+            self.replays_served += 1

@@ -205,18 +205,23 @@ class KVCache:
             if not run:
                 return
             parent = run[0].parent
-            events.append(
-                {
-                    "type": "BlockStored",
-                    "block_hashes": [wire_hash(b.engine_hash) for b in run],
-                    "parent_block_hash": None if parent is None else wire_hash(parent.engine_hash),
-                    "token_ids": [t for b in run for t in b.tokens],
-                    "block_size": tpb,
-                    "lora_id": None,
-                    "medium": "GPU",
-                    "lora_name": None,
-                }
-            )
+            ev: dict[str, Any] = {
+                "type": "BlockStored",
+                "block_hashes": [wire_hash(b.engine_hash) for b in run],
+                "parent_block_hash": None if parent is None else wire_hash(parent.engine_hash),
+                "token_ids": [t for b in run for t in b.tokens],
+                "block_size": tpb,
+                "lora_id": None,
+                "medium": "GPU",
+                "lora_name": None,
+            }
+            # private facts for the publisher's engine dialects (stripped before anything is sent): the salt
+            # the chain was hashed with, and the prompt's tokens after the chain's last block
+            if alloc.salt is not None:
+                ev["_salt"] = alloc.salt
+            end = (run[-1].position + 1) * tpb
+            ev["_tail"] = alloc.prompt[end:]
+            events.append(ev)
             run.clear()
 
         for i in range(alloc.reused_blocks, len(alloc.hashes)):

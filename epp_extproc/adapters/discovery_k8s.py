@@ -90,6 +90,19 @@ def pod_is_serving(pod: Mapping[str, Any]) -> bool:
     return False
 
 
+KV_RANKS_ANNOTATION = "epp-extproc/kv-ranks"  # data-parallel ranks of the pod's engine (rank r on port + r)
+
+
+def pod_kv_ranks(meta: Mapping[str, Any]) -> int:
+    """The pod's `epp-extproc/kv-ranks` annotation (1 when absent or not an integer in 1..64)."""
+    raw = (meta.get("annotations") or {}).get(KV_RANKS_ANNOTATION)
+    try:
+        n = int(raw) if raw is not None else 1
+    except (TypeError, ValueError):
+        n = 1
+    return n if 1 <= n <= 64 else 1
+
+
 def pod_endpoints(pod: Mapping[str, Any], ports: tuple[int, ...], kv_event_port: int,
                   replay_port: int | None) -> list[Endpoint]:
     """One Endpoint per target port of a serving pod (none for a pod that is not serving)."""
@@ -111,7 +124,7 @@ def pod_endpoints(pod: Mapping[str, Any], ports: tuple[int, ...], kv_event_port:
     replay = zmq_tcp(ip, replay_port) if replay_port else None
     return [
         Endpoint(name=name if len(ports) == 1 else f"{name}:{port}", address=format_host_port(ip, port),
-                 kv_events=kv, replay=replay, labels=labels)
+                 kv_events=kv, replay=replay, labels=labels, kv_ranks=pod_kv_ranks(meta))
         for port in ports
     ]
 

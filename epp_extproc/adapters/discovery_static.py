@@ -7,9 +7,10 @@ File format (YAML or JSON):
         address: 10.0.0.5:8000
         kv_events: tcp://10.0.0.5:5557   # optional, default tcp://<ip>:<DYN_EPP_KV_EVENT_PORT>
         replay: tcp://10.0.0.5:5558      # optional, default tcp://<ip>:<DYN_EPP_KV_EVENT_REPLAY_PORT> if set
+        kv_ranks: 2                      # optional: data-parallel ranks, rank r on both ports + r
 
 A bare list of such entries (or of `ip:port` strings) is accepted too. The flag form is
-`name=ip:port;kv=tcp://...;replay=tcp://...` entries separated by commas, or plain `ip:port`.
+`name=ip:port;kv=tcp://...;replay=tcp://...;kv_ranks=N` entries separated by commas, or plain `ip:port`.
 Only `ip:port` literals (IPv6 as `[addr]:port`) are endpoints: that is all Envoy's ORIGINAL_DST cluster
 can route (see `core.endpoints.split_host_port`).
 
@@ -49,8 +50,24 @@ class EndpointSpecError(ValueError):
     pass
 
 
+def parse_kv_ranks(value: object) -> int:
+    """`kv_ranks`: a small positive int (each rank costs one subscription and one index slot)."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise EndpointSpecError(f"kv_ranks must be an integer, got {value!r}")
+    try:
+        n = int(value)
+    except ValueError:
+        raise EndpointSpecError(f"kv_ranks must be an integer, got {value!r}") from None
+    if not 1 <= n <= MAX_KV_RANKS:
+        raise EndpointSpecError(f"kv_ranks must be between 1 and {MAX_KV_RANKS}, got {n}")
+    return n
+
+
+MAX_KV_RANKS = 64
+
+
 def make_endpoint(name: str | None, address: str, kv_events: str | None, replay: str | None, *,
-                  kv_event_port: int | None, replay_port: int | None) -> Endpoint:
+                  kv_event_port: int | None, replay_port: int | None, kv_ranks: object = 1) -> Endpoint:
     try:
         host, port = split_host_port(address)
     except ValueError as e:
@@ -62,7 +79,8 @@ def make_endpoint(name: str | None, address: str, kv_events: str | None, replay:
         kv_events = zmq_tcp(host, kv_event_port)
     if replay is None and replay_port:
         replay = zmq_tcp(host, replay_port)
-    return Endpoint(name or address, address, kv_events or None, replay or None)
+    return Endpoint(name or address, address, kv_events or None, replay or None,
+                    kv_ranks=parse_kv_ranks(kv_ranks))
 
 
 def parse_flag(spec: str, *, kv_event_port: int | None, replay_port: int | None) -> list[Endpoint]:
@@ -76,12 +94,13 @@ def parse_flag(spec: str, *, kv_event_port: int | None, replay_port: int | None)
         opts: dict[str, str] = {}
         for p in parts[1:]:
             k, sep, v = p.partition("=")
-            if not sep or k not in ("kv", "replay"):
+            if not sep or k not in ("kv", "replay", "kv_ranks"):
                 raise EndpointSpecError(f"bad endpoint option {clip(p, 60)} in {clip(item, 120)} "
-                                        "(use kv=... or replay=...)")
+                                        "(use kv=, replay= or kv_ranks=)")
             opts[k] = v
         out.append(make_endpoint(name or None, address, opts.get("kv"), opts.get("replay"),
-                                 kv_event_port=kv_event_port, replay_port=replay_port))
+                                 kv_event_port=kv_event_port, replay_port=replay_port,
+                                 kv_ranks=opts.get("kv_ranks", 1)))
     return out
 
 
@@ -108,7 +127,8 @@ def parse_document(doc: Any, *, kv_event_port: int | None, replay_port: int | No
         if not isinstance(item, dict) or not isinstance(item.get("address"), str):
             raise EndpointSpecError(f"endpoint #{i} needs an `address: ip:port`")
         out.append(make_endpoint(item.get("name"), item["address"], item.get("kv_events"), item.get("replay"),
-                                 kv_event_port=kv_event_port, replay_port=replay_port))
+                                 kv_event_port=kv_event_port, replay_port=replay_port,
+                                 kv_ranks=item.get("kv_ranks", 1)))
     return out
 
 

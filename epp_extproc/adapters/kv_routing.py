@@ -1,8 +1,10 @@
 """The picker's KV view: one KvIndex fed by one ZMQ subscriber per discovered worker.
 
-Endpoint changes open and close subscribers (and drop a departed worker's entries); each new worker's live
-block size is asked from its /server_info so the index hashes prompts the way that worker does even before its
-first event. Workers are keyed by their routable address, the same string the picker names to Envoy.
+Endpoint changes open and close subscribers (one per KV-event endpoint: a data-parallel worker has one per
+rank, all under the worker's id; its overlap is the best over its ranks) and drop a departed worker's entries.
+Each new worker is asked its block size and its LoRA adapters (adapters/server_info.py), so the index hashes
+prompts the way that worker does even before its first event. Workers are keyed by their routable address, the
+same string the picker names to Envoy.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from epp_extproc.adapters.render_client import fetch_block_size
+from epp_extproc.adapters.server_info import fetch_block_size, fetch_served_adapters
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from kvindex.hashing import chain_hashes, pack_tokens, root_seed
 from kvindex.index import KvIndex
-from kvindex.subscriber import SubscriberManager
+from kvindex.subscriber import KvSource, SubscriberManager
 
 log = logging.getLogger(__name__)
 
@@ -28,15 +30,17 @@ class Prompt:
     """A rendered prompt, packed once, with its chained block hashes per block size computed at most once.
 
     The TensorRT-LLM rule applies: the last prompt token is never part of a reusable block, so the hashes
-    cover `tokens[:-1]`.
+    cover `tokens[:-1]`. `lora` is the LoRA adapter the request targets (see `KvRouting.adapter_for`): the
+    engines hash an adapter's blocks with its name, so the chain is seeded with it like the events' chains.
     """
 
-    __slots__ = ("packed", "salt", "_hashes", "_seed")
+    __slots__ = ("packed", "salt", "lora", "_hashes", "_seed")
 
-    def __init__(self, tokens: Sequence[int], salt: str | None) -> None:
+    def __init__(self, tokens: Sequence[int], salt: str | None, lora: str | None = None) -> None:
         self.packed = pack_tokens(tokens)
         self.salt = salt
-        self._seed = root_seed(None, salt)
+        self.lora = lora or None
+        self._seed = root_seed(self.lora, salt)
         self._hashes: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
@@ -55,10 +59,12 @@ class KvRouting:
                  prediction_ttl_s: float, metrics_registry: CollectorRegistry | None,
                  ask_server_info: bool = True) -> None:
         self.index = KvIndex(block_size, max_blocks_per_worker, metrics_registry)
-        self.subscribers = SubscriberManager(self.index, topic=topic)
+        self.subscribers = SubscriberManager(self.index, topic=topic, is_healthy=registry.healthy,
+                                             registry=metrics_registry)
         self.prediction_ttl_s = prediction_ttl_s
         self.ask_server_info = ask_server_info
         self._registry = registry
+        self._adapters: dict[str, set[str]] = {}  # address -> LoRA adapters it serves
         self._tasks: set[asyncio.Task[None]] = set()
         self._lock = asyncio.Lock()
         registry.subscribe(self._on_change)
@@ -76,22 +82,48 @@ class KvRouting:
             for ep in removed:
                 await self.subscribers.remove(ep.address)
                 self.index.drop_worker(ep.address)
+                self._adapters.pop(ep.address, None)
             for ep in added:
                 self.index.add_worker(ep.address)
-                if ep.kv_events:
-                    await self.subscribers.add(ep.address, ep.kv_events, ep.replay)
+                if ep.kv_endpoints:
+                    await self.subscribers.add(ep.address, [KvSource(pub, replay, rank)
+                                                            for rank, pub, replay in ep.kv_endpoints])
                 else:
                     log.warning("endpoint %s (%s) has no KV-event endpoint: it gets load-based routing only",
                                 ep.name, ep.address)
                 if self.ask_server_info:
-                    self._spawn(self._learn_block_size(ep.address))
+                    self._spawn(self._learn(ep.address))
 
-    async def _learn_block_size(self, address: str) -> None:
+    async def _learn(self, address: str) -> None:
+        """Block size and adapters from the worker itself; silence (404 everywhere) is normal, not a warning:
+        the block size is then learned from the worker's first event."""
         n = await fetch_block_size(address)
-        if n is not None and address in self._registry and n != self.index.block_size(address):
-            log.info("worker %s reports tokens_per_block=%d (configured default %d)", address, n,
+        if address not in self._registry:
+            return
+        if n is None:
+            log.debug("worker %s does not say its block size over HTTP: learning it from its events", address)
+        elif n != self.index.block_size(address):
+            log.info("worker %s reports %d tokens per KV block (configured default %d)", address, n,
                      self.index.default_block_size)
+        if n is not None:
             self.index.set_block_size(address, n)
+        adapters = await fetch_served_adapters(address)
+        if adapters and address in self._registry:
+            log.info("worker %s serves LoRA adapters %s", address, sorted(adapters))
+            self._adapters[address] = adapters
+
+    def adapter_for(self, model: object, address: str | None = None) -> str | None:
+        """The LoRA adapter a request targets: its `model` field when it names an adapter a worker serves (the
+        one at `address`, or any), as vLLM and TensorRT-LLM select adapters; None for the base model."""
+        if not isinstance(model, str) or not model:
+            return None
+        if address is not None:
+            return model if model in self._adapters.get(address, ()) else None
+        return model if any(model in a for a in self._adapters.values()) else None
+
+    def set_adapters(self, address: str, adapters: Sequence[str]) -> None:
+        """Declare the adapters a worker serves (tests, or a caller that knows them better than /v1/models)."""
+        self._adapters[address] = set(adapters)
 
     def resync(self, address: str) -> None:
         """The worker at `address` died: forget its blocks, rebuild from its events when it is back."""
@@ -102,14 +134,17 @@ class KvRouting:
     def block_size(self, address: str) -> int:
         return self.index.block_size(address)
 
-    def prompt(self, tokens: Sequence[int], salt: str | None) -> Prompt:
-        return Prompt(tokens, salt)
+    def prompt(self, tokens: Sequence[int], salt: str | None, *, model: object = None) -> Prompt:
+        """The request's prompt as the engines hash it: with its salt and, when `model` names a LoRA adapter
+        a worker serves, with that adapter (see `adapter_for`)."""
+        return Prompt(tokens, salt, self.adapter_for(model))
 
     def overlap(self, prompt: Prompt, workers: Sequence[str]) -> dict[str, int]:
         sizes = self.index.block_sizes()
         if len(sizes) == 1:  # the usual pool: hash once, reuse the hashes for the prediction
             return self.index.overlap_hashes(prompt.hashes(sizes[0]), sizes[0], workers)
-        return self.index.overlap(prompt.packed, workers=workers, salt=prompt.salt, exclude_last_token=True)
+        return self.index.overlap(prompt.packed, workers=workers, lora_name=prompt.lora, salt=prompt.salt,
+                                  exclude_last_token=True)
 
     def predict(self, address: str, prompt: Prompt) -> None:
         if self.prediction_ttl_s > 0:
@@ -117,7 +152,16 @@ class KvRouting:
                                       self.prediction_ttl_s)
 
     def snapshot(self) -> dict[str, Any]:
-        return self.index.snapshot()
+        """The index's per-worker state with each worker's subscriber counters merged in (`/debug/kv`)."""
+        snap = self.index.snapshot()
+        for wid, d in self.subscribers.stats_snapshot().items():
+            w = snap["workers"].get(wid)
+            if w is not None:
+                w.update(d)
+        for wid, adapters in self._adapters.items():
+            if wid in snap["workers"]:
+                snap["workers"][wid]["lora_adapters"] = sorted(adapters)
+        return snap
 
     async def close(self) -> None:
         for t in list(self._tasks):

@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 TOKEN_FIELD = {"trtllm-render": "token_ids", "vllm-render": "token_ids", "sglang-renderer": "input_ids"}
 CHAT_PATH = "/v1/chat/completions/render"
 COMPLETIONS_PATH = "/v1/completions/render"
-SERVER_INFO_MAX_BYTES = 1024 * 1024
 
 
 def _clip(text: str, limit: int = 200) -> str:
@@ -175,25 +174,6 @@ class RenderClient:
                 out.prompts.append(more)
                 _merge_facts(out, _facts(obj, more))
         return out
-
-
-async def fetch_block_size(address: str, timeout_s: float = 2.0) -> int | None:
-    """A worker's live tokens_per_block from its /server_info, or None when it does not say."""
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s, \
-                s.get(f"http://{address}/server_info", allow_redirects=False) as r:
-            if r.status != 200:
-                return None
-            raw = bytearray()
-            async for chunk in r.content.iter_chunked(65536):
-                raw += chunk
-                if len(raw) > SERVER_INFO_MAX_BYTES:  # a worker is not trusted with our memory
-                    return None
-            doc = orjson.loads(raw)
-    except (aiohttp.ClientError, TimeoutError, ValueError):
-        return None
-    n = doc.get("tokens_per_block") if isinstance(doc, dict) else None
-    return n if isinstance(n, int) and n > 0 else None
 
 
 def _facts(obj: dict[str, Any], ids: list[int]) -> Rendered:

@@ -23,9 +23,21 @@ class Endpoint:
 
     name: str
     address: str
-    kv_events: str | None = None  # ZMQ PUB endpoint, e.g. tcp://10.0.0.5:5557
-    replay: str | None = None  # ZMQ ROUTER replay endpoint
+    kv_events: str | None = None  # ZMQ PUB endpoint, e.g. tcp://10.0.0.5:5557 (rank 0's with kv_ranks > 1)
+    replay: str | None = None  # ZMQ ROUTER replay endpoint (rank 0's with kv_ranks > 1)
     labels: tuple[tuple[str, str], ...] = ()
+    kv_ranks: int = 1  # data-parallel ranks: rank r publishes on kv_events' port + r (replay port + r)
+
+    @property
+    def kv_endpoints(self) -> tuple[tuple[int | None, str, str | None], ...]:
+        """(rank, PUB endpoint, replay endpoint) per KV-event stream of this worker; rank None for a single
+        stream.  TensorRT-LLM attention-DP, vLLM and SGLang bind rank r at base port + r (both sockets)."""
+        if not self.kv_events:
+            return ()
+        if self.kv_ranks <= 1:
+            return ((None, self.kv_events, self.replay),)
+        return tuple((r, offset_port(self.kv_events, r), offset_port(self.replay, r) if self.replay else None)
+                     for r in range(self.kv_ranks))
 
     @property
     def host(self) -> str:
@@ -75,6 +87,14 @@ def split_host_port(address: str) -> tuple[str, int]:
 
 def format_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def offset_port(endpoint: str, n: int) -> str:
+    """`tcp://host:port` with the port moved by `n` (the engines' per-rank rule); other schemes unchanged."""
+    base, sep, port = endpoint.rpartition(":")
+    if not endpoint.startswith("tcp://") or not sep or not port.isdigit():
+        return endpoint
+    return f"{base}:{int(port) + n}"
 
 
 def zmq_tcp(host: str, port: int) -> str:

@@ -48,7 +48,7 @@ class PromptView(Protocol):
 class KvView(Protocol):
     """What the decision needs from the KV index (adapters/kv_routing.KvRouting)."""
 
-    def prompt(self, tokens: Sequence[int], salt: str | None) -> PromptView: ...
+    def prompt(self, tokens: Sequence[int], salt: str | None, *, model: object = None) -> PromptView: ...
     def block_size(self, address: str) -> int: ...
     def overlap(self, prompt: Any, workers: Sequence[str]) -> dict[str, int]: ...
     def predict(self, address: str, prompt: Any) -> None: ...
@@ -79,6 +79,7 @@ class Plan:
     inject: dict[str, Any] = field(default_factory=dict)
     est_tokens: int = 0
     salted_load_only: bool = False
+    model: object = None  # the body's `model`: a LoRA adapter a worker serves is hashed into its blocks
     kind: str | None = None  # "chat" | "completion" when the renderer was (to be) asked
     rendered: Rendered | None = None  # the render answer (None: not rendered, or the render failed)
 
@@ -144,7 +145,8 @@ class Pipeline:
             raise PickError(Problem.BAD_REQUEST, str(e)) from None
 
     async def plan(self, ctx: RequestContext, parsed: ParsedBody | None, *, count: bool = True) -> Plan:
-        plan = Plan(est_tokens=len(ctx.body or b"") // BYTES_PER_TOKEN_ESTIMATE)
+        plan = Plan(est_tokens=len(ctx.body or b"") // BYTES_PER_TOKEN_ESTIMATE,
+                    model=parsed.values.get("model") if parsed is not None else None)
         kind = render_kind(ctx.path)
         if self.renderer is None or parsed is None or kind is None:
             return plan
@@ -174,7 +176,7 @@ class Pipeline:
             self._render_failed(e, ctx)
             return plan
         if self.kv is not None:
-            plan.prompt = self.kv.prompt(plan.tokens, plan.hash_salt)
+            plan.prompt = self.kv.prompt(plan.tokens, plan.hash_salt, model=plan.model)
         return plan
 
     def _render_failed(self, e: RenderError, ctx: RequestContext) -> None:
@@ -189,7 +191,7 @@ class Pipeline:
         if plan.tokens is None or self.kv is None:
             return cands
         if plan.prompt is None:
-            plan.prompt = self.kv.prompt(plan.tokens, plan.hash_salt)
+            plan.prompt = self.kv.prompt(plan.tokens, plan.hash_salt, model=plan.model)
         overlaps = self.kv.overlap(plan.prompt, addresses)
         n = len(plan.tokens)
         for c in cands:

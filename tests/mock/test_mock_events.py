@@ -19,7 +19,7 @@ from tests.mock.test_mock_support import (
     running_worker,
     subscribed,
 )
-from tests.netutil import free_port
+from tests.netutil import free_base_port, free_port
 
 TPB = 4
 HB = 0.02  # heartbeat used only to know when the SUB is connected
@@ -225,7 +225,8 @@ async def test_replay_from_beyond_the_newest_seq_returns_only_the_end_marker():
 
 
 async def test_heartbeat_is_an_empty_events_batch_carrying_the_rank():
-    async with running_worker(heartbeat_interval=HB, dp_rank=3) as w:
+    base = free_base_port((0, 3))  # rank 3 binds the base port + 3
+    async with running_worker(heartbeat_interval=HB, dp_rank=3, kv_events_endpoint=f"tcp://127.0.0.1:{base}") as w:
         async with subscribed(w) as sub:
             batch = await sub.synced()
     assert batch.events == [] and batch.rank == 3 and isinstance(batch.ts, float)
@@ -291,3 +292,85 @@ async def test_both_encodings_decode_to_the_same_events(encoding):
         cache = await cache_view(s, w.url)
     chain = sorted(cache["blocks"], key=lambda b: b["position"])
     assert [h & U64 for h in batch.events[0]["block_hashes"]] == [b["engine_hash"] for b in chain]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Other engines' publisher behaviours (event_dialect and friends), checked on the bytes with plain msgpack.
+
+END = b"\xff" * 8
+
+
+async def replay_raw(endpoint: str, start: int = 0, timeout: float = 2.0) -> tuple[list[list[bytes]], bool]:
+    """Every reply to one replay request but the end marker, and whether the end marker came."""
+    answers = await replay(endpoint, start, timeout, partial=True)
+    ended = bool(answers) and answers[-1][-2] == END and answers[-1][-1] == b""
+    return (answers[:-1] if ended else answers), ended
+
+
+def replayed_events(replies: list[list[bytes]]) -> list:
+    evs = []
+    for frames in replies:
+        env = msgpack.unpackb(frames[-1], raw=False)
+        evs.extend(env["events"] if isinstance(env, dict) else env[1])
+    return evs
+
+
+async def dialect_worker(dialect: str, **kw):
+    return replay_worker(tokens_per_block=TPB, event_dialect=dialect, **kw)
+
+
+async def test_vllm_dialect_puts_the_salt_in_the_first_blocks_extra_keys_in_a_map_envelope():
+    async with await dialect_worker("vllm") as w, aiohttp.ClientSession() as s:
+        await infer(s, w.url, ids(2 * TPB + 1), cache_salt="tenant-a")
+        replies, ended = await replay_raw(w.replay_endpoint)
+    assert ended and len(replies[0]) == 4  # [b"", topic, seq, payload]: vLLM 0.32+ replays carry the topic
+    env = msgpack.unpackb(replies[0][-1], raw=False)
+    (ev,) = env["events"]
+    assert set(env) == {"ts", "events", "data_parallel_rank"}
+    assert ev["type"] == "BlockStored" and ev["extra_keys"] == [["tenant-a"], None]
+    assert "_salt" not in ev and "_tail" not in ev
+
+
+async def test_vllm_array_dialect_sends_positional_events_and_three_frame_replays():
+    async with await dialect_worker("vllm-array") as w, aiohttp.ClientSession() as s:
+        await infer(s, w.url, ids(TPB + 1), cache_salt="t")
+        replies, ended = await replay_raw(w.replay_endpoint)
+    assert ended and len(replies[0]) == 3  # [b"", seq, payload]
+    (ev,) = replayed_events(replies)
+    tag, hashes, parent, tokens, bs, lora_id, medium, lora_name, extra = ev
+    assert (tag, parent, tokens, bs, medium, extra) == ("BlockStored", None, ids(TPB), TPB, "GPU", [["t"]])
+
+
+async def test_sglang_dialect_sends_a_typed_cache_salt_and_bigram_pages():
+    async with await dialect_worker("sglang", bigram_pages=True) as w, aiohttp.ClientSession() as s:
+        await infer(s, w.url, ids(TPB + 1), cache_salt="t")
+        replies, ended = await replay_raw(w.replay_endpoint)
+    assert ended and len(replies[0]) == 3
+    (ev,) = replayed_events(replies)
+    assert ev["cache_salt"] == "t" and "lora_name" not in ev
+    assert ev["token_ids"] == [[t, t + 1] for t in ids(TPB)][:-1] + [[ids(TPB)[-1], 0]]
+
+
+async def test_tail_blocks_are_published_in_their_own_block_size_under_the_last_full_block():
+    async with replay_worker(tokens_per_block=TPB, tail_block_size=2) as w, aiohttp.ClientSession() as s:
+        await infer(s, w.url, ids(TPB + 3))
+        replies, _ = await replay_raw(w.replay_endpoint)
+    main, tail = replayed_events(replies)
+    assert tail["block_size"] == 2 and tail["parent_block_hash"] == main["block_hashes"][-1]
+    assert tail["token_ids"] == ids(TPB + 3)[TPB : TPB + 2]
+
+
+async def test_dp_rank_binds_the_base_ports_plus_the_rank():
+    base = free_base_port((0, 2))
+    async with running_worker(kv_events_endpoint=f"tcp://127.0.0.1:{base}", dp_rank=2) as w:
+        assert w.kv_events_endpoint == f"tcp://127.0.0.1:{base + 2}"
+
+
+async def test_a_small_replay_send_hwm_drops_frames_of_a_large_replay_like_the_engines():
+    async with replay_worker(tokens_per_block=TPB, replay_hwm=2, num_blocks=100_000) as w, \
+            aiohttp.ClientSession() as s:
+        for i in range(300):
+            await infer(s, w.url, ids(TPB + 1, start=1000 + 10 * i))
+        replies, ended = await replay_raw(w.replay_endpoint, timeout=0.5)
+    seqs = [int.from_bytes(r[-2], "big") for r in replies]
+    assert len(seqs) < 300 and seqs == sorted(seqs)  # lost frames, never reordered

@@ -99,8 +99,10 @@ async def subscribed(worker: MockWorker, topic: bytes = b"") -> AsyncIterator[Su
         sub.close()
 
 
-async def replay(endpoint: str, start_seq: int) -> list[list[bytes]]:
-    """Ask a replay ROUTER from a DEALER; returns every answer up to and including the end marker."""
+async def replay(endpoint: str, start_seq: int, timeout: float = 5.0, *, partial: bool = False) -> list[list[bytes]]:
+    """Ask a replay ROUTER from a DEALER; returns every answer up to and including the end marker
+    (``[b"", b"", ff*8, b""]`` or, without a topic frame, ``[b"", ff*8, b""]``).  ``partial``: a reply that
+    stops without the end marker returns what came instead of raising TimeoutError."""
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -109,9 +111,14 @@ async def replay(endpoint: str, start_seq: int) -> list[list[bytes]]:
     try:
         await sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
         while True:
-            frames = await asyncio.wait_for(sock.recv_multipart(), 5.0)
+            try:
+                frames = await asyncio.wait_for(sock.recv_multipart(), timeout)
+            except TimeoutError:
+                if partial:
+                    return answers
+                raise
             answers.append(frames)
-            if frames[2] == b"\xff" * 8:
+            if frames[-2] == b"\xff" * 8 and frames[-1] == b"":
                 return answers
     finally:
         sock.close(linger=0)

@@ -7,6 +7,7 @@ import struct
 import msgpack
 import pytest
 
+from bench.kvwire import cleared_event, pack_all_int64, pack_batch, removed_event, stored_event
 from kvindex.decode import (
     REPLAY_END_SEQ,
     decode_payload,
@@ -14,7 +15,6 @@ from kvindex.decode import (
     split_live_frames,
     split_replay_frames,
 )
-from kvindex.encode import cleared_event, pack_all_int64, pack_batch, removed_event, stored_event
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 TOKS = list(range(1, 9))  # two blocks of 4
@@ -212,3 +212,93 @@ def test_vllm_replay_reply_without_topic_is_parsed():
 )
 def test_replay_end_marker_is_recognised(frames):
     assert split_replay_frames(frames) == (REPLAY_END_SEQ, b"")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The engines' identity fields (issue 12): salts, LoRA, bigram pages, newer keys.
+
+def _one(ev: dict | list) -> BlockStored:
+    batch = decode_payload(pack_batch([ev]))
+    assert batch.counters.garbage_events == 0 and batch.counters.skipped == 0, batch.counters
+    (out,) = batch.events
+    assert isinstance(out, BlockStored)
+    return out
+
+
+def test_vllm_salt_in_the_first_blocks_extra_keys_seeds_the_chain():
+    ev = _one(stored_event([1, 2], None, TOKS, 4, extra_keys=[["tenant-a"], None]))
+    assert (ev.salt, ev.lora_name) == ("tenant-a", None)
+
+
+def test_vllm_typed_cache_salt_key_seeds_the_chain():
+    ev = _one(stored_event([1, 2], None, TOKS, 4, extra_keys=[[{"type": "cache_salt", "salt": "t"}], None]))
+    assert ev.salt == "t"
+
+
+def test_sglang_typed_cache_salt_field_seeds_the_chain():
+    assert _one(stored_event([1, 2], None, TOKS, 4, cache_salt="tenant-a")).salt == "tenant-a"
+
+
+def test_salt_only_seeds_a_chain_that_starts_at_the_root():
+    assert _one(stored_event([3], 2, TOKS[:4], 4, cache_salt="tenant-a")).salt is None
+
+
+def test_vllm_lora_name_on_every_block_is_the_chains_adapter():
+    ev = _one(stored_event([1, 2], None, TOKS, 4, lora_id=7, lora_name=None, extra_keys=[["ad"], ["ad"]]))
+    assert (ev.lora_name, ev.salt) == ("ad", None)
+
+
+def test_vllm_lora_and_salt_on_the_first_block_in_engine_order():
+    ev = _one(stored_event([1, 2], None, TOKS, 4, lora_id=7, lora_name="ad", extra_keys=[["ad", "t"], ["ad"]]))
+    assert (ev.lora_name, ev.salt) == ("ad", "t")
+
+
+def test_lora_block_whose_adapter_name_is_unknown_is_skipped_not_indexed_as_the_base_model():
+    batch = decode_payload(pack_batch([stored_event([1, 2], None, TOKS, 4, lora_id=7)]))
+    assert batch.events == [] and batch.counters.skipped_extra_keys == 1
+
+
+@pytest.mark.parametrize("keys", [[[["img", 0]], None], [[b"\x01" * 32], None], [[{"type": "mm", "hash": "h"}], None]])
+def test_multimodal_and_prompt_embedding_extra_keys_are_skipped(keys):
+    batch = decode_payload(pack_batch([stored_event([1, 2], None, TOKS, 4, extra_keys=keys)]))
+    assert batch.events == [] and batch.counters.skipped_extra_keys == 1
+
+
+def test_sglang_bigram_pages_decode_to_their_first_tokens():
+    pairs = [[t, t + 1] for t in TOKS]
+    ev = _one(stored_event([1, 2], None, pairs, 4))
+    assert list(ev.token_ids) == TOKS
+
+
+def test_newer_vllm_and_sglang_keys_are_known_not_counted_unknown():
+    ev = stored_event([1, 2], None, TOKS, 4, ownership="o", session_id="s", kv_cache_spec_kind="full_attention",
+                      event_version=1, locality="LOCAL")
+    batch = decode_payload(pack_batch([ev, removed_event([1], ownership="o", locality="LOCAL")]))
+    assert len(batch.events) == 2 and batch.counters.unknown_keys == 0
+
+
+def test_positional_and_map_events_decode_through_one_field_order():
+    from kvindex.decode import STORED_FIELDS
+
+    m = stored_event([1, 2], None, TOKS, 4, lora_id=7, lora_name="ad", extra_keys=[["ad", "t"], ["ad"]],
+                     group_idx=0)
+    arr = ["BlockStored", *(m.get(f) for f in STORED_FIELDS)]
+    assert _one(arr) == _one(m)
+
+
+def test_a_batch_over_the_event_budget_is_refused_before_any_per_event_work():
+    from kvindex.decode import TOO_MANY_EVENTS
+
+    batch = decode_payload(pack_batch([removed_event([i]) for i in range(11)]), max_events=10)
+    assert batch.garbage and batch.reason == TOO_MANY_EVENTS and batch.raw_event_count == 11
+    assert batch.counters.garbage_events == 0 and batch.events == []
+
+
+@pytest.mark.parametrize("n", [0, 3, 15, 16, 70_000])
+@pytest.mark.parametrize("all_int64", [False, True])
+def test_event_count_is_read_from_the_headers_alone(n, all_int64):
+    from kvindex.decode import peek_event_count
+
+    payload = pack_batch([cleared_event()] * n, all_int64=all_int64)
+    assert peek_event_count(payload) == n
+    assert peek_event_count(pack_batch([cleared_event()] * n, envelope="map")) is None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from bench.kvwire import pack_batch, stored_event
 from kvindex.decode import decode_payload
-from kvindex.encode import pack_batch, stored_event
 from kvindex.index import KvIndex
 
 

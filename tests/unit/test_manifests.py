@@ -496,12 +496,15 @@ OBSERVABILITY = MANIFESTS / "observability"
 
 
 def exported_sample_names() -> set[str]:
-    """Every sample name the picker's /metrics can carry (picker metrics + the KV index collector)."""
+    """Every sample name the picker's /metrics can carry (picker metrics + the KV index and subscriber
+    collectors, as KvRouting registers them)."""
     from epp_extproc.metrics import PickerMetrics
     from kvindex.index import KvIndex
+    from kvindex.metrics import register_subscribers
 
     metrics = PickerMetrics()
     KvIndex(registry=metrics.registry)
+    register_subscribers(dict, metrics.registry)
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     return {f.name + s for f in metrics.registry.collect() for s in suffixes[f.type]}
 

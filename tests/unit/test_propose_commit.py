@@ -36,9 +36,11 @@ class FakeRenderer:
 class FakeKv:
     def __init__(self) -> None:
         self.predicted: list[str] = []
+        self.models: list[object] = []
         self.fail_overlap = False
 
-    def prompt(self, tokens: Sequence[int], salt: str | None) -> list[int]:
+    def prompt(self, tokens: Sequence[int], salt: str | None, *, model: object = None) -> list[int]:
+        self.models.append(model)
         return list(tokens)
 
     def block_size(self, address: str) -> int:
@@ -143,3 +145,9 @@ async def test_the_route_follows_from_whether_the_prompt_is_known() -> None:
     assert (await pipe.propose(chat(b'{"messages":[]}'))).plan.route == "kv"
     r.fail = RenderError(RenderFailure.UNAVAILABLE, "down")
     assert (await pipe.propose(chat(b'{"messages":[]}'))).plan.route == "load"
+
+
+async def test_the_prompt_is_hashed_for_the_model_the_request_names_so_lora_blocks_can_match() -> None:
+    pipe, _, kv = make()
+    await pipe.propose(chat(b'{"model":"tenant-lora","messages":[]}'))
+    assert kv.models == ["tenant-lora"]

@@ -1,6 +1,8 @@
-"""Encoders for KV-event batches in the wire forms the decoder accepts.
+"""Encoders for KV-event batches in the wire forms the decoder accepts: test and benchmark publishers only.
 
-Used by tests, the benchmark and anything that needs to play a publisher (e.g. a mock worker).  The
+They live outside the runtime package (the picker only ever decodes).  ``trtllm_mock`` has its own int64
+packer on purpose: the mock is the engine double the picker is tested against, so it must not share code with
+the picker's side of the wire, or one shared bug would make both agree and every test pass.  The
 all-int64 form is written by hand, byte by byte, because that is exactly what the TensorRT-LLM C++
 serializer does (every integer as msgpack int64 ``0xd3``, floats as float64 ``0xcb``) and no msgpack library
 produces it on its own.
