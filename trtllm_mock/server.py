@@ -66,6 +66,9 @@ class _EngineCollector(Collector):
         )
         yield GaugeMetricFamily("trtllm_num_requests_running", "Requests running", e.running)
         yield GaugeMetricFamily(
+            "trtllm_max_num_active_requests", "Most requests the engine runs at once", cfg.max_batch_size
+        )
+        yield GaugeMetricFamily(
             "trtllm_kv_cache_utilization", "Fraction of KV blocks in use", e.cache.utilization
         )
         yield GaugeMetricFamily(
