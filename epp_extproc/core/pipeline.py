@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,7 @@ from epp_extproc.config import Config
 from epp_extproc.core.body import BodyError, ParsedBody, parse_object, rewrite
 from epp_extproc.core.cost import Candidate, CostParams, choose, eligible, loads_for
 from epp_extproc.core.endpoints import EndpointRegistry
+from epp_extproc.core.flow_control import Ticket
 from epp_extproc.core.load import Booking, LoadTracker
 from epp_extproc.core.request import Rejection, RequestContext
 from epp_extproc.core.salt import resolve_salt
@@ -63,6 +64,7 @@ class Pipeline:
         self.kv = kv
         self.params = CostParams(config.kv_overlap_score_credit, config.prefill_load_scale,
                                  config.router_temperature)
+        self.admission: Callable[[RequestContext], Awaitable[Ticket]] | None = None  # set by app.py
 
     # ---------------------------------------------------------------- steps
     def parse(self, ctx: RequestContext) -> ParsedBody | None:
@@ -148,6 +150,17 @@ class Pipeline:
         started = time.perf_counter()
         parsed = self.parse(ctx)
         self._eligible(ctx)  # fail fast, before any render call
+        if self.admission is None:
+            return await self._decide(ctx, parsed, started)
+        # flow control (core/flow_control.py): wait while the pool is saturated; the ticket is held until
+        # the booking is made so requests admitted together cannot overshoot the workers' headroom
+        ticket = await self.admission(ctx)
+        try:
+            return await self._decide(ctx, parsed, time.perf_counter())
+        finally:
+            ticket.release()
+
+    async def _decide(self, ctx: RequestContext, parsed: ParsedBody | None, started: float) -> Decision:
         plan = await self.plan(ctx, parsed)
         addresses = self._eligible(ctx)  # endpoints may have changed during the render call
         score_started = time.perf_counter()

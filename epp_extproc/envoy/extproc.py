@@ -98,7 +98,8 @@ def _immediate(rej: Rejection) -> pb.ProcessingResponse:
         status=http_status_pb2.HttpStatus(code=rej.status),
         body=(rej.message + "\n").encode(),
         headers=pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key="content-type", raw_value=b"text/plain; charset=utf-8"))]),
+            header=base_pb2.HeaderValue(key=k, raw_value=v.encode()))
+            for k, v in (("content-type", "text/plain; charset=utf-8"), *getattr(rej, "headers", ()))]),
         details=f"epp_{rej.outcome}"))
 
 
