@@ -84,8 +84,13 @@ class Saturated:
         wait_until(lambda: flow(stack)["workers"][stack.mocks[0].address]["saturated"], "the pool is saturated")
 
     def release(self) -> None:
+        """One at a time, each after the queue has moved: two slots freed together would dispatch two
+        requests at once, and their render calls may finish in either order before they reach the engine."""
         for s in self.socks:
+            n = queued(self.stack)
             s.close()
+            if n:
+                wait_until(lambda n=n: queued(self.stack) < n, "a queued request is dispatched")
         self.socks = []
 
     def __enter__(self) -> Saturated:
