@@ -138,7 +138,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--flow-control-max-queued-requests", "DYN_EPP_FLOW_CONTROL_MAX_QUEUED_REQUESTS", 512, int,
            "queue bound; when full, a request displaces the newest one of a lower band or gets 429"),
     Option("--queue-depth-threshold", "DYN_EPP_QUEUE_DEPTH_THRESHOLD", 5, int,
-           "a worker with this many requests waiting in its engine is saturated"),
+           "a worker with this many requests waiting in its engine (beyond a full batch) is saturated; 0 = "
+           "saturated as soon as its batch is full, so nothing queues where it cannot be reordered"),
     Option("--kv-cache-util-threshold", "DYN_EPP_KV_CACHE_UTIL_THRESHOLD", 0.8, float,
            "a worker with this fraction of its KV cache in use is saturated"),
     Option("--max-num-batched-tokens", "DYN_EPP_MAX_NUM_BATCHED_TOKENS", 0, int,
@@ -228,9 +229,9 @@ class Config:
         if not 0 < self.flow_control_queue_ttl_s < 600:
             raise ValueError("DYN_EPP_FLOW_CONTROL_QUEUE_TTL_S must be in (0, 600): the shipped Envoy configs "
                              "wait 600 s (message_timeout) for the picker's answer")
-        if self.flow_control_max_queued_requests <= 0 or self.queue_depth_threshold <= 0:
-            raise ValueError("DYN_EPP_FLOW_CONTROL_MAX_QUEUED_REQUESTS and DYN_EPP_QUEUE_DEPTH_THRESHOLD must be "
-                             "positive")
+        if self.flow_control_max_queued_requests <= 0 or self.queue_depth_threshold < 0:
+            raise ValueError("DYN_EPP_FLOW_CONTROL_MAX_QUEUED_REQUESTS must be positive and "
+                             "DYN_EPP_QUEUE_DEPTH_THRESHOLD >= 0")
         if not 0 < self.kv_cache_util_threshold <= 1:
             raise ValueError("DYN_EPP_KV_CACHE_UTIL_THRESHOLD must be in (0, 1]")
         if self.max_num_batched_tokens < 0:

@@ -65,6 +65,8 @@ class EchoUpstream:
 
     async def _handle(self, req: web.Request) -> web.StreamResponse:
         body = await req.read()
+        if req.method == "GET" and req.path == "/metrics":  # the picker's worker-metrics scraper, not traffic
+            return web.Response(status=404)
         self.seen.append(Seen(req.method, req.path_qs, dict(req.headers), body))
         hdrs = {"x-upstream-name": self.name}
         if req.path == "/sse":

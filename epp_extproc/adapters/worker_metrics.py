@@ -48,6 +48,7 @@ MAX_RUNNING = ("trtllm_max_num_active_requests",)
 _KIND = {**{n: "waiting" for n in WAITING}, **{n: "running" for n in RUNNING},
          **{n: "kv" for n in KV_UTIL}, **{n: "max_running" for n in MAX_RUNNING}}
 _PREFIXES = tuple(_KIND)
+MAX_BACKOFF_S = 5.0
 
 
 @dataclass(slots=True)
@@ -108,7 +109,7 @@ class WorkerMetricsScraper:
     were when the GET was sent), `EndpointLoad.unbooked_blocks` is set to the requests the engine reports
     beyond this picker's own bookings times the mean blocks of a booking, and `on_sample` runs (flow
     control dispatches). A failed or non-metrics answer zeroes the unbooked load and leaves the sample to
-    go stale.
+    go stale; a worker whose scrapes keep failing is retried with exponential backoff (up to 5 s).
     """
 
     def __init__(self, registry: EndpointRegistry, load: LoadTracker, detector: SaturationDetector, *,
@@ -128,6 +129,8 @@ class WorkerMetricsScraper:
         self._inflight: set[str] = set()  # one outstanding scrape per worker, whatever its latency
         self._mean_blocks = 1.0  # blocks of an average booking of this picker (weight of unbooked load)
         self._errors_logged: set[str] = set()
+        self._failures: dict[str, int] = {}
+        self._retry_at: dict[str, float] = {}  # failing workers are retried less often, up to MAX_BACKOFF_S
 
     async def run(self) -> None:
         conn = aiohttp.TCPConnector(limit=64, keepalive_timeout=30)
@@ -142,7 +145,13 @@ class WorkerMetricsScraper:
                 for address in list(self.detector.samples):
                     if address not in known:
                         self.detector.forget(address)
+                for gone in [a for a in self._failures if a not in known]:
+                    self._failures.pop(gone, None)
+                    self._retry_at.pop(gone, None)
+                now = time.monotonic()
                 for address in known - self._inflight:
+                    if self._retry_at.get(address, 0.0) > now:
+                        continue  # backing off a worker whose metrics keep failing
                     self._inflight.add(address)
                     t = asyncio.create_task(self._scrape(address))
                     tasks.add(t)
@@ -201,11 +210,16 @@ class WorkerMetricsScraper:
         elif unbooked > 0:
             self.load.loads().setdefault(address, EndpointLoad()).unbooked_blocks = unbooked
         self._errors_logged.discard(address)
+        self._failures.pop(address, None)
+        self._retry_at.pop(address, None)
         if self.on_sample is not None:
             self.on_sample()
         return True
 
     def _failed(self, address: str, why: str) -> bool:
+        n = self._failures[address] = self._failures.get(address, 0) + 1
+        if n >= 2:  # a worker without metrics (404, not an engine) costs one GET per MAX_BACKOFF_S
+            self._retry_at[address] = time.monotonic() + min(MAX_BACKOFF_S, self.interval_s * 2 ** (n - 1))
         ld = self.load.loads().get(address)
         if ld is not None:
             ld.unbooked_blocks = 0.0

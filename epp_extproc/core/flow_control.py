@@ -35,6 +35,7 @@ FAIRNESS_HEADERS = ("x-gateway-inference-fairness-id", "x-llm-d-inference-fairne
 DEFAULT_FLOW = "default-flow"  # GAIE's flow key when no fairness id is sent
 MAX_ID_CHARS = 128  # a client-chosen id longer than this is cut: ids are map keys and metric-free, but bounded
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
+MAX_SERVED_FLOWS = 1024
 
 # why a request was not dispatched (the header value is GAIE's; the key is our metric label)
 REASON_SATURATED = "rejected-saturated"  # sheddable while saturated, or queue full
@@ -133,7 +134,7 @@ def parse_objectives(doc: object) -> dict[str, int]:
 class Thresholds:
     """When one worker counts as saturated (any rule). 0 turns the booked-prefill-tokens rule off."""
 
-    queue_depth: int = 5  # requests waiting in the engine (GAIE's default queueDepthThreshold)
+    queue_depth: int = 5  # requests waiting in the engine (GAIE's default queueDepthThreshold); 0 = none
     kv_utilization: float = 0.8  # fraction of KV blocks in use (GAIE's default kvCacheUtilThreshold)
     prefill_tokens: int = 0  # prompt tokens this picker has booked in prefill on the worker
     staleness_s: float = 0.3  # an older sample is ignored (the worker is judged by bookings only)
@@ -225,13 +226,16 @@ class SaturationDetector:
         occupancy = max(0.0, s.waiting + s.running + since - freed)
         cap = self._max_running.get(address, 0.0)
         if cap > 0:
+            # saturated once `queue_depth` requests would wait behind a full batch (0 = as soon as the
+            # batch is full: nothing waits in the engine, where it could not be reordered)
             waiting = max(0.0, occupancy - cap)
-        else:  # nothing running ever seen: every new request counts as waiting until the next scrape
+            room = int(cap + th.queue_depth - occupancy)
+        else:  # batch size not known yet (nothing seen running): new requests count as waiting
             waiting = s.waiting + since
-        if waiting >= th.queue_depth:
+            room = int(max(th.queue_depth, 1) - waiting)
+        if room <= 0:
             return WorkerState(True, 0, waiting, "queue depth")
-        room = int(th.queue_depth - waiting) if cap <= 0 else int(cap + th.queue_depth - occupancy)
-        return WorkerState(False, max(1, room), waiting)
+        return WorkerState(False, room, waiting)
 
     def _mean_request_tokens(self, ld: EndpointLoad) -> float:
         return ld.prefill_blocks * self.block_size / ld.inflight if ld.inflight else float(self.block_size)
@@ -369,6 +373,9 @@ class FlowController:
         self._order: list[int] = []  # band priorities, highest first
         self.size = 0
         self.pending = 0  # admitted, not yet released (scoring / booking in progress)
+        # dispatches per (band, fairness id), for /debug/flow and the fairness benchmark; bounded: the
+        # oldest entry goes when a new flow would exceed the cap (ids are client-chosen)
+        self.served: dict[tuple[int, str], int] = {}
         self.closed = False
         self._saturated = False
 
@@ -470,6 +477,7 @@ class FlowController:
             item.future.set_result(None)
             granted += 1
             self.metrics.dispatched(item.key.priority, self.clock() - item.enqueued)
+            self._count_served(item.key)
             rooms = {k: v - 1 for k, v in rooms.items()}  # headroom is shared; recompute lazily per subset
         self._set_saturated(self.size > 0)
         return granted
@@ -484,6 +492,13 @@ class FlowController:
 
     def _eligible(self, subset: frozenset[str] | None) -> bool:
         return bool(self._addrs(subset))
+
+    def _count_served(self, key: FlowKey) -> None:
+        k = (key.priority, key.fairness_id)
+        n = self.served.pop(k, 0) + 1
+        if len(self.served) >= MAX_SERVED_FLOWS:
+            del self.served[next(iter(self.served))]
+        self.served[k] = n  # re-inserted: the dict stays ordered by last dispatch
 
     def _ticket_done(self) -> None:
         self.pending = max(0, self.pending - 1)
@@ -542,4 +557,6 @@ class FlowController:
     def snapshot(self) -> dict[str, object]:
         bands = {str(p): {"queued": b.size, "flows": {f: len(q) for f, q in b.flows.items()}}
                  for p, b in self._bands.items()}
-        return {"queued": self.size, "pending": self.pending, "saturated": self._saturated, "bands": bands}
+        served = [{"priority": p, "flow": f, "dispatched": n} for (p, f), n in self.served.items()]
+        return {"queued": self.size, "pending": self.pending, "saturated": self._saturated, "bands": bands,
+                "dispatched": served}

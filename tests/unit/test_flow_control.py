@@ -323,3 +323,29 @@ def test_objectives_file_accepts_a_map_a_list_and_crd_manifests() -> None:
     assert parse_objectives({"kind": "List", "items": [crd]}) == {"premium": 10}
     with pytest.raises(ValueError):
         parse_objectives({"a": "high"})
+
+
+def test_queue_depth_zero_saturates_as_soon_as_the_batch_is_full() -> None:
+    load, now = LoadTracker(), [100.0]
+    d = detector(Thresholds(queue_depth=0), load, now)
+    d.observe("w", WorkerSample(waiting=0, running=3, kv_utilization=0.1, at=100.0, max_running=4))
+    assert d.state("w").headroom == 1
+    load.book("w", 1)
+    assert d.state("w").saturated
+
+
+def test_unknown_batch_size_still_admits_one_request_per_scrape() -> None:
+    load, now = LoadTracker(), [100.0]
+    d = detector(Thresholds(queue_depth=0), load, now)
+    d.observe("w", WorkerSample(waiting=0, running=0, kv_utilization=0.0, at=100.0))  # idle, never seen busy
+    assert d.state("w").headroom == 1
+    load.book("w", 1)
+    assert d.state("w").saturated
+
+
+async def test_dispatches_are_counted_per_flow_and_bounded() -> None:
+    fc = controller(Room(10_000), max_queued=10_000)
+    for i in range(1030):
+        (await fc.admit(key(0, f"f{i}"))).release()
+    (await fc.admit(key(0, "f1029"))).release()
+    assert len(fc.served) <= 1024 and fc.served[(0, "f1029")] == 2 and (0, "f0") not in fc.served
