@@ -72,7 +72,7 @@ class Workload:
                 "--decode-ms-per-token", str(self.decode_ms), "--num-blocks", "16384"]
 
 
-QUICK = Workload(seconds=6.0, drain_s=20.0)
+QUICK = Workload(seconds=3.0, drain_s=15.0)
 
 
 @dataclass
