@@ -105,8 +105,8 @@ def parse_gauges(text: str) -> EngineGauges:
 class WorkerMetricsScraper:
     """Polls every known endpoint's metrics path and feeds the saturation detector and the cost.
 
-    After each scrape: the detector gets a `WorkerSample` (with this picker's booking counters as they
-    were when the GET was sent), `EndpointLoad.unbooked_blocks` is set to the requests the engine reports
+    After each scrape: the detector gets a `WorkerSample` (with this picker's bookings on the worker as
+    they were when the GET was sent), `EndpointLoad.unbooked_blocks` is set to the requests the engine reports
     beyond this picker's own bookings times the mean blocks of a booking, and `on_sample` runs (flow
     control dispatches). A failed or non-metrics answer zeroes the unbooked load and leaves the sample to
     go stale; a worker whose scrapes keep failing is retried with exponential backoff (up to 5 s).
@@ -184,7 +184,7 @@ class WorkerMetricsScraper:
         """One scrape of one worker; True when it produced a sample."""
         assert self._session is not None
         ld = self.load.load(address)
-        booked, freed, inflight = ld.booked_total, ld.freed_total, ld.inflight
+        inflight = ld.inflight
         sent = time.monotonic()
         try:
             async with self._session.get(f"http://{address}{self.path}") as r:
@@ -200,8 +200,8 @@ class WorkerMetricsScraper:
             return self._failed(address, "no known engine gauge in the answer")
         if address not in self.registry:
             return False
-        sample = WorkerSample(g.waiting or 0.0, g.running or 0.0, g.kv_utilization, sent, booked, freed,
-                              inflight, g.max_running)
+        sample = WorkerSample(g.waiting or 0.0, g.running or 0.0, g.kv_utilization, sent, inflight,
+                              g.max_running)
         self.detector.observe(address, sample)
         live = self.load.loads().get(address)
         unbooked = self.detector.unbooked_requests(address) * self._mean_blocks

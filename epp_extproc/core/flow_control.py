@@ -148,9 +148,7 @@ class WorkerSample:
     running: float
     kv_utilization: float | None
     at: float  # monotonic time the scrape was sent
-    booked_total: int = 0  # EndpointLoad.booked_total when the scrape was sent
-    freed_total: int = 0
-    booked_inflight: int = 0  # this picker's requests on the worker at that moment
+    booked_inflight: int = 0  # this picker's requests on the worker when the scrape was sent
     max_running: float | None = None  # the engine's batch capacity if it exports one
 
 
@@ -167,10 +165,11 @@ class WorkerState:
 class SaturationDetector:
     """Per-worker and pool saturation from scraped engine gauges corrected by bookings since the scrape.
 
-    A scrape is a snapshot up to one interval old. Between scrapes the picker knows exactly what it did
-    itself: `booked` requests sent to the worker since the scrape was sent and `freed` ones that finished.
-    The engine's occupancy is estimated as `waiting + running + booked - freed`; whatever exceeds its
-    batch capacity waits in the engine. The capacity is the engine's own gauge when it exports one
+    A scrape is a snapshot up to one interval old, and it cannot see requests still on their way to the
+    engine. What this picker sent itself it knows exactly and at once: its bookings on the worker, made at
+    pick time and freed when the response ends. So the engine's occupancy is estimated as this picker's
+    bookings now plus the requests the last scrape showed beyond this picker's bookings at that time (other
+    gateways, replicas, direct clients); whatever exceeds the batch capacity waits in the engine. The capacity is the engine's own gauge when it exports one
     (trtllm `trtllm_max_num_active_requests`), else the largest `running` ever seen (exact once the
     engine has had a queue). A worker is saturated when that estimated queue reaches `queue_depth`, its KV
     utilisation reaches `kv_utilization`, or (when set) the prompt tokens this picker booked in prefill on
@@ -221,17 +220,18 @@ class SaturationDetector:
             return WorkerState(False, room, None, "no fresh metrics")
         if s.kv_utilization is not None and s.kv_utilization >= th.kv_utilization:
             return WorkerState(True, 0, None, "kv utilization")
-        since = max(0, ld.booked_total - s.booked_total) if ld.booked_total >= s.booked_total else 0
-        freed = max(0, ld.freed_total - s.freed_total) if ld.freed_total >= s.freed_total else 0
-        occupancy = max(0.0, s.waiting + s.running + since - freed)
+        # this picker's own requests are known exactly and at once (booked at pick, freed at stream end);
+        # the scrape adds only what others sent, as of its last answer
+        others = max(0.0, s.waiting + s.running - s.booked_inflight)
+        occupancy = ld.inflight + others
         cap = self._max_running.get(address, 0.0)
         if cap > 0:
             # saturated once `queue_depth` requests would wait behind a full batch (0 = as soon as the
             # batch is full: nothing waits in the engine, where it could not be reordered)
             waiting = max(0.0, occupancy - cap)
             room = int(cap + th.queue_depth - occupancy)
-        else:  # batch size not known yet (nothing seen running): new requests count as waiting
-            waiting = s.waiting + since
+        else:  # batch size not known yet (nothing seen running): requests sent since count as waiting
+            waiting = s.waiting + max(0, ld.inflight - s.booked_inflight)
             room = int(max(th.queue_depth, 1) - waiting)
         if room <= 0:
             return WorkerState(True, 0, waiting, "queue depth")

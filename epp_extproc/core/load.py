@@ -25,8 +25,6 @@ class EndpointLoad:
     # load on the worker that this picker did not book (other gateways, replicas, direct clients), from
     # its scraped metrics (adapters/worker_metrics.py); priced like decode blocks in core/cost.py
     unbooked_blocks: float = 0.0
-    booked_total: int = 0  # monotonic counters: flow control compares them with the values at a scrape
-    freed_total: int = 0
 
 
 class Booking:
@@ -103,7 +101,6 @@ class LoadTracker:
     def _add(self, b: Booking, prefilling: bool) -> None:
         ld = self._loads.setdefault(b.address, EndpointLoad())
         ld.inflight += 1
-        ld.booked_total += 1
         if prefilling:
             ld.prefill_blocks += b.prefill_blocks
         ld.decode_blocks += b.decode_blocks
@@ -124,7 +121,6 @@ class LoadTracker:
             self._released()
             return
         ld.inflight -= 1
-        ld.freed_total += 1
         if prefilling:
             ld.prefill_blocks = max(0.0, ld.prefill_blocks - b.prefill_blocks)
         ld.decode_blocks = max(0.0, ld.decode_blocks - b.decode_blocks)

@@ -349,3 +349,12 @@ async def test_dispatches_are_counted_per_flow_and_bounded() -> None:
         (await fc.admit(key(0, f"f{i}"))).release()
     (await fc.admit(key(0, "f1029"))).release()
     assert len(fc.served) <= 1024 and fc.served[(0, "f1029")] == 2 and (0, "f0") not in fc.served
+
+
+def test_request_on_its_way_to_the_engine_still_counts() -> None:
+    load, now = LoadTracker(), [100.0]
+    d = detector(Thresholds(queue_depth=0), load, now)
+    load.book("w", 1)  # booked; the scrape below does not show it yet (still in Envoy)
+    d.observe("w", WorkerSample(waiting=0, running=0, kv_utilization=0.0, at=100.0, booked_inflight=1,
+                                max_running=1))
+    assert d.state("w").saturated

@@ -162,3 +162,13 @@ async def test_failed_scrape_zeroes_the_unbooked_load() -> None:
         assert load.load(address).unbooked_blocks == 0.0
     finally:
         await runner.cleanup()
+
+
+async def test_mock_kv_utilization_counts_only_blocks_running_requests_hold() -> None:
+    async with running_worker(kv_events=False, num_blocks=64) as w, aiohttp.ClientSession() as client:
+        async with client.post(w.url + "/v1/chat/completions", json=chat_body("warm the cache " * 80)) as r:
+            assert r.status == 200
+        assert w.cache.utilization > 0  # blocks stay cached after the request ...
+        async with client.get(w.url + "/metrics") as r:
+            g = parse_gauges(await r.text())
+        assert g.kv_utilization == 0.0 and g.running == 0  # ... but nothing holds them: not "in use"
