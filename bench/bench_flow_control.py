@@ -2,10 +2,13 @@
 
     python -m bench.bench_flow_control [--quick] [--out DIR]
 
-Two `trtllm-mock` worker processes, each a batch of 4 (the mock does not slow down with batch size, so the
+Two `trtllm-mock` worker processes, each a batch of 8 (the mock does not slow down with batch size, so the
 batch cap is its compute limit), 0.5 ms per uncached prompt token and 10 ms per output token; every request
-has its own ~300-token prompt (no cache hits: every prefill costs the same ~150 ms) and 4 output tokens, so
-the pool's nominal capacity is C = 2 x 4 / ~0.19 s ~ 42 req/s. Poisson arrivals mix two priority bands: 25%
+has its own prompt of 300-900 tokens (uniform; no cache hits, so the prefill alone is 150-450 ms) and asks
+for 2-6 output tokens, so the pool's nominal capacity is C = 2 x 8 / ~0.34 s ~ 47 req/s. No scheduler can start a request before a
+batch slot frees: at saturation a high-priority request waits on average for the next of C slot releases
+per second (~1/C = 21 ms) on top of its prefill, which is why the prefill is long against 1/C here, as it
+is on real engines whose batches are far larger than the mock's 8. Poisson arrivals mix two priority bands: 25%
 high (objective `premium`, priority 10) and 75% low (objective `standard`, 0) split between two tenants
 (`x-gateway-inference-fairness-id`) in a 10:1 request ratio. Streaming requests; TTFT = first SSE chunk.
 
@@ -25,7 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,8 +54,8 @@ DROPPED = "x-llm-d-request-dropped-reason"
 @dataclass
 class Workload:
     workers: int = 2
-    batch: int = 4
-    prompt_tokens: int = 300
+    batch: int = 8
+    prompt_tokens: int = 600
     prefill_ms: float = 0.5
     decode_ms: float = 10.0
     max_tokens: int = 4
@@ -87,8 +92,13 @@ class Outcome:
 
 
 def body(i: int, w: Workload, rng: random.Random) -> bytes:
-    words = " ".join(f"w{rng.randrange(20000)}" for _ in range(w.prompt_tokens - 12))
-    return json.dumps({"model": "mock-model", "max_tokens": w.max_tokens, "stream": True,
+    """A prompt of its own (no cache hits) whose length and answer length vary around the means, as real
+    traffic does: with identical requests the mock's deterministic timing would finish every batch slot
+    filled at the same moment at the same moment again, forever, and slots would free in clumps."""
+    n = rng.randint(w.prompt_tokens // 2, w.prompt_tokens * 3 // 2) - 12
+    words = " ".join(f"w{rng.randrange(20000)}" for _ in range(n))
+    max_tokens = rng.randint(max(1, w.max_tokens // 2), w.max_tokens * 3 // 2)
+    return json.dumps({"model": "mock-model", "max_tokens": max_tokens, "stream": True,
                        "messages": [{"role": "user", "content": f"request {i} {words}"}]}).encode()
 
 
@@ -155,9 +165,30 @@ async def drive(w: Workload, envoy_url: str, picker_url: str | None, load: float
         await asyncio.gather(*pending, return_exceptions=True)
         elapsed = time.perf_counter() - t0
     stop.set()
+    waits = None
     if sample_task is not None:
         await sample_task
-    return summarize(w, load, rate, outcomes, elapsed, samples)
+        async with aiohttp.ClientSession() as s, s.get(picker_url + "/metrics") as r:
+            waits = queue_waits(await r.text())
+    row = summarize(w, load, rate, outcomes, elapsed, samples)
+    row["picker_queue_wait"] = waits
+    return row
+
+
+_WAIT = re.compile(r'^epp_flow_control_queue_wait_seconds_bucket\{([^}]*)\} (\S+)$', re.M)
+
+
+def queue_waits(text: str) -> dict[str, Any]:
+    """Per band, p50/p90 of the time dispatched requests spent in the picker's queue (its own histogram)."""
+    per: dict[str, dict[float, float]] = {}
+    for labels, v in _WAIT.findall(text):
+        lab = dict(x.split("=", 1) for x in labels.split(","))
+        lab = {k: val.strip('"') for k, val in lab.items()}
+        if lab.get("outcome") != "dispatched":
+            continue
+        le = math.inf if lab["le"] == "+Inf" else float(lab["le"])
+        per.setdefault(lab["priority"], {})[le] = float(v)
+    return {p: H.hist_summary_ms(h) for p, h in per.items()}
 
 
 def summarize(w: Workload, load: float, rate: float, outcomes: list[Outcome], elapsed: float,

@@ -109,7 +109,8 @@ class WorkerMetricsScraper:
     they were when the GET was sent), `EndpointLoad.unbooked_blocks` is set to the requests the engine reports
     beyond this picker's own bookings times the mean blocks of a booking, and `on_sample` runs (flow
     control dispatches). A failed or non-metrics answer zeroes the unbooked load and leaves the sample to
-    go stale; a worker whose scrapes keep failing is retried with exponential backoff (up to 5 s).
+    go stale; a worker whose scrapes keep failing (other than by timing out: a busy engine is still one)
+    is retried with exponential backoff (up to 5 s).
     """
 
     def __init__(self, registry: EndpointRegistry, load: LoadTracker, detector: SaturationDetector, *,
@@ -120,7 +121,9 @@ class WorkerMetricsScraper:
         self.load = load
         self.detector = detector
         self.interval_s = interval_s
-        self.timeout_s = timeout_s if timeout_s is not None else max(0.05, min(1.0, 2 * interval_s))
+        # longer than the interval on purpose: a busy engine answers late, and a late sample beats none
+        # (there is never more than one scrape per worker in flight)
+        self.timeout_s = timeout_s if timeout_s is not None else max(0.5, min(2.0, 4 * interval_s))
         self.path = path if path.startswith("/") else "/" + path
         self.max_bytes = max_bytes
         self.on_sample = on_sample
@@ -193,14 +196,20 @@ class WorkerMetricsScraper:
                 body = await r.content.read(self.max_bytes + 1)
                 if len(body) > self.max_bytes:
                     return self._failed(address, f"answer larger than {self.max_bytes} bytes")
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+        except TimeoutError:
+            return self._failed(address, f"no answer within {self.timeout_s}s", backoff=False)
+        except (aiohttp.ClientError, OSError) as e:
             return self._failed(address, f"{type(e).__name__}: {e}")
         g = parse_gauges(body.decode("utf-8", "replace"))
         if g.waiting is None and g.running is None and g.kv_utilization is None:
             return self._failed(address, "no known engine gauge in the answer")
         if address not in self.registry:
             return False
-        sample = WorkerSample(g.waiting or 0.0, g.running or 0.0, g.kv_utilization, sent, inflight,
+        # this picker's requests the worker may have counted: those booked when the GET left and those
+        # booked while it was answered (the larger); a request of ours would otherwise pass for another
+        # gateway's until the next scrape and keep a free slot idle
+        ours = max(inflight, self.load.load(address).inflight)
+        sample = WorkerSample(g.waiting or 0.0, g.running or 0.0, g.kv_utilization, sent, ours,
                               g.max_running)
         self.detector.observe(address, sample)
         live = self.load.loads().get(address)
@@ -216,9 +225,9 @@ class WorkerMetricsScraper:
             self.on_sample()
         return True
 
-    def _failed(self, address: str, why: str) -> bool:
+    def _failed(self, address: str, why: str, backoff: bool = True) -> bool:
         n = self._failures[address] = self._failures.get(address, 0) + 1
-        if n >= 2:  # a worker without metrics (404, not an engine) costs one GET per MAX_BACKOFF_S
+        if backoff and n >= 2:  # a worker without metrics (404, not an engine) costs one GET per MAX_BACKOFF_S
             self._retry_at[address] = time.monotonic() + min(MAX_BACKOFF_S, self.interval_s * 2 ** (n - 1))
         ld = self.load.loads().get(address)
         if ld is not None:

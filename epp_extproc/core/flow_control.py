@@ -173,7 +173,8 @@ class SaturationDetector:
     (trtllm `trtllm_max_num_active_requests`), else the largest `running` ever seen (exact once the
     engine has had a queue). A worker is saturated when that estimated queue reaches `queue_depth`, its KV
     utilisation reaches `kv_utilization`, or (when set) the prompt tokens this picker booked in prefill on
-    it reach `prefill_tokens`. A worker without a fresh sample is judged by the bookings rule only: a
+    it reach `prefill_tokens`. Without a fresh sample (a slow or failing scrape) a worker whose batch size
+    is known is judged by this picker's bookings against it; one never scraped by the bookings rule only: a
     worker that does not export metrics must not stall the pool (GAIE instead treats it as saturated).
     """
 
@@ -211,8 +212,13 @@ class SaturationDetector:
         if th.prefill_tokens > 0 and ld.prefill_blocks * self.block_size >= th.prefill_tokens:
             return WorkerState(True, 0, None, "booked prefill tokens")
         s = self.fresh(address)
+        cap = self._max_running.get(address, 0.0)
+        if s is None and cap > 0:
+            # metrics late or failing, but its batch size is known: this picker's own bookings against it
+            room = int(cap + th.queue_depth - ld.inflight)
+            return WorkerState(room <= 0, max(room, 0), None, "stale metrics: bookings against the batch")
         if s is None:
-            # judged by bookings only: the prefill rule (when on) bounds it, else it never saturates
+            # never scraped: judged by bookings only; the prefill rule (when on) bounds it, else nothing does
             room = 1 << 30
             if th.prefill_tokens > 0:
                 room = max(1, int((th.prefill_tokens - ld.prefill_blocks * self.block_size)
@@ -224,7 +230,6 @@ class SaturationDetector:
         # the scrape adds only what others sent, as of its last answer
         others = max(0.0, s.waiting + s.running - s.booked_inflight)
         occupancy = ld.inflight + others
-        cap = self._max_running.get(address, 0.0)
         if cap > 0:
             # saturated once `queue_depth` requests would wait behind a full batch (0 = as soon as the
             # batch is full: nothing waits in the engine, where it could not be reordered)

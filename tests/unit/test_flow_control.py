@@ -358,3 +358,15 @@ def test_request_on_its_way_to_the_engine_still_counts() -> None:
     d.observe("w", WorkerSample(waiting=0, running=0, kv_utilization=0.0, at=100.0, booked_inflight=1,
                                 max_running=1))
     assert d.state("w").saturated
+
+
+def test_stale_metrics_fall_back_to_bookings_against_the_known_batch() -> None:
+    load, now = LoadTracker(), [100.0]
+    d = detector(Thresholds(queue_depth=0, staleness_s=0.2), load, now)
+    d.observe("w", WorkerSample(waiting=0, running=2, kv_utilization=0.0, at=100.0, booked_inflight=2,
+                                max_running=2))
+    now[0] = 105.0  # the scrapes stopped answering: a flood must not get through
+    load.book("w", 1)
+    assert d.state("w").headroom == 1
+    load.book("w", 1)
+    assert d.state("w").saturated
