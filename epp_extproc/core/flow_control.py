@@ -25,8 +25,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.load import EndpointLoad
-from epp_extproc.core.request import Rejection
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +44,20 @@ REASON_NO_ENDPOINTS = "rejected-no-endpoints"
 REASON_SHUTDOWN = "rejected-shutting-down"
 
 
-class FlowRejection(Rejection):
-    """A flow-control answer: a Rejection that also carries the response headers saying why."""
+_PROBLEM = {REASON_SATURATED: Problem.FLOW_SATURATED, REASON_TTL: Problem.FLOW_TTL_EXPIRED,
+            REASON_NO_ENDPOINTS: Problem.NO_ENDPOINT, REASON_SHUTDOWN: Problem.FLOW_SHUTDOWN}
 
-    def __init__(self, status: int, message: str, outcome: str, reason: str, retry_after_s: int = 1) -> None:
-        super().__init__(status, message, outcome)
-        self.reason = reason
-        self.headers: tuple[tuple[str, str], ...] = ((DROPPED_REASON_HEADER, reason),
-                                                    ("retry-after", str(retry_after_s)))
+
+def FlowRejection(reason: str, message: str) -> PickError:  # noqa: N802 - reads like the exception it builds
+    """A flow-control answer: the fact (envoy/errors.py maps it: 429 saturated / TTL, 503 no endpoint or
+    shutdown) plus the headers saying why, as llm-d sends them."""
+    return PickError(_PROBLEM[reason], message,
+                     headers=((DROPPED_REASON_HEADER, reason), ("retry-after", "1")))
+
+
+def reason_of(err: PickError) -> str | None:
+    """The dropped-reason a flow-control PickError carries (None for any other error)."""
+    return next((v for k, v in err.headers if k == DROPPED_REASON_HEADER), None)
 
 
 # ------------------------------------------------------------------------------------------- objectives
@@ -363,7 +369,7 @@ class FlowMetrics:
 
 
 class FlowController:
-    """Admission in front of the pipeline. `admit()` returns a Ticket or raises FlowRejection."""
+    """Admission between propose and commit. `admit()` returns a Ticket or raises a flow-control PickError."""
 
     def __init__(self, detector: SaturationDetector, addresses: Callable[[], Sequence[str]], *,
                  ttl_s: float = 30.0, max_queued: int = 512, metrics: FlowMetrics | None = None,
@@ -389,22 +395,20 @@ class FlowController:
         subset_set = frozenset(subset) if subset is not None else None
         if not self._eligible(subset_set):
             self._reject_count(key.priority, REASON_NO_ENDPOINTS, 0.0)
-            raise FlowRejection(503, "no endpoint available", "no_endpoint", REASON_NO_ENDPOINTS)
+            raise FlowRejection(REASON_NO_ENDPOINTS, "no endpoint available")
         if self.closed:
             self._reject_count(key.priority, REASON_SHUTDOWN, 0.0)
-            raise FlowRejection(503, "endpoint picker shutting down", "flow_shutdown", REASON_SHUTDOWN)
+            raise FlowRejection(REASON_SHUTDOWN, "endpoint picker shutting down")
         item = _Item(key, subset_set, self.clock())
         if self.size >= self.max_queued and not self._displace_for(key.priority):
             self._reject_count(key.priority, REASON_SATURATED, 0.0)
-            raise FlowRejection(429, "inference pool saturated: flow-control queue full", "flow_queue_full",
-                                REASON_SATURATED)
+            raise FlowRejection(REASON_SATURATED, "inference pool saturated: flow-control queue full")
         self._push(item)
         self.dispatch()
         if not item.future.done() and key.priority < 0:  # sheddable: never waits
             self._remove(item)
             self._reject_count(key.priority, REASON_SATURATED, 0.0)
-            raise FlowRejection(429, "inference pool saturated: sheddable request rejected",
-                                "flow_sheddable", REASON_SATURATED)
+            raise FlowRejection(REASON_SATURATED, "inference pool saturated: sheddable request rejected")
         return await self._wait(item)
 
     async def _wait(self, item: _Item) -> Ticket:
@@ -429,11 +433,10 @@ class FlowController:
         item.future.cancel()
         if not self._eligible(item.subset):
             self._reject_count(item.key.priority, REASON_NO_ENDPOINTS, waited)
-            raise FlowRejection(503, "request timed out in queue and no endpoint is available", "no_endpoint",
-                                REASON_NO_ENDPOINTS)
+            raise FlowRejection(REASON_NO_ENDPOINTS,
+                                "request timed out in queue and no endpoint is available")
         self._reject_count(item.key.priority, REASON_TTL, waited)
-        raise FlowRejection(429, f"inference pool saturated: request waited {waited:.1f}s in the queue",
-                            "flow_ttl_expired", REASON_TTL)
+        raise FlowRejection(REASON_TTL, f"inference pool saturated: request waited {waited:.1f}s in the queue")
 
     def _displace_for(self, priority: int) -> bool:
         """Queue full: a request may take the place of the newest request of a strictly lower band."""
@@ -446,8 +449,7 @@ class FlowController:
                 waited = self.clock() - victim.enqueued
                 self._reject_count(p, REASON_SATURATED, waited)
                 victim.future.set_exception(FlowRejection(
-                    429, "inference pool saturated: displaced by a higher-priority request", "flow_displaced",
-                    REASON_SATURATED))
+                    REASON_SATURATED, "inference pool saturated: displaced by a higher-priority request"))
                 return True
         return False
 
@@ -556,8 +558,8 @@ class FlowController:
                     self._remove(item)
                     if not item.future.done():
                         self._reject_count(item.key.priority, REASON_SHUTDOWN, self.clock() - item.enqueued)
-                        item.future.set_exception(FlowRejection(503, "endpoint picker shutting down",
-                                                                "flow_shutdown", REASON_SHUTDOWN))
+                        item.future.set_exception(FlowRejection(REASON_SHUTDOWN,
+                                                                "endpoint picker shutting down"))
 
     def snapshot(self) -> dict[str, object]:
         bands = {str(p): {"queued": b.size, "flows": {f: len(q) for f, q in b.flows.items()}}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DEST_HEADER = "x-gateway-destination-endpoint"
+from epp_extproc.gaie import DEST_HEADER, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE
 
 
 @dataclass
@@ -47,8 +47,8 @@ def build(opts: EnvoyOptions) -> dict[str, Any]:
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config",
                 "request_rules": [{
                     "header": opts.subset_hint_header,
-                    "on_header_present": {"metadata_namespace": "envoy.lb.subset_hint",
-                                          "key": "x-gateway-destination-endpoint-subset", "type": "STRING"},
+                    "on_header_present": {"metadata_namespace": SUBSET_NAMESPACE,
+                                          "key": SUBSET_KEY, "type": "STRING"},
                     "remove": True,
                 }],
             },
@@ -70,7 +70,7 @@ def build(opts: EnvoyOptions) -> dict[str, Any]:
                     "request_trailer_mode": "SEND",
                     "response_trailer_mode": "SEND",
                 },
-                "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint", "envoy.lb"]}},
+                "metadata_options": {"forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE, LB_NAMESPACE]}},
             },
         })
     filters.append({"name": "envoy.filters.http.router", "typed_config": {

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from epp_extproc.core.errors import PickError
 from epp_extproc.core.flow_control import (
     DROPPED_REASON_HEADER,
     REASON_NO_ENDPOINTS,
@@ -16,14 +17,20 @@ from epp_extproc.core.flow_control import (
     REASON_TTL,
     FlowController,
     FlowKey,
-    FlowRejection,
     ObjectiveTable,
     SaturationDetector,
     Thresholds,
     WorkerSample,
     parse_objectives,
+    reason_of,
 )
 from epp_extproc.core.load import LoadTracker
+from epp_extproc.envoy.errors import http_error
+
+
+def status(e: PickError) -> int:
+    """What the client sees (the edge's one mapping)."""
+    return http_error(e, "/v1/chat/completions").status
 
 
 class Room:
@@ -134,9 +141,9 @@ async def test_flows_in_a_band_take_turns_and_each_flow_is_fifo() -> None:
 
 async def test_request_that_waits_past_the_ttl_gets_429_ttl_expired() -> None:
     fc = controller(Room(0), ttl_s=0.05)
-    with pytest.raises(FlowRejection) as e:
+    with pytest.raises(PickError) as e:
         await asyncio.wait_for(fc.admit(key()), 2)
-    assert e.value.status == 429 and e.value.reason == REASON_TTL
+    assert status(e.value) == 429 and reason_of(e.value) == REASON_TTL
     assert (DROPPED_REASON_HEADER, REASON_TTL) in e.value.headers
     assert fc.size == 0 and fc.pending == 0
 
@@ -147,23 +154,23 @@ async def test_ttl_expiry_after_the_pool_emptied_is_503_no_endpoints() -> None:
     task = asyncio.create_task(fc.admit(key()))
     await settle()
     addresses.clear()
-    with pytest.raises(FlowRejection) as e:
+    with pytest.raises(PickError) as e:
         await asyncio.wait_for(task, 2)
-    assert e.value.status == 503 and e.value.reason == REASON_NO_ENDPOINTS
+    assert status(e.value) == 503 and reason_of(e.value) == REASON_NO_ENDPOINTS
 
 
 async def test_no_endpoint_at_all_is_503_at_once() -> None:
     fc = controller(Room(5), addresses=())
-    with pytest.raises(FlowRejection) as e:
+    with pytest.raises(PickError) as e:
         await fc.admit(key())
-    assert e.value.status == 503 and e.value.reason == REASON_NO_ENDPOINTS
+    assert status(e.value) == 503 and reason_of(e.value) == REASON_NO_ENDPOINTS
 
 
 async def test_sheddable_request_is_rejected_at_once_while_saturated() -> None:
     fc = controller(Room(0), ttl_s=10)
-    with pytest.raises(FlowRejection) as e:
+    with pytest.raises(PickError) as e:
         await asyncio.wait_for(fc.admit(key(-1)), 0.5)
-    assert e.value.status == 429 and e.value.reason == REASON_SATURATED
+    assert status(e.value) == 429 and reason_of(e.value) == REASON_SATURATED
     assert fc.size == 0
 
 
@@ -203,9 +210,9 @@ async def test_full_queue_rejects_with_429_saturated() -> None:
     fc = controller(Room(0), max_queued=2)
     tasks = [asyncio.create_task(fc.admit(key())) for _ in range(2)]
     await settle()
-    with pytest.raises(FlowRejection) as e:
+    with pytest.raises(PickError) as e:
         await fc.admit(key())
-    assert e.value.status == 429 and e.value.reason == REASON_SATURATED
+    assert status(e.value) == 429 and reason_of(e.value) == REASON_SATURATED
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -218,9 +225,9 @@ async def test_full_queue_displaces_the_newest_lower_priority_request() -> None:
     await settle()
     high = asyncio.create_task(fc.admit(key(5)))
     await settle()
-    with pytest.raises(FlowRejection) as e:
+    with pytest.raises(PickError) as e:
         await low[1]
-    assert e.value.status == 429 and fc.size == 2
+    assert status(e.value) == 429 and fc.size == 2
     room.n = 1
     fc.dispatch()
     (await asyncio.wait_for(high, 1)).release()
@@ -233,9 +240,9 @@ async def test_close_answers_every_queued_request_503() -> None:
     task = asyncio.create_task(fc.admit(key()))
     await settle()
     fc.close()
-    with pytest.raises(FlowRejection) as e:
+    with pytest.raises(PickError) as e:
         await task
-    assert e.value.status == 503 and fc.size == 0
+    assert status(e.value) == 503 and fc.size == 0
 
 
 # ------------------------------------------------------------------------------------------- detector
