@@ -172,7 +172,19 @@ async def drive(w: Workload, envoy_url: str, picker_url: str | None, load: float
             waits = queue_waits(await r.text())
     row = summarize(w, load, rate, outcomes, elapsed, samples)
     row["picker_queue_wait"] = waits
+    row["high_ttft_by_10s"] = windows([o for o in outcomes if o.cls == "high"], t0, 10.0)
     return row
+
+
+def windows(outcomes: list[Outcome], t0: float, width: float) -> list[dict[str, Any]]:
+    """High-band TTFT per window of send time: shows whether a bad p90 is the whole run or one stall (on a
+    shared machine another process can take the cores for seconds, and the backlog then takes a while to
+    drain)."""
+    by: dict[int, list[float]] = {}
+    for o in outcomes:
+        if o.ttft is not None:
+            by.setdefault(int((o.sent - t0) // width), []).append(o.ttft)
+    return [{"from_s": k * width, "n": len(v), **H.pcts_ms(v)} for k, v in sorted(by.items())]
 
 
 _WAIT = re.compile(r'^epp_flow_control_queue_wait_seconds_bucket\{([^}]*)\} (\S+)$', re.M)
@@ -299,6 +311,10 @@ def print_report(doc: dict[str, Any]) -> None:
                     (r["fairness"] or {}).get("share_b")] for r in rows],
                   ["cfg", "xC", "req/s", "sent", "served", "hi p50", "hi p90", "p90 ratio", "A served",
                    "B served", "429+reason", "lost", "B share"]))
+    for r in rows:
+        if r["config"] == "q" and r["load"] > 1:
+            print(f"\n({r['config']}) at {r['load']}x C, high-band TTFT p90 per 10 s of send time (ms):",
+                  [round(x["p90_ms"]) for x in r["high_ttft_by_10s"] if x.get("p90_ms") is not None])
     print("\nTargets")
     for k, v in doc["targets"].items():
         print(f"  {k}: {v}")
