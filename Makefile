@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/epp-local-gateway
+	$(BIN)/epp-local-gateway $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/ruff check epp_extproc kvindex trtllm_mock tests bench

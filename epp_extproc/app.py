@@ -18,6 +18,7 @@ from epp_extproc.adapters.endpoint_probe import EndpointProber
 from epp_extproc.adapters.kv_routing import KvRouting
 from epp_extproc.adapters.objectives import ObjectiveCrdPoller, ObjectivesFile
 from epp_extproc.adapters.render_client import RenderClient
+from epp_extproc.adapters.render_fingerprint import FingerprintWatcher
 from epp_extproc.adapters.worker_metrics import WorkerMetricsScraper
 from epp_extproc.admin import build_admin_app, debug_score
 from epp_extproc.config import Config
@@ -25,9 +26,10 @@ from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.core.flow_control import FlowController, ObjectiveTable, SaturationDetector, Thresholds
 from epp_extproc.core.load import LoadTracker
 from epp_extproc.core.pipeline import Pipeline
+from epp_extproc.envoy.access_log import AccessLogServicer, als_pb2_grpc
 from epp_extproc.envoy.extproc import ExtProcServicer, pb_grpc
 from epp_extproc.envoy.health import Health
-from epp_extproc.envoy.tls import ServerCert, server_cert
+from epp_extproc.envoy.tls import CertSource, ServerCert
 from epp_extproc.metrics import PickerMetrics, PromFlowMetrics
 
 log = logging.getLogger(__name__)
@@ -51,8 +53,12 @@ class PickerApp:
                                 max_blocks_per_worker=config.max_index_blocks_per_worker,
                                 topic=config.kv_event_topic, prediction_ttl_s=config.prediction_ttl_s,
                                 metrics_registry=self.metrics.registry)
+        self.fingerprints: FingerprintWatcher | None = None
+        if config.tokenizer_protocol == "trtllm-render" and config.prompt_passthrough != "off":
+            self.fingerprints = FingerprintWatcher(self.registry, self.metrics,
+                                                   refresh_s=config.render_fingerprint_refresh_ms / 1000)
         self.pipeline = Pipeline(config, self.registry, self.load, self.metrics, renderer=self.renderer,
-                                 kv=self.kv)
+                                 kv=self.kv, fingerprint_of=self.fingerprints.get if self.fingerprints else None)
         self._setup_flow_control()
         self.health = Health()
         self.servicer = ExtProcServicer(self.pipeline, allowed_modes=config.body_modes(),
@@ -65,14 +71,19 @@ class PickerApp:
         self.health_port = config.health_port
         self.metrics_port = config.metrics_port
         self.registry.subscribe(self._on_endpoints)
-        self.tls: ServerCert | None = None
+        self.cert_source: CertSource | None = None
         self.prober: EndpointProber | None = None
         if config.endpoint_probe_interval_ms > 0:
-            kv = self.kv
             self.prober = EndpointProber(self.registry, interval_s=config.endpoint_probe_interval_ms / 1000,
-                                         path=config.endpoint_probe_path,
-                                         on_lost=kv.resync if kv is not None else None,
+                                         path=config.endpoint_probe_path, on_lost=self._on_lost,
                                          on_change=self.flow.dispatch if self.flow is not None else None)
+
+    def _on_lost(self, address: str) -> None:
+        """A worker's process is gone: its KV cache (and perhaps its rendering configuration) with it."""
+        if self.kv is not None:
+            self.kv.resync(address)
+        if self.fingerprints is not None:
+            self.fingerprints.lost(address)
 
     def _setup_flow_control(self) -> None:
         """Worker metrics feed saturation and the cost; the flow controller admits proposals (Pipeline.admit)."""
@@ -140,13 +151,20 @@ class PickerApp:
         # refuses them, so a flood of streams that send nothing cannot grow memory without bound.
         self._grpc = grpc.aio.server(options=opts, maximum_concurrent_rpcs=2 * cfg.max_inflight_requests)
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(self.pipeline), self._grpc)
+        # GAIE's Envoy health-checks the ext_proc cluster on the ext_proc port itself (gRPC health,
+        # service envoy.service.ext_proc.v3.ExternalProcessor); the health port serves the same servicer.
+        self.health.add_to(self._grpc)
         if cfg.secure_serving:
-            self.tls = server_cert(cfg.cert_path)
-            creds = grpc.ssl_server_credentials([(self.tls.key_pem, self.tls.cert_pem)])
-            self.grpc_port = self._grpc.add_secure_port(f"{cfg.bind}:{cfg.grpc_port}", creds)
-            log.info("ext_proc serves TLS with a %s certificate (%s, sha256 %s)",
-                     "self-signed" if self.tls.self_signed else "provided", self.tls.cert_file,
-                     self.tls.fingerprint())
+            self.cert_source = CertSource(cfg.cert_path)
+            tls = self.cert_source.current
+            self.grpc_port = self._grpc.add_secure_port(f"{cfg.bind}:{cfg.grpc_port}",
+                                                        self.cert_source.credentials())
+            log.info("ext_proc serves TLS with a %s certificate (%s, sha256 %s)%s",
+                     "self-signed" if tls.self_signed else "provided", tls.cert_file, tls.fingerprint(),
+                     "" if tls.self_signed else "; reloaded when the files change")
+            if cfg.cert_path:
+                self._tasks.append(asyncio.create_task(self.cert_source.run()))
         else:
             self.grpc_port = self._grpc.add_insecure_port(f"{cfg.bind}:{cfg.grpc_port}")
         self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -163,6 +181,8 @@ class PickerApp:
         await self._start_discovery()
         if self.prober is not None:
             self._tasks.append(asyncio.create_task(self.prober.run()))
+        if self.fingerprints is not None:
+            self._tasks.append(asyncio.create_task(self.fingerprints.run()))
         if self.scraper is not None:
             self._tasks.append(asyncio.create_task(self.scraper.run()))
         self._start_objectives()
@@ -174,6 +194,11 @@ class PickerApp:
     async def debug_score(self, payload: dict[str, Any]) -> dict[str, Any]:
         """`/debug/score`: a proposal that is never committed, and whose render is not counted as traffic."""
         return await debug_score(self.pipeline, payload)
+
+    @property
+    def tls(self) -> ServerCert | None:
+        """The certificate the ext_proc port serves now (None = plaintext h2c)."""
+        return self.cert_source.current if self.cert_source is not None else None
 
     async def _start_discovery(self) -> None:
         cfg = self.config
@@ -223,6 +248,8 @@ class PickerApp:
             await self._grpc.stop(grace)
         if self._health_server is not None:
             await self._health_server.stop(0)
+        if self.cert_source is not None:
+            self.cert_source.close()
         if self._admin is not None:
             await self._admin.cleanup()
         if self.kv is not None:

@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 from epp_extproc.envoy.tls import cert_files
 
 BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
+LOG_FORMATS = ("text", "json")
 
 
 class TokenizerProtocol(StrEnum):
@@ -40,6 +41,13 @@ class SaltPolicy(StrEnum):
 
     REJECT = "reject"
     LOAD_ONLY = "load-only"
+
+
+class PassthroughPolicy(StrEnum):
+    """Whether the forwarded request carries the rendered prompt (TensorRT-LLM workers skip rendering)."""
+
+    OFF = "off"
+    AUTO = "auto"
 
 
 TOKENIZER_PROTOCOLS = tuple(p.value for p in TokenizerProtocol)
@@ -78,18 +86,24 @@ def _opt_str(s: str) -> str | None:
 
 OPTIONS: tuple[Option, ...] = (
     # Serving
-    Option("--grpc-port", "DYN_EPP_GRPC_PORT", 9002, int, "ext_proc gRPC port (Envoy connects here, h2c)"),
+    Option("--grpc-port", "DYN_EPP_GRPC_PORT", 9002, int,
+           "ext_proc gRPC port (Envoy connects here; TLS unless --secure-serving=false); also serves gRPC "
+           "health like the health port"),
     Option("--health-port", "DYN_EPP_HEALTH_PORT", 9003, int,
            "gRPC health port (services liveness, readiness, ExternalProcessor, \"\")"),
     Option("--metrics-port", "DYN_EPP_METRICS_PORT", 9090, int,
            "HTTP port for /metrics (Prometheus) and the /debug admin API"),
     Option("--bind", "DYN_EPP_BIND_ADDRESS", "0.0.0.0", str, "address the three ports listen on"),
     Option("--log-level", "DYN_EPP_LOG_LEVEL", "INFO", str, "DEBUG, INFO, WARNING, ERROR"),
-    Option("--secure-serving", "DYN_EPP_SECURE_SERVING", False, _bool,
-           "TLS on the ext_proc port (health and metrics stay plain); the gateway must then speak TLS to it"),
+    Option("--log-format", "DYN_EPP_LOG_FORMAT", "text", str,
+           "`text` for people, `json` = one JSON object per line (time, level, logger, message) for log "
+           "pipelines", LOG_FORMATS),
+    Option("--secure-serving", "DYN_EPP_SECURE_SERVING", True, _bool,
+           "TLS on the ext_proc port, as GAIE's and Dynamo's pickers and their gateway configs expect (health "
+           "port and metrics stay plain); `--secure-serving=false` serves plaintext h2c"),
     Option("--cert-path", "DYN_EPP_CERT_PATH", None, _opt_str,
-           "directory with tls.crt and tls.key for secure serving; unset = a self-signed certificate is "
-           "generated at start-up (needs the openssl tool)"),
+           "directory with tls.crt and tls.key for secure serving, re-read when they change; unset = a "
+           "self-signed certificate minted in memory at start-up"),
     # Endpoints
     Option("--endpoints", "DYN_EPP_ENDPOINTS", None, _opt_str,
            "static endpoints, comma separated `name=ip:port` (or just `ip:port`)"),
@@ -139,6 +153,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("--cache-salt-policy", "DYN_EPP_CACHE_SALT_POLICY", SaltPolicy.REJECT, SaltPolicy,
            "trtllm-render + salted request: `reject` = 400 like Dynamo; `load-only` = route by load, forward "
            "the salt as top-level cache_salt"),
+    Option("--prompt-passthrough", "DYN_EPP_PROMPT_PASSTHROUGH", PassthroughPolicy.AUTO, PassthroughPolicy,
+           "trtllm-render: `auto` forwards the rendered prompt (chat: top-level prompt_token_ids; completions: "
+           "prompt as ids) so the worker skips templating and tokenizing, whenever the worker's render "
+           "fingerprint matches and the render says the ids are safe; `off` always forwards the original body"),
+    Option("--render-fingerprint-refresh-ms", "DYN_EPP_RENDER_FINGERPRINT_REFRESH_MS", 10_000, int,
+           "re-read each worker's /server_info render_fingerprint this often (also at admission and when the "
+           "prober finds the worker gone)"),
     # KV scoring
     Option("--kv-cache-block-size", "DYN_KV_CACHE_BLOCK_SIZE", 32, int,
            "tokens per KV block (TensorRT-LLM default 32); learned per worker from its events"),
@@ -199,6 +220,7 @@ class Config:
     metrics_port: int = _default("metrics_port")
     bind: str = _default("bind")
     log_level: str = _default("log_level")
+    log_format: str = _default("log_format")
     secure_serving: bool = _default("secure_serving")
     cert_path: str | None = _default("cert_path")
     endpoints: str | None = _default("endpoints")
@@ -223,6 +245,8 @@ class Config:
     render_failure_policy: RenderPolicy = _default("render_failure_policy")
     render_reject_policy: RenderPolicy = _default("render_reject_policy")
     cache_salt_policy: SaltPolicy = _default("cache_salt_policy")
+    prompt_passthrough: PassthroughPolicy = _default("prompt_passthrough")
+    render_fingerprint_refresh_ms: int = _default("render_fingerprint_refresh_ms")
     kv_cache_block_size: int = _default("kv_cache_block_size")
     max_index_blocks_per_worker: int = _default("max_index_blocks_per_worker")
     kv_overlap_score_credit: float = _default("kv_overlap_score_credit")
@@ -264,6 +288,8 @@ class Config:
             cert_files(self.cert_path)
         if self.kv_cache_block_size <= 0:
             raise ValueError("DYN_KV_CACHE_BLOCK_SIZE must be positive")
+        if self.render_fingerprint_refresh_ms <= 0:
+            raise ValueError("DYN_EPP_RENDER_FINGERPRINT_REFRESH_MS must be positive")
         if self.endpoint_probe_interval_ms < 0:
             raise ValueError("DYN_EPP_ENDPOINT_PROBE_INTERVAL_MS must be >= 0 (0 = off)")
         if self.max_inflight_requests <= 0:
@@ -330,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="epp-extproc",
         description="KV-cache-aware endpoint picker for Envoy (ext_proc). Every flag can also be set "
                     "through the environment variable shown in brackets.",
+        epilog="`epp-extproc envoy-config --help`: print a ready Envoy configuration for this picker.",
     )
     for o in OPTIONS:
         env = f" [env {o.env}]" if o.env else ""

@@ -14,3 +14,8 @@ SERVED_KEY = "x-gateway-destination-endpoint-served"  # the endpoint the gateway
 OBJECTIVE_HEADERS = ("x-gateway-inference-objective", "x-llm-d-inference-objective")
 FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"  # gRPC service (and health name)
+
+# This picker's own names (not GAIE's): the booking id it puts next to the decision in `envoy.lb` metadata,
+# which its lean-mode signals (first chunk, access log) carry back; the Lua filter's metadata namespace.
+BOOKING_KEY = "x-epp-booking-id"
+USAGE_NAMESPACE = "epp.usage"

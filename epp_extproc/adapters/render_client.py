@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from epp_extproc.core.render import RenderError, RenderFailure
+from epp_extproc.core.render import Rendered, RenderError, RenderFailure
 from epp_extproc.metrics import PickerMetrics
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class RenderClient:
         if self._session is not None:
             await self._session.close()
 
-    async def render(self, kind: str, body: bytes, *, count: bool = True) -> list[int]:
+    async def render(self, kind: str, body: bytes, *, count: bool = True) -> Rendered:
         started = time.perf_counter()
         outcome = "ok"
         try:
@@ -63,7 +63,7 @@ class RenderClient:
                 self.metrics.render_requests.labels(self.protocol, outcome).inc()
                 self.metrics.render_seconds.observe(time.perf_counter() - started)
 
-    async def _render(self, kind: str, body: bytes) -> list[int]:
+    async def _render(self, kind: str, body: bytes) -> Rendered:
         url = self.base_url + (CHAT_PATH if kind == "chat" else COMPLETIONS_PATH)
         try:
             async with self._sess().post(url, data=body, headers={"content-type": "application/json"}) as r:
@@ -92,22 +92,32 @@ class RenderClient:
                 raise RenderError(RenderFailure.INVALID_ANSWER, f"render answer exceeds the {self.max_bytes}-byte cap")
         return bytes(buf)
 
-    def _token_ids(self, raw: bytes, kind: str) -> list[int]:
+    def _token_ids(self, raw: bytes, kind: str) -> Rendered:
         try:
             doc: Any = orjson.loads(raw)  # 3x faster than json on a long token list plus the request echo
         except orjson.JSONDecodeError:
             raise RenderError(RenderFailure.INVALID_ANSWER, "render answer is not JSON") from None
-        if kind == "completion" and isinstance(doc, list):
-            if not doc:
-                raise RenderError(RenderFailure.INVALID_ANSWER, "completions render answered an empty array")
-            doc = doc[0]  # a multi-prompt request is routed on its first prompt
-        if not isinstance(doc, dict):
+        objects = doc if kind == "completion" and isinstance(doc, list) else [doc]
+        if not objects:
+            raise RenderError(RenderFailure.INVALID_ANSWER, "completions render answered an empty array")
+        first = objects[0]  # a multi-prompt request is routed on its first prompt
+        if not isinstance(first, dict):
             raise RenderError(RenderFailure.INVALID_ANSWER, "render answer has an unexpected shape")
-        ids = doc.get(self.field)
+        ids = first.get(self.field)
         if not isinstance(ids, list) or not _valid_ids(ids):
             raise RenderError(RenderFailure.INVALID_ANSWER, f"render answer has no valid `{self.field}` list "
                                                   f"(protocol {self.protocol})")
-        return ids
+        out = _facts(first, ids)
+        if kind == "completion":
+            out.prompts = [ids]
+            for obj in objects[1:]:
+                more = obj.get(self.field) if isinstance(obj, dict) else None
+                if not isinstance(more, list) or not _valid_ids(more):
+                    out.prompts = None  # still routable on the first prompt, but not forwardable as ids
+                    break
+                out.prompts.append(more)
+                _merge_facts(out, _facts(obj, more))
+        return out
 
 
 async def fetch_block_size(address: str, timeout_s: float = 2.0) -> int | None:
@@ -122,6 +132,32 @@ async def fetch_block_size(address: str, timeout_s: float = 2.0) -> int | None:
         return None
     n = doc.get("tokens_per_block") if isinstance(doc, dict) else None
     return n if isinstance(n, int) and n > 0 else None
+
+
+def _facts(obj: dict[str, Any], ids: list[int]) -> Rendered:
+    """The passthrough-relevant fields of one render object, each defaulting to "do not forward ids"."""
+    fp = obj.get("fingerprint")
+    ctx = obj.get("context")
+    thinking, excluded = None, 0
+    if isinstance(ctx, dict):
+        t = ctx.get("resolved_thinking")
+        thinking = t if isinstance(t, bool) else None if t is None else True  # odd value = non-trivial
+        e = ctx.get("prompt_tokens_excluded_from_usage", 0)
+        excluded = e if type(e) is int and e >= 0 else 1 if e is not None else 0
+    return Rendered(ids, fp if isinstance(fp, dict) else None, obj.get("tokens_trusted") is True, thinking,
+                    excluded, isinstance(ctx, dict))
+
+
+def _merge_facts(into: Rendered, other: Rendered) -> None:
+    """Several completions prompts: every one must allow forwarding, and under the same fingerprint."""
+    into.tokens_trusted = into.tokens_trusted and other.tokens_trusted
+    into.has_context = into.has_context and other.has_context
+    if into.resolved_thinking is None:
+        into.resolved_thinking = other.resolved_thinking
+    into.prompt_tokens_excluded_from_usage = max(into.prompt_tokens_excluded_from_usage,
+                                                 other.prompt_tokens_excluded_from_usage)
+    if into.fingerprint != other.fingerprint:
+        into.fingerprint = None
 
 
 def _valid_ids(ids: list[Any]) -> bool:

@@ -17,6 +17,11 @@ class Routed(Protocol):
     address: str  # `ip:port` the gateway must send the request to
     body: bytes | None  # the body to forward (None: the request has none)
 
+    @property
+    def booking_id(self) -> str:
+        """Names the request in later signals (lean mode's first chunk and access log)."""
+        ...
+
 
 class Exchange(Protocol):
     """One HTTP request. Every method may be called at most in this order; `close()` always, once."""
@@ -51,3 +56,9 @@ class Picker(Protocol):
 
     def count_rejection(self, err: PickError) -> None:
         """A request refused before it had an exchange (admission)."""
+
+    def first_chunk(self, booking_id: str) -> None:
+        """Lean mode: the first non-empty response chunk of that request went by."""
+
+    def access_logged(self, booking_id: str, usage_tail: bytes | None, flags: list[str]) -> None:
+        """Lean mode: the request ended; its usage (the answer's tail from `"usage"` on) and Envoy's flags."""

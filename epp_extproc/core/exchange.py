@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 class PickerExchange:
-    __slots__ = ("_pipe", "_buf", "_held", "_deciding", "decision", "observer", "_closed")
+    __slots__ = ("_pipe", "_buf", "_held", "_deciding", "decision", "observer", "_closed", "_chunks")
 
     labels = ModelLabels()  # bounded model label values, shared by every exchange of the process
 
@@ -36,6 +36,7 @@ class PickerExchange:
         self.decision: Decision | None = None
         self.observer: UsageObserver | None = None
         self._closed = False
+        self._chunks = 0  # response body chunks seen on this stream (none in lean mode)
 
     # ------------------------------------------------------------ request
     def add_body(self, data: bytes) -> None:
@@ -84,6 +85,7 @@ class PickerExchange:
         if self.decision is None or not data:
             return
         self.decision.booking.prefill_done()  # the first non-empty chunk: prefill is over
+        self._chunks += 1
         if self.observer is not None:
             self.observer.on_chunk(data)
 
@@ -94,12 +96,16 @@ class PickerExchange:
         self._buf = bytearray()
         self._release_body()
         if self.decision is not None:
+            d = self.decision
+            seen = False
             if self.observer is not None:
                 try:
-                    self.observer.finish()
+                    seen = self.observer.finish()
                 except Exception:
                     log.exception("response observer failed")
-            self.decision.booking.free()
+            if not seen and self._chunks == 0:  # lean mode: the usage comes later, by the access log
+                self._pipe.late_usage.park(d.booking.id, self.labels(d.model), d.predicted_cached_tokens)
+            d.booking.free()
         self._pipe.gate.leave()
 
     def _release_body(self) -> None:

@@ -84,6 +84,10 @@ class LoadTracker:
     def load(self, address: str) -> EndpointLoad:
         return self._loads.get(address) or EndpointLoad()
 
+    def booking(self, booking_id: str) -> Booking | None:
+        """A live booking by id (lean mode's first-chunk signal names it), None once freed."""
+        return self._bookings.get(booking_id)
+
     def loads(self) -> dict[str, EndpointLoad]:
         return self._loads
 

@@ -21,11 +21,14 @@ from epp_extproc.core.cost import Candidate, CostParams, choose, eligible, loads
 from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.flow_control import Ticket
+from epp_extproc.core.late_usage import LateUsage
 from epp_extproc.core.load import Booking, LoadTracker
 from epp_extproc.core.logs import Throttled
-from epp_extproc.core.render import Renderer, RenderError, render_kind
+from epp_extproc.core.passthrough import ORIGINAL, FingerprintId, Verdict, decide
+from epp_extproc.core.render import Rendered, Renderer, RenderError, render_kind
 from epp_extproc.core.request import RequestContext, clip
 from epp_extproc.core.salt import resolve_salt
+from epp_extproc.core.usage import record_usage, usage_from_tail
 from epp_extproc.metrics import PickerMetrics
 
 log = logging.getLogger(__name__)
@@ -62,6 +65,10 @@ class Decision:
     model: str | None = None
     predicted_cached_tokens: int | None = None
 
+    @property
+    def booking_id(self) -> str:
+        return self.booking.id
+
 
 @dataclass(slots=True)
 class Plan:
@@ -73,6 +80,8 @@ class Plan:
     inject: dict[str, Any] = field(default_factory=dict)
     est_tokens: int = 0
     salted_load_only: bool = False
+    kind: str | None = None  # "chat" | "completion" when the renderer was (to be) asked
+    rendered: Rendered | None = None  # the render answer (None: not rendered, or the render failed)
 
     @property
     def route(self) -> str:
@@ -94,17 +103,21 @@ class Proposal:
     started: float
     score_seconds: float
     predicted_cached_tokens: int | None = None  # what the chosen worker should reuse (KV routing only)
+    parsed: ParsedBody | None = None
+    passthrough: Verdict | None = None  # whether the forwarded body carries the rendered prompt
 
 
 class Pipeline:
     def __init__(self, config: Config, registry: EndpointRegistry, load: LoadTracker, metrics: PickerMetrics,
-                 *, renderer: Renderer | None = None, kv: KvView | None = None) -> None:
+                 *, renderer: Renderer | None = None, kv: KvView | None = None,
+                 fingerprint_of: Callable[[str], FingerprintId | None] | None = None) -> None:
         self.config = config
         self.registry = registry
         self.load = load
         self.metrics = metrics
         self.renderer = renderer
         self.kv = kv
+        self.fingerprint_of = fingerprint_of  # a worker's render fingerprint, for prompt passthrough
         self.params = CostParams(config.kv_overlap_score_credit, config.prefill_load_scale,
                                  config.router_temperature)
         self.gate = InflightGate(config.max_inflight_requests, metrics.picker_inflight)
@@ -112,6 +125,7 @@ class Pipeline:
         # worker is saturated; None = no flow control
         self.admission: Callable[[RequestContext], Awaitable[Ticket]] | None = None
         self.bodies = BodyBudget(config.max_body_bytes, config.max_buffered_body_bytes, metrics.buffered_bytes)
+        self.late_usage = LateUsage()
 
     # ---------------------------------------------------------------- propose: no side effects
     def parse(self, ctx: RequestContext) -> ParsedBody | None:
@@ -139,6 +153,7 @@ class Pipeline:
         if self.renderer is None or parsed is None or kind is None:
             return plan
         protocol = self.renderer.protocol
+        plan.kind = kind
         salt = resolve_salt(ctx.headers, parsed.values)
         if salt is not None:
             if protocol == TokenizerProtocol.TRTLLM:
@@ -157,7 +172,8 @@ class Pipeline:
         except BodyError as e:
             raise PickError(Problem.BAD_REQUEST, str(e)) from None
         try:
-            plan.tokens = await self.renderer.render(kind, render_body, count=count)
+            plan.rendered = await self.renderer.render(kind, render_body, count=count)
+            plan.tokens = plan.rendered.token_ids
         except RenderError as e:
             self._render_failed(e, ctx)
             return plan
@@ -223,14 +239,22 @@ class Pipeline:
         chosen = choose(cands, params)
         score_seconds = time.perf_counter() - score_started
         body = ctx.body
+        verdict = self.passthrough(plan, parsed, chosen.address)
         if parsed is not None and body is not None:
+            inject = {**plan.inject, **verdict.inject} if verdict is not None and verdict.inject else plan.inject
             try:
-                body = rewrite(parsed, body, drop=DROP_MEMBERS, set_members=plan.inject)
+                forwarded = rewrite(parsed, body, drop=DROP_MEMBERS, set_members=inject)
+                if verdict is not None and verdict.inject and len(forwarded) > self.config.max_body_bytes:
+                    # the ids would push the body past the size every hop is sized for: send the original
+                    verdict = Verdict(ORIGINAL, "too_large")
+                    forwarded = rewrite(parsed, body, drop=DROP_MEMBERS, set_members=plan.inject)
             except BodyError as e:
                 raise PickError(Problem.BAD_REQUEST, str(e)) from None
+            body = forwarded
         model = parsed.values.get("model") if parsed is not None else None
         p = Proposal(chosen.address, body, self._booked_blocks(chosen, plan), plan, cands, chosen,
-                     model if isinstance(model, str) else None, started, score_seconds)
+                     model if isinstance(model, str) else None, started, score_seconds, parsed=parsed,
+                     passthrough=verdict)
         if plan.prompt is not None and self.kv is not None:
             p.predicted_cached_tokens = chosen.overlap_blocks * self.kv.block_size(chosen.address)
         return p
@@ -275,6 +299,8 @@ class Pipeline:
         self.metrics.requests.labels("routed").inc()
         if p.plan.salted_load_only:
             self.metrics.requests.labels("salted_load_only").inc()
+        if p.passthrough is not None:
+            self.metrics.prompt_passthrough.labels(p.passthrough.forward, p.passthrough.reason).inc()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("-> %s via %s (cost %.2f, overlap %d blocks)", p.address, p.plan.route, p.chosen.cost,
                       p.chosen.overlap_blocks)
@@ -288,6 +314,16 @@ class Pipeline:
             if ticket is not None:
                 ticket.release()
 
+    def passthrough(self, plan: Plan, parsed: ParsedBody | None, address: str) -> Verdict | None:
+        """May the body sent to `address` carry the rendered prompt (core/passthrough.py)? None when the
+        question does not arise: no TensorRT-LLM renderer, or not an inference request with a body."""
+        if (plan.kind is None or parsed is None or self.renderer is None
+                or self.renderer.protocol != TokenizerProtocol.TRTLLM):
+            return None
+        worker = self.fingerprint_of(address) if self.fingerprint_of is not None else None
+        return decide(self.config.prompt_passthrough, plan.kind, parsed.values, plan.rendered,
+                      salted_load_only=plan.salted_load_only, worker=worker)
+
     # ---------------------------------------------------------------- the edge's entry point
     def open(self) -> Any:
         """A new request (one ext_proc stream): admitted against the in-flight cap now, not at its headers."""
@@ -295,6 +331,30 @@ class Pipeline:
 
         self.gate.enter()
         return PickerExchange(self)
+
+    def first_chunk(self, booking_id: str) -> None:
+        """Lean mode: the observer stream saw the first non-empty response chunk of this booking."""
+        b = self.load.booking(booking_id)
+        if b is not None:
+            b.prefill_done()
+            self.metrics.lean_signals.labels("first_chunk").inc()
+        else:
+            self.metrics.lean_signals.labels("first_chunk_unknown").inc()
+
+    def access_logged(self, booking_id: str, usage_tail: bytes | None, flags: list[str]) -> None:
+        """Lean mode: Envoy's access log reports how a request ended and, when it had one, its usage."""
+        for f in flags:
+            self.metrics.response_flags.labels(f).inc()
+        pending = self.late_usage.take(booking_id)
+        if pending is None:
+            self.metrics.lean_signals.labels("access_log_unmatched").inc()
+            return
+        usage = usage_from_tail(usage_tail) if usage_tail else None
+        if usage is None:
+            self.metrics.lean_signals.labels("access_log_no_usage").inc()
+            return
+        self.metrics.lean_signals.labels("access_log_usage").inc()
+        record_usage(self.metrics, pending.model, pending.predicted_cached_tokens, usage, "access_log")
 
     def count_rejection(self, err: PickError) -> None:
         label = f"render_{err.render.label}" if err.render is not None else err.problem.value
@@ -310,6 +370,15 @@ class Pipeline:
                     "prefill_blocks": round(c.load.prefill_blocks, 3),
                     "decode_blocks": round(c.load.decode_blocks, 3), "cost": round(c.cost, 4)}
                    for c in p.candidates]
+        for w in workers:
+            v = self.passthrough(p.plan, p.parsed, str(w["address"]))
+            if v is not None:
+                w["prompt_passthrough"] = {"forwarded": v.forward, "reason": v.reason}
+        v = p.passthrough
+        injected = sorted({*p.plan.inject, *(v.inject if v is not None else ())})
+        # what the picked worker would receive: the rendered prompt (`tokens`) or the original body
+        forwarded = None if v is None else {"body": v.forward, "reason": v.reason, "members": sorted(v.inject)}
         return {"route": p.plan.route, "prompt_tokens": len(p.plan.tokens or []), "workers": workers,
                 "pick": p.address, "booked_blocks": round(p.booked_blocks, 3),
-                "predicted_cached_tokens": p.predicted_cached_tokens, "injected_members": sorted(p.plan.inject)}
+                "predicted_cached_tokens": p.predicted_cached_tokens, "injected_members": injected,
+                "forwarded": forwarded}

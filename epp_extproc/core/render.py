@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class RenderFailure(StrEnum):
@@ -46,11 +46,29 @@ class RenderError(Exception):
         return f"render {self.label}: {self.detail}"
 
 
+@dataclass(slots=True)
+class Rendered:
+    """What a render answer says about the prompt, beyond the ids the picker routes on.
+
+    The extra fields decide whether the forwarded request may carry the ids (prompt passthrough, see
+    core/passthrough.py). Missing fields take the value that forbids forwarding ids: a renderer that does not
+    say its ids are trusted (vLLM, SGLang, older builds) or that has no render context is never trusted.
+    """
+
+    token_ids: list[int]  # the prompt to route on (completions: the first prompt)
+    fingerprint: dict[str, Any] | None = None
+    tokens_trusted: bool = False
+    resolved_thinking: bool | None = None
+    prompt_tokens_excluded_from_usage: int = 0
+    has_context: bool = False  # the answer carried a `context` object
+    prompts: list[list[int]] | None = None  # completions: every prompt's ids; None if one is unusable
+
+
 class Renderer(Protocol):
     protocol: str
 
-    async def render(self, kind: str, body: bytes, *, count: bool = True) -> list[int]:
-        """Token ids of the prompt; `count=False` keeps a debug call out of the traffic metrics."""
+    async def render(self, kind: str, body: bytes, *, count: bool = True) -> Rendered:
+        """The rendered prompt; `count=False` keeps a debug call out of the traffic metrics."""
         ...
 
 

@@ -29,7 +29,7 @@ from epp_extproc.core.api import Exchange, Picker, Routed
 from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.request import RequestContext
 from epp_extproc.envoy.errors import http_error
-from epp_extproc.gaie import DEST_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
+from epp_extproc.gaie import BOOKING_KEY, DEST_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +84,13 @@ def _subset_hint(req: pb.ProcessingRequest) -> list[str] | None:
     return []  # a hint we cannot read narrows to nothing rather than widening
 
 
-def _served_endpoint(req: pb.ProcessingRequest) -> str | None:
+def _lb_value(req: pb.ProcessingRequest, key: str) -> str | None:
     if not req.HasField("metadata_context"):
         return None
     ns = req.metadata_context.filter_metadata.get(LB_NAMESPACE)
-    if ns is None or SERVED_KEY not in ns.fields:
+    if ns is None or key not in ns.fields:
         return None
-    return ns.fields[SERVED_KEY].string_value or None
+    return ns.fields[key].string_value or None
 
 
 def _header_mutation(routed: Routed | None, remove: list[str], content_length: int | None) -> pb.HeaderMutation:
@@ -105,9 +105,9 @@ def _header_mutation(routed: Routed | None, remove: list[str], content_length: i
     return m
 
 
-def _lb_metadata(address: str) -> struct_pb2.Struct:
+def _lb_metadata(routed: Routed) -> struct_pb2.Struct:
     s = struct_pb2.Struct()
-    s.update({LB_NAMESPACE: {DEST_HEADER: address}})
+    s.update({LB_NAMESPACE: {DEST_HEADER: routed.address, BOOKING_KEY: routed.booking_id}})
     return s
 
 
@@ -179,7 +179,7 @@ class _Stream:
         self.ctx: RequestContext | None = None
         self.body_done = False
         self.routed: Routed | None = None
-        self.finished = False  # an ImmediateResponse was sent: nothing more to say on this stream
+        self.finished = False  # an ImmediateResponse was sent, or an observer is done: stop reading
         self.deadline = time.monotonic() + svc.body_timeout_s
 
     async def _requests(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingRequest]:
@@ -246,11 +246,14 @@ class _Stream:
                     return
             yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
         elif kind == "response_headers":
-            served = _served_endpoint(req)
+            served = _lb_value(req, SERVED_KEY)
             if served is not None:
                 self.exchange.served_by(served)
             self.exchange.response_headers(_headers(req.response_headers)[2])
             yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+        elif kind == "response_body" and self.ctx is None:
+            # No request on this stream: the lean mode's observability-mode filter showing us the response.
+            self._observe_first_chunk(req)
         elif kind == "response_body":
             body = req.response_body
             self.exchange.response_chunk(body.body)
@@ -262,6 +265,20 @@ class _Stream:
                 yield pb.ProcessingResponse(response_body=pb.BodyResponse())
         elif kind == "response_trailers":
             yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+
+    def _observe_first_chunk(self, req: pb.ProcessingRequest) -> None:
+        """Lean mode: the first non-empty chunk ends the booking's prefill; the stream is then closed so
+        Envoy sends no more chunks (it does not wait for answers in observability mode, so nothing is lost)."""
+        self.exchange.close()  # an observer is not a request: it holds no slot and has no deadline
+        self.body_done = True
+        booking = _lb_value(req, BOOKING_KEY)
+        if booking is None:
+            self.finished = True  # nothing to tell: do not keep reading
+        elif req.response_body.body:
+            self.svc.picker.first_chunk(booking)
+            self.finished = True
+        elif req.response_body.end_of_stream:
+            self.finished = True
 
     async def _protocol_error(self, what: str) -> None:
         err = PickError(Problem.PROTOCOL, what)
@@ -321,7 +338,7 @@ class _Stream:
         self.ctx.body = None  # the exchange forwards `routed.body`; do not hold the original twice
         fwd = routed.body
         spoofed = self.ctx.spoofed_headers()
-        metadata = _lb_metadata(routed.address)
+        metadata = _lb_metadata(routed)
         if body is None:
             yield pb.ProcessingResponse(
                 request_headers=pb.HeadersResponse(response=pb.CommonResponse(

@@ -40,7 +40,7 @@ def body_msg(data: bytes, eos: bool) -> pb.ProcessingRequest:
 async def picker():
     cfg = Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1",
                  endpoints="a=127.0.0.1:9,b=127.0.0.1:10", max_inflight_requests=1,
-                 allowed_body_modes="FULL_DUPLEX_STREAMED")
+                 allowed_body_modes="FULL_DUPLEX_STREAMED", secure_serving=False)  # protocol, not TLS
     app = PickerApp(cfg)
     await app.start()
     ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}")
@@ -218,7 +218,7 @@ async def roomy():
     """A picker with room for several streams, a short body deadline and a small body budget."""
     cfg = Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1",
                  endpoints="a=127.0.0.1:9,b=127.0.0.1:10", max_inflight_requests=8, max_body_bytes=100_000,
-                 max_buffered_body_bytes=150_000, request_body_timeout_ms=300,
+                 max_buffered_body_bytes=150_000, request_body_timeout_ms=300, secure_serving=False,
                  allowed_body_modes="FULL_DUPLEX_STREAMED")
     app = PickerApp(cfg)
     await app.start()

@@ -72,7 +72,7 @@ def client(url: str, protocol: str = "trtllm-render", **kw: Any) -> RenderClient
 # ---------------------------------------------------------------- render client
 async def test_chat_render_returns_token_ids_from_the_chat_route(stub: StubRenderer) -> None:
     c = client(f"http://127.0.0.1:{stub.port}")
-    assert await c.render("chat", b"{}") == list(range(100))
+    assert (await c.render("chat", b"{}")).token_ids == list(range(100))
     assert stub.seen[-1][0] == "/v1/chat/completions/render"
     await c.close()
 
@@ -80,7 +80,7 @@ async def test_chat_render_returns_token_ids_from_the_chat_route(stub: StubRende
 async def test_completions_render_takes_the_first_object_of_the_array(stub: StubRenderer) -> None:
     stub.doc = [{"token_ids": [5, 6]}, {"token_ids": [7]}]
     c = client(f"http://127.0.0.1:{stub.port}")
-    assert await c.render("completion", b"{}") == [5, 6]
+    assert (await c.render("completion", b"{}")).token_ids == [5, 6]
     assert stub.seen[-1][0] == "/v1/completions/render"
     await c.close()
 
@@ -88,7 +88,7 @@ async def test_completions_render_takes_the_first_object_of_the_array(stub: Stub
 async def test_sglang_protocol_reads_input_ids(stub: StubRenderer) -> None:
     stub.doc = {"input_ids": [1, 2, 3], "token_ids": [9]}
     c = client(f"http://127.0.0.1:{stub.port}", "sglang-renderer")
-    assert await c.render("chat", b"{}") == [1, 2, 3]
+    assert (await c.render("chat", b"{}")).token_ids == [1, 2, 3]
     await c.close()
 
 

@@ -22,6 +22,7 @@ Mode = processing_mode_pb2.ProcessingMode
 class Routed:
     address: str
     body: bytes | None
+    booking_id: str = "b-1"
 
 
 @dataclass
@@ -54,8 +55,9 @@ class FakeExchange:
     def response_chunk(self, data: bytes) -> None:
         self.log.append(f"chunk {len(data)}")
 
-    def close(self) -> None:
-        self.log.append("close")
+    def close(self) -> None:  # idempotent, like the real exchange
+        if "close" not in self.log:
+            self.log.append("close")
 
 
 class FakePicker:
@@ -63,6 +65,7 @@ class FakePicker:
         self.exchanges: list[FakeExchange] = []
         self.full = full
         self.refused: list[Problem] = []
+        self.signals: list[str] = []
 
     def open(self) -> FakeExchange:
         if self.full:
@@ -72,6 +75,12 @@ class FakePicker:
 
     def count_rejection(self, err: PickError) -> None:
         self.refused.append(err.problem)
+
+    def first_chunk(self, booking_id: str) -> None:
+        self.signals.append(f"first_chunk {booking_id}")
+
+    def access_logged(self, booking_id: str, usage_tail: bytes | None, flags: list[str]) -> None:
+        self.signals.append(f"access_log {booking_id}")
 
 
 class Aborted(Exception):
@@ -182,3 +191,13 @@ async def test_response_chunks_and_the_served_endpoint_are_reported_to_the_excha
     assert p.exchanges[0].log == ["decide /v1/chat/completions", "served 10.0.0.2:8000", "response_headers",
                                   "chunk 9", "close"]
     assert out[-1].response_body.response.body_mutation.streamed_response.body == b"data: x\n\n"
+
+
+async def test_an_observer_stream_reports_the_first_chunk_of_its_booking_and_holds_no_slot() -> None:
+    p = FakePicker()
+    first = pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: x\n\n"))
+    first.metadata_context.filter_metadata["envoy.lb"].update({"x-epp-booking-id": "epp-7"})
+    later = pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: y\n\n"))
+    out, _ = await drive(p, [first, later])
+    assert out == [] and p.signals == ["first_chunk epp-7"]
+    assert p.exchanges[0].log == ["close"]  # the slot is given back at once

@@ -13,7 +13,7 @@ from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.load import LoadTracker
 from epp_extproc.core.pipeline import Pipeline
-from epp_extproc.core.render import RenderError, RenderFailure
+from epp_extproc.core.render import Rendered, RenderError, RenderFailure
 from epp_extproc.core.request import RequestContext
 from epp_extproc.metrics import PickerMetrics
 
@@ -26,11 +26,11 @@ class FakeRenderer:
         self.fail: RenderError | None = None
         self.calls: list[bool] = []
 
-    async def render(self, kind: str, body: bytes, *, count: bool = True) -> list[int]:
+    async def render(self, kind: str, body: bytes, *, count: bool = True) -> Rendered:
         self.calls.append(count)
         if self.fail is not None:
             raise self.fail
-        return list(range(100))
+        return Rendered(list(range(100)))
 
 
 class FakeKv:
