@@ -79,7 +79,8 @@ def build_metrics_app(metrics: PickerMetrics) -> web.Application:
 
 def build_admin_app(registry: EndpointRegistry, load: LoadTracker, metrics: PickerMetrics, *,
                     kv_snapshot: Callable[[], dict[str, Any]] | None = None,
-                    score: ScoreHandler | None = None) -> web.Application:
+                    score: ScoreHandler | None = None,
+                    flow_snapshot: Callable[[], dict[str, Any]] | None = None) -> web.Application:
     app = web.Application(client_max_size=MAX_ADMIN_BODY)
 
     async def get_endpoints(_: web.Request) -> web.Response:
@@ -114,7 +115,13 @@ def build_admin_app(registry: EndpointRegistry, load: LoadTracker, metrics: Pick
         except ValueError as e:
             return web.json_response({"error": str(e)}, status=400)
 
+    async def get_flow(_: web.Request) -> web.Response:
+        if flow_snapshot is None:
+            return web.json_response({"error": "flow control not wired"}, status=404)
+        return web.json_response(flow_snapshot())
+
     app.router.add_get("/metrics", _metrics_handler(metrics))
+    app.router.add_get("/debug/flow", get_flow)
     app.router.add_get("/debug/endpoints", get_endpoints)
     app.router.add_get("/debug/kv", get_kv)
     app.router.add_post("/debug/score", post_score)

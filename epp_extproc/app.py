@@ -16,18 +16,21 @@ from aiohttp import web
 from epp_extproc.adapters.discovery_static import FileDiscovery, parse_flag
 from epp_extproc.adapters.endpoint_probe import EndpointProber
 from epp_extproc.adapters.kv_routing import KvRouting
+from epp_extproc.adapters.objectives import ObjectiveCrdPoller, ObjectivesFile
 from epp_extproc.adapters.render_client import RenderClient
 from epp_extproc.adapters.render_fingerprint import FingerprintWatcher
+from epp_extproc.adapters.worker_metrics import WorkerMetricsScraper
 from epp_extproc.admin import build_admin_app, build_metrics_app, debug_score
 from epp_extproc.config import Config
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
+from epp_extproc.core.flow_control import FlowController, ObjectiveTable, SaturationDetector, Thresholds
 from epp_extproc.core.load import LoadTracker
 from epp_extproc.core.pipeline import Pipeline
 from epp_extproc.envoy.access_log import AccessLogServicer, als_pb2_grpc
 from epp_extproc.envoy.extproc import ExtProcServicer, pb_grpc
 from epp_extproc.envoy.health import HEALTH_SERVER_OPTIONS, Health
 from epp_extproc.envoy.tls import CertSource, ServerCert
-from epp_extproc.metrics import PickerMetrics
+from epp_extproc.metrics import PickerMetrics, PromFlowMetrics
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,7 @@ class PickerApp:
                                                    refresh_s=config.render_fingerprint_refresh_ms / 1000)
         self.pipeline = Pipeline(config, self.registry, self.load, self.metrics, renderer=self.renderer,
                                  kv=self.kv, fingerprint_of=self.fingerprints.get if self.fingerprints else None)
+        self._setup_flow_control()
         self.health = Health()
         self.servicer = ExtProcServicer(self.pipeline, allowed_modes=config.body_modes(),
                                         body_timeout_s=config.request_body_timeout_ms / 1000)
@@ -83,7 +87,8 @@ class PickerApp:
         if config.endpoint_probe_interval_ms > 0:
             self.prober = EndpointProber(self.registry, interval_s=config.endpoint_probe_interval_ms / 1000,
                                          path=config.endpoint_probe_path,
-                                         max_rate=config.endpoint_probe_max_rate, on_lost=self._on_lost)
+                                         max_rate=config.endpoint_probe_max_rate, on_lost=self._on_lost,
+                                         on_change=self.flow.dispatch if self.flow is not None else None)
 
     def _on_lost(self, address: str) -> None:
         """A worker's process is gone: its KV cache (and perhaps its rendering configuration) with it."""
@@ -92,10 +97,52 @@ class PickerApp:
         if self.fingerprints is not None:
             self.fingerprints.lost(address)
 
+    def _setup_flow_control(self) -> None:
+        """Worker metrics feed saturation and the cost; the flow controller admits proposals (Pipeline.admit)."""
+        cfg = self.config
+        self.objectives = ObjectiveTable()
+        self.detector = SaturationDetector(
+            Thresholds(queue_depth=cfg.queue_depth_threshold, kv_utilization=cfg.kv_cache_util_threshold,
+                       prefill_tokens=cfg.max_num_batched_tokens,
+                       staleness_s=cfg.worker_metrics_staleness_ms / 1000),
+            self.load.loads, cfg.kv_cache_block_size)
+        self.flow: FlowController | None = None
+        if cfg.flow_control:
+            flow = self.flow = FlowController(
+                self.detector, lambda: [ep.address for ep in self.registry.routable()],
+                ttl_s=cfg.flow_control_queue_ttl_s, max_queued=cfg.flow_control_max_queued_requests,
+                metrics=PromFlowMetrics(self.metrics))
+            self.load.on_release(flow.dispatch)
+            self.pipeline.admission = lambda ctx: flow.admit(self.objectives.flow_key(ctx.headers), ctx.subset)
+        self.scraper: WorkerMetricsScraper | None = None
+        if cfg.worker_metrics_interval_ms > 0:
+            errors = self.metrics.worker_scrape_errors
+            self.scraper = WorkerMetricsScraper(
+                self.registry, self.load, self.detector, interval_s=cfg.worker_metrics_interval_ms / 1000,
+                path=cfg.worker_metrics_path, on_sample=self.flow.dispatch if self.flow else None,
+                on_error=lambda address, _why: errors.labels(address).inc())
+
+    def flow_snapshot(self) -> dict[str, object]:
+        """GET /debug/flow: the queue and what the detector thinks of each worker."""
+        workers = {}
+        for ep in self.registry.all():
+            st = self.detector.state(ep.address)
+            s = self.detector.fresh(ep.address)
+            workers[ep.address] = {"saturated": st.saturated, "headroom": min(st.headroom, 1 << 20),
+                                   "why": st.why, "waiting_est": st.waiting_est,
+                                   "scraped": None if s is None else {"waiting": s.waiting, "running": s.running,
+                                                                      "kv_utilization": s.kv_utilization},
+                                   "unbooked_blocks": round(self.load.load(ep.address).unbooked_blocks, 3)}
+        return {"enabled": self.flow is not None, "queue": self.flow.snapshot() if self.flow else None,
+                "objectives": self.objectives.snapshot(), "workers": workers}
+
     def _on_endpoints(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
         for ep in removed:
             if self.registry.get(ep.address) is None:
                 self.load.forget(ep.address)
+                self.detector.forget(ep.address)
+        if added and self.flow is not None:
+            self.flow.dispatch()
         self.metrics.endpoints.set(len(self.registry))
         self._spawn(self.health.set_ready(self.registry.synced and len(self.registry) > 0))
 
@@ -137,7 +184,7 @@ class PickerApp:
         self.health_port = self._health_server.add_insecure_port(f"{cfg.bind}:{cfg.health_port}")
         admin = build_admin_app(self.registry, self.load, self.metrics,
                                 kv_snapshot=self.kv.snapshot if self.kv else None,
-                                score=self.debug_score)
+                                score=self.debug_score, flow_snapshot=self.flow_snapshot)
         shared = (cfg.admin_bind, cfg.admin_port) == (cfg.bind, cfg.metrics_port) and cfg.admin_port != 0
         self._admin = web.AppRunner(admin, access_log=None)
         self.admin_port = await _serve(self._admin, cfg.admin_bind, cfg.admin_port)
@@ -151,6 +198,9 @@ class PickerApp:
             self._tasks.append(asyncio.create_task(self.prober.run()))
         if self.fingerprints is not None:
             self._tasks.append(asyncio.create_task(self.fingerprints.run()))
+        if self.scraper is not None:
+            self._tasks.append(asyncio.create_task(self.scraper.run()))
+        self._start_objectives()
         await self._grpc.start()
         await self._health_server.start()
         log.info("picker listening: ext_proc %s:%d, health %s:%d, metrics http://%s:%d/metrics, "
@@ -188,8 +238,23 @@ class PickerApp:
                         "--inference-pool-name): every request will get 503")
             self.registry.replace([])
 
+    def _start_objectives(self) -> None:
+        cfg = self.config
+        if cfg.inference_pool_name:
+            from epp_extproc.adapters.discovery_k8s import default_namespace
+
+            poller = ObjectiveCrdPoller(self.objectives, cfg.inference_pool_name,
+                                        cfg.namespace or default_namespace(), kubeconfig=cfg.kubeconfig)
+            self._tasks.append(asyncio.create_task(poller.run()))
+        elif cfg.inference_objectives_file:
+            f = ObjectivesFile(self.objectives, cfg.inference_objectives_file)
+            f.load_once()
+            self._tasks.append(asyncio.create_task(f.run()))
+
     async def stop(self, grace: float = 1.0) -> None:
         await self.health.shutdown()
+        if self.flow is not None:
+            self.flow.close()  # queued requests get 503 now rather than a reset stream later
         for t in list(self._tasks):
             t.cancel()
         for t in list(self._tasks):

@@ -190,6 +190,31 @@ OPTIONS: tuple[Option, ...] = (
            "0 = argmin with random ties; > 0 = softmax sampling over normalised costs"),
     Option("--prediction-ttl-s", "DYN_EPP_PREDICTION_TTL_S", 2.0, float,
            "how long a pick counts as cached on its worker before its KV events confirm it"),
+    # Worker metrics and flow control
+    Option("--worker-metrics-interval-ms", "DYN_EPP_WORKER_METRICS_INTERVAL_MS", 100, int,
+           "scrape each worker's Prometheus metrics this often (queue, running, KV utilisation) for "
+           "saturation and the load this picker did not book; 0 = off"),
+    Option("--worker-metrics-staleness-ms", "DYN_EPP_WORKER_METRICS_STALENESS_MS", 300, int,
+           "a worker's metrics older than this are ignored (it is judged by this picker's bookings only)"),
+    Option("--worker-metrics-path", "DYN_EPP_WORKER_METRICS_PATH", "/metrics", str,
+           "HTTP path of the workers' Prometheus metrics"),
+    Option("--flow-control", "DYN_EPP_FLOW_CONTROL", False, _bool,
+           "queue requests in the picker while every worker is saturated: priority bands, fairness, TTL"),
+    Option("--flow-control-queue-ttl-s", "DYN_EPP_FLOW_CONTROL_QUEUE_TTL_S", 30.0, float,
+           "longest a request waits in the queue, then 429 (503 when no endpoint exists); keep it below "
+           "the gateway's ext_proc message_timeout"),
+    Option("--flow-control-max-queued-requests", "DYN_EPP_FLOW_CONTROL_MAX_QUEUED_REQUESTS", 512, int,
+           "queue bound; when full, a request displaces the newest one of a lower band or gets 429"),
+    Option("--queue-depth-threshold", "DYN_EPP_QUEUE_DEPTH_THRESHOLD", 5, int,
+           "a worker with this many requests waiting in its engine (beyond a full batch) is saturated; 0 = "
+           "saturated as soon as its batch is full, so nothing queues where it cannot be reordered"),
+    Option("--kv-cache-util-threshold", "DYN_EPP_KV_CACHE_UTIL_THRESHOLD", 0.8, float,
+           "a worker with this fraction of its KV cache in use is saturated"),
+    Option("--max-num-batched-tokens", "DYN_EPP_MAX_NUM_BATCHED_TOKENS", 0, int,
+           "a worker with this many prompt tokens booked in prefill by this picker is saturated; 0 = off"),
+    Option("--inference-objectives-file", "DYN_EPP_INFERENCE_OBJECTIVES_FILE", None, _opt_str,
+           "YAML/JSON objectives (name -> priority, or InferenceObjective manifests), reloaded when it "
+           "changes; with --inference-pool-name the InferenceObjective CRD is read instead"),
 )
 
 ENV_NAMES: frozenset[str] = frozenset(o.env for o in OPTIONS if o.env)
@@ -250,6 +275,16 @@ class Config:
     prefill_load_scale: float = _default("prefill_load_scale")
     router_temperature: float = _default("router_temperature")
     prediction_ttl_s: float = _default("prediction_ttl_s")
+    worker_metrics_interval_ms: int = _default("worker_metrics_interval_ms")
+    worker_metrics_staleness_ms: int = _default("worker_metrics_staleness_ms")
+    worker_metrics_path: str = _default("worker_metrics_path")
+    flow_control: bool = _default("flow_control")
+    flow_control_queue_ttl_s: float = _default("flow_control_queue_ttl_s")
+    flow_control_max_queued_requests: int = _default("flow_control_max_queued_requests")
+    queue_depth_threshold: int = _default("queue_depth_threshold")
+    kv_cache_util_threshold: float = _default("kv_cache_util_threshold")
+    max_num_batched_tokens: int = _default("max_num_batched_tokens")
+    inference_objectives_file: str | None = _default("inference_objectives_file")
 
     def __post_init__(self) -> None:
         for f in fields(self):  # accept plain strings from code and tests; store the enum
@@ -300,6 +335,22 @@ class Config:
             raise ValueError("DYN_EPP_REQUEST_BODY_TIMEOUT_MS must be positive")
         if self.router_temperature < 0:
             raise ValueError("DYN_ROUTER_TEMPERATURE must be >= 0")
+        if self.worker_metrics_interval_ms < 0 or self.worker_metrics_staleness_ms <= 0:
+            raise ValueError("DYN_EPP_WORKER_METRICS_INTERVAL_MS must be >= 0 and "
+                             "DYN_EPP_WORKER_METRICS_STALENESS_MS > 0")
+        if not 0 < self.flow_control_queue_ttl_s < 600:
+            raise ValueError("DYN_EPP_FLOW_CONTROL_QUEUE_TTL_S must be in (0, 600): the shipped Envoy configs "
+                             "wait 600 s (message_timeout) for the picker's answer")
+        if self.flow_control_max_queued_requests <= 0 or self.queue_depth_threshold < 0:
+            raise ValueError("DYN_EPP_FLOW_CONTROL_MAX_QUEUED_REQUESTS must be positive and "
+                             "DYN_EPP_QUEUE_DEPTH_THRESHOLD >= 0")
+        if not 0 < self.kv_cache_util_threshold <= 1:
+            raise ValueError("DYN_EPP_KV_CACHE_UTIL_THRESHOLD must be in (0, 1]")
+        if self.max_num_batched_tokens < 0:
+            raise ValueError("DYN_EPP_MAX_NUM_BATCHED_TOKENS must be >= 0 (0 = off)")
+        if self.flow_control and self.worker_metrics_interval_ms == 0 and self.max_num_batched_tokens == 0:
+            raise ValueError("DYN_EPP_FLOW_CONTROL needs a saturation signal: worker metrics "
+                             "(DYN_EPP_WORKER_METRICS_INTERVAL_MS > 0) or DYN_EPP_MAX_NUM_BATCHED_TOKENS")
         modes = self.body_modes()
         bad = [m for m in modes if m not in BODY_MODES]
         if bad or not modes:

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from epp_extproc.core.flow_control import FlowMetrics
+
 DECISION_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25,
                     0.5, 1.0, 2.5, 5.0)
+WAIT_BUCKETS = (1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
@@ -63,3 +66,39 @@ class PickerMetrics:
             "(ok, missing, error)", ["outcome"], registry=r)
         self.usage_observed = Counter("epp_usage_observed", "Responses whose usage the picker could read",
                                       ["kind"], registry=r)
+        # flow control (labels: `priority` = the request's band, bounded by the configured objectives)
+        self.flow_queue_size = Gauge("epp_flow_control_queue_size", "Requests waiting in the flow-control "
+                                     "queue, per priority band", ["priority"], registry=r)
+        self.flow_wait_seconds = Histogram(
+            "epp_flow_control_queue_wait_seconds", "Time requests spent in the flow-control queue, by how it "
+            "ended (dispatched, or the drop reason)", ["priority", "outcome"], buckets=WAIT_BUCKETS, registry=r)
+        self.flow_dispatched = Counter("epp_flow_control_dispatched", "Requests let through by flow control",
+                                       ["priority"], registry=r)
+        self.flow_rejected = Counter("epp_flow_control_rejected", "Requests flow control answered itself, "
+                                     "by reason (rejected-saturated, rejected-ttl-expired, rejected-no-endpoints, "
+                                     "rejected-shutting-down, client_cancelled)", ["priority", "reason"], registry=r)
+        self.flow_saturated = Gauge("epp_flow_control_pool_saturated", "1 while requests are held because every "
+                                    "eligible worker is saturated", registry=r)
+        self.worker_scrape_errors = Counter("epp_worker_metrics_scrape_errors", "Failed scrapes of a worker's "
+                                            "engine metrics", ["endpoint"], registry=r)
+
+
+class PromFlowMetrics(FlowMetrics):
+    """Feeds the flow controller's events into the picker's Prometheus metrics."""
+
+    def __init__(self, m: PickerMetrics) -> None:
+        self.m = m
+
+    def queued(self, priority: int, size: int) -> None:
+        self.m.flow_queue_size.labels(str(priority)).set(size)
+
+    def dispatched(self, priority: int, waited_s: float) -> None:
+        self.m.flow_dispatched.labels(str(priority)).inc()
+        self.m.flow_wait_seconds.labels(str(priority), "dispatched").observe(waited_s)
+
+    def rejected(self, priority: int, reason: str, waited_s: float) -> None:
+        self.m.flow_rejected.labels(str(priority), reason).inc()
+        self.m.flow_wait_seconds.labels(str(priority), reason).observe(waited_s)
+
+    def saturated(self, saturated: bool) -> None:
+        self.m.flow_saturated.set(1 if saturated else 0)

@@ -66,6 +66,9 @@ class EchoUpstream:
 
     async def _handle(self, req: web.Request) -> web.StreamResponse:
         body = await req.read()
+        if req.method == "GET" and req.path in ("/metrics", "/health"):
+            # the picker's own worker-metrics scraper and endpoint prober: not the traffic tests count
+            return web.Response(status=404 if req.path == "/metrics" else 200)
         self.seen.append(Seen(req.method, req.path_qs, dict(req.headers), body))
         hdrs = {"x-upstream-name": self.name}
         if req.path == "/sse":

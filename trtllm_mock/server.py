@@ -65,6 +65,14 @@ def object_error(message: str, status: int = 400) -> web.Response:
     return web.json_response(body, status=status)
 
 
+def _referenced_fraction(cache: KVCache) -> float:
+    """Blocks running requests hold (pinned cached + private + orphaned) over capacity. Like the real
+    engines, unreferenced cached blocks count as free: they are reused or evicted on demand, so a warm cache
+    is not a full one (a gauge counting them would sit near 1.0 on every idle, long-running worker)."""
+    pinned = sum(1 for b in cache.blocks.values() if b.ref_count > 0)
+    return (pinned + cache.private_in_use + cache.orphans) / cache.num_blocks
+
+
 class _EngineCollector(Collector):
     """Reads gauges at scrape time, so /metrics is never stale and nothing has to update gauges eagerly."""
 
@@ -79,7 +87,10 @@ class _EngineCollector(Collector):
         )
         yield GaugeMetricFamily("trtllm_num_requests_running", "Requests running", e.running)
         yield GaugeMetricFamily(
-            "trtllm_kv_cache_utilization", "Fraction of KV blocks in use", e.cache.utilization
+            "trtllm_max_num_active_requests", "Most requests the engine runs at once", cfg.max_batch_size
+        )
+        yield GaugeMetricFamily(
+            "trtllm_kv_cache_utilization", "Fraction of KV blocks in use", _referenced_fraction(e.cache)
         )
         yield GaugeMetricFamily(
             "trtllm_kv_cache_tokens_per_block", "Tokens per KV block", cfg.tokens_per_block

@@ -1,7 +1,13 @@
 """Choosing a worker: the Dynamo KV-router cost over the candidates, on plain Python values.
 
 cost = prefill_load_scale * max(prefill blocks in flight + this prompt's blocks - credit * overlap, 0)
-       + decode blocks in flight
+       + decode blocks in flight + unbooked blocks
+
+"Unbooked blocks" is load on the worker that this picker did not book: requests from other gateways,
+other picker replicas or clients talking to the worker directly. It comes from the worker's own scraped
+metrics (adapters/worker_metrics.py: requests the engine reports minus the ones this picker had booked on
+it, each weighed like an average booking of this picker) and is priced like decode load, because whether
+those requests are still prefilling is unknown. It is 0 when worker metrics are off or stale.
 
 Temperature 0 picks the argmin with exact ties broken at random; temperature T > 0 samples from a softmax
 over range-normalised costs. With no prompt information (no render, body-less request) every booking
@@ -36,7 +42,7 @@ class Candidate:
 
 def compute_cost(c: Candidate, p: CostParams) -> float:
     prefill = c.load.prefill_blocks + c.prompt_blocks - p.overlap_credit * c.overlap_blocks
-    return p.prefill_load_scale * max(prefill, 0.0) + c.load.decode_blocks
+    return p.prefill_load_scale * max(prefill, 0.0) + c.load.decode_blocks + c.load.unbooked_blocks
 
 
 def choose(candidates: Sequence[Candidate], params: CostParams, rng: random.Random | None = None) -> Candidate:

@@ -23,6 +23,9 @@ class Problem(StrEnum):
     NO_ENDPOINT = "no_endpoint"  # nothing discovered / healthy
     NO_ENDPOINT_IN_SUBSET = "no_endpoint_in_subset"  # the gateway's subset hint names none we know
     OVERLOADED = "overloaded"  # above --max-inflight-requests
+    FLOW_SATURATED = "flow_saturated"  # flow control: sheddable while saturated, or the queue full (429)
+    FLOW_TTL_EXPIRED = "flow_ttl_expired"  # flow control: waited past --flow-control-queue-ttl-s (429)
+    FLOW_SHUTDOWN = "flow_shutting_down"  # flow control: the picker stopped while the request was queued
     RENDER_FAILED = "render_failed"  # the renderer failed and the policy says fail (see `render`)
     UNSUPPORTED_MODE = "unsupported_mode"  # Envoy announced a body mode this picker does not serve
     PROTOCOL = "protocol_error"  # the gateway broke the ext_proc contract (e.g. two requests on a stream)
@@ -34,6 +37,7 @@ class PickError(Exception):
     problem: Problem
     detail: str
     render: RenderError | None = None  # the renderer's failure, for RENDER_FAILED
+    headers: tuple[tuple[str, str], ...] = ()  # extra response headers (flow control says why it dropped)
 
     def __str__(self) -> str:
         return f"{self.problem.value}: {self.detail}"

@@ -55,7 +55,10 @@ class PickerExchange:
             raise PickError(Problem.PROTOCOL, "one HTTP request per ext_proc stream: a second request_headers")
         self._deciding = True
         try:
-            self.decision = self._pipe.commit(await self._pipe.propose(request))
+            p, ticket = await self._pipe.admit(await self._pipe.propose(request), request)  # flow control
+            self.decision = self._pipe.commit(p)
+            if ticket is not None:
+                ticket.release()  # booked: the worker's load now counts it
         finally:
             self._release_body()
         self.observer = UsageObserver(self.decision, self._pipe.metrics, self.labels)

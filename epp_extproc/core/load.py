@@ -8,9 +8,13 @@ away. Bookings are idempotent to release, so every exit path can simply call `fr
 from __future__ import annotations
 
 import itertools
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import Gauge
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -18,6 +22,9 @@ class EndpointLoad:
     inflight: int = 0
     prefill_blocks: float = 0.0  # blocks of prompts still being prefilled
     decode_blocks: float = 0.0  # blocks held by every request in flight
+    # load on the worker that this picker did not book (other gateways, replicas, direct clients), from
+    # its scraped metrics (adapters/worker_metrics.py); priced like decode blocks in core/cost.py
+    unbooked_blocks: float = 0.0
 
 
 class Booking:
@@ -60,6 +67,19 @@ class LoadTracker:
         self._bookings: dict[str, Booking] = {}
         self._ids = itertools.count(1)
         self._gauge = gauge
+        self._listeners: list[Callable[[], None]] = []
+
+    def on_release(self, listener: Callable[[], None]) -> None:
+        """Call `listener` whenever load goes down (prefill done or a booking freed): flow control
+        dispatches queued requests then."""
+        self._listeners.append(listener)
+
+    def _released(self) -> None:
+        for listener in self._listeners:
+            try:
+                listener()
+            except Exception:  # a broken listener must not leak a booking
+                log.exception("load listener failed")
 
     def load(self, address: str) -> EndpointLoad:
         return self._loads.get(address) or EndpointLoad()
@@ -92,11 +112,13 @@ class LoadTracker:
         ld = self._loads.get(b.address)
         if ld is not None:
             ld.prefill_blocks = max(0.0, ld.prefill_blocks - b.prefill_blocks)
+        self._released()
 
     def _release(self, b: Booking, prefilling: bool) -> None:
         self._bookings.pop(b.id, None)
         ld = self._loads.get(b.address)
         if ld is None:
+            self._released()
             return
         ld.inflight -= 1
         if prefilling:
@@ -106,6 +128,7 @@ class LoadTracker:
             ld.inflight, ld.prefill_blocks, ld.decode_blocks = 0, 0.0, 0.0
         if self._gauge is not None:
             self._gauge.labels(b.address).set(ld.inflight)
+        self._released()
 
     def total_inflight(self) -> int:
         return len(self._bookings)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from epp_extproc.config import Config, RenderPolicy, SaltPolicy, TokenizerProtocol
@@ -20,6 +20,7 @@ from epp_extproc.core.body import BodyError, ParsedBody, parse_object, rewrite
 from epp_extproc.core.cost import Candidate, CostParams, choose, eligible, loads_for
 from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.errors import PickError, Problem
+from epp_extproc.core.flow_control import Ticket
 from epp_extproc.core.late_usage import LateUsage
 from epp_extproc.core.load import Booking, LoadTracker
 from epp_extproc.core.logs import Throttled
@@ -121,6 +122,9 @@ class Pipeline:
         self.params = CostParams(config.kv_overlap_score_credit, config.prefill_load_scale,
                                  config.router_temperature)
         self.gate = InflightGate(config.max_inflight_requests, metrics.picker_inflight)
+        # flow control (core/flow_control.py, wired by app.py): a proposal waits for a ticket while every
+        # worker is saturated; None = no flow control
+        self.admission: Callable[[RequestContext], Awaitable[Ticket]] | None = None
         self.bodies = BodyBudget(config.max_body_bytes, config.max_buffered_body_bytes, metrics.buffered_bytes)
         self.late_usage = LateUsage()
 
@@ -257,6 +261,35 @@ class Pipeline:
             p.predicted_cached_tokens = chosen.overlap_blocks * self.kv.block_size(chosen.address)
         return p
 
+    # ---------------------------------------------------------------- flow control, between the two
+    async def admit(self, p: Proposal, ctx: RequestContext) -> tuple[Proposal, Ticket | None]:
+        """Wait for flow control's admission (raises PickError: 429 / 503); hold the ticket until committed.
+
+        A proposal that had to wait is re-scored against the load of the moment it was let through (the
+        render is not repeated): the worker it chose before waiting may be the one that is now full.
+        """
+        if self.admission is None:
+            return p, None
+        ticket = await self.admission(ctx)
+        if ticket.waited_s <= 0:
+            return p, ticket
+        try:
+            return self._rescore(p, ctx, ticket.waited_s), ticket
+        except BaseException:
+            ticket.release()
+            raise
+
+    def _rescore(self, p: Proposal, ctx: RequestContext, waited_s: float) -> Proposal:
+        score_started = time.perf_counter()
+        cands = self.candidates(self._eligible(ctx), p.plan)
+        chosen = choose(cands, self.params)
+        q = replace(p, address=chosen.address, candidates=cands, chosen=chosen,
+                    booked_blocks=self._booked_blocks(chosen, p.plan), started=p.started + waited_s,
+                    score_seconds=time.perf_counter() - score_started)
+        if p.plan.prompt is not None and self.kv is not None:
+            q.predicted_cached_tokens = chosen.overlap_blocks * self.kv.block_size(chosen.address)
+        return q
+
     # ---------------------------------------------------------------- commit: side effects, cannot fail
     def commit(self, p: Proposal) -> Decision:
         booking = self.load.book(p.address, p.booked_blocks)
@@ -276,7 +309,12 @@ class Pipeline:
         return Decision(p.address, p.body, booking, p.model, p.predicted_cached_tokens)
 
     async def decide(self, ctx: RequestContext) -> Decision:
-        return self.commit(await self.propose(ctx))
+        p, ticket = await self.admit(await self.propose(ctx), ctx)
+        try:
+            return self.commit(p)
+        finally:
+            if ticket is not None:
+                ticket.release()
 
     def passthrough(self, plan: Plan, parsed: ParsedBody | None, address: str) -> Verdict | None:
         """May the body sent to `address` carry the rendered prompt (core/passthrough.py)? None when the

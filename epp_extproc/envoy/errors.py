@@ -25,6 +25,9 @@ _STATUS: dict[Problem, int] = {
     Problem.SALT_REJECTED: 400,
     Problem.NO_ENDPOINT: 503,
     Problem.OVERLOADED: 503,
+    Problem.FLOW_SATURATED: 429,  # GAIE: capacity exists but is contended (back-pressure)
+    Problem.FLOW_TTL_EXPIRED: 429,
+    Problem.FLOW_SHUTDOWN: 503,
     Problem.PROTOCOL: 400,
     Problem.UNSUPPORTED_MODE: 500,
     Problem.INTERNAL: 500,
@@ -55,6 +58,7 @@ class HttpError:
     message: str
     code: str  # machine-readable reason: the metric label and OpenAI's `error.code`
     openai: bool  # answer OpenAI-shaped JSON (the request was on an OpenAI route)
+    headers: tuple[tuple[str, str], ...] = ()  # extra response headers the core asked for
 
     @property
     def content_type(self) -> bytes:
@@ -76,4 +80,4 @@ def http_error(err: PickError, path: str) -> HttpError:
         status, code = render_status(err.render), f"render_{err.render.label}"
     else:
         status, code = _STATUS[err.problem], err.problem.value
-    return HttpError(status, err.detail, code, is_openai_route(path))
+    return HttpError(status, err.detail, code, is_openai_route(path), err.headers)

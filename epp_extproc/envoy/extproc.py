@@ -117,7 +117,9 @@ def immediate(err: PickError, path: str) -> pb.ProcessingResponse:
         status=http_status_pb2.HttpStatus(code=e.status),
         body=e.body(),
         headers=pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key="content-type", raw_value=e.content_type))]),
+            header=base_pb2.HeaderValue(key="content-type", raw_value=e.content_type))] + [
+            base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()))
+            for k, v in e.headers]),
         details=f"epp_{e.code}"))
 
 

@@ -1,0 +1,144 @@
+"""Where InferenceObjective priorities come from: a file, or the GAIE CRD when discovery is Kubernetes.
+
+Both sources replace the whole `ObjectiveTable` (core/flow_control.py) on every successful read and keep the
+previous table on a failed one, so a bad edit or an API outage never drops every request to priority 0.
+
+The CRD is GAIE's `InferenceObjective` (`inference.networking.x-k8s.io/v1alpha2`, plural
+`inferenceobjectives`, namespaced): `metadata.name` is what the `x-gateway-inference-objective` header names,
+`spec.priority` the band (unset = 0), `spec.poolRef.name` the pool it applies to. Objectives are few and
+change rarely, so a periodic list is enough (no watch to keep alive); the picker's ServiceAccount needs
+`list` on that resource.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+import yaml
+
+from epp_extproc.core.flow_control import ObjectiveTable, parse_objectives
+
+log = logging.getLogger(__name__)
+
+OBJECTIVE_GROUP = "inference.networking.x-k8s.io"
+OBJECTIVE_VERSION = "v1alpha2"
+OBJECTIVE_PLURAL = "inferenceobjectives"
+
+
+def read_objectives_file(path: str) -> dict[str, int]:
+    with open(path, encoding="utf-8") as f:
+        try:
+            docs = [d for d in yaml.safe_load_all(f) if d is not None]  # JSON is YAML; `---` separated too
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: {e}") from None
+    out: dict[str, int] = {}
+    for doc in docs:
+        out.update(parse_objectives(doc))
+    return out
+
+
+class ObjectivesFile:
+    """Polls the file's (mtime, size, inode) and reloads on change."""
+
+    def __init__(self, table: ObjectiveTable, path: str, interval_s: float = 2.0) -> None:
+        self.table = table
+        self.path = path
+        self.interval_s = interval_s
+        self._stamp: tuple[float, int, int] | None = None
+
+    def load_once(self) -> None:
+        try:
+            st = os.stat(self.path)
+            stamp: tuple[float, int, int] | None = (st.st_mtime, st.st_size, st.st_ino)
+        except FileNotFoundError:
+            stamp = None
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        if stamp is None:
+            log.error("objectives file %s is missing; keeping %d objectives", self.path,
+                      len(self.table.snapshot()))
+            return
+        try:
+            self.table.replace(read_objectives_file(self.path))
+        except (OSError, ValueError) as e:
+            log.error("cannot load objectives file (keeping the previous ones): %s", e)
+
+    async def run(self) -> None:
+        while True:
+            self.load_once()
+            await asyncio.sleep(self.interval_s)
+
+
+def objectives_for_pool(items: list[dict[str, Any]], pool_name: str) -> dict[str, int]:
+    """name -> priority of the InferenceObjectives whose poolRef names this pool; bad entries are skipped."""
+    out: dict[str, int] = {}
+    for it in items:
+        spec = it.get("spec") or {}
+        ref = spec.get("poolRef") or {}
+        if ref.get("name") != pool_name or ref.get("kind", "InferencePool") != "InferencePool":
+            continue
+        name = (it.get("metadata") or {}).get("name")
+        prio = spec.get("priority")
+        if not isinstance(name, str):
+            continue
+        if prio is not None and type(prio) is not int:
+            log.warning("InferenceObjective %s: priority %r is not an integer; ignored", name, prio)
+            continue
+        out[name] = prio or 0
+    return out
+
+
+class ObjectiveCrdPoller:
+    """Lists the namespace's InferenceObjectives every `interval_s` and keeps those of our pool."""
+
+    def __init__(self, table: ObjectiveTable, pool_name: str, namespace: str, *, kubeconfig: str | None = None,
+                 interval_s: float = 10.0, api_client: Any = None) -> None:
+        self.table = table
+        self.pool_name = pool_name
+        self.namespace = namespace
+        self.kubeconfig = kubeconfig
+        self.interval_s = interval_s
+        self._api = api_client
+        self._failing = False
+
+    async def _client(self) -> Any:
+        from kubernetes_asyncio import client as k8s_client
+        from kubernetes_asyncio import config as k8s_config
+
+        configuration = k8s_client.Configuration()
+        if self.kubeconfig:
+            await k8s_config.load_kube_config(config_file=self.kubeconfig, client_configuration=configuration)
+        else:
+            k8s_config.load_incluster_config(client_configuration=configuration)
+        return k8s_client.ApiClient(configuration)
+
+    async def poll_once(self) -> bool:
+        from kubernetes_asyncio import client as k8s_client
+
+        if self._api is None:
+            self._api = await self._client()
+        try:
+            doc = await k8s_client.CustomObjectsApi(self._api).list_namespaced_custom_object(
+                OBJECTIVE_GROUP, OBJECTIVE_VERSION, self.namespace, OBJECTIVE_PLURAL)
+        except Exception as e:  # API down, RBAC missing, CRD not installed: keep the previous table
+            if not self._failing:
+                log.warning("cannot list InferenceObjectives in %s (keeping %d known): %s", self.namespace,
+                            len(self.table.snapshot()), e)
+            self._failing = True
+            return False
+        self._failing = False
+        self.table.replace(objectives_for_pool(list(doc.get("items") or []), self.pool_name))
+        return True
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await self.poll_once()
+                await asyncio.sleep(self.interval_s)
+        finally:
+            if self._api is not None:
+                await self._api.close()

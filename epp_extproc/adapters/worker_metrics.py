@@ -1,0 +1,241 @@
+"""Scrape each worker's Prometheus /metrics for the load the engine itself reports.
+
+Flow control needs to know when a worker is full, and the cost needs the load this picker did not book.
+Both come from the engines' standard gauges (names checked against each engine's source and GAIE's
+model-server protocol):
+
+| engine | waiting | running | KV utilisation (0..1) |
+|---|---|---|---|
+| trtllm-serve | `trtllm_num_requests_waiting` | `trtllm_num_requests_running` | `trtllm_kv_cache_utilization` |
+| vLLM | `vllm:num_requests_waiting` | `vllm:num_requests_running` | `vllm:kv_cache_usage_perc` (older `vllm:gpu_cache_usage_perc`) |
+| SGLang | `sglang:num_queue_reqs` | `sglang:num_running_reqs` | `sglang:token_usage` |
+
+(SGLang also appears with `_` instead of `:`; both are read.) Series with labels (vLLM's `engine`, data
+parallel ranks) are summed for the request counts and the maximum is taken for utilisation: one full rank
+is enough for requests routed to it to queue.
+
+Cost is bounded: one shared keep-alive session, one GET per worker per interval with a timeout shorter
+than the interval, the body read up to `max_bytes` (a larger answer is an error, not a partial parse; a
+gzip body is capped after decompression), and only lines starting with one of the names above are parsed
+(a vLLM /metrics is mostly histograms). Parsing runs in the scraper task, never on a request's path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from epp_extproc.core.endpoints import EndpointRegistry
+from epp_extproc.core.flow_control import SaturationDetector, WorkerSample
+from epp_extproc.core.load import EndpointLoad, LoadTracker
+
+log = logging.getLogger(__name__)
+
+WAITING = ("trtllm_num_requests_waiting", "vllm:num_requests_waiting", "sglang:num_queue_reqs",
+           "sglang_num_queue_reqs")
+RUNNING = ("trtllm_num_requests_running", "vllm:num_requests_running", "sglang:num_running_reqs",
+           "sglang_num_running_reqs")
+KV_UTIL = ("trtllm_kv_cache_utilization", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
+           "sglang:token_usage", "sglang_token_usage")
+MAX_RUNNING = ("trtllm_max_num_active_requests",)
+_KIND = {**{n: "waiting" for n in WAITING}, **{n: "running" for n in RUNNING},
+         **{n: "kv" for n in KV_UTIL}, **{n: "max_running" for n in MAX_RUNNING}}
+_PREFIXES = tuple(_KIND)
+MAX_BACKOFF_S = 5.0
+
+
+@dataclass(slots=True)
+class EngineGauges:
+    waiting: float | None = None
+    running: float | None = None
+    kv_utilization: float | None = None
+    max_running: float | None = None
+
+
+def parse_gauges(text: str) -> EngineGauges:
+    """The four gauges from Prometheus text exposition; names absent from the text stay None.
+
+    When an engine exports both vLLM KV names (during the deprecation) the maximum wins, which is the same
+    value. A utilisation above 1 is read as a percentage (some exporters scale it).
+    """
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(_PREFIXES):
+            continue
+        name_end = len(line)
+        for i, ch in enumerate(line):
+            if ch in "{ \t":
+                name_end = i
+                break
+        kind = _KIND.get(line[:name_end])
+        if kind is None:
+            continue  # e.g. `trtllm_num_requests_waiting_total`, a different metric sharing the prefix
+        rest = line[name_end:]
+        if rest.startswith("{"):
+            close = rest.rfind("}")
+            if close < 0:
+                continue
+            rest = rest[close + 1:]
+        parts = rest.split()
+        if not parts:
+            continue
+        try:
+            value = float(parts[0])
+        except ValueError:
+            continue
+        if not math.isfinite(value) or value < 0:
+            continue
+        if kind == "kv" or kind == "max_running":
+            sums[kind] = max(sums.get(kind, 0.0), value)
+        else:
+            sums[kind] = sums.get(kind, 0.0) + value
+    kv = sums.get("kv")
+    if kv is not None and kv > 1.0:
+        kv = min(kv / 100.0, 1.0)
+    return EngineGauges(sums.get("waiting"), sums.get("running"), kv, sums.get("max_running"))
+
+
+class WorkerMetricsScraper:
+    """Polls every known endpoint's metrics path and feeds the saturation detector and the cost.
+
+    After each scrape: the detector gets a `WorkerSample` (with this picker's bookings on the worker as
+    they were when the GET was sent), `EndpointLoad.unbooked_blocks` is set to the requests the engine reports
+    beyond this picker's own bookings times the mean blocks of a booking, and `on_sample` runs (flow
+    control dispatches). A failed or non-metrics answer zeroes the unbooked load and leaves the sample to
+    go stale; a worker whose scrapes keep failing (other than by timing out: a busy engine is still one)
+    is retried with exponential backoff (up to 5 s).
+    """
+
+    def __init__(self, registry: EndpointRegistry, load: LoadTracker, detector: SaturationDetector, *,
+                 interval_s: float = 0.1, timeout_s: float | None = None, path: str = "/metrics",
+                 max_bytes: int = 4 * 1024 * 1024, on_sample: Callable[[], None] | None = None,
+                 on_error: Callable[[str, str], None] | None = None) -> None:
+        self.registry = registry
+        self.load = load
+        self.detector = detector
+        self.interval_s = interval_s
+        # longer than the interval on purpose: a busy engine answers late, and a late sample beats none
+        # (there is never more than one scrape per worker in flight)
+        self.timeout_s = timeout_s if timeout_s is not None else max(0.5, min(2.0, 4 * interval_s))
+        self.path = path if path.startswith("/") else "/" + path
+        self.max_bytes = max_bytes
+        self.on_sample = on_sample
+        self.on_error = on_error
+        self._session: aiohttp.ClientSession | None = None
+        self._inflight: set[str] = set()  # one outstanding scrape per worker, whatever its latency
+        self._mean_blocks = 1.0  # blocks of an average booking of this picker (weight of unbooked load)
+        self._errors_logged: set[str] = set()
+        self._failures: dict[str, int] = {}
+        self._retry_at: dict[str, float] = {}  # failing workers are retried less often, up to MAX_BACKOFF_S
+
+    async def run(self) -> None:
+        conn = aiohttp.TCPConnector(limit=64, keepalive_timeout=30)
+        self._session = aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(
+            total=self.timeout_s), auto_decompress=True)
+        tasks: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                started = time.monotonic()
+                self._update_mean()
+                known = {ep.address for ep in self.registry.all()}
+                for address in list(self.detector.samples):
+                    if address not in known:
+                        self.detector.forget(address)
+                for gone in [a for a in self._failures if a not in known]:
+                    self._failures.pop(gone, None)
+                    self._retry_at.pop(gone, None)
+                now = time.monotonic()
+                for address in known - self._inflight:
+                    if self._retry_at.get(address, 0.0) > now:
+                        continue  # backing off a worker whose metrics keep failing
+                    self._inflight.add(address)
+                    t = asyncio.create_task(self._scrape(address))
+                    tasks.add(t)
+                    t.add_done_callback(tasks.discard)
+                await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+        finally:
+            for t in list(tasks):
+                t.cancel()
+            for t in list(tasks):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+            with contextlib.suppress(Exception):
+                await self._session.close()
+
+    def _update_mean(self) -> None:
+        inflight = blocks = 0.0
+        for ld in self.load.loads().values():
+            inflight += ld.inflight
+            blocks += ld.decode_blocks
+        if inflight:
+            self._mean_blocks = blocks / inflight
+
+    async def _scrape(self, address: str) -> None:
+        try:
+            await self.scrape_once(address)
+        finally:
+            self._inflight.discard(address)
+
+    async def scrape_once(self, address: str) -> bool:
+        """One scrape of one worker; True when it produced a sample."""
+        assert self._session is not None
+        ld = self.load.load(address)
+        inflight = ld.inflight
+        sent = time.monotonic()
+        try:
+            async with self._session.get(f"http://{address}{self.path}") as r:
+                if r.status != 200:
+                    return self._failed(address, f"HTTP {r.status}")
+                body = await r.content.read(self.max_bytes + 1)
+                if len(body) > self.max_bytes:
+                    return self._failed(address, f"answer larger than {self.max_bytes} bytes")
+        except TimeoutError:
+            return self._failed(address, f"no answer within {self.timeout_s}s", backoff=False)
+        except (aiohttp.ClientError, OSError) as e:
+            return self._failed(address, f"{type(e).__name__}: {e}")
+        g = parse_gauges(body.decode("utf-8", "replace"))
+        if g.waiting is None and g.running is None and g.kv_utilization is None:
+            return self._failed(address, "no known engine gauge in the answer")
+        if address not in self.registry:
+            return False
+        # this picker's requests the worker may have counted: those booked when the GET left and those
+        # booked while it was answered (the larger); a request of ours would otherwise pass for another
+        # gateway's until the next scrape and keep a free slot idle
+        ours = max(inflight, self.load.load(address).inflight)
+        sample = WorkerSample(g.waiting or 0.0, g.running or 0.0, g.kv_utilization, sent, ours,
+                              g.max_running)
+        self.detector.observe(address, sample)
+        live = self.load.loads().get(address)
+        unbooked = self.detector.unbooked_requests(address) * self._mean_blocks
+        if live is not None:
+            live.unbooked_blocks = unbooked
+        elif unbooked > 0:
+            self.load.loads().setdefault(address, EndpointLoad()).unbooked_blocks = unbooked
+        self._errors_logged.discard(address)
+        self._failures.pop(address, None)
+        self._retry_at.pop(address, None)
+        if self.on_sample is not None:
+            self.on_sample()
+        return True
+
+    def _failed(self, address: str, why: str, backoff: bool = True) -> bool:
+        n = self._failures[address] = self._failures.get(address, 0) + 1
+        if backoff and n >= 2:  # a worker without metrics (404, not an engine) costs one GET per MAX_BACKOFF_S
+            self._retry_at[address] = time.monotonic() + min(MAX_BACKOFF_S, self.interval_s * 2 ** (n - 1))
+        ld = self.load.loads().get(address)
+        if ld is not None:
+            ld.unbooked_blocks = 0.0
+        if address not in self._errors_logged:
+            self._errors_logged.add(address)
+            log.warning("cannot read engine metrics of %s (%s): it is judged by this picker's bookings only "
+                        "until a scrape succeeds", address, why)
+        if self.on_error is not None:
+            self.on_error(address, why)
+        return False
