@@ -69,6 +69,20 @@ def test_scale_quick(tmp_path: Path) -> None:
     assert "crossed" in doc["first_bottleneck"]
 
 
+@pytest.mark.timeout(90)
+def test_trace_quick(tmp_path: Path) -> None:
+    """The Mooncake replay runs end to end through AIPerf, Envoy, the picker and iteration-scheduled mocks."""
+    doc = run_bench("trace", tmp_path, timeout=80)
+    rows = doc["result"]["rows"]
+    assert [r["config"] for r in rows] == ["c"]
+    for r in rows:
+        assert r["errors"] == 0 and r["requests"] == doc["result"]["requests"] > 0
+        assert r["ttft_p50_ms"] <= r["ttft_p90_ms"] and r["output_tokens_per_s"] > 0
+        assert sum(r["per_worker_served"].values()) == r["requests"]
+        assert r["workers_prompt_tokens"] == r["aiperf_prompt_tokens"] == doc["result"]["prompt_tokens"]
+    assert set(doc["targets"]) == {"c_cached_within_5pct_of_oracle"}
+
+
 def test_run_all_rejects_unknown_names(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "bench.run_all", "--quick", "--out", str(tmp_path), "--only",
                            "nope"], cwd=ROOT, capture_output=True, text=True, timeout=30)
