@@ -55,7 +55,7 @@ BS = 32
 class Plan:
     scale: T.TraceScale = field(default_factory=T.TraceScale)
     divisors: tuple[float, ...] = (20.0, 35.0, 50.0)  # offered load = trace rate x divisor
-    speedup: float = 2.5
+    speedup: float = 3.0
     workers: int = 4
     num_blocks: int = 900  # H100 80GB, Llama-3.1-8B, BF16 KV: ~458k tokens = ~900 blocks of 512
     max_num_tokens: int = 512  # 8192 real tokens (TensorRT-LLM default) / 16
@@ -347,7 +347,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="epp-trace-work-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"trace: Mooncake via AIPerf, configs {configs}, load x{plan.divisors}, work dir {work}", flush=True)
+    load_before = os.getloadavg()
     result = run(plan, configs, work)
+    result["loadavg_1m_before_after"] = [load_before[0], os.getloadavg()[0]]
     doc = {"bench": "trace", **H.meta(a.quick), "configs": {k: CONFIGS[k] for k in configs},
            "plan": {**asdict(plan), "scale": plan.scale.describe()}, "mock_args": plan.mock_args(),
            "aiperf_command": aiperf_command("http://<gateway>", Path("<trace.jsonl>"), Path("<tokenizer dir>"),

@@ -181,3 +181,39 @@ def offered_rate(rows: Sequence[dict[str, Any]], time_divisor: float) -> float:
     """Requests per simulated second when the trace is replayed ``time_divisor`` times faster."""
     span = (rows[-1]["timestamp"] - rows[0]["timestamp"]) / 1000.0
     return len(rows) / span * time_divisor if span > 0 else math.inf
+
+
+def write_real_engine_input(rows: Sequence[dict[str, Any]], time_divisor: float, path: Path) -> Path:
+    """The sampled trace for a REAL model: lengths and hash ids untouched (AIPerf synthesises one text per
+    hash id with the model's own tokenizer), only the timestamps divided by ``time_divisor``."""
+    t0 = rows[0]["timestamp"]
+    with path.open("w") as f:
+        for r in rows:
+            f.write(json.dumps({**r, "timestamp": round((r["timestamp"] - t0) / time_divisor, 3)}) + "\n")
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m bench.trace_workload OUT.jsonl``: write an AIPerf input from the Mooncake trace."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--divisor", type=float, default=1.0, help="replay the trace this many times faster")
+    ap.add_argument("--sample-every", type=int, default=1, help="keep 1 in N prefix trees (1 = all requests)")
+    ap.add_argument("--mock", action="store_true",
+                    help="scaled literal prompts for trtllm_mock (as bench_trace does) instead of hash ids")
+    ap.add_argument("--speedup", type=float, default=1.0, help="with --mock: the mock's --speedup")
+    a = ap.parse_args(argv)
+    s = TraceScale(sample_every=a.sample_every)
+    rows = sample(load(find_trace()), s)
+    if a.mock:
+        write_aiperf_input(rows, s, a.divisor * a.speedup, a.out)
+    else:
+        write_real_engine_input(rows, a.divisor, a.out)
+    print(f"{a.out}: {len(rows)} requests, {offered_rate(rows, a.divisor):.2f} req/s offered")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
