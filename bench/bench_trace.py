@@ -1,10 +1,10 @@
 """Routing quality on the public Mooncake trace, driven by NVIDIA AIPerf (issue 16).
 
-    python -m bench.bench_trace [--quick] [--out DIR] [--only a,c] [--divisors 20,40,80] [--speedup 2]
+    python -m bench.bench_trace [--quick] [--out DIR] [--only a,c] [--rates 10,17.5,25] [--speedup 2]
 
 Nobody here shaped this workload: the Mooncake FAST'25 synthetic trace (`shared/traces`, 3,993 requests,
 multi-turn, 512-token prefix blocks), reduced as `bench/trace_workload.py` says exactly (whole prefix trees
-1 in 8, one hash id = 32 mock tokens = one KV block, outputs / 4, timestamps / the load multiplier / the mock
+1 in 10, one hash id = 32 mock tokens = one KV block, outputs / 4, timestamps / the load multiplier / the mock
 speedup), replayed on its own timestamps by AIPerf (`aiperf profile --custom-dataset-type mooncake_trace
 --fixed-schedule`, literal prompts in `text_input`, a locally trained BPE tokenizer, server token counts).
 
@@ -54,8 +54,8 @@ BS = 32
 @dataclass
 class Plan:
     scale: T.TraceScale = field(default_factory=T.TraceScale)
-    divisors: tuple[float, ...] = (20.0, 35.0, 50.0)  # offered load = trace rate x divisor
-    speedup: float = 3.0
+    rates: tuple[float, ...] = (10.0, 17.5, 25.0)  # offered loads, req/s of simulated time
+    speedup: float = 2.0
     workers: int = 4
     num_blocks: int = 900  # H100 80GB, Llama-3.1-8B, BF16 KV: ~458k tokens = ~900 blocks of 512
     max_num_tokens: int = 512  # 8192 real tokens (TensorRT-LLM default) / 16
@@ -74,7 +74,7 @@ class Plan:
                 "--max-seq-len", "1000000", "--heartbeat-interval", "1"]
 
 
-QUICK = Plan(scale=T.TraceScale(max_requests=24), divisors=(80.0,), speedup=4.0, aiperf_timeout_s=60.0)
+QUICK = Plan(scale=T.TraceScale(max_requests=24), rates=(40.0,), speedup=4.0, aiperf_timeout_s=60.0)
 
 
 # ----------------------------------------------------------------------------- AIPerf
@@ -184,7 +184,7 @@ def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], rendere
     dc = sum(after[k]["cached_tokens_total"] - before[k]["cached_tokens_total"] for k in after)
     row = {"config": cfg, "divisor": divisor, **aiperf_figures(art), "per_worker_served": served,
            "workers_cached_ratio": dc / dp if dp else 0.0, "workers_prompt_tokens": dp, "picker_picks": picks,
-           "aiperf_wall_s": round(wall, 1)}
+           "aiperf_wall_s": round(wall, 1), "loadavg_1m": os.getloadavg()[0]}
     return row
 
 
@@ -199,13 +199,14 @@ def run(plan: Plan, configs: list[str], work: Path) -> dict[str, Any]:
     with H.Stack(prefix="epp-trace-") as outer:
         workers = [H.mock_worker(outer, f"worker-{i}", plan.mock_args()) for i in range(plan.workers)]
         renderer = H.mock_renderer(outer)
-        for d in plan.divisors:
-            f = T.write_aiperf_input(rows, plan.scale, d * plan.speedup, work / f"trace-x{d:g}.jsonl")
+        for rate in plan.rates:
+            d = rate / base_rate  # the trace replayed d times faster than recorded
+            f = T.write_aiperf_input(rows, plan.scale, d * plan.speedup, work / f"trace-{rate:g}rps.jsonl")
             for cfg in configs:
                 row = run_one(cfg, d, plan, workers, renderer, f, tok, work)
-                row["offered_rps"] = base_rate * d
+                row["offered_rps"] = rate
                 out_rows.append(row)
-                print(f"  ({cfg:>2}) x{d:g} = {row['offered_rps']:.1f} req/s: TTFT p50/p90/p99 "
+                print(f"  ({cfg:>2}) {rate:g} req/s (trace x{d:.1f}): TTFT p50/p90/p99 "
                       f"{H.fmt(row['ttft_p50_ms'], '.0f')}/{H.fmt(row['ttft_p90_ms'], '.0f')}/"
                       f"{H.fmt(row['ttft_p99_ms'], '.0f')} ms, ITL p50/p90 {H.fmt(row['itl_p50_ms'], '.1f')}/"
                       f"{H.fmt(row['itl_p90_ms'], '.1f')} ms, {H.fmt(row['output_tokens_per_s'], '.0f')} out tok/s, "
@@ -330,7 +331,7 @@ def chart(doc: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = H.bench_parser(__doc__, "trace")
     ap.add_argument("--only", help="comma-separated subset of configurations (a,b,c,c1,e)")
-    ap.add_argument("--divisors", help="comma-separated load multipliers of the trace's request rate")
+    ap.add_argument("--rates", help="comma-separated offered loads (req/s of simulated time)")
     ap.add_argument("--speedup", type=float, help="mock speedup (wall-clock compression)")
     ap.add_argument("--work", help="directory for AIPerf inputs, artifacts and logs (default: a temp dir)")
     a = ap.parse_args(argv)
@@ -338,15 +339,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     configs = ["c"] if a.quick else list(CONFIGS)  # --quick: does it run at all
     if a.only:
         configs = [k for k in CONFIGS if k in a.only.split(",")]
-    if a.divisors:
-        plan.divisors = tuple(float(x) for x in a.divisors.split(","))
+    if a.rates:
+        plan.rates = tuple(float(x) for x in a.rates.split(","))
     if a.speedup:
         plan.speedup = a.speedup
     import tempfile
 
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="epp-trace-work-"))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"trace: Mooncake via AIPerf, configs {configs}, load x{plan.divisors}, work dir {work}", flush=True)
+    print(f"trace: Mooncake via AIPerf, configs {configs}, loads {plan.rates} req/s, work dir {work}", flush=True)
     load_before = os.getloadavg()
     result = run(plan, configs, work)
     result["loadavg_1m_before_after"] = [load_before[0], os.getloadavg()[0]]

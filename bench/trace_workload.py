@@ -12,8 +12,8 @@ How the trace is reduced (every choice is a parameter of :class:`TraceScale`, re
   context token are multiplied by the same 16, so a scaled prompt costs what the real one would. Output
   lengths are divided by ``output_divisor`` (each output token is one SSE chunk through Envoy and AIPerf,
   the CPU bill of this 2-core machine), and decode tokens keep their real per-token cost.
-* **Time.** Timestamps are divided by ``time_divisor`` (the offered load multiplier: x8 = 8 times the
-  trace's request rate) and by the mock's ``speedup`` (wall-clock compression of simulated time; the mock
+* **Time.** Timestamps are divided by ``time_divisor`` (the load multiplier: 25 = the sample's 0.40 req/s
+  replayed at 10 req/s) and by the mock's ``speedup`` (wall-clock compression of simulated time; the mock
   divides every step by it, so the ratio of arrival gaps to service times is unchanged).
 
 Prompt text: hash id ``h`` always becomes the same 32 words ``w<k>`` (one mock token each) and a prompt is
@@ -42,7 +42,7 @@ VOCAB_WORDS = 20000
 
 @dataclass(frozen=True)
 class TraceScale:
-    sample_every: int = 8
+    sample_every: int = 10
     block_tokens: int = 32
     output_divisor: int = 4
     max_requests: int | None = None  # cap on the sampled requests (the --quick smoke test)
