@@ -55,7 +55,7 @@ BS = 32
 class Plan:
     scale: T.TraceScale = field(default_factory=T.TraceScale)
     rates: tuple[float, ...] = (10.0, 17.5, 25.0)  # offered loads, req/s of simulated time
-    speedup: float = 2.0
+    speedup: float = 2.5
     workers: int = 4
     num_blocks: int = 900  # H100 80GB, Llama-3.1-8B, BF16 KV: ~458k tokens = ~900 blocks of 512
     max_num_tokens: int = 512  # 8192 real tokens (TensorRT-LLM default) / 16
