@@ -1,6 +1,6 @@
 """Routing quality on the public Mooncake trace, driven by NVIDIA AIPerf (issue 16).
 
-    python -m bench.bench_trace [--quick] [--out DIR] [--only a,c] [--rates 10,17.5,25] [--speedup 2]
+    python -m bench.bench_trace [--quick] [--out DIR] [--only a,c] [--rates 10,17.5,25] [--speedup 2.5]
 
 Nobody here shaped this workload: the Mooncake FAST'25 synthetic trace (`shared/traces`, 3,993 requests,
 multi-turn, 512-token prefix blocks), reduced as `bench/trace_workload.py` says exactly (whole prefix trees
