@@ -37,6 +37,7 @@ from .tokenizer import detokenize, fingerprint, prompt_ids_for_chat, prompt_ids_
 WORKER_HEADER = "x-trtllm-mock-worker"
 KV_CACHE_HASH_ALGO = "v1_block_key"
 RENDER_SCHEMA_VERSION = 1
+BODY_PARSE_ERROR = "There was an error parsing the body"  # fastapi/routing.py, for undecodable bodies
 
 
 class BadRequest(Exception):
@@ -121,7 +122,9 @@ class MockWorker:
         """Bind the KV-event sockets first (a worker publishes from its first request), then serve HTTP."""
         if self.publisher is not None:
             await self.publisher.start()
-        self._runner = web.AppRunner(self.app, handle_signals=False, access_log=None)
+        # uvicorn/FastAPI (trtllm-serve) never decode a Content-Encoding'd request body; aiohttp would, and
+        # the mock would then accept what the real server rejects
+        self._runner = web.AppRunner(self.app, handle_signals=False, access_log=None, auto_decompress=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
@@ -177,8 +180,13 @@ class MockWorker:
         raw = await request.read()
         try:
             body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except json.JSONDecodeError as exc:
             raise BadRequest(f"JSON decode error: {exc}") from None
+        except ValueError:
+            # FastAPI: bytes that do not even decode (e.g. a gzip body: 0x1f 0x8b) are not a validation error
+            # but its generic HTTPException(400) in its own {"detail": ...} shape, on every route
+            raise web.HTTPBadRequest(text=json.dumps({"detail": BODY_PARSE_ERROR}),
+                                     content_type="application/json") from None
         if not isinstance(body, dict):
             raise BadRequest(
                 f"1 validation error for {model}\n  Input should be a valid dictionary or object to extract fields "
