@@ -58,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--render-threads", type=int, default=d.render_threads, help="threads that pay the render cost")
     a("--prompt-tokens-excluded-from-usage", type=int, default=d.prompt_tokens_excluded_from_usage,
       help="value the chat render answer reports in context.prompt_tokens_excluded_from_usage")
+    a("--scheduler", choices=["independent", "iteration"], default=d.scheduler,
+      help="iteration = engine steps with a token budget whose duration grows with their tokens")
+    a("--max-num-tokens", type=int, default=d.max_num_tokens, help="per-step token budget (iteration)")
+    a("--step-base-ms", type=float, default=d.step_base_ms)
+    a("--step-prefill-ms-per-token", type=float, default=d.step_prefill_ms_per_token)
+    a("--step-decode-ms-per-token", type=float, default=d.step_decode_ms_per_token)
+    a("--step-kv-read-ms-per-token", type=float, default=d.step_kv_read_ms_per_token)
     a("--log-level", default="INFO")
     return p
 

@@ -10,6 +10,19 @@ SeqStart = Literal["zero", "time_ns"]
 EventEncoding = Literal["compact", "int64"]
 EventDialect = Literal["trtllm", "vllm", "vllm-array", "sglang"]
 ErrorShape = Literal["current", "legacy"]
+Scheduler = Literal["independent", "iteration"]
+
+# Step-time constants fitted to TensorRT-LLM's published throughput of Llama-3.1-8B-Instruct-FP8 on one H100
+# SXM 80GB (docs/source/performance/perf-overview.md, "Llama 3.1 8B FP8", TP 1, 11 ISL/OSL rows): a
+# least-squares fit of  request time = p*ISL + d*OSL + kv*OSL*(ISL + OSL/2)  reproduces every row within 8%.
+# The fixed per-step cost is not in those tables (it amortises away at their batch sizes): 3 ms is one read of
+# the ~8 GB of FP8 weights at ~2.7 TB/s (80% of the H100's 3.35 TB/s). README.md shows the derivation.
+LLAMA_8B_H100: dict[str, float] = {
+    "step_base_ms": 3.0,
+    "step_prefill_ms_per_token": 0.0142,
+    "step_decode_ms_per_token": 0.0155,
+    "step_kv_read_ms_per_token": 2.55e-5,
+}
 
 
 @dataclass
@@ -65,6 +78,18 @@ class MockConfig:
     render_us_per_char: float = 0.0  # CPU burnt per character of prompt text this server must render
     render_threads: int = 1  # threads that render (templating + tokenizing holds about one core)
     prompt_tokens_excluded_from_usage: int = 0  # render-context value (kimi_k3-like templates: > 0)
+    # Iteration-level scheduling (opt-in: scheduler="iteration"; the default keeps the fast independent model).
+    # One engine loop runs steps: every decoding request gets one token, then waiting prefills fill the rest of
+    # the max_num_tokens budget in chunks (chunked prefill). A step lasts
+    #   step_base_ms + prefill_tokens*step_prefill_ms_per_token + decode_tokens*step_decode_ms_per_token
+    #   + context_tokens_of_decoding_requests*step_kv_read_ms_per_token   (all / speedup),
+    # so a prefill-heavy step slows every decode in it. prefill_ms_per_token/decode_ms_per_token are unused.
+    scheduler: Scheduler = "independent"
+    max_num_tokens: int = 8192
+    step_base_ms: float = LLAMA_8B_H100["step_base_ms"]
+    step_prefill_ms_per_token: float = LLAMA_8B_H100["step_prefill_ms_per_token"]
+    step_decode_ms_per_token: float = LLAMA_8B_H100["step_decode_ms_per_token"]
+    step_kv_read_ms_per_token: float = LLAMA_8B_H100["step_kv_read_ms_per_token"]
 
     def validate(self) -> None:
         """Reject nonsensical settings up front, so a typo fails at start rather than as odd behaviour later."""
@@ -106,5 +131,12 @@ class MockConfig:
             raise ValueError("replay_hwm, tail_block_size and dp_rank must be >= 0")
         if self.tail_block_size >= self.tokens_per_block:
             raise ValueError("tail_block_size must be smaller than tokens_per_block")
+        if self.scheduler not in ("independent", "iteration"):
+            raise ValueError("scheduler must be 'independent' or 'iteration'")
+        if self.max_num_tokens < 1:
+            raise ValueError("max_num_tokens must be >= 1")
+        if min(self.step_base_ms, self.step_prefill_ms_per_token, self.step_decode_ms_per_token,
+               self.step_kv_read_ms_per_token) < 0:
+            raise ValueError("step times must be >= 0")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")

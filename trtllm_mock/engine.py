@@ -1,10 +1,20 @@
 """Scheduler and timing model: a FIFO waiting queue in front of at most ``max_batch_size`` running requests.
 
-Each admitted request holds its KV blocks, "prefills" for ``prefill_ms_per_token`` per UNCACHED prompt token
-(so a picker that finds cache hits measurably lowers TTFT), stores its full prompt blocks and publishes them
-when prefill completes, then "decodes" one token per ``decode_ms_per_token``. All times divide by
-``speedup``. Running requests progress independently (no per-iteration batching slowdown); README.md says
-how to pick realistic numbers.
+Admission is the same for both timing models: a request reserves KV blocks for prompt + max_tokens (evicting
+least recently used cached blocks if it must, TensorRT-LLM's GUARANTEED_NO_EVICT policy) or waits in FIFO
+order. Its full prompt blocks are stored and published when its prefill completes.
+
+``scheduler="independent"`` (default, fast tests): each request sleeps ``prefill_ms_per_token`` per UNCACHED
+prompt token, then ``decode_ms_per_token`` per output token, independently of the others.
+
+``scheduler="iteration"`` (benchmarks): one loop runs engine steps like TensorRT-LLM's in-flight batching.
+A step takes one token for every decoding request, then fills the rest of the ``max_num_tokens`` budget with
+prefill chunks of the requests still prefilling (oldest first, chunks a multiple of the block size unless
+they finish the prompt). Its duration grows with its contents (see :meth:`Engine.step_ms`), so a long prefill
+in the same step delays every decode token, and a request's TTFT includes the steps it waited for budget.
+The step that finishes a prompt also yields its first output token, as the engine's context phase does.
+
+All times divide by ``speedup``; README.md says how the constants were calibrated.
 """
 
 from __future__ import annotations
@@ -46,6 +56,33 @@ class EngineStats:
     prompt_tokens_total: int = 0
     cached_tokens_total: int = 0
     completion_tokens_total: int = 0
+    steps: int = 0
+    step_ms_total: float = 0.0
+
+
+@dataclass(eq=False)
+class _Seq:
+    """One running request as the iteration scheduler sees it; items for its consumer go to ``out``."""
+
+    alloc: Allocation
+    prompt_len: int
+    tokens: list[int]
+    prefill_left: int
+    produced: int = 0
+    out: asyncio.Queue[Prefilled | int | None] = field(default_factory=asyncio.Queue)
+
+
+@dataclass
+class StepPlan:
+    """What one engine step computes: prefill chunks and decode tokens, and the KV context decodes read."""
+
+    prefill: list[tuple[_Seq, int]] = field(default_factory=list)
+    decode: list[_Seq] = field(default_factory=list)
+    context_tokens: int = 0
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(n for _, n in self.prefill)
 
 
 class Engine:
@@ -58,6 +95,9 @@ class Engine:
         self.waiting: deque[_Waiter] = deque()
         self.running = 0
         self.stats = EngineStats()
+        self._active: dict[_Seq, None] = {}  # iteration scheduler: running requests in admission order
+        self._loop: asyncio.Task[None] | None = None
+        self.clock_ms = 0.0  # simulated engine time: the summed duration of every step run so far
 
     def _publish(self, events: list[dict]) -> None:
         if events and self.publisher is not None:
@@ -105,6 +145,96 @@ class Engine:
                 self._schedule()
             raise
 
+    # ------------------------------------------------------------ iteration scheduler
+    def step_ms(self, prefill_tokens: int, decode_tokens: int, context_tokens: int) -> float:
+        """Simulated duration of one step (before ``speedup``): a fixed cost plus what the step computes.
+
+        Prefill tokens are compute-bound matrix work; each decode token adds its share of the batch, and each
+        decoding request reads its whole KV context (``context_tokens`` summed over them) once per step.
+        """
+        c = self.config
+        return (
+            c.step_base_ms
+            + prefill_tokens * c.step_prefill_ms_per_token
+            + decode_tokens * c.step_decode_ms_per_token
+            + context_tokens * c.step_kv_read_ms_per_token
+        )
+
+    def plan_step(self) -> StepPlan:
+        """Decode first (one token per generating request), then prefill chunks within the token budget."""
+        budget = self.config.max_num_tokens
+        tpb = self.cache.tokens_per_block
+        plan = StepPlan()
+        for seq in self._active:
+            if seq.prefill_left == 0 and budget > 0:
+                plan.decode.append(seq)
+                plan.context_tokens += seq.prompt_len + seq.produced
+                budget -= 1
+        for seq in self._active:
+            if seq.prefill_left == 0:
+                continue
+            chunk = min(seq.prefill_left, budget)
+            if tpb <= chunk < seq.prefill_left:
+                chunk -= chunk % tpb  # a partial chunk stays block-aligned, as TensorRT-LLM's chunking does
+            if chunk <= 0:
+                break  # FIFO: a later request never prefills ahead of an earlier one that did not fit
+            plan.prefill.append((seq, chunk))
+            budget -= chunk
+        return plan
+
+    async def _run_steps(self) -> None:
+        """The engine loop: plan, sleep for the step's duration, hand out what it produced; idle when empty."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time()
+        try:
+            while self._active:
+                plan = self.plan_step()
+                ms = self.step_ms(plan.prefill_tokens, len(plan.decode), plan.context_tokens)
+                self.stats.steps += 1
+                self.stats.step_ms_total += ms
+                # steps end on a deadline chain, so the loop's own work does not lengthen every step
+                deadline = max(deadline, loop.time()) + ms / 1000.0 / self.config.speedup
+                await asyncio.sleep(max(0.0, deadline - loop.time()))
+                self.clock_ms += ms
+                for seq in plan.decode:
+                    if seq in self._active:
+                        self._emit_token(seq)
+                for seq, n in plan.prefill:
+                    if seq not in self._active:
+                        continue  # cancelled during the step
+                    seq.prefill_left -= n
+                    if seq.prefill_left == 0:
+                        self._publish(self.cache.commit_prefill(seq.alloc))
+                        seq.out.put_nowait(Prefilled(seq.alloc.cached_tokens))
+                        self._emit_token(seq)  # the context step also samples the first token
+        finally:
+            self._loop = None
+
+    def _emit_token(self, seq: _Seq) -> None:
+        seq.out.put_nowait(seq.tokens[seq.produced])
+        seq.produced += 1
+        if seq.produced == len(seq.tokens):
+            seq.out.put_nowait(None)
+            self._active.pop(seq, None)
+
+    async def _generate_iteration(
+        self, prompt: list[int], alloc: Allocation, max_tokens: int
+    ) -> AsyncIterator[Prefilled | int]:
+        seq = _Seq(alloc, len(prompt), output_token_ids(prompt, max_tokens), len(prompt) - alloc.cached_tokens)
+        self._active[seq] = None
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop().create_task(self._run_steps())
+        try:
+            while (item := await seq.out.get()) is not None:
+                if isinstance(item, Prefilled):
+                    self.stats.prompt_tokens_total += len(prompt)
+                    self.stats.cached_tokens_total += item.cached_tokens
+                else:
+                    self.stats.completion_tokens_total += 1
+                yield item
+        finally:
+            self._active.pop(seq, None)
+
     async def generate(
         self, prompt: list[int], salt: str | None, max_tokens: int
     ) -> AsyncIterator[Prefilled | int]:
@@ -112,6 +242,11 @@ class Engine:
         alloc = await self._admit(prompt, salt, len(prompt) + max_tokens)
         self.stats.requests_started += 1
         try:
+            if self.config.scheduler == "iteration":
+                async for item in self._generate_iteration(prompt, alloc, max_tokens):
+                    yield item
+                self.stats.requests_served += 1
+                return
             await self._sleep_ms((len(prompt) - alloc.cached_tokens) * self.config.prefill_ms_per_token)
             self._publish(self.cache.commit_prefill(alloc))
             self.stats.prompt_tokens_total += len(prompt)

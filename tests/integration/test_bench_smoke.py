@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_bench(name: str, out: Path, timeout: float = 50) -> dict:
+def run_bench(name: str, out: Path, timeout: float = 110) -> dict:
     proc = subprocess.run([sys.executable, "-m", f"bench.bench_{name}", "--quick", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -22,7 +22,7 @@ def run_bench(name: str, out: Path, timeout: float = 50) -> dict:
     return json.loads((out / f"{name}.json").read_text())
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_overhead_quick(tmp_path: Path) -> None:
     doc = run_bench("overhead", tmp_path)
     rows = doc["e2e"]["rows"]
@@ -41,7 +41,7 @@ def test_overhead_quick(tmp_path: Path) -> None:
                                    "c_sustains_1000_rps"}
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_routing_quick(tmp_path: Path) -> None:
     doc = run_bench("routing", tmp_path)
     rows = doc["result"]["rows"]
@@ -56,7 +56,7 @@ def test_routing_quick(tmp_path: Path) -> None:
     assert set(doc["targets"]["c"]) == {"ttft_p90_a_over_c_at_top_rate", "cached_ratio_within_10pct_of_oracle"}
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_scale_quick(tmp_path: Path) -> None:
     doc = run_bench("scale", tmp_path)
     rows = doc["rows"]
@@ -69,15 +69,29 @@ def test_scale_quick(tmp_path: Path) -> None:
     assert "crossed" in doc["first_bottleneck"]
 
 
+@pytest.mark.timeout(150)
+def test_trace_quick(tmp_path: Path) -> None:
+    """The Mooncake replay runs end to end through AIPerf, Envoy, the picker and iteration-scheduled mocks."""
+    doc = run_bench("trace", tmp_path, timeout=140)
+    rows = doc["result"]["rows"]
+    assert [r["config"] for r in rows] == ["c"]
+    for r in rows:
+        assert r["errors"] == 0 and r["requests"] == doc["result"]["requests"] > 0
+        assert r["ttft_p50_ms"] <= r["ttft_p90_ms"] and r["output_tokens_per_s"] > 0
+        assert sum(r["per_worker_served"].values()) == r["requests"]
+        assert r["workers_prompt_tokens"] == r["aiperf_prompt_tokens"] == doc["result"]["prompt_tokens"]
+    assert set(doc["targets"]) == {"c_cached_within_5pct_of_oracle"}
+
+
 def test_run_all_rejects_unknown_names(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "bench.run_all", "--quick", "--out", str(tmp_path), "--only",
                            "nope"], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert proc.returncode != 0 and "unknown benchmark" in proc.stderr + proc.stdout
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 def test_passthrough_quick(tmp_path: Path) -> None:
-    doc = run_bench("passthrough", tmp_path, timeout=80)
+    doc = run_bench("passthrough", tmp_path, timeout=140)
     rows = doc["result"]["rows"]
     assert {(r["shape"], r["load"], r["config"]) for r in rows} == {
         (s, ld, c) for s in ("short", "long") for ld in ("c1", "saturating") for c in ("off", "auto")}

@@ -1,0 +1,219 @@
+"""The Mooncake trace as this machine can replay it: sampling, scaling, prompt synthesis, AIPerf inputs, oracle.
+
+How the trace is reduced (every choice is a parameter of :class:`TraceScale`, recorded in the results):
+
+* **Sessions, not a time window.** Reuse in the trace comes from conversations that come back minutes later
+  (its first 400 requests reuse 5% of their blocks, the whole trace 64%), so a prefix of the file would
+  measure nothing. Instead every request whose FIRST hash id falls in a deterministic 1-in-``sample_every``
+  sample is kept: whole prefix trees, with their original timestamps. 1 in 10 keeps 407 requests (0.40 req/s
+  over the trace's 1,022 s) whose infinite-cache token reuse (65%) matches the full trace's (64% of blocks).
+* **Lengths.** One hash id (a 512-token block) becomes ``block_tokens`` = 32 mock tokens, exactly one mock KV
+  block: input lengths are divided by 16 (``512 / block_tokens``). The mock's step costs per prompt and
+  context token are multiplied by the same 16, so a scaled prompt costs what the real one would. Output
+  lengths are divided by ``output_divisor`` (each output token is one SSE chunk through Envoy and AIPerf,
+  the CPU bill of this 2-core machine), and decode tokens keep their real per-token cost.
+* **Time.** Timestamps are divided by ``time_divisor`` (the load multiplier: 25 = the sample's 0.40 req/s
+  replayed at 10 req/s) and by the mock's ``speedup`` (wall-clock compression of simulated time; the mock
+  divides every step by it, so the ratio of arrival gaps to service times is unchanged).
+
+Prompt text: hash id ``h`` always becomes the same 32 words ``w<k>`` (one mock token each) and a prompt is
+the concatenation of its blocks' words cut to the scaled length, so equal hash-id prefixes give equal token
+prefixes. The first block has 2 words fewer: the chat template puts ``<|im_start|>user`` in front of the
+content, and the 2 template tokens plus 30 words fill the first KV block, so trace blocks and mock KV blocks
+line up exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+TRACE_NAME = "shared/traces/mooncake_synthetic_trace.jsonl"
+TRACE_BLOCK = 512  # tokens per hash id in the Mooncake release
+TEMPLATE_PREFIX_TOKENS = 2  # <|im_start|> and "user" in front of the first content word (trtllm_mock template)
+VOCAB_WORDS = 20000
+
+
+@dataclass(frozen=True)
+class TraceScale:
+    sample_every: int = 10
+    block_tokens: int = 32
+    output_divisor: int = 4
+    max_requests: int | None = None  # cap on the sampled requests (the --quick smoke test)
+
+    @property
+    def length_divisor(self) -> float:
+        return TRACE_BLOCK / self.block_tokens
+
+    def describe(self) -> dict[str, Any]:
+        return {**asdict(self), "length_divisor": self.length_divisor}
+
+
+def find_trace() -> Path:
+    """``$EPP_TRACE`` if set, else ``shared/traces/`` in a parent of the checkout (``/work/shared/traces``)."""
+    import os
+
+    if os.environ.get("EPP_TRACE"):
+        return Path(os.environ["EPP_TRACE"])
+    for parent in Path(__file__).resolve().parents:
+        if (parent / TRACE_NAME).exists():
+            return parent / TRACE_NAME
+    raise FileNotFoundError(f"Mooncake trace not found: no {TRACE_NAME} above {__file__} (set EPP_TRACE)")
+
+
+def load(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _u64(*parts: object) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little")
+
+
+def sample(rows: Sequence[dict[str, Any]], s: TraceScale) -> list[dict[str, Any]]:
+    """Whole prefix trees (requests grouped by their first hash id), 1 in ``sample_every``, in trace order."""
+    out = [r for r in rows if r["hash_ids"] and _u64("root", r["hash_ids"][0]) % s.sample_every == 0]
+    return out[: s.max_requests] if s.max_requests else out
+
+
+def block_words(hash_id: int, first: bool, s: TraceScale) -> list[str]:
+    n = s.block_tokens - (TEMPLATE_PREFIX_TOKENS if first else 0)
+    return [f"w{_u64('blk', hash_id, j) % VOCAB_WORDS}" for j in range(n)]
+
+
+def prompt_text(row: dict[str, Any], s: TraceScale) -> str:
+    """The request's content: its blocks' words, cut to the scaled input length (template tokens included)."""
+    want = max(1, round(row["input_length"] / s.length_divisor) - TEMPLATE_PREFIX_TOKENS)
+    words: list[str] = []
+    for i, h in enumerate(row["hash_ids"]):
+        words += block_words(h, i == 0, s)
+        if len(words) >= want:
+            break
+    return " ".join(words[:want])
+
+
+def output_tokens(row: dict[str, Any], s: TraceScale) -> int:
+    return max(1, round(row["output_length"] / s.output_divisor))
+
+
+def write_aiperf_input(rows: Sequence[dict[str, Any]], s: TraceScale, wall_divisor: float, path: Path) -> Path:
+    """AIPerf's ``mooncake_trace`` format with literal prompts (``text_input``) and wall-clock timestamps."""
+    t0 = rows[0]["timestamp"]
+    with path.open("w") as f:
+        for r in rows:
+            f.write(json.dumps({"timestamp": round((r["timestamp"] - t0) / wall_divisor, 3),
+                                "text_input": prompt_text(r, s), "output_length": output_tokens(r, s)}) + "\n")
+    return path
+
+
+def build_tokenizer(folder: Path) -> Path:
+    """A small BPE (``tokenizers``) trained on the prompt and answer vocabulary, saved as a Hugging Face
+    folder: AIPerf needs a tokenizer for its dataset step, and this one never touches the network."""
+    if (folder / "tokenizer.json").exists():
+        return folder
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from trtllm_mock.tokenizer import _OUTPUT_WORDS
+
+    corpus = [f"w{i}" for i in range(VOCAB_WORDS)] + [w.strip() for w in _OUTPUT_WORDS]
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator([" ".join(corpus)], trainer=trainers.BpeTrainer(
+        vocab_size=2000, special_tokens=["[UNK]", "<|endoftext|>"], show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<|endoftext|>").save_pretrained(
+        str(folder))
+    return folder
+
+
+# ----------------------------------------------------------------------------- oracle
+def prompt_ids(text: str) -> list[int]:
+    """Token ids the mock computes for AIPerf's chat request carrying ``text`` as the one user message."""
+    from trtllm_mock.tokenizer import prompt_ids_for_chat
+
+    return prompt_ids_for_chat({"messages": [{"role": "user", "content": text}]})
+
+
+def _chain(tokens: Sequence[int], bs: int) -> list[int]:
+    out, h = [], 0
+    for i in range(len(tokens) // bs):
+        h = hash((h, tuple(tokens[i * bs:(i + 1) * bs])))
+        out.append(h)
+    return out
+
+
+def oracle(prompts: Sequence[Sequence[int]], *, workers: int, capacity: int, bs: int) -> dict[str, float]:
+    """Cached-token ratio bounds for the prompts in arrival order, with the mock's reuse rules (full blocks
+    within ``prompt[:-1]``): ``infinite`` = one cache holding every earlier prompt; ``pooled_lru`` = one LRU
+    cache with the capacity of all workers together (perfect placement, no block stored twice)."""
+    seen: set[int] = set()
+    pooled: OrderedDict[int, None] = OrderedDict()
+    total = inf_c = lru_c = 0
+    for toks in prompts:
+        chain = _chain(toks, bs)
+        reusable = (len(toks) - 1) // bs
+        total += len(toks)
+        k = 0
+        while k < reusable and chain[k] in seen:
+            k += 1
+        inf_c += k * bs
+        seen.update(chain)
+        k = 0
+        while k < reusable and chain[k] in pooled:
+            k += 1
+        lru_c += k * bs
+        for h in chain:
+            pooled[h] = None
+            pooled.move_to_end(h)
+        while len(pooled) > workers * capacity:
+            pooled.popitem(last=False)
+    return {"infinite": inf_c / total if total else 0.0, "pooled_lru": lru_c / total if total else 0.0,
+            "prompt_tokens": total}
+
+
+def offered_rate(rows: Sequence[dict[str, Any]], time_divisor: float) -> float:
+    """Requests per simulated second when the trace is replayed ``time_divisor`` times faster."""
+    span = (rows[-1]["timestamp"] - rows[0]["timestamp"]) / 1000.0
+    return len(rows) / span * time_divisor if span > 0 else math.inf
+
+
+def write_real_engine_input(rows: Sequence[dict[str, Any]], time_divisor: float, path: Path) -> Path:
+    """The sampled trace for a REAL model: lengths and hash ids untouched (AIPerf synthesises one text per
+    hash id with the model's own tokenizer), only the timestamps divided by ``time_divisor``."""
+    t0 = rows[0]["timestamp"]
+    with path.open("w") as f:
+        for r in rows:
+            f.write(json.dumps({**r, "timestamp": round((r["timestamp"] - t0) / time_divisor, 3)}) + "\n")
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m bench.trace_workload OUT.jsonl``: write an AIPerf input from the Mooncake trace."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--divisor", type=float, default=1.0, help="replay the trace this many times faster")
+    ap.add_argument("--sample-every", type=int, default=1, help="keep 1 in N prefix trees (1 = all requests)")
+    ap.add_argument("--mock", action="store_true",
+                    help="scaled literal prompts for trtllm_mock (as bench_trace does) instead of hash ids")
+    ap.add_argument("--speedup", type=float, default=1.0, help="with --mock: the mock's --speedup")
+    a = ap.parse_args(argv)
+    s = TraceScale(sample_every=a.sample_every)
+    rows = sample(load(find_trace()), s)
+    if a.mock:
+        write_aiperf_input(rows, s, a.divisor * a.speedup, a.out)
+    else:
+        write_real_engine_input(rows, a.divisor, a.out)
+    print(f"{a.out}: {len(rows)} requests, {offered_rate(rows, a.divisor):.2f} req/s offered")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
