@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import ipaddress
 import json
 import shutil
 import sys
@@ -220,9 +221,19 @@ def http_filters(opts: EnvoyOptions) -> list[HttpFilter]:
     return filters
 
 
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def picker_cluster(opts: EnvoyOptions) -> Cluster:
+    # an IP is a STATIC endpoint; a name (e.g. the picker's Kubernetes Service) is resolved and re-resolved
+    kind = ClusterDiscoveryType.STATIC if _is_ip(opts.picker_host) else ClusterDiscoveryType.STRICT_DNS
     c = Cluster(
-        name=PICKER_CLUSTER, type=ClusterDiscoveryType.STATIC, connect_timeout=_secs(5),
+        name=PICKER_CLUSTER, type=kind, connect_timeout=_secs(5),
         load_assignment=_one_endpoint(PICKER_CLUSTER, opts.picker_host, opts.picker_port),
         typed_extension_protocol_options={"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": AnyPb.pack(
             HttpProtocolOptions(explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
@@ -346,7 +357,8 @@ _CLI: tuple[tuple[str, str, type | Any, str], ...] = (
     ("listen_port", "--listen-port", int, "gateway listener port (OpenAI requests go here)"),
     ("admin_address", "--admin-address", str, "Envoy admin address"),
     ("admin_port", "--admin-port", int, "Envoy admin port"),
-    ("picker_host", "--picker-host", str, "address of the picker's ext_proc port (an IP: the cluster is STATIC)"),
+    ("picker_host", "--picker-host", str, "the picker's address: an IP (STATIC cluster) or a DNS name such as its "
+                                          "Kubernetes Service (STRICT_DNS)"),
     ("picker_port", "--picker-port", int, "the picker's ext_proc port (--grpc-port)"),
     ("picker_tls", "--picker-tls", _bool, "speak TLS to the picker (its --secure-serving default); false = h2c"),
     ("picker_tls_ca", "--picker-ca", str, "verify the picker's certificate against this CA file (default: "

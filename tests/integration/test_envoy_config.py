@@ -31,6 +31,7 @@ def _combinations(ca: str) -> list[EnvoyOptions]:
         out.append(EnvoyOptions(body_mode=mode, picker_tls_ca=ca if with_ca else None, subset_hint_header=hint,
                                 **sw))
     out.append(EnvoyOptions(with_picker=False, static_upstreams=("127.0.0.1:8001", "127.0.0.1:8002")))
+    out.append(EnvoyOptions(picker_host="llm-pool-epp.default.svc.cluster.local"))  # a Service name
     return out
 
 
@@ -42,7 +43,7 @@ def _validate(cfg: Path) -> subprocess.CompletedProcess[str]:
 def test_every_option_combination_passes_envoy_validate(tmp_path: Path) -> None:
     ca = self_signed(cert_dir=tmp_path).cert_file
     combos = _combinations(str(ca))
-    assert len(combos) == 2 * 2 * 2 * 2 * 2 * 2 + 2 * 2 * 2 * 2 * 2 + 1  # (TLS with/without CA) + h2c + baseline
+    assert len(combos) == 2 * 2 * 2 * 2 * 2 * 2 + 2 * 2 * 2 * 2 * 2 + 2  # TLS (CA or not), h2c, baseline, DNS
     files = []
     for i, opts in enumerate(combos):
         files.append(envoy_config.write(opts, tmp_path / f"envoy-{i}.yaml"))
@@ -90,6 +91,11 @@ def test_picker_circuit_breaker_leaves_room_above_the_pickers_own_cap() -> None:
         doc = envoy_config.to_dict(EnvoyOptions(picker_max_inflight=cap))
         t = _cluster(doc, "picker")["circuit_breakers"]["thresholds"][0]
         assert min(t["max_requests"], t["max_pending_requests"], t["max_connections"]) > cap
+
+
+def test_picker_host_name_makes_a_dns_cluster_and_an_ip_a_static_one() -> None:
+    assert _cluster(envoy_config.to_dict(EnvoyOptions(picker_host="epp.ns.svc")), "picker")["type"] == "STRICT_DNS"
+    assert _cluster(envoy_config.to_dict(EnvoyOptions(picker_host="10.1.2.3")), "picker")["type"] == "STATIC"
 
 
 def test_plaintext_option_drops_tls_and_the_health_checks_tls_options() -> None:
