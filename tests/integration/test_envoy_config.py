@@ -123,3 +123,44 @@ def test_validate_mode_does_reject_a_broken_config(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(doc))
     assert _validate(bad).returncode != 0
+
+
+def test_at_the_pickers_cap_clients_get_its_503_not_envoys_circuit_breaker(tmp_path: Path) -> None:
+    """Hold `cap` streaming responses open through Envoy, then one more request: the generated breaker leaves
+    room, so the picker itself answers 503 "endpoint picker overloaded" (a breaker equal to the cap would
+    make Envoy fail that stream with an empty 500 before the picker saw it)."""
+    import http.client
+
+    from epp_extproc.app import PickerApp
+    from epp_extproc.config import Config
+    from tests.gateway_client import request
+    from tests.harness import BackgroundLoop, EchoUpstream, EnvoyProcess
+
+    cap = 3
+    bg = BackgroundLoop()
+    up = EchoUpstream("a")
+    bg.run(up.start())
+    assert up.sse_release is not None
+    app = PickerApp(Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1",
+                           endpoints=f"a={up.address}", endpoint_probe_interval_ms=0, max_inflight_requests=cap))
+    bg.run(app.start())
+    envoy = EnvoyProcess(EnvoyOptions(picker_port=app.grpc_port, picker_max_inflight=cap)).start()
+    held = []
+    try:
+        for _ in range(cap):
+            conn = http.client.HTTPConnection("127.0.0.1", envoy.opts.listen_port, timeout=20)
+            conn.request("POST", "/sse", body=b'{"stream":true}', headers={"content-type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200 and resp.readline().startswith(b"data:")
+            held.append(conn)
+        r = request(envoy.url, body=b'{"model":"m","messages":[]}')
+        assert r.status == 503 and b"endpoint picker overloaded" in r.body, (r.status, r.body)
+        assert envoy.stats().get("cluster.picker.upstream_rq_pending_overflow", 0) == 0
+    finally:
+        bg.loop.call_soon_threadsafe(up.sse_release.set)
+        for c in held:
+            c.close()
+        envoy.stop()
+        bg.run(app.stop())
+        bg.run(up.stop())
+        bg.close()
