@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint bench install clean
+.PHONY: run test lint bench install clean readme
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check epp_extproc kvindex trtllm_mock tests bench
+
+readme: $(STAMP)
+	$(BIN)/python -m epp_extproc.dev.readme_config
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run_all

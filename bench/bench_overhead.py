@@ -182,7 +182,7 @@ async def _inproc(n_workers: int, n_tokens: int, reps: int) -> dict[str, Any]:
         protocol = "trtllm-render"
         tokens: list[int] = []
 
-        async def render(self, kind: str, body: bytes) -> list[int]:
+        async def render(self, kind: str, body: bytes, *, count: bool = True) -> list[int]:
             return list(self.tokens)
 
     rend = StubRenderer()
@@ -201,7 +201,7 @@ async def _inproc(n_workers: int, n_tokens: int, reps: int) -> dict[str, Any]:
         from epp_extproc.core.pipeline import Plan
 
         t0 = time.perf_counter()
-        choose(pipe.candidates(addrs, Plan(tokens=rend.tokens, route="kv")), pipe.params)
+        choose(pipe.candidates(addrs, Plan(tokens=rend.tokens)), pipe.params)
         score.append(time.perf_counter() - t0)
     await kv.close()
     return {"workers": n_workers, "prompt_tokens": n_tokens, "requests": reps,

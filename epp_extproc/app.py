@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Any
 
 import grpc
 from aiohttp import web
@@ -16,12 +17,11 @@ from epp_extproc.adapters.discovery_static import FileDiscovery, parse_flag
 from epp_extproc.adapters.endpoint_probe import EndpointProber
 from epp_extproc.adapters.kv_routing import KvRouting
 from epp_extproc.adapters.render_client import RenderClient
-from epp_extproc.admin import build_admin_app
+from epp_extproc.admin import build_admin_app, debug_score
 from epp_extproc.config import Config
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.core.load import LoadTracker
 from epp_extproc.core.pipeline import Pipeline
-from epp_extproc.core.usage import ModelLabels, UsageObserver
 from epp_extproc.envoy.extproc import ExtProcServicer, pb_grpc
 from epp_extproc.envoy.health import Health
 from epp_extproc.envoy.tls import CertSource, ServerCert
@@ -51,9 +51,8 @@ class PickerApp:
         self.pipeline = Pipeline(config, self.registry, self.load, self.metrics, renderer=self.renderer,
                                  kv=self.kv)
         self.health = Health()
-        labels = ModelLabels()
         self.servicer = ExtProcServicer(self.pipeline, allowed_modes=config.body_modes(),
-                                        observer_factory=lambda d: UsageObserver(d, self.metrics, labels))
+                                        body_timeout_s=config.request_body_timeout_ms / 1000)
         self._grpc: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
         self._admin: web.AppRunner | None = None
@@ -93,10 +92,14 @@ class PickerApp:
     async def _start(self) -> None:
         cfg = self.config
         await self.health.start()
-        msg_limit = cfg.max_body_bytes + 1024 * 1024
+        # One BUFFERED body arrives as one message: let any body up to the whole buffer budget reach the
+        # picker, so one just over --max-body-bytes gets the documented 413 rather than a gRPC error (500).
+        msg_limit = cfg.max_buffered_body_bytes + 1024 * 1024
         opts = [("grpc.max_receive_message_length", msg_limit), ("grpc.max_send_message_length", msg_limit),
                 ("grpc.so_reuseport", 0)]
-        self._grpc = grpc.aio.server(options=opts)
+        # Streams over the in-flight cap still get a 503 from the picker; beyond twice the cap gRPC itself
+        # refuses them, so a flood of streams that send nothing cannot grow memory without bound.
+        self._grpc = grpc.aio.server(options=opts, maximum_concurrent_rpcs=2 * cfg.max_inflight_requests)
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
         # GAIE's Envoy health-checks the ext_proc cluster on the ext_proc port itself (gRPC health,
         # service envoy.service.ext_proc.v3.ExternalProcessor); the health port serves the same servicer.
@@ -118,12 +121,12 @@ class PickerApp:
         self.health_port = self._health_server.add_insecure_port(f"{cfg.bind}:{cfg.health_port}")
         admin = build_admin_app(self.registry, self.load, self.metrics,
                                 kv_snapshot=self.kv.snapshot if self.kv else None,
-                                score=self.pipeline.score_only)
+                                score=self.debug_score)
         self._admin = web.AppRunner(admin, access_log=None)
         await self._admin.setup()
         site = web.TCPSite(self._admin, cfg.bind, cfg.metrics_port)
         await site.start()
-        self.metrics_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.metrics_port = self._admin.addresses[0][1]
         await self._start_discovery()
         if self.prober is not None:
             self._tasks.append(asyncio.create_task(self.prober.run()))
@@ -136,6 +139,10 @@ class PickerApp:
     def tls(self) -> ServerCert | None:
         """The certificate the ext_proc port serves now (None = plaintext h2c)."""
         return self.cert_source.current if self.cert_source is not None else None
+
+    async def debug_score(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """`/debug/score`: a proposal that is never committed, and whose render is not counted as traffic."""
+        return await debug_score(self.pipeline, payload)
 
     async def _start_discovery(self) -> None:
         cfg = self.config

@@ -29,6 +29,9 @@ class PickerMetrics:
                                        "Requests booked on each endpoint", ["endpoint"], registry=r)
         self.picker_inflight = Gauge("epp_inflight_requests", "Requests currently inside the picker "
                                      "(from request headers to the end of the response)", registry=r)
+        self.buffered_bytes = Gauge("epp_buffered_body_bytes", "Request-body bytes the picker is buffering "
+                                    "right now, across all streams (bounded by --max-buffered-body-bytes)",
+                                    registry=r)
         self.endpoints = Gauge("epp_endpoints", "Endpoints currently known", registry=r)
         self.picks = Counter("epp_picks", "Routing decisions per endpoint", ["endpoint"], registry=r)
         self.render_requests = Counter("epp_render_requests", "Render (tokenize) calls",

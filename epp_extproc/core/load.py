@@ -33,10 +33,6 @@ class Booking:
         self._prefilling = True
         self._live = True
 
-    @property
-    def live(self) -> bool:
-        return self._live
-
     def prefill_done(self) -> None:
         if self._prefilling and self._live:
             self._prefilling = False

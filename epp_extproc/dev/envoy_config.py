@@ -105,10 +105,8 @@ from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
 )
 from envoy_data_plane.google.protobuf import Any as AnyPb
 
-DEST_HEADER = "x-gateway-destination-endpoint"
-SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-LB_NAMESPACE = "envoy.lb"
-EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+from epp_extproc.gaie import DEST_HEADER, EXT_PROC_SERVICE, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE
+
 BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
 PICKER_CLUSTER = "picker"
 WORKERS_CLUSTER = "workers"
@@ -206,7 +204,7 @@ def ext_proc_filter(opts: EnvoyOptions, processing: ProcessingOptions, *, name: 
 def _subset_hint_filter(header: str) -> HttpFilter:
     cfg = HeaderToMetadata(request_rules=[ConfigRule(
         header=header, remove=True,
-        on_header_present=ConfigKeyValuePair(metadata_namespace=SUBSET_NAMESPACE, key=f"{DEST_HEADER}-subset",
+        on_header_present=ConfigKeyValuePair(metadata_namespace=SUBSET_NAMESPACE, key=SUBSET_KEY,
                                              type=ConfigValueType.STRING))])
     return HttpFilter(name="envoy.filters.http.header_to_metadata", typed_config=AnyPb.pack(cfg))
 

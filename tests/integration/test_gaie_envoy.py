@@ -207,8 +207,6 @@ def test_openai_sdk_chat_and_streaming_through_the_gaie_gateway(gw: GaieGateway)
     assert text.usage is not None and text.usage.completion_tokens == 3
 
 
-@pytest.mark.xfail(strict=True, reason="needs the OpenAI-shaped JSON errors of issue 14 item 3 (lead's edge "
-                   "rewrite): today the SDK shows only 'Error code: 503'. Remove this marker when they land.")
 def test_openai_sdk_shows_the_pickers_error_message(gw: GaieGateway) -> None:
     """With no endpoint left the picker answers 503; the SDK must surface its reason (an OpenAI-shaped JSON
     error: `exc.body` is the inner {"message", "type", ...} object)."""
