@@ -277,3 +277,16 @@ def test_a_failed_start_leaves_no_certificate_folder(tmp_path: Path) -> None:
         asyncio.run(go())
     assert app.cert_source is not None
     assert app.cert_source.current.cert_file is not None and not app.cert_source.current.cert_file.parent.exists()
+
+
+def test_the_certificate_folder_is_removed_at_exit_even_without_stop(tmp_path: Path) -> None:
+    """A process that never stops its picker (a crash path, a script) still leaves no folder behind."""
+    script = ("from epp_extproc.envoy.tls import CertSource\n"
+              "c = CertSource(None)\n"
+              "print(c.current.cert_file.parent)\n")
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    folder = Path(out.stdout.strip())
+    assert folder.name.startswith("epp-tls-") and not folder.exists()
