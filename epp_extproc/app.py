@@ -152,6 +152,14 @@ class PickerApp:
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
     async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            if self.cert_source is not None:  # e.g. a port in use: leave no certificate folder behind
+                self.cert_source.close()
+            raise
+
+    async def _start(self) -> None:
         cfg = self.config
         await self.health.start()
         # One BUFFERED body arrives as one message: let any body up to the whole buffer budget reach the

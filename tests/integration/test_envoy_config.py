@@ -33,6 +33,7 @@ def _combinations(ca: str) -> list[EnvoyOptions]:
     for mode in envoy_config.BODY_MODES:  # GAIE's echo response mode (every combination above is lean)
         out.append(EnvoyOptions(body_mode=mode, response_mode="echo"))
     out.append(EnvoyOptions(with_picker=False, static_upstreams=("127.0.0.1:8001", "127.0.0.1:8002")))
+    out.append(EnvoyOptions(picker_host="llm-pool-epp.default.svc.cluster.local"))  # a Service name
     return out
 
 
@@ -44,7 +45,7 @@ def _validate(cfg: Path) -> subprocess.CompletedProcess[str]:
 def test_every_option_combination_passes_envoy_validate(tmp_path: Path) -> None:
     ca = self_signed(cert_dir=tmp_path).cert_file
     combos = _combinations(str(ca))
-    assert len(combos) == 2 * 2 * 2 * 2 * 2 * 2 + 2 * 2 * 2 * 2 * 2 + 2 + 1  # TLS +- CA, h2c, echo, baseline
+    assert len(combos) == 2 * 2 * 2 * 2 * 2 * 2 + 2 * 2 * 2 * 2 * 2 + 2 + 2  # TLS +- CA, h2c, echo, baseline, DNS
     files = []
     for i, opts in enumerate(combos):
         files.append(envoy_config.write(opts, tmp_path / f"envoy-{i}.yaml"))
@@ -95,6 +96,11 @@ def test_picker_circuit_breaker_leaves_room_above_the_pickers_own_cap() -> None:
         assert min(t["max_requests"], t["max_pending_requests"], t["max_connections"]) > cap
 
 
+def test_picker_host_name_makes_a_dns_cluster_and_an_ip_a_static_one() -> None:
+    assert _cluster(envoy_config.to_dict(EnvoyOptions(picker_host="epp.ns.svc")), "picker")["type"] == "STRICT_DNS"
+    assert _cluster(envoy_config.to_dict(EnvoyOptions(picker_host="10.1.2.3")), "picker")["type"] == "STATIC"
+
+
 def test_plaintext_option_drops_tls_and_the_health_checks_tls_options() -> None:
     out = subprocess.run([PICKER, "envoy-config", "--picker-tls=false", "--format", "json"], capture_output=True,
                          text=True, timeout=60)
@@ -120,3 +126,44 @@ def test_validate_mode_does_reject_a_broken_config(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(doc))
     assert _validate(bad).returncode != 0
+
+
+def test_at_the_pickers_cap_clients_get_its_503_not_envoys_circuit_breaker(tmp_path: Path) -> None:
+    """Hold `cap` streaming responses open through Envoy, then one more request: the generated breaker leaves
+    room, so the picker itself answers 503 "endpoint picker overloaded" (a breaker equal to the cap would
+    make Envoy fail that stream with an empty 500 before the picker saw it)."""
+    import http.client
+
+    from epp_extproc.app import PickerApp
+    from epp_extproc.config import Config
+    from tests.gateway_client import request
+    from tests.harness import BackgroundLoop, EchoUpstream, EnvoyProcess
+
+    cap = 3
+    bg = BackgroundLoop()
+    up = EchoUpstream("a")
+    bg.run(up.start())
+    assert up.sse_release is not None
+    app = PickerApp(Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1",
+                           endpoints=f"a={up.address}", endpoint_probe_interval_ms=0, max_inflight_requests=cap))
+    bg.run(app.start())
+    envoy = EnvoyProcess(EnvoyOptions(picker_port=app.grpc_port, picker_max_inflight=cap)).start()
+    held = []
+    try:
+        for _ in range(cap):
+            conn = http.client.HTTPConnection("127.0.0.1", envoy.opts.listen_port, timeout=20)
+            conn.request("POST", "/sse", body=b'{"stream":true}', headers={"content-type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200 and resp.readline().startswith(b"data:")
+            held.append(conn)
+        r = request(envoy.url, body=b'{"model":"m","messages":[]}')
+        assert r.status == 503 and b"endpoint picker overloaded" in r.body, (r.status, r.body)
+        assert envoy.stats().get("cluster.picker.upstream_rq_pending_overflow", 0) == 0
+    finally:
+        bg.loop.call_soon_threadsafe(up.sse_release.set)
+        for c in held:
+            c.close()
+        envoy.stop()
+        bg.run(app.stop())
+        bg.run(up.stop())
+        bg.close()

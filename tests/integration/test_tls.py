@@ -257,3 +257,36 @@ def test_cert_path_missing_the_key_is_refused_at_start_up(tmp_path: Path) -> Non
     (tmp_path / "tls.crt").write_text("x")
     with pytest.raises(SystemExit, match="lacks tls.key"):
         load_config(["--cert-path", str(tmp_path)], env={})
+
+
+def test_a_failed_start_leaves_no_certificate_folder(tmp_path: Path) -> None:
+    """The ext_proc port is taken: start fails, and the self-signed certificate's folder is removed."""
+    import asyncio
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        app = PickerApp(Config(grpc_port=s.getsockname()[1], health_port=0, metrics_port=0, bind="127.0.0.1",
+                               endpoint_probe_interval_ms=0))
+
+        async def go() -> None:
+            with pytest.raises(RuntimeError):
+                await app.start()
+
+        asyncio.run(go())
+    assert app.cert_source is not None
+    assert app.cert_source.current.cert_file is not None and not app.cert_source.current.cert_file.parent.exists()
+
+
+def test_the_certificate_folder_is_removed_at_exit_even_without_stop(tmp_path: Path) -> None:
+    """A process that never stops its picker (a crash path, a script) still leaves no folder behind."""
+    script = ("from epp_extproc.envoy.tls import CertSource\n"
+              "c = CertSource(None)\n"
+              "print(c.current.cert_file.parent)\n")
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    folder = Path(out.stdout.strip())
+    assert folder.name.startswith("epp-tls-") and not folder.exists()
