@@ -15,7 +15,7 @@ from pathlib import Path
 
 from bench.harness import RESULTS
 
-BENCHES = ("kvindex", "overhead", "routing", "scale", "passthrough", "flow_control", "trace")
+BENCHES = ("kvindex", "overhead", "routing", "scale", "passthrough", "flow_control", "trace", "tokens")
 
 
 def main(argv: list[str] | None = None) -> int:

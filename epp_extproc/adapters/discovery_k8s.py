@@ -194,12 +194,7 @@ class InferencePoolDiscovery:
         if self._factory is not None:
             made = self._factory()
             return await made if inspect.isawaitable(made) else made
-        configuration = k8s_client.Configuration()
-        if self.kubeconfig:
-            await k8s_config.load_kube_config(config_file=self.kubeconfig, client_configuration=configuration)
-        else:
-            k8s_config.load_incluster_config(client_configuration=configuration)
-        return k8s_client.ApiClient(configuration)
+        return await api_client(self.kubeconfig)
 
     async def _close_client(self) -> None:
         api, self._api = self._api, None
@@ -446,3 +441,13 @@ class InferencePoolDiscovery:
             log.info("InferencePool %s/%s first sync: %d endpoint(s) %s", self.namespace, self.pool_name,
                      len(endpoints), [e.name for e in endpoints[:10]] + (["..."] if len(endpoints) > 10 else []))
         self.registry.replace(endpoints)
+
+
+async def api_client(kubeconfig: str | None) -> k8s_client.ApiClient:
+    """An API client from a kubeconfig file (outside the cluster) or the pod's service account."""
+    configuration = k8s_client.Configuration()
+    if kubeconfig:
+        await k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    else:
+        k8s_config.load_incluster_config(client_configuration=configuration)
+    return k8s_client.ApiClient(configuration)

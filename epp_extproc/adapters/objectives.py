@@ -106,15 +106,9 @@ class ObjectiveCrdPoller:
         self._failing = False
 
     async def _client(self) -> Any:
-        from kubernetes_asyncio import client as k8s_client
-        from kubernetes_asyncio import config as k8s_config
+        from epp_extproc.adapters.discovery_k8s import api_client
 
-        configuration = k8s_client.Configuration()
-        if self.kubeconfig:
-            await k8s_config.load_kube_config(config_file=self.kubeconfig, client_configuration=configuration)
-        else:
-            k8s_config.load_incluster_config(client_configuration=configuration)
-        return k8s_client.ApiClient(configuration)
+        return await api_client(self.kubeconfig)
 
     async def poll_once(self) -> bool:
         from kubernetes_asyncio import client as k8s_client

@@ -103,3 +103,13 @@ def test_passthrough_quick(tmp_path: Path) -> None:
             assert r["worker_pretokenized"] == 0 and r["worker_rendered"] == r["requests"]
     assert all(v["identical"] for v in doc["result"]["identical_outputs"].values())
     assert len(doc["result"]["ratios"]) == 4
+
+
+@pytest.mark.timeout(150)
+def test_tokens_quick(tmp_path: Path) -> None:
+    doc = run_bench("tokens", tmp_path, timeout=140)
+    assert [m["mode"] for m in doc["modes"]] == ["none", "lean", "echo"]
+    for m in doc["modes"]:
+        assert [r["output_tokens"] for r in m["rows"]] == [8, 256, 1024]
+        assert all(r["ok"] == r["requests"] for r in m["rows"])
+    assert set(doc["summary"]) >= {"lean", "echo"}
