@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint bench install clean
+.PHONY: run test lint bench install clean proto
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check epp_extproc kvindex trtllm_mock tests bench
+
+# Regenerate epp_extproc/proto_gen from proto/ (grpcio-tools, pinned in the test extras); a test checks the
+# checked-in modules match.
+proto: $(STAMP)
+	$(BIN)/python proto/generate.py
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run_all

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import grpc
 from aiohttp import web
@@ -16,6 +17,7 @@ from epp_extproc.adapters.discovery_static import FileDiscovery, parse_flag
 from epp_extproc.adapters.endpoint_probe import EndpointProber
 from epp_extproc.adapters.kv_routing import KvRouting
 from epp_extproc.adapters.render_client import RenderClient
+from epp_extproc.adapters.replica_sync import ReplicaSync
 from epp_extproc.admin import build_admin_app
 from epp_extproc.config import Config
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
@@ -28,6 +30,8 @@ from epp_extproc.envoy.tls import ServerCert, server_cert
 from epp_extproc.metrics import PickerMetrics
 
 log = logging.getLogger(__name__)
+
+WARMUP_WAIT_S = 5.0  # readiness waits this long at most for every worker's first KV batch (replayed index)
 
 
 class PickerApp:
@@ -50,6 +54,16 @@ class PickerApp:
                                 metrics_registry=self.metrics.registry)
         self.pipeline = Pipeline(config, self.registry, self.load, self.metrics, renderer=self.renderer,
                                  kv=self.kv)
+        self.sync: ReplicaSync | None = None
+        if config.sync_enabled():
+            self.sync = ReplicaSync(self.load, self.registry, index=self.kv.index if self.kv else None,
+                                    heartbeat_s=config.peer_timeout_ms / 4000,
+                                    peer_timeout_s=config.peer_timeout_ms / 1000,
+                                    expiry_s=config.peer_expiry_ms / 1000, metrics_registry=self.metrics.registry)
+            if self.kv is not None:
+                self.kv.predict_listeners.append(self.sync.on_predict)
+        self._started_at = time.monotonic()
+        self.draining = False
         self.health = Health()
         labels = ModelLabels()
         self.servicer = ExtProcServicer(self.pipeline, allowed_modes=config.body_modes(),
@@ -75,7 +89,25 @@ class PickerApp:
             if self.registry.get(ep.address) is None:
                 self.load.forget(ep.address)
         self.metrics.endpoints.set(len(self.registry))
-        self._spawn(self.health.set_ready(self.registry.synced and len(self.registry) > 0))
+        self._spawn(self.health.set_ready(self.ready()))
+
+    def ready(self) -> bool:
+        """Has its endpoints, its index is warm (every worker's first KV batch, replay included, is in, or
+        WARMUP_WAIT_S passed) and it synced with every reachable peer; never while draining."""
+        if self.draining or not self.registry.synced or len(self.registry) == 0:
+            return False
+        if self.sync is not None and not self.sync.settled():
+            return False
+        if self.kv is not None and time.monotonic() - self._started_at < WARMUP_WAIT_S:
+            idx = self.kv.index
+            if any(ep.kv_events and idx.stats(ep.address).batches == 0 for ep in self.registry.all()):
+                return False
+        return True
+
+    async def _readiness_loop(self) -> None:
+        while True:
+            await self.health.set_ready(self.ready())
+            await asyncio.sleep(0.1)
 
     def _spawn(self, coro) -> None:  # noqa: ANN001
         task = asyncio.get_running_loop().create_task(coro)
@@ -87,7 +119,7 @@ class PickerApp:
         await self.health.start()
         msg_limit = cfg.max_body_bytes + 1024 * 1024
         opts = [("grpc.max_receive_message_length", msg_limit), ("grpc.max_send_message_length", msg_limit),
-                ("grpc.so_reuseport", 0)]
+                ("grpc.so_reuseport", 1 if cfg.share_port else 0)]  # 0: a second picker fails loudly
         self._grpc = grpc.aio.server(options=opts)
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
         if cfg.secure_serving:
@@ -111,6 +143,9 @@ class PickerApp:
         await site.start()
         self.metrics_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         await self._start_discovery()
+        if self.sync is not None:
+            await self._start_sync()
+        self._tasks.append(asyncio.create_task(self._readiness_loop()))
         if self.prober is not None:
             self._tasks.append(asyncio.create_task(self.prober.run()))
         await self._grpc.start()
@@ -140,7 +175,24 @@ class PickerApp:
                         "--inference-pool-name): every request will get 503")
             self.registry.replace([])
 
+    async def _start_sync(self) -> None:
+        cfg = self.config
+        assert self.sync is not None
+        await self.sync.start(cfg.replica_sync_listen or [f"{cfg.bind}:{cfg.replica_sync_port}"])
+        if cfg.peer_service:
+            from epp_extproc.adapters.discovery_peers import PeerServiceDiscovery
+
+            d = PeerServiceDiscovery(self.sync.set_peers, cfg.peer_service, cfg.namespace, pod_ip=cfg.pod_ip,
+                                     kubeconfig=cfg.kubeconfig)
+            self._tasks.append(asyncio.create_task(d.run()))
+        else:
+            self.sync.set_peers(cfg.peer_list())
+
     async def stop(self, grace: float = 1.0) -> None:
+        """Drain: not ready, no new ext_proc streams, up to `grace` s for those in flight; then the frees
+        they made reach the peers before the sync links close. Streams still open at the deadline are
+        cancelled (their bookings freed) and logged, never dropped silently."""
+        self.draining = True
         await self.health.shutdown()
         for t in list(self._tasks):
             t.cancel()
@@ -148,7 +200,16 @@ class PickerApp:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         if self._grpc is not None:
+            inflight = self.servicer.active
+            if inflight:
+                log.info("draining: %d ext_proc streams in flight, waiting up to %.1fs", inflight, grace)
             await self._grpc.stop(grace)
+            if inflight:
+                cut = self.servicer.active
+                (log.warning if cut else log.info)("drained: %d of %d streams finished, %d cut at the deadline",
+                                                   inflight - cut, inflight, cut)
+        if self.sync is not None:
+            await self.sync.close()
         if self._health_server is not None:
             await self._health_server.stop(0)
         if self._admin is not None:

@@ -64,6 +64,25 @@ OPTIONS: tuple[Option, ...] = (
     Option("--cert-path", "DYN_EPP_CERT_PATH", None, _opt_str,
            "directory with tls.crt and tls.key for secure serving; unset = a self-signed certificate is "
            "generated at start-up (needs the openssl tool)"),
+    Option("--drain-timeout-s", "DYN_EPP_DRAIN_TIMEOUT_S", 25.0, float,
+           "on SIGTERM: not ready at once, no new ext_proc streams, up to this long for the ones in flight "
+           "(keep it below the pod's terminationGracePeriodSeconds)"),
+    # Replicas
+    Option("--processes", "DYN_EPP_PROCESSES", 1, int,
+           "picker processes on this host sharing the ext_proc port (SO_REUSEPORT), synced over Unix "
+           "sockets; process 0 serves health and metrics, process i metrics on metrics-port + i"),
+    Option("--peers", "DYN_EPP_PEERS", None, _opt_str,
+           "peer replicas' sync addresses, comma separated `host:port` (or `unix:/path`): load and "
+           "predictions are shared with them"),
+    Option("--peer-service", "DYN_EPP_PEER_SERVICE", None, _opt_str,
+           "Kubernetes: the picker's own Service; its EndpointSlices' `replica-agg` port are the peers"),
+    Option("--pod-ip", "POD_IP", None, _opt_str, "this pod's IP, left out of the peer service's endpoints"),
+    Option("--replica-sync-port", "DYN_EPP_REPLICA_SYNC_PORT", 9004, int,
+           "gRPC port of the replica-sync service (listens only when peers or --processes > 1 are set)"),
+    Option("--peer-timeout-ms", "DYN_EPP_PEER_TIMEOUT_MS", 2000, int,
+           "a peer silent this long (it heartbeats every quarter of it) counts as gone"),
+    Option("--peer-expiry-ms", "DYN_EPP_PEER_EXPIRY_MS", 5000, int,
+           "a gone peer's bookings still count this long (its requests may still run), then are dropped"),
     # Endpoints
     Option("--endpoints", "DYN_EPP_ENDPOINTS", None, _opt_str,
            "static endpoints, comma separated `name=ip:port` (or just `ip:port`)"),
@@ -162,6 +181,24 @@ class Config:
     prefill_load_scale: float = 1.0
     router_temperature: float = 0.0
     prediction_ttl_s: float = 2.0
+    drain_timeout_s: float = 25.0
+    processes: int = 1
+    peers: str | None = None
+    peer_service: str | None = None
+    pod_ip: str | None = None
+    replica_sync_port: int = 9004
+    peer_timeout_ms: int = 2000
+    peer_expiry_ms: int = 5000
+    # Set by the --processes supervisor for each child, not by flags: where its sync service listens.
+    replica_sync_listen: tuple[str, ...] = ()
+    process_index: int = 0
+    share_port: bool = False  # SO_REUSEPORT on the ext_proc port (siblings bind it too)
+
+    def sync_enabled(self) -> bool:
+        return bool(self.peers or self.peer_service or self.replica_sync_listen)
+
+    def peer_list(self) -> list[str]:
+        return [p.strip() for p in (self.peers or "").split(",") if p.strip()]
 
     def validate(self) -> None:
         """Fail at start-up, with a message naming the setting, rather than on the first request."""
@@ -188,6 +225,16 @@ class Config:
             raise ValueError("DYN_EPP_MAX_BODY_BYTES must be positive")
         if self.router_temperature < 0:
             raise ValueError("DYN_ROUTER_TEMPERATURE must be >= 0")
+        if self.processes < 1:
+            raise ValueError("DYN_EPP_PROCESSES must be >= 1")
+        if self.processes > 1 and self.grpc_port == 0:
+            raise ValueError("DYN_EPP_PROCESSES > 1 needs a fixed DYN_EPP_GRPC_PORT (the processes share it)")
+        if self.peers and self.peer_service:
+            raise ValueError("choose one peer source: --peers or --peer-service")
+        if self.peer_timeout_ms <= 0 or self.peer_expiry_ms < 0:
+            raise ValueError("DYN_EPP_PEER_TIMEOUT_MS must be positive and DYN_EPP_PEER_EXPIRY_MS >= 0")
+        if self.drain_timeout_s < 0:
+            raise ValueError("DYN_EPP_DRAIN_TIMEOUT_S must be >= 0")
         modes = self.body_modes()
         bad = [m for m in modes if m not in BODY_MODES]
         if bad or not modes:
