@@ -32,6 +32,8 @@ class EnvoyOptions:
     picker_tls: bool = False
     picker_tls_ca: str | None = None
     buffer_limit_bytes: int = 64 * 1024 * 1024
+    extra_picker_ports: tuple[int, ...] = ()  # more picker replicas: Envoy round-robins ext_proc streams
+    picker_max_requests_per_connection: int | None = None  # rotate connections (spreads --processes children)
 
 
 def _addr(host: str, port: int) -> dict[str, Any]:
@@ -104,8 +106,13 @@ def build(opts: EnvoyOptions) -> dict[str, Any]:
                 "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
                 "explicit_http_config": {"http2_protocol_options": {}}}},
             "load_assignment": {"cluster_name": "picker", "endpoints": [{"lb_endpoints": [
-                {"endpoint": {"address": _addr(opts.picker_host, opts.picker_port)}}]}]},
+                {"endpoint": {"address": _addr(opts.picker_host, port)}}
+                for port in (opts.picker_port, *opts.extra_picker_ports)]}]},
         }
+        if opts.picker_max_requests_per_connection:
+            picker["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"][
+                "common_http_protocol_options"] = {
+                "max_requests_per_connection": opts.picker_max_requests_per_connection}
         if opts.picker_tls:
             tls: dict[str, Any] = {"@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3"
                                             ".UpstreamTlsContext",
