@@ -58,8 +58,11 @@ class SyncMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
         self.lag = Histogram("epp_replica_sync_lag_seconds", "Booking change on this replica -> acked by a "
-                             "peer (oldest change of each batch; sender's clock)", ["peer"],
-                             buckets=LAG_BUCKETS, registry=r)
+                             "peer (oldest change of each batch; sender's clock, includes the ack's way back)",
+                             ["peer"], buckets=LAG_BUCKETS, registry=r)
+        self.visible_lag = Histogram("epp_replica_sync_visible_lag_seconds", "Change made on a peer -> applied "
+                                     "here (oldest change of each batch; the peer's wall clock vs ours)",
+                                     buckets=LAG_BUCKETS, registry=r)
         self.batches_sent = Counter("epp_replica_sync_batches_sent", "Batches pushed to peers", ["peer"],
                                     registry=r)
         self.changes_sent = Counter("epp_replica_sync_changes_sent", "Booking changes and predictions pushed "
@@ -81,7 +84,28 @@ class SyncMetrics:
 @dataclass(slots=True)
 class _Outgoing:
     items: list[pb.BookingDelta | pb.Prediction] = field(default_factory=list)
-    oldest: float = 0.0
+    oldest: float = 0.0  # monotonic
+    oldest_unix: float = 0.0
+
+
+class _Session:
+    """One Sync stream's own queue. A new stream gets a new one, so the request generator of a stream that
+    already failed (gRPC may still be pulling it) can never take changes meant for the next stream."""
+
+    __slots__ = ("pending", "wake", "acks", "seq", "open", "reset")
+
+    def __init__(self) -> None:
+        self.pending = _Outgoing()
+        self.wake = asyncio.Event()
+        self.acks: dict[int, float] = {}  # seq -> creation time (monotonic) of the batch's oldest change
+        self.seq = 0
+        self.open = False  # the snapshot is out: changes from now on go into `pending`
+        self.reset = False
+
+    def close(self) -> None:
+        self.open = False
+        self.reset = True
+        self.wake.set()
 
 
 class PeerLink:
@@ -94,13 +118,12 @@ class PeerLink:
         self.attempts = 0
         self.failures = 0
         self.handshake_at: float | None = None  # monotonic time of the last Hello received
-        self.up = False
-        self._pending = _Outgoing()
-        self._wake = asyncio.Event()
-        self._acks: dict[int, float] = {}  # seq -> creation time of the batch's oldest change
-        self._seq = 0
+        self._cur: _Session | None = None
         self._task: asyncio.Task[None] | None = None
-        self._reset = False
+
+    @property
+    def up(self) -> bool:
+        return self._cur is not None and self._cur.open
 
     @property
     def settled(self) -> bool:
@@ -111,10 +134,11 @@ class PeerLink:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self, flush_s: float = 0.0) -> None:
-        if flush_s > 0 and self.up:
-            deadline = time.monotonic() + flush_s
-            while (self._pending.items or self._acks) and self.up and time.monotonic() < deadline:
-                await asyncio.sleep(0.005)
+        """Stop, after up to `flush_s` for what is queued to be sent and acked."""
+        deadline = time.monotonic() + flush_s
+        while (cur := self._cur) is not None and cur.open and (cur.pending.items or cur.acks) and \
+                time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -122,48 +146,55 @@ class PeerLink:
         self.sync.metrics.link_up.labels(self.target).set(0)
 
     def offer(self, item: pb.BookingDelta | pb.Prediction) -> None:
-        if not self.up:
+        cur = self._cur
+        if cur is None or not cur.open:
             return  # the snapshot on (re)connect carries the state; predictions are short-lived anyway
-        p = self._pending
+        p = cur.pending
         if not p.items:
-            p.oldest = time.monotonic()
+            p.oldest, p.oldest_unix = time.monotonic(), time.time()
         p.items.append(item)
         if len(p.items) > self.sync.max_backlog:
             self.sync.metrics.overflows.labels(self.target).inc()
             log.warning("replica sync to %s: %d changes backlogged; resetting the stream (a snapshot follows)",
                         self.target, len(p.items))
-            self._pending = _Outgoing()
-            self._reset = True
-            self._wake.set()
+            cur.pending = _Outgoing()
+            cur.close()
             return
-        self._wake.set()
+        cur.wake.set()
 
     async def _run(self) -> None:
         backoff = 0.05
         while True:
             self.attempts += 1
+            session = self._cur = _Session()
+            was_up = False
             try:
-                await self._session()
+                await self._session(session)
                 backoff = 0.05
             except asyncio.CancelledError:
                 raise
             except Exception as e:
+                was_up = session.open
                 self.failures += 1
-                log.log(logging.INFO if self.failures == 1 or self.up else logging.DEBUG,
+                log.log(logging.INFO if self.failures == 1 or was_up else logging.DEBUG,
                         "replica sync to %s failed: %s", self.target, _short(e))
-            self.up = False
+            finally:
+                session.close()
+                if self._cur is session:
+                    self._cur = None
             self.sync.metrics.link_up.labels(self.target).set(0)
+            if was_up:
+                backoff = 0.05  # a stream that worked: retry at once-ish, the peer probably restarted
             await asyncio.sleep(backoff * (0.5 + random.random() / 2))
             backoff = min(backoff * 2, 2.0)
 
-    async def _session(self) -> None:
+    async def _session(self, session: _Session) -> None:
         opts = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 1000)]
         async with grpc.aio.insecure_channel(self.target, options=opts) as channel:
             stub = pb_grpc.ReplicaSyncStub(channel)
-            self._reset = False
-            call = stub.Sync(self._requests())
+            call = stub.Sync(self._requests(session))
             first = await asyncio.wait_for(call.read(), self.sync.peer_timeout_s)
             if first is grpc.aio.EOF or not first.HasField("hello"):
                 raise ConnectionError("peer did not answer with Hello")
@@ -178,43 +209,44 @@ class PeerLink:
                 msg = await asyncio.wait_for(call.read(), self.sync.peer_timeout_s)
                 if msg is grpc.aio.EOF:
                     raise ConnectionError("peer closed the stream")
+                if session.reset:
+                    raise ConnectionResetError("backlog overflow")
                 if msg.HasField("ack"):
-                    self._acked(msg.ack.seq)
+                    self._acked(session, msg.ack.seq)
 
-    def _acked(self, seq: int) -> None:
+    def _acked(self, session: _Session, seq: int) -> None:
         now = time.monotonic()
-        for s in [s for s in self._acks if s <= seq]:
-            self.sync.metrics.lag.labels(self.target).observe(now - self._acks.pop(s))
+        for s in [s for s in session.acks if s <= seq]:
+            self.sync.metrics.lag.labels(self.target).observe(now - session.acks.pop(s))
 
-    async def _requests(self) -> AsyncIterator[pb.SyncRequest]:
+    async def _requests(self, session: _Session) -> AsyncIterator[pb.SyncRequest]:
         sync = self.sync
         yield pb.SyncRequest(hello=pb.Hello(replica_id=sync.replica_id, incarnation=sync.incarnation))
-        # From here on every change is queued for this link: the snapshot and the queue start at the same
+        if session.reset:
+            return
+        # From here on every change is queued for this stream: the snapshot and the queue start at the same
         # instant (one event loop), so nothing is lost or counted twice.
-        self._pending = _Outgoing()
-        self._acks.clear()
-        self.up = True
+        session.open = True
         yield pb.SyncRequest(snapshot=pb.Snapshot(bookings=[
             pb.Booking(id=b.id, address=b.address, prefill_blocks=b.prefill_blocks,
                        decode_blocks=b.decode_blocks, prefilling=b.prefilling) for b in sync.load.bookings()]))
         while True:
-            if not self._pending.items:
-                self._wake.clear()
+            if not session.pending.items:
+                session.wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), sync.heartbeat_s)
-            if self._reset:
-                self.up = False
-                raise ConnectionResetError("backlog overflow")
-            pending, self._pending = self._pending, _Outgoing()
+                    await asyncio.wait_for(session.wake.wait(), sync.heartbeat_s)
+            if session.reset:
+                return  # this stream is over; the next one starts with its own snapshot
+            pending, session.pending = session.pending, _Outgoing()
             items, rest = pending.items[:MAX_BATCH_ITEMS], pending.items[MAX_BATCH_ITEMS:]
             if rest:
-                self._pending = _Outgoing(rest, pending.oldest)
-            self._seq += 1
-            batch = pb.Batch(seq=self._seq)
+                session.pending = _Outgoing(rest, pending.oldest, pending.oldest_unix)
+            session.seq += 1
+            batch = pb.Batch(seq=session.seq, oldest_change_unix=pending.oldest_unix if items else 0.0)
             for it in items:
                 (batch.deltas if isinstance(it, pb.BookingDelta) else batch.predictions).append(it)
             if items:
-                self._acks[self._seq] = pending.oldest
+                session.acks[session.seq] = pending.oldest
                 sync.metrics.batches_sent.labels(self.target).inc()
                 sync.metrics.changes_sent.labels(self.target).inc(len(items))
             yield pb.SyncRequest(batch=batch)
@@ -350,6 +382,8 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
             while True:
                 msg = await self._read(context)
                 if msg is None or inb.generation != gen:  # silent, closed, or superseded by a newer stream
+                    log.debug("replica sync: stream from %s ends (%s)", peer,
+                              "closed or silent" if msg is None else "superseded")
                     return
                 if msg.HasField("snapshot"):
                     self.load.peer_snapshot(peer, (HeldBooking(b.id, b.address, b.prefill_blocks,
@@ -358,8 +392,13 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
                     inb.snapshot_at = time.monotonic()
                 elif msg.HasField("batch"):
                     self._apply(peer, msg.batch)
+                    if msg.batch.oldest_change_unix > 0:
+                        self.metrics.visible_lag.observe(max(time.time() - msg.batch.oldest_change_unix, 0.0))
                     await context.write(pb.SyncResponse(ack=pb.Ack(seq=msg.batch.seq)))
                 self.metrics.peer_bookings.labels(peer).set(self.load.peer_inflight(peer))
+        except Exception:
+            log.exception("replica sync: stream from %s failed", peer)
+            raise
         finally:
             if inb.generation == gen:
                 inb.connected = False

@@ -24,7 +24,7 @@ from epp_extproc.config import Config
 from tests.netutil import free_port
 
 WORKER = "127.0.0.1:1"  # bookings name a worker address; nothing needs to listen there
-FAST = {"peer_timeout_ms": 400, "peer_expiry_ms": 300}
+FAST = {"peer_timeout_ms": 1500, "peer_expiry_ms": 500}  # generous: the test machine is shared
 
 
 def config(sync_port: int, peers: list[int], **extra: object) -> Config:
@@ -152,7 +152,7 @@ PEER_SCRIPT = textwrap.dedent("""
     async def main() -> None:
         cfg = Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1", endpoints="w=127.0.0.1:1",
                      endpoint_probe_interval_ms=0, replica_sync_port=0, peers=sys.argv[1],
-                     peer_timeout_ms=400, peer_expiry_ms=300)
+                     peer_timeout_ms=1500, peer_expiry_ms=500)
         app = PickerApp(cfg)
         await app.start()
         held = [app.load.book("127.0.0.1:1", 4) for _ in range(int(sys.argv[2]))]

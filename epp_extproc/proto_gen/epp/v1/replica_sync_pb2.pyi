@@ -74,14 +74,16 @@ class Prediction(_message.Message):
     def __init__(self, address: _Optional[str] = ..., block_size: _Optional[int] = ..., hashes: _Optional[_Iterable[int]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("seq", "deltas", "predictions")
+    __slots__ = ("seq", "deltas", "predictions", "oldest_change_unix")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_CHANGE_UNIX_FIELD_NUMBER: _ClassVar[int]
     seq: int
     deltas: _containers.RepeatedCompositeFieldContainer[BookingDelta]
     predictions: _containers.RepeatedCompositeFieldContainer[Prediction]
-    def __init__(self, seq: _Optional[int] = ..., deltas: _Optional[_Iterable[_Union[BookingDelta, _Mapping]]] = ..., predictions: _Optional[_Iterable[_Union[Prediction, _Mapping]]] = ...) -> None: ...
+    oldest_change_unix: float
+    def __init__(self, seq: _Optional[int] = ..., deltas: _Optional[_Iterable[_Union[BookingDelta, _Mapping]]] = ..., predictions: _Optional[_Iterable[_Union[Prediction, _Mapping]]] = ..., oldest_change_unix: _Optional[float] = ...) -> None: ...
 
 class SyncRequest(_message.Message):
     __slots__ = ("hello", "snapshot", "batch")
