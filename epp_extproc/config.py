@@ -231,6 +231,8 @@ class Config:
             raise ValueError("DYN_EPP_PROCESSES > 1 needs a fixed DYN_EPP_GRPC_PORT (the processes share it)")
         if self.peers and self.peer_service:
             raise ValueError("choose one peer source: --peers or --peer-service")
+        if self.processes > 1 and (self.peers or self.peer_service):
+            raise ValueError("DYN_EPP_PROCESSES > 1 cannot be combined with DYN_EPP_PEERS/DYN_EPP_PEER_SERVICE yet")
         if self.peer_timeout_ms <= 0 or self.peer_expiry_ms < 0:
             raise ValueError("DYN_EPP_PEER_TIMEOUT_MS must be positive and DYN_EPP_PEER_EXPIRY_MS >= 0")
         if self.drain_timeout_s < 0:

@@ -43,8 +43,6 @@ def child_configs(cfg: Config, sock_dir: str) -> list[Config]:
 
 
 def supervise(cfg: Config) -> int:
-    if cfg.peers or cfg.peer_service:
-        raise SystemExit("epp-extproc: --processes > 1 cannot be combined with --peers/--peer-service yet")
     from epp_extproc.cli import run_child
 
     ctx = multiprocessing.get_context("spawn")  # a clean interpreter each: no forked event loop or gRPC state

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
+from epp_extproc.config import Config
 from epp_extproc.core.load import BookingChange, HeldBooking, LoadTracker
+from epp_extproc.processes import child_configs
 
 
 def test_local_changes_reach_listeners_in_order() -> None:
@@ -59,3 +63,21 @@ def test_a_peer_cannot_hold_more_than_the_cap() -> None:
     for i in range(10):
         t.peer_change("p1", BookingChange("book", f"x{i}", "a", 1, 1))
     assert t.peer_inflight("p1") == 3 and t.load("a").inflight == 3 and t.peer_bookings_refused == 7
+
+
+def test_each_child_process_gets_its_socket_and_the_others_as_peers() -> None:
+    cfg = Config(grpc_port=9002, health_port=9003, metrics_port=9090, processes=3)
+    kids = child_configs(cfg, "/run/x")
+    assert [k.replica_sync_listen for k in kids] == [("unix:/run/x/p0.sock",), ("unix:/run/x/p1.sock",),
+                                                     ("unix:/run/x/p2.sock",)]
+    assert kids[1].peer_list() == ["unix:/run/x/p0.sock", "unix:/run/x/p2.sock"]
+    assert [(k.grpc_port, k.health_port, k.metrics_port) for k in kids] == [(9002, 9003, 9090), (9002, 0, 9091),
+                                                                            (9002, 0, 9092)]
+    assert all(k.share_port and k.processes == 1 for k in kids)
+
+
+def test_processes_need_a_fixed_port_and_no_remote_peers() -> None:
+    with pytest.raises(ValueError, match="fixed"):
+        Config(grpc_port=0, processes=2).validate()
+    with pytest.raises(ValueError, match="cannot be combined"):
+        Config(processes=2, peers="10.0.0.2:9004").validate()
