@@ -245,7 +245,7 @@ def targets(doc: dict[str, Any]) -> dict[str, Any]:
     speed = H.ratio(tp.get(2, {}).get("decisions_per_s"), tp.get(1, {}).get("decisions_per_s"))
     out["throughput_2_over_1"] = {"ratio": speed, "target": 1.6, "met": speed is not None and speed >= 1.6}
     for where in ("routing", "throughput"):
-        lag = doc["result"]["lag"][where]
+        lag = doc["result"]["lag"].get(where, {})
         vis, ack = lag.get("visible", {}), lag.get("acked", {})
         out[f"sync_lag_ms_{where}"] = {"visible": vis, "acked": ack, "target_p99": 5.0,
                                        "met": vis.get("p99_ms") is not None and vis["p99_ms"] <= 5.0}
@@ -254,7 +254,7 @@ def targets(doc: dict[str, Any]) -> dict[str, Any]:
 
 def print_report(doc: dict[str, Any]) -> None:
     rows = doc["result"]["routing"]
-    base = {r["rate"]: r for r in rows if r["config"] == "one"}
+    base = {r["rate"]: r for r in rows if r["config"] == "one"} or {r["rate"]: r for r in rows}
     print("\nRouting quality, 2 replicas behind Envoy vs 1 (ratios to (one) at the same rate)")
     print(H.table([[r["config"], r["rate"], r["requests"], r["errors"], r.get("ttft_p90_ms"),
                     H.ratio(r.get("ttft_p90_ms"), base[r["rate"]].get("ttft_p90_ms")), r["cached_ratio"],
@@ -297,14 +297,19 @@ def chart(doc: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = H.bench_parser(__doc__, "replicas")
     ap.add_argument("--rates", help="comma-separated offered loads (req/s)")
+    ap.add_argument("--parts", default="routing,throughput", help="which parts to run (default both)")
     a = ap.parse_args(argv)
     w = R.QUICK if a.quick else R.Workload(rates=(16, 32))
     if a.rates:
         w.rates = tuple(float(x) for x in a.rates.split(","))
-    print("replicas: routing quality, 1 vs 2 replicas", flush=True)
-    routing, lag = run_routing(w)
-    print("replicas: throughput, --processes 1 vs 2", flush=True)
-    tp, lag2 = run_throughput(2.0 if a.quick else 10.0, a.quick)
+    parts = a.parts.split(",")
+    routing, lag, tp, lag2 = [], {}, [], {}  # type: ignore[var-annotated]
+    if "routing" in parts:
+        print("replicas: routing quality, 1 vs 2 replicas", flush=True)
+        routing, lag = run_routing(w)
+    if "throughput" in parts:
+        print("replicas: throughput, --processes 1 vs 2", flush=True)
+        tp, lag2 = run_throughput(2.0 if a.quick else 10.0, a.quick)
     lags = {"routing": {k: lag_summary(h) for k, h in lag.items()},  # at the routing benchmark's rates
             "throughput": {k: lag_summary(h) for k, h in lag2.items()}}  # with 2 processes saturated
     doc = {"bench": "replicas", **H.meta(a.quick), "configs": CONFIGS, "workload": w.__dict__,
