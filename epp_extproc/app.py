@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import Any
 
 import grpc
 from aiohttp import web
@@ -17,16 +18,17 @@ from epp_extproc.adapters.discovery_static import FileDiscovery, parse_flag
 from epp_extproc.adapters.endpoint_probe import EndpointProber
 from epp_extproc.adapters.kv_routing import KvRouting
 from epp_extproc.adapters.render_client import RenderClient
+from epp_extproc.adapters.render_fingerprint import FingerprintWatcher
 from epp_extproc.adapters.replica_sync import ReplicaSync
-from epp_extproc.admin import build_admin_app
-from epp_extproc.config import Config
+from epp_extproc.admin import build_admin_app, debug_score
+from epp_extproc.config import Config, ProcessSlot
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.core.load import LoadTracker
 from epp_extproc.core.pipeline import Pipeline
-from epp_extproc.core.usage import ModelLabels, UsageObserver
+from epp_extproc.envoy.access_log import AccessLogServicer, als_pb2_grpc
 from epp_extproc.envoy.extproc import ExtProcServicer, pb_grpc
 from epp_extproc.envoy.health import Health
-from epp_extproc.envoy.tls import ServerCert, server_cert
+from epp_extproc.envoy.tls import CertSource, ServerCert
 from epp_extproc.metrics import PickerMetrics
 
 log = logging.getLogger(__name__)
@@ -35,8 +37,9 @@ WARMUP_WAIT_S = 5.0  # readiness waits this long at most for every worker's firs
 
 
 class PickerApp:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, slot: ProcessSlot | None = None) -> None:
         self.config = config
+        self.slot = slot or ProcessSlot()
         self.metrics = PickerMetrics()
         self.registry = EndpointRegistry()
         self.load = LoadTracker(self.metrics.endpoint_inflight)
@@ -52,10 +55,14 @@ class PickerApp:
                                 max_blocks_per_worker=config.max_index_blocks_per_worker,
                                 topic=config.kv_event_topic, prediction_ttl_s=config.prediction_ttl_s,
                                 metrics_registry=self.metrics.registry)
+        self.fingerprints: FingerprintWatcher | None = None
+        if config.tokenizer_protocol == "trtllm-render" and config.prompt_passthrough != "off":
+            self.fingerprints = FingerprintWatcher(self.registry, self.metrics,
+                                                   refresh_s=config.render_fingerprint_refresh_ms / 1000)
         self.pipeline = Pipeline(config, self.registry, self.load, self.metrics, renderer=self.renderer,
-                                 kv=self.kv)
+                                 kv=self.kv, fingerprint_of=self.fingerprints.get if self.fingerprints else None)
         self.sync: ReplicaSync | None = None
-        if config.sync_enabled():
+        if config.sync_enabled() or self.slot.sync_listen:
             self.sync = ReplicaSync(self.load, self.registry, index=self.kv.index if self.kv else None,
                                     heartbeat_s=config.peer_timeout_ms / 4000,
                                     peer_timeout_s=config.peer_timeout_ms / 1000,
@@ -65,9 +72,8 @@ class PickerApp:
         self._started_at = time.monotonic()
         self.draining = False
         self.health = Health()
-        labels = ModelLabels()
         self.servicer = ExtProcServicer(self.pipeline, allowed_modes=config.body_modes(),
-                                        observer_factory=lambda d: UsageObserver(d, self.metrics, labels))
+                                        body_timeout_s=config.request_body_timeout_ms / 1000)
         self._grpc: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
         self._admin: web.AppRunner | None = None
@@ -76,13 +82,18 @@ class PickerApp:
         self.health_port = config.health_port
         self.metrics_port = config.metrics_port
         self.registry.subscribe(self._on_endpoints)
-        self.tls: ServerCert | None = None
+        self.cert_source: CertSource | None = None
         self.prober: EndpointProber | None = None
         if config.endpoint_probe_interval_ms > 0:
-            kv = self.kv
             self.prober = EndpointProber(self.registry, interval_s=config.endpoint_probe_interval_ms / 1000,
-                                         path=config.endpoint_probe_path,
-                                         on_lost=kv.resync if kv is not None else None)
+                                         path=config.endpoint_probe_path, on_lost=self._on_lost)
+
+    def _on_lost(self, address: str) -> None:
+        """A worker's process is gone: its KV cache (and perhaps its rendering configuration) with it."""
+        if self.kv is not None:
+            self.kv.resync(address)
+        if self.fingerprints is not None:
+            self.fingerprints.lost(address)
 
     def _on_endpoints(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
         for ep in removed:
@@ -117,18 +128,29 @@ class PickerApp:
     async def start(self) -> None:
         cfg = self.config
         await self.health.start()
-        msg_limit = cfg.max_body_bytes + 1024 * 1024
+        # One BUFFERED body arrives as one message: let any body up to the whole buffer budget reach the
+        # picker, so one just over --max-body-bytes gets the documented 413 rather than a gRPC error (500).
+        msg_limit = cfg.max_buffered_body_bytes + 1024 * 1024
         opts = [("grpc.max_receive_message_length", msg_limit), ("grpc.max_send_message_length", msg_limit),
-                ("grpc.so_reuseport", 1 if cfg.share_port else 0)]  # 0: a second picker fails loudly
-        self._grpc = grpc.aio.server(options=opts)
+                ("grpc.so_reuseport", 1 if self.slot.share_port else 0)]  # 0: a second picker fails loudly
+        # Streams over the in-flight cap still get a 503 from the picker; beyond twice the cap gRPC itself
+        # refuses them, so a flood of streams that send nothing cannot grow memory without bound.
+        self._grpc = grpc.aio.server(options=opts, maximum_concurrent_rpcs=2 * cfg.max_inflight_requests)
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(self.pipeline), self._grpc)
+        # GAIE's Envoy health-checks the ext_proc cluster on the ext_proc port itself (gRPC health,
+        # service envoy.service.ext_proc.v3.ExternalProcessor); the health port serves the same servicer.
+        self.health.add_to(self._grpc)
         if cfg.secure_serving:
-            self.tls = server_cert(cfg.cert_path)
-            creds = grpc.ssl_server_credentials([(self.tls.key_pem, self.tls.cert_pem)])
-            self.grpc_port = self._grpc.add_secure_port(f"{cfg.bind}:{cfg.grpc_port}", creds)
-            log.info("ext_proc serves TLS with a %s certificate (%s, sha256 %s)",
-                     "self-signed" if self.tls.self_signed else "provided", self.tls.cert_file,
-                     self.tls.fingerprint())
+            self.cert_source = CertSource(cfg.cert_path)
+            tls = self.cert_source.current
+            self.grpc_port = self._grpc.add_secure_port(f"{cfg.bind}:{cfg.grpc_port}",
+                                                        self.cert_source.credentials())
+            log.info("ext_proc serves TLS with a %s certificate (%s, sha256 %s)%s",
+                     "self-signed" if tls.self_signed else "provided", tls.cert_file, tls.fingerprint(),
+                     "" if tls.self_signed else "; reloaded when the files change")
+            if cfg.cert_path:
+                self._tasks.append(asyncio.create_task(self.cert_source.run()))
         else:
             self.grpc_port = self._grpc.add_insecure_port(f"{cfg.bind}:{cfg.grpc_port}")
         self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -136,22 +158,33 @@ class PickerApp:
         self.health_port = self._health_server.add_insecure_port(f"{cfg.bind}:{cfg.health_port}")
         admin = build_admin_app(self.registry, self.load, self.metrics,
                                 kv_snapshot=self.kv.snapshot if self.kv else None,
-                                score=self.pipeline.score_only)
+                                score=self.debug_score)
         self._admin = web.AppRunner(admin, access_log=None)
         await self._admin.setup()
         site = web.TCPSite(self._admin, cfg.bind, cfg.metrics_port)
         await site.start()
-        self.metrics_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.metrics_port = self._admin.addresses[0][1]
         await self._start_discovery()
         if self.sync is not None:
             await self._start_sync()
         self._tasks.append(asyncio.create_task(self._readiness_loop()))
         if self.prober is not None:
             self._tasks.append(asyncio.create_task(self.prober.run()))
+        if self.fingerprints is not None:
+            self._tasks.append(asyncio.create_task(self.fingerprints.run()))
         await self._grpc.start()
         await self._health_server.start()
         log.info("picker listening: ext_proc %s:%d, health %s:%d, metrics http://%s:%d/metrics",
                  cfg.bind, self.grpc_port, cfg.bind, self.health_port, cfg.bind, self.metrics_port)
+
+    async def debug_score(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """`/debug/score`: a proposal that is never committed, and whose render is not counted as traffic."""
+        return await debug_score(self.pipeline, payload)
+
+    @property
+    def tls(self) -> ServerCert | None:
+        """The certificate the ext_proc port serves now (None = plaintext h2c)."""
+        return self.cert_source.current if self.cert_source is not None else None
 
     async def _start_discovery(self) -> None:
         cfg = self.config
@@ -178,7 +211,7 @@ class PickerApp:
     async def _start_sync(self) -> None:
         cfg = self.config
         assert self.sync is not None
-        await self.sync.start(cfg.replica_sync_listen or [f"{cfg.bind}:{cfg.replica_sync_port}"])
+        await self.sync.start(self.slot.sync_listen or [f"{cfg.bind}:{cfg.replica_sync_port}"])
         if cfg.peer_service:
             from epp_extproc.adapters.discovery_peers import PeerServiceDiscovery
 
@@ -200,18 +233,20 @@ class PickerApp:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         if self._grpc is not None:
-            inflight = self.servicer.active
+            inflight = self.pipeline.gate.count
             if inflight:
                 log.info("draining: %d ext_proc streams in flight, waiting up to %.1fs", inflight, grace)
             await self._grpc.stop(grace)
             if inflight:
-                cut = self.servicer.active
+                cut = self.pipeline.gate.count
                 (log.warning if cut else log.info)("drained: %d of %d streams finished, %d cut at the deadline",
                                                    inflight - cut, inflight, cut)
         if self.sync is not None:
             await self.sync.close()
         if self._health_server is not None:
             await self._health_server.stop(0)
+        if self.cert_source is not None:
+            self.cert_source.close()
         if self._admin is not None:
             await self._admin.cleanup()
         if self.kv is not None:

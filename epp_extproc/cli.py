@@ -1,4 +1,5 @@
-"""`epp-extproc`: run the picker until SIGINT/SIGTERM (drain first), as one process or `--processes N`."""
+"""`epp-extproc`: run the picker until SIGINT/SIGTERM (drain first), as one process or `--processes N`;
+`epp-extproc envoy-config`: print an Envoy config for it."""
 
 from __future__ import annotations
 
@@ -10,13 +11,19 @@ import sys
 from collections.abc import Callable, Sequence
 
 from epp_extproc.app import PickerApp
-from epp_extproc.config import Config, load_config
+from epp_extproc.config import Config, ProcessSlot, load_config
+
+SUBCOMMANDS = ("envoy-config",)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg = load_config(argv)
-    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "envoy-config":
+        from epp_extproc.dev.envoy_config import main as envoy_config_main
+
+        return envoy_config_main(args[1:])
+    cfg = load_config(args)
+    setup_logging(cfg.log_level, cfg.log_format)
     if cfg.processes > 1:
         from epp_extproc.processes import supervise
 
@@ -24,16 +31,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     return asyncio.run(serve(cfg))
 
 
-def run_child(cfg: Config) -> None:
+def run_child(cfg: Config, slot: ProcessSlot) -> None:
     """Entry point of one `--processes` child (a spawned interpreter: no state shared with the parent)."""
-    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s [p{cfg.process_index}] %(name)s: %(message)s")
-    raise SystemExit(asyncio.run(serve(dataclasses.replace(cfg, processes=1))))
+    setup_logging(cfg.log_level, cfg.log_format)
+    for h in logging.getLogger().handlers:  # say which process wrote each line (text format)
+        if type(h.formatter) is logging.Formatter:
+            h.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [p{slot.index}] %(name)s: "
+                                             "%(message)s"))
+    raise SystemExit(asyncio.run(serve(dataclasses.replace(cfg, processes=1), slot=slot)))
 
 
-async def serve(cfg: Config, prepare: Callable[[PickerApp], None] | None = None) -> int:
+def setup_logging(level: str, fmt: str) -> None:
+    """`text` for a terminal; `json` = one object per line (time, level, logger, message, exc_info)."""
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        from pythonjsonlogger.json import JsonFormatter
+
+        handler.setFormatter(JsonFormatter("%(asctime)s %(levelname)s %(name)s %(message)s",
+                                           rename_fields={"asctime": "time", "levelname": "level",
+                                                          "name": "logger"}))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+async def serve(cfg: Config, prepare: Callable[[PickerApp], None] | None = None,
+                slot: ProcessSlot | None = None) -> int:
     """Run one picker until SIGINT/SIGTERM; `prepare` may instrument the app before it starts (benchmarks)."""
-    app = PickerApp(cfg)
+    app = PickerApp(cfg, slot)
     if prepare is not None:
         prepare(app)
     await app.start()

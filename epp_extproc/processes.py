@@ -22,14 +22,14 @@ import tempfile
 import time
 from multiprocessing.process import BaseProcess
 
-from epp_extproc.config import Config
+from epp_extproc.config import Config, ProcessSlot
 
 log = logging.getLogger(__name__)
 
 RESTART_BACKOFF_S = 1.0
 
 
-def child_configs(cfg: Config, sock_dir: str) -> list[Config]:
+def child_configs(cfg: Config, sock_dir: str) -> list[tuple[Config, ProcessSlot]]:
     """The config of each child: its own sync socket, the siblings' sockets as peers, its own side ports."""
     n = cfg.processes
     socks = [f"unix:{os.path.join(sock_dir, f'p{i}.sock')}" for i in range(n)]
@@ -37,8 +37,9 @@ def child_configs(cfg: Config, sock_dir: str) -> list[Config]:
     for i in range(n):
         side = {} if i == 0 else {"health_port": 0,
                                   "metrics_port": cfg.metrics_port + i if cfg.metrics_port else 0}
-        out.append(dataclasses.replace(cfg, processes=1, process_index=i, share_port=True, replica_sync_listen=(socks[i],),
-                                       peers=",".join(s for j, s in enumerate(socks) if j != i), **side))
+        child = dataclasses.replace(cfg, processes=1, peers=",".join(s for j, s in enumerate(socks) if j != i),
+                                    **side)
+        out.append((child, ProcessSlot(index=i, sync_listen=(socks[i],), share_port=True)))
     return out
 
 
@@ -59,7 +60,7 @@ def supervise(cfg: Config) -> int:
     signal.signal(signal.SIGINT, on_signal)
 
     def spawn(i: int) -> None:
-        p = ctx.Process(target=run_child, args=(configs[i],), name=f"epp-extproc-p{i}", daemon=False)
+        p = ctx.Process(target=run_child, args=configs[i], name=f"epp-extproc-p{i}", daemon=False)
         p.start()
         children[i] = p
 

@@ -1,8 +1,8 @@
 """One pooled HTTP client for every renderer protocol (TensorRT-LLM, vLLM, SGLang).
 
 The protocols differ only in the answer's field that carries the token ids (`token_ids` vs `input_ids`), so
-one client serves all three. Failures are classified rather than raised raw, so the pipeline can apply its
-policy (route by load, or answer like Dynamo: 400/502/503/504).
+one client serves all three. Failures are reported as facts (`core.render.RenderError`): the pipeline applies
+its policy and the edge maps them to the reference statuses.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import json
 import logging
 import time
 from array import array
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import orjson
 
+from epp_extproc.core.render import Rendered, RenderError, RenderFailure
 from epp_extproc.metrics import PickerMetrics
 
 log = logging.getLogger(__name__)
@@ -24,39 +24,6 @@ log = logging.getLogger(__name__)
 TOKEN_FIELD = {"trtllm-render": "token_ids", "vllm-render": "token_ids", "sglang-renderer": "input_ids"}
 CHAT_PATH = "/v1/chat/completions/render"
 COMPLETIONS_PATH = "/v1/completions/render"
-
-
-@dataclass(slots=True)
-class RenderError(Exception):
-    """`kind`: rejected (renderer 4xx) | unavailable (connect/429/503) | timeout | bad_gateway (other)."""
-
-    kind: str
-    status: int  # the HTTP status the reference mapping answers with
-    detail: str
-
-    def __str__(self) -> str:
-        return f"render {self.kind}: {self.detail}"
-
-
-def reference_status(renderer_status: int) -> tuple[str, int]:
-    """Dynamo's mapping of a renderer HTTP status to (kind, client status)."""
-    if renderer_status in (400, 422):
-        return "rejected", 400
-    if renderer_status in (429, 503):
-        return "unavailable", 503
-    if 400 <= renderer_status < 500 and renderer_status not in (401, 403, 404):
-        return "rejected", 400
-    return "bad_gateway", 502
-
-
-def render_kind(path: str) -> str | None:
-    """Which render route a request path needs; None for paths that are not rendered."""
-    p = path.split("?", 1)[0].rstrip("/")
-    if p.endswith("/chat/completions"):
-        return "chat"
-    if p.endswith("/completions"):
-        return "completion"
-    return None
 
 
 class RenderClient:
@@ -83,64 +50,74 @@ class RenderClient:
         if self._session is not None:
             await self._session.close()
 
-    async def render(self, kind: str, body: bytes) -> list[int]:
+    async def render(self, kind: str, body: bytes, *, count: bool = True) -> Rendered:
         started = time.perf_counter()
         outcome = "ok"
         try:
             return await self._render(kind, body)
         except RenderError as e:
-            outcome = e.kind
+            outcome = e.label
             raise
         finally:
-            self.metrics.render_requests.labels(self.protocol, outcome).inc()
-            self.metrics.render_seconds.observe(time.perf_counter() - started)
+            if count:  # a /debug/score call is not traffic
+                self.metrics.render_requests.labels(self.protocol, outcome).inc()
+                self.metrics.render_seconds.observe(time.perf_counter() - started)
 
-    async def _render(self, kind: str, body: bytes) -> list[int]:
+    async def _render(self, kind: str, body: bytes) -> Rendered:
         url = self.base_url + (CHAT_PATH if kind == "chat" else COMPLETIONS_PATH)
         try:
             async with self._sess().post(url, data=body, headers={"content-type": "application/json"}) as r:
                 raw = await self._read_capped(r)
                 if r.status != 200:
-                    k, status = reference_status(r.status)
-                    raise RenderError(k, status, f"renderer answered HTTP {r.status}: "
-                                                 f"{raw[:200].decode(errors='replace')}")
+                    raise RenderError(RenderFailure.UPSTREAM_STATUS, f"renderer answered HTTP {r.status}: "
+                                      f"{raw[:200].decode(errors='replace')}", r.status)
         except RenderError:
             raise
         except TimeoutError:
-            raise RenderError("timeout", 504, f"no answer from {url} within {self.timeout.total}s") from None
+            raise RenderError(RenderFailure.TIMEOUT, f"no answer from {url} within {self.timeout.total}s") from None
         except aiohttp.ClientConnectionError as e:
-            raise RenderError("unavailable", 503, f"cannot reach {url}: {e}") from None
+            raise RenderError(RenderFailure.UNAVAILABLE, f"cannot reach {url}: {e}") from None
         except aiohttp.ClientError as e:
-            raise RenderError("bad_gateway", 502, f"{url}: {e}") from None
+            raise RenderError(RenderFailure.INVALID_ANSWER, f"{url}: {e}") from None
         return self._token_ids(raw, kind)
 
     async def _read_capped(self, r: aiohttp.ClientResponse) -> bytes:
         if r.content_length is not None and r.content_length > self.max_bytes:
-            raise RenderError("bad_gateway", 502, f"render answer of {r.content_length} bytes exceeds the "
+            raise RenderError(RenderFailure.INVALID_ANSWER, f"render answer of {r.content_length} bytes exceeds the "
                                                   f"{self.max_bytes}-byte cap")
         buf = bytearray()
         async for chunk in r.content.iter_chunked(65536):
             buf += chunk
             if len(buf) > self.max_bytes:
-                raise RenderError("bad_gateway", 502, f"render answer exceeds the {self.max_bytes}-byte cap")
+                raise RenderError(RenderFailure.INVALID_ANSWER, f"render answer exceeds the {self.max_bytes}-byte cap")
         return bytes(buf)
 
-    def _token_ids(self, raw: bytes, kind: str) -> list[int]:
+    def _token_ids(self, raw: bytes, kind: str) -> Rendered:
         try:
             doc: Any = orjson.loads(raw)  # 3x faster than json on a long token list plus the request echo
         except orjson.JSONDecodeError:
-            raise RenderError("bad_gateway", 502, "render answer is not JSON") from None
-        if kind == "completion" and isinstance(doc, list):
-            if not doc:
-                raise RenderError("bad_gateway", 502, "completions render answered an empty array")
-            doc = doc[0]  # a multi-prompt request is routed on its first prompt
-        if not isinstance(doc, dict):
-            raise RenderError("bad_gateway", 502, "render answer has an unexpected shape")
-        ids = doc.get(self.field)
+            raise RenderError(RenderFailure.INVALID_ANSWER, "render answer is not JSON") from None
+        objects = doc if kind == "completion" and isinstance(doc, list) else [doc]
+        if not objects:
+            raise RenderError(RenderFailure.INVALID_ANSWER, "completions render answered an empty array")
+        first = objects[0]  # a multi-prompt request is routed on its first prompt
+        if not isinstance(first, dict):
+            raise RenderError(RenderFailure.INVALID_ANSWER, "render answer has an unexpected shape")
+        ids = first.get(self.field)
         if not isinstance(ids, list) or not _valid_ids(ids):
-            raise RenderError("bad_gateway", 502, f"render answer has no valid `{self.field}` list "
+            raise RenderError(RenderFailure.INVALID_ANSWER, f"render answer has no valid `{self.field}` list "
                                                   f"(protocol {self.protocol})")
-        return ids
+        out = _facts(first, ids)
+        if kind == "completion":
+            out.prompts = [ids]
+            for obj in objects[1:]:
+                more = obj.get(self.field) if isinstance(obj, dict) else None
+                if not isinstance(more, list) or not _valid_ids(more):
+                    out.prompts = None  # still routable on the first prompt, but not forwardable as ids
+                    break
+                out.prompts.append(more)
+                _merge_facts(out, _facts(obj, more))
+        return out
 
 
 async def fetch_block_size(address: str, timeout_s: float = 2.0) -> int | None:
@@ -155,6 +132,32 @@ async def fetch_block_size(address: str, timeout_s: float = 2.0) -> int | None:
         return None
     n = doc.get("tokens_per_block") if isinstance(doc, dict) else None
     return n if isinstance(n, int) and n > 0 else None
+
+
+def _facts(obj: dict[str, Any], ids: list[int]) -> Rendered:
+    """The passthrough-relevant fields of one render object, each defaulting to "do not forward ids"."""
+    fp = obj.get("fingerprint")
+    ctx = obj.get("context")
+    thinking, excluded = None, 0
+    if isinstance(ctx, dict):
+        t = ctx.get("resolved_thinking")
+        thinking = t if isinstance(t, bool) else None if t is None else True  # odd value = non-trivial
+        e = ctx.get("prompt_tokens_excluded_from_usage", 0)
+        excluded = e if type(e) is int and e >= 0 else 1 if e is not None else 0
+    return Rendered(ids, fp if isinstance(fp, dict) else None, obj.get("tokens_trusted") is True, thinking,
+                    excluded, isinstance(ctx, dict))
+
+
+def _merge_facts(into: Rendered, other: Rendered) -> None:
+    """Several completions prompts: every one must allow forwarding, and under the same fingerprint."""
+    into.tokens_trusted = into.tokens_trusted and other.tokens_trusted
+    into.has_context = into.has_context and other.has_context
+    if into.resolved_thinking is None:
+        into.resolved_thinking = other.resolved_thinking
+    into.prompt_tokens_excluded_from_usage = max(into.prompt_tokens_excluded_from_usage,
+                                                 other.prompt_tokens_excluded_from_usage)
+    if into.fingerprint != other.fingerprint:
+        into.fingerprint = None
 
 
 def _valid_ids(ids: list[Any]) -> bool:

@@ -72,10 +72,6 @@ class Booking:
         self._live = True
 
     @property
-    def live(self) -> bool:
-        return self._live
-
-    @property
     def prefilling(self) -> bool:
         return self._prefilling
 
@@ -120,6 +116,10 @@ class LoadTracker:
 
     def load(self, address: str) -> EndpointLoad:
         return self._loads.get(address) or EndpointLoad()
+
+    def booking(self, booking_id: str) -> Booking | None:
+        """A live booking by id (lean mode's first-chunk signal names it), None once freed."""
+        return self._bookings.get(booking_id)
 
     def loads(self) -> dict[str, EndpointLoad]:
         """Per endpoint: this replica's bookings plus every peer's."""

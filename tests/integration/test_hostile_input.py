@@ -168,7 +168,8 @@ def test_any_msgpack_batch_shaped_like_kv_events_is_applied_or_counted(batch: tu
 def grpc_picker() -> Iterator[tuple[PickerApp, pb_grpc.ExternalProcessorStub]]:
     bg = BackgroundLoop()
     cfg = Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1",
-                 endpoints="a=127.0.0.1:9,b=127.0.0.1:10", endpoint_probe_interval_ms=0)
+                 endpoints="a=127.0.0.1:9,b=127.0.0.1:10", endpoint_probe_interval_ms=0,
+                 secure_serving=False)  # a plaintext client: the input is the point, not TLS
     app = PickerApp(cfg)
     bg.run(app.start())
     ch = grpc.insecure_channel(f"127.0.0.1:{app.grpc_port}")

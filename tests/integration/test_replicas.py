@@ -20,7 +20,7 @@ import pytest
 
 from epp_extproc.adapters.kv_routing import Prompt
 from epp_extproc.app import PickerApp
-from epp_extproc.config import Config
+from epp_extproc.config import Config, ProcessSlot
 from tests.netutil import free_port
 
 WORKER = "127.0.0.1:1"  # bookings name a worker address; nothing needs to listen there
@@ -28,13 +28,18 @@ FAST = {"peer_timeout_ms": 1500, "peer_expiry_ms": 500}  # generous: the test ma
 
 
 def config(sync_port: int, peers: list[int], **extra: object) -> Config:
-    """A replica pushing to `peers`; with no peers it only receives (its sync service still listens)."""
-    listen = () if peers else (f"127.0.0.1:{sync_port}",)
+    """A replica pushing to `peers` (see `replica` for one that only receives)."""
     cfg = Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1", endpoints=f"w={WORKER}",
-                 endpoint_probe_interval_ms=0, replica_sync_port=sync_port, replica_sync_listen=listen,
+                 endpoint_probe_interval_ms=0, replica_sync_port=sync_port, secure_serving=False,
                  peers=",".join(f"127.0.0.1:{p}" for p in peers), **{**FAST, **extra})  # type: ignore[arg-type]
     cfg.validate()
     return cfg
+
+
+def replica(sync_port: int, peers: list[int], **extra: object) -> PickerApp:
+    """A picker app; with no peers it only receives (its sync service still listens)."""
+    slot = ProcessSlot(sync_listen=() if peers else (f"127.0.0.1:{sync_port}",))
+    return PickerApp(config(sync_port, peers, **extra), slot)
 
 
 async def until(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
@@ -52,7 +57,7 @@ async def mesh() -> AsyncIterator[Callable[..., Awaitable[list[PickerApp]]]]:
 
     async def make(n: int, **extra: object) -> list[PickerApp]:
         ports = [free_port() for _ in range(n)]
-        new = [PickerApp(config(p, [q for q in ports if q != p], **extra)) for p in ports]
+        new = [replica(p, [q for q in ports if q != p], **extra) for p in ports]
         for a in new:
             await a.start()
             apps.append(a)
@@ -109,7 +114,7 @@ async def test_a_restarted_receiver_gets_the_bookings_back_from_a_snapshot(mesh)
     await until(lambda: inflight(b) == 3, "3 bookings at B")
     port = b.config.replica_sync_port
     await b.stop(0)
-    b2 = PickerApp(config(port, []))
+    b2 = replica(port, [])
     await b2.start()
     try:
         await until(lambda: inflight(b2) == 3, "the snapshot at the restarted B")
@@ -121,7 +126,7 @@ async def test_a_restarted_receiver_gets_the_bookings_back_from_a_snapshot(mesh)
 
 async def test_a_restarted_sender_replaces_its_old_bookings_at_once(mesh) -> None:  # noqa: ANN001
     b_port = free_port()
-    b = PickerApp(config(b_port, [], peer_expiry_ms=60_000))  # expiry far away: only the snapshot can act
+    b = replica(b_port, [], peer_expiry_ms=60_000)  # expiry far away: only the snapshot can act
     await b.start()
     a_cfg = config(free_port(), [b_port])
     a = PickerApp(a_cfg)
@@ -147,7 +152,7 @@ async def test_a_restarted_sender_replaces_its_old_bookings_at_once(mesh) -> Non
 PEER_SCRIPT = textwrap.dedent("""
     import asyncio, sys
     from epp_extproc.app import PickerApp
-    from epp_extproc.config import Config
+    from epp_extproc.config import Config, ProcessSlot
 
     async def main() -> None:
         cfg = Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1", endpoints="w=127.0.0.1:1",
@@ -165,7 +170,7 @@ PEER_SCRIPT = textwrap.dedent("""
 
 async def test_a_killed_peer_has_its_bookings_expire(mesh) -> None:  # noqa: ANN001
     b_port = free_port()
-    b = PickerApp(config(b_port, []))
+    b = replica(b_port, [])
     await b.start()
     peer = subprocess.Popen([sys.executable, "-c", PEER_SCRIPT, f"127.0.0.1:{b_port}", "5"],
                             stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.getcwd()})
@@ -232,10 +237,10 @@ class Blackhole:
 
 async def test_a_partition_expires_the_peer_and_healing_resyncs_it() -> None:
     b_port = free_port()
-    b = PickerApp(config(b_port, []))
+    b = replica(b_port, [])
     await b.start()
     proxy = await Blackhole(b_port).start()
-    a = PickerApp(config(free_port(), [proxy.port]))
+    a = replica(free_port(), [proxy.port])
     await a.start()
     try:
         held = [a.load.book(WORKER, 1) for _ in range(3)]
@@ -259,11 +264,11 @@ async def test_a_partition_expires_the_peer_and_healing_resyncs_it() -> None:
 
 async def test_a_replica_is_not_ready_until_it_has_synced_with_a_reachable_peer() -> None:
     b_port = free_port()
-    b = PickerApp(config(b_port, []))
+    b = replica(b_port, [])
     await b.start()
     proxy = await Blackhole(b_port).start()
     proxy.cut = True  # reachable (the connection opens) but nothing answers yet
-    a = PickerApp(config(free_port(), [proxy.port]))
+    a = replica(free_port(), [proxy.port])
     await a.start()
     try:
         await asyncio.sleep(0.2)

@@ -59,13 +59,15 @@ def group() -> Any:
     proc = subprocess.Popen([EPP, "--processes", "2", "--grpc-port", str(grpc_port), "--health-port",
                              str(health_port), "--metrics-port", str(metrics_port), "--bind", "127.0.0.1",
                              "--endpoints", stack.endpoints_spec(), "--tokenizer-protocol", "trtllm-render",
-                             "--tokenizer-service-url", stack.renderer.url, "--drain-timeout-s", "2"],
+                             "--tokenizer-service-url", stack.renderer.url, "--drain-timeout-s", "2",
+                             "--secure-serving=false"],
                             stdout=log, stderr=subprocess.STDOUT)
     envoy = None
     try:
         for port in (grpc_port, metrics_port, metrics_port + 1):
             wait_port(port, timeout=30)
-        envoy = EnvoyProcess(EnvoyOptions(picker_port=grpc_port, picker_max_requests_per_connection=1)).start()
+        envoy = EnvoyProcess(EnvoyOptions(picker_port=grpc_port, picker_max_requests_per_connection=1,
+                                           picker_tls=False)).start()
         yield stack, proc, envoy, metrics_port
     finally:
         if envoy is not None:

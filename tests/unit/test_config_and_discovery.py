@@ -93,6 +93,35 @@ def test_registry_tells_listeners_what_changed() -> None:
     assert seen == [(["a", "b"], []), ([], ["a"])]
 
 
+def test_readme_configuration_table_is_the_one_generated_from_the_options() -> None:
+    from epp_extproc.dev.readme_config import README, render
+
+    text = README.read_text()
+    assert render(text) == text, "README.md's configuration table is stale: run `make readme`"
+
+
+def test_a_bad_endpoints_value_stops_start_up_with_one_line_naming_it() -> None:
+    with pytest.raises(SystemExit) as e:
+        load_config(["--endpoints", "w0=not-an-address"], env={})
+    msg = str(e.value)
+    assert msg.startswith("epp-extproc: DYN_EPP_ENDPOINTS:") and "\n" not in msg
+
+
+def test_policies_are_enums_whether_given_as_flags_or_plain_strings() -> None:
+    from epp_extproc.config import RenderPolicy, SaltPolicy, TokenizerProtocol
+
+    cfg = load_config(["--render-failure-policy", "fail"], env={"DYN_EPP_CACHE_SALT_POLICY": "load-only"})
+    assert cfg.render_failure_policy is RenderPolicy.FAIL and cfg.cache_salt_policy is SaltPolicy.LOAD_ONLY
+    assert Config(tokenizer_protocol="vllm-render").tokenizer_protocol is TokenizerProtocol.VLLM
+
+
+def test_every_config_default_comes_from_the_options_table() -> None:
+    from dataclasses import fields
+
+    defaults = {o.dest: o.default for o in OPTIONS}
+    assert {f.name: f.default for f in fields(Config)} == defaults
+
+
 def test_readme_documents_every_flag_and_env_name() -> None:
     from pathlib import Path
 

@@ -67,13 +67,15 @@ def test_a_peer_cannot_hold_more_than_the_cap() -> None:
 
 def test_each_child_process_gets_its_socket_and_the_others_as_peers() -> None:
     cfg = Config(grpc_port=9002, health_port=9003, metrics_port=9090, processes=3)
-    kids = child_configs(cfg, "/run/x")
-    assert [k.replica_sync_listen for k in kids] == [("unix:/run/x/p0.sock",), ("unix:/run/x/p1.sock",),
-                                                     ("unix:/run/x/p2.sock",)]
+    pairs = child_configs(cfg, "/run/x")
+    kids, slots = [k for k, _ in pairs], [s for _, s in pairs]
+    assert [s.sync_listen for s in slots] == [("unix:/run/x/p0.sock",), ("unix:/run/x/p1.sock",),
+                                              ("unix:/run/x/p2.sock",)]
     assert kids[1].peer_list() == ["unix:/run/x/p0.sock", "unix:/run/x/p2.sock"]
     assert [(k.grpc_port, k.health_port, k.metrics_port) for k in kids] == [(9002, 9003, 9090), (9002, 0, 9091),
                                                                             (9002, 0, 9092)]
-    assert all(k.share_port and k.processes == 1 for k in kids)
+    assert all(s.share_port for s in slots) and [s.index for s in slots] == [0, 1, 2]
+    assert all(k.processes == 1 for k in kids)
 
 
 def test_processes_need_a_fixed_port_and_no_remote_peers() -> None:

@@ -258,8 +258,23 @@ def test_endpoint_picker_ref_names_the_picker_service_grpc_port(rendered):
     ref = find(objs, "InferencePool")["spec"]["endpointPickerRef"]
     svc = find(objs, "Service", ref["name"])
     (port,) = [p for p in svc["spec"]["ports"] if p["port"] == ref["port"]["number"]]
-    assert (ref.get("kind", "Service"), ref.get("group", ""), port["appProtocol"]) == \
-        ("Service", "", "kubernetes.io/h2c")
+    assert (ref.get("kind", "Service"), ref.get("group", "")) == ("Service", "")
+    assert port.get("appProtocol") != "kubernetes.io/h2c"  # the picker serves TLS there (next test)
+
+
+def test_picker_serves_tls_on_the_ext_proc_port_as_gaie_gateways_expect(rendered):
+    env = {k: v.get("value", "ns") for k, v in env_of(picker(rendered["base"])).items()}
+    assert load_config([], env=env).secure_serving is True
+
+
+def test_picker_has_a_writable_tmp_for_its_self_signed_certificate(rendered):
+    """readOnlyRootFilesystem: the self-signed certificate file (never the key) needs a writable /tmp."""
+    dep = picker_deployment(rendered["base"])
+    c = picker(rendered["base"])
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    (mount,) = [m for m in c.get("volumeMounts", []) if m["mountPath"] == "/tmp"]
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert "emptyDir" in vols[mount["name"]]
 
 
 def test_picker_service_ports_reach_the_configured_picker_ports(rendered):
@@ -485,3 +500,57 @@ def test_cpu_mock_arguments_are_accepted_by_the_mock_cli(rendered):
         cfg.validate()
         roles.add(cfg.role)
     assert roles == {"worker", "renderer"}
+
+
+# ------------------------------------------------------------------------------------------ observability
+OBSERVABILITY = MANIFESTS / "observability"
+
+
+def exported_sample_names() -> set[str]:
+    """Every sample name the picker's /metrics can carry (picker metrics + the KV index collector)."""
+    from epp_extproc.metrics import PickerMetrics
+    from kvindex.index import KvIndex
+
+    metrics = PickerMetrics()
+    KvIndex(registry=metrics.registry)
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    return {f.name + s for f in metrics.registry.collect() for s in suffixes[f.type]}
+
+
+def dashboard_exprs() -> list[str]:
+    doc = json.loads((OBSERVABILITY / "grafana-dashboard.json").read_text())
+    return [t["expr"] for p in doc["panels"] for t in p["targets"]]
+
+
+def test_every_metric_a_dashboard_panel_queries_is_one_the_picker_exports():
+    exported = exported_sample_names()
+    queried = {m for e in dashboard_exprs() for m in re.findall(r"\b(?:epp|dynamo)_[a-z0-9_]+", e)}
+    assert queried and queried - exported == set()
+
+
+def test_the_metric_check_catches_a_name_the_picker_does_not_export():
+    exported = exported_sample_names()
+    assert "epp_requests_total" in exported and "epp_requests" not in exported  # counters need _total
+    assert "epp_kv_blocks_indexed" in exported and "epp_kv_seq_gaps_total" in exported
+
+
+def test_dashboard_has_the_panels_an_operator_looks_at():
+    doc = json.loads((OBSERVABILITY / "grafana-dashboard.json").read_text())
+    titles = " | ".join(p["title"].lower() for p in doc["panels"])
+    for words in ("decisions/s by outcome", "decision latency", "render latency", "observed vs predicted",
+                  "kv index blocks per worker", "kv events per worker", "in-flight load per worker",
+                  "rejections by reason"):
+        assert words in titles, words
+    assert len({p["id"] for p in doc["panels"]}) == len(doc["panels"])
+
+
+def test_podmonitor_scrapes_the_picker_pods_metrics_port(rendered):
+    (pm,) = load_docs(OBSERVABILITY / "podmonitor.yaml")
+    assert (pm["apiVersion"], pm["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
+    dep = picker_deployment(rendered["base"])
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (ep,) = pm["spec"]["podMetricsEndpoints"]
+    named = {p["name"]: p["containerPort"] for p in picker(rendered["base"])["ports"]}
+    assert ep["port"] in named and ep["path"] == "/metrics"
+    assert named[ep["port"]] == int(env_value(picker(rendered["base"]), "DYN_EPP_METRICS_PORT"))
