@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint bench install clean readme
+.PHONY: run test lint bench install clean readme proto
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ lint: $(STAMP)
 
 readme: $(STAMP)
 	$(BIN)/python -m epp_extproc.dev.readme_config
+
+# Regenerate epp_extproc/proto_gen from proto/ (grpcio-tools, pinned in the test extras); a test checks the
+# checked-in modules match.
+proto: $(STAMP)
+	$(BIN)/python proto/generate.py
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run_all

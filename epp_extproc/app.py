@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 import grpc
@@ -19,9 +20,10 @@ from epp_extproc.adapters.kv_routing import KvRouting
 from epp_extproc.adapters.objectives import ObjectiveCrdPoller, ObjectivesFile
 from epp_extproc.adapters.render_client import RenderClient
 from epp_extproc.adapters.render_fingerprint import FingerprintWatcher
+from epp_extproc.adapters.replica_sync import ReplicaSync
 from epp_extproc.adapters.worker_metrics import WorkerMetricsScraper
 from epp_extproc.admin import build_admin_app, build_metrics_app, debug_score
-from epp_extproc.config import Config
+from epp_extproc.config import Config, ProcessSlot
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.core.flow_control import FlowController, ObjectiveTable, SaturationDetector, Thresholds
 from epp_extproc.core.load import LoadTracker
@@ -34,6 +36,8 @@ from epp_extproc.metrics import PickerMetrics, PromFlowMetrics
 
 log = logging.getLogger(__name__)
 
+WARMUP_WAIT_S = 5.0  # readiness waits this long at most for every worker's first KV batch (replayed index)
+
 
 async def _serve(runner: web.AppRunner, host: str, port: int) -> int:
     """Start `runner` on host:port; the port actually bound (port 0 = any free one)."""
@@ -43,8 +47,9 @@ async def _serve(runner: web.AppRunner, host: str, port: int) -> int:
 
 
 class PickerApp:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, slot: ProcessSlot | None = None) -> None:
         self.config = config
+        self.slot = slot or ProcessSlot()
         self.metrics = PickerMetrics()
         self.registry = EndpointRegistry()
         self.load = LoadTracker(self.metrics.endpoint_inflight)
@@ -69,6 +74,16 @@ class PickerApp:
         self.pipeline = Pipeline(config, self.registry, self.load, self.metrics, renderer=self.renderer,
                                  kv=self.kv, fingerprint_of=self.fingerprints.get if self.fingerprints else None)
         self._setup_flow_control()
+        self.sync: ReplicaSync | None = None
+        if config.sync_enabled() or self.slot.sync_listen:
+            self.sync = ReplicaSync(self.load, self.registry, index=self.kv.index if self.kv else None,
+                                    heartbeat_s=config.peer_timeout_ms / 4000,
+                                    peer_timeout_s=config.peer_timeout_ms / 1000,
+                                    expiry_s=config.peer_expiry_ms / 1000, metrics_registry=self.metrics.registry)
+            if self.kv is not None:
+                self.kv.predict_listeners.append(self.sync.on_predict)
+        self._started_at = time.monotonic()
+        self.draining = False
         self.health = Health()
         self.servicer = ExtProcServicer(self.pipeline, allowed_modes=config.body_modes(),
                                         body_timeout_s=config.request_body_timeout_ms / 1000)
@@ -144,7 +159,25 @@ class PickerApp:
         if added and self.flow is not None:
             self.flow.dispatch()
         self.metrics.endpoints.set(len(self.registry))
-        self._spawn(self.health.set_ready(self.registry.synced and len(self.registry) > 0))
+        self._spawn(self.health.set_ready(self.ready()))
+
+    def ready(self) -> bool:
+        """Has its endpoints, its index is warm (every worker's first KV batch, replay included, is in, or
+        WARMUP_WAIT_S passed) and it synced with every reachable peer; never while draining."""
+        if self.draining or not self.registry.synced or len(self.registry) == 0:
+            return False
+        if self.sync is not None and not self.sync.settled():
+            return False
+        if self.kv is not None and time.monotonic() - self._started_at < WARMUP_WAIT_S:
+            idx = self.kv.index
+            if any(ep.kv_events and idx.stats(ep.address).batches == 0 for ep in self.registry.all()):
+                return False
+        return True
+
+    async def _readiness_loop(self) -> None:
+        while True:
+            await self.health.set_ready(self.ready())
+            await asyncio.sleep(0.1)
 
     def _spawn(self, coro) -> None:  # noqa: ANN001
         task = asyncio.get_running_loop().create_task(coro)
@@ -166,7 +199,7 @@ class PickerApp:
         # picker, so one just over --max-body-bytes gets the documented 413 rather than a gRPC error (500).
         msg_limit = cfg.max_buffered_body_bytes + 1024 * 1024
         opts = [("grpc.max_receive_message_length", msg_limit), ("grpc.max_send_message_length", msg_limit),
-                ("grpc.so_reuseport", 0)]
+                ("grpc.so_reuseport", 1 if self.slot.share_port else 0)]  # 0: a second picker fails loudly
         # Streams over the in-flight cap still get a 503 from the picker; beyond twice the cap gRPC itself
         # refuses them, so a flood of streams that send nothing cannot grow memory without bound.
         self._grpc = grpc.aio.server(options=opts, maximum_concurrent_rpcs=2 * cfg.max_inflight_requests)
@@ -202,6 +235,9 @@ class PickerApp:
             self._metrics_http = web.AppRunner(build_metrics_app(self.metrics), access_log=None)
             self.metrics_port = await _serve(self._metrics_http, cfg.bind, cfg.metrics_port)
         await self._start_discovery()
+        if self.sync is not None:
+            await self._start_sync()
+        self._tasks.append(asyncio.create_task(self._readiness_loop()))
         if self.prober is not None:
             self._tasks.append(asyncio.create_task(self.prober.run()))
         if self.fingerprints is not None:
@@ -259,7 +295,24 @@ class PickerApp:
             f.load_once()
             self._tasks.append(asyncio.create_task(f.run()))
 
+    async def _start_sync(self) -> None:
+        cfg = self.config
+        assert self.sync is not None
+        await self.sync.start(self.slot.sync_listen or [f"{cfg.bind}:{cfg.replica_sync_port}"])
+        if cfg.peer_service:
+            from epp_extproc.adapters.discovery_peers import PeerServiceDiscovery
+
+            d = PeerServiceDiscovery(self.sync.set_peers, cfg.peer_service, cfg.namespace, pod_ip=cfg.pod_ip,
+                                     kubeconfig=cfg.kubeconfig)
+            self._tasks.append(asyncio.create_task(d.run()))
+        else:
+            self.sync.set_peers(cfg.peer_list())
+
     async def stop(self, grace: float = 1.0) -> None:
+        """Drain: not ready, no new ext_proc streams, up to `grace` s for those in flight; then the frees
+        they made reach the peers before the sync links close. Streams still open at the deadline are
+        cancelled (their bookings freed) and logged, never dropped silently."""
+        self.draining = True
         await self.health.shutdown()
         if self.flow is not None:
             self.flow.close()  # queued requests get 503 now rather than a reset stream later
@@ -269,7 +322,16 @@ class PickerApp:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         if self._grpc is not None:
+            inflight = self.pipeline.gate.count
+            if inflight:
+                log.info("draining: %d ext_proc streams in flight, waiting up to %.1fs", inflight, grace)
             await self._grpc.stop(grace)
+            if inflight:
+                cut = self.pipeline.gate.count
+                (log.warning if cut else log.info)("drained: %d of %d streams finished, %d cut at the deadline",
+                                                   inflight - cut, inflight, cut)
+        if self.sync is not None:
+            await self.sync.close()
         if self._health_server is not None:
             await self._health_server.stop(0)
         if self.cert_source is not None:

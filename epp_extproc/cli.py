@@ -1,15 +1,17 @@
-"""`epp-extproc`: run the picker until SIGINT/SIGTERM; `epp-extproc envoy-config`: print an Envoy config for it."""
+"""`epp-extproc`: run the picker until SIGINT/SIGTERM (drain first), as one process or `--processes N`;
+`epp-extproc envoy-config`: print an Envoy config for it."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
 from collections.abc import Callable, Sequence
 
 from epp_extproc.app import PickerApp
-from epp_extproc.config import Config, load_config
+from epp_extproc.config import Config, ProcessSlot, load_config
 
 SUBCOMMANDS = ("envoy-config",)
 
@@ -22,7 +24,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return envoy_config_main(args[1:])
     cfg = load_config(args)
     setup_logging(cfg.log_level, cfg.log_format)
+    if cfg.processes > 1:
+        from epp_extproc.processes import supervise
+
+        return supervise(cfg)
     return asyncio.run(serve(cfg))
+
+
+def run_child(cfg: Config, slot: ProcessSlot) -> None:
+    """Entry point of one `--processes` child (a spawned interpreter: no state shared with the parent)."""
+    setup_logging(cfg.log_level, cfg.log_format)
+    for h in logging.getLogger().handlers:  # say which process wrote each line (text format)
+        if type(h.formatter) is logging.Formatter:
+            h.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [p{slot.index}] %(name)s: "
+                                             "%(message)s"))
+    raise SystemExit(asyncio.run(serve(dataclasses.replace(cfg, processes=1), slot=slot)))
 
 
 def setup_logging(level: str, fmt: str) -> None:
@@ -41,9 +57,10 @@ def setup_logging(level: str, fmt: str) -> None:
     root.setLevel(level.upper())
 
 
-async def serve(cfg: Config, prepare: Callable[[PickerApp], None] | None = None) -> int:
+async def serve(cfg: Config, prepare: Callable[[PickerApp], None] | None = None,
+                slot: ProcessSlot | None = None) -> int:
     """Run one picker until SIGINT/SIGTERM; `prepare` may instrument the app before it starts (benchmarks)."""
-    app = PickerApp(cfg)
+    app = PickerApp(cfg, slot)
     if prepare is not None:
         prepare(app)
     stop = asyncio.Event()
@@ -52,8 +69,8 @@ async def serve(cfg: Config, prepare: Callable[[PickerApp], None] | None = None)
         loop.add_signal_handler(sig, stop.set)
     await app.start()
     await stop.wait()
-    logging.getLogger("epp_extproc").info("shutting down")
-    await app.stop()
+    logging.getLogger("epp_extproc").info("shutting down: draining for up to %.1fs", cfg.drain_timeout_s)
+    await app.stop(cfg.drain_timeout_s)
     return 0
 
 

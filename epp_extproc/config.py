@@ -111,6 +111,25 @@ OPTIONS: tuple[Option, ...] = (
     Option("--cert-path", "DYN_EPP_CERT_PATH", None, _opt_str,
            "directory with tls.crt and tls.key for secure serving, re-read when they change; unset = a "
            "self-signed certificate minted in memory at start-up"),
+    Option("--drain-timeout-s", "DYN_EPP_DRAIN_TIMEOUT_S", 25.0, float,
+           "on SIGTERM: not ready at once, no new ext_proc streams, up to this long for the ones in flight "
+           "(keep it below the pod's terminationGracePeriodSeconds)"),
+    # Replicas
+    Option("--processes", "DYN_EPP_PROCESSES", 1, int,
+           "picker processes on this host sharing the ext_proc port (SO_REUSEPORT), synced over Unix "
+           "sockets; process 0 serves health and metrics, process i metrics on metrics-port + i"),
+    Option("--peers", "DYN_EPP_PEERS", None, _opt_str,
+           "peer replicas' sync addresses, comma separated `host:port` (or `unix:/path`): load and "
+           "predictions are shared with them"),
+    Option("--peer-service", "DYN_EPP_PEER_SERVICE", None, _opt_str,
+           "Kubernetes: the picker's own Service; its EndpointSlices' `replica-agg` port are the peers"),
+    Option("--pod-ip", "POD_IP", None, _opt_str, "this pod's IP, left out of the peer service's endpoints"),
+    Option("--replica-sync-port", "DYN_EPP_REPLICA_SYNC_PORT", 9004, int,
+           "gRPC port of the replica-sync service (listens only when peers or --processes > 1 are set)"),
+    Option("--peer-timeout-ms", "DYN_EPP_PEER_TIMEOUT_MS", 2000, int,
+           "a peer silent this long (it heartbeats every quarter of it) counts as gone"),
+    Option("--peer-expiry-ms", "DYN_EPP_PEER_EXPIRY_MS", 5000, int,
+           "a gone peer's bookings still count this long (its requests may still run), then are dropped"),
     # Endpoints
     Option("--endpoints", "DYN_EPP_ENDPOINTS", None, _opt_str,
            "static endpoints, comma separated `name=ip:port` (or just `ip:port`)"),
@@ -228,6 +247,16 @@ def _default(dest: str) -> Any:
     return _DEFAULTS[dest]
 
 
+@dataclass(frozen=True)
+class ProcessSlot:
+    """Where one picker process sits in a `--processes` group; set by the supervisor (or a test), never by a
+    flag, so it is not part of Config."""
+
+    index: int = 0
+    sync_listen: tuple[str, ...] = ()  # where its replica-sync service listens (instead of bind:replica-sync-port)
+    share_port: bool = False  # SO_REUSEPORT on the ext_proc port: its siblings bind it too
+
+
 @dataclass
 class Config:
     """The picker's settings; every default lives in OPTIONS (one table for the parser, the README and here)."""
@@ -285,6 +314,14 @@ class Config:
     kv_cache_util_threshold: float = _default("kv_cache_util_threshold")
     max_num_batched_tokens: int = _default("max_num_batched_tokens")
     inference_objectives_file: str | None = _default("inference_objectives_file")
+    drain_timeout_s: float = _default("drain_timeout_s")
+    processes: int = _default("processes")
+    peers: str | None = _default("peers")
+    peer_service: str | None = _default("peer_service")
+    pod_ip: str | None = _default("pod_ip")
+    replica_sync_port: int = _default("replica_sync_port")
+    peer_timeout_ms: int = _default("peer_timeout_ms")
+    peer_expiry_ms: int = _default("peer_expiry_ms")
 
     def __post_init__(self) -> None:
         for f in fields(self):  # accept plain strings from code and tests; store the enum
@@ -294,6 +331,12 @@ class Config:
                     setattr(self, f.name, opt.type(getattr(self, f.name)))
                 except ValueError:
                     raise ValueError(f"{opt.env} must be one of {list(opt.choices or ())}") from None
+
+    def sync_enabled(self) -> bool:
+        return bool(self.peers or self.peer_service)
+
+    def peer_list(self) -> list[str]:
+        return [p.strip() for p in (self.peers or "").split(",") if p.strip()]
 
     def validate(self) -> None:
         """Fail at start-up, with a message naming the setting, rather than on the first request."""
@@ -351,6 +394,18 @@ class Config:
         if self.flow_control and self.worker_metrics_interval_ms == 0 and self.max_num_batched_tokens == 0:
             raise ValueError("DYN_EPP_FLOW_CONTROL needs a saturation signal: worker metrics "
                              "(DYN_EPP_WORKER_METRICS_INTERVAL_MS > 0) or DYN_EPP_MAX_NUM_BATCHED_TOKENS")
+        if self.processes < 1:
+            raise ValueError("DYN_EPP_PROCESSES must be >= 1")
+        if self.processes > 1 and self.grpc_port == 0:
+            raise ValueError("DYN_EPP_PROCESSES > 1 needs a fixed DYN_EPP_GRPC_PORT (the processes share it)")
+        if self.peers and self.peer_service:
+            raise ValueError("choose one peer source: --peers or --peer-service")
+        if self.processes > 1 and (self.peers or self.peer_service):
+            raise ValueError("DYN_EPP_PROCESSES > 1 cannot be combined with DYN_EPP_PEERS/DYN_EPP_PEER_SERVICE yet")
+        if self.peer_timeout_ms <= 0 or self.peer_expiry_ms < 0:
+            raise ValueError("DYN_EPP_PEER_TIMEOUT_MS must be positive and DYN_EPP_PEER_EXPIRY_MS >= 0")
+        if self.drain_timeout_s < 0:
+            raise ValueError("DYN_EPP_DRAIN_TIMEOUT_S must be >= 0")
         modes = self.body_modes()
         bad = [m for m in modes if m not in BODY_MODES]
         if bad or not modes:

@@ -24,8 +24,11 @@ from kubernetes_asyncio import client as k8s_client
 
 PODS = "pods"
 POOLS = "inferencepools"
+SLICES = "endpointslices"
 POOL_PREFIX = "/apis/inference.networking.k8s.io/v1/namespaces/"
-_KIND = {PODS: ("Pod", "v1"), POOLS: ("InferencePool", "inference.networking.k8s.io/v1")}
+SLICE_PREFIX = "/apis/discovery.k8s.io/v1/namespaces/"
+_KIND = {PODS: ("Pod", "v1"), POOLS: ("InferencePool", "inference.networking.k8s.io/v1"),
+         SLICES: ("EndpointSlice", "discovery.k8s.io/v1")}
 
 
 def parse_label_selector(sel: str) -> list[tuple[str, str, str]]:
@@ -129,6 +132,7 @@ class FakeKube:
         app = web.Application()
         app.router.add_get("/api/v1/namespaces/{ns}/pods", self._handle_pods)
         app.router.add_get(POOL_PREFIX + "{ns}/inferencepools", self._handle_pools)
+        app.router.add_get(SLICE_PREFIX + "{ns}/endpointslices", self._handle_slices)
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1,
                                      handler_cancellation=True)  # a client hang-up ends its watch
         await self._runner.setup()
@@ -240,6 +244,9 @@ class FakeKube:
     async def _handle_pools(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, POOLS)
 
+    async def _handle_slices(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, SLICES)
+
     async def _handle(self, request: web.Request, resource: str) -> web.StreamResponse:
         ns = request.match_info["ns"]
         query = dict(request.query)
@@ -336,3 +343,13 @@ def make_pool(name: str = "llm-pool", match_labels: dict[str, str] | None = None
         "targetPorts": [{"number": p} for p in ports],
         "endpointPickerRef": {"name": "epp", "port": {"number": 9002}},
     }}
+
+
+def make_slice(name: str, service: str, port: int, endpoints: list[tuple[str, bool, bool]],
+               port_name: str = "replica-agg") -> dict[str, Any]:
+    """An EndpointSlice of `service`: `endpoints` are (ip, ready, terminating)."""
+    return {"metadata": {"name": name, "labels": {"kubernetes.io/service-name": service}},
+            "addressType": "IPv4", "ports": [{"name": port_name, "port": port, "protocol": "TCP"}],
+            "endpoints": [{"addresses": [ip], "conditions": {"ready": ready, "serving": ready,
+                                                             "terminating": term}}
+                          for ip, ready, term in endpoints]}

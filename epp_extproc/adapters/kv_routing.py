@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -67,6 +67,8 @@ class KvRouting:
         self._adapters: dict[str, set[str]] = {}  # address -> LoRA adapters it serves
         self._tasks: set[asyncio.Task[None]] = set()
         self._lock = asyncio.Lock()
+        # Called with (worker, block size, hashes, ttl_s) after each local prediction: replica sync shares it.
+        self.predict_listeners: list[Callable[[str, int, list[int], float], None]] = []
         registry.subscribe(self._on_change)
 
     def _on_change(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
@@ -148,8 +150,11 @@ class KvRouting:
 
     def predict(self, address: str, prompt: Prompt) -> None:
         if self.prediction_ttl_s > 0:
-            self.index.predict_hashes(address, prompt.hashes(self.index.block_size(address)),
-                                      self.prediction_ttl_s)
+            size = self.index.block_size(address)
+            hashes = prompt.hashes(size)
+            self.index.predict_hashes(address, hashes, self.prediction_ttl_s)
+            for fn in self.predict_listeners:
+                fn(address, size, hashes, self.prediction_ttl_s)
 
     def snapshot(self) -> dict[str, Any]:
         """The index's per-worker state with each worker's subscriber counters merged in (`/debug/kv`)."""

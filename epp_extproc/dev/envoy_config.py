@@ -60,6 +60,9 @@ from envoy_data_plane.envoy.config.core.v3 import (
     SocketAddress,
     TransportSocket,
 )
+from envoy_data_plane.envoy.config.core.v3 import (
+    HttpProtocolOptions as HttpProtocolOptionsCore,
+)
 from envoy_data_plane.envoy.config.endpoint.v3 import (
     ClusterLoadAssignment,
     Endpoint,
@@ -205,6 +208,8 @@ class EnvoyOptions:
     picker_max_inflight: int = 1024  # the picker's --max-inflight-requests: its breaker is twice that
     render_timeout_ms: int = 5000  # the picker's --tokenization-timeout-ms: BUFFERED message timeout > it
     buffer_limit_bytes: int = 64 * 1024 * 1024
+    extra_picker_ports: tuple[int, ...] = ()  # more picker replicas: Envoy round-robins ext_proc streams
+    picker_max_requests_per_connection: int | None = None  # rotate connections (spreads --processes children)
     upstream_timeout_s: float = 600.0  # route timeout and stream idle timeout (long generations)
     max_upstream_requests: int = 40_000  # circuit breaker of the ORIGINAL_DST workers cluster (GAIE's figure)
 
@@ -320,12 +325,19 @@ def _is_ip(host: str) -> bool:
 def picker_cluster(opts: EnvoyOptions) -> Cluster:
     # an IP is a STATIC endpoint; a name (e.g. the picker's Kubernetes Service) is resolved and re-resolved
     kind = ClusterDiscoveryType.STATIC if _is_ip(opts.picker_host) else ClusterDiscoveryType.STRICT_DNS
+    protocol = HttpProtocolOptions(explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
+        http2_protocol_options=Http2ProtocolOptions()))
+    if opts.picker_max_requests_per_connection:
+        protocol.common_http_protocol_options = HttpProtocolOptionsCore(
+            max_requests_per_connection=opts.picker_max_requests_per_connection)
+    load = _one_endpoint(PICKER_CLUSTER, opts.picker_host, opts.picker_port)
+    for port in opts.extra_picker_ports:
+        load.endpoints[0].lb_endpoints.append(LbEndpoint(endpoint=Endpoint(address=_addr(opts.picker_host, port))))
     c = Cluster(
         name=PICKER_CLUSTER, type=kind, connect_timeout=_secs(5),
-        load_assignment=_one_endpoint(PICKER_CLUSTER, opts.picker_host, opts.picker_port),
+        load_assignment=load,
         typed_extension_protocol_options={"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": AnyPb.pack(
-            HttpProtocolOptions(explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
-                http2_protocol_options=Http2ProtocolOptions())))},
+            protocol)},
         circuit_breakers=_breaker(2 * opts.picker_max_inflight),
     )
     if opts.picker_tls:

@@ -144,7 +144,7 @@ def test_at_the_pickers_cap_clients_get_its_503_not_envoys_circuit_breaker(tmp_p
     up = EchoUpstream("a")
     bg.run(up.start())
     assert up.sse_release is not None
-    app = PickerApp(Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1",
+    app = PickerApp(Config(grpc_port=0, health_port=0, metrics_port=0, admin_port=0, bind="127.0.0.1",
                            endpoints=f"a={up.address}", endpoint_probe_interval_ms=0, max_inflight_requests=cap))
     bg.run(app.start())
     envoy = EnvoyProcess(EnvoyOptions(picker_port=app.grpc_port, picker_max_inflight=cap)).start()

@@ -121,7 +121,7 @@ class GaieGateway:
                                                        "--no-kv-events"], port, log=self.dir / f"w{i}.log").start())
         self.bg = BackgroundLoop()
         # the picker's defaults (TLS on, load-only routing, probes on); only ports and endpoints are given
-        self.cfg = Config(grpc_port=free_port(), health_port=0, metrics_port=0, bind="127.0.0.1",
+        self.cfg = Config(grpc_port=free_port(), health_port=0, metrics_port=0, admin_port=0, bind="127.0.0.1",
                           endpoints=",".join(f"{m.name}={m.address}" for m in self.mocks))
         self.app = PickerApp(self.cfg)
         self.bg.run(self.app.start())

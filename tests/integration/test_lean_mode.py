@@ -86,7 +86,7 @@ class Lean:
         self.bg = BackgroundLoop()
         self.up = ScriptedUpstream()
         self.bg.run(self.up.start())
-        self.app = PickerApp(Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1",
+        self.app = PickerApp(Config(grpc_port=0, health_port=0, metrics_port=0, admin_port=0, bind="127.0.0.1",
                                     secure_serving=False, endpoint_probe_interval_ms=0,
                                     endpoints=f"w=127.0.0.1:{self.up.port}"))
         self.bg.run(self.app.start())

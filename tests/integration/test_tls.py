@@ -267,7 +267,7 @@ def test_a_failed_start_leaves_no_certificate_folder(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        app = PickerApp(Config(grpc_port=s.getsockname()[1], health_port=0, metrics_port=0, bind="127.0.0.1",
+        app = PickerApp(Config(grpc_port=s.getsockname()[1], health_port=0, metrics_port=0, admin_port=0, bind="127.0.0.1",
                                endpoint_probe_interval_ms=0))
 
         async def go() -> None:

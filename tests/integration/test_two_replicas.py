@@ -1,7 +1,8 @@
 """Two picker replicas over the same pool: both subscribe to every worker and converge on the same index.
 
-Load bookings are per replica (each only knows what it routed); the KV view is shared through the workers'
-own events, so a prefix routed by replica A is found by replica B without any picker-to-picker traffic.
+The KV view is shared through the workers' own events, so a prefix routed by replica A is found by replica B
+without any picker-to-picker traffic. Load is shared through replica sync (--peers): a request in flight
+through A is load B sees, as soon as A books it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 from epp_extproc.app import PickerApp
 from epp_extproc.config import Config
 from tests.gateway_client import request
+from tests.netutil import free_port
 from tests.stack import GatewayStack
 
 PROMPTS = [f"Shared system prompt number {g} for the replica test. " * 12 for g in range(4)]
@@ -21,10 +23,11 @@ PROMPTS = [f"Shared system prompt number {g} for the replica test. " * 12 for g 
 
 @pytest.fixture(scope="module")
 def replicas():  # noqa: ANN201
-    stack = GatewayStack(workers=3).start()
+    port_a, port_b = free_port(), free_port()
+    stack = GatewayStack(workers=3, picker={"replica_sync_port": port_a, "peers": f"127.0.0.1:{port_b}"}).start()
     cfg = Config(grpc_port=0, health_port=0, metrics_port=0, admin_port=0, bind="127.0.0.1", endpoints=stack.endpoints_spec(),
                  tokenizer_protocol="trtllm-render", tokenizer_service_url=stack.renderer.url,
-                 prediction_ttl_s=0.0)
+                 prediction_ttl_s=0.0, replica_sync_port=port_b, peers=f"127.0.0.1:{port_a}")
     b = PickerApp(cfg)
     stack.bg.run(b.start())
     yield stack, b
@@ -68,10 +71,46 @@ def test_replica_b_routes_a_known_prefix_to_the_worker_replica_a_chose(replicas)
     assert names[best["address"]] == holder and best["overlap_blocks"] > 0
 
 
-def test_load_bookings_are_per_replica(replicas) -> None:  # noqa: ANN001
+def test_a_request_in_flight_through_replica_a_is_load_on_replica_b(replicas) -> None:  # noqa: ANN001
     stack, b = replicas
-    held = stack.app.load.book(stack.mocks[0].address, 10)  # a long request in flight through replica A
+    worker = stack.mocks[0].address
+    held = stack.bg.run(_book(stack.app, worker, 10))  # a long request in flight through replica A
     try:
-        assert b.load.load(stack.mocks[0].address).inflight == 0
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and b.load.load(worker).inflight == 0:
+            time.sleep(0.01)
+        assert b.load.load(worker).inflight == 1 and b.load.load(worker).prefill_blocks == 10
+        assert b.load.total_inflight() == 0  # B counts it as load, not as its own request
     finally:
-        held.free()
+        stack.bg.run(_free(held))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and b.load.load(worker).inflight:
+        time.sleep(0.01)
+    assert b.load.load(worker).inflight == 0
+
+
+async def _free(booking) -> None:  # noqa: ANN001 - on A's loop, where its sync links run
+    booking.free()
+
+
+def test_replica_b_avoids_the_worker_replica_a_just_loaded(replicas) -> None:  # noqa: ANN001
+    stack, b = replicas
+    names = {m.address: m.name for m in stack.mocks}
+    body = {"model": "mock-model", "messages": [{"role": "user", "content": "a fresh prompt " * 40}]}
+    before = request(f"http://127.0.0.1:{b.metrics_port}", path="/debug/score",
+                     body=json.dumps(body).encode()).json()
+    target = before["pick"]
+    held = stack.bg.run(_book(stack.app, target, 1000))
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and b.load.load(target).inflight == 0:
+            time.sleep(0.01)
+        after = request(f"http://127.0.0.1:{b.metrics_port}", path="/debug/score",
+                        body=json.dumps(body).encode()).json()
+        assert after["pick"] != target, f"B still picks {names[target]}, which A loaded"
+    finally:
+        stack.bg.run(_free(held))
+
+
+async def _book(app: PickerApp, worker: str, blocks: float):  # noqa: ANN202 - on A's loop
+    return app.load.book(worker, blocks)

@@ -283,9 +283,19 @@ def test_picker_service_ports_reach_the_configured_picker_ports(rendered):
     c = picker(objs)
     named = {p["name"]: p["containerPort"] for p in c["ports"]}
     cfg = load_config([], env={k: v["value"] for k, v in env_of(c).items() if "value" in v})
-    want = {9002: cfg.grpc_port, 9003: cfg.health_port, 9090: cfg.metrics_port}
+    want = {9002: cfg.grpc_port, 9003: cfg.health_port, 9090: cfg.metrics_port, 9004: cfg.replica_sync_port}
     got = {p["port"]: named[p["targetPort"]] for p in svc["spec"]["ports"]}
-    assert got == want == {9002: 9002, 9003: 9003, 9090: 9090}
+    assert got == want == {9002: 9002, 9003: 9003, 9090: 9090, 9004: 9004}
+
+
+def test_replicas_find_each_other_on_the_picker_service_replica_agg_port(rendered):
+    from epp_extproc.adapters.discovery_peers import PEER_PORT_NAME
+
+    objs = rendered["base"]
+    c = picker(objs)
+    svc = find(objs, "Service", env_value(c, "DYN_EPP_PEER_SERVICE"))
+    assert PEER_PORT_NAME in {p["name"] for p in svc["spec"]["ports"]}
+    assert env_of(c)["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
 
 
 def test_picker_probes_are_grpc_health_services_on_the_health_port(rendered):
@@ -317,7 +327,8 @@ def test_role_grants_read_and_watch_on_pods_and_inferencepools(rendered):
     rules = find(rendered["base"], "Role")["rules"]
     granted = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]
                for v in rule["verbs"]}
-    for group, resource in (("", "pods"), ("inference.networking.k8s.io", "inferencepools")):
+    for group, resource in (("", "pods"), ("inference.networking.k8s.io", "inferencepools"),
+                            ("discovery.k8s.io", "endpointslices")):
         assert {(group, resource, v) for v in ("get", "list", "watch")} <= granted
 
 

@@ -1,0 +1,474 @@
+"""Replica sync: picker replicas share their bookings and predictions over the `epp.v1.ReplicaSync` service.
+
+Each replica runs the service (inbound: peers push their state to us) and one outbound link per peer (we push
+ours). A link opens a Sync stream, sends Hello + a Snapshot of every local booking, then batches of the
+booking changes and predictions made since; it reconnects with a fresh snapshot after any failure. Batching:
+changes made while a batch is being written wait for the next one, so a busy replica sends few large
+messages and an idle one sends each change at once. An empty batch every `heartbeat_s` keeps a quiet stream
+provably alive.
+
+Inbound, a peer that stays silent for `peer_timeout_s`, or whose stream ends, is gone: its bookings are
+kept for `expiry_s` (its requests may still be running on the workers) and then dropped, unless it came
+back first, in which case its new snapshot replaced them. Nothing a peer sends is relayed further.
+
+Lag: the receiver measures "changed there -> applied here" (`epp_replica_sync_visible_lag_seconds`) from the
+sender's wall-clock stamp of each batch's oldest change (exact on one host); the sender measures the round
+trip to the peer's ack on its own clock (`epp_replica_sync_lag_seconds`, sampled: acks are cumulative and
+sent at most every ACK_INTERVAL_S, plus one per heartbeat).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import socket
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from epp_extproc.core.endpoints import EndpointRegistry
+from epp_extproc.core.load import BookingChange, HeldBooking, LoadTracker
+from epp_extproc.proto_gen.epp.v1 import replica_sync_pb2 as pb
+from epp_extproc.proto_gen.epp.v1 import replica_sync_pb2_grpc as pb_grpc
+from kvindex.index import KvIndex
+
+log = logging.getLogger(__name__)
+
+_KIND_TO_PB = {"book": pb.BookingDelta.BOOK, "prefill_done": pb.BookingDelta.PREFILL_DONE,
+               "move": pb.BookingDelta.MOVE, "free": pb.BookingDelta.FREE}
+_PB_TO_KIND = {v: k for k, v in _KIND_TO_PB.items()}
+LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
+MAX_BATCH_ITEMS = 4096  # per message; a longer backlog goes out as several batches
+# Acks are sampled: a heartbeat is always acked, a batch only if the last ack is this old. Each gRPC message
+# costs ~0.1 ms of Python in both processes, so acking every batch doubled the sync traffic for nothing
+# but liveness and a lag sample. A sender with unacked batches heartbeats after ACK_INTERVAL_S.
+ACK_INTERVAL_S = 0.02
+MAX_PREDICTION_HASHES = 8192  # a peer's prediction longer than this is cut (bounded work per message)
+MAX_PREDICTION_TTL_S = 60.0
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a snapshot of 100k bookings fits with room to spare
+
+
+def default_replica_id() -> str:
+    """POD_NAME on Kubernetes (stable across a container restart, so the restarted replica's snapshot
+    replaces its old bookings at once), else host-pid-random: unique even for pickers sharing a process."""
+    return os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}-{random.getrandbits(24):06x}"
+
+
+class SyncMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.lag = Histogram("epp_replica_sync_lag_seconds", "Booking change on this replica -> acked by a "
+                             "peer (oldest change of each batch; sender's clock, includes the ack's way back)",
+                             ["peer"], buckets=LAG_BUCKETS, registry=r)
+        self.visible_lag = Histogram("epp_replica_sync_visible_lag_seconds", "Change made on a peer -> applied "
+                                     "here (oldest change of each batch; the peer's wall clock vs ours)",
+                                     buckets=LAG_BUCKETS, registry=r)
+        self.batches_sent = Counter("epp_replica_sync_batches_sent", "Batches pushed to peers", ["peer"],
+                                    registry=r)
+        self.changes_sent = Counter("epp_replica_sync_changes_sent", "Booking changes and predictions pushed "
+                                    "to peers", ["peer"], registry=r)
+        self.connects = Counter("epp_replica_sync_connects", "Outbound sync streams opened (each starts with "
+                                "a snapshot)", ["peer"], registry=r)
+        self.link_up = Gauge("epp_replica_sync_link_up", "1 while the outbound stream to a peer is up",
+                             ["peer"], registry=r)
+        self.overflows = Counter("epp_replica_sync_overflows", "Outbound backlog over its cap: the stream "
+                                 "was reset and resynced with a snapshot", ["peer"], registry=r)
+        self.peer_bookings = Gauge("epp_replica_peer_bookings", "Bookings held for each peer replica",
+                                   ["replica"], registry=r)
+        self.peers_expired = Counter("epp_replica_peer_expired", "Peers whose bookings were dropped after "
+                                     "they went away", registry=r)
+        self.bookings_expired = Counter("epp_replica_peer_bookings_expired", "Bookings dropped because "
+                                        "their replica went away", registry=r)
+
+
+@dataclass(slots=True)
+class _Outgoing:
+    items: list[pb.BookingDelta | pb.Prediction] = field(default_factory=list)
+    oldest: float = 0.0  # monotonic
+    oldest_unix: float = 0.0
+
+
+class _Session:
+    """One Sync stream's own queue. A new stream gets a new one, so the request generator of a stream that
+    already failed (gRPC may still be pulling it) can never take changes meant for the next stream."""
+
+    __slots__ = ("pending", "wake", "acks", "seq", "open", "reset")
+
+    def __init__(self) -> None:
+        self.pending = _Outgoing()
+        self.wake = asyncio.Event()
+        self.acks: dict[int, float] = {}  # seq -> creation time (monotonic) of the batch's oldest change
+        self.seq = 0
+        self.open = False  # the snapshot is out: changes from now on go into `pending`
+        self.reset = False
+
+    def close(self) -> None:
+        self.open = False
+        self.reset = True
+        self.wake.set()
+
+
+class PeerLink:
+    """Our push stream to one peer: Hello, Snapshot, then batches; reconnects (with a new snapshot) forever."""
+
+    def __init__(self, sync: ReplicaSync, target: str) -> None:
+        self.sync = sync
+        self.target = target
+        self.peer_id: str | None = None  # from the peer's Hello
+        self.attempts = 0
+        self.failures = 0
+        self.handshake_at: float | None = None  # monotonic time of the last Hello received
+        self._cur: _Session | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def up(self) -> bool:
+        return self._cur is not None and self._cur.open
+
+    @property
+    def settled(self) -> bool:
+        """Known to be reachable (handshake done) or known to be unreachable (an attempt failed)."""
+        return self.handshake_at is not None or self.failures > 0
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self, flush_s: float = 0.0) -> None:
+        """Stop, after up to `flush_s` for what is queued to be sent and acked."""
+        deadline = time.monotonic() + flush_s
+        while (cur := self._cur) is not None and cur.open and (cur.pending.items or cur.acks) and \
+                time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        self.sync.metrics.link_up.labels(self.target).set(0)
+
+    def offer(self, item: pb.BookingDelta | pb.Prediction) -> None:
+        cur = self._cur
+        if cur is None or not cur.open:
+            return  # the snapshot on (re)connect carries the state; predictions are short-lived anyway
+        p = cur.pending
+        if not p.items:
+            p.oldest, p.oldest_unix = time.monotonic(), time.time()
+        p.items.append(item)
+        if len(p.items) > self.sync.max_backlog:
+            self.sync.metrics.overflows.labels(self.target).inc()
+            log.warning("replica sync to %s: %d changes backlogged; resetting the stream (a snapshot follows)",
+                        self.target, len(p.items))
+            cur.pending = _Outgoing()
+            cur.close()
+            return
+        cur.wake.set()
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            self.attempts += 1
+            session = self._cur = _Session()
+            was_up = False
+            try:
+                await self._session(session)
+                backoff = 0.05
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                was_up = session.open
+                self.failures += 1
+                log.log(logging.INFO if self.failures == 1 or was_up else logging.DEBUG,
+                        "replica sync to %s failed: %s", self.target, _short(e))
+            finally:
+                session.close()
+                if self._cur is session:
+                    self._cur = None
+            self.sync.metrics.link_up.labels(self.target).set(0)
+            if was_up:
+                backoff = 0.05  # a stream that worked: retry at once-ish, the peer probably restarted
+            await asyncio.sleep(backoff * (0.5 + random.random() / 2))
+            backoff = min(backoff * 2, 2.0)
+
+    async def _session(self, session: _Session) -> None:
+        opts = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 1000)]
+        async with grpc.aio.insecure_channel(self.target, options=opts) as channel:
+            stub = pb_grpc.ReplicaSyncStub(channel)
+            call = stub.Sync(self._requests(session))
+            first = await asyncio.wait_for(call.read(), self.sync.peer_timeout_s)
+            if first is grpc.aio.EOF or not first.HasField("hello"):
+                raise ConnectionError("peer did not answer with Hello")
+            if first.hello.replica_id == self.sync.replica_id:
+                raise ConnectionError("this target is ourselves")
+            self.peer_id = first.hello.replica_id
+            self.handshake_at = time.monotonic()
+            self.sync.metrics.connects.labels(self.target).inc()
+            self.sync.metrics.link_up.labels(self.target).set(1)
+            log.info("replica sync to %s (%s) is up", self.target, self.peer_id)
+            while True:  # heartbeats are always acked: silence means the peer or the path is gone
+                msg = await asyncio.wait_for(call.read(), self.sync.peer_timeout_s)
+                if msg is grpc.aio.EOF:
+                    raise ConnectionError("peer closed the stream")
+                if session.reset:
+                    raise ConnectionResetError("backlog overflow")
+                if msg.HasField("ack"):
+                    self._acked(session, msg.ack.seq)
+
+    def _acked(self, session: _Session, seq: int) -> None:
+        """Acks are cumulative; only the batch that was acked itself gives a lag sample (the ones before it
+        waited for a sampled ack, which says nothing about the path)."""
+        now = time.monotonic()
+        for s in [s for s in session.acks if s <= seq]:
+            sent = session.acks.pop(s)
+            if s == seq:
+                self.sync.metrics.lag.labels(self.target).observe(now - sent)
+
+    async def _requests(self, session: _Session) -> AsyncIterator[pb.SyncRequest]:
+        sync = self.sync
+        yield pb.SyncRequest(hello=pb.Hello(replica_id=sync.replica_id, incarnation=sync.incarnation))
+        if session.reset:
+            return
+        # From here on every change is queued for this stream: the snapshot and the queue start at the same
+        # instant (one event loop), so nothing is lost or counted twice.
+        session.open = True
+        yield pb.SyncRequest(snapshot=pb.Snapshot(bookings=[
+            pb.Booking(id=b.id, address=b.address, prefill_blocks=b.prefill_blocks,
+                       decode_blocks=b.decode_blocks, prefilling=b.prefilling) for b in sync.load.bookings()]))
+        while True:
+            if not session.pending.items:
+                session.wake.clear()
+                idle = min(sync.heartbeat_s, ACK_INTERVAL_S) if session.acks else sync.heartbeat_s
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(session.wake.wait(), idle)
+            if session.reset:
+                return  # this stream is over; the next one starts with its own snapshot
+            pending, session.pending = session.pending, _Outgoing()
+            items, rest = pending.items[:MAX_BATCH_ITEMS], pending.items[MAX_BATCH_ITEMS:]
+            if rest:
+                session.pending = _Outgoing(rest, pending.oldest, pending.oldest_unix)
+            session.seq += 1
+            batch = pb.Batch(seq=session.seq, oldest_change_unix=pending.oldest_unix if items else 0.0)
+            for it in items:
+                (batch.deltas if isinstance(it, pb.BookingDelta) else batch.predictions).append(it)
+            if items:
+                session.acks[session.seq] = pending.oldest
+                sync.metrics.batches_sent.labels(self.target).inc()
+                sync.metrics.changes_sent.labels(self.target).inc(len(items))
+            yield pb.SyncRequest(batch=batch)
+
+
+@dataclass
+class _Inbound:
+    generation: int = 0
+    snapshot_at: float | None = None
+    expiry: asyncio.TimerHandle | None = None
+    connected: bool = False
+
+
+class ReplicaSync(pb_grpc.ReplicaSyncServicer):
+    """The sync service (inbound) plus the links to the current peers (outbound)."""
+
+    def __init__(self, load: LoadTracker, registry: EndpointRegistry, *, index: KvIndex | None = None,
+                 replica_id: str | None = None, heartbeat_s: float = 0.5, peer_timeout_s: float = 2.0,
+                 expiry_s: float = 5.0, max_backlog: int = 100_000,
+                 metrics_registry: CollectorRegistry | None = None) -> None:
+        self.load = load
+        self.registry = registry
+        self.index = index
+        self.replica_id = replica_id or default_replica_id()
+        self.incarnation = random.getrandbits(64)
+        self.heartbeat_s = heartbeat_s
+        self.peer_timeout_s = peer_timeout_s
+        self.expiry_s = expiry_s
+        self.max_backlog = max_backlog
+        self.metrics = SyncMetrics(metrics_registry or CollectorRegistry())
+        self.links: dict[str, PeerLink] = {}
+        self.inbound: dict[str, _Inbound] = {}
+        self._peers_known = False
+        self._server: grpc.aio.Server | None = None
+        self.addresses: list[str] = []
+        load.add_listener(self._on_change)
+
+    # ------------------------------------------------------------------ local changes -> every link
+
+    def _on_change(self, ch: BookingChange) -> None:
+        if not self.links:
+            return
+        d = pb.BookingDelta(kind=_KIND_TO_PB[ch.kind], id=ch.id, address=ch.address)
+        if ch.kind == "book":
+            d.prefill_blocks = ch.prefill_blocks
+            d.decode_blocks = ch.decode_blocks
+        for link in self.links.values():
+            link.offer(d)
+
+    def on_predict(self, address: str, block_size: int, hashes: Sequence[int], ttl_s: float) -> None:
+        """A local prediction (KvRouting's predict listener): the peers count it too."""
+        if not self.links or not hashes:
+            return
+        p = pb.Prediction(address=address, block_size=block_size, hashes=hashes, ttl_ms=int(ttl_s * 1000))
+        for link in self.links.values():
+            link.offer(p)
+
+    # ------------------------------------------------------------------ peers
+
+    def set_peers(self, targets: Iterable[str]) -> None:
+        """The current peer set (gRPC targets: host:port or unix:path); links open and close to match."""
+        want = set(targets)
+        self._peers_known = True
+        for t in list(self.links):
+            if t not in want:
+                link = self.links.pop(t)
+                asyncio.get_running_loop().create_task(link.stop())
+                log.info("replica sync: peer %s left the peer set", t)
+        for t in sorted(want - set(self.links)):
+            link = self.links[t] = PeerLink(self, t)
+            link.start()
+
+    def settled(self) -> bool:
+        """Synced with every reachable peer: each link either failed (unreachable, we do not wait) or did its
+        handshake and that peer's own snapshot reached us (or a peer timeout passed: it may not list us)."""
+        if not self._peers_known:
+            return False
+        now = time.monotonic()
+        for link in self.links.values():
+            if not link.settled:
+                return False
+            if link.handshake_at is not None and link.peer_id is not None:
+                inb = self.inbound.get(link.peer_id)
+                if (inb is None or inb.snapshot_at is None) and now - link.handshake_at < self.peer_timeout_s:
+                    return False
+        return True
+
+    # ------------------------------------------------------------------ server
+
+    async def start(self, listen: Sequence[str]) -> None:
+        opts = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0)]
+        self._server = grpc.aio.server(options=opts)
+        pb_grpc.add_ReplicaSyncServicer_to_server(self, self._server)
+        self.addresses = []
+        for addr in listen:
+            port = self._server.add_insecure_port(addr)
+            self.addresses.append(addr if addr.startswith("unix:") else f"{addr.rpartition(':')[0]}:{port}")
+        await self._server.start()
+        log.info("replica sync %s listening on %s", self.replica_id, ", ".join(self.addresses))
+
+    async def close(self, flush_s: float = 0.5) -> None:
+        """Push what is still queued (the frees of a drain), then stop the links and the server."""
+        await asyncio.gather(*(link.stop(flush_s) for link in self.links.values()))
+        self.links.clear()
+        if self._server is not None:
+            await self._server.stop(0.2)
+        for inb in self.inbound.values():
+            if inb.expiry is not None:
+                inb.expiry.cancel()
+
+    async def Sync(self, request_iterator: AsyncIterator[pb.SyncRequest],  # noqa: N802 - gRPC method name
+                   context: grpc.aio.ServicerContext) -> None:
+        first = await self._read(context)
+        if first is None or not first.HasField("hello") or not first.hello.replica_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a Hello")
+            return
+        peer = first.hello.replica_id
+        await context.write(pb.SyncResponse(hello=pb.Hello(replica_id=self.replica_id,
+                                                           incarnation=self.incarnation)))
+        if peer == self.replica_id:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a replica does not sync with itself")
+            return
+        inb = self.inbound.setdefault(peer, _Inbound())
+        inb.generation += 1
+        gen = inb.generation
+        inb.connected = True
+        last_ack = 0.0
+        if inb.expiry is not None:
+            inb.expiry.cancel()
+            inb.expiry = None
+        log.info("replica sync: peer %s connected (incarnation %x)", peer, first.hello.incarnation)
+        gauge = self.metrics.peer_bookings.labels(peer)
+        try:
+            while True:
+                msg = await self._read(context)
+                if msg is None or inb.generation != gen:  # silent, closed, or superseded by a newer stream
+                    log.debug("replica sync: stream from %s ends (%s)", peer,
+                              "closed or silent" if msg is None else "superseded")
+                    return
+                if msg.HasField("snapshot"):
+                    self.load.peer_snapshot(peer, (HeldBooking(b.id, b.address, b.prefill_blocks,
+                                                               b.decode_blocks, b.prefilling)
+                                                   for b in msg.snapshot.bookings))
+                    inb.snapshot_at = time.monotonic()
+                elif msg.HasField("batch"):
+                    self._apply(peer, msg.batch)
+                    if msg.batch.oldest_change_unix > 0:
+                        self.metrics.visible_lag.observe(max(time.time() - msg.batch.oldest_change_unix, 0.0))
+                    now = time.monotonic()
+                    heartbeat = not (msg.batch.deltas or msg.batch.predictions)
+                    if heartbeat or now - last_ack >= ACK_INTERVAL_S:
+                        last_ack = now
+                        await context.write(pb.SyncResponse(ack=pb.Ack(seq=msg.batch.seq)))
+                gauge.set(self.load.peer_inflight(peer))
+        except Exception:
+            log.exception("replica sync: stream from %s failed", peer)
+            raise
+        finally:
+            if inb.generation == gen:
+                inb.connected = False
+                log.info("replica sync: peer %s went away; its %d bookings expire in %.1fs", peer,
+                         self.load.peer_inflight(peer), self.expiry_s)
+                inb.expiry = asyncio.get_running_loop().call_later(self.expiry_s, self._expire, peer, gen)
+
+    async def _read(self, context: grpc.aio.ServicerContext) -> pb.SyncRequest | None:
+        try:
+            msg = await asyncio.wait_for(context.read(), self.peer_timeout_s)
+        except TimeoutError:
+            log.warning("replica sync: a peer stayed silent for %.1fs", self.peer_timeout_s)
+            return None
+        return None if msg is grpc.aio.EOF else msg
+
+    def _apply(self, peer: str, batch: pb.Batch) -> None:
+        change = self.load.peer_change
+        for d in batch.deltas:
+            kind = _PB_TO_KIND.get(d.kind)
+            if kind is not None:
+                change(peer, BookingChange(kind, d.id, d.address, d.prefill_blocks, d.decode_blocks))
+        idx = self.index
+        if idx is None:
+            return
+        for p in batch.predictions:
+            # Only for workers we route to, in the block size we hash them with: anything else would create
+            # index entries for unknown workers or predict hashes that can never match.
+            if p.address in self.registry and idx.block_size(p.address) == p.block_size and p.ttl_ms > 0:
+                idx.predict_hashes(p.address, p.hashes[:MAX_PREDICTION_HASHES],
+                                   min(p.ttl_ms / 1000, MAX_PREDICTION_TTL_S))
+
+    def _expire(self, peer: str, gen: int) -> None:
+        inb = self.inbound.get(peer)
+        if inb is None or inb.generation != gen or inb.connected:
+            return
+        n = self.load.drop_peer(peer)
+        del self.inbound[peer]
+        self.metrics.peers_expired.inc()
+        self.metrics.bookings_expired.inc(n)
+        with contextlib.suppress(KeyError):
+            self.metrics.peer_bookings.remove(peer)
+        log.warning("replica sync: peer %s did not come back; dropped its %d bookings", peer, n)
+
+    def snapshot(self) -> dict[str, object]:
+        """For /debug: links, inbound peers, bookings held per peer."""
+        return {"replica_id": self.replica_id, "settled": self.settled(),
+                "links": {t: {"peer": lk.peer_id, "up": lk.up, "attempts": lk.attempts, "failures": lk.failures}
+                          for t, lk in self.links.items()},
+                "peers": {p: {"connected": i.connected, "bookings": self.load.peer_inflight(p)}
+                          for p, i in self.inbound.items()}}
+
+
+def _short(e: BaseException) -> str:
+    if isinstance(e, grpc.aio.AioRpcError):
+        return f"{e.code().name}: {e.details()}"
+    return f"{type(e).__name__}: {e}"

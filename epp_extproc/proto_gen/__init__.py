@@ -1,0 +1,1 @@
+"""Modules generated from proto/ by `make proto` (grpcio-tools); never edit by hand."""
