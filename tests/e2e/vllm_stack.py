@@ -91,6 +91,7 @@ class Proc:
         return f"http://{self.address}"
 
     def start(self) -> Proc:
+        assert not self.alive(), f"{self.name} is already running"
         with open(self.log, "ab") as f:
             f.write(f"\n===== start {time.strftime('%H:%M:%S')}: {' '.join(self.argv)}\n".encode())
         self.proc = subprocess.Popen(self.argv, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
@@ -128,9 +129,10 @@ class Proc:
 
     def kill(self) -> None:
         """SIGKILL the whole process group: the worker dies as in a crash (no clean shutdown)."""
+        if self.proc is None:
+            return
         self.signal_tree(signal.SIGKILL)
-        if self.proc is not None:
-            self.proc.wait(30)
+        self.proc.wait(30)
         self._reap_group()
 
     def stop(self, grace: float = 20) -> None:
@@ -447,25 +449,26 @@ class VllmStack:
         return ",".join(f"{w.name}={w.address};kv=tcp://127.0.0.1:{self.kv[w.name][0]};"
                         f"replay=tcp://127.0.0.1:{self.kv[w.name][1]}" for w in self.workers)
 
-    def start_picker(self) -> None:
+    def start_picker(self, *extra: str) -> None:
         g, h, m = self.picker_ports
         argv = [PICKER, "--grpc-port", str(g), "--health-port", str(h), "--metrics-port", str(m),
                 "--bind", "127.0.0.1", "--endpoints", self.endpoints_spec(),
                 "--tokenizer-protocol", "vllm-render", "--tokenizer-service-url", self.renderer.url,
-                "--kv-cache-block-size", str(BLOCK_SIZE), "--tokenization-timeout-ms", "20000"]
+                "--tokenization-timeout-ms", "20000", *extra]
         self.picker = Proc("picker", argv, m, self.dir / "picker.log")
         self.picker.start()
         self.picker.wait_ready("/metrics", timeout=60)
         wait_port(g, timeout=30)
 
-    def restart_picker(self) -> float:
+    def restart_picker(self, *extra: str) -> float:
         assert self.picker is not None
         self.picker.stop()
         t = time.monotonic()
-        self.start_picker()
+        self.start_picker(*extra)
         return time.monotonic() - t
 
     def restart_worker(self, w: Proc) -> None:
+        w.kill()  # never leave an old process behind (nor let it keep the ports) if a test did not kill it
         kv, rp = self.kv[w.name]
         self.recorder.watch(w.address, f"tcp://127.0.0.1:{kv}", f"tcp://127.0.0.1:{rp}")
         w.start()
