@@ -1,4 +1,4 @@
-"""Build a tiny random-weight Llama model and a small BPE tokenizer for the real-vLLM suite, offline.
+"""Build a tiny random-weight Llama model, a LoRA adapter and a small BPE tokenizer for the vLLM suite, offline.
 
 Run with the vLLM venv's Python (it has torch, transformers and tokenizers); nothing is downloaded from any
 hub. The weights are random, so the model writes nonsense, but vLLM loads and serves it like any Llama: it
@@ -87,6 +87,27 @@ def build_model(out: Path, vocab_size: int) -> None:
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(str(out))
 
 
+def build_lora(out: Path, rank: int = 8) -> None:
+    """A random rank-8 LoRA adapter on q_proj/v_proj in PEFT's on-disk format (what `--lora-modules` loads)."""
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(1)
+    out.mkdir(parents=True)
+    weights = {}
+    for i in range(2):
+        for m in ("q_proj", "v_proj"):
+            key = f"base_model.model.model.layers.{i}.self_attn.{m}"
+            weights[f"{key}.lora_A.weight"] = torch.randn(rank, 128) * 0.02
+            weights[f"{key}.lora_B.weight"] = torch.randn(2 * 64, rank) * 0.02
+    save_file(weights, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 16,
+        "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+        "base_model_name_or_path": "tiny-llama", "modules_to_save": None, "use_rslora": False,
+        "use_dora": False}, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
@@ -102,10 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     build_tokenizer(tmp)
     vocab = len(json.loads((tmp / "tokenizer.json").read_text())["model"]["vocab"])
     build_model(tmp, vocab)
+    build_lora(tmp / "lora")
     (tmp / ".complete").write_text("ok\n")
     shutil.rmtree(a.out, ignore_errors=True)
     tmp.rename(a.out)  # a half-built directory is never mistaken for a model
-    print(f"tiny Llama (vocab {vocab}) written to {a.out}")
+    print(f"tiny Llama (vocab {vocab}) and its LoRA adapter (lora/) written to {a.out}")
     return 0
 
 

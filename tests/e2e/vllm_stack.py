@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = os.environ.get("E2E_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
 MODEL_DIR = os.environ.get("E2E_VLLM_MODEL", str(ROOT / ".venv-vllm" / "tiny-llama"))
 MODEL_NAME = "tiny-llama"
+LORA_NAME = "tiny-lora"  # a LoRA adapter every worker serves (`--lora-modules`), built with the model
 BLOCK_SIZE = 32
 PICKER = str(Path(sys.executable).parent / "epp-extproc")
 WORKER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
@@ -194,6 +195,7 @@ def vllm_worker(name: str, workdir: Path) -> tuple[Proc, int, int]:
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--block-size", str(BLOCK_SIZE),
             "--enforce-eager", "--enable-scale-out", "--kv-events-config", json.dumps(kv_cfg),
+            "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{LORA_NAME}={MODEL_DIR}/lora",
             "--disable-uvicorn-access-log"]
     # dev mode only for POST /reset_prefix_cache, which the suite uses to start a section from an empty cache
     return Proc(name, argv, port, workdir / f"{name}.log", {**VLLM_ENV, "VLLM_SERVER_DEV_MODE": "1"}), kv, rp
@@ -213,6 +215,10 @@ class Block:
     parent: Any
     tokens: tuple[int, ...]
     extra: Any
+    lora: str | None = None
+
+# (LoRA adapter, cache salt, full token prefix): what a request must match to reuse a cached block
+PrefixKey = tuple[str | None, str | None, tuple[int, ...]]
 
 
 @dataclass
@@ -254,11 +260,13 @@ class EngineState:
         bs = ev["block_size"]
         toks = ev["token_ids"]
         extra = ev.get("extra_keys") or []
+        lora = ev.get("lora_name")
         parent = ev.get("parent_block_hash")
         if parent is not None and parent not in self.blocks:
             self.orphans += 1
         for i, h in enumerate(ev["block_hashes"]):
-            self.blocks[h] = Block(parent, tuple(toks[i * bs:(i + 1) * bs]), extra[i] if i < len(extra) else None)
+            self.blocks[h] = Block(parent, tuple(toks[i * bs:(i + 1) * bs]), extra[i] if i < len(extra) else None,
+                                   lora)
             parent = h
 
     # -- derived views
@@ -277,15 +285,16 @@ class EngineState:
 
     @staticmethod
     def salt_of(chain: list[Block]) -> str | None:
-        """vLLM puts the request's cache_salt in the first block's extra keys: `[["tenant-a"], None, ...]`."""
-        extra = chain[0].extra
-        if not extra:
-            return None
-        strs = [k for k in extra if isinstance(k, str)]
+        """vLLM puts the request's cache_salt in the first block's extra keys (`[["tenant-a"], None, ...]`),
+        after the LoRA name when there is one (`[["tiny-lora", "tenant-a"], ["tiny-lora"], ...]`)."""
+        root = chain[0]
+        strs = [k for k in (root.extra or ()) if isinstance(k, str)]
+        if root.lora and strs[:1] == [root.lora]:
+            strs = strs[1:]
         return strs[-1] if strs else None
 
-    def prefix_keys(self) -> set[tuple[str | None, tuple[int, ...]]]:
-        """(salt, full token prefix) of every cached block: what a request must match to reuse it."""
+    def prefix_keys(self) -> set[PrefixKey]:
+        """(LoRA, salt, full token prefix) of every cached block."""
         keys = set()
         for h in self.blocks:
             c = self.chain(h)
@@ -294,11 +303,11 @@ class EngineState:
             toks: tuple[int, ...] = ()
             for b in c:
                 toks += b.tokens
-            keys.add((self.salt_of(c), toks))
+            keys.add((c[0].lora, self.salt_of(c), toks))
         return keys
 
-    def leaves(self) -> list[tuple[str | None, list[int]]]:
-        """(salt, tokens) of every cached chain that no other cached block extends."""
+    def leaves(self) -> list[tuple[str | None, str | None, list[int]]]:
+        """(LoRA, salt, tokens) of every cached chain that no other cached block extends."""
         parents = {b.parent for b in self.blocks.values()}
         out = []
         for h in self.blocks:
@@ -306,15 +315,16 @@ class EngineState:
                 continue
             c = self.chain(h)
             if c is not None:
-                out.append((self.salt_of(c), [t for b in c for t in b.tokens]))
+                out.append((c[0].lora, self.salt_of(c), [t for b in c for t in b.tokens]))
         return out
 
 
-def expected_overlap(keys: set[tuple[str | None, tuple[int, ...]]], tokens: list[int], salt: str | None,
+def expected_overlap(keys: set[PrefixKey], tokens: list[int], salt: str | None, lora: str | None = None,
                      block_size: int = BLOCK_SIZE) -> int:
     """Blocks of `tokens` the engine would reuse: full blocks of tokens[:-1] whose whole prefix is cached."""
     k = 0
-    while (k + 1) * block_size <= len(tokens) - 1 and (salt, tuple(tokens[:(k + 1) * block_size])) in keys:
+    while (k + 1) * block_size <= len(tokens) - 1 and \
+            (lora, salt, tuple(tokens[:(k + 1) * block_size])) in keys:
         k += 1
     return k
 
@@ -400,6 +410,9 @@ class EventRecorder:
 
 
 # ----------------------------------------------------------------------------------------------- stack
+Probe = tuple[list[dict[str, Any]], str | None, str]  # (chat messages, cache salt, model) sent earlier
+
+
 @dataclass
 class Sent:
     """One request through the gateway and everything each side said about it."""
@@ -519,6 +532,7 @@ class VllmStack:
 
     # -- the engines' side
     def render(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a chat prompt (the adapter shares the base tokenizer, so the base model renders)."""
         doc = http_json(self.renderer.url + "/v1/chat/completions/render",
                         {"model": MODEL_NAME, "messages": messages}, timeout=30)
         return doc["token_ids"]
@@ -541,8 +555,8 @@ class VllmStack:
         return self.envoy.url
 
     def chat(self, messages: list[dict[str, Any]], *, tenant: str | None = None, max_tokens: int = 4,
-             stream: bool = False) -> Sent:
-        body: dict[str, Any] = {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens,
+             stream: bool = False, model: str = MODEL_NAME) -> Sent:
+        body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens,
                                 "temperature": 0}
         if stream:
             body.update(stream=True, stream_options={"include_usage": True})
@@ -583,14 +597,14 @@ class VllmStack:
                     pred, obs, r.body)
 
     # -- the check that matters most: does the picker's index hold what the engines hold?
-    def index_mismatches(self, probes: list[tuple[list[dict[str, Any]], str | None]] = ()) -> list[str]:
+    def index_mismatches(self, probes: list[Probe] = ()) -> list[str]:
         """Differences between the picker's index and the engines' event streams; [] = they agree.
 
         1. per worker, /debug/kv `blocks_indexed` equals the number of blocks the engine's events leave cached;
-        2. for every cached unsalted chain (any worker), /debug/score on its tokens credits each worker with
-           exactly the blocks that worker's engine holds of it;
-        3. for every probe (chat messages, salt) the test sent, /debug/score credits each worker with the
-           blocks the engine would reuse for that salt (salted chains can only be probed this way).
+        2. for every cached chain without salt or adapter (any worker), /debug/score on its tokens credits
+           each worker with exactly the blocks that worker's engine holds of it;
+        3. for every probe (chat messages, salt, model) the test sent, /debug/score credits each worker with
+           the blocks the engine would reuse for that salt and adapter (the only way to probe those).
         """
         out: list[str] = []
         snap = self.kv_snapshot()["workers"]
@@ -603,30 +617,31 @@ class VllmStack:
             if got != want:
                 out.append(f"{w.name}: picker indexes {got} blocks, engine events leave {want} cached")
         keys = {n: st.prefix_keys() for n, st in states.items()}
-        leaves = [(s, t) for st in states.values() for s, t in st.leaves() if s is None]
-        for salt, toks in leaves[:60]:
+        leaves = [t for st in states.values() for lora, s, t in st.leaves() if s is None and lora is None]
+        for toks in leaves[:60]:
             probe = [*toks, 0]
             got_o = self.score({"token_ids": probe})
             for n, k in keys.items():
-                want_o = expected_overlap(k, probe, salt)
+                want_o = expected_overlap(k, probe, None)
                 if got_o.get(n) != want_o:
                     out.append(f"{n}: unsalted chain of {len(toks) // BLOCK_SIZE} blocks: picker credits "
                                f"{got_o.get(n)}, engine holds {want_o}")
                     break
-        for messages, salt in probes:
+        for messages, salt, model in probes:
             toks = self.render(messages)
-            payload: dict[str, Any] = {"model": MODEL_NAME, "messages": messages}
+            payload: dict[str, Any] = {"model": model, "messages": messages}
             if salt:
                 payload["cache_salt"] = salt
             got_o = self.score(payload)
+            lora = model if model != MODEL_NAME else None
             for n, k in keys.items():
-                want_o = expected_overlap(k, toks, salt)
+                want_o = expected_overlap(k, toks, salt, lora)
                 if got_o.get(n) != want_o:
-                    out.append(f"{n}: prompt of {len(toks)} tokens (salt {salt!r}): picker credits "
-                               f"{got_o.get(n)} blocks, engine would reuse {want_o}")
+                    out.append(f"{n}: prompt of {len(toks)} tokens (salt {salt!r}, model {model}): picker "
+                               f"credits {got_o.get(n)} blocks, engine would reuse {want_o}")
         return out
 
-    def wait_index_matches(self, probes: list[tuple[list[dict[str, Any]], str | None]] = (),
+    def wait_index_matches(self, probes: list[Probe] = (),
                            timeout: float = 20) -> float:
         """Seconds until the index agrees with the engines (events are asynchronous); AssertionError if never."""
         t0 = time.monotonic()
