@@ -254,9 +254,10 @@ def test_index_holds_the_salted_blocks(stack: VllmStack) -> None:
 LORA_MSGS = conversation(88, 8)
 
 
-@known_defect("issue 12 #6: vLLM marks every LoRA block with lora_name and extra_keys [[adapter], ...]; the "
-              "picker skips those events, and the render-only server answers 404 'model does not exist' "
-              "for an adapter name, so the request is routed by load only")
+@known_defect("issue 12 #6 and a render gap: the picker skips LoRA events (lora_name + extra_keys "
+              "[[adapter], ...]), and the render-only vLLM server answers 404 'The model `tiny-lora` does not "
+              "exist' to a render request naming the adapter, so the picker gets no tokens, routes by load and "
+              "credits nothing (the second cause remains with the kvindex fixes)")
 def test_lora_repeat_reuses_the_adapters_cache_and_is_credited(stack: VllmStack) -> None:
     reset_section(stack)
     first = send(stack, LORA_MSGS, model=LORA_NAME)
@@ -284,14 +285,20 @@ def test_base_model_gets_no_credit_for_an_adapters_prefix(stack: VllmStack) -> N
 @known_defect("issue 12 #6: LoRA BlockStored events (lora_name + extra_keys) are skipped, so the index lacks "
               "the adapter's blocks")
 def test_index_holds_the_adapters_blocks(stack: VllmStack) -> None:
+    """Counted per worker: the adapter's chains cannot be probed through /debug/score while the render-only
+    server refuses the adapter's name (see the test above)."""
     stack.wait_events_settled()
-    try:
-        stack.wait_index_matches(State.probes)
-    finally:
+    deadline = time.monotonic() + 20
+    while True:
         snap = stack.kv_snapshot()["workers"]
-        FIGURES["lora_index"] = {w.name: {"engine_blocks": len(stack.recorder.state(w.address).blocks),
-                                          "picker_blocks": snap[w.address]["blocks_indexed"]}
-                                 for w in stack.workers}
+        got = {w.name: {"engine_blocks": len(stack.recorder.state(w.address).blocks),
+                        "picker_blocks": snap[w.address]["blocks_indexed"]} for w in stack.workers}
+        if all(g["engine_blocks"] == g["picker_blocks"] for g in got.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    FIGURES["lora_index"] = got
+    assert any(g["engine_blocks"] for g in got.values()), got
+    assert all(g["engine_blocks"] == g["picker_blocks"] for g in got.values()), got
 
 
 def test_killed_worker_is_dropped_from_the_index_and_bypassed(stack: VllmStack) -> None:
