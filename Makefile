@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint bench install clean e2e-vllm
+.PHONY: run test lint bench install clean readme e2e-vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/epp-local-gateway
+	$(BIN)/epp-local-gateway $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/ruff check epp_extproc kvindex trtllm_mock tests bench
@@ -24,6 +24,9 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check epp_extproc kvindex trtllm_mock tests bench
+
+readme: $(STAMP)
+	$(BIN)/python -m epp_extproc.dev.readme_config
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run_all

@@ -152,6 +152,7 @@ async def _inproc(n_workers: int, n_tokens: int, reps: int) -> dict[str, Any]:
     from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
     from epp_extproc.core.load import LoadTracker
     from epp_extproc.core.pipeline import Pipeline
+    from epp_extproc.core.render import Rendered
     from epp_extproc.core.request import RequestContext
     from epp_extproc.metrics import PickerMetrics
     from kvindex.decode import decode_payload
@@ -182,8 +183,8 @@ async def _inproc(n_workers: int, n_tokens: int, reps: int) -> dict[str, Any]:
         protocol = "trtllm-render"
         tokens: list[int] = []
 
-        async def render(self, kind: str, body: bytes) -> list[int]:
-            return list(self.tokens)
+        async def render(self, kind: str, body: bytes, *, count: bool = True) -> Rendered:
+            return Rendered(list(self.tokens))
 
     rend = StubRenderer()
     pipe = Pipeline(cfg, reg, load, metrics, renderer=rend, kv=kv)  # type: ignore[arg-type]
@@ -201,7 +202,7 @@ async def _inproc(n_workers: int, n_tokens: int, reps: int) -> dict[str, Any]:
         from epp_extproc.core.pipeline import Plan
 
         t0 = time.perf_counter()
-        choose(pipe.candidates(addrs, Plan(tokens=rend.tokens, route="kv")), pipe.params)
+        choose(pipe.candidates(addrs, Plan(tokens=rend.tokens)), pipe.params)
         score.append(time.perf_counter() - t0)
     await kv.close()
     return {"workers": n_workers, "prompt_tokens": n_tokens, "requests": reps,

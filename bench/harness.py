@@ -167,10 +167,10 @@ def mock_worker(st: Stack, name: str, args: Sequence[str] = (), *, kv: bool = Tr
     return st.add(p)
 
 
-def mock_renderer(st: Stack) -> Proc:
+def mock_renderer(st: Stack, args: Sequence[str] = ()) -> Proc:
     port = free_port()
     return st.add(Proc("renderer", [MOCK, "--role", "renderer", "--name", "renderer", "--port", str(port),
-                                    "--log-level", "WARNING"], port, st.dir / "renderer.log"))
+                                    "--log-level", "WARNING", *args], port, st.dir / "renderer.log"))
 
 
 def endpoints_spec(workers: Sequence[Proc]) -> str:
@@ -183,13 +183,17 @@ def endpoints_spec(workers: Sequence[Proc]) -> str:
     return ",".join(out)
 
 
+PICKER_MAX_INFLIGHT = 100_000  # benchmarks measure the picker, not its shedding; Envoy's breaker follows it
+
+
 def picker(st: Stack, spec: str, protocol: str = "none", renderer: Proc | None = None,
            extra: Sequence[str] = (), argv0: Sequence[str] | None = None) -> Proc:
     """The real picker as its own process (the `epp-extproc` console script unless `argv0` says otherwise)."""
     grpc_port, health, metrics = free_port(), free_port(), free_port()
     argv = [*(argv0 or [PICKER]), "--bind", "127.0.0.1", "--grpc-port", str(grpc_port), "--health-port",
-            str(health), "--metrics-port", str(metrics), "--endpoints", spec, "--log-level", "WARNING",
-            "--tokenizer-protocol", protocol, "--max-inflight-requests", "100000"]
+            str(health), "--metrics-port", str(metrics), "--admin-bind", "127.0.0.1",
+            "--admin-port", str(metrics), "--endpoints", spec, "--log-level", "WARNING",
+            "--tokenizer-protocol", protocol, "--max-inflight-requests", str(PICKER_MAX_INFLIGHT)]
     if renderer is not None:
         argv += ["--tokenizer-service-url", renderer.url]
     argv += list(extra)
@@ -221,7 +225,8 @@ def envoy(st: Stack, *, picker_proc: Proc | None = None, upstreams: Sequence[str
     as ext_proc, or (no picker) plain round-robin over `upstreams` (the baseline)."""
     opts = envoy_config.EnvoyOptions(listen_port=free_port(), admin_port=free_port(),
                                      picker_port=picker_proc.port if picker_proc else 9002, body_mode=body_mode,
-                                     with_picker=picker_proc is not None, static_upstreams=tuple(upstreams))
+                                     with_picker=picker_proc is not None, static_upstreams=tuple(upstreams),
+                                     picker_max_inflight=PICKER_MAX_INFLIGHT)
     name = f"envoy-{len(st.procs)}"
     cfg = envoy_config.write(opts, st.dir / f"{name}.json")
     p = Proc(name, envoy_config.command(cfg, log_level="warning"), opts.listen_port, st.dir / f"{name}.log",
@@ -560,11 +565,17 @@ class ExtProcClient:
     the whole body, read the decision, then end the stream (which frees the booking). Lets scale benchmarks
     score requests against hundreds of simulated workers without HTTP upstreams."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, *, tls: bool = True) -> None:
         import grpc
         from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        if tls:  # the picker's default: trust whatever certificate it serves (self-signed), as GAIE's Envoy does
+            import ssl
+
+            ca = ssl.get_server_certificate(("127.0.0.1", port), timeout=10).encode()  # once, before timing
+            self.channel = grpc.aio.secure_channel(f"127.0.0.1:{port}", grpc.ssl_channel_credentials(ca))
+        else:
+            self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         self.stub = pb_grpc.ExternalProcessorStub(self.channel)
 
     @staticmethod

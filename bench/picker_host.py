@@ -32,17 +32,17 @@ FINE_BUCKETS = tuple(round(10e-6 * 1.2 ** i, 9) for i in range(76))  # 10 us .. 
 
 def instrument(app: PickerApp) -> None:
     reg = app.metrics.registry
-    decision = Histogram("bench_decision_seconds", "Pipeline.decide wall time", buckets=FINE_BUCKETS,
+    decision = Histogram("bench_decision_seconds", "Pipeline.propose wall time", buckets=FINE_BUCKETS,
                          registry=reg)
     lookup = Histogram("bench_lookup_seconds", "Pipeline.candidates wall time", buckets=FINE_BUCKETS,
                        registry=reg)
     pipe = app.pipeline
-    orig_decide, orig_cands = pipe.decide, pipe.candidates
+    orig_propose, orig_cands = pipe.propose, pipe.candidates
 
-    async def decide(ctx):  # noqa: ANN001, ANN202
+    async def propose(ctx, **kw):  # noqa: ANN001, ANN003, ANN202
         t0 = time.perf_counter()
         try:
-            return await orig_decide(ctx)
+            return await orig_propose(ctx, **kw)
         finally:
             decision.observe(time.perf_counter() - t0)
 
@@ -53,7 +53,7 @@ def instrument(app: PickerApp) -> None:
         finally:
             lookup.observe(time.perf_counter() - t0)
 
-    pipe.decide = decide  # type: ignore[method-assign]
+    pipe.propose = propose  # type: ignore[method-assign]
     pipe.candidates = candidates  # type: ignore[method-assign]
     if app.kv is None:
         return

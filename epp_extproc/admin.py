@@ -1,28 +1,86 @@
-"""The HTTP side port (9090): Prometheus /metrics and the /debug API for operators."""
+"""The HTTP side ports: Prometheus /metrics (9090, all interfaces) and the /debug admin API (9091, loopback).
+
+They are two listeners because they face different clients. Prometheus scrapes the pod IP, so /metrics must
+listen there; /debug shows the pool, the KV index and runs scoring on request, and has no authentication,
+so by default it listens on 127.0.0.1 only (reach it with `kubectl port-forward`). `build_admin_app` serves
+/metrics too, so one listener can serve both when an operator binds them to the same address and port.
+
+`/debug/score` shares the event loop with the request path, so its cost is bounded: a 4 MiB body, at most
+`MAX_DEBUG_TOKENS` token ids, one call at a time (others wait), and its render call is not counted as traffic.
+"""
 
 from __future__ import annotations
 
+import asyncio
+from array import array
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from epp_extproc.core.endpoints import EndpointRegistry
+from epp_extproc.core.errors import PickError
 from epp_extproc.core.load import LoadTracker
+from epp_extproc.core.pipeline import Pipeline
+from epp_extproc.core.request import RequestContext
 from epp_extproc.metrics import PickerMetrics
 
 ScoreHandler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+MAX_ADMIN_BODY = 4 * 1024 * 1024
+MAX_DEBUG_TOKENS = 262_144
+_debug_lock = asyncio.Lock()
+
+
+async def debug_score(pipe: Pipeline, payload: dict[str, Any]) -> dict[str, Any]:
+    """What the picker would do with this request: `propose()` without `commit()`.
+
+    The body is a chat/completions request, or `{"token_ids": [...]}` to score ids directly. Raises
+    ValueError with the reason for a request the picker would refuse.
+    """
+    async with _debug_lock:
+        tokens = payload.get("token_ids")
+        if tokens is not None:
+            if not isinstance(tokens, list) or len(tokens) > MAX_DEBUG_TOKENS:
+                raise ValueError(f"token_ids must be a list of at most {MAX_DEBUG_TOKENS} u32 integers")
+            try:
+                array("I", tokens)  # every id a u32, checked in C
+            except (TypeError, OverflowError):
+                raise ValueError("token_ids must be a list of u32 integers") from None
+            ctx = RequestContext("POST", "/v1/chat/completions", {}, None)
+        else:
+            body = orjson.dumps({k: v for k, v in payload.items() if k != "nvext"})
+            path = "/v1/completions" if "prompt" in payload and "messages" not in payload else \
+                "/v1/chat/completions"
+            ctx = RequestContext("POST", path, {}, body)
+        try:
+            proposal = await pipe.propose(ctx, tokens=tokens, count=False, temperature=0.0)
+        except PickError as e:
+            if e.problem.value == "no_endpoint":
+                return {"route": None, "prompt_tokens": len(tokens or []), "workers": [], "pick": None}
+            raise ValueError(str(e)) from None
+        return pipe.explain(proposal)
+
+
+def _metrics_handler(metrics: PickerMetrics) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def get_metrics(_: web.Request) -> web.Response:
+        body = generate_latest(metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return get_metrics
+
+
+def build_metrics_app(metrics: PickerMetrics) -> web.Application:
+    """/metrics only: what the all-interfaces listener serves."""
+    app = web.Application(client_max_size=1024)  # GET only: no request body worth buffering
+    app.router.add_get("/metrics", _metrics_handler(metrics))
+    return app
 
 
 def build_admin_app(registry: EndpointRegistry, load: LoadTracker, metrics: PickerMetrics, *,
                     kv_snapshot: Callable[[], dict[str, Any]] | None = None,
                     score: ScoreHandler | None = None) -> web.Application:
-    app = web.Application(client_max_size=64 * 1024 * 1024)
-
-    async def get_metrics(_: web.Request) -> web.Response:
-        body = generate_latest(metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+    app = web.Application(client_max_size=MAX_ADMIN_BODY)
 
     async def get_endpoints(_: web.Request) -> web.Response:
         out = []
@@ -44,7 +102,9 @@ def build_admin_app(registry: EndpointRegistry, load: LoadTracker, metrics: Pick
         if score is None:
             return web.json_response({"error": "scoring needs a tokenizer protocol"}, status=404)
         try:
-            payload = await req.json()
+            payload = await req.json(loads=orjson.loads)
+        except web.HTTPRequestEntityTooLarge:
+            return web.json_response({"error": f"body larger than {MAX_ADMIN_BODY} bytes"}, status=413)
         except ValueError:
             return web.json_response({"error": "body must be JSON"}, status=400)
         if not isinstance(payload, dict):
@@ -54,7 +114,7 @@ def build_admin_app(registry: EndpointRegistry, load: LoadTracker, metrics: Pick
         except ValueError as e:
             return web.json_response({"error": str(e)}, status=400)
 
-    app.router.add_get("/metrics", get_metrics)
+    app.router.add_get("/metrics", _metrics_handler(metrics))
     app.router.add_get("/debug/endpoints", get_endpoints)
     app.router.add_get("/debug/kv", get_kv)
     app.router.add_post("/debug/score", post_score)

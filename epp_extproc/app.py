@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Any
 
 import grpc
 from aiohttp import web
@@ -16,18 +17,26 @@ from epp_extproc.adapters.discovery_static import FileDiscovery, parse_flag
 from epp_extproc.adapters.endpoint_probe import EndpointProber
 from epp_extproc.adapters.kv_routing import KvRouting
 from epp_extproc.adapters.render_client import RenderClient
-from epp_extproc.admin import build_admin_app
+from epp_extproc.adapters.render_fingerprint import FingerprintWatcher
+from epp_extproc.admin import build_admin_app, build_metrics_app, debug_score
 from epp_extproc.config import Config
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.core.load import LoadTracker
 from epp_extproc.core.pipeline import Pipeline
-from epp_extproc.core.usage import ModelLabels, UsageObserver
+from epp_extproc.envoy.access_log import AccessLogServicer, als_pb2_grpc
 from epp_extproc.envoy.extproc import ExtProcServicer, pb_grpc
-from epp_extproc.envoy.health import Health
-from epp_extproc.envoy.tls import ServerCert, server_cert
+from epp_extproc.envoy.health import HEALTH_SERVER_OPTIONS, Health
+from epp_extproc.envoy.tls import CertSource, ServerCert
 from epp_extproc.metrics import PickerMetrics
 
 log = logging.getLogger(__name__)
+
+
+async def _serve(runner: web.AppRunner, host: str, port: int) -> int:
+    """Start `runner` on host:port; the port actually bound (port 0 = any free one)."""
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner.addresses[0][1]
 
 
 class PickerApp:
@@ -43,32 +52,45 @@ class PickerApp:
             self.renderer = RenderClient(config.tokenizer_protocol, config.tokenizer_service_url,
                                          timeout_ms=config.tokenization_timeout_ms,
                                          max_response_bytes=config.tokenizer_max_response_bytes,
-                                         metrics=self.metrics)
+                                         metrics=self.metrics,
+                                         breaker_failures=config.render_circuit_failures,
+                                         breaker_open_ms=config.render_circuit_open_ms)
             self.kv = KvRouting(self.registry, block_size=config.kv_cache_block_size,
                                 max_blocks_per_worker=config.max_index_blocks_per_worker,
                                 topic=config.kv_event_topic, prediction_ttl_s=config.prediction_ttl_s,
                                 metrics_registry=self.metrics.registry)
+        self.fingerprints: FingerprintWatcher | None = None
+        if config.tokenizer_protocol == "trtllm-render" and config.prompt_passthrough != "off":
+            self.fingerprints = FingerprintWatcher(self.registry, self.metrics,
+                                                   refresh_s=config.render_fingerprint_refresh_ms / 1000)
         self.pipeline = Pipeline(config, self.registry, self.load, self.metrics, renderer=self.renderer,
-                                 kv=self.kv)
+                                 kv=self.kv, fingerprint_of=self.fingerprints.get if self.fingerprints else None)
         self.health = Health()
-        labels = ModelLabels()
         self.servicer = ExtProcServicer(self.pipeline, allowed_modes=config.body_modes(),
-                                        observer_factory=lambda d: UsageObserver(d, self.metrics, labels))
+                                        body_timeout_s=config.request_body_timeout_ms / 1000)
         self._grpc: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
         self._admin: web.AppRunner | None = None
+        self._metrics_http: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.grpc_port = config.grpc_port
         self.health_port = config.health_port
         self.metrics_port = config.metrics_port
+        self.admin_port = config.admin_port
         self.registry.subscribe(self._on_endpoints)
-        self.tls: ServerCert | None = None
+        self.cert_source: CertSource | None = None
         self.prober: EndpointProber | None = None
         if config.endpoint_probe_interval_ms > 0:
-            kv = self.kv
             self.prober = EndpointProber(self.registry, interval_s=config.endpoint_probe_interval_ms / 1000,
                                          path=config.endpoint_probe_path,
-                                         on_lost=kv.resync if kv is not None else None)
+                                         max_rate=config.endpoint_probe_max_rate, on_lost=self._on_lost)
+
+    def _on_lost(self, address: str) -> None:
+        """A worker's process is gone: its KV cache (and perhaps its rendering configuration) with it."""
+        if self.kv is not None:
+            self.kv.resync(address)
+        if self.fingerprints is not None:
+            self.fingerprints.lost(address)
 
     def _on_endpoints(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
         for ep in removed:
@@ -85,38 +107,64 @@ class PickerApp:
     async def start(self) -> None:
         cfg = self.config
         await self.health.start()
-        msg_limit = cfg.max_body_bytes + 1024 * 1024
+        # One BUFFERED body arrives as one message: let any body up to the whole buffer budget reach the
+        # picker, so one just over --max-body-bytes gets the documented 413 rather than a gRPC error (500).
+        msg_limit = cfg.max_buffered_body_bytes + 1024 * 1024
         opts = [("grpc.max_receive_message_length", msg_limit), ("grpc.max_send_message_length", msg_limit),
                 ("grpc.so_reuseport", 0)]
-        self._grpc = grpc.aio.server(options=opts)
+        # Streams over the in-flight cap still get a 503 from the picker; beyond twice the cap gRPC itself
+        # refuses them, so a flood of streams that send nothing cannot grow memory without bound.
+        self._grpc = grpc.aio.server(options=opts, maximum_concurrent_rpcs=2 * cfg.max_inflight_requests)
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(self.pipeline), self._grpc)
+        # GAIE's Envoy health-checks the ext_proc cluster on the ext_proc port itself (gRPC health,
+        # service envoy.service.ext_proc.v3.ExternalProcessor); the health port serves the same servicer.
+        self.health.add_to(self._grpc)
         if cfg.secure_serving:
-            self.tls = server_cert(cfg.cert_path)
-            creds = grpc.ssl_server_credentials([(self.tls.key_pem, self.tls.cert_pem)])
-            self.grpc_port = self._grpc.add_secure_port(f"{cfg.bind}:{cfg.grpc_port}", creds)
-            log.info("ext_proc serves TLS with a %s certificate (%s, sha256 %s)",
-                     "self-signed" if self.tls.self_signed else "provided", self.tls.cert_file,
-                     self.tls.fingerprint())
+            self.cert_source = CertSource(cfg.cert_path)
+            tls = self.cert_source.current
+            self.grpc_port = self._grpc.add_secure_port(f"{cfg.bind}:{cfg.grpc_port}",
+                                                        self.cert_source.credentials())
+            log.info("ext_proc serves TLS with a %s certificate (%s, sha256 %s)%s",
+                     "self-signed" if tls.self_signed else "provided", tls.cert_file, tls.fingerprint(),
+                     "" if tls.self_signed else "; reloaded when the files change")
+            if cfg.cert_path:
+                self._tasks.append(asyncio.create_task(self.cert_source.run()))
         else:
             self.grpc_port = self._grpc.add_insecure_port(f"{cfg.bind}:{cfg.grpc_port}")
-        self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self._health_server = grpc.aio.server(options=HEALTH_SERVER_OPTIONS)
         self.health.add_to(self._health_server)
         self.health_port = self._health_server.add_insecure_port(f"{cfg.bind}:{cfg.health_port}")
         admin = build_admin_app(self.registry, self.load, self.metrics,
                                 kv_snapshot=self.kv.snapshot if self.kv else None,
-                                score=self.pipeline.score_only)
+                                score=self.debug_score)
+        shared = (cfg.admin_bind, cfg.admin_port) == (cfg.bind, cfg.metrics_port) and cfg.admin_port != 0
         self._admin = web.AppRunner(admin, access_log=None)
-        await self._admin.setup()
-        site = web.TCPSite(self._admin, cfg.bind, cfg.metrics_port)
-        await site.start()
-        self.metrics_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.admin_port = await _serve(self._admin, cfg.admin_bind, cfg.admin_port)
+        if shared:  # the operator asked for one listener: /debug on the metrics address
+            self.metrics_port = self.admin_port
+        else:
+            self._metrics_http = web.AppRunner(build_metrics_app(self.metrics), access_log=None)
+            self.metrics_port = await _serve(self._metrics_http, cfg.bind, cfg.metrics_port)
         await self._start_discovery()
         if self.prober is not None:
             self._tasks.append(asyncio.create_task(self.prober.run()))
+        if self.fingerprints is not None:
+            self._tasks.append(asyncio.create_task(self.fingerprints.run()))
         await self._grpc.start()
         await self._health_server.start()
-        log.info("picker listening: ext_proc %s:%d, health %s:%d, metrics http://%s:%d/metrics",
-                 cfg.bind, self.grpc_port, cfg.bind, self.health_port, cfg.bind, self.metrics_port)
+        log.info("picker listening: ext_proc %s:%d, health %s:%d, metrics http://%s:%d/metrics, "
+                 "admin http://%s:%d/debug/", cfg.bind, self.grpc_port, cfg.bind, self.health_port, cfg.bind,
+                 self.metrics_port, cfg.admin_bind, self.admin_port)
+
+    async def debug_score(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """`/debug/score`: a proposal that is never committed, and whose render is not counted as traffic."""
+        return await debug_score(self.pipeline, payload)
+
+    @property
+    def tls(self) -> ServerCert | None:
+        """The certificate the ext_proc port serves now (None = plaintext h2c)."""
+        return self.cert_source.current if self.cert_source is not None else None
 
     async def _start_discovery(self) -> None:
         cfg = self.config
@@ -126,7 +174,7 @@ class PickerApp:
         elif cfg.endpoints_file:
             fd = FileDiscovery(self.registry, cfg.endpoints_file, kv_event_port=cfg.kv_event_port,
                                replay_port=replay)
-            fd.load_once()
+            await fd.load_once()
             self._tasks.append(asyncio.create_task(fd.run()))
         elif cfg.inference_pool_name:
             from epp_extproc.adapters.discovery_k8s import InferencePoolDiscovery
@@ -151,8 +199,12 @@ class PickerApp:
             await self._grpc.stop(grace)
         if self._health_server is not None:
             await self._health_server.stop(0)
+        if self.cert_source is not None:
+            self.cert_source.close()
         if self._admin is not None:
             await self._admin.cleanup()
+        if self._metrics_http is not None:
+            await self._metrics_http.cleanup()
         if self.kv is not None:
             await self.kv.close()
         if self.renderer is not None:

@@ -11,16 +11,46 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from enum import StrEnum
 from typing import Any
 from urllib.parse import urlparse
 
 from epp_extproc.envoy.tls import cert_files
 
-TOKENIZER_PROTOCOLS = ("none", "trtllm-render", "vllm-render", "sglang-renderer")
-SALT_POLICIES = ("reject", "load-only")
-RENDER_FAILURE_POLICIES = ("load-only", "fail")
 BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
+LOG_FORMATS = ("text", "json")
+
+
+class TokenizerProtocol(StrEnum):
+    NONE = "none"
+    TRTLLM = "trtllm-render"
+    VLLM = "vllm-render"
+    SGLANG = "sglang-renderer"
+
+
+class RenderPolicy(StrEnum):
+    """What a render failure does: route by load only, or fail the request with the reference status."""
+
+    LOAD_ONLY = "load-only"
+    FAIL = "fail"
+
+
+class SaltPolicy(StrEnum):
+    """A salted request with TensorRT-LLM workers (whose events carry no salt)."""
+
+    REJECT = "reject"
+    LOAD_ONLY = "load-only"
+
+
+class PassthroughPolicy(StrEnum):
+    """Whether the forwarded request carries the rendered prompt (TensorRT-LLM workers skip rendering)."""
+
+    OFF = "off"
+    AUTO = "auto"
+
+
+TOKENIZER_PROTOCOLS = tuple(p.value for p in TokenizerProtocol)
 
 
 @dataclass(frozen=True)
@@ -31,6 +61,10 @@ class Option:
     type: Callable[[str], Any]
     help: str
     choices: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.type, type) and issubclass(self.type, StrEnum) and self.choices is None:
+            object.__setattr__(self, "choices", tuple(e.value for e in self.type))
 
     @property
     def dest(self) -> str:
@@ -52,18 +86,31 @@ def _opt_str(s: str) -> str | None:
 
 OPTIONS: tuple[Option, ...] = (
     # Serving
-    Option("--grpc-port", "DYN_EPP_GRPC_PORT", 9002, int, "ext_proc gRPC port (Envoy connects here, h2c)"),
+    Option("--grpc-port", "DYN_EPP_GRPC_PORT", 9002, int,
+           "ext_proc gRPC port (Envoy connects here; TLS unless --secure-serving=false); also serves gRPC "
+           "health like the health port"),
     Option("--health-port", "DYN_EPP_HEALTH_PORT", 9003, int,
            "gRPC health port (services liveness, readiness, ExternalProcessor, \"\")"),
     Option("--metrics-port", "DYN_EPP_METRICS_PORT", 9090, int,
-           "HTTP port for /metrics (Prometheus) and the /debug admin API"),
-    Option("--bind", "DYN_EPP_BIND_ADDRESS", "0.0.0.0", str, "address the three ports listen on"),
+           "HTTP port for /metrics (Prometheus), on --bind"),
+    Option("--bind", "DYN_EPP_BIND_ADDRESS", "0.0.0.0", str,
+           "address the ext_proc, health and metrics ports listen on"),
+    Option("--admin-port", "DYN_EPP_ADMIN_PORT", 9091, int,
+           "HTTP port for the /debug admin API (and /metrics), on --admin-bind; the same address and port "
+           "as --bind/--metrics-port = one listener for both"),
+    Option("--admin-bind", "DYN_EPP_ADMIN_BIND_ADDRESS", "127.0.0.1", str,
+           "address the /debug admin API listens on; it has no authentication, so loopback by default "
+           "(kubectl port-forward reaches it)"),
     Option("--log-level", "DYN_EPP_LOG_LEVEL", "INFO", str, "DEBUG, INFO, WARNING, ERROR"),
-    Option("--secure-serving", "DYN_EPP_SECURE_SERVING", False, _bool,
-           "TLS on the ext_proc port (health and metrics stay plain); the gateway must then speak TLS to it"),
+    Option("--log-format", "DYN_EPP_LOG_FORMAT", "text", str,
+           "`text` for people, `json` = one JSON object per line (time, level, logger, message) for log "
+           "pipelines", LOG_FORMATS),
+    Option("--secure-serving", "DYN_EPP_SECURE_SERVING", True, _bool,
+           "TLS on the ext_proc port, as GAIE's and Dynamo's pickers and their gateway configs expect (health "
+           "port and metrics stay plain); `--secure-serving=false` serves plaintext h2c"),
     Option("--cert-path", "DYN_EPP_CERT_PATH", None, _opt_str,
-           "directory with tls.crt and tls.key for secure serving; unset = a self-signed certificate is "
-           "generated at start-up (needs the openssl tool)"),
+           "directory with tls.crt and tls.key for secure serving, re-read when they change; unset = a "
+           "self-signed certificate minted in memory at start-up"),
     # Endpoints
     Option("--endpoints", "DYN_EPP_ENDPOINTS", None, _opt_str,
            "static endpoints, comma separated `name=ip:port` (or just `ip:port`)"),
@@ -79,6 +126,9 @@ OPTIONS: tuple[Option, ...] = (
            "dropped), other failures after 2 in a row, back after 1 success; 0 = off"),
     Option("--endpoint-probe-path", "DYN_EPP_ENDPOINT_PROBE_PATH", "/health", str,
            "HTTP path the endpoint prober GETs (trtllm-serve, vLLM and SGLang answer /health)"),
+    Option("--endpoint-probe-max-rate", "DYN_EPP_ENDPOINT_PROBE_MAX_RATE", 100.0, float,
+           "cap on probes per second over the whole pool (probes spread evenly, 32 at most in flight): a "
+           "pool larger than rate x interval is probed less often, e.g. 1,000 endpoints every 10 s"),
     Option("--kv-event-port", "DYN_EPP_KV_EVENT_PORT", 5557, int,
            "per-worker ZMQ PUB port for KV events (used when an endpoint names none)"),
     Option("--kv-event-replay-port", "DYN_EPP_KV_EVENT_REPLAY_PORT", None,
@@ -88,27 +138,45 @@ OPTIONS: tuple[Option, ...] = (
     Option("--max-inflight-requests", "DYN_EPP_MAX_INFLIGHT_REQUESTS", 1024, int,
            "above this many requests in the picker: 503 \"endpoint picker overloaded\""),
     Option("--max-body-bytes", "DYN_EPP_MAX_BODY_BYTES", 32 * 1024 * 1024, int,
-           "request bodies above this size get 413"),
+           "request bodies above this size get 413 (in both body modes)"),
+    Option("--max-buffered-body-bytes", "DYN_EPP_MAX_BUFFERED_BODY_BYTES", 256 * 1024 * 1024, int,
+           "all request bodies being buffered at once may hold at most this much; a body that would exceed "
+           "it gets 503 (retryable), so many slow or unfinished uploads cannot exhaust memory"),
+    Option("--request-body-timeout-ms", "DYN_EPP_REQUEST_BODY_TIMEOUT_MS", 60_000, int,
+           "a request whose headers and body have not fully arrived this long after its ext_proc stream "
+           "opened gets 408 and frees its slot (stalled clients cannot hold the picker's capacity)"),
     Option("--allowed-body-modes", "DYN_EPP_ALLOWED_BODY_MODES", "FULL_DUPLEX_STREAMED,BUFFERED", str,
            "request body modes the picker accepts from Envoy's protocol_config"),
     # Rendering
-    Option("--tokenizer-protocol", "DYN_EPP_TOKENIZER_PROTOCOL", "none", str,
-           "renderer protocol; `none` routes by load only", TOKENIZER_PROTOCOLS),
+    Option("--tokenizer-protocol", "DYN_EPP_TOKENIZER_PROTOCOL", TokenizerProtocol.NONE, TokenizerProtocol,
+           "renderer protocol; `none` routes by load only"),
     Option("--tokenizer-service-url", "DYN_EPP_TOKENIZER_SERVICE_URL", None, _opt_str,
            "absolute http(s) base URL of the renderer; /v1/chat/completions/render is appended"),
     Option("--tokenization-timeout-ms", "DYN_EPP_TOKENIZATION_TIMEOUT_MS", 5000, int,
            "timeout of the whole render call"),
     Option("--tokenizer-max-response-bytes", "DYN_EPP_TOKENIZER_MAX_RESPONSE_BYTES", 16 * 1024 * 1024, int,
            "cap on the render answer"),
-    Option("--render-failure-policy", "DYN_EPP_RENDER_FAILURE_POLICY", "load-only", str,
-           "renderer down/5xx/timeout: `load-only` routes by load; `fail` answers 503/502/504 like Dynamo",
-           RENDER_FAILURE_POLICIES),
-    Option("--render-reject-policy", "DYN_EPP_RENDER_REJECT_POLICY", "load-only", str,
-           "renderer 4xx: `load-only` routes by load and lets the worker answer; `fail` answers 400",
-           RENDER_FAILURE_POLICIES),
-    Option("--cache-salt-policy", "DYN_EPP_CACHE_SALT_POLICY", "reject", str,
+    Option("--render-circuit-failures", "DYN_EPP_RENDER_CIRCUIT_FAILURES", 5, int,
+           "this many render failures in a row (timeout, unreachable, 401/403/404/429/5xx, redirect, unusable "
+           "answer; not a rejecting 4xx) open the renderer's circuit: requests skip it (circuit_open, handled "
+           "by the failure policy) until a probe call succeeds; 0 = never open"),
+    Option("--render-circuit-open-ms", "DYN_EPP_RENDER_CIRCUIT_OPEN_MS", 5000, int,
+           "how long an open circuit skips the renderer before one request probes it; doubles after each "
+           "failed probe, up to 60 s"),
+    Option("--render-failure-policy", "DYN_EPP_RENDER_FAILURE_POLICY", RenderPolicy.LOAD_ONLY, RenderPolicy,
+           "renderer down/5xx/timeout: `load-only` routes by load; `fail` answers 503/502/504 like Dynamo"),
+    Option("--render-reject-policy", "DYN_EPP_RENDER_REJECT_POLICY", RenderPolicy.LOAD_ONLY, RenderPolicy,
+           "renderer 4xx: `load-only` routes by load and lets the worker answer; `fail` answers 400"),
+    Option("--cache-salt-policy", "DYN_EPP_CACHE_SALT_POLICY", SaltPolicy.REJECT, SaltPolicy,
            "trtllm-render + salted request: `reject` = 400 like Dynamo; `load-only` = route by load, forward "
-           "the salt as top-level cache_salt", SALT_POLICIES),
+           "the salt as top-level cache_salt"),
+    Option("--prompt-passthrough", "DYN_EPP_PROMPT_PASSTHROUGH", PassthroughPolicy.AUTO, PassthroughPolicy,
+           "trtllm-render: `auto` forwards the rendered prompt (chat: top-level prompt_token_ids; completions: "
+           "prompt as ids) so the worker skips templating and tokenizing, whenever the worker's render "
+           "fingerprint matches and the render says the ids are safe; `off` always forwards the original body"),
+    Option("--render-fingerprint-refresh-ms", "DYN_EPP_RENDER_FINGERPRINT_REFRESH_MS", 10_000, int,
+           "re-read each worker's /server_info render_fingerprint this often (also at admission and when the "
+           "prober finds the worker gone)"),
     # KV scoring
     Option("--kv-cache-block-size", "DYN_KV_CACHE_BLOCK_SIZE", 32, int,
            "tokens per KV block (TensorRT-LLM default 32); learned per worker from its events"),
@@ -125,49 +193,76 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 ENV_NAMES: frozenset[str] = frozenset(o.env for o in OPTIONS if o.env)
+_BY_DEST: dict[str, Option] = {o.dest: o for o in OPTIONS}
+
+
+_DEFAULTS: dict[str, Any] = {o.dest: o.default for o in OPTIONS}
+
+
+def _default(dest: str) -> Any:
+    return _DEFAULTS[dest]
 
 
 @dataclass
 class Config:
-    grpc_port: int = 9002
-    health_port: int = 9003
-    metrics_port: int = 9090
-    bind: str = "0.0.0.0"
-    log_level: str = "INFO"
-    secure_serving: bool = False
-    cert_path: str | None = None
-    endpoints: str | None = None
-    endpoints_file: str | None = None
-    inference_pool_name: str | None = None
-    namespace: str | None = None
-    kubeconfig: str | None = None
-    endpoint_probe_interval_ms: int = 1000
-    endpoint_probe_path: str = "/health"
-    kv_event_port: int = 5557
-    kv_event_replay_port: int | None = None
-    kv_event_topic: str = ""
-    max_inflight_requests: int = 1024
-    max_body_bytes: int = 32 * 1024 * 1024
-    allowed_body_modes: str = "FULL_DUPLEX_STREAMED,BUFFERED"
-    tokenizer_protocol: str = "none"
-    tokenizer_service_url: str | None = None
-    tokenization_timeout_ms: int = 5000
-    tokenizer_max_response_bytes: int = 16 * 1024 * 1024
-    render_failure_policy: str = "load-only"
-    render_reject_policy: str = "load-only"
-    cache_salt_policy: str = "reject"
-    kv_cache_block_size: int = 32
-    max_index_blocks_per_worker: int = 1_000_000
-    kv_overlap_score_credit: float = 2.0
-    prefill_load_scale: float = 1.0
-    router_temperature: float = 0.0
-    prediction_ttl_s: float = 2.0
+    """The picker's settings; every default lives in OPTIONS (one table for the parser, the README and here)."""
+
+    grpc_port: int = _default("grpc_port")
+    health_port: int = _default("health_port")
+    metrics_port: int = _default("metrics_port")
+    bind: str = _default("bind")
+    admin_port: int = _default("admin_port")
+    admin_bind: str = _default("admin_bind")
+    log_level: str = _default("log_level")
+    log_format: str = _default("log_format")
+    secure_serving: bool = _default("secure_serving")
+    cert_path: str | None = _default("cert_path")
+    endpoints: str | None = _default("endpoints")
+    endpoints_file: str | None = _default("endpoints_file")
+    inference_pool_name: str | None = _default("inference_pool_name")
+    namespace: str | None = _default("namespace")
+    kubeconfig: str | None = _default("kubeconfig")
+    endpoint_probe_interval_ms: int = _default("endpoint_probe_interval_ms")
+    endpoint_probe_path: str = _default("endpoint_probe_path")
+    endpoint_probe_max_rate: float = _default("endpoint_probe_max_rate")
+    kv_event_port: int = _default("kv_event_port")
+    kv_event_replay_port: int | None = _default("kv_event_replay_port")
+    kv_event_topic: str = _default("kv_event_topic")
+    max_inflight_requests: int = _default("max_inflight_requests")
+    max_body_bytes: int = _default("max_body_bytes")
+    max_buffered_body_bytes: int = _default("max_buffered_body_bytes")
+    request_body_timeout_ms: int = _default("request_body_timeout_ms")
+    allowed_body_modes: str = _default("allowed_body_modes")
+    tokenizer_protocol: TokenizerProtocol = _default("tokenizer_protocol")
+    tokenizer_service_url: str | None = _default("tokenizer_service_url")
+    tokenization_timeout_ms: int = _default("tokenization_timeout_ms")
+    tokenizer_max_response_bytes: int = _default("tokenizer_max_response_bytes")
+    render_circuit_failures: int = _default("render_circuit_failures")
+    render_circuit_open_ms: int = _default("render_circuit_open_ms")
+    render_failure_policy: RenderPolicy = _default("render_failure_policy")
+    render_reject_policy: RenderPolicy = _default("render_reject_policy")
+    cache_salt_policy: SaltPolicy = _default("cache_salt_policy")
+    prompt_passthrough: PassthroughPolicy = _default("prompt_passthrough")
+    render_fingerprint_refresh_ms: int = _default("render_fingerprint_refresh_ms")
+    kv_cache_block_size: int = _default("kv_cache_block_size")
+    max_index_blocks_per_worker: int = _default("max_index_blocks_per_worker")
+    kv_overlap_score_credit: float = _default("kv_overlap_score_credit")
+    prefill_load_scale: float = _default("prefill_load_scale")
+    router_temperature: float = _default("router_temperature")
+    prediction_ttl_s: float = _default("prediction_ttl_s")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # accept plain strings from code and tests; store the enum
+            opt = _BY_DEST.get(f.name)
+            if opt is not None and isinstance(opt.type, type) and issubclass(opt.type, StrEnum):
+                try:
+                    setattr(self, f.name, opt.type(getattr(self, f.name)))
+                except ValueError:
+                    raise ValueError(f"{opt.env} must be one of {list(opt.choices or ())}") from None
 
     def validate(self) -> None:
         """Fail at start-up, with a message naming the setting, rather than on the first request."""
-        if self.tokenizer_protocol not in TOKENIZER_PROTOCOLS:
-            raise ValueError(f"DYN_EPP_TOKENIZER_PROTOCOL must be one of {TOKENIZER_PROTOCOLS}")
-        if self.tokenizer_protocol != "none":
+        if self.tokenizer_protocol is not TokenizerProtocol.NONE:
             url = urlparse(self.tokenizer_service_url or "")
             if url.scheme not in ("http", "https") or not url.netloc:
                 raise ValueError("DYN_EPP_TOKENIZER_SERVICE_URL must be an absolute http(s) URL when "
@@ -178,14 +273,31 @@ class Config:
                 raise ValueError("DYN_EPP_CERT_PATH is set but DYN_EPP_SECURE_SERVING is off: the ext_proc port "
                                  "would serve plain h2c; enable secure serving or drop the cert path")
             cert_files(self.cert_path)
+        if self.render_circuit_failures < 0:
+            raise ValueError("DYN_EPP_RENDER_CIRCUIT_FAILURES must be >= 0 (0 = never open)")
+        if self.render_circuit_open_ms <= 0:
+            raise ValueError("DYN_EPP_RENDER_CIRCUIT_OPEN_MS must be positive")
+        if self.admin_port == self.metrics_port != 0 and self.admin_bind != self.bind:
+            raise ValueError("DYN_EPP_ADMIN_PORT equals DYN_EPP_METRICS_PORT on a different address: set "
+                             "DYN_EPP_ADMIN_BIND_ADDRESS to DYN_EPP_BIND_ADDRESS to serve /debug on the "
+                             "metrics listener, or choose another admin port")
         if self.kv_cache_block_size <= 0:
             raise ValueError("DYN_KV_CACHE_BLOCK_SIZE must be positive")
+        if self.render_fingerprint_refresh_ms <= 0:
+            raise ValueError("DYN_EPP_RENDER_FINGERPRINT_REFRESH_MS must be positive")
         if self.endpoint_probe_interval_ms < 0:
             raise ValueError("DYN_EPP_ENDPOINT_PROBE_INTERVAL_MS must be >= 0 (0 = off)")
+        if not self.endpoint_probe_max_rate > 0:
+            raise ValueError("DYN_EPP_ENDPOINT_PROBE_MAX_RATE must be positive")
         if self.max_inflight_requests <= 0:
             raise ValueError("DYN_EPP_MAX_INFLIGHT_REQUESTS must be positive")
         if self.max_body_bytes <= 0:
             raise ValueError("DYN_EPP_MAX_BODY_BYTES must be positive")
+        if self.max_buffered_body_bytes < self.max_body_bytes:
+            raise ValueError("DYN_EPP_MAX_BUFFERED_BODY_BYTES must be at least DYN_EPP_MAX_BODY_BYTES (one "
+                             "largest body must fit)")
+        if self.request_body_timeout_ms <= 0:
+            raise ValueError("DYN_EPP_REQUEST_BODY_TIMEOUT_MS must be positive")
         if self.router_temperature < 0:
             raise ValueError("DYN_ROUTER_TEMPERATURE must be >= 0")
         modes = self.body_modes()
@@ -196,9 +308,28 @@ class Config:
         if len(sources) > 1:
             raise ValueError("choose one endpoint source: --endpoints, --endpoints-file or "
                              "--inference-pool-name")
+        if self.endpoints:  # a typo must stop start-up with one line, before any port is bound
+            from epp_extproc.adapters.discovery_static import EndpointSpecError, parse_flag
+
+            try:
+                parse_flag(self.endpoints, kv_event_port=self.kv_event_port,
+                           replay_port=self.kv_event_replay_port)
+            except EndpointSpecError as e:
+                raise ValueError(f"DYN_EPP_ENDPOINTS: {e}") from None
 
     def body_modes(self) -> tuple[str, ...]:
         return tuple(m.strip().upper() for m in self.allowed_body_modes.split(",") if m.strip())
+
+
+def show_default(value: Any) -> str:
+    """A default as a user would type it (`none`, not `<TokenizerProtocol.NONE: 'none'>`)."""
+    if value is None:
+        return "unset"
+    if isinstance(value, StrEnum):
+        return value.value
+    if isinstance(value, str):
+        return repr(value) if value == "" else value
+    return str(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,10 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="epp-extproc",
         description="KV-cache-aware endpoint picker for Envoy (ext_proc). Every flag can also be set "
                     "through the environment variable shown in brackets.",
+        epilog="`epp-extproc envoy-config --help`: print a ready Envoy configuration for this picker.",
     )
     for o in OPTIONS:
         env = f" [env {o.env}]" if o.env else ""
-        kw: dict[str, Any] = {"dest": o.dest, "default": None, "help": f"{o.help} (default {o.default!r}){env}"}
+        kw: dict[str, Any] = {"dest": o.dest, "default": None,
+                              "help": f"{o.help} (default {show_default(o.default)}){env}"}
         if o.choices:
             kw["choices"] = list(o.choices)
         kw["type"] = o.type

@@ -29,6 +29,9 @@ class PickerMetrics:
                                        "Requests booked on each endpoint", ["endpoint"], registry=r)
         self.picker_inflight = Gauge("epp_inflight_requests", "Requests currently inside the picker "
                                      "(from request headers to the end of the response)", registry=r)
+        self.buffered_bytes = Gauge("epp_buffered_body_bytes", "Request-body bytes the picker is buffering "
+                                    "right now, across all streams (bounded by --max-buffered-body-bytes)",
+                                    registry=r)
         self.endpoints = Gauge("epp_endpoints", "Endpoints currently known", registry=r)
         self.picks = Counter("epp_picks", "Routing decisions per endpoint", ["endpoint"], registry=r)
         self.render_requests = Counter("epp_render_requests", "Render (tokenize) calls",
@@ -46,5 +49,17 @@ class PickerMetrics:
             buckets=(-65536, -8192, -1024, -128, -32, -1, 0, 1, 32, 128, 1024, 8192, 65536), registry=r)
         self.prompt_tokens = Counter("epp_prompt_tokens", "Prompt tokens reported by workers", ["model"],
                                      registry=r)
+        self.lean_signals = Counter("epp_lean_signals", "Lean response mode: first-chunk signals and access-log "
+                                    "entries received, and how they matched a request", ["signal"], registry=r)
+        self.response_flags = Counter("epp_response_flags", "Envoy response flags of finished requests "
+                                      "(lean mode's access log), e.g. downstream_connection_termination",
+                                      ["flag"], registry=r)
+        self.prompt_passthrough = Counter(
+            "epp_prompt_passthrough", "Inference requests by what the forwarded body carried: `tokens` (the "
+            "rendered prompt, the worker skips rendering) or `original`, and why", ["forwarded", "reason"],
+            registry=r)
+        self.fingerprint_reads = Counter(
+            "epp_render_fingerprint_reads", "Reads of a worker's /server_info render_fingerprint by outcome "
+            "(ok, missing, error)", ["outcome"], registry=r)
         self.usage_observed = Counter("epp_usage_observed", "Responses whose usage the picker could read",
                                       ["kind"], registry=r)

@@ -18,6 +18,12 @@ class Reply:
 
         return json.loads(self.body)
 
+    def error_message(self) -> str:
+        """The reason of a picker rejection: OpenAI's `error.message` on JSON replies, else the text line."""
+        if self.headers.get("content-type", "").startswith("application/json"):
+            return self.json()["error"]["message"]
+        return self.body.decode().strip()
+
 
 def request(url: str, method: str = "POST", path: str = "/v1/chat/completions", body: bytes | None = None,
             headers: dict[str, str] | list[tuple[str, str]] | None = None, timeout: float = 30) -> Reply:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import subprocess
 import tempfile
 import threading
@@ -113,7 +114,7 @@ class EnvoyProcess:
     def start(self) -> EnvoyProcess:
         cfg = envoy_config.write(self.opts, self.dir / "envoy.json")
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(envoy_config.command(cfg, log_level="warning"), stdout=self._log,
+        self.proc = subprocess.Popen(envoy_config.command(cfg, log_level=os.environ.get("TEST_ENVOY_LOG_LEVEL", "warning")), stdout=self._log,
                                      stderr=subprocess.STDOUT)
         try:
             wait_port(self.opts.listen_port, timeout=30)

@@ -126,7 +126,7 @@ class GatewayStack:
 
     def _new_picker(self, grpc_port: int) -> PickerApp:
         extra = {"tokenization_timeout_ms": 2000, **self.picker}
-        cfg = Config(grpc_port=grpc_port, health_port=0, metrics_port=0, bind="127.0.0.1",
+        cfg = Config(grpc_port=grpc_port, health_port=0, metrics_port=0, admin_port=0, bind="127.0.0.1",
                      endpoints=self.endpoints_spec(), tokenizer_protocol=self.tokenizer_protocol,
                      tokenizer_service_url=self.renderer.url if self.tokenizer_protocol != "none" else None,
                      **extra)
@@ -238,7 +238,8 @@ class GatewayStack:
     # -- picker side
     def picker_get(self, path: str) -> Any:
         assert self.app is not None
-        r = request(f"http://127.0.0.1:{self.app.metrics_port}", method="GET", path=path)
+        port = self.app.admin_port if path.startswith("/debug") else self.app.metrics_port
+        r = request(f"http://127.0.0.1:{port}", method="GET", path=path)
         return r.json() if path.startswith("/debug") else r.body.decode()
 
     def kv_snapshot(self) -> dict[str, Any]:
@@ -256,7 +257,7 @@ class GatewayStack:
         assert self.app is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.app.load.total_inflight() == 0 and self.app.servicer.active == 0:
+            if self.app.load.total_inflight() == 0 and self.app.pipeline.gate.count == 0:
                 return
             time.sleep(0.02)
         raise TimeoutError("picker still has requests in flight")

@@ -49,6 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--decode-ms-per-token", type=float, default=d.decode_ms_per_token)
     a("--max-batch-size", type=int, default=d.max_batch_size)
     a("--speedup", type=float, default=d.speedup)
+    a("--chat-template", choices=["chatml", "chatml-bos"], default=d.chat_template,
+      help="template variant; part of the render fingerprint (chatml-bos adds a leading <|endoftext|>)")
+    a("--incomplete-tokenizer-identity", dest="tokenizer_identity_complete", action="store_false",
+      help="report fingerprint.compared.tokenizer.complete = false (ids are then never to be trusted)")
+    a("--render-us-per-char", type=float, default=d.render_us_per_char,
+      help="CPU microseconds burnt per prompt character this server must template/tokenize itself")
+    a("--render-threads", type=int, default=d.render_threads, help="threads that pay the render cost")
+    a("--prompt-tokens-excluded-from-usage", type=int, default=d.prompt_tokens_excluded_from_usage,
+      help="value the chat render answer reports in context.prompt_tokens_excluded_from_usage")
     a("--log-level", default="INFO")
     return p
 

@@ -50,6 +50,13 @@ class MockConfig:
     max_batch_size: int = 64
     speedup: float = 1.0
 
+    # Prompt rendering (chat template + tokenizer) on the HTTP side, before the scheduler sees the request.
+    chat_template: str = "chatml"  # a key of tokenizer.CHAT_TEMPLATES; part of the render fingerprint
+    tokenizer_identity_complete: bool = True  # False: fingerprint.compared.tokenizer.complete is false
+    render_us_per_char: float = 0.0  # CPU burnt per character of prompt text this server must render
+    render_threads: int = 1  # threads that render (templating + tokenizing holds about one core)
+    prompt_tokens_excluded_from_usage: int = 0  # render-context value (kimi_k3-like templates: > 0)
+
     def validate(self) -> None:
         """Reject nonsensical settings up front, so a typo fails at start rather than as odd behaviour later."""
         if self.role not in ("worker", "renderer"):
@@ -74,5 +81,15 @@ class MockConfig:
             raise ValueError("event_encoding must be 'compact' or 'int64'")
         if self.error_shape not in ("current", "legacy"):
             raise ValueError("error_shape must be 'current' or 'legacy'")
+        from .tokenizer import CHAT_TEMPLATES
+
+        if self.chat_template not in CHAT_TEMPLATES:
+            raise ValueError(f"chat_template must be one of {sorted(CHAT_TEMPLATES)}")
+        if self.render_us_per_char < 0:
+            raise ValueError("render_us_per_char must be >= 0")
+        if self.render_threads < 1:
+            raise ValueError("render_threads must be >= 1")
+        if self.prompt_tokens_excluded_from_usage < 0:
+            raise ValueError("prompt_tokens_excluded_from_usage must be >= 0")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")

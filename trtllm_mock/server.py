@@ -6,6 +6,7 @@ CLI, which is only a thin argument parser over :class:`~trtllm_mock.config.MockC
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -22,6 +23,7 @@ from .config import MockConfig
 from .engine import Engine, Prefilled
 from .events import KvEventPublisher
 from .kvcache import KVCache
+from .render_cost import RenderCost
 from .schema import (
     MULTIMODAL_RENDER_ERROR,
     RENDER_STRIPPED_FIELDS,
@@ -32,11 +34,22 @@ from .schema import (
     validate_chat,
     validate_completion,
 )
-from .tokenizer import detokenize, fingerprint, prompt_ids_for_chat, prompt_ids_for_completion
+from .tokenizer import (
+    chat_prompt_text,
+    detokenize,
+    fingerprint,
+    prompt_ids_for_completion,
+    tokenize,
+)
 
 WORKER_HEADER = "x-trtllm-mock-worker"
 KV_CACHE_HASH_ALGO = "v1_block_key"
 RENDER_SCHEMA_VERSION = 1
+BODY_PARSE_ERROR = "There was an error parsing the body"  # fastapi/routing.py, for undecodable bodies
+NAMED_TOOL_CHOICE_WITH_IDS_ERROR = (
+    "A named tool_choice cannot be combined with prompt_token_ids: the forced tool-call prefix is appended "
+    "while rendering the prompt, so send messages without prompt_token_ids."
+)
 
 
 class BadRequest(Exception):
@@ -85,7 +98,8 @@ class MockWorker:
         if config.role == "worker" and config.kv_events:
             self.publisher = KvEventPublisher(config, on_restart=self.cache.clear)
         self.engine = Engine(config, self.cache, self.publisher)
-        self.fingerprint = fingerprint(config.model)
+        self.fingerprint = fingerprint(config.model, config.chat_template, config.tokenizer_identity_complete)
+        self.render_cost = RenderCost(config)
         self.registry = CollectorRegistry()
         self.render_counter = Counter(
             "trtllm_mock_render_requests", "Render requests received", ["route"], registry=self.registry
@@ -96,6 +110,7 @@ class MockWorker:
         self.registry.register(_EngineCollector(self))
         self.render_count = 0
         self.inference_count = 0
+        self.last_inference_body = b""  # exact bytes of the latest inference request (GET /mock/last-request)
         self.app = self._build_app()
         self._runner: web.AppRunner | None = None
         self.port: int = config.port
@@ -121,7 +136,9 @@ class MockWorker:
         """Bind the KV-event sockets first (a worker publishes from its first request), then serve HTTP."""
         if self.publisher is not None:
             await self.publisher.start()
-        self._runner = web.AppRunner(self.app, handle_signals=False, access_log=None)
+        # uvicorn/FastAPI (trtllm-serve) never decode a Content-Encoding'd request body; aiohttp would, and
+        # the mock would then accept what the real server rejects
+        self._runner = web.AppRunner(self.app, handle_signals=False, access_log=None, auto_decompress=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
@@ -135,6 +152,7 @@ class MockWorker:
         if self.publisher is not None:
             await self.publisher.stop()
             self.publisher = None
+        self.render_cost.close()
 
     async def __aenter__(self) -> MockWorker:
         await self.start()
@@ -162,6 +180,7 @@ class MockWorker:
             r.add_get("/v1/models", self.models)
             r.add_get("/metrics", self.metrics)
             r.add_get("/mock/cache", self.mock_cache)
+            r.add_get("/mock/last-request", self.mock_last_request)
             r.add_post("/mock/cache/clear", self.mock_cache_clear)
             r.add_post("/mock/faults/drop-next-batch", self.mock_drop_next_batch)
             r.add_post("/mock/faults/restart-publisher", self.mock_restart_publisher)
@@ -177,8 +196,13 @@ class MockWorker:
         raw = await request.read()
         try:
             body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except json.JSONDecodeError as exc:
             raise BadRequest(f"JSON decode error: {exc}") from None
+        except ValueError:
+            # FastAPI: bytes that do not even decode (e.g. a gzip body: 0x1f 0x8b) are not a validation error
+            # but its generic HTTPException(400) in its own {"detail": ...} shape, on every route
+            raise web.HTTPBadRequest(text=json.dumps({"detail": BODY_PARSE_ERROR}),
+                                     content_type="application/json") from None
         if not isinstance(body, dict):
             raise BadRequest(
                 f"1 validation error for {model}\n  Input should be a valid dictionary or object to extract fields "
@@ -243,11 +267,18 @@ class MockWorker:
 
     # -------------------------------------------------------------- render
     def _render_object(self, kind: str, token_ids: list[int], request_body: dict[str, Any]) -> dict[str, Any]:
+        """One prepared request, as TensorRT-LLM's ``GenerateRequest``: a completions object carries its own
+        prompt as ids in ``request`` and never an untrusted verdict or a render context."""
         trusted, reason = True, None
-        if isinstance(request_body.get("tool_choice"), dict):
-            trusted, reason = False, "named_tool_choice"
-        kwargs = request_body.get("chat_template_kwargs")
-        thinking = kwargs.get("enable_thinking") if isinstance(kwargs, dict) else None
+        thinking, excluded = None, 0
+        if kind == "chat":
+            if _named_tool_choice(request_body):
+                trusted, reason = False, "named_tool_choice"
+            kwargs = request_body.get("chat_template_kwargs")
+            thinking = kwargs.get("enable_thinking") if isinstance(kwargs, dict) else None
+            excluded = self.config.prompt_tokens_excluded_from_usage
+        else:
+            request_body = {**request_body, "prompt": token_ids}
         return {
             "schema_version": RENDER_SCHEMA_VERSION,
             "kind": kind,
@@ -256,7 +287,7 @@ class MockWorker:
             "tokens_trusted": trusted,
             "untrusted_reason": reason,
             "context": {
-                "prompt_tokens_excluded_from_usage": 0,
+                "prompt_tokens_excluded_from_usage": excluded,
                 "resolved_thinking": thinking if isinstance(thinking, bool) else None,
             },
             "request": request_body,
@@ -275,7 +306,8 @@ class MockWorker:
                 raise BadRequest(MULTIMODAL_RENDER_ERROR)
         except (BadRequest, RequestValidationError, RequestRejected) as exc:
             return object_error(str(exc))
-        return web.json_response(self._render_object("chat", prompt_ids_for_chat(body), body))
+        ids = await self._chat_prompt_ids(body)
+        return web.json_response(self._render_object("chat", ids, body))
 
     async def render_completions(self, request: web.Request) -> web.Response:
         """POST /v1/completions/render: a JSON ARRAY with one object per prompt."""
@@ -291,8 +323,23 @@ class MockWorker:
                 raise BadRequest("Unsupported prompt type: an empty prompt cannot be rendered.")
         except (BadRequest, RequestValidationError, RequestRejected) as exc:
             return object_error(str(exc))
-        out = [self._render_object("completion", prompt_ids_for_completion(p), body) for p in prompts]
+        out = [self._render_object("completion", await self._completion_prompt_ids(p), body) for p in prompts]
         return web.json_response(out)
+
+    async def _chat_prompt_ids(self, body: dict[str, Any]) -> list[int]:
+        """Template + tokenize (paying the render cost), or take ``prompt_token_ids`` as they are."""
+        if body.get("prompt_token_ids") is not None:
+            self.render_cost.skipped()
+            return list(body["prompt_token_ids"])
+        text = chat_prompt_text(body, self.config.chat_template)
+        return await self.render_cost.render(len(text), lambda: tokenize(text))
+
+    async def _completion_prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """A text prompt is tokenized (paying the render cost); a prompt given as ids is taken verbatim."""
+        if isinstance(prompt, str):
+            return await self.render_cost.render(len(prompt), lambda: prompt_ids_for_completion(prompt))
+        self.render_cost.skipped()
+        return prompt_ids_for_completion(prompt)
 
     # ----------------------------------------------------------- inference
     def _admission_checks(self, body: dict[str, Any], prompt: list[int]) -> int:
@@ -320,6 +367,7 @@ class MockWorker:
         """POST /v1/chat/completions with the strict ChatCompletionRequest schema."""
         self.inference_counter.labels(route="chat").inc()
         self.inference_count += 1
+        self.last_inference_body = await request.read()
         try:
             body = validate_chat(await self._json_object(request, "ChatCompletionRequest"))
             part = multimodal_part_type(body)
@@ -327,7 +375,9 @@ class MockWorker:
                 raise BadRequest(
                     f"Content part type {part!r} is not supported: the mock serves a text-only model."
                 )
-            prompt = prompt_ids_for_chat(body)
+            if body.get("prompt_token_ids") is not None and _named_tool_choice(body):
+                raise BadRequest(NAMED_TOOL_CHOICE_WITH_IDS_ERROR)
+            prompt = await self._chat_prompt_ids(body)
             max_tokens = self._admission_checks(body, prompt)
         except (BadRequest, RequestValidationError, RequestRejected) as exc:
             return self._inference_error(str(exc))
@@ -337,16 +387,72 @@ class MockWorker:
         """POST /v1/completions: one prompt (text or ids); this schema has no cache_salt at all."""
         self.inference_counter.labels(route="completions").inc()
         self.inference_count += 1
+        self.last_inference_body = await request.read()
         try:
             body = validate_completion(await self._json_object(request, "CompletionRequest"))
-            prompts = completion_prompts(body["prompt"])
-            if len(prompts) != 1:
-                raise BadRequest("trtllm_mock serves one prompt per /v1/completions request")
-            prompt = prompt_ids_for_completion(prompts[0])
-            max_tokens = self._admission_checks(body, prompt)
+            ids = [await self._completion_prompt_ids(p) for p in completion_prompts(body["prompt"])]
+            max_tokens = max(self._admission_checks(body, p) for p in ids)
         except (BadRequest, RequestValidationError, RequestRejected) as exc:
             return self._inference_error(str(exc))
-        return await self._serve(request, "completion", body, prompt, None, max_tokens)
+        if len(ids) > 1:
+            return await self._serve_many(request, body, ids, max_tokens)
+        return await self._serve(request, "completion", body, ids[0], None, max_tokens)
+
+    async def _serve_many(
+        self, request: web.Request, body: dict[str, Any], prompts: list[list[int]], max_tokens: int
+    ) -> web.StreamResponse:
+        """Several completions prompts, like trtllm-serve: one generation each, run concurrently; choice
+        ``index`` is the prompt's position, usage is summed. Streaming sends each prompt's chunks in turn."""
+        rid, created, model = "cmpl-" + uuid.uuid4().hex, int(time.time()), self.config.model
+
+        async def run(prompt: list[int]) -> tuple[list[int], int]:
+            tokens: list[int] = []
+            cached = 0
+            async with contextlib.aclosing(self.engine.generate(prompt, None, max_tokens)) as gen:
+                async for item in gen:
+                    if isinstance(item, Prefilled):
+                        cached = item.cached_tokens
+                    else:
+                        tokens.append(item)
+            return tokens, cached
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+            doc: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                                   "choices": choices}  # fmt: skip
+            if usage is not None:
+                doc["usage"] = usage
+            return f"data: {json.dumps(doc)}\n\n".encode()
+
+        if not body.get("stream"):
+            results = await asyncio.gather(*(run(p) for p in prompts))
+        else:
+            resp = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            await resp.prepare(request)
+            results = []
+            for i, p in enumerate(prompts):
+                tokens, cached = await run(p)
+                results.append((tokens, cached))
+                for k, t in enumerate(tokens):
+                    fin = "length" if k == len(tokens) - 1 else None
+                    await resp.write(chunk([{"index": i, "text": detokenize([t]), "logprobs": None,
+                                             "finish_reason": fin}]))  # fmt: skip
+        usage = self._usage(sum(len(p) for p in prompts), sum(len(t) for t, _ in results),
+                            sum(c for _, c in results))  # fmt: skip
+        if body.get("stream"):
+            if (
+                body.get("stream_options") is not None
+                and body["stream_options"].get("include_usage") is not False
+            ):
+                await resp.write(chunk([], usage))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        choices = [{"index": i, "text": detokenize(t), "logprobs": None, "finish_reason": "length",
+                    "stop_reason": None} for i, (t, _) in enumerate(results)]  # fmt: skip
+        return web.json_response({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                  "choices": choices, "usage": usage})  # fmt: skip
 
     async def _serve(
         self,
@@ -485,6 +591,7 @@ class MockWorker:
                 "requests_started": s.requests_started,
                 "inference_requests": self.inference_count,
                 "render_requests": self.render_count,
+                "render": self.render_cost.stats.as_dict(),
                 "prompt_tokens_total": s.prompt_tokens_total,
                 "cached_tokens_total": s.cached_tokens_total,
                 "completion_tokens_total": s.completion_tokens_total,
@@ -502,6 +609,10 @@ class MockWorker:
                 },
             }
         )
+
+    async def mock_last_request(self, request: web.Request) -> web.Response:
+        """GET /mock/last-request: the exact body bytes of the latest inference request this worker got."""
+        return web.Response(body=self.last_inference_body, content_type="application/octet-stream")
 
     async def mock_cache_clear(self, request: web.Request) -> web.Response:
         """POST /mock/cache/clear: evict everything and publish AllBlocksCleared."""
@@ -522,3 +633,9 @@ class MockWorker:
             return object_error("KV events are disabled on this worker", 409)
         await self.publisher.restart()
         return web.json_response({"restarted": True, "next_seq": self.publisher.next_seq})
+
+
+def _named_tool_choice(body: dict[str, Any]) -> bool:
+    """``tool_choice`` names a function (``{"type": "function", "function": {"name": ...}}``)."""
+    tc = body.get("tool_choice")
+    return isinstance(tc, dict) and tc.get("function") is not None

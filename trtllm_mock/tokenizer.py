@@ -34,6 +34,12 @@ CHAT_TEMPLATE = (
 )
 """Documentation-only Jinja rendering of :func:`apply_chat_template`; its sha256 is part of the fingerprint."""
 
+CHAT_TEMPLATES: dict[str, str] = {"chatml": CHAT_TEMPLATE, "chatml-bos": "<|endoftext|>" + CHAT_TEMPLATE}
+"""Template variants a worker can be started with (``--chat-template``). ``chatml-bos`` starts every prompt
+with ``<|endoftext|>``: the ids differ from ``chatml`` by one leading token, so a picker that forwards ids
+rendered under the other template makes the worker run a different prompt (and its fingerprint differs)."""
+DEFAULT_TEMPLATE = "chatml"
+
 _OUTPUT_WORDS = tuple(
     " " + w
     for w in (
@@ -95,13 +101,14 @@ def apply_chat_template(
     messages: Sequence[dict[str, Any]],
     tools: Sequence[Any] | None = None,
     add_generation_prompt: bool = True,
+    template: str = DEFAULT_TEMPLATE,
 ) -> str:
     """Render messages with the ChatML-like template ``<|im_start|>{role}\\n{content}<|im_end|>\\n``.
 
     Tools (if any) come first as a ``tools`` pseudo-message holding their sorted JSON, so requests with the
     same tools share a prefix. The generation prompt ``<|im_start|>assistant\\n`` closes the prompt.
     """
-    out: list[str] = []
+    out: list[str] = ["<|endoftext|>"] if template == "chatml-bos" else []
     if tools:
         out.append(
             f"<|im_start|>tools\n{json.dumps(tools, sort_keys=True, separators=(',', ':'))}<|im_end|>\n"
@@ -113,14 +120,21 @@ def apply_chat_template(
     return "".join(out)
 
 
-def prompt_ids_for_chat(body: dict[str, Any]) -> list[int]:
+def chat_prompt_text(body: dict[str, Any], template: str = DEFAULT_TEMPLATE) -> str:
+    """The rendered prompt of a (validated) chat body without ``prompt_token_ids``."""
+    return apply_chat_template(
+        body["messages"],
+        body.get("tools"),
+        add_generation_prompt=body.get("add_generation_prompt", True),
+        template=template,
+    )
+
+
+def prompt_ids_for_chat(body: dict[str, Any], template: str = DEFAULT_TEMPLATE) -> list[int]:
     """Prompt ids of a (validated) chat body: ``prompt_token_ids`` verbatim, else the templated messages."""
     if body.get("prompt_token_ids") is not None:
         return list(body["prompt_token_ids"])
-    text = apply_chat_template(
-        body["messages"], body.get("tools"), add_generation_prompt=body.get("add_generation_prompt", True)
-    )
-    return tokenize(text)
+    return tokenize(chat_prompt_text(body, template))
 
 
 def prompt_ids_for_completion(prompt: str | list[int]) -> list[int]:
@@ -128,6 +142,14 @@ def prompt_ids_for_completion(prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
         return tokenize(prompt)
     return list(prompt)
+
+
+# Generated tokens always detokenize to their output word, whatever this process tokenized before: without
+# this, a prompt word whose id collides with an output word's id (likely in a 32k vocabulary) would be the
+# first to register it, and the answer text would depend on whether the worker ever saw the prompt as text
+# (it does not when it gets prompt_token_ids), unlike a real tokenizer's fixed vocabulary.
+for _w in _OUTPUT_WORDS:
+    _reverse[piece_id(_w)] = _w
 
 
 def output_token_ids(prompt_ids: Sequence[int], count: int) -> list[int]:
@@ -141,14 +163,24 @@ def output_token_ids(prompt_ids: Sequence[int], count: int) -> list[int]:
     return out
 
 
-def fingerprint(model: str) -> dict[str, Any]:
-    """The render fingerprint: what a picker compares to know its renderer tokenizes like this worker."""
+def fingerprint(model: str, template: str = DEFAULT_TEMPLATE, complete: bool = True) -> dict[str, Any]:
+    """The render fingerprint: what a picker compares to know its renderer tokenizes like this worker.
+
+    Shaped like TensorRT-LLM's (``serve/render/fingerprint.py``): ``digest`` is a sha256 over ``compared``,
+    and ``compared.tokenizer.complete`` says whether the whole encoding could be identified; TensorRT-LLM
+    never trusts ids rendered under an incomplete identity, even when both digests agree.
+    """
     compared = {
+        "version": 2,
         "model": model,
-        "tokenizer": TOKENIZER_NAME,
-        "vocab_size": VOCAB_SIZE,
-        "chat_template_sha256": hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest(),
-        "special_tokens": SPECIAL_TOKENS,
+        "use_harmony": False,
+        "templates": {"server": hashlib.sha256(CHAT_TEMPLATES[template].encode()).hexdigest()},
+        "tokenizer": {
+            "class": TOKENIZER_NAME,
+            "vocab_size": VOCAB_SIZE,
+            "special_tokens": SPECIAL_TOKENS,
+            "complete": complete,
+        },
     }
     digest = hashlib.sha256(json.dumps(compared, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     info = {"tokenizer_class": "MockRegexTokenizer", "renderer": "trtllm_mock"}

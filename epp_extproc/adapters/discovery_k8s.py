@@ -28,7 +28,14 @@ from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from epp_extproc.core.endpoints import Endpoint, EndpointRegistry, format_host_port, zmq_tcp
+from epp_extproc.core.endpoints import (
+    Endpoint,
+    EndpointRegistry,
+    clip,
+    format_host_port,
+    split_host_port,
+    zmq_tcp,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +98,14 @@ def pod_endpoints(pod: Mapping[str, Any], ports: tuple[int, ...], kv_event_port:
     meta = pod.get("metadata") or {}
     name = meta.get("name", "?")
     ip = pod["status"]["podIP"]
+    try:
+        if not isinstance(ip, str):
+            raise ValueError("not a string")
+        split_host_port(format_host_port(ip, 1))  # Envoy routes IP literals only (no names, no spaces)
+    except ValueError:
+        log.warning("pod %s has podIP %s, not an IP literal Envoy can route; skipping it", clip(name, 80),
+                    clip(ip, 80))
+        return []
     labels = tuple(sorted((meta.get("labels") or {}).items()))
     kv = zmq_tcp(ip, kv_event_port)
     replay = zmq_tcp(ip, replay_port) if replay_port else None
@@ -227,7 +242,7 @@ class InferencePoolDiscovery:
                 delay = backoff_delay(attempt, self._backoff_initial_s, self._backoff_max_s, self._rng)
                 attempt += 1
                 log.warning("%s list/watch in %s failed (%s: %s); retrying in %.2fs (attempt %d)", what,
-                            self.namespace, type(e).__name__, e, delay, attempt)
+                            self.namespace, type(e).__name__, clip(str(e), 300), delay, attempt)
                 await self._sleep(delay)
 
     async def _watch_once(self, what: str, request: Callable[..., Awaitable[Any]], rv: str,
@@ -268,7 +283,7 @@ class InferencePoolDiscovery:
                 if etype in ("ADDED", "MODIFIED", "DELETED"):
                     on_event(etype, obj)
                 else:
-                    log.warning("%s watch: ignoring unknown event type %r", what, etype)
+                    log.warning("%s watch: ignoring unknown event type %s", what, clip(etype, 60))
         finally:
             resp.close()  # drop the connection: an unfinished stream must not go back to the pool
 
@@ -416,5 +431,5 @@ class InferencePoolDiscovery:
         endpoints = self.endpoints()
         if first:
             log.info("InferencePool %s/%s first sync: %d endpoint(s) %s", self.namespace, self.pool_name,
-                     len(endpoints), [e.name for e in endpoints])
+                     len(endpoints), [e.name for e in endpoints[:10]] + (["..."] if len(endpoints) > 10 else []))
         self.registry.replace(endpoints)

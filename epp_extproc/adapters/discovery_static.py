@@ -10,8 +10,14 @@ File format (YAML or JSON):
 
 A bare list of such entries (or of `ip:port` strings) is accepted too. The flag form is
 `name=ip:port;kv=tcp://...;replay=tcp://...` entries separated by commas, or plain `ip:port`.
-A file that fails to parse on reload is logged and the previous set is kept: a half-written file must not
-empty the pool.
+Only `ip:port` literals (IPv6 as `[addr]:port`) are endpoints: that is all Envoy's ORIGINAL_DST cluster
+can route (see `core.endpoints.split_host_port`).
+
+A file that is empty, fails to parse, is larger than `MAX_FILE_BYTES`, nests deeper than libyaml's limit or
+lists more than `MAX_ENDPOINTS` is logged and the previous set is kept: a half-written (truncated, even 0-byte)
+file must not empty the pool. To empty it on purpose write `endpoints: []`. A file changed while it is read is
+read again on the next poll. Reading and parsing run in a worker thread, so a large file costs the request
+loop no stall (at most the GIL share a 1 MiB YAML parse takes, ~0.5 s of one thread).
 """
 
 from __future__ import annotations
@@ -21,11 +27,22 @@ import logging
 import os
 from typing import Any
 
+import orjson
 import yaml
 
-from epp_extproc.core.endpoints import Endpoint, EndpointRegistry, split_host_port, zmq_tcp
+from epp_extproc.core.endpoints import Endpoint, EndpointRegistry, clip, split_host_port, zmq_tcp
 
 log = logging.getLogger(__name__)
+
+MAX_FILE_BYTES = 1024 * 1024  # ~20,000 entries in the verbose YAML form: far above MAX_ENDPOINTS
+MAX_ENDPOINTS = 4096  # each endpoint costs a probe and a KV-event subscriber (a ZMQ socket)
+MAX_NAME_CHARS = 253  # a DNS name / Kubernetes object name
+# libyaml: iterative, and refuses nesting beyond 1,000 levels; PyYAML's pure-Python composer recurses and
+# raises RecursionError at ~300 (600 brackets = 1.2 kB), which is also caught below.
+_YAML_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+Stamp = tuple[float, int, int]
+_UNSEEN: Stamp = (-1.0, -1, -1)  # differs from every real stamp and from "missing" (None)
 
 
 class EndpointSpecError(ValueError):
@@ -38,6 +55,9 @@ def make_endpoint(name: str | None, address: str, kv_events: str | None, replay:
         host, port = split_host_port(address)
     except ValueError as e:
         raise EndpointSpecError(str(e)) from None
+    if name is not None and (not isinstance(name, str) or len(name) > MAX_NAME_CHARS):
+        raise EndpointSpecError(f"endpoint {address}: name must be a string of at most {MAX_NAME_CHARS} "
+                                f"characters, got {clip(name, 80)}")
     if kv_events is None and kv_event_port:
         kv_events = zmq_tcp(host, kv_event_port)
     if replay is None and replay_port:
@@ -46,7 +66,7 @@ def make_endpoint(name: str | None, address: str, kv_events: str | None, replay:
 
 
 def parse_flag(spec: str, *, kv_event_port: int | None, replay_port: int | None) -> list[Endpoint]:
-    out = []
+    out: list[Endpoint] = []
     for item in spec.split(","):
         item = item.strip()
         if not item:
@@ -57,7 +77,8 @@ def parse_flag(spec: str, *, kv_event_port: int | None, replay_port: int | None)
         for p in parts[1:]:
             k, sep, v = p.partition("=")
             if not sep or k not in ("kv", "replay"):
-                raise EndpointSpecError(f"bad endpoint option {p!r} in {item!r} (use kv=... or replay=...)")
+                raise EndpointSpecError(f"bad endpoint option {clip(p, 60)} in {clip(item, 120)} "
+                                        "(use kv=... or replay=...)")
             opts[k] = v
         out.append(make_endpoint(name or None, address, opts.get("kv"), opts.get("replay"),
                                  kv_event_port=kv_event_port, replay_port=replay_port))
@@ -65,12 +86,19 @@ def parse_flag(spec: str, *, kv_event_port: int | None, replay_port: int | None)
 
 
 def parse_document(doc: Any, *, kv_event_port: int | None, replay_port: int | None) -> list[Endpoint]:
-    if isinstance(doc, dict):
-        doc = doc.get("endpoints", [])
+    """The endpoints of a parsed file. No document (empty or comment-only file) and a mapping without an
+    `endpoints` list are errors, not "zero endpoints": a truncated file looks exactly like that."""
     if doc is None:
-        return []
+        raise EndpointSpecError("the file holds no document (empty or half-written?); write `endpoints: []` "
+                                "to empty the pool on purpose")
+    if isinstance(doc, dict):
+        if "endpoints" not in doc:
+            raise EndpointSpecError("the file has no `endpoints:` key")
+        doc = doc["endpoints"]
     if not isinstance(doc, list):
         raise EndpointSpecError("endpoints file must hold a list of endpoints (or {endpoints: [...]})")
+    if len(doc) > MAX_ENDPOINTS:
+        raise EndpointSpecError(f"{len(doc)} endpoints exceed the cap of {MAX_ENDPOINTS}")
     out = []
     for i, item in enumerate(doc):
         if isinstance(item, str):
@@ -84,17 +112,41 @@ def parse_document(doc: Any, *, kv_event_port: int | None, replay_port: int | No
     return out
 
 
-def read_file(path: str, *, kv_event_port: int | None, replay_port: int | None) -> list[Endpoint]:
-    with open(path, encoding="utf-8") as f:
+def parse_bytes(raw: bytes, *, kv_event_port: int | None, replay_port: int | None) -> list[Endpoint]:
+    """Parse a file's bytes: JSON with orjson (C, depth-limited) when it is JSON, else YAML with libyaml."""
+    if len(raw) > MAX_FILE_BYTES:
+        raise EndpointSpecError(f"the file exceeds the {MAX_FILE_BYTES}-byte cap")
+    if not raw.strip():
+        return parse_document(None, kv_event_port=kv_event_port, replay_port=replay_port)
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError:  # not JSON (or JSON nested past orjson's 1,024 levels): try YAML
         try:
-            doc = yaml.safe_load(f)  # JSON is YAML
+            doc = yaml.load(raw, Loader=_YAML_LOADER)  # noqa: S506 - a safe loader (CSafeLoader/SafeLoader)
         except yaml.YAMLError as e:
-            raise EndpointSpecError(f"{path}: {e}") from None
+            raise EndpointSpecError(f"not valid YAML/JSON: {clip(str(e), 300)}") from None
+        except RecursionError:
+            raise EndpointSpecError("the file nests too deeply to be an endpoints list") from None
     return parse_document(doc, kv_event_port=kv_event_port, replay_port=replay_port)
 
 
+def read_capped(path: str, limit: int = MAX_FILE_BYTES) -> bytes:
+    """At most `limit` + 1 bytes of the file: a 5 GB file is refused after reading 1 MiB, not whole."""
+    with open(path, "rb") as f:
+        return f.read(limit + 1)
+
+
+def read_file(path: str, *, kv_event_port: int | None, replay_port: int | None) -> list[Endpoint]:
+    return parse_bytes(read_capped(path), kv_event_port=kv_event_port, replay_port=replay_port)
+
+
 class FileDiscovery:
-    """Polls the file's (mtime, size, inode) and reloads on change; cheap and works on every filesystem."""
+    """Polls the file's (mtime, size, inode) and reloads on change; cheap and works on every filesystem.
+
+    Stat, read and parse run in a worker thread (`asyncio.to_thread`); only `registry.replace` runs on the
+    loop. No error stops the polling: every failure is logged once per file version and the previous set
+    is kept.
+    """
 
     def __init__(self, registry: EndpointRegistry, path: str, *, kv_event_port: int | None,
                  replay_port: int | None, interval_s: float = 1.0) -> None:
@@ -103,31 +155,49 @@ class FileDiscovery:
         self.kv_event_port = kv_event_port
         self.replay_port = replay_port
         self.interval_s = interval_s
-        self._stamp: tuple[float, int, int] | None = None
+        self._stamp: Stamp | None = _UNSEEN
+        self.failures = 0  # reloads refused since start (a test and /debug can read it)
 
-    def _stat(self) -> tuple[float, int, int] | None:
+    def _stat(self) -> Stamp | None:
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
             return None
         return (st.st_mtime, st.st_size, st.st_ino)
 
-    def load_once(self) -> None:
-        stamp = self._stat()
-        if stamp == self._stamp:
-            return
-        self._stamp = stamp
+    def _read_stable(self, stamp: Stamp | None) -> list[Endpoint] | None:
+        """The file's endpoints, or None when it changed while being read. Runs in a worker thread."""
         if stamp is None:
-            log.error("endpoints file %s is missing; keeping %d known endpoints", self.path, len(self.registry))
-            return
+            raise FileNotFoundError(f"endpoints file {clip(self.path)} is missing")
         try:
             eps = read_file(self.path, kv_event_port=self.kv_event_port, replay_port=self.replay_port)
-        except (OSError, EndpointSpecError) as e:
-            log.error("cannot load endpoints file (keeping the previous set): %s", e)
+        except (OSError, EndpointSpecError):
+            if self._stat() != stamp:
+                return None  # caught mid-write: the next poll reads the finished file
+            raise
+        return eps if self._stat() == stamp else None
+
+    async def load_once(self) -> None:
+        """Reload if the file changed; never raises (but a cancellation)."""
+        stamp = await asyncio.to_thread(self._stat)
+        if stamp == self._stamp:
             return
+        try:
+            eps = await asyncio.to_thread(self._read_stable, stamp)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - OSError, EndpointSpecError, anything a hostile file causes
+            self._stamp = stamp  # logged once per file version, not once per poll
+            self.failures += 1
+            log.error("cannot load endpoints file %s (keeping the %d known endpoints): %s",
+                      clip(self.path), len(self.registry), clip(str(e), 300))
+            return
+        if eps is None:
+            return  # not recorded: read again on the next poll
+        self._stamp = stamp
         self.registry.replace(eps)
 
     async def run(self) -> None:
         while True:
-            self.load_once()
+            await self.load_once()
             await asyncio.sleep(self.interval_s)

@@ -6,6 +6,11 @@ it looks idle, and least-loaded or prefix-affine picking would send it MORE traf
 endpoint's health path every interval: a refused connection takes the endpoint out of rotation at once (no
 process listens there, so its KV cache is gone too: `on_lost` lets the KV index drop it and resync), other
 failures (timeouts, 5xx) after two probes in a row; one successful probe puts it back.
+
+Cost is bounded whatever the pool size: probes are spread evenly (with jitter) over the round instead of
+fired all at once, at most `max_rate` probes per second in total (a round lasts max(interval, n / max_rate),
+so 1,000 endpoints at the default 100/s are each probed every 10 s), and at most `max_concurrency` are in
+flight (a pool of hung workers cannot hold thousands of sockets). One shared session serves every probe.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import Callable
 
 import aiohttp
@@ -22,42 +28,83 @@ from epp_extproc.core.endpoints import EndpointRegistry
 log = logging.getLogger(__name__)
 
 FAILURES_TO_DOWN = 2
+DEFAULT_MAX_RATE = 100.0  # probes per second over the whole pool
+DEFAULT_MAX_CONCURRENCY = 32
 
 
 class EndpointProber:
     def __init__(self, registry: EndpointRegistry, *, interval_s: float, path: str = "/health",
                  timeout_s: float | None = None, on_lost: Callable[[str], None] | None = None,
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None, max_rate: float = DEFAULT_MAX_RATE,
+                 max_concurrency: int = DEFAULT_MAX_CONCURRENCY, rng: random.Random | None = None) -> None:
+        if max_rate <= 0 or max_concurrency <= 0:
+            raise ValueError("max_rate and max_concurrency must be positive")
         self.registry = registry
         self.interval_s = interval_s
         self.timeout_s = timeout_s if timeout_s is not None else max(0.2, min(2.0, 2 * interval_s))
         self.path = path if path.startswith("/") else "/" + path
         self.on_lost = on_lost
         self.on_change = on_change
+        self.max_rate = max_rate
+        self.max_concurrency = max_concurrency
+        self.round_s = interval_s  # how long the current round lasts: interval, or longer for a big pool
+        self._rng = rng or random.Random()
         self._failures: dict[str, int] = {}
         self._lost: set[str] = set()  # refused since its last good probe: on_lost already called
         self._session: aiohttp.ClientSession | None = None
+        self._slots = asyncio.Semaphore(max_concurrency)
+        self._inflight: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
         # a fresh connection per probe: a pooled keep-alive socket would hide a dead process behind a reset
-        conn = aiohttp.TCPConnector(force_close=True, limit=64)
+        conn = aiohttp.TCPConnector(force_close=True, limit=self.max_concurrency)
         self._session = aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(
             total=self.timeout_s))
         try:
             while True:
-                await self.probe_all()
-                await asyncio.sleep(self.interval_s)
+                await self.probe_round()
         finally:
+            for t in list(self._inflight):
+                t.cancel()
             with contextlib.suppress(Exception):
                 await self._session.close()
 
-    async def probe_all(self) -> None:
+    async def probe_round(self) -> None:
+        """Probe every current endpoint once, spread over max(interval, n / max_rate) seconds.
+
+        Endpoint i (in a random order, so no endpoint is always last) is probed at a random moment within
+        its own slot [i, i + 1) * round / n: evenly spread, never in lockstep with other replicas.
+        """
+        loop = asyncio.get_running_loop()
         eps = self.registry.all()
-        results = await asyncio.gather(*(self._probe(ep.address) for ep in eps))
         self._failures = {a: n for a, n in self._failures.items() if a in self.registry}
         self._lost &= {a for a in self._lost if a in self.registry}
-        for ep, (ok, refused, why) in zip(eps, results, strict=True):
-            self._verdict(ep.address, ok, refused, why)
+        n = len(eps)
+        self.round_s = max(self.interval_s, n / self.max_rate)
+        started = loop.time()
+        self._rng.shuffle(eps)
+        slot = self.round_s / n if n else 0.0
+        for i, ep in enumerate(eps):
+            delay = started + (i + self._rng.random()) * slot - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await self._slots.acquire()  # at most max_concurrency probes in flight; hung ones slow the round
+            task = loop.create_task(self._probe_and_judge(ep.address))
+            self._inflight.add(task)
+            task.add_done_callback(self._done)
+        rest = started + self.round_s - loop.time()
+        if rest > 0:
+            await asyncio.sleep(rest)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._inflight.discard(task)
+        self._slots.release()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("endpoint probe failed unexpectedly: %r", task.exception())
+
+    async def _probe_and_judge(self, address: str) -> None:
+        ok, refused, why = await self._probe(address)
+        self._verdict(address, ok, refused, why)
 
     async def _probe(self, address: str) -> tuple[bool, bool, str]:
         """(healthy, connection refused, reason)."""
@@ -68,11 +115,11 @@ class EndpointProber:
                 return 200 <= r.status < 300, False, f"HTTP {r.status}"
         except aiohttp.ClientConnectorError as e:
             refused = isinstance(e.os_error, ConnectionRefusedError)
-            return False, refused, "connection refused" if refused else f"cannot connect: {e.os_error}"
+            return False, refused, "connection refused" if refused else f"cannot connect: {str(e.os_error)[:200]}"
         except TimeoutError:
             return False, False, f"no answer within {self.timeout_s}s"
         except aiohttp.ClientError as e:
-            return False, False, f"{type(e).__name__}: {e}"
+            return False, False, f"{type(e).__name__}: {str(e)[:200]}"
 
     def _verdict(self, address: str, ok: bool, refused: bool, why: str) -> None:
         if address not in self.registry:

@@ -102,6 +102,9 @@ class KvRouting:
     def block_size(self, address: str) -> int:
         return self.index.block_size(address)
 
+    def prompt(self, tokens: Sequence[int], salt: str | None) -> Prompt:
+        return Prompt(tokens, salt)
+
     def overlap(self, prompt: Prompt, workers: Sequence[str]) -> dict[str, int]:
         sizes = self.index.block_sizes()
         if len(sizes) == 1:  # the usual pool: hash once, reuse the hashes for the prediction

@@ -1,8 +1,16 @@
 """One pooled HTTP client for every renderer protocol (TensorRT-LLM, vLLM, SGLang).
 
 The protocols differ only in the answer's field that carries the token ids (`token_ids` vs `input_ids`), so
-one client serves all three. Failures are classified rather than raised raw, so the pipeline can apply its
-policy (route by load, or answer like Dynamo: 400/502/503/504).
+one client serves all three. Failures are reported as facts (`core.render.RenderError`): the pipeline applies
+its policy and the edge maps them to the reference statuses.
+
+Redirects are never followed: a 3xx would re-POST the whole prompt to wherever the renderer (or whoever
+answers in its place) points, so it is a failed render (upstream status 3xx) like any other unexpected
+status. A circuit breaker (`breaker.py`) stops calling a renderer that keeps failing (timeouts, refused
+connections, 401/403/404/429/5xx, redirects, answers that are not token ids): while open, `render` fails at
+once with `circuit_open` instead of adding the timeout to every request. A 4xx the reference maps to
+"rejected" (the request's fault) or a 200 answer over the size cap (the prompt's size) proves the renderer
+alive, so a client cannot open the circuit with bad requests.
 """
 
 from __future__ import annotations
@@ -11,12 +19,14 @@ import json
 import logging
 import time
 from array import array
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import orjson
+from prometheus_client import Counter, Gauge
 
+from epp_extproc.adapters.breaker import STATE_VALUE, CircuitBreaker
+from epp_extproc.core.render import Rendered, RenderError, RenderFailure
 from epp_extproc.metrics import PickerMetrics
 
 log = logging.getLogger(__name__)
@@ -24,44 +34,21 @@ log = logging.getLogger(__name__)
 TOKEN_FIELD = {"trtllm-render": "token_ids", "vllm-render": "token_ids", "sglang-renderer": "input_ids"}
 CHAT_PATH = "/v1/chat/completions/render"
 COMPLETIONS_PATH = "/v1/completions/render"
+SERVER_INFO_MAX_BYTES = 1024 * 1024
 
 
-@dataclass(slots=True)
-class RenderError(Exception):
-    """`kind`: rejected (renderer 4xx) | unavailable (connect/429/503) | timeout | bad_gateway (other)."""
-
-    kind: str
-    status: int  # the HTTP status the reference mapping answers with
-    detail: str
-
-    def __str__(self) -> str:
-        return f"render {self.kind}: {self.detail}"
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + f"...({len(text)} chars)"
 
 
-def reference_status(renderer_status: int) -> tuple[str, int]:
-    """Dynamo's mapping of a renderer HTTP status to (kind, client status)."""
-    if renderer_status in (400, 422):
-        return "rejected", 400
-    if renderer_status in (429, 503):
-        return "unavailable", 503
-    if 400 <= renderer_status < 500 and renderer_status not in (401, 403, 404):
-        return "rejected", 400
-    return "bad_gateway", 502
-
-
-def render_kind(path: str) -> str | None:
-    """Which render route a request path needs; None for paths that are not rendered."""
-    p = path.split("?", 1)[0].rstrip("/")
-    if p.endswith("/chat/completions"):
-        return "chat"
-    if p.endswith("/completions"):
-        return "completion"
-    return None
+class _OverCap(RenderError):
+    """A 200 answer over the size cap: the prompt's size, not a failing renderer (the breaker ignores it)."""
 
 
 class RenderClient:
     def __init__(self, protocol: str, base_url: str, *, timeout_ms: int, max_response_bytes: int,
-                 metrics: PickerMetrics) -> None:
+                 metrics: PickerMetrics, breaker_failures: int = 5, breaker_open_ms: int = 5000,
+                 breaker_max_open_ms: int = 60_000) -> None:
         if protocol not in TOKEN_FIELD:
             raise ValueError(f"unknown tokenizer protocol {protocol!r}")
         self.protocol = protocol
@@ -71,6 +58,19 @@ class RenderClient:
         self.max_bytes = max_response_bytes
         self.metrics = metrics
         self._session: aiohttp.ClientSession | None = None
+        self._circuit_state = Gauge("epp_render_circuit_state", "Renderer circuit breaker: 0 closed, "
+                                    "1 half-open (probing), 2 open (not called, routing by load)",
+                                    registry=metrics.registry)
+        self._circuit_opens = Counter("epp_render_circuit_opens", "Times the renderer circuit opened "
+                                      "(a failed half-open probe re-opens it)", registry=metrics.registry)
+        self.breaker = CircuitBreaker(f"renderer {self.base_url}", failures=breaker_failures,
+                                      open_s=breaker_open_ms / 1000, max_open_s=breaker_max_open_ms / 1000,
+                                      on_change=self._on_circuit)
+
+    def _on_circuit(self, state: str) -> None:
+        self._circuit_state.set(STATE_VALUE[state])
+        if state == "open":
+            self._circuit_opens.inc()
 
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -83,78 +83,143 @@ class RenderClient:
         if self._session is not None:
             await self._session.close()
 
-    async def render(self, kind: str, body: bytes) -> list[int]:
+    async def render(self, kind: str, body: bytes, *, count: bool = True) -> Rendered:
         started = time.perf_counter()
         outcome = "ok"
+        ticket = self.breaker.admit()
         try:
-            return await self._render(kind, body)
+            if ticket is None:
+                raise RenderError(RenderFailure.CIRCUIT_OPEN, "renderer not called: its circuit is open after "
+                                  f"repeated failures (next probe in {self.breaker.retry_in():.1f}s)")
+            ids = await self._render(kind, body)
+            ticket.success()
+            return ids
         except RenderError as e:
-            outcome = e.kind
+            outcome = e.label
+            if ticket is not None:
+                if e.rejected or isinstance(e, _OverCap):
+                    ticket.success()  # it answered: the request is at fault, not the renderer
+                else:
+                    ticket.failure(str(e))
             raise
         finally:
-            self.metrics.render_requests.labels(self.protocol, outcome).inc()
-            self.metrics.render_seconds.observe(time.perf_counter() - started)
+            if ticket is not None:
+                ticket.release()  # cancelled mid-call: no verdict, free the half-open probe slot
+            if count:  # a /debug/score call is not traffic
+                self.metrics.render_requests.labels(self.protocol, outcome).inc()
+                if ticket is not None:
+                    self.metrics.render_seconds.observe(time.perf_counter() - started)
 
-    async def _render(self, kind: str, body: bytes) -> list[int]:
+    async def _render(self, kind: str, body: bytes) -> Rendered:
         url = self.base_url + (CHAT_PATH if kind == "chat" else COMPLETIONS_PATH)
         try:
-            async with self._sess().post(url, data=body, headers={"content-type": "application/json"}) as r:
-                raw = await self._read_capped(r)
+            async with self._sess().post(url, data=body, headers={"content-type": "application/json"},
+                                         allow_redirects=False) as r:
+                if 300 <= r.status < 400:
+                    raise RenderError(RenderFailure.UPSTREAM_STATUS, f"renderer answered HTTP {r.status} "
+                                      f"(redirect to {_clip(r.headers.get('location', '?'), 120)!r}); "
+                                      "redirects are not followed", r.status)
+                try:
+                    raw = await self._read_capped(r)
+                except _OverCap:
+                    if r.status == 200:
+                        raise
+                    raw = b""  # an error page over the cap: its status decides, its text is not worth it
                 if r.status != 200:
-                    k, status = reference_status(r.status)
-                    raise RenderError(k, status, f"renderer answered HTTP {r.status}: "
-                                                 f"{raw[:200].decode(errors='replace')}")
+                    raise RenderError(RenderFailure.UPSTREAM_STATUS, f"renderer answered HTTP {r.status}: "
+                                      f"{raw[:200].decode(errors='replace')}", r.status)
         except RenderError:
             raise
         except TimeoutError:
-            raise RenderError("timeout", 504, f"no answer from {url} within {self.timeout.total}s") from None
+            raise RenderError(RenderFailure.TIMEOUT, f"no answer from {url} within {self.timeout.total}s") from None
         except aiohttp.ClientConnectionError as e:
-            raise RenderError("unavailable", 503, f"cannot reach {url}: {e}") from None
+            raise RenderError(RenderFailure.UNAVAILABLE, f"cannot reach {url}: {_clip(str(e))}") from None
         except aiohttp.ClientError as e:
-            raise RenderError("bad_gateway", 502, f"{url}: {e}") from None
+            raise RenderError(RenderFailure.INVALID_ANSWER, f"{url}: {_clip(str(e))}") from None
         return self._token_ids(raw, kind)
 
     async def _read_capped(self, r: aiohttp.ClientResponse) -> bytes:
         if r.content_length is not None and r.content_length > self.max_bytes:
-            raise RenderError("bad_gateway", 502, f"render answer of {r.content_length} bytes exceeds the "
-                                                  f"{self.max_bytes}-byte cap")
+            raise _OverCap(RenderFailure.INVALID_ANSWER, f"render answer of {r.content_length} bytes exceeds the "
+                                                         f"{self.max_bytes}-byte cap")
         buf = bytearray()
         async for chunk in r.content.iter_chunked(65536):
             buf += chunk
             if len(buf) > self.max_bytes:
-                raise RenderError("bad_gateway", 502, f"render answer exceeds the {self.max_bytes}-byte cap")
+                raise _OverCap(RenderFailure.INVALID_ANSWER, f"render answer exceeds the {self.max_bytes}-byte cap")
         return bytes(buf)
 
-    def _token_ids(self, raw: bytes, kind: str) -> list[int]:
+    def _token_ids(self, raw: bytes, kind: str) -> Rendered:
         try:
             doc: Any = orjson.loads(raw)  # 3x faster than json on a long token list plus the request echo
         except orjson.JSONDecodeError:
-            raise RenderError("bad_gateway", 502, "render answer is not JSON") from None
-        if kind == "completion" and isinstance(doc, list):
-            if not doc:
-                raise RenderError("bad_gateway", 502, "completions render answered an empty array")
-            doc = doc[0]  # a multi-prompt request is routed on its first prompt
-        if not isinstance(doc, dict):
-            raise RenderError("bad_gateway", 502, "render answer has an unexpected shape")
-        ids = doc.get(self.field)
+            raise RenderError(RenderFailure.INVALID_ANSWER, "render answer is not JSON") from None
+        objects = doc if kind == "completion" and isinstance(doc, list) else [doc]
+        if not objects:
+            raise RenderError(RenderFailure.INVALID_ANSWER, "completions render answered an empty array")
+        first = objects[0]  # a multi-prompt request is routed on its first prompt
+        if not isinstance(first, dict):
+            raise RenderError(RenderFailure.INVALID_ANSWER, "render answer has an unexpected shape")
+        ids = first.get(self.field)
         if not isinstance(ids, list) or not _valid_ids(ids):
-            raise RenderError("bad_gateway", 502, f"render answer has no valid `{self.field}` list "
+            raise RenderError(RenderFailure.INVALID_ANSWER, f"render answer has no valid `{self.field}` list "
                                                   f"(protocol {self.protocol})")
-        return ids
+        out = _facts(first, ids)
+        if kind == "completion":
+            out.prompts = [ids]
+            for obj in objects[1:]:
+                more = obj.get(self.field) if isinstance(obj, dict) else None
+                if not isinstance(more, list) or not _valid_ids(more):
+                    out.prompts = None  # still routable on the first prompt, but not forwardable as ids
+                    break
+                out.prompts.append(more)
+                _merge_facts(out, _facts(obj, more))
+        return out
 
 
 async def fetch_block_size(address: str, timeout_s: float = 2.0) -> int | None:
     """A worker's live tokens_per_block from its /server_info, or None when it does not say."""
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s, \
-                s.get(f"http://{address}/server_info") as r:
+                s.get(f"http://{address}/server_info", allow_redirects=False) as r:
             if r.status != 200:
                 return None
-            doc = await r.json(content_type=None)
+            raw = bytearray()
+            async for chunk in r.content.iter_chunked(65536):
+                raw += chunk
+                if len(raw) > SERVER_INFO_MAX_BYTES:  # a worker is not trusted with our memory
+                    return None
+            doc = orjson.loads(raw)
     except (aiohttp.ClientError, TimeoutError, ValueError):
         return None
     n = doc.get("tokens_per_block") if isinstance(doc, dict) else None
     return n if isinstance(n, int) and n > 0 else None
+
+
+def _facts(obj: dict[str, Any], ids: list[int]) -> Rendered:
+    """The passthrough-relevant fields of one render object, each defaulting to "do not forward ids"."""
+    fp = obj.get("fingerprint")
+    ctx = obj.get("context")
+    thinking, excluded = None, 0
+    if isinstance(ctx, dict):
+        t = ctx.get("resolved_thinking")
+        thinking = t if isinstance(t, bool) else None if t is None else True  # odd value = non-trivial
+        e = ctx.get("prompt_tokens_excluded_from_usage", 0)
+        excluded = e if type(e) is int and e >= 0 else 1 if e is not None else 0
+    return Rendered(ids, fp if isinstance(fp, dict) else None, obj.get("tokens_trusted") is True, thinking,
+                    excluded, isinstance(ctx, dict))
+
+
+def _merge_facts(into: Rendered, other: Rendered) -> None:
+    """Several completions prompts: every one must allow forwarding, and under the same fingerprint."""
+    into.tokens_trusted = into.tokens_trusted and other.tokens_trusted
+    into.has_context = into.has_context and other.has_context
+    if into.resolved_thinking is None:
+        into.resolved_thinking = other.resolved_thinking
+    into.prompt_tokens_excluded_from_usage = max(into.prompt_tokens_excluded_from_usage,
+                                                 other.prompt_tokens_excluded_from_usage)
+    if into.fingerprint != other.fingerprint:
+        into.fingerprint = None
 
 
 def _valid_ids(ids: list[Any]) -> bool:

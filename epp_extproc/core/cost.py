@@ -56,19 +56,6 @@ def choose(candidates: Sequence[Candidate], params: CostParams, rng: random.Rand
     return rng.choices(list(candidates), weights=weights, k=1)[0]
 
 
-def parse_subset(value: object) -> list[str] | None:
-    """The gateway's subset hint: a list of `ip:port` or one comma-separated string; None = no hint."""
-    if value is None:
-        return None
-    items: list[str] = []
-    if isinstance(value, str):
-        items = value.split(",")
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            if isinstance(v, str):
-                items.extend(v.split(","))
-    return [s.strip() for s in items if s.strip()]
-
 
 def eligible(addresses: Sequence[str], subset: Sequence[str] | None) -> list[str]:
     """Endpoints the picker may name: the discovered ones, narrowed (never widened) by the subset hint."""

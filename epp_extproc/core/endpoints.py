@@ -8,7 +8,9 @@ needs to know who consumes endpoints.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -30,21 +32,45 @@ class Endpoint:
         return split_host_port(self.address)[0]
 
 
+_PORT = re.compile(r"[1-9][0-9]{0,4}")  # ASCII digits only: int() also takes "3_4001", "+80", " 80", "٨٠"
+_BROADCAST = ipaddress.IPv4Address("255.255.255.255")
+MAX_ADDRESS_CHARS = 64  # "[" + 45-char IPv6 text + "]:" + 5 digits fits; anything longer is not an address
+
+
+def clip(text: object, limit: int = 120) -> str:
+    """`repr(text)` cut to `limit` characters: what discovery logs of a value a file or an API server sent."""
+    r = repr(text)
+    return r if len(r) <= limit else f"{r[:limit]}...({len(r)} chars)"
+
+
 def split_host_port(address: str) -> tuple[str, int]:
-    """Split `ip:port` / `[v6]:port`; raises ValueError on anything else."""
-    address = address.strip()
+    """Split an `ip:port` / `[v6]:port` literal; raises ValueError on anything Envoy could not route.
+
+    The address is handed to Envoy verbatim (`x-gateway-destination-endpoint`), whose ORIGINAL_DST cluster
+    accepts only numeric `ip:port`: so no host names (`localhost:8000`), no surrounding whitespace, no short
+    IPv4 forms (`127.1`), no leading zeros, no IPv6 zone ids, no Python-only integer spellings in the port.
+    """
+    if not isinstance(address, str) or len(address) > MAX_ADDRESS_CHARS or not address.isascii():
+        raise ValueError(f"bad address {clip(address)}: want ip:port or [ipv6]:port")
     if address.startswith("["):
         host, sep, port = address[1:].partition("]:")
-        if not sep:
-            raise ValueError(f"bad address {address!r}")
+        v6 = True
     else:
         host, sep, port = address.rpartition(":")
-        if not sep or not host or ":" in host:
-            raise ValueError(f"bad address {address!r}")
-    p = int(port)
-    if not 0 < p < 65536:
-        raise ValueError(f"bad port in {address!r}")
-    return host, p
+        v6 = False
+    if not sep or not _PORT.fullmatch(port) or int(port) > 65535:
+        raise ValueError(f"bad address {clip(address)}: want ip:port or [ipv6]:port with a port 1-65535")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"bad address {clip(address)}: {clip(host)} is not an IP literal") from None
+    if ip.version == 4 and v6:
+        raise ValueError(f"bad address {clip(address)}: only IPv6 is bracketed")
+    if ip.version == 6 and (not v6 or "%" in host):
+        raise ValueError(f"bad address {clip(address)}: IPv6 must be bracketed ([addr]:port), without a zone id")
+    if ip.is_unspecified or ip.is_multicast or ip == _BROADCAST:
+        raise ValueError(f"bad address {clip(address)}: not a unicast address")  # 0.0.0.0 would mean "self"
+    return host, int(port)
 
 
 def format_host_port(host: str, port: int) -> str:
@@ -53,6 +79,12 @@ def format_host_port(host: str, port: int) -> str:
 
 def zmq_tcp(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def _names(eps: list[Endpoint], limit: int = 10) -> str:
+    """At most `limit` clipped names: a 1,000-endpoint change is one short log line, not 100 kB."""
+    shown = ", ".join(clip(e.name, 60) for e in eps[:limit])
+    return f"[{shown}{f', ... +{len(eps) - limit} more' if len(eps) > limit else ''}]"
 
 
 Listener = Callable[[list[Endpoint], list[Endpoint]], None]  # (added, removed)
@@ -79,9 +111,14 @@ class EndpointRegistry:
     def replace(self, endpoints: Iterable[Endpoint]) -> tuple[list[Endpoint], list[Endpoint]]:
         new: dict[str, Endpoint] = {}
         for ep in endpoints:
+            try:
+                split_host_port(ep.address)  # every source validates; this guards the ones that forget
+            except ValueError as e:
+                log.warning("ignoring endpoint %s: %s", clip(ep.name, 80), e)
+                continue
             if ep.address in new:
                 log.warning("duplicate endpoint address %s (%s and %s); keeping the first",
-                            ep.address, new[ep.address].name, ep.name)
+                            ep.address, clip(new[ep.address].name, 80), clip(ep.name, 80))
                 continue
             new[ep.address] = ep
         removed = [ep for addr, ep in self._by_address.items() if new.get(addr) != ep]
@@ -90,8 +127,7 @@ class EndpointRegistry:
         self._down &= new.keys()
         self.synced = True
         if added or removed:
-            log.info("endpoints changed: +%s -%s (now %d)", [e.name for e in added],
-                     [e.name for e in removed], len(new))
+            log.info("endpoints changed: +%s -%s (now %d)", _names(added), _names(removed), len(new))
             for listener in self._listeners:
                 try:
                     listener(added, removed)

@@ -33,10 +33,6 @@ class Booking:
         self._prefilling = True
         self._live = True
 
-    @property
-    def live(self) -> bool:
-        return self._live
-
     def prefill_done(self) -> None:
         if self._prefilling and self._live:
             self._prefilling = False
@@ -67,6 +63,10 @@ class LoadTracker:
 
     def load(self, address: str) -> EndpointLoad:
         return self._loads.get(address) or EndpointLoad()
+
+    def booking(self, booking_id: str) -> Booking | None:
+        """A live booking by id (lean mode's first-chunk signal names it), None once freed."""
+        return self._bookings.get(booking_id)
 
     def loads(self) -> dict[str, EndpointLoad]:
         return self._loads

@@ -1,43 +1,72 @@
-"""From a buffered request to a routing decision: parse, salt, render, score, pick, book, rewrite.
+"""From a buffered request to a routing decision, in two halves: propose, then commit.
 
-This is the only place that knows the order of the steps; each step lives in its own module and works on
-plain values, so the ext_proc edge stays a thin protocol translator.
+`propose()` does everything that can fail (parse, salt, render, score, choose, prepare the forwarded body) and
+changes nothing; `commit()` does everything that changes state (book the load, predict the prompt's blocks,
+count) and cannot fail. A request that fails anywhere therefore leaves no booking and no prediction behind,
+and `/debug/score` is just a proposal that is never committed.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from epp_extproc.adapters.kv_routing import KvRouting, Prompt
-from epp_extproc.adapters.render_client import RenderClient, RenderError, render_kind
-from epp_extproc.config import Config
+from epp_extproc.config import Config, RenderPolicy, SaltPolicy, TokenizerProtocol
+from epp_extproc.core.admission import BodyBudget, InflightGate
 from epp_extproc.core.body import BodyError, ParsedBody, parse_object, rewrite
 from epp_extproc.core.cost import Candidate, CostParams, choose, eligible, loads_for
 from epp_extproc.core.endpoints import EndpointRegistry
+from epp_extproc.core.errors import PickError, Problem
+from epp_extproc.core.late_usage import LateUsage
 from epp_extproc.core.load import Booking, LoadTracker
-from epp_extproc.core.request import Rejection, RequestContext
+from epp_extproc.core.logs import Throttled
+from epp_extproc.core.passthrough import ORIGINAL, FingerprintId, Verdict, decide
+from epp_extproc.core.render import Rendered, Renderer, RenderError, render_kind
+from epp_extproc.core.request import RequestContext, clip
 from epp_extproc.core.salt import resolve_salt
+from epp_extproc.core.usage import record_usage, usage_from_tail
 from epp_extproc.metrics import PickerMetrics
 
 log = logging.getLogger(__name__)
+_throttled = Throttled(log)
 
 DROP_MEMBERS = frozenset({"nvext"})
 TRTLLM_SALT_MESSAGE = "cache_salt is not supported with TensorRT-LLM workers"
 BYTES_PER_TOKEN_ESTIMATE = 4  # load weight of a request whose prompt could not be rendered
+IDENTITY_ENCODINGS = frozenset({"", "identity"})
+
+
+class PromptView(Protocol):
+    """A rendered prompt as the KV side hashes it (adapters/kv_routing.Prompt)."""
+
+    def __len__(self) -> int: ...
+
+
+class KvView(Protocol):
+    """What the decision needs from the KV index (adapters/kv_routing.KvRouting)."""
+
+    def prompt(self, tokens: Sequence[int], salt: str | None) -> PromptView: ...
+    def block_size(self, address: str) -> int: ...
+    def overlap(self, prompt: Any, workers: Sequence[str]) -> dict[str, int]: ...
+    def predict(self, address: str, prompt: Any) -> None: ...
 
 
 @dataclass(slots=True)
 class Decision:
+    """A committed pick: where the request goes, what is forwarded, and the load it holds there."""
+
     address: str
     body: bytes | None  # the body to forward (None: the request has none)
     booking: Booking
     model: str | None = None
     predicted_cached_tokens: int | None = None
+
+    @property
+    def booking_id(self) -> str:
+        return self.booking.id
 
 
 @dataclass(slots=True)
@@ -45,81 +74,122 @@ class Plan:
     """What the request needs before scoring: its tokens (if any), salt handling and body injections."""
 
     tokens: list[int] | None = None
-    prompt: Prompt | None = None  # the tokens packed and hashed for the index (KV routing only)
+    prompt: Any = None  # the tokens packed and hashed for the index (KV routing only)
     hash_salt: str | None = None
     inject: dict[str, Any] = field(default_factory=dict)
     est_tokens: int = 0
-    route: str = "load"  # "kv" when scored against the index
+    salted_load_only: bool = False
+    kind: str | None = None  # "chat" | "completion" when the renderer was (to be) asked
+    rendered: Rendered | None = None  # the render answer (None: not rendered, or the render failed)
+
+    @property
+    def route(self) -> str:
+        """`kv` when the prompt is known and scored against the index, else `load`."""
+        return "kv" if self.tokens is not None else "load"
+
+
+@dataclass(slots=True)
+class Proposal:
+    """Everything a pick needs, computed without side effects."""
+
+    address: str
+    body: bytes | None
+    booked_blocks: float
+    plan: Plan
+    candidates: list[Candidate]
+    chosen: Candidate
+    model: str | None
+    started: float
+    score_seconds: float
+    predicted_cached_tokens: int | None = None  # what the chosen worker should reuse (KV routing only)
+    parsed: ParsedBody | None = None
+    passthrough: Verdict | None = None  # whether the forwarded body carries the rendered prompt
 
 
 class Pipeline:
     def __init__(self, config: Config, registry: EndpointRegistry, load: LoadTracker, metrics: PickerMetrics,
-                 *, renderer: RenderClient | None = None, kv: KvRouting | None = None) -> None:
+                 *, renderer: Renderer | None = None, kv: KvView | None = None,
+                 fingerprint_of: Callable[[str], FingerprintId | None] | None = None) -> None:
         self.config = config
         self.registry = registry
         self.load = load
         self.metrics = metrics
         self.renderer = renderer
         self.kv = kv
+        self.fingerprint_of = fingerprint_of  # a worker's render fingerprint, for prompt passthrough
         self.params = CostParams(config.kv_overlap_score_credit, config.prefill_load_scale,
                                  config.router_temperature)
+        self.gate = InflightGate(config.max_inflight_requests, metrics.picker_inflight)
+        self.bodies = BodyBudget(config.max_body_bytes, config.max_buffered_body_bytes, metrics.buffered_bytes)
+        self.late_usage = LateUsage()
 
-    # ---------------------------------------------------------------- steps
+    # ---------------------------------------------------------------- propose: no side effects
     def parse(self, ctx: RequestContext) -> ParsedBody | None:
         if not ctx.body:
             if ctx.body is not None and render_kind(ctx.path) is not None:
-                raise Rejection(400, "request body must be a JSON object", "bad_request")
+                raise PickError(Problem.BAD_REQUEST, "request body must be a JSON object")
             return None  # an empty body outside the inference routes is routed like a body-less request
         if len(ctx.body) > self.config.max_body_bytes:
-            raise Rejection(413, f"request body larger than {self.config.max_body_bytes} bytes",
-                            "body_too_large")
+            raise PickError(Problem.BODY_TOO_LARGE, f"request body larger than {self.config.max_body_bytes} bytes")
+        encoding = ",".join(ctx.headers.get("content-encoding", [])).strip().lower()
+        if encoding not in IDENTITY_ENCODINGS:
+            # FastAPI (trtllm-serve, vLLM, SGLang) does not decode request bodies either: the worker would
+            # answer a misleading JSON error, and the picker cannot read the prompt to route it.
+            raise PickError(Problem.UNSUPPORTED_ENCODING,
+                            f"request bodies with Content-Encoding {clip(encoding, 40)!r} are not supported; "
+                            "send the JSON body unencoded")
         try:
             return parse_object(ctx.body)
         except BodyError as e:
-            raise Rejection(400, str(e), "bad_request") from None
+            raise PickError(Problem.BAD_REQUEST, str(e)) from None
 
-    async def plan(self, ctx: RequestContext, parsed: ParsedBody | None) -> Plan:
+    async def plan(self, ctx: RequestContext, parsed: ParsedBody | None, *, count: bool = True) -> Plan:
         plan = Plan(est_tokens=len(ctx.body or b"") // BYTES_PER_TOKEN_ESTIMATE)
         kind = render_kind(ctx.path)
         if self.renderer is None or parsed is None or kind is None:
             return plan
         protocol = self.renderer.protocol
+        plan.kind = kind
         salt = resolve_salt(ctx.headers, parsed.values)
         if salt is not None:
-            if protocol == "trtllm-render":
-                if self.config.cache_salt_policy == "reject":
-                    raise Rejection(400, TRTLLM_SALT_MESSAGE, "cache_salt_rejected")
+            if protocol == TokenizerProtocol.TRTLLM:
+                if self.config.cache_salt_policy is SaltPolicy.REJECT:
+                    raise PickError(Problem.SALT_REJECTED, TRTLLM_SALT_MESSAGE)
                 # load-only policy: the worker isolates the tenant, the index cannot, so no KV credit
                 if kind == "chat":
                     plan.inject["cache_salt"] = salt
-                self.metrics.requests.labels("salted_load_only").inc()
+                plan.salted_load_only = True
                 return plan
-            if protocol == "vllm-render":
+            if protocol == TokenizerProtocol.VLLM:
                 plan.inject["cache_salt"] = salt
             plan.hash_salt = salt
-        render_body = rewrite(parsed, ctx.body or b"", drop=DROP_MEMBERS)
         try:
-            plan.tokens = await self.renderer.render(kind, render_body)
+            render_body = rewrite(parsed, ctx.body or b"", drop=DROP_MEMBERS)
+        except BodyError as e:
+            raise PickError(Problem.BAD_REQUEST, str(e)) from None
+        try:
+            plan.rendered = await self.renderer.render(kind, render_body, count=count)
+            plan.tokens = plan.rendered.token_ids
         except RenderError as e:
             self._render_failed(e, ctx)
             return plan
-        plan.route = "kv"
         if self.kv is not None:
-            plan.prompt = Prompt(plan.tokens, plan.hash_salt)
+            plan.prompt = self.kv.prompt(plan.tokens, plan.hash_salt)
         return plan
 
     def _render_failed(self, e: RenderError, ctx: RequestContext) -> None:
-        policy = self.config.render_reject_policy if e.kind == "rejected" else self.config.render_failure_policy
-        if policy == "fail":
-            raise Rejection(e.status, f"tokenizer: {e.detail}"[:500], f"render_{e.kind}") from None
-        log.warning("%s %s routed by load only: %s", ctx.method, ctx.path, e)
+        policy = self.config.render_reject_policy if e.rejected else self.config.render_failure_policy
+        if policy is RenderPolicy.FAIL:
+            raise PickError(Problem.RENDER_FAILED, f"tokenizer: {e.detail}"[:500], e) from None
+        _throttled.warning(f"render-{e.label}", "%s %s routed by load only: %s", clip(ctx.method, 16),
+                           clip(ctx.path), clip(str(e), 300))
 
     def candidates(self, addresses: Sequence[str], plan: Plan) -> list[Candidate]:
         cands = loads_for(addresses, self.load.loads())
         if plan.tokens is None or self.kv is None:
             return cands
         if plan.prompt is None:
-            plan.prompt = Prompt(plan.tokens, plan.hash_salt)
+            plan.prompt = self.kv.prompt(plan.tokens, plan.hash_salt)
         overlaps = self.kv.overlap(plan.prompt, addresses)
         n = len(plan.tokens)
         for c in cands:
@@ -135,73 +205,142 @@ class Pipeline:
             return plan.est_tokens / self.config.kv_cache_block_size
         return max(chosen.prompt_blocks - chosen.overlap_blocks, 1.0)
 
-    # ---------------------------------------------------------------- decide
     def _eligible(self, ctx: RequestContext) -> list[str]:
         addresses = eligible([ep.address for ep in self.registry.routable()], ctx.subset)
         if not addresses:
             if ctx.subset is not None:
-                raise Rejection(503, "no endpoint of the gateway's subset hint is available", "no_endpoint")
-            raise Rejection(503, "no endpoint available", "no_endpoint")
+                raise PickError(Problem.NO_ENDPOINT, "no endpoint of the gateway's subset hint is available")
+            raise PickError(Problem.NO_ENDPOINT, "no endpoint available")
         return addresses
 
-    async def decide(self, ctx: RequestContext) -> Decision:
+    async def propose(self, ctx: RequestContext, *, tokens: list[int] | None = None, count: bool = True,
+                      temperature: float | None = None) -> Proposal:
+        """The pick this request would get, with its forwarded body; raises PickError, changes nothing.
+
+        `tokens` skips parsing and rendering (a debug request that brings its own ids); `count=False` keeps
+        the render call out of the traffic metrics.
+        """
         started = time.perf_counter()
-        parsed = self.parse(ctx)
-        self._eligible(ctx)  # fail fast, before any render call
-        plan = await self.plan(ctx, parsed)
+        if tokens is not None:
+            parsed, plan = None, Plan(tokens=tokens)
+        else:
+            parsed = self.parse(ctx)
+            self._eligible(ctx)  # fail fast, before any render call
+            plan = await self.plan(ctx, parsed, count=count)
         addresses = self._eligible(ctx)  # endpoints may have changed during the render call
         score_started = time.perf_counter()
         cands = self.candidates(addresses, plan)
-        chosen = choose(cands, self.params)
-        booking = self.load.book(chosen.address, self._booked_blocks(chosen, plan))
-        predicted = None
-        if plan.prompt is not None and self.kv is not None:
-            self.kv.predict(chosen.address, plan.prompt)
-            predicted = chosen.overlap_blocks * self.kv.block_size(chosen.address)
-        now = time.perf_counter()
-        self.metrics.score_seconds.observe(now - score_started)
-        self.metrics.decision_seconds.observe(now - started)
-        self.metrics.picks.labels(chosen.address).inc()
+        params = self.params if temperature is None else CostParams(self.params.overlap_credit,
+                                                                     self.params.prefill_load_scale, temperature)
+        chosen = choose(cands, params)
+        score_seconds = time.perf_counter() - score_started
         body = ctx.body
+        verdict = self.passthrough(plan, parsed, chosen.address)
         if parsed is not None and body is not None:
-            body = rewrite(parsed, body, drop=DROP_MEMBERS, set_members=plan.inject)
+            inject = {**plan.inject, **verdict.inject} if verdict is not None and verdict.inject else plan.inject
+            try:
+                forwarded = rewrite(parsed, body, drop=DROP_MEMBERS, set_members=inject)
+                if verdict is not None and verdict.inject and len(forwarded) > self.config.max_body_bytes:
+                    # the ids would push the body past the size every hop is sized for: send the original
+                    verdict = Verdict(ORIGINAL, "too_large")
+                    forwarded = rewrite(parsed, body, drop=DROP_MEMBERS, set_members=plan.inject)
+            except BodyError as e:
+                raise PickError(Problem.BAD_REQUEST, str(e)) from None
+            body = forwarded
         model = parsed.values.get("model") if parsed is not None else None
+        p = Proposal(chosen.address, body, self._booked_blocks(chosen, plan), plan, cands, chosen,
+                     model if isinstance(model, str) else None, started, score_seconds, parsed=parsed,
+                     passthrough=verdict)
+        if plan.prompt is not None and self.kv is not None:
+            p.predicted_cached_tokens = chosen.overlap_blocks * self.kv.block_size(chosen.address)
+        return p
+
+    # ---------------------------------------------------------------- commit: side effects, cannot fail
+    def commit(self, p: Proposal) -> Decision:
+        booking = self.load.book(p.address, p.booked_blocks)
+        if p.plan.prompt is not None and self.kv is not None:
+            self.kv.predict(p.address, p.plan.prompt)
+        self.metrics.score_seconds.observe(p.score_seconds)
+        self.metrics.decision_seconds.observe(time.perf_counter() - p.started)
+        self.metrics.picks.labels(p.address).inc()
+        self.metrics.requests.labels("routed").inc()
+        if p.plan.salted_load_only:
+            self.metrics.requests.labels("salted_load_only").inc()
+        if p.passthrough is not None:
+            self.metrics.prompt_passthrough.labels(p.passthrough.forward, p.passthrough.reason).inc()
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("%s %s -> %s via %s (cost %.2f, overlap %d blocks)", ctx.method, ctx.path, chosen.address,
-                      plan.route, chosen.cost, chosen.overlap_blocks)
-        return Decision(chosen.address, body, booking, model if isinstance(model, str) else None, predicted)
+            log.debug("-> %s via %s (cost %.2f, overlap %d blocks)", p.address, p.plan.route, p.chosen.cost,
+                      p.chosen.overlap_blocks)
+        return Decision(p.address, p.body, booking, p.model, p.predicted_cached_tokens)
+
+    async def decide(self, ctx: RequestContext) -> Decision:
+        return self.commit(await self.propose(ctx))
+
+    def passthrough(self, plan: Plan, parsed: ParsedBody | None, address: str) -> Verdict | None:
+        """May the body sent to `address` carry the rendered prompt (core/passthrough.py)? None when the
+        question does not arise: no TensorRT-LLM renderer, or not an inference request with a body."""
+        if (plan.kind is None or parsed is None or self.renderer is None
+                or self.renderer.protocol != TokenizerProtocol.TRTLLM):
+            return None
+        worker = self.fingerprint_of(address) if self.fingerprint_of is not None else None
+        return decide(self.config.prompt_passthrough, plan.kind, parsed.values, plan.rendered,
+                      salted_load_only=plan.salted_load_only, worker=worker)
+
+    # ---------------------------------------------------------------- the edge's entry point
+    def open(self) -> Any:
+        """A new request (one ext_proc stream): admitted against the in-flight cap now, not at its headers."""
+        from epp_extproc.core.exchange import PickerExchange
+
+        self.gate.enter()
+        return PickerExchange(self)
+
+    def first_chunk(self, booking_id: str) -> None:
+        """Lean mode: the observer stream saw the first non-empty response chunk of this booking."""
+        b = self.load.booking(booking_id)
+        if b is not None:
+            b.prefill_done()
+            self.metrics.lean_signals.labels("first_chunk").inc()
+        else:
+            self.metrics.lean_signals.labels("first_chunk_unknown").inc()
+
+    def access_logged(self, booking_id: str, usage_tail: bytes | None, flags: list[str]) -> None:
+        """Lean mode: Envoy's access log reports how a request ended and, when it had one, its usage."""
+        for f in flags:
+            self.metrics.response_flags.labels(f).inc()
+        pending = self.late_usage.take(booking_id)
+        if pending is None:
+            self.metrics.lean_signals.labels("access_log_unmatched").inc()
+            return
+        usage = usage_from_tail(usage_tail) if usage_tail else None
+        if usage is None:
+            self.metrics.lean_signals.labels("access_log_no_usage").inc()
+            return
+        self.metrics.lean_signals.labels("access_log_usage").inc()
+        record_usage(self.metrics, pending.model, pending.predicted_cached_tokens, usage, "access_log")
+
+    def count_rejection(self, err: PickError) -> None:
+        label = f"render_{err.render.label}" if err.render is not None else err.problem.value
+        self.metrics.requests.labels(label).inc()
 
     # ---------------------------------------------------------------- debug
-    async def score_only(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """What the picker would do with this request, without booking or predicting anything."""
-        addresses = [ep.address for ep in self.registry.routable()]
-        if isinstance(payload.get("token_ids"), list):
-            tokens = payload["token_ids"]
-            if not all(type(t) is int and 0 <= t < 2**32 for t in tokens):
-                raise ValueError("token_ids must be a list of u32 integers")
-            plan = Plan(tokens=tokens, route="kv")
-        else:
-            body = json.dumps({k: v for k, v in payload.items() if k != "nvext"}).encode()
-            path = "/v1/completions" if "prompt" in payload and "messages" not in payload else \
-                "/v1/chat/completions"
-            ctx = RequestContext("POST", path, {}, body, None)
-            try:
-                plan = await self.plan(ctx, self.parse(ctx))
-            except Rejection as rej:
-                raise ValueError(str(rej)) from None
-        cands = self.candidates(addresses, plan)
+    def explain(self, p: Proposal) -> dict[str, Any]:
+        """A proposal as `/debug/score` shows it."""
         names = {ep.address: ep.name for ep in self.registry.all()}
-        out: dict[str, Any] = {"route": plan.route, "prompt_tokens": len(plan.tokens or []), "workers": []}
-        if not cands:
-            out["pick"] = None
-            return out
-        chosen = choose(cands, CostParams(self.params.overlap_credit, self.params.prefill_load_scale, 0.0))
-        for c in cands:
-            out["workers"].append({"name": names.get(c.address), "address": c.address,
-                                   "overlap_blocks": c.overlap_blocks,
-                                   "block_size": self.kv.block_size(c.address) if self.kv else None,
-                                   "prompt_blocks": round(c.prompt_blocks, 3), "inflight": c.load.inflight,
-                                   "prefill_blocks": round(c.load.prefill_blocks, 3),
-                                   "decode_blocks": round(c.load.decode_blocks, 3), "cost": round(c.cost, 4)})
-        out["pick"] = chosen.address
-        return out
+        workers = [{"name": names.get(c.address), "address": c.address, "overlap_blocks": c.overlap_blocks,
+                    "block_size": self.kv.block_size(c.address) if self.kv else None,
+                    "prompt_blocks": round(c.prompt_blocks, 3), "inflight": c.load.inflight,
+                    "prefill_blocks": round(c.load.prefill_blocks, 3),
+                    "decode_blocks": round(c.load.decode_blocks, 3), "cost": round(c.cost, 4)}
+                   for c in p.candidates]
+        for w in workers:
+            v = self.passthrough(p.plan, p.parsed, str(w["address"]))
+            if v is not None:
+                w["prompt_passthrough"] = {"forwarded": v.forward, "reason": v.reason}
+        v = p.passthrough
+        injected = sorted({*p.plan.inject, *(v.inject if v is not None else ())})
+        # what the picked worker would receive: the rendered prompt (`tokens`) or the original body
+        forwarded = None if v is None else {"body": v.forward, "reason": v.reason, "members": sorted(v.inject)}
+        return {"route": p.plan.route, "prompt_tokens": len(p.plan.tokens or []), "workers": workers,
+                "pick": p.address, "booked_blocks": round(p.booked_blocks, 3),
+                "predicted_cached_tokens": p.predicted_cached_tokens, "injected_members": injected,
+                "forwarded": forwarded}

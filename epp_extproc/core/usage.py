@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from epp_extproc.core.pipeline import Decision
 from epp_extproc.metrics import PickerMetrics
+
+if TYPE_CHECKING:
+    from epp_extproc.core.pipeline import Decision
 
 log = logging.getLogger(__name__)
 
@@ -87,30 +89,54 @@ class UsageObserver:
         if isinstance(doc, dict) and isinstance(doc.get("usage"), dict):
             self.usage = doc["usage"]
 
-    def finish(self) -> None:
+    def finish(self) -> bool:
+        """Record the usage seen in the response; False when the response carried none (yet)."""
         if not self.sse and self._buf and not self._overflow:
             self._take(bytes(self._buf))
         elif self.sse and self._buf:
             self._scan_lines_final()
         self._buf = bytearray()
         if self.usage is None:
-            return
-        details = self.usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        model = self.labels(self.decision.model)
-        prompt = self.usage.get("prompt_tokens")
-        if isinstance(prompt, int) and prompt >= 0:
-            self.metrics.prompt_tokens.labels(model).inc(prompt)
-        if not isinstance(cached, int) or cached < 0:
-            self.metrics.usage_observed.labels("no_cached_tokens").inc()
-            return
-        self.metrics.usage_observed.labels("sse" if self.sse else "unary").inc()
-        self.metrics.cached_tokens.labels(model).observe(cached)
-        predicted = self.decision.predicted_cached_tokens
-        if predicted is not None:
-            self.metrics.predicted_cached_tokens.labels(model).observe(predicted)
-            self.metrics.cache_prediction_error.observe(cached - predicted)
+            return False
+        record_usage(self.metrics, self.labels(self.decision.model), self.decision.predicted_cached_tokens,
+                     self.usage, "sse" if self.sse else "unary")
+        return True
 
     def _scan_lines_final(self) -> None:
         self._buf += b"\n"
         self._scan_lines()
+
+
+def record_usage(metrics: PickerMetrics, model: str, predicted: int | None, usage: dict[str, Any],
+                 kind: str) -> None:
+    """One response's usage into the metrics: the same figures whether it was read from the echoed chunks
+    (GAIE mode) or from Envoy's access log (lean mode)."""
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    prompt = usage.get("prompt_tokens")
+    if isinstance(prompt, int) and prompt >= 0:
+        metrics.prompt_tokens.labels(model).inc(prompt)
+    if not isinstance(cached, int) or cached < 0:
+        metrics.usage_observed.labels("no_cached_tokens").inc()
+        return
+    metrics.usage_observed.labels(kind).inc()
+    metrics.cached_tokens.labels(model).observe(cached)
+    if predicted is not None:
+        metrics.predicted_cached_tokens.labels(model).observe(predicted)
+        metrics.cache_prediction_error.observe(cached - predicted)
+
+
+def usage_from_tail(text: bytes) -> dict[str, Any] | None:
+    """The `usage` object from what follows the last `"usage"` member of an answer (the access-log path):
+    `"usage":{...}` possibly followed by the rest of the JSON or SSE stream."""
+    start = text.find(b"{")
+    if not text.startswith(b'"usage"') or start < 0:
+        return None
+    try:
+        doc, _ = _decoder.raw_decode(text[start:].decode("utf-8", "replace"))
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+_decoder = json.JSONDecoder()

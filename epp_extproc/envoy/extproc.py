@@ -1,18 +1,21 @@
 """The Envoy ext_proc edge: protobuf in, protobuf out, nothing else.
 
-One gRPC stream per HTTP request. Request bodies are buffered to end_of_stream (the decision needs the whole
-prompt); then, in FULL_DUPLEX_STREAMED, exactly one request_headers response carries the decision and the body
-follows as streamed_response chunks; in BUFFERED, the headers are answered at once and the decision rides on
-the single body response, with a content-length that matches the forwarded body. Responses flow straight back
-through (each chunk echoed as it arrives), with an observer watching for the first chunk and the usage.
+One gRPC stream per HTTP request, admitted against the picker's in-flight cap as soon as it opens. Request
+bodies are buffered to end_of_stream (the decision needs the whole prompt) within a deadline; then, in
+FULL_DUPLEX_STREAMED, exactly one request_headers response carries the decision and the body follows as
+streamed_response chunks; in BUFFERED, the headers are answered at once and the decision rides on the single
+body response, with a content-length that matches the forwarded body. Responses flow straight back through
+(each chunk echoed as it arrives) while the picker watches for the first chunk and the usage.
+
+Everything the decision needs is asked of a `core.api.Picker`; this module never books, counts or scores.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+import time
+from collections.abc import AsyncIterator
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -22,27 +25,20 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from epp_extproc.core.cost import parse_subset
-from epp_extproc.core.pipeline import Decision, Pipeline
-from epp_extproc.core.request import (
-    DEST_HEADER,
-    LB_NAMESPACE,
-    SERVED_KEY,
-    SUBSET_KEY,
-    SUBSET_NAMESPACE,
-    Rejection,
-    RequestContext,
-)
+from epp_extproc.core.api import Exchange, Picker, Routed
+from epp_extproc.core.errors import PickError, Problem
+from epp_extproc.core.request import RequestContext
+from epp_extproc.envoy.errors import http_error
+from epp_extproc.gaie import BOOKING_KEY, DEST_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
 
 log = logging.getLogger(__name__)
 
 STREAM_CHUNK = 62_000
+OVERLOADED_FIRST_MESSAGE_S = 1.0  # an over-cap stream gets this long to send headers for its 503
 _BodyMode = processing_mode_pb2.ProcessingMode.BodySendMode
 FULL_DUPLEX = _BodyMode.Value("FULL_DUPLEX_STREAMED")
 BUFFERED = _BodyMode.Value("BUFFERED")
 _MODE_NAMES = {v: k for k, v in _BodyMode.items()}
-
-ResponseObserverFactory = Callable[[Decision], Any]
 
 
 def _headers(msg: pb.HttpHeaders) -> tuple[str, str, dict[str, list[str]]]:
@@ -57,6 +53,20 @@ def _headers(msg: pb.HttpHeaders) -> tuple[str, str, dict[str, list[str]]]:
             path = value
         out.setdefault(key, []).append(value)
     return method, path, out
+
+
+def parse_subset(value: object) -> list[str] | None:
+    """The gateway's subset hint: a list of `ip:port` or one comma-separated string; None = no hint."""
+    if value is None:
+        return None
+    items: list[str] = []
+    if isinstance(value, str):
+        items = value.split(",")
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            if isinstance(v, str):
+                items.extend(v.split(","))
+    return [s.strip() for s in items if s.strip()]
 
 
 def _subset_hint(req: pb.ProcessingRequest) -> list[str] | None:
@@ -74,32 +84,41 @@ def _subset_hint(req: pb.ProcessingRequest) -> list[str] | None:
     return []  # a hint we cannot read narrows to nothing rather than widening
 
 
-def _header_mutation(decision: Decision | None, remove: list[str], content_length: int | None) \
-        -> pb.HeaderMutation:
+def _lb_value(req: pb.ProcessingRequest, key: str) -> str | None:
+    if not req.HasField("metadata_context"):
+        return None
+    ns = req.metadata_context.filter_metadata.get(LB_NAMESPACE)
+    if ns is None or key not in ns.fields:
+        return None
+    return ns.fields[key].string_value or None
+
+
+def _header_mutation(routed: Routed | None, remove: list[str], content_length: int | None) -> pb.HeaderMutation:
     m = pb.HeaderMutation()
-    m.remove_headers.extend(h for h in remove if h != DEST_HEADER or decision is None)
-    if decision is not None:
+    m.remove_headers.extend(h for h in remove if h != DEST_HEADER or routed is None)
+    if routed is not None:
         m.set_headers.append(base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key=DEST_HEADER, raw_value=decision.address.encode())))
+            header=base_pb2.HeaderValue(key=DEST_HEADER, raw_value=routed.address.encode())))
     if content_length is not None:
         m.set_headers.append(base_pb2.HeaderValueOption(
             header=base_pb2.HeaderValue(key="content-length", raw_value=str(content_length).encode())))
     return m
 
 
-def _lb_metadata(address: str) -> struct_pb2.Struct:
+def _lb_metadata(routed: Routed) -> struct_pb2.Struct:
     s = struct_pb2.Struct()
-    s.update({LB_NAMESPACE: {DEST_HEADER: address}})
+    s.update({LB_NAMESPACE: {DEST_HEADER: routed.address, BOOKING_KEY: routed.booking_id}})
     return s
 
 
-def _immediate(rej: Rejection) -> pb.ProcessingResponse:
+def immediate(err: PickError, path: str) -> pb.ProcessingResponse:
+    e = http_error(err, path)
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=rej.status),
-        body=(rej.message + "\n").encode(),
+        status=http_status_pb2.HttpStatus(code=e.status),
+        body=e.body(),
         headers=pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key="content-type", raw_value=b"text/plain; charset=utf-8"))]),
-        details=f"epp_{rej.outcome}"))
+            header=base_pb2.HeaderValue(key="content-type", raw_value=e.content_type))]),
+        details=f"epp_{e.code}"))
 
 
 def _streamed_chunks(body: bytes, end_of_stream: bool) -> list[pb.ProcessingResponse]:
@@ -114,127 +133,159 @@ def _streamed_chunks(body: bytes, end_of_stream: bool) -> list[pb.ProcessingResp
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, pipeline: Pipeline, *, allowed_modes: tuple[str, ...],
-                 observer_factory: ResponseObserverFactory | None = None) -> None:
-        self.pipeline = pipeline
-        self.metrics = pipeline.metrics
+    def __init__(self, picker: Picker, *, allowed_modes: tuple[str, ...], body_timeout_s: float) -> None:
+        self.picker = picker
         self.allowed_modes = {_BodyMode.Value(m) for m in allowed_modes}
-        self.observer_factory = observer_factory
-        self.active = 0
+        self.body_timeout_s = body_timeout_s
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],  # noqa: N802
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
-        stream = _Stream(self, context)
-        self.active += 1
-        self.metrics.picker_inflight.inc()
+        try:
+            exchange = self.picker.open()
+        except PickError as err:
+            async for resp in self._refuse(err, request_iterator):
+                yield resp
+            return
+        stream = _Stream(self, exchange, context)
         try:
             async for resp in stream.run(request_iterator):
                 yield resp
         finally:
-            self.active -= 1
-            self.metrics.picker_inflight.dec()
-            stream.close()
+            exchange.close()
+
+    async def _refuse(self, err: PickError, requests: AsyncIterator[pb.ProcessingRequest]) \
+            -> AsyncIterator[pb.ProcessingResponse]:
+        """Over the cap: answer the request's headers with the reason, or drop a stream that sends none."""
+        self.picker.count_rejection(err)
+        try:
+            req = await asyncio.wait_for(anext(aiter(requests)), OVERLOADED_FIRST_MESSAGE_S)
+        except (TimeoutError, StopAsyncIteration):
+            return
+        if req.WhichOneof("request") == "request_headers":
+            yield immediate(err, _headers(req.request_headers)[1])
 
 
 class _Stream:
     """State of one HTTP request's ext_proc stream."""
 
-    def __init__(self, svc: ExtProcServicer, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, svc: ExtProcServicer, exchange: Exchange, context: grpc.aio.ServicerContext) -> None:
         self.svc = svc
+        self.exchange = exchange
         self.context = context
         self.mode = FULL_DUPLEX
         self.response_mode = FULL_DUPLEX
-        self.ctx = RequestContext()
-        self.chunks: list[bytes] = []
-        self.size = 0
+        self.ctx: RequestContext | None = None
         self.body_done = False
-        self.decision: Decision | None = None
-        self.observer: Any = None
-        self.admitted = False
-        self.finished = False  # an ImmediateResponse was sent: nothing more to say on this stream
+        self.routed: Routed | None = None
+        self.finished = False  # an ImmediateResponse was sent, or an observer is done: stop reading
+        self.deadline = time.monotonic() + svc.body_timeout_s
 
-    def close(self) -> None:
-        if self.decision is not None:
-            if self.observer is not None:
+    async def _requests(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingRequest]:
+        """The stream's messages; until the request body is complete, each must arrive before the deadline."""
+        it = aiter(requests)
+        while True:
+            if self.body_done:
                 try:
-                    self.observer.finish()
-                except Exception:
-                    log.exception("response observer failed")
-            self.decision.booking.free()
+                    yield await anext(it)
+                except StopAsyncIteration:
+                    return
+                continue
+            try:
+                yield await asyncio.wait_for(anext(it), max(self.deadline - time.monotonic(), 0.0))
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise _BodyTimeout() from None
 
     async def run(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
-        svc = self.svc
-        async for req in requests:
-            if req.HasField("protocol_config"):
-                mode = req.protocol_config.request_body_mode
-                if mode not in svc.allowed_modes:
-                    name = _MODE_NAMES.get(mode, str(mode))
-                    svc.metrics.requests.labels("unsupported_mode").inc()
-                    await self.context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                             f"request_body_mode {name} is not supported by this picker; use "
-                                             f"one of {sorted(_MODE_NAMES[m] for m in svc.allowed_modes)}")
-                self.mode = mode
-                self.response_mode = req.protocol_config.response_body_mode
-            kind = req.WhichOneof("request")
-            if kind == "request_headers":
-                async for r in self._on_request_headers(req):
+        try:
+            async for req in self._requests(requests):
+                async for r in self._on_message(req):
                     yield r
-            elif kind == "request_body":
-                async for r in self._on_request_body(req.request_body.body, req.request_body.end_of_stream):
+                if self.finished:
+                    return
+        except _BodyTimeout:
+            err = PickError(Problem.BODY_TIMEOUT, f"request body not complete within "
+                                                  f"{self.svc.body_timeout_s:g}s")
+            if self.ctx is None:  # not even headers: nothing to answer to
+                self.exchange.reject(err, RequestContext())
+                await self.context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(err))
+            yield self._reject(err)
+
+    async def _on_message(self, req: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingResponse]:
+        if req.HasField("protocol_config"):
+            mode = req.protocol_config.request_body_mode
+            if mode not in self.svc.allowed_modes:
+                name = _MODE_NAMES.get(mode, str(mode))
+                self.exchange.reject(PickError(Problem.UNSUPPORTED_MODE, name), RequestContext())
+                await self.context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                         f"request_body_mode {name} is not supported by this picker; use "
+                                         f"one of {sorted(_MODE_NAMES[m] for m in self.svc.allowed_modes)}")
+            self.mode = mode
+            self.response_mode = req.protocol_config.response_body_mode
+        kind = req.WhichOneof("request")
+        if kind == "request_headers":
+            if self.ctx is not None:  # one HTTP request per stream: never a second decision
+                await self._protocol_error("a second request_headers on one ext_proc stream")
+            async for r in self._on_request_headers(req):
+                yield r
+        elif kind == "request_body":
+            if self.ctx is None:
+                await self._protocol_error("request_body before request_headers")
+            async for r in self._on_request_body(req.request_body.body, req.request_body.end_of_stream):
+                yield r
+        elif kind == "request_trailers":
+            if self.ctx is None:
+                await self._protocol_error("request_trailers before request_headers")
+            if not self.body_done:  # trailers end the body
+                async for r in self._on_request_body(b"", True, trailers=True):
                     yield r
-            elif kind == "request_trailers":
-                if not self.body_done:  # trailers end the body
-                    async for r in self._on_request_body(b"", True, trailers=True):
-                        yield r
-                yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
-            elif kind == "response_headers":
-                self._follow_served_endpoint(req)
-                if self.observer is not None:
-                    self.observer.on_headers(_headers(req.response_headers)[2])
-                yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-            elif kind == "response_body":
-                body = req.response_body
-                if self.observer is not None and body.body:
-                    self.observer.on_chunk(body.body)
-                if self.decision is not None and body.body:
-                    self.decision.booking.prefill_done()
-                if self.response_mode == FULL_DUPLEX:  # every chunk must be handed back, as it came
-                    yield pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
-                        body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
-                            body=body.body, end_of_stream=body.end_of_stream)))))
-                else:  # STREAMED / BUFFERED: an empty answer lets the chunk through unchanged
-                    yield pb.ProcessingResponse(response_body=pb.BodyResponse())
-            elif kind == "response_trailers":
-                yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
-            if self.finished:
-                return
+                if self.finished:
+                    return
+            yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+        elif kind == "response_headers":
+            served = _lb_value(req, SERVED_KEY)
+            if served is not None:
+                self.exchange.served_by(served)
+            self.exchange.response_headers(_headers(req.response_headers)[2])
+            yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+        elif kind == "response_body" and self.ctx is None:
+            # No request on this stream: the lean mode's observability-mode filter showing us the response.
+            self._observe_first_chunk(req)
+        elif kind == "response_body":
+            body = req.response_body
+            self.exchange.response_chunk(body.body)
+            if self.response_mode == FULL_DUPLEX:  # every chunk must be handed back, as it came
+                yield pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
+                    body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                        body=body.body, end_of_stream=body.end_of_stream)))))
+            else:  # STREAMED / BUFFERED: an empty answer lets the chunk through unchanged
+                yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+        elif kind == "response_trailers":
+            yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
-    def _follow_served_endpoint(self, req: pb.ProcessingRequest) -> None:
-        """Move the booking when the gateway reports it served a different (known) endpoint than picked."""
-        if self.decision is None or not req.HasField("metadata_context"):
-            return
-        ns = req.metadata_context.filter_metadata.get(LB_NAMESPACE)
-        if ns is None or SERVED_KEY not in ns.fields:
-            return
-        served = ns.fields[SERVED_KEY].string_value
-        if served and served != self.decision.address and served in self.svc.pipeline.registry:
-            log.info("gateway served %s instead of %s; moving the booking", served, self.decision.address)
-            self.decision.booking.move(served)
+    def _observe_first_chunk(self, req: pb.ProcessingRequest) -> None:
+        """Lean mode: the first non-empty chunk ends the booking's prefill; the stream is then closed so
+        Envoy sends no more chunks (it does not wait for answers in observability mode, so nothing is lost)."""
+        self.exchange.close()  # an observer is not a request: it holds no slot and has no deadline
+        self.body_done = True
+        booking = _lb_value(req, BOOKING_KEY)
+        if booking is None:
+            self.finished = True  # nothing to tell: do not keep reading
+        elif req.response_body.body:
+            self.svc.picker.first_chunk(booking)
+            self.finished = True
+        elif req.response_body.end_of_stream:
+            self.finished = True
 
-    def _admit(self) -> None:
-        limit = self.svc.pipeline.config.max_inflight_requests
-        if self.svc.active > limit:
-            raise Rejection(503, "endpoint picker overloaded", "overloaded")
-        self.admitted = True
+    async def _protocol_error(self, what: str) -> None:
+        err = PickError(Problem.PROTOCOL, what)
+        self.exchange.reject(err, self.ctx or RequestContext())
+        await self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, what)
 
     async def _on_request_headers(self, req: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingResponse]:
         method, path, headers = _headers(req.request_headers)
         self.ctx = RequestContext(method, path, headers, None, _subset_hint(req))
-        try:
-            self._admit()
-        except Rejection as rej:
-            yield self._reject(rej)
-            return
         if req.request_headers.end_of_stream:
             self.body_done = True
             async for r in self._decide(None):
@@ -248,60 +299,55 @@ class _Stream:
             -> AsyncIterator[pb.ProcessingResponse]:
         if self.body_done:
             return  # Envoy may repeat the final chunk of a large body; it was already handled
-        self.size += len(data)
-        if self.size > self.svc.pipeline.config.max_body_bytes:
-            self.body_done = True
-            yield self._reject(Rejection(413, f"request body larger than "
-                                              f"{self.svc.pipeline.config.max_body_bytes} bytes",
-                                         "body_too_large"))
-            return
         if data:
-            self.chunks.append(data)
+            try:
+                self.exchange.add_body(data)
+            except PickError as err:
+                self.body_done = True
+                yield self._reject(err)
+                return
         if not end:
             return
         self.body_done = True
-        body = b"".join(self.chunks)
-        self.chunks = []
-        async for r in self._decide(body, trailers=trailers):
+        async for r in self._decide(self.exchange.body(), trailers=trailers):
             yield r
 
-    def _reject(self, rej: Rejection) -> pb.ProcessingResponse:
-        self.svc.metrics.requests.labels(rej.outcome).inc()
+    def _reject(self, err: PickError) -> pb.ProcessingResponse:
+        ctx = self.ctx or RequestContext()
+        self.exchange.reject(err, ctx)
         self.finished = True
-        log.info("rejected %s %s: %s", self.ctx.method, self.ctx.path, rej)
-        return _immediate(rej)
+        return immediate(err, ctx.path)
 
     async def _decide(self, body: bytes | None, trailers: bool = False) -> AsyncIterator[pb.ProcessingResponse]:
+        assert self.ctx is not None
         self.ctx.body = body
         try:
-            decision = await self.svc.pipeline.decide(self.ctx)
-        except Rejection as rej:
-            yield self._reject(rej)
+            routed = await self.exchange.decide(self.ctx)
+        except PickError as err:
+            yield self._reject(err)
             return
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("picker failed on %s %s", self.ctx.method, self.ctx.path)
-            yield self._reject(Rejection(500, "endpoint picker internal error", "internal_error"))
+            log.exception("picker failed on %s", self.ctx.method)
+            yield self._reject(PickError(Problem.INTERNAL, "endpoint picker internal error"))
             return
-        self.decision = decision
-        self.svc.metrics.requests.labels("routed").inc()
-        if self.svc.observer_factory is not None:
-            self.observer = self.svc.observer_factory(decision)
-        fwd = decision.body
+        self.routed = routed
+        self.ctx.body = None  # the exchange forwards `routed.body`; do not hold the original twice
+        fwd = routed.body
         spoofed = self.ctx.spoofed_headers()
-        metadata = _lb_metadata(decision.address)
+        metadata = _lb_metadata(routed)
         if body is None:
             yield pb.ProcessingResponse(
                 request_headers=pb.HeadersResponse(response=pb.CommonResponse(
-                    header_mutation=_header_mutation(decision, spoofed, None), clear_route_cache=True)),
+                    header_mutation=_header_mutation(routed, spoofed, None), clear_route_cache=True)),
                 dynamic_metadata=metadata)
         elif self.mode == BUFFERED:
             assert fwd is not None
             changed = fwd is not body
             yield pb.ProcessingResponse(
                 request_body=pb.BodyResponse(response=pb.CommonResponse(
-                    header_mutation=_header_mutation(decision, [], len(fwd)),
+                    header_mutation=_header_mutation(routed, [], len(fwd)),
                     body_mutation=pb.BodyMutation(body=fwd) if changed else None,
                     clear_route_cache=True)),
                 dynamic_metadata=metadata)
@@ -309,7 +355,11 @@ class _Stream:
             assert fwd is not None
             yield pb.ProcessingResponse(
                 request_headers=pb.HeadersResponse(response=pb.CommonResponse(
-                    header_mutation=_header_mutation(decision, spoofed, None), clear_route_cache=True)),
+                    header_mutation=_header_mutation(routed, spoofed, None), clear_route_cache=True)),
                 dynamic_metadata=metadata)
             for r in _streamed_chunks(fwd, end_of_stream=not trailers):
                 yield r
+
+
+class _BodyTimeout(Exception):
+    """The request body did not complete before the stream's deadline."""

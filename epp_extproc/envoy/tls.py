@@ -1,31 +1,49 @@
-"""TLS for the ext_proc port ("secure serving", as the Gateway API Inference Extension's EPP offers it).
+"""TLS for the ext_proc port ("secure serving", on by default as in GAIE's EPP and Dynamo's).
 
 With `--cert-path DIR` the server key pair is read from DIR/tls.crt and DIR/tls.key (the layout of a
-Kubernetes `kubernetes.io/tls` Secret mounted as a volume). Without it a self-signed certificate (P-256,
-CN=epp-extproc, SAN localhost/127.0.0.1/::1) is minted at start-up with the `openssl` command-line tool and
-written to a private temporary directory, so a gateway that does not verify the picker (the usual GAIE
-setup) gets encryption, and one that does can be given that file as its trusted CA.
+Kubernetes `kubernetes.io/tls` Secret mounted as a volume) and re-read when either file changes (a renewed
+Secret: kubelet swaps the `..data` symlink, which changes the inode we stat). New connections get the new pair;
+established ones keep theirs. A pair that does not load (half-written, key not matching the certificate) is
+logged and the previous one stays in service.
+
+Without it a self-signed certificate (P-256, CN=epp-extproc, SAN localhost/127.0.0.1/::1) is minted in memory
+with `cryptography` at start-up: the private key never touches the disk. Only the certificate is written to a
+private temporary directory (removed again by `close()`), so a client that wants to verify the picker can be
+given it as its trusted CA; a gateway that does not verify (the usual GAIE setup) simply gets encryption.
 """
 
 from __future__ import annotations
 
+import asyncio
+import datetime
 import hashlib
+import ipaddress
+import logging
+import os
 import shutil
 import ssl
-import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
 CERT_FILE = "tls.crt"
 KEY_FILE = "tls.key"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ServerCert:
     cert_pem: bytes
     key_pem: bytes
-    cert_file: Path  # where the certificate can be read (the self-signed one too), e.g. as a client's CA
+    cert_file: Path | None  # where the certificate can be read, e.g. as a client's CA (None: not written)
     self_signed: bool
 
     def fingerprint(self) -> str:
@@ -47,27 +65,125 @@ def cert_files(cert_path: str) -> tuple[Path, Path]:
 
 
 def load(cert_path: str) -> ServerCert:
+    """Read and check a provided pair: PEM, and the key is the certificate's (else ValueError)."""
     crt, key = cert_files(cert_path)
     cert_pem, key_pem = crt.read_bytes(), key.read_bytes()
-    if b"-----BEGIN CERTIFICATE-----" not in cert_pem or b"PRIVATE KEY-----" not in key_pem:
-        raise ValueError(f"DYN_EPP_CERT_PATH={cert_path!r}: {CERT_FILE}/{KEY_FILE} are not PEM")
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+        private = serialization.load_pem_private_key(key_pem, password=None)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"DYN_EPP_CERT_PATH={cert_path!r}: {CERT_FILE}/{KEY_FILE} do not load as PEM: "
+                         f"{e}") from None
+    pub = serialization.PublicFormat.SubjectPublicKeyInfo
+    if (cert.public_key().public_bytes(serialization.Encoding.DER, pub)
+            != private.public_key().public_bytes(serialization.Encoding.DER, pub)):
+        raise ValueError(f"DYN_EPP_CERT_PATH={cert_path!r}: {KEY_FILE} is not the key of {CERT_FILE}")
     return ServerCert(cert_pem, key_pem, crt, self_signed=False)
 
 
-def self_signed(common_name: str = "epp-extproc") -> ServerCert:
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        raise RuntimeError("secure serving without DYN_EPP_CERT_PATH needs the `openssl` tool to mint a "
-                           "self-signed certificate; install it or provide tls.crt/tls.key")
-    d = Path(tempfile.mkdtemp(prefix="epp-tls-"))
-    crt, key = d / CERT_FILE, d / KEY_FILE
-    subprocess.run([openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-days", "365", "-subj", f"/CN={common_name}",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1,IP:::1",
-                    "-keyout", str(key), "-out", str(crt)], check=True, capture_output=True, timeout=30)
-    key.chmod(0o600)
-    return ServerCert(crt.read_bytes(), key.read_bytes(), crt, self_signed=True)
+def self_signed(common_name: str = "epp-extproc", cert_dir: Path | None = None) -> ServerCert:
+    """Mint a P-256 certificate valid for a year; only the certificate is written (into `cert_dir`, if any)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    now = datetime.datetime.now(datetime.UTC)
+    san = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                                       x509.IPAddress(ipaddress.ip_address("::1"))])
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=365))
+            .add_extension(san, critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    crt: Path | None = None
+    if cert_dir is not None:
+        crt = cert_dir / CERT_FILE
+        crt.write_bytes(cert_pem)
+    return ServerCert(cert_pem, key_pem, crt, self_signed=True)
 
 
-def server_cert(cert_path: str | None) -> ServerCert:
-    return load(cert_path) if cert_path else self_signed()
+def _stamp(paths: tuple[Path, Path]) -> tuple[tuple[float, int, int], ...] | None:
+    try:
+        return tuple((st.st_mtime, st.st_size, st.st_ino) for st in (os.stat(p) for p in paths))
+    except OSError:
+        return None
+
+
+class CertSource:
+    """The certificate the ext_proc port serves, as gRPC server credentials that follow file changes.
+
+    gRPC calls `_fetch` on each new TLS handshake (from one of its own threads); it only hands over a pair
+    the poller (`run`, on the event loop, file reads in a worker thread) has already loaded and checked, so a
+    handshake never does I/O.
+    """
+
+    def __init__(self, cert_path: str | None, *, poll_interval_s: float = 1.0) -> None:
+        self.cert_path = cert_path
+        self.poll_interval_s = poll_interval_s
+        self._tmpdir: Path | None = None
+        if cert_path:
+            self._paths: tuple[Path, Path] | None = cert_files(cert_path)
+            self._stamp = _stamp(self._paths)
+            self.current = load(cert_path)
+        else:
+            self._paths = None
+            try:
+                self._tmpdir = Path(tempfile.mkdtemp(prefix="epp-tls-"))
+            except OSError as e:  # e.g. a read-only root filesystem without a /tmp volume: serve anyway
+                log.warning("cannot write the self-signed certificate to a temporary folder (%s); serving "
+                            "it without a copy on disk", e)
+            self.current = self_signed(cert_dir=self._tmpdir)
+        self.reloads = 0
+        self._pending: ServerCert | None = None
+        self._lock = threading.Lock()
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.dynamic_ssl_server_credentials(self._config(self.current), self._fetch,
+                                                   require_client_authentication=False)
+
+    @staticmethod
+    def _config(c: ServerCert) -> grpc.ServerCertificateConfiguration:
+        return grpc.ssl_server_certificate_configuration([(c.key_pem, c.cert_pem)])
+
+    def _fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        return None if pending is None else self._config(pending)
+
+    async def check_once(self) -> bool:
+        """Reload when the files changed; True when a new pair was put in service."""
+        if self._paths is None or self.cert_path is None:
+            return False
+        stamp = await asyncio.to_thread(_stamp, self._paths)
+        if stamp is None or stamp == self._stamp:
+            return False
+        try:
+            new = await asyncio.to_thread(load, self.cert_path)
+        except (ValueError, OSError) as e:
+            log.warning("TLS certificate in %s changed but does not load (%s); keeping the previous one",
+                        self.cert_path, e)
+            return False  # stamp not recorded: retried at the next poll (a half-written Secret completes)
+        self._stamp = stamp
+        if new.cert_pem == self.current.cert_pem and new.key_pem == self.current.key_pem:
+            return False
+        with self._lock:
+            self._pending = new
+        self.current = new
+        self.reloads += 1
+        log.info("TLS certificate reloaded from %s (sha256 %s); new connections use it", self.cert_path,
+                 new.fingerprint())
+        return True
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            await self.check_once()
+
+    def close(self) -> None:
+        """Remove the temporary directory of a self-signed certificate."""
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None

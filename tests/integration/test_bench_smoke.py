@@ -73,3 +73,19 @@ def test_run_all_rejects_unknown_names(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "bench.run_all", "--quick", "--out", str(tmp_path), "--only",
                            "nope"], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert proc.returncode != 0 and "unknown benchmark" in proc.stderr + proc.stdout
+
+
+@pytest.mark.timeout(90)
+def test_passthrough_quick(tmp_path: Path) -> None:
+    doc = run_bench("passthrough", tmp_path, timeout=80)
+    rows = doc["result"]["rows"]
+    assert {(r["shape"], r["load"], r["config"]) for r in rows} == {
+        (s, ld, c) for s in ("short", "long") for ld in ("c1", "saturating") for c in ("off", "auto")}
+    for r in rows:
+        assert r["errors"] == 0 and r["ttft_p50_ms"] <= r["ttft_p90_ms"]
+        if r["config"] == "auto":  # every request reached its worker as ids, none rendered there
+            assert r["worker_rendered"] == 0 and r["worker_pretokenized"] == r["requests"]
+        else:
+            assert r["worker_pretokenized"] == 0 and r["worker_rendered"] == r["requests"]
+    assert all(v["identical"] for v in doc["result"]["identical_outputs"].values())
+    assert len(doc["result"]["ratios"]) == 4

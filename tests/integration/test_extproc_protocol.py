@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 
 import grpc
 import pytest
@@ -36,9 +38,9 @@ def body_msg(data: bytes, eos: bool) -> pb.ProcessingRequest:
 
 @pytest.fixture
 async def picker():
-    cfg = Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1",
+    cfg = Config(grpc_port=0, health_port=0, metrics_port=0, admin_port=0, bind="127.0.0.1",
                  endpoints="a=127.0.0.1:9,b=127.0.0.1:10", max_inflight_requests=1,
-                 allowed_body_modes="FULL_DUPLEX_STREAMED")
+                 allowed_body_modes="FULL_DUPLEX_STREAMED", secure_serving=False)  # protocol, not TLS
     app = PickerApp(cfg)
     await app.start()
     ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}")
@@ -124,14 +126,14 @@ async def test_requests_above_the_inflight_cap_get_503_overloaded(picker) -> Non
     held = stub.Process()
     await held.write(headers_msg(mode="FULL_DUPLEX_STREAMED"))  # body still to come: occupies the one slot
     for _ in range(50):
-        if app.servicer.active == 1:
+        if app.pipeline.gate.count == 1:
             break
         await asyncio.sleep(0.01)
     call = stub.Process()
     await call.write(headers_msg(mode="FULL_DUPLEX_STREAMED"))
     r = await call.read()
     assert r.immediate_response.status.code == 503
-    assert r.immediate_response.body == b"endpoint picker overloaded\n"
+    assert json.loads(r.immediate_response.body)["error"]["message"] == "endpoint picker overloaded"
     held.cancel()
 
 
@@ -153,10 +155,10 @@ async def test_client_disconnect_mid_pick_frees_everything(picker) -> None:
     assert app.load.total_inflight() == 1
     call.cancel()
     for _ in range(100):
-        if app.load.total_inflight() == 0 and app.servicer.active == 0:
+        if app.load.total_inflight() == 0 and app.pipeline.gate.count == 0:
             break
         await asyncio.sleep(0.01)
-    assert app.load.total_inflight() == 0 and app.servicer.active == 0
+    assert app.load.total_inflight() == 0 and app.pipeline.gate.count == 0
 
 
 async def test_spoofed_destination_headers_are_removed(picker) -> None:
@@ -208,3 +210,93 @@ async def test_served_endpoint_the_picker_never_discovered_is_ignored(picker) ->
     picked, call = await routed_then_served(stub, lambda _: "6.6.6.6:1")
     assert app.load.load(picked).inflight == 1 and app.load.load("6.6.6.6:1").inflight == 0
     await call.done_writing()
+
+
+# ------------------------------------------------------------------ one request per stream, bounded streams
+@pytest.fixture
+async def roomy():
+    """A picker with room for several streams, a short body deadline and a small body budget."""
+    cfg = Config(grpc_port=0, health_port=0, metrics_port=0, admin_port=0, bind="127.0.0.1",
+                 endpoints="a=127.0.0.1:9,b=127.0.0.1:10", max_inflight_requests=8, max_body_bytes=100_000,
+                 max_buffered_body_bytes=150_000, request_body_timeout_ms=300, secure_serving=False,
+                 allowed_body_modes="FULL_DUPLEX_STREAMED")
+    app = PickerApp(cfg)
+    await app.start()
+    ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}")
+    yield app, pb_grpc.ExternalProcessorStub(ch)
+    await ch.close()
+    await app.stop()
+
+
+async def settled(app: PickerApp) -> bool:
+    for _ in range(200):
+        if app.load.total_inflight() == 0 and app.pipeline.gate.count == 0 and app.pipeline.bodies.used == 0:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def test_a_second_request_on_one_stream_is_refused_and_leaves_one_booking_only(roomy) -> None:
+    app, stub = roomy
+    call = stub.Process()
+    await call.write(headers_msg(eos=True, mode="FULL_DUPLEX_STREAMED"))
+    await call.read()
+    assert app.load.total_inflight() == 1
+    await call.write(headers_msg(eos=True, mode="FULL_DUPLEX_STREAMED"))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await call.read()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert sum(app.load.load(a).inflight for a in ("127.0.0.1:9", "127.0.0.1:10")) <= 1
+    assert await settled(app)
+
+
+async def test_a_stalled_body_gets_408_and_frees_its_slot(roomy) -> None:
+    app, stub = roomy
+    call = stub.Process()
+    await call.write(headers_msg(mode="FULL_DUPLEX_STREAMED"))
+    await call.write(body_msg(b'{"model":', False))
+    r = await asyncio.wait_for(call.read(), 5)
+    assert r.immediate_response.status.code == 408
+    assert "not complete within 0.3s" in json.loads(r.immediate_response.body)["error"]["message"]
+    assert await settled(app)
+
+
+async def test_a_stream_that_never_sends_anything_is_closed_at_the_deadline(roomy) -> None:
+    app, stub = roomy
+    calls = [stub.Process() for _ in range(5)]
+    for c in calls:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(c.read(), 5)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert await settled(app)
+
+
+async def test_unfinished_bodies_share_one_budget_and_the_one_past_it_gets_503(roomy) -> None:
+    app, stub = roomy
+    first, second = stub.Process(), stub.Process()
+    for c in (first, second):
+        await c.write(headers_msg(mode="FULL_DUPLEX_STREAMED"))
+    await first.write(body_msg(b"x" * 90_000, False))
+    for _ in range(100):
+        if app.pipeline.bodies.used == 90_000:
+            break
+        await asyncio.sleep(0.01)
+    await second.write(body_msg(b"y" * 90_000, False))  # 180 kB together > the 150 kB budget
+    r = await asyncio.wait_for(second.read(), 5)
+    assert r.immediate_response.status.code == 503
+    assert json.loads(r.immediate_response.body)["error"]["code"] == "body_budget"
+    first.cancel()
+    assert await settled(app)
+
+
+async def test_a_rejected_request_with_a_huge_path_logs_a_bounded_line(roomy, caplog) -> None:
+    app, stub = roomy
+    caplog.set_level(logging.INFO)
+    call = stub.Process()
+    await call.write(headers_msg(path="/v1/chat/completions?" + "p" * 100_000, mode="FULL_DUPLEX_STREAMED"))
+    await call.write(body_msg(b"[1]", True))
+    r = await call.read()
+    assert r.immediate_response.status.code == 400
+    lines = [rec.getMessage() for rec in caplog.records if "rejected" in rec.getMessage()]
+    assert lines and max(len(x) for x in lines) < 1000
+    assert await settled(app)

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from epp_extproc.config import RenderPolicy
 from tests.gateway_client import Reply, request
 from tests.stack import GatewayStack, MockProc
 
@@ -112,8 +113,19 @@ def test_renderer_killed_under_traffic_every_request_still_succeeds(stack: Gatew
     settle(stack)
 
 
+def wait_renderer_circuit_closed(stack: GatewayStack, timeout_s: float = 20.0) -> None:
+    """Send requests until one probes the renderer's circuit closed (it opened while the renderer was dead)."""
+    deadline = time.monotonic() + timeout_s
+    while stack.picker_metric("epp_render_circuit_state") != 0:
+        assert time.monotonic() < deadline, "the renderer circuit did not close"
+        assert stack.chat(user("probing the renderer circuit")).status == 200  # routed by load meanwhile
+        time.sleep(0.2)
+
+
 def test_restarted_renderer_brings_kv_routing_back(stack: GatewayStack) -> None:
     stack.renderer.start()
+    # the dead renderer opened the circuit: KV routing returns once the next probe after the open time succeeds
+    wait_renderer_circuit_closed(stack)
     ok = stack.picker_metric("epp_render_requests_total", 'outcome="ok"')
     fresh = [{"role": "system", "content": "A prefix nobody has sent before the renderer restart. " * 10},
              {"role": "user", "content": "q"}]
@@ -143,16 +155,16 @@ def test_stalled_renderer_times_out_and_the_request_is_routed_by_load(stack: Gat
 
 def test_stalled_renderer_with_fail_policy_is_504_naming_the_tokenizer(stack: GatewayStack) -> None:
     assert stack.app is not None and stack.renderer.proc is not None
-    stack.app.config.render_failure_policy = "fail"
+    stack.app.config.render_failure_policy = RenderPolicy.FAIL
     before = inference_counts(stack)
     stack.renderer.proc.send_signal(signal.SIGSTOP)
     try:
         r = stack.chat(user("the renderer is frozen and the policy is fail"))
     finally:
         stack.renderer.proc.send_signal(signal.SIGCONT)
-        stack.app.config.render_failure_policy = "load-only"
+        stack.app.config.render_failure_policy = RenderPolicy.LOAD_ONLY
     assert r.status == 504
-    assert r.body.decode().startswith("tokenizer: no answer from")
+    assert r.error_message().startswith("tokenizer: no answer from")
     assert inference_counts(stack) == before
     settle(stack)
 
@@ -281,7 +293,7 @@ def test_picker_restart_under_traffic_fails_only_requests_caught_in_it_and_rebui
     # Envoy's failure_mode_allow=false: a request whose ext_proc stream broke is a clear 500, never routed
     assert set(during) <= {"200", "500"}, Counter(during)
     assert set(later) == {"200"}, Counter(later)
-    assert old.load.total_inflight() == 0 and old.servicer.active == 0
+    assert old.load.total_inflight() == 0 and old.pipeline.gate.count == 0
     new = stack.app
     assert new is not old and new is not None and new.kv is not None
     # the new picker started empty; matching caches built before it started means it rebuilt them...
@@ -307,9 +319,9 @@ def test_client_disconnect_mid_pick_frees_the_stream_and_reaches_no_worker(stack
     stack.renderer.proc.send_signal(signal.SIGSTOP)  # the pick waits on the render call
     try:
         sock = open_raw(stack, {"model": "mock-model", "messages": user("goodbye mid-pick"), "max_tokens": 4})
-        wait_until(lambda: stack.app.servicer.active == 1, "the picker is deciding")  # type: ignore[union-attr]
+        wait_until(lambda: stack.app.pipeline.gate.count == 1, "the picker is deciding")  # type: ignore[union-attr]
         sock.close()
-        wait_until(lambda: stack.app.servicer.active == 0, "the stream is gone",  # type: ignore[union-attr]
+        wait_until(lambda: stack.app.pipeline.gate.count == 0, "the stream is gone",  # type: ignore[union-attr]
                    timeout=RENDER_TIMEOUT_MS / 1000 * 4)
     finally:
         stack.renderer.proc.send_signal(signal.SIGCONT)
@@ -335,15 +347,15 @@ def test_client_disconnect_mid_stream_frees_the_booking_and_the_worker_slot(stac
 # ------------------------------------------------------------------------------------------ overload
 def test_inflight_cap_answers_503_overloaded_then_recovers(stack: GatewayStack) -> None:
     assert stack.app is not None
-    stack.app.config.max_inflight_requests = 2
+    stack.app.pipeline.gate.limit = 2
     try:
         with ThreadPoolExecutor(8) as pool:
             replies = list(pool.map(lambda i: stack.chat(user(f"overload {i}"), max_tokens=150), range(8)))
     finally:
-        stack.app.config.max_inflight_requests = 1024
+        stack.app.pipeline.gate.limit = 1024
     statuses = Counter(r.status for r in replies)
     assert set(statuses) == {200, 503} and statuses[200] >= 2, statuses
-    assert {r.body.decode().strip() for r in replies if r.status == 503} == {"endpoint picker overloaded"}
+    assert {r.error_message() for r in replies if r.status == 503} == {"endpoint picker overloaded"}
     stack.wait_idle()
     assert send_many(stack, 4, "after overload")[0].status == 200
     settle(stack)
@@ -381,7 +393,7 @@ def test_dropped_kv_batch_without_replay_clears_the_worker_and_indexes_only_what
                "the batch after the gap is applied")
     assert lone.app.kv.index.engine_hashes(m.address) < held  # a strict subset: never a block it lacks
     # the prefix that arrived after the gap is indexed in full, so routing by it works again
-    score = request(f"http://127.0.0.1:{lone.app.metrics_port}", path="/debug/score",
+    score = request(f"http://127.0.0.1:{lone.app.admin_port}", path="/debug/score",
                     body=json.dumps({"model": "mock-model", "messages": fresh}).encode()).json()
     assert score["workers"][0]["overlap_blocks"] == (score["prompt_tokens"] - 1) // 32 > 0
 

@@ -167,8 +167,9 @@ def test_any_msgpack_batch_shaped_like_kv_events_is_applied_or_counted(batch: tu
 @pytest.fixture(scope="module")
 def grpc_picker() -> Iterator[tuple[PickerApp, pb_grpc.ExternalProcessorStub]]:
     bg = BackgroundLoop()
-    cfg = Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1",
-                 endpoints="a=127.0.0.1:9,b=127.0.0.1:10", endpoint_probe_interval_ms=0)
+    cfg = Config(grpc_port=0, health_port=0, metrics_port=0, admin_port=0, bind="127.0.0.1",
+                 endpoints="a=127.0.0.1:9,b=127.0.0.1:10", endpoint_probe_interval_ms=0,
+                 secure_serving=False)  # a plaintext client: the input is the point, not TLS
     app = PickerApp(cfg)
     bg.run(app.start())
     ch = grpc.insecure_channel(f"127.0.0.1:{app.grpc_port}")
@@ -223,7 +224,7 @@ class EchoGateway:
         mock = str(Path(sys.executable).parent / "trtllm-mock")
         self.renderer = MockProc("renderer", [mock, "--role", "renderer", "--port", str(rport)], rport,
                                  log=tmp / "renderer.log").start()
-        cfg = Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1",
+        cfg = Config(grpc_port=0, health_port=0, metrics_port=0, admin_port=0, bind="127.0.0.1",
                      endpoints=f"a={self.a.address},b={self.b.address}", max_body_bytes=MAX_BODY,
                      tokenizer_protocol="trtllm-render", tokenizer_service_url=self.renderer.url,
                      cache_salt_policy="load-only", endpoint_probe_interval_ms=0)

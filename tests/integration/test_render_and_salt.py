@@ -10,12 +10,15 @@ import pytest
 from aiohttp import web
 
 from epp_extproc.adapters.kv_routing import Prompt
-from epp_extproc.adapters.render_client import RenderClient, RenderError, render_kind
+from epp_extproc.adapters.render_client import RenderClient
 from epp_extproc.app import PickerApp
 from epp_extproc.config import Config
+from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.pipeline import TRTLLM_SALT_MESSAGE
-from epp_extproc.core.request import Rejection, RequestContext
+from epp_extproc.core.render import RenderError, render_kind
+from epp_extproc.core.request import RequestContext
 from epp_extproc.core.salt import resolve_salt
+from epp_extproc.envoy.errors import http_error, render_status
 from epp_extproc.metrics import PickerMetrics
 
 
@@ -69,7 +72,7 @@ def client(url: str, protocol: str = "trtllm-render", **kw: Any) -> RenderClient
 # ---------------------------------------------------------------- render client
 async def test_chat_render_returns_token_ids_from_the_chat_route(stub: StubRenderer) -> None:
     c = client(f"http://127.0.0.1:{stub.port}")
-    assert await c.render("chat", b"{}") == list(range(100))
+    assert (await c.render("chat", b"{}")).token_ids == list(range(100))
     assert stub.seen[-1][0] == "/v1/chat/completions/render"
     await c.close()
 
@@ -77,7 +80,7 @@ async def test_chat_render_returns_token_ids_from_the_chat_route(stub: StubRende
 async def test_completions_render_takes_the_first_object_of_the_array(stub: StubRenderer) -> None:
     stub.doc = [{"token_ids": [5, 6]}, {"token_ids": [7]}]
     c = client(f"http://127.0.0.1:{stub.port}")
-    assert await c.render("completion", b"{}") == [5, 6]
+    assert (await c.render("completion", b"{}")).token_ids == [5, 6]
     assert stub.seen[-1][0] == "/v1/completions/render"
     await c.close()
 
@@ -85,7 +88,7 @@ async def test_completions_render_takes_the_first_object_of_the_array(stub: Stub
 async def test_sglang_protocol_reads_input_ids(stub: StubRenderer) -> None:
     stub.doc = {"input_ids": [1, 2, 3], "token_ids": [9]}
     c = client(f"http://127.0.0.1:{stub.port}", "sglang-renderer")
-    assert await c.render("chat", b"{}") == [1, 2, 3]
+    assert (await c.render("chat", b"{}")).token_ids == [1, 2, 3]
     await c.close()
 
 
@@ -98,7 +101,7 @@ async def test_renderer_statuses_map_like_the_reference(stub: StubRenderer, stat
     c = client(f"http://127.0.0.1:{stub.port}")
     with pytest.raises(RenderError) as e:
         await c.render("chat", b"{}")
-    assert (e.value.kind, e.value.status) == (kind, mapped)
+    assert (e.value.label, render_status(e.value)) == (kind, mapped)
     await c.close()
 
 
@@ -108,7 +111,7 @@ async def test_unreachable_renderer_is_unavailable_503() -> None:
     c = client(f"http://127.0.0.1:{free_port()}")
     with pytest.raises(RenderError) as e:
         await c.render("chat", b"{}")
-    assert (e.value.kind, e.value.status) == ("unavailable", 503)
+    assert (e.value.label, render_status(e.value)) == ("unavailable", 503)
     await c.close()
 
 
@@ -117,7 +120,7 @@ async def test_slow_renderer_times_out_504(stub: StubRenderer) -> None:
     c = client(f"http://127.0.0.1:{stub.port}", timeout_ms=100)
     with pytest.raises(RenderError) as e:
         await c.render("chat", b"{}")
-    assert (e.value.kind, e.value.status) == ("timeout", 504)
+    assert (e.value.label, render_status(e.value)) == ("timeout", 504)
     await c.close()
 
 
@@ -128,7 +131,7 @@ async def test_answers_without_valid_token_ids_are_bad_gateway(stub: StubRendere
     c = client(f"http://127.0.0.1:{stub.port}")
     with pytest.raises(RenderError) as e:
         await c.render("chat", b"{}")
-    assert e.value.kind == "bad_gateway"
+    assert e.value.label == "bad_gateway" and render_status(e.value) == 502
     await c.close()
 
 
@@ -163,7 +166,7 @@ def test_empty_and_non_string_salts_are_ignored() -> None:
 
 # ---------------------------------------------------------------- pipeline policies
 async def picker(url: str, **kw: Any) -> PickerApp:
-    cfg = Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1",
+    cfg = Config(grpc_port=0, health_port=0, metrics_port=0, admin_port=0, bind="127.0.0.1",
                  endpoints="a=127.0.0.1:9;kv=tcp://127.0.0.1:1,b=127.0.0.1:10;kv=tcp://127.0.0.1:2",
                  tokenizer_protocol=kw.pop("protocol", "trtllm-render"), tokenizer_service_url=url, **kw)
     app = PickerApp(cfg)
@@ -178,9 +181,10 @@ def chat(body: dict[str, Any], headers: dict[str, list[str]] | None = None) -> R
 
 async def test_trtllm_salt_is_rejected_before_rendering(stub: StubRenderer) -> None:
     app = await picker(f"http://127.0.0.1:{stub.port}")
-    with pytest.raises(Rejection) as e:
+    with pytest.raises(PickError) as e:
         await app.pipeline.decide(chat({"messages": []}, {"x-tenant-id": ["t"]}))
-    assert (e.value.status, e.value.message) == (400, TRTLLM_SALT_MESSAGE)
+    assert (http_error(e.value, "/v1/chat/completions").status, e.value.detail) == (400, TRTLLM_SALT_MESSAGE)
+    assert e.value.problem is Problem.SALT_REJECTED
     assert stub.seen == []
     await app.stop()
 
@@ -244,9 +248,9 @@ async def test_renderer_down_routes_by_load_by_default(stub: StubRenderer) -> No
 async def test_fail_policy_restores_the_reference_statuses(stub: StubRenderer, status: int, expected: int) -> None:
     stub.status = status
     app = await picker(f"http://127.0.0.1:{stub.port}", render_failure_policy="fail")
-    with pytest.raises(Rejection) as e:
+    with pytest.raises(PickError) as e:
         await app.pipeline.decide(chat({"messages": []}))
-    assert e.value.status == expected
+    assert http_error(e.value, "/v1/chat/completions").status == expected
     await app.stop()
 
 
@@ -257,9 +261,9 @@ async def test_renderer_4xx_routes_by_load_unless_the_reject_policy_is_fail(stub
     d.booking.free()
     await app.stop()
     app = await picker(f"http://127.0.0.1:{stub.port}", render_reject_policy="fail")
-    with pytest.raises(Rejection) as e:
+    with pytest.raises(PickError) as e:
         await app.pipeline.decide(chat({"messages": []}))
-    assert e.value.status == 400
+    assert http_error(e.value, "/v1/chat/completions").status == 400
     await app.stop()
 
 
@@ -279,9 +283,9 @@ async def test_a_burst_of_one_prefix_sticks_to_one_worker_before_any_kv_event(st
 
 async def test_malformed_body_is_400_without_a_render_call(stub: StubRenderer) -> None:
     app = await picker(f"http://127.0.0.1:{stub.port}")
-    with pytest.raises(Rejection) as e:
+    with pytest.raises(PickError) as e:
         await app.pipeline.decide(RequestContext("POST", "/v1/chat/completions", {}, b"[1]"))
-    assert e.value.status == 400 and stub.seen == []
+    assert e.value.problem is Problem.BAD_REQUEST and stub.seen == []
     await app.stop()
 
 
@@ -295,4 +299,37 @@ async def test_a_request_books_only_the_blocks_its_worker_must_compute(stub: Stu
     assert second.address == first.address
     assert second.booking.prefill_blocks == 1  # 19 blocks already there (predicted), 1 to compute
     second.booking.free()
+    await app.stop()
+
+
+# ---------------------------------------------------------------- /debug/score
+async def test_debug_score_is_a_proposal_that_books_nothing_and_is_not_counted_as_traffic(
+        stub: StubRenderer) -> None:
+    app = await picker(f"http://127.0.0.1:{stub.port}")
+    out = await app.debug_score({"messages": [{"role": "user", "content": "hi"}]})
+    assert out["route"] == "kv" and out["pick"] in ("127.0.0.1:9", "127.0.0.1:10")
+    assert len(stub.seen) == 1  # it did render
+    assert app.metrics.render_requests.labels("trtllm-render", "ok")._value.get() == 0
+    assert app.load.total_inflight() == 0
+    await app.stop()
+
+
+async def test_debug_score_refuses_more_token_ids_than_its_cap(stub: StubRenderer) -> None:
+    from epp_extproc.admin import MAX_DEBUG_TOKENS
+
+    app = await picker(f"http://127.0.0.1:{stub.port}")
+    with pytest.raises(ValueError, match="at most"):
+        await app.debug_score({"token_ids": [1] * (MAX_DEBUG_TOKENS + 1)})
+    assert (await app.debug_score({"token_ids": [1] * 64}))["prompt_tokens"] == 64
+    await app.stop()
+
+
+async def test_debug_score_over_http_refuses_a_body_over_four_mebibytes(stub: StubRenderer) -> None:
+    import aiohttp
+
+    app = await picker(f"http://127.0.0.1:{stub.port}")
+    async with aiohttp.ClientSession() as s, s.post(
+            f"http://127.0.0.1:{app.admin_port}/debug/score",
+            data=b'{"token_ids":[' + b"1," * (3 * 1024 * 1024) + b'1]}') as r:
+        assert r.status == 413
     await app.stop()

@@ -2,8 +2,9 @@
 
 Envoy + the picker + a mock renderer + two mock TensorRT-LLM workers; four client threads send a steady mix
 of unary and streaming chats, unsalted and salted (x-tenant-id, with `--cache-salt-policy load-only`), over
-a pool of shared prefixes. A fault thread restarts the renderer, restarts a worker's KV publisher (cache and
-sequence reset) or drops a worker's next KV batch, at random. None of these faults may cost a request.
+a pool of shared prefixes. A fault thread restarts the renderer, hangs it (SIGSTOP for longer than the render
+timeout: the circuit breaker must open and requests route by load), restarts a worker's KV publisher (cache
+and sequence reset) or drops a worker's next KV batch, at random. None of these faults may cost a request.
 
 Checks: every request got a complete response (goal and assertion: zero lost, zero errors), no booking or
 stream is left, the picker's traced memory is flat between warm-up and the end, and the index agrees with
@@ -36,7 +37,8 @@ CLIENTS = 4
 FAULT_EVERY_S = 5.0
 WARMUP_FRACTION = 0.3
 PREFIXES = [f"Soak system prompt {k}: you are a terse assistant for team {k}. " * (4 + k % 5) for k in range(12)]
-FAULT_KINDS = ["renderer-restart", "publisher-restart", "drop-batch"]
+FAULT_KINDS = ["renderer-restart", "renderer-hang", "publisher-restart", "drop-batch"]
+HANG_S = 3.0  # longer than the render timeout (2 s): requests time out until the circuit opens
 TENANTS = ["tenant-a", "tenant-b", "tenant-c"]
 PICKER_FILES = ("epp_extproc", "kvindex")
 
@@ -120,6 +122,13 @@ class Soak:
             s.renderer.stop(signal.SIGKILL)
             time.sleep(0.3)
             s.renderer.start()
+        elif kind == "renderer-hang":  # the process stays up and accepts connections but answers nothing
+            assert s.renderer.proc is not None
+            s.renderer.proc.send_signal(signal.SIGSTOP)
+            try:
+                time.sleep(HANG_S)
+            finally:
+                s.renderer.proc.send_signal(signal.SIGCONT)
         elif kind == "publisher-restart":
             worker.post("/mock/faults/restart-publisher")
         else:
@@ -172,7 +181,7 @@ def test_soak_with_random_faults_loses_no_request_leaks_no_booking_and_keeps_mem
                   if any(f"/{p}/" in d.traceback[0].filename for p in PICKER_FILES)][:5]
         elapsed = time.monotonic() - started
         assert stack.app is not None
-        inflight, active = stack.app.load.total_inflight(), stack.app.servicer.active
+        inflight, active = stack.app.load.total_inflight(), stack.app.pipeline.gate.count
         answered = sum(soak.outcomes.values())
         errors = {k: v for k, v in soak.outcomes.items() if k != "ok"}
         report = {"seconds": round(elapsed, 1), "sent": soak.sent, "answered": answered,

@@ -1,17 +1,22 @@
-"""TLS on the ext_proc port ("secure serving"), exercised by a real Envoy speaking TLS to the picker.
+"""TLS on the ext_proc port ("secure serving", the default), exercised by a real Envoy speaking TLS to it.
 
 Envoy's `picker` cluster gets an UpstreamTlsContext (epp_extproc.dev.envoy_config `picker_tls`, with
 `picker_tls_ca` as the trusted CA), so a 200 through the gateway proves the handshake, the certificate check
-and gRPC over TLS; Envoy's own cluster stats confirm the handshake happened.
+and gRPC over TLS; Envoy's own cluster stats confirm the handshake happened. Certificate reloads and the
+health service on the ext_proc port are checked with a plain gRPC client (what Envoy's health checker is).
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epp_extproc.app import PickerApp
 from epp_extproc.config import Config, load_config
@@ -50,7 +55,7 @@ class TlsGateway:
         self.bg = BackgroundLoop()
         self.up = EchoUpstream("a")
         self.bg.run(self.up.start())
-        cfg = Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1",
+        cfg = Config(grpc_port=0, health_port=0, metrics_port=0, admin_port=0, bind="127.0.0.1",
                      endpoints=f"a={self.up.address}", endpoint_probe_interval_ms=0, **picker)  # type: ignore
         cfg.validate()
         self.app = PickerApp(cfg)
@@ -103,7 +108,7 @@ def provided(tmp_path_factory: pytest.TempPathFactory, cas: dict[str, tuple[Path
 def test_self_signed_certificate_is_minted_when_no_cert_path_is_given(self_signed: TlsGateway) -> None:
     tls = self_signed.app.tls
     assert tls is not None and tls.self_signed
-    assert tls.cert_file.read_bytes() == tls.cert_pem
+    assert tls.cert_file is not None and tls.cert_file.read_bytes() == tls.cert_pem
     assert b"BEGIN CERTIFICATE" in tls.cert_pem and len(tls.fingerprint()) == 64
 
 
@@ -148,23 +153,107 @@ def test_envoy_trusting_another_ca_refuses_the_picker_and_routes_nothing(
     assert envoy.stats().get("cluster.picker.ssl.fail_verify_error", 0) >= 1
 
 
+def test_envoy_with_the_generated_default_config_routes_through_the_default_picker(
+        self_signed: TlsGateway) -> None:
+    """Both defaults together: picker TLS on, generator TLS on without verification (GAIE's setup)."""
+    if self_signed.envoy is not None:
+        self_signed.envoy.stop()
+    self_signed.envoy = EnvoyProcess(envoy_config.EnvoyOptions(picker_port=self_signed.app.grpc_port)).start()
+    assert self_signed.post() == 200
+    assert self_signed.envoy.stats().get("cluster.picker.ssl.handshake", 0) >= 1
+
+
+def _health(port: int, ca: bytes, service: str = "envoy.service.ext_proc.v3.ExternalProcessor") -> int:
+    creds = grpc.ssl_channel_credentials(root_certificates=ca)
+    with grpc.secure_channel(f"127.0.0.1:{port}", creds) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
+                                                   timeout=5).status
+
+
+def test_ext_proc_port_answers_grpc_health_for_the_ext_proc_service(self_signed: TlsGateway) -> None:
+    """GAIE's Envoy health-checks `envoy.service.ext_proc.v3.ExternalProcessor` on the ext_proc port."""
+    tls = self_signed.app.tls
+    assert tls is not None
+    assert _health(self_signed.app.grpc_port, tls.cert_pem) == health_pb2.HealthCheckResponse.SERVING
+    assert _health(self_signed.app.grpc_port, tls.cert_pem, "readiness") == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_self_signed_private_key_is_never_written_and_the_cert_folder_goes_at_stop() -> None:
+    g = TlsGateway({})
+    tls = g.app.tls
+    assert tls is not None and tls.self_signed
+    folder = tls.cert_file.parent
+    assert [p.name for p in folder.iterdir()] == ["tls.crt"]  # the key stays in memory
+    g.close()
+    assert not folder.exists()
+
+
+def test_provided_certificate_is_reloaded_when_its_files_change(
+        tmp_path: Path, cas: dict[str, tuple[Path, Path]]) -> None:
+    certs = make_server_cert(tmp_path / "epp", cas["good"])
+    g = TlsGateway({"cert_path": str(certs)})
+    try:
+        good, other = cas["good"][0].read_bytes(), cas["other"][0].read_bytes()
+        assert _health(g.app.grpc_port, good) == health_pb2.HealthCheckResponse.SERVING
+        fresh = make_server_cert(tmp_path / "renewed", cas["other"])
+        for name in ("tls.key", "tls.crt"):  # a renewed Secret: new files under the same names
+            shutil.copy(fresh / name, certs / f".{name}.new")
+            (certs / f".{name}.new").rename(certs / name)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert _health(g.app.grpc_port, other) == health_pb2.HealthCheckResponse.SERVING
+                break
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        with pytest.raises(grpc.RpcError):  # new connections no longer get the old certificate
+            _health(g.app.grpc_port, good)
+    finally:
+        g.close()
+
+
+def test_a_broken_replacement_keeps_the_previous_certificate(
+        tmp_path: Path, cas: dict[str, tuple[Path, Path]]) -> None:
+    certs = make_server_cert(tmp_path / "epp", cas["good"])
+    g = TlsGateway({"cert_path": str(certs)})
+    try:
+        (certs / "tls.key").write_text("-----BEGIN PRIVATE KEY-----\nnot a key\n-----END PRIVATE KEY-----\n")
+        assert g.bg.run(g.app.cert_source.check_once()) is False  # type: ignore[union-attr]
+        assert _health(g.app.grpc_port, cas["good"][0].read_bytes()) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        g.close()
+
+
 # ------------------------------------------------------------------------------------------ configuration
-def test_secure_serving_is_off_by_default() -> None:
-    assert load_config([], env={}).secure_serving is False
+def test_secure_serving_is_on_by_default() -> None:
+    assert load_config([], env={}).secure_serving is True
+    assert Config().secure_serving is True
 
 
-@pytest.mark.parametrize(("argv", "env"), [(["--secure-serving"], {}), (["--secure-serving=true"], {}),
-                                           ([], {"DYN_EPP_SECURE_SERVING": "true"})])
-def test_secure_serving_is_enabled_by_flag_or_env(argv: list[str], env: dict[str, str]) -> None:
-    assert load_config(argv, env=env).secure_serving is True
+@pytest.mark.parametrize(("argv", "env"), [(["--secure-serving=false"], {}), (["--secure-serving", "false"], {}),
+                                           ([], {"DYN_EPP_SECURE_SERVING": "false"})])
+def test_secure_serving_is_disabled_by_flag_or_env(argv: list[str], env: dict[str, str]) -> None:
+    assert load_config(argv, env=env).secure_serving is False
+
+
+def test_plaintext_picker_serves_h2c_to_a_plaintext_envoy() -> None:
+    g = TlsGateway({"secure_serving": False})
+    try:
+        assert g.app.tls is None
+        g.start_envoy(tls=False, ca=None)
+        assert g.post() == 200
+    finally:
+        g.close()
 
 
 def test_cert_path_without_secure_serving_is_refused_at_start_up(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="DYN_EPP_SECURE_SERVING is off"):
-        load_config(["--cert-path", str(tmp_path)], env={})
+        load_config(["--secure-serving=false", "--cert-path", str(tmp_path)], env={})
 
 
 def test_cert_path_missing_the_key_is_refused_at_start_up(tmp_path: Path) -> None:
     (tmp_path / "tls.crt").write_text("x")
     with pytest.raises(SystemExit, match="lacks tls.key"):
-        load_config(["--secure-serving", "--cert-path", str(tmp_path)], env={})
+        load_config(["--cert-path", str(tmp_path)], env={})

@@ -22,7 +22,7 @@ PROMPTS = [f"Shared system prompt number {g} for the replica test. " * 12 for g 
 @pytest.fixture(scope="module")
 def replicas():  # noqa: ANN201
     stack = GatewayStack(workers=3).start()
-    cfg = Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1", endpoints=stack.endpoints_spec(),
+    cfg = Config(grpc_port=0, health_port=0, metrics_port=0, admin_port=0, bind="127.0.0.1", endpoints=stack.endpoints_spec(),
                  tokenizer_protocol="trtllm-render", tokenizer_service_url=stack.renderer.url,
                  prediction_ttl_s=0.0)
     b = PickerApp(cfg)
@@ -60,7 +60,7 @@ def test_replica_b_routes_a_known_prefix_to_the_worker_replica_a_chose(replicas)
     holder = r.headers["x-trtllm-mock-worker"]
     body = {"model": "mock-model", "messages": [{"role": "system", "content": PROMPTS[0]},
                                                 {"role": "user", "content": "another question"}]}
-    score = request(f"http://127.0.0.1:{b.metrics_port}", path="/debug/score",
+    score = request(f"http://127.0.0.1:{b.admin_port}", path="/debug/score",
                     body=json.dumps(body).encode()).json()
     assert score["route"] == "kv"
     assert names[score["pick"]] == holder

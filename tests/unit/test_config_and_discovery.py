@@ -58,28 +58,28 @@ def test_bad_endpoint_specs_are_refused(bad: str) -> None:
         parse_flag(bad, kv_event_port=5557, replay_port=None)
 
 
-def test_endpoints_file_is_reloaded_when_it_changes(tmp_path) -> None:  # noqa: ANN001
+async def test_endpoints_file_is_reloaded_when_it_changes(tmp_path) -> None:  # noqa: ANN001
     path = tmp_path / "eps.yaml"
     path.write_text("endpoints:\n  - name: a\n    address: 127.0.0.1:1\n")
     reg = EndpointRegistry()
     fd = FileDiscovery(reg, str(path), kv_event_port=5557, replay_port=None)
-    fd.load_once()
+    await fd.load_once()
     assert [e.name for e in reg.all()] == ["a"]
     path.write_text(json.dumps({"endpoints": [{"name": "b", "address": "127.0.0.1:2"}]}))
     os.utime(path, (1, 1))  # force a different mtime even within the same clock tick
-    fd.load_once()
+    await fd.load_once()
     assert [e.name for e in reg.all()] == ["b"]
 
 
-def test_broken_endpoints_file_keeps_the_previous_set(tmp_path) -> None:  # noqa: ANN001
+async def test_broken_endpoints_file_keeps_the_previous_set(tmp_path) -> None:  # noqa: ANN001
     path = tmp_path / "eps.yaml"
     path.write_text("- 127.0.0.1:1\n- 127.0.0.1:2\n")
     reg = EndpointRegistry()
     fd = FileDiscovery(reg, str(path), kv_event_port=5557, replay_port=None)
-    fd.load_once()
+    await fd.load_once()
     path.write_text("endpoints: [ {address: ")
     os.utime(path, (2, 2))
-    fd.load_once()
+    await fd.load_once()
     assert len(reg) == 2
 
 
@@ -91,6 +91,35 @@ def test_registry_tells_listeners_what_changed() -> None:
     reg.replace(eps)
     reg.replace(eps[1:])
     assert seen == [(["a", "b"], []), ([], ["a"])]
+
+
+def test_readme_configuration_table_is_the_one_generated_from_the_options() -> None:
+    from epp_extproc.dev.readme_config import README, render
+
+    text = README.read_text()
+    assert render(text) == text, "README.md's configuration table is stale: run `make readme`"
+
+
+def test_a_bad_endpoints_value_stops_start_up_with_one_line_naming_it() -> None:
+    with pytest.raises(SystemExit) as e:
+        load_config(["--endpoints", "w0=not-an-address"], env={})
+    msg = str(e.value)
+    assert msg.startswith("epp-extproc: DYN_EPP_ENDPOINTS:") and "\n" not in msg
+
+
+def test_policies_are_enums_whether_given_as_flags_or_plain_strings() -> None:
+    from epp_extproc.config import RenderPolicy, SaltPolicy, TokenizerProtocol
+
+    cfg = load_config(["--render-failure-policy", "fail"], env={"DYN_EPP_CACHE_SALT_POLICY": "load-only"})
+    assert cfg.render_failure_policy is RenderPolicy.FAIL and cfg.cache_salt_policy is SaltPolicy.LOAD_ONLY
+    assert Config(tokenizer_protocol="vllm-render").tokenizer_protocol is TokenizerProtocol.VLLM
+
+
+def test_every_config_default_comes_from_the_options_table() -> None:
+    from dataclasses import fields
+
+    defaults = {o.dest: o.default for o in OPTIONS}
+    assert {f.name: f.default for f in fields(Config)} == defaults
 
 
 def test_readme_documents_every_flag_and_env_name() -> None:

@@ -258,8 +258,23 @@ def test_endpoint_picker_ref_names_the_picker_service_grpc_port(rendered):
     ref = find(objs, "InferencePool")["spec"]["endpointPickerRef"]
     svc = find(objs, "Service", ref["name"])
     (port,) = [p for p in svc["spec"]["ports"] if p["port"] == ref["port"]["number"]]
-    assert (ref.get("kind", "Service"), ref.get("group", ""), port["appProtocol"]) == \
-        ("Service", "", "kubernetes.io/h2c")
+    assert (ref.get("kind", "Service"), ref.get("group", "")) == ("Service", "")
+    assert port.get("appProtocol") != "kubernetes.io/h2c"  # the picker serves TLS there (next test)
+
+
+def test_picker_serves_tls_on_the_ext_proc_port_as_gaie_gateways_expect(rendered):
+    env = {k: v.get("value", "ns") for k, v in env_of(picker(rendered["base"])).items()}
+    assert load_config([], env=env).secure_serving is True
+
+
+def test_picker_has_a_writable_tmp_for_its_self_signed_certificate(rendered):
+    """readOnlyRootFilesystem: the self-signed certificate file (never the key) needs a writable /tmp."""
+    dep = picker_deployment(rendered["base"])
+    c = picker(rendered["base"])
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    (mount,) = [m for m in c.get("volumeMounts", []) if m["mountPath"] == "/tmp"]
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert "emptyDir" in vols[mount["name"]]
 
 
 def test_picker_service_ports_reach_the_configured_picker_ports(rendered):
@@ -474,3 +489,134 @@ def test_cpu_mock_arguments_are_accepted_by_the_mock_cli(rendered):
         cfg.validate()
         roles.add(cfg.role)
     assert roles == {"worker", "renderer"}
+
+
+# ------------------------------------------------------------------------------------------ observability
+OBSERVABILITY = MANIFESTS / "observability"
+
+
+def exported_sample_names() -> set[str]:
+    """Every sample name the picker's /metrics can carry (picker metrics + the KV index collector)."""
+    from epp_extproc.metrics import PickerMetrics
+    from kvindex.index import KvIndex
+
+    metrics = PickerMetrics()
+    KvIndex(registry=metrics.registry)
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    return {f.name + s for f in metrics.registry.collect() for s in suffixes[f.type]}
+
+
+def dashboard_exprs() -> list[str]:
+    doc = json.loads((OBSERVABILITY / "grafana-dashboard.json").read_text())
+    return [t["expr"] for p in doc["panels"] for t in p["targets"]]
+
+
+def test_every_metric_a_dashboard_panel_queries_is_one_the_picker_exports():
+    exported = exported_sample_names()
+    queried = {m for e in dashboard_exprs() for m in re.findall(r"\b(?:epp|dynamo)_[a-z0-9_]+", e)}
+    assert queried and queried - exported == set()
+
+
+def test_the_metric_check_catches_a_name_the_picker_does_not_export():
+    exported = exported_sample_names()
+    assert "epp_requests_total" in exported and "epp_requests" not in exported  # counters need _total
+    assert "epp_kv_blocks_indexed" in exported and "epp_kv_seq_gaps_total" in exported
+
+
+def test_dashboard_has_the_panels_an_operator_looks_at():
+    doc = json.loads((OBSERVABILITY / "grafana-dashboard.json").read_text())
+    titles = " | ".join(p["title"].lower() for p in doc["panels"])
+    for words in ("decisions/s by outcome", "decision latency", "render latency", "observed vs predicted",
+                  "kv index blocks per worker", "kv events per worker", "in-flight load per worker",
+                  "rejections by reason"):
+        assert words in titles, words
+    assert len({p["id"] for p in doc["panels"]}) == len(doc["panels"])
+
+
+def test_podmonitor_scrapes_the_picker_pods_metrics_port(rendered):
+    (pm,) = load_docs(OBSERVABILITY / "podmonitor.yaml")
+    assert (pm["apiVersion"], pm["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
+    dep = picker_deployment(rendered["base"])
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (ep,) = pm["spec"]["podMetricsEndpoints"]
+    named = {p["name"]: p["containerPort"] for p in picker(rendered["base"])["ports"]}
+    assert ep["port"] in named and ep["path"] == "/metrics"
+    assert named[ep["port"]] == int(env_value(picker(rendered["base"]), "DYN_EPP_METRICS_PORT"))
+
+
+# ---------------------------------------------------------------------------------------------- network exposure
+
+
+def _ingress_rules_for(objs: list[dict[str, Any]], container_port: int) -> list[dict[str, Any]]:
+    """The ingress rules of NetworkPolicies selecting the picker pods that admit `container_port`."""
+    labels = picker_deployment(objs)["spec"]["template"]["metadata"]["labels"]
+    named = {p["name"]: p["containerPort"] for p in picker(objs)["ports"]}
+    out = []
+    for np in (o for o in objs if o["kind"] == "NetworkPolicy"):
+        sel = np["spec"]["podSelector"].get("matchLabels", {})
+        if not all(labels.get(k) == v for k, v in sel.items()):
+            continue
+        for rule in np["spec"].get("ingress", []):
+            ports = {named.get(p["port"], p["port"]) for p in rule.get("ports", [])}
+            if not rule.get("ports") or container_port in ports:
+                out.append(rule)
+    return out
+
+
+@pytest.mark.parametrize("variant", ("base", *VARIANTS))
+def test_a_network_policy_isolates_the_picker_pods_for_ingress(rendered, variant):
+    objs = rendered[variant]
+    np = find(objs, "NetworkPolicy", picker_deployment(objs)["metadata"]["name"])
+    assert np["spec"]["policyTypes"] == ["Ingress"]
+    labels = picker_deployment(objs)["spec"]["template"]["metadata"]["labels"]
+    sel = np["spec"]["podSelector"]["matchLabels"]
+    assert sel and all(labels.get(k) == v for k, v in sel.items())
+
+
+@pytest.mark.parametrize("variant", ("base", *VARIANTS))
+def test_no_network_policy_rule_admits_every_peer_or_every_port(rendered, variant):
+    for np in (o for o in rendered[variant] if o["kind"] == "NetworkPolicy"):
+        for rule in np["spec"]["ingress"]:
+            assert rule.get("from") and rule.get("ports"), rule
+            for peer in rule["from"]:
+                assert "ipBlock" not in peer and any(s.get("matchLabels") for s in peer.values()), peer
+
+
+@pytest.mark.parametrize("variant", ("base", *VARIANTS))
+def test_only_the_gateway_pods_reach_the_ext_proc_and_health_ports(rendered, variant):
+    objs = rendered[variant]
+    c = picker(objs)
+    gateway = find(objs, "Gateway")["metadata"]["name"]
+    for port in (int(env_value(c, "DYN_EPP_GRPC_PORT")), int(env_value(c, "DYN_EPP_HEALTH_PORT"))):
+        (rule,) = _ingress_rules_for(objs, port)
+        assert rule["from"] == [{"podSelector": {"matchLabels": {"gateway.networking.k8s.io/gateway-name": gateway}}}]
+
+
+@pytest.mark.parametrize("variant", ("base", *VARIANTS))
+def test_only_prometheus_reaches_the_metrics_port(rendered, variant):
+    objs = rendered[variant]
+    (rule,) = _ingress_rules_for(objs, int(env_value(picker(objs), "DYN_EPP_METRICS_PORT")))
+    (peer,) = rule["from"]
+    assert set(peer) == {"namespaceSelector", "podSelector"}  # both: a pod name alone would match any namespace
+    assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+
+
+@pytest.mark.parametrize("variant", ("base", *VARIANTS))
+def test_every_picker_container_port_is_covered_by_the_network_policy(rendered, variant):
+    objs = rendered[variant]
+    for p in picker(objs)["ports"]:
+        assert _ingress_rules_for(objs, p["containerPort"]), f"port {p['name']} unreachable for everyone"
+
+
+@pytest.mark.parametrize("variant", ("base", *VARIANTS))
+def test_the_debug_api_stays_on_loopback_and_off_every_port_list(rendered, variant):
+    objs = rendered[variant]
+    c = picker(objs)
+    env = {k: v.get("value", "ns") for k, v in env_of(c).items()}
+    cfg = load_config([], env=env)
+    assert cfg.admin_bind == "127.0.0.1" and cfg.admin_port != cfg.metrics_port
+    assert cfg.admin_port not in {p["containerPort"] for p in c["ports"]}
+    svc = find(objs, "Service", "llm-pool-epp")
+    assert cfg.admin_port not in {p["port"] for p in svc["spec"]["ports"]}
+    assert not _ingress_rules_for(objs, cfg.admin_port)

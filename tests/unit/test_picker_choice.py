@@ -12,9 +12,9 @@ from epp_extproc.core.cost import (
     compute_cost,
     eligible,
     loads_for,
-    parse_subset,
 )
 from epp_extproc.core.load import LoadTracker
+from epp_extproc.envoy.extproc import parse_subset
 
 
 def test_fewest_inflight_wins_when_prompts_are_unknown() -> None:

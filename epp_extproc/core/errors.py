@@ -1,0 +1,39 @@
+"""Why the picker answers a request itself instead of routing it: facts, not statuses.
+
+The core raises `PickError(problem, detail)` saying what happened; the edge (`envoy/errors.py`) is the one
+place that turns a problem into an HTTP status, a body shape and a metric label. That keeps the reference
+status mapping (Dynamo's `PickError`) in one table and lets the core be tested without any protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from epp_extproc.core.render import RenderError
+
+
+class Problem(StrEnum):
+    BAD_REQUEST = "bad_request"  # not a JSON object, malformed, not UTF-8
+    BODY_TOO_LARGE = "body_too_large"  # one body above --max-body-bytes
+    BODY_BUDGET = "body_budget"  # all bodies being buffered together above --max-buffered-body-bytes
+    BODY_TIMEOUT = "body_timeout"  # the request body did not complete within --request-body-timeout-ms
+    UNSUPPORTED_ENCODING = "unsupported_encoding"  # Content-Encoding the picker cannot read
+    SALT_REJECTED = "cache_salt_rejected"  # salted request, TensorRT-LLM workers, reject policy
+    NO_ENDPOINT = "no_endpoint"  # nothing discovered / healthy
+    NO_ENDPOINT_IN_SUBSET = "no_endpoint_in_subset"  # the gateway's subset hint names none we know
+    OVERLOADED = "overloaded"  # above --max-inflight-requests
+    RENDER_FAILED = "render_failed"  # the renderer failed and the policy says fail (see `render`)
+    UNSUPPORTED_MODE = "unsupported_mode"  # Envoy announced a body mode this picker does not serve
+    PROTOCOL = "protocol_error"  # the gateway broke the ext_proc contract (e.g. two requests on a stream)
+    INTERNAL = "internal_error"  # a bug: never expected
+
+
+@dataclass(slots=True)
+class PickError(Exception):
+    problem: Problem
+    detail: str
+    render: RenderError | None = None  # the renderer's failure, for RENDER_FAILED
+
+    def __str__(self) -> str:
+        return f"{self.problem.value}: {self.detail}"

@@ -1,0 +1,220 @@
+"""Lean response mode through a real Envoy: no response chunk crosses the picker's main stream.
+
+The end of the main stream frees the booking (after the last byte), an observability-mode filter ends the
+prefill at the first chunk, and Envoy's gRPC access log brings the usage (captured by the Lua filter) and
+the response flags. A scripted upstream controls exactly how the answer is cut into chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import time
+from collections.abc import Callable
+
+import pytest
+from aiohttp import web
+
+from epp_extproc.app import PickerApp
+from epp_extproc.config import Config
+from epp_extproc.dev import envoy_config
+from tests.gateway_client import request
+from tests.harness import BackgroundLoop, EnvoyProcess
+
+USAGE = {"prompt_tokens": 100, "completion_tokens": 3, "total_tokens": 103,
+         "prompt_tokens_details": {"cached_tokens": 64}}
+
+
+class ScriptedUpstream:
+    """Answers each path with a scripted sequence of writes; `gate` holds the stream mid-way."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.gate: asyncio.Event | None = None
+        self.runner: web.AppRunner | None = None
+
+    async def handle(self, req: web.Request) -> web.StreamResponse:
+        await req.read()
+        sse = req.path.endswith("/sse")
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream" if sse else "application/json"})
+        await resp.prepare(req)
+        usage = json.dumps({"usage": USAGE}).encode()
+        if req.path.startswith("/v1/split-usage"):  # the usage object cut in two chunks
+            await resp.write(b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n')
+            await asyncio.sleep(0.05)
+            await resp.write(b"data: " + usage[:25])
+            await asyncio.sleep(0.05)
+            await resp.write(usage[25:] + b"\n\ndata: [DONE]\n\n")
+        elif req.path.startswith("/v1/unary-parts"):  # a JSON answer in three chunks
+            doc = json.dumps({"choices": [{"text": "x" * 3000}], "usage": USAGE}).encode()
+            for i in range(3):
+                await resp.write(doc[i * len(doc) // 3:(i + 1) * len(doc) // 3])
+                await asyncio.sleep(0.03)
+        elif req.path.startswith("/v1/held"):  # first chunk, then wait for the test, then the rest
+            await resp.write(b'data: {"choices":[{"delta":{"content":"first"}}]}\n\n')
+            assert self.gate is not None
+            await asyncio.wait_for(self.gate.wait(), 20)
+            await resp.write(b"data: " + usage + b"\n\ndata: [DONE]\n\n")
+        elif req.path.startswith("/v1/die"):  # the worker dies mid-stream
+            await resp.write(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n')
+            await asyncio.sleep(0.05)
+            assert req.transport is not None
+            req.transport.abort()
+            return resp
+        await resp.write_eof()
+        return resp
+
+    async def start(self) -> None:
+        self.gate = asyncio.Event()
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+
+class Lean:
+    def __init__(self) -> None:
+        self.bg = BackgroundLoop()
+        self.up = ScriptedUpstream()
+        self.bg.run(self.up.start())
+        self.app = PickerApp(Config(grpc_port=0, health_port=0, metrics_port=0, bind="127.0.0.1",
+                                    secure_serving=False, endpoint_probe_interval_ms=0,
+                                    endpoints=f"w=127.0.0.1:{self.up.port}"))
+        self.bg.run(self.app.start())
+        opts = envoy_config.EnvoyOptions(picker_port=self.app.grpc_port, picker_tls=False,
+                                         picker_health_check=False, access_log_flush_ms=50)
+        assert opts.response_mode == "lean"  # what every generated config uses
+        self.envoy = EnvoyProcess(opts).start()
+
+    def post(self, path: str, timeout: float = 20) -> bytes:
+        r = request(self.envoy.url, path=path, body=b'{"model":"m"}', timeout=timeout)
+        assert r.status == 200, r.body
+        return r.body
+
+    def signal(self, name: str) -> float:
+        return self.app.metrics.lean_signals.labels(name)._value.get()
+
+    def flag(self, name: str) -> float:
+        return self.app.metrics.response_flags.labels(name)._value.get()
+
+    def cached_count(self) -> float:
+        return self.app.metrics.usage_observed.labels("access_log")._value.get()
+
+    def close(self) -> None:
+        self.envoy.stop()
+        self.bg.run(self.app.stop())
+        self.bg.run(self.up.stop())
+        self.bg.close()
+
+
+@pytest.fixture(scope="module")
+def lean():
+    s = Lean()
+    yield s
+    s.close()
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_the_generated_config_keeps_response_bodies_off_the_pickers_stream() -> None:
+    doc = envoy_config.to_dict(envoy_config.EnvoyOptions())
+    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    names = [f["name"] for f in hcm["http_filters"]]
+    assert names == ["envoy.filters.http.ext_proc", envoy_config.OBSERVER_FILTER, envoy_config.USAGE_FILTER,
+                     "envoy.filters.http.router"]
+    main = hcm["http_filters"][0]["typed_config"]["processing_mode"]
+    assert main.get("response_body_mode", "NONE") == "NONE"  # proto JSON omits the enum's zero value
+    assert main["response_trailer_mode"] == "SEND"
+    assert hcm["http_filters"][1]["typed_config"]["observability_mode"] is True
+    assert hcm["access_log"][0]["name"] == "envoy.access_loggers.http_grpc"
+
+
+def test_the_booking_lives_until_the_last_byte_and_prefill_ends_at_the_first_chunk(lean: Lean) -> None:
+    lean.up.gate = asyncio.Event()  # a fresh gate, set from the loop thread below
+    result: dict[str, bytes] = {}
+
+    def client() -> None:
+        result["body"] = lean.post("/v1/held/sse")
+
+    import threading
+
+    t = threading.Thread(target=client)
+    t.start()
+    wait_for(lambda: lean.app.load.total_inflight() == 1, "the booking")
+    wait_for(lambda: all(ld.prefill_blocks == 0 for ld in lean.app.load.loads().values()),
+             "the first chunk to end the prefill booking")
+    time.sleep(0.3)
+    assert lean.app.load.total_inflight() == 1, "freed before the answer ended"
+    lean.bg.loop.call_soon_threadsafe(lean.up.gate.set)
+    t.join(20)
+    assert result["body"].endswith(b"data: [DONE]\n\n")
+    wait_for(lambda: lean.app.load.total_inflight() == 0, "the booking to be freed at the end")
+
+
+def test_usage_split_across_two_chunks_reaches_the_metrics(lean: Lean) -> None:
+    before = lean.cached_count()
+    lean.post("/v1/split-usage/sse")
+    wait_for(lambda: lean.cached_count() == before + 1, "the usage from the access log")
+    assert lean.app.metrics.cached_tokens.labels("m")._sum.get() >= 64
+
+
+def test_a_unary_answer_in_several_chunks_gives_its_usage(lean: Lean) -> None:
+    before = lean.cached_count()
+    body = lean.post("/v1/unary-parts")
+    assert json.loads(body)["usage"] == USAGE
+    wait_for(lambda: lean.cached_count() == before + 1, "the unary usage from the access log")
+
+
+def test_a_client_that_disconnects_mid_stream_frees_the_booking_and_is_reported(lean: Lean) -> None:
+    lean.up.gate = asyncio.Event()
+    host, port = lean.envoy.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("POST", "/v1/held/sse", body=b'{"model":"m"}', headers={"content-type": "application/json"})
+    resp = conn.getresponse()
+    resp.read1(10)  # the first chunk arrived
+    wait_for(lambda: lean.app.load.total_inflight() == 1, "the booking")
+    assert conn.sock is not None
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    wait_for(lambda: lean.app.load.total_inflight() == 0, "the booking freed after the client left")
+    wait_for(lambda: lean.flag("downstream_connection_termination") + lean.flag("downstream_remote_reset") >= 1,
+             "the access log to report the client's disconnect")
+    lean.bg.loop.call_soon_threadsafe(lean.up.gate.set)
+
+
+def test_a_worker_dying_mid_stream_frees_the_booking_and_is_reported(lean: Lean) -> None:
+    host, port = lean.envoy.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("POST", "/v1/die/sse", body=b'{"model":"m"}', headers={"content-type": "application/json"})
+    resp = conn.getresponse()
+    with pytest.raises((http.client.IncompleteRead, ConnectionError)):
+        resp.read()
+    conn.close()
+    wait_for(lambda: lean.app.load.total_inflight() == 0, "the booking freed after the worker died")
+    # a chunked HTTP/1.1 answer cut mid-body is Envoy's upstream protocol error (UPE)
+    wait_for(lambda: sum(lean.flag(f) for f in ("upstream_remote_reset", "upstream_connection_termination",
+                                               "upstream_protocol_error")) >= 1,
+             "the access log to report the upstream's death")
+
+
+def test_no_request_leaves_pending_usage_or_bookings_behind(lean: Lean) -> None:
+    for _ in range(5):
+        lean.post("/v1/unary-parts")
+    wait_for(lambda: len(lean.app.pipeline.late_usage) == 0 and lean.app.load.total_inflight() == 0,
+             "every parked usage matched by its access-log entry")

@@ -1,0 +1,97 @@
+"""The fingerprint watcher against a real HTTP worker stand-in: admission, a failed re-read, a restart."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+
+from epp_extproc.adapters.render_fingerprint import FingerprintWatcher
+from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
+from epp_extproc.metrics import PickerMetrics
+
+FP = {"digest": "ab" * 32, "compared": {"tokenizer": {"complete": True}}}
+
+
+class InfoServer:
+    """Answers GET /server_info with whatever the test sets (`status`, `doc`)."""
+
+    def __init__(self) -> None:
+        self.status = 200
+        self.doc: Any = {"render_fingerprint": FP}
+        self.reads = 0
+        self.runner: web.AppRunner | None = None
+        self.address = ""
+
+    async def handle(self, _: web.Request) -> web.Response:
+        self.reads += 1
+        return web.json_response(self.doc, status=self.status)
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/server_info", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.address = f"127.0.0.1:{port}"
+
+
+async def until(cond: Any, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+async def stop(task: asyncio.Task[None], srv: InfoServer) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert srv.runner is not None
+    await srv.runner.cleanup()
+
+
+async def watching(srv: InfoServer, refresh_s: float = 0.05) -> tuple[FingerprintWatcher, asyncio.Task[None]]:
+    reg = EndpointRegistry()
+    w = FingerprintWatcher(reg, PickerMetrics(), refresh_s=refresh_s, retry_s=0.02, timeout_s=1.0)
+    task = asyncio.create_task(w.run())
+    reg.replace([Endpoint("w", srv.address)])
+    return w, task
+
+
+async def test_fingerprint_is_read_at_admission() -> None:
+    srv = InfoServer()
+    await srv.start()
+    w, task = await watching(srv, refresh_s=60)
+    await until(lambda: w.state(srv.address) == "known")
+    assert w.get(srv.address).digest == "ab" * 32  # type: ignore[union-attr]
+    await stop(task, srv)
+
+
+async def test_a_failed_re_read_keeps_the_fingerprint() -> None:
+    srv = InfoServer()
+    await srv.start()
+    w, task = await watching(srv)
+    await until(lambda: w.state(srv.address) == "known")
+    srv.status = 503
+    reads = srv.reads
+    await until(lambda: srv.reads >= reads + 3)
+    assert w.get(srv.address) is not None and w.state(srv.address) == "known"
+    await stop(task, srv)
+
+
+async def test_a_changed_fingerprint_is_picked_up_and_a_lost_worker_forgotten() -> None:
+    srv = InfoServer()
+    await srv.start()
+    w, task = await watching(srv)
+    await until(lambda: w.state(srv.address) == "known")
+    srv.doc = {"render_fingerprint": {**FP, "digest": "cd" * 32}}
+    await until(lambda: w.get(srv.address) is not None and w.get(srv.address).digest == "cd" * 32)  # type: ignore[union-attr]
+    srv.doc = {"model": "no fingerprint here"}
+    w.lost(srv.address)
+    assert w.get(srv.address) is None
+    await until(lambda: w.state(srv.address) == "missing")
+    assert w.get(srv.address) is None
+    await stop(task, srv)

@@ -1,0 +1,145 @@
+"""propose() changes nothing and commit() cannot fail: no failing request leaves a booking or a prediction."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from epp_extproc.config import Config
+from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
+from epp_extproc.core.errors import PickError, Problem
+from epp_extproc.core.load import LoadTracker
+from epp_extproc.core.pipeline import Pipeline
+from epp_extproc.core.render import Rendered, RenderError, RenderFailure
+from epp_extproc.core.request import RequestContext
+from epp_extproc.metrics import PickerMetrics
+
+ADDRS = ["127.0.0.1:9", "127.0.0.1:10"]
+
+
+class FakeRenderer:
+    def __init__(self, protocol: str = "trtllm-render") -> None:
+        self.protocol = protocol
+        self.fail: RenderError | None = None
+        self.calls: list[bool] = []
+
+    async def render(self, kind: str, body: bytes, *, count: bool = True) -> Rendered:
+        self.calls.append(count)
+        if self.fail is not None:
+            raise self.fail
+        return Rendered(list(range(100)))
+
+
+class FakeKv:
+    def __init__(self) -> None:
+        self.predicted: list[str] = []
+        self.fail_overlap = False
+
+    def prompt(self, tokens: Sequence[int], salt: str | None) -> list[int]:
+        return list(tokens)
+
+    def block_size(self, address: str) -> int:
+        return 32
+
+    def overlap(self, prompt: Any, workers: Sequence[str]) -> dict[str, int]:
+        if self.fail_overlap:
+            raise RuntimeError("index exploded")
+        return {ADDRS[0]: 2}
+
+    def predict(self, address: str, prompt: Any) -> None:
+        self.predicted.append(address)
+
+
+def make(**cfg: Any) -> tuple[Pipeline, FakeRenderer, FakeKv]:
+    reg = EndpointRegistry()
+    reg.replace([Endpoint(f"w{i}", a) for i, a in enumerate(ADDRS)])
+    metrics = PickerMetrics()
+    r, kv = FakeRenderer(), FakeKv()
+    config = Config(tokenizer_protocol="trtllm-render", tokenizer_service_url="http://127.0.0.1:1", **cfg)
+    return Pipeline(config, reg, LoadTracker(metrics.endpoint_inflight), metrics, renderer=r, kv=kv), r, kv
+
+
+def chat(body: bytes, headers: dict[str, list[str]] | None = None) -> RequestContext:
+    return RequestContext("POST", "/v1/chat/completions", headers or {}, body)
+
+
+def deep_nvext_body(depth: int = 1000) -> bytes:
+    """Nested deeper than the stdlib's recursion allows, yet within orjson's limit: parses, then the
+    byte-preserving rewrite (which must drop `nvext`) fails."""
+    return b'{"nvext":{},"messages":[],"x":' + b"[" * depth + b"]" * depth + b"}"
+
+
+FAILURES: list[tuple[str, dict[str, Any], Any, Problem]] = [
+    ("malformed", {}, lambda p, r, kv: chat(b"{"), Problem.BAD_REQUEST),
+    ("gzip", {}, lambda p, r, kv: chat(b"\x1f\x8b", {"content-encoding": ["gzip"]}), Problem.UNSUPPORTED_ENCODING),
+    ("salt", {}, lambda p, r, kv: chat(b'{"messages":[]}', {"x-tenant-id": ["t"]}), Problem.SALT_REJECTED),
+    ("render", {"render_failure_policy": "fail"},
+     lambda p, r, kv: (setattr(r, "fail", RenderError(RenderFailure.TIMEOUT, "slow")), chat(b'{"messages":[]}'))[1],
+     Problem.RENDER_FAILED),
+    ("no endpoint", {}, lambda p, r, kv: RequestContext("POST", "/v1/chat/completions", {}, b'{"messages":[]}',
+                                                         ["10.9.9.9:1"]), Problem.NO_ENDPOINT),
+    ("rewrite", {}, lambda p, r, kv: chat(deep_nvext_body()), Problem.BAD_REQUEST),
+]
+
+
+@pytest.mark.parametrize(("name", "cfg", "make_ctx", "problem"), FAILURES, ids=[f[0] for f in FAILURES])
+async def test_a_request_failing_at_any_step_leaves_no_booking_and_no_prediction(
+        name: str, cfg: dict[str, Any], make_ctx: Any, problem: Problem) -> None:
+    pipe, r, kv = make(**cfg)
+    ctx = make_ctx(pipe, r, kv)
+    with pytest.raises(PickError) as e:
+        await pipe.decide(ctx)
+    assert e.value.problem is problem
+    assert pipe.load.total_inflight() == 0
+    assert all(ld.inflight == 0 and ld.prefill_blocks == 0 for ld in pipe.load.loads().values())
+    assert kv.predicted == []
+
+
+async def test_a_body_too_deep_for_the_rewrite_is_a_clear_400_not_a_500() -> None:
+    pipe, _, _ = make()
+    with pytest.raises(PickError) as e:
+        await pipe.decide(chat(deep_nvext_body()))
+    assert "nesting too deep" in e.value.detail
+
+
+async def test_an_unexpected_error_while_scoring_books_nothing() -> None:
+    pipe, _, kv = make()
+    kv.fail_overlap = True
+    with pytest.raises(RuntimeError):
+        await pipe.decide(chat(b'{"messages":[]}'))
+    assert pipe.load.total_inflight() == 0 and kv.predicted == []
+
+
+async def test_propose_alone_books_and_predicts_nothing_and_commit_does_both() -> None:
+    pipe, _, kv = make()
+    p = await pipe.propose(chat(b'{"messages":[],"nvext":{"a":1}}'))
+    assert pipe.load.total_inflight() == 0 and kv.predicted == []
+    assert json.loads(p.body) == {"messages": []}
+    d = pipe.commit(p)
+    assert pipe.load.total_inflight() == 1 and kv.predicted == [d.address]
+    d.booking.free()
+
+
+async def test_a_proposal_does_not_count_as_a_routed_request_until_committed() -> None:
+    pipe, _, _ = make()
+    p = await pipe.propose(chat(b'{"messages":[]}'))
+    routed = pipe.metrics.requests.labels("routed")._value.get()
+    assert routed == 0
+    pipe.commit(p).booking.free()
+    assert pipe.metrics.requests.labels("routed")._value.get() == 1
+
+
+async def test_a_debug_proposal_keeps_its_render_out_of_the_traffic_count() -> None:
+    pipe, r, _ = make()
+    await pipe.propose(chat(b'{"messages":[]}'), count=False)
+    assert r.calls == [False]
+
+
+async def test_the_route_follows_from_whether_the_prompt_is_known() -> None:
+    pipe, r, _ = make()
+    assert (await pipe.propose(chat(b'{"messages":[]}'))).plan.route == "kv"
+    r.fail = RenderError(RenderFailure.UNAVAILABLE, "down")
+    assert (await pipe.propose(chat(b'{"messages":[]}'))).plan.route == "load"
