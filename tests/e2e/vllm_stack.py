@@ -438,7 +438,8 @@ class VllmStack:
         self.renderer = vllm_renderer(workdir)
         self.recorder = EventRecorder()
         self.picker: Proc | None = None
-        self.picker_ports: tuple[int, int, int] = (free_port(), free_port(), free_port())
+        # ext_proc, gRPC health, /metrics, /debug (the admin API has its own loopback port)
+        self.picker_ports: tuple[int, int, int, int] = (free_port(), free_port(), free_port(), free_port())
         self.envoy: EnvoyProcess | None = None
         self.figures: dict[str, Any] = {}
         self.unattributed: list[dict[str, Any]] = []  # requests no engine counter (or no picker) accounted for
@@ -463,8 +464,9 @@ class VllmStack:
                         f"replay=tcp://127.0.0.1:{self.kv[w.name][1]}" for w in self.workers)
 
     def start_picker(self, *extra: str) -> None:
-        g, h, m = self.picker_ports
+        g, h, m, a = self.picker_ports
         argv = [PICKER, "--grpc-port", str(g), "--health-port", str(h), "--metrics-port", str(m),
+                "--admin-port", str(a),
                 "--bind", "127.0.0.1", "--endpoints", self.endpoints_spec(),
                 "--tokenizer-protocol", "vllm-render", "--tokenizer-service-url", self.renderer.url,
                 "--tokenization-timeout-ms", "20000", *extra]
@@ -514,9 +516,14 @@ class VllmStack:
         self.recorder.close()
 
     # -- the picker's side
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.picker_ports[3]}"
+
     def picker_get(self, path: str) -> Any:
         assert self.picker is not None
-        return http_json(self.picker.url + path, timeout=10)
+        base = self.admin_url if path.startswith("/debug") else self.picker.url
+        return http_json(base + path, timeout=10)
 
     def picker_metrics(self) -> str:
         return self.picker_get("/metrics")
@@ -527,7 +534,7 @@ class VllmStack:
     def score(self, payload: dict[str, Any]) -> dict[str, int]:
         """Overlap (blocks) the picker credits each worker with for this payload, by worker name."""
         assert self.picker is not None
-        doc = http_json(self.picker.url + "/debug/score", payload, timeout=30)
+        doc = http_json(self.admin_url + "/debug/score", payload, timeout=30)
         return {w["name"]: w["overlap_blocks"] for w in doc["workers"]}
 
     # -- the engines' side
