@@ -332,6 +332,14 @@ def test_role_grants_read_and_watch_on_pods_and_inferencepools(rendered):
         assert {(group, resource, v) for v in ("get", "list", "watch")} <= granted
 
 
+def test_role_lets_flow_control_list_the_pools_inference_objectives(rendered):
+    from epp_extproc.adapters.objectives import OBJECTIVE_GROUP
+
+    rules = find(rendered["base"], "Role")["rules"]
+    assert any(OBJECTIVE_GROUP in r["apiGroups"] and "inferenceobjectives" in r["resources"] and "list" in r["verbs"]
+               for r in rules)
+
+
 @pytest.mark.parametrize("variant", ("base", *VARIANTS))
 def test_picker_env_names_are_ones_the_picker_reads(rendered, variant):
     names = {n for n in env_of(picker(rendered[variant])) if n.startswith("DYN_") or n == "POD_NAMESPACE"}
