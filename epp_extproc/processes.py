@@ -35,8 +35,13 @@ def child_configs(cfg: Config, sock_dir: str) -> list[tuple[Config, ProcessSlot]
     socks = [f"unix:{os.path.join(sock_dir, f'p{i}.sock')}" for i in range(n)]
     out = []
     for i in range(n):
-        side = {} if i == 0 else {"health_port": 0,
-                                  "metrics_port": cfg.metrics_port + i if cfg.metrics_port else 0}
+        # process i serves /metrics on metrics-port + i; its /debug follows a shared metrics listener, else
+        # takes a free port (logged): metrics-port + 1 may well be the default admin port, and process 0's
+        # /debug already shows the aggregate load
+        shared = (cfg.admin_bind, cfg.admin_port) == (cfg.bind, cfg.metrics_port) and cfg.admin_port != 0
+        metrics = cfg.metrics_port + i if cfg.metrics_port else 0
+        side = {} if i == 0 else {"health_port": 0, "metrics_port": metrics,
+                                  "admin_port": metrics if shared else 0}
         child = dataclasses.replace(cfg, processes=1, peers=",".join(s for j, s in enumerate(socks) if j != i),
                                     **side)
         out.append((child, ProcessSlot(index=i, sync_listen=(socks[i],), share_port=True)))

@@ -74,6 +74,7 @@ def test_each_child_process_gets_its_socket_and_the_others_as_peers() -> None:
     assert kids[1].peer_list() == ["unix:/run/x/p0.sock", "unix:/run/x/p2.sock"]
     assert [(k.grpc_port, k.health_port, k.metrics_port) for k in kids] == [(9002, 9003, 9090), (9002, 0, 9091),
                                                                             (9002, 0, 9092)]
+    assert [k.admin_port for k in kids] == [9091, 0, 0]  # 9090 + 1 is the default admin port: never reused
     assert all(s.share_port for s in slots) and [s.index for s in slots] == [0, 1, 2]
     assert all(k.processes == 1 for k in kids)
 
