@@ -97,7 +97,7 @@ def test_replica_b_avoids_the_worker_replica_a_just_loaded(replicas) -> None:  #
     stack, b = replicas
     names = {m.address: m.name for m in stack.mocks}
     body = {"model": "mock-model", "messages": [{"role": "user", "content": "a fresh prompt " * 40}]}
-    before = request(f"http://127.0.0.1:{b.metrics_port}", path="/debug/score",
+    before = request(f"http://127.0.0.1:{b.admin_port}", path="/debug/score",
                      body=json.dumps(body).encode()).json()
     target = before["pick"]
     held = stack.bg.run(_book(stack.app, target, 1000))
@@ -105,7 +105,7 @@ def test_replica_b_avoids_the_worker_replica_a_just_loaded(replicas) -> None:  #
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and b.load.load(target).inflight == 0:
             time.sleep(0.01)
-        after = request(f"http://127.0.0.1:{b.metrics_port}", path="/debug/score",
+        after = request(f"http://127.0.0.1:{b.admin_port}", path="/debug/score",
                         body=json.dumps(body).encode()).json()
         assert after["pick"] != target, f"B still picks {names[target]}, which A loaded"
     finally:
