@@ -315,9 +315,7 @@ def print_report(doc: dict[str, Any]) -> None:
         if r["config"] == "q" and r["load"] > 1:
             print(f"\n({r['config']}) at {r['load']}x C, high-band TTFT p90 per 10 s of send time (ms):",
                   [round(x["p90_ms"]) for x in r["high_ttft_by_10s"] if x.get("p90_ms") is not None])
-    print("\nTargets")
-    for k, v in doc["targets"].items():
-        print(f"  {k}: {v}")
+    H.print_targets(doc)
 
 
 def chart(doc: dict[str, Any], path: Path) -> None:

@@ -265,9 +265,7 @@ def print_report(doc: dict[str, Any]) -> None:
                    for d in doc["decision_8k"]],
                   ["workers", "epp_dec p50", "epp_dec p99", "dec p50", "dec p99", "render p50", "lookup p50",
                    "lookup p99", "no-render p50", "no-render p99", "score p50", "score p99"]))
-    print("\nTargets")
-    for k, v in doc["targets"].items():
-        print(f"  {k}: {v}")
+    H.print_targets(doc)
 
 
 def chart(doc: dict[str, Any], path: Path) -> None:

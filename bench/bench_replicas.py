@@ -268,9 +268,7 @@ def print_report(doc: dict[str, Any]) -> None:
                     r["cpu_s"]["renderer"], r["cpu_s"]["client"], r["elapsed_s"], r["load_avg_1m"]] for r in tp],
                   ["processes", "decisions/s", "decisions", "rejected", "picker cpu s", "renderer cpu s",
                    "client cpu s", "wall s", "load avg"]))
-    print("\nTargets")
-    for k, v in doc["targets"].items():
-        print(f"  {k}: {v}")
+    H.print_targets(doc)
 
 
 def chart(doc: dict[str, Any], path: Path) -> None:

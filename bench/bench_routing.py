@@ -317,9 +317,7 @@ def print_report(doc: dict[str, Any]) -> None:
                   ["cfg", "rate", "reqs", "err", "TTFT p50", "TTFT p90", "a/x p90", "out tok/s", "cached",
                    "cached(stats)"]))
     print("\n(d) oracle cached-token ratio per rate:", json.dumps(doc["result"]["oracle"]))
-    print("\nTargets")
-    for k, v in doc["targets"].items():
-        print(f"  {k}: {v}")
+    H.print_targets(doc)
 
 
 def chart(doc: dict[str, Any], path: Path) -> None:

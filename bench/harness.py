@@ -546,6 +546,13 @@ def bench_parser(doc: str | None, name: str) -> argparse.ArgumentParser:
     return ap
 
 
+def print_targets(doc: dict[str, Any]) -> None:
+    """The closing lines of every benchmark's report: each target and whether it was met."""
+    print("\nTargets")
+    for k, v in doc["targets"].items():
+        print(f"  {k}: {v}")
+
+
 def fmt(v: Any, spec: str = ".2f") -> str:
     if v is None:
         return "-"
