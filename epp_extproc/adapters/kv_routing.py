@@ -64,7 +64,7 @@ class KvRouting:
         self.prediction_ttl_s = prediction_ttl_s
         self.ask_server_info = ask_server_info
         self._registry = registry
-        self._adapters: dict[str, set[str]] = {}  # address -> LoRA adapters it serves
+        self._adapters: dict[str, dict[str, str]] = {}  # address -> LoRA adapter -> its base model
         self._tasks: set[asyncio.Task[None]] = set()
         self._lock = asyncio.Lock()
         # Called with (worker, block size, hashes, ttl_s) after each local prediction: replica sync shares it.
@@ -123,9 +123,23 @@ class KvRouting:
             return model if model in self._adapters.get(address, ()) else None
         return model if any(model in a for a in self._adapters.values()) else None
 
-    def set_adapters(self, address: str, adapters: Sequence[str]) -> None:
-        """Declare the adapters a worker serves (tests, or a caller that knows them better than /v1/models)."""
-        self._adapters[address] = set(adapters)
+    def set_adapters(self, address: str, adapters: Sequence[str] | dict[str, str]) -> None:
+        """Declare the adapters a worker serves, optionally with their base models (tests, or a caller that
+        knows them better than /v1/models)."""
+        self._adapters[address] = dict(adapters) if isinstance(adapters, dict) else dict.fromkeys(adapters, "")
+
+    def base_model_for(self, model: object) -> str | None:
+        """The base model of the LoRA adapter `model` names, when a worker said (its /v1/models `parent`).
+
+        A render-only server knows no adapters (vLLM's answers 404 "model does not exist"), and an adapter
+        changes neither template nor tokenizer, so the prompt is rendered under its base model."""
+        if not isinstance(model, str):
+            return None
+        for adapters in self._adapters.values():
+            parent = adapters.get(model)
+            if parent:
+                return parent
+        return None
 
     def resync(self, address: str) -> None:
         """The worker at `address` died: forget its blocks, rebuild from its events when it is back."""

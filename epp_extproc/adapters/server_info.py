@@ -76,11 +76,13 @@ async def fetch_block_size(address: str, timeout_s: float = 2.0) -> int | None:
     return None
 
 
-async def fetch_served_adapters(address: str, timeout_s: float = 2.0) -> set[str] | None:
-    """Names of the LoRA adapters a worker serves (``/v1/models`` entries with a parent); None if unknown."""
+async def fetch_served_adapters(address: str, timeout_s: float = 2.0) -> dict[str, str] | None:
+    """The LoRA adapters a worker serves (``/v1/models`` entries with a parent), each with its base model;
+    None if unknown."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
         doc = await _get(s, f"http://{address}/v1/models", as_json=True)
     if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
         return None
-    return {m["id"] for m in doc["data"]
-            if isinstance(m, dict) and isinstance(m.get("id"), str) and m.get("parent")}
+    return {m["id"]: m["parent"] for m in doc["data"]
+            if isinstance(m, dict) and isinstance(m.get("id"), str) and isinstance(m.get("parent"), str)
+            and m["parent"]}

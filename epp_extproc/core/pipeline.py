@@ -50,6 +50,7 @@ class KvView(Protocol):
     """What the decision needs from the KV index (adapters/kv_routing.KvRouting)."""
 
     def prompt(self, tokens: Sequence[int], salt: str | None, *, model: object = None) -> PromptView: ...
+    def base_model_for(self, model: object) -> str | None: ...
     def block_size(self, address: str) -> int: ...
     def overlap(self, prompt: Any, workers: Sequence[str]) -> dict[str, int]: ...
     def predict(self, address: str, prompt: Any) -> None: ...
@@ -169,8 +170,10 @@ class Pipeline:
             if protocol == TokenizerProtocol.VLLM:
                 plan.inject["cache_salt"] = salt
             plan.hash_salt = salt
-        try:
-            render_body = rewrite(parsed, ctx.body or b"", drop=DROP_MEMBERS)
+        base = self.kv.base_model_for(plan.model) if self.kv is not None else None
+        try:  # a LoRA adapter is rendered under its base model: renderers do not know adapters
+            render_body = rewrite(parsed, ctx.body or b"", drop=DROP_MEMBERS,
+                                  set_members={"model": base} if base else None)
         except BodyError as e:
             raise PickError(Problem.BAD_REQUEST, str(e)) from None
         try:

@@ -184,6 +184,7 @@ async def test_lora_adapters_a_worker_serves_are_learned_and_a_request_naming_on
                 break
         assert kv.adapter_for("sql-lora") == "sql-lora" and kv.adapter_for("base") is None
         assert kv.adapter_for("sql-lora", address) == "sql-lora"
+        assert kv.base_model_for("sql-lora") == "base" and kv.base_model_for("base") is None  # render under it
         kv.predict(address, Prompt(TOKENS, None, lora="sql-lora"))
         assert kv.overlap(Prompt(TOKENS, None, lora="sql-lora"), [address]) == {address: 8}
         assert kv.overlap(Prompt(TOKENS, None), [address]) == {}

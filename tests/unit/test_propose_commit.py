@@ -25,9 +25,11 @@ class FakeRenderer:
         self.protocol = protocol
         self.fail: RenderError | None = None
         self.calls: list[bool] = []
+        self.bodies: list[bytes] = []
 
     async def render(self, kind: str, body: bytes, *, count: bool = True) -> Rendered:
         self.calls.append(count)
+        self.bodies.append(body)
         if self.fail is not None:
             raise self.fail
         return Rendered(list(range(100)))
@@ -45,6 +47,9 @@ class FakeKv:
 
     def block_size(self, address: str) -> int:
         return 32
+
+    def base_model_for(self, model: object) -> str | None:
+        return "base-model" if model == "tenant-lora" else None
 
     def overlap(self, prompt: Any, workers: Sequence[str]) -> dict[str, int]:
         if self.fail_overlap:
@@ -151,3 +156,11 @@ async def test_the_prompt_is_hashed_for_the_model_the_request_names_so_lora_bloc
     pipe, _, kv = make()
     await pipe.propose(chat(b'{"model":"tenant-lora","messages":[]}'))
     assert kv.models == ["tenant-lora"]
+
+
+async def test_a_lora_request_is_rendered_under_its_base_model_and_forwarded_unchanged() -> None:
+    pipe, r, _ = make()
+    body = b'{"model":"tenant-lora","messages":[]}'
+    p = await pipe.propose(chat(body))
+    assert json.loads(r.bodies[-1]) == {"model": "base-model", "messages": []}
+    assert p.body == body  # the worker still gets the adapter's name
