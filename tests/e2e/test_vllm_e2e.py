@@ -249,9 +249,6 @@ def test_index_holds_the_salted_blocks(stack: VllmStack) -> None:
 LORA_MSGS = conversation(88, 8)
 
 
-@known_defect("render gap (not in issue 12's list): the render-only vLLM server answers 404 'The model "
-              "`tiny-lora` does not exist' to a render request naming the adapter, so the picker gets no "
-              "tokens, routes by load and credits nothing; the picker must render with the adapter's base model")
 def test_lora_repeat_reuses_the_adapters_cache_and_is_credited(stack: VllmStack) -> None:
     reset_section(stack)
     first = send(stack, LORA_MSGS, model=LORA_NAME)
