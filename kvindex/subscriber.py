@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 FAR_JUMP = 1 << 32  # a seq this far past the last one is another numbering (a time_ns start): a restart
 MAX_REPLAY_ROUNDS = 256  # replays re-asked from a hole (each must make progress) before giving up
+MAX_REPLAY_CONFIRMS = 8  # rounds in a row that end on the end marker after batches before the live stream takes over
 MAX_REPLAY_GARBAGE = 16  # malformed replay replies tolerated in one replay
 GAP_WARN_INTERVAL_S = 10.0  # one gap warning per burst, not one per gap
 
@@ -497,6 +498,7 @@ class SubscriberManager:
         gen = sub.gen
         ask = start
         spent = [0, 0]  # batches and bytes received over every round: the budget is per replay
+        confirms = 0
         for rnd in range(MAX_REPLAY_ROUNDS):
             st.replays += 1
             try:
@@ -508,6 +510,18 @@ class SubscriberManager:
             if hole is None:
                 st.replay_ok += 1
                 return True
+            if isinstance(hole, _Confirm):
+                # the end marker came after batches: a tail dropped at the send HWM looks just like that, so
+                # ask once more from the next seq and finish only on a bare end marker.  A publisher busy
+                # enough to answer every confirmation with new batches is followed by its live stream, whose
+                # gaps are recovered like any other.
+                confirms += 1
+                if confirms > MAX_REPLAY_CONFIRMS:
+                    st.replay_ok += 1
+                    return True
+                ask = int(hole)
+                continue
+            confirms = 0
             if rnd and hole == ask:
                 st.replay_failures += 1
                 log.warning("kv replay from %s made no progress past seq %d: rank cleared", sub.label, hole)
@@ -525,7 +539,8 @@ class SubscriberManager:
     async def _replay_round(
         self, sub: _Sub, ask: int, initial: bool, accept: Callable[[int, bytes], bool], gen: int, spent: list[int]
     ) -> int | None:
-        """One replay request; returns the seq of the first hole, or None when contiguous to the end marker.
+        """One replay request; returns the seq of the first hole, a :class:`_Confirm` of the next seq when the
+        end marker followed batches (the tail may have been dropped), or None for a bare end marker.
         The first round lets ``accept`` judge its first reply (where the buffer starts); a round re-asked from
         a hole must start exactly there."""
         expected = ask
@@ -561,7 +576,7 @@ class SubscriberManager:
                     continue
                 seq, payload = parsed
                 if seq == REPLAY_END_SEQ:
-                    return None
+                    return _Confirm(expected) if received else None
                 received += 1
                 spent[0] += 1
                 spent[1] += len(payload)
@@ -595,6 +610,10 @@ class SubscriberManager:
                         raise _Reset
         finally:
             dealer.close(linger=0)
+
+
+class _Confirm(int):
+    """Internal: the seq to ask from to prove that a replay's end marker was not preceded by a dropped tail."""
 
 
 class _Restarted(Exception):

@@ -174,8 +174,9 @@ async def test_gap_is_recovered_through_replay_without_losing_state(env, mode):
     seq = await w.publish([stored_event([3], 2, block(2), BS)])
     await until(lambda: mgr.stats("w").last_seq == seq)
     assert idx.overlap(toks(3) + [0]) == {"w": 3}
-    # the replay starts at the last applied batch: its payload proves the publisher has the same history
-    assert mgr.stats("w").gaps == 1 and w.replay_requests[-1] == seq - 2
+    # the replay starts at the last applied batch: its payload proves the publisher has the same history;
+    # a round that ended after batches is confirmed once more from the next seq
+    assert mgr.stats("w").gaps == 1 and w.replay_requests[-2:] == [seq - 2, seq + 1]
 
 
 async def test_gap_without_replay_clears_the_worker(env):
@@ -367,8 +368,8 @@ async def test_replay_with_a_hole_is_not_applied_as_complete_and_is_asked_again_
     w.replay_drop, w.replay_drop_times = {w.seq - 2}, 1  # and the first replay drops one in the middle
     seq = await w.publish([])
     await until(lambda: mgr.stats("w").last_seq == seq)
-    # asked from the last applied batch, then again from the hole
-    assert mgr.stats("w").replay_holes == 1 and w.replay_requests[-2:] == [seq - 6, seq - 3]
+    # asked from the last applied batch, then again from the hole, then past the end to confirm it
+    assert mgr.stats("w").replay_holes == 1 and w.replay_requests[-3:] == [seq - 6, seq - 3, seq + 1]
     assert idx.engine_hashes("w") == {1, 2, 3, 4, 5, 6}
     assert idx.overlap(toks(6) + [0]) == {"w": 6}
 
@@ -398,8 +399,9 @@ async def test_a_reset_during_an_in_flight_replay_drops_what_it_fetched_and_the_
     await w.publish(chain_events(1)[0])
     await w.publish(chain_events(2)[1], send=False)
     w.replay_delay_s = 0.2
+    asked = len(w.replay_requests)
     await w.publish([])  # gap: the subscriber waits for the slow replay
-    await until(lambda: len(w.replay_requests) == 2)
+    await until(lambda: len(w.replay_requests) == asked + 1)
     mgr.resync("w")  # meanwhile the prober sees the worker die
     await asyncio.sleep(0.3)
     assert idx.engine_hashes("w") == set()
@@ -420,7 +422,21 @@ async def test_idle_worker_without_heartbeats_is_warmed_up_as_soon_as_the_subscr
         await w.publish(ev, send=False)
     await mgr.add("w", w.endpoint, w.replay_endpoint)
     await until(lambda: idx.engine_hashes("w") == {1, 2, 3})  # no live message was ever sent
-    assert w.replay_requests == [0] and mgr.stats("w").messages == 0
+    assert w.replay_requests == [0, w.seq + 1] and mgr.stats("w").messages == 0
+
+
+async def test_replay_whose_last_batches_are_dropped_before_the_end_marker_fetches_them_again(custom):
+    """A full send HWM drops the tail of a burst and the end marker can still get through: it must not look
+    complete (the engine is idle, so no live batch would ever reveal the loss)."""
+    make, worker = custom
+    idx, mgr = make(replay_timeout_s=0.5)
+    w = worker(replay="vllm")
+    for ev in chain_events(4):
+        await w.publish(ev, send=False)
+    w.replay_drop, w.replay_drop_times = {w.seq - 1, w.seq}, 1  # the first replay loses its last two
+    await mgr.add("w", w.endpoint, w.replay_endpoint)
+    await until(lambda: idx.engine_hashes("w") == {1, 2, 3, 4})
+    assert w.replay_requests == [0, w.seq - 1, w.seq + 1] and mgr.stats("w").replay_failures == 0
 
 
 async def test_restart_whose_first_seen_seq_is_above_the_old_one_is_detected_and_the_old_blocks_dropped(env):
