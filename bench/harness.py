@@ -107,11 +107,16 @@ class Proc:
     def cpu_seconds(self) -> float:
         """user+system CPU time of the process so far (from /proc, clock ticks)."""
         assert self.proc is not None
-        try:
-            parts = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError, ValueError):
-            return 0.0
+        return proc_cpu_seconds(self.proc.pid)
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """user+system CPU time of process `pid` so far (from /proc, clock ticks: 10 ms resolution)."""
+    try:
+        parts = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 class Stack:

@@ -61,6 +61,8 @@ class UsageObserver:
     def on_chunk(self, data: bytes) -> None:
         if self._overflow:
             return
+        if self.sse and not self._buf and data.endswith(b"\n") and b'"usage"' not in data:
+            return  # the usual SSE chunk: whole events, none with usage (a split "usage" needs a tail)
         self._buf += data
         if self.sse:
             self._scan_lines()

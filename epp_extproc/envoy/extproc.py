@@ -39,6 +39,7 @@ _BodyMode = processing_mode_pb2.ProcessingMode.BodySendMode
 FULL_DUPLEX = _BodyMode.Value("FULL_DUPLEX_STREAMED")
 BUFFERED = _BodyMode.Value("BUFFERED")
 _MODE_NAMES = {v: k for k, v in _BodyMode.items()}
+_PASS_CHUNK = pb.ProcessingResponse(response_body=pb.BodyResponse())  # never mutated: shared
 
 
 def _headers(msg: pb.HttpHeaders) -> tuple[str, str, dict[str, list[str]]]:
@@ -182,37 +183,36 @@ class _Stream:
         self.finished = False  # an ImmediateResponse was sent, or an observer is done: stop reading
         self.deadline = time.monotonic() + svc.body_timeout_s
 
-    async def _requests(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingRequest]:
-        """The stream's messages; until the request body is complete, each must arrive before the deadline."""
+    async def run(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
+        """Two phases: until the request body is complete, each message must arrive before the deadline;
+        then the response, whose chunks (one message each, possibly thousands) take the short synchronous
+        path of :meth:`_response_chunk`: no generator, task or timer per chunk."""
         it = aiter(requests)
-        while True:
-            if self.body_done:
-                try:
-                    yield await anext(it)
-                except StopAsyncIteration:
-                    return
-                continue
+        while not self.body_done:
             try:
-                yield await asyncio.wait_for(anext(it), max(self.deadline - time.monotonic(), 0.0))
+                req = await asyncio.wait_for(anext(it), max(self.deadline - time.monotonic(), 0.0))
             except StopAsyncIteration:
                 return
             except TimeoutError:
-                raise _BodyTimeout() from None
-
-    async def run(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
-        try:
-            async for req in self._requests(requests):
-                async for r in self._on_message(req):
-                    yield r
-                if self.finished:
-                    return
-        except _BodyTimeout:
-            err = PickError(Problem.BODY_TIMEOUT, f"request body not complete within "
-                                                  f"{self.svc.body_timeout_s:g}s")
-            if self.ctx is None:  # not even headers: nothing to answer to
-                self.exchange.reject(err, RequestContext())
-                await self.context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(err))
-            yield self._reject(err)
+                err = PickError(Problem.BODY_TIMEOUT, f"request body not complete within "
+                                                      f"{self.svc.body_timeout_s:g}s")
+                if self.ctx is None:  # not even headers: nothing to answer to
+                    self.exchange.reject(err, RequestContext())
+                    await self.context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(err))
+                yield self._reject(err)
+                return
+            async for r in self._on_message(req):
+                yield r
+            if self.finished:
+                return
+        async for req in it:
+            if req.WhichOneof("request") == "response_body" and self.ctx is not None:
+                yield self._response_chunk(req.response_body)
+                continue
+            async for r in self._on_message(req):
+                yield r
+            if self.finished:
+                return
 
     async def _on_message(self, req: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingResponse]:
         if req.HasField("protocol_config"):
@@ -255,16 +255,18 @@ class _Stream:
             # No request on this stream: the lean mode's observability-mode filter showing us the response.
             self._observe_first_chunk(req)
         elif kind == "response_body":
-            body = req.response_body
-            self.exchange.response_chunk(body.body)
-            if self.response_mode == FULL_DUPLEX:  # every chunk must be handed back, as it came
-                yield pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
-                    body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
-                        body=body.body, end_of_stream=body.end_of_stream)))))
-            else:  # STREAMED / BUFFERED: an empty answer lets the chunk through unchanged
-                yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+            yield self._response_chunk(req.response_body)
         elif kind == "response_trailers":
             yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+
+    def _response_chunk(self, body: pb.HttpBody) -> pb.ProcessingResponse:
+        data = body.body
+        self.exchange.response_chunk(data)
+        if self.response_mode == FULL_DUPLEX:  # every chunk must be handed back, as it came
+            return pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
+                body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                    body=data, end_of_stream=body.end_of_stream)))))
+        return _PASS_CHUNK  # STREAMED / BUFFERED: an empty answer lets the chunk through unchanged
 
     def _observe_first_chunk(self, req: pb.ProcessingRequest) -> None:
         """Lean mode: the first non-empty chunk ends the booking's prefill; the stream is then closed so
@@ -361,7 +363,3 @@ class _Stream:
                 dynamic_metadata=metadata)
             for r in _streamed_chunks(fwd, end_of_stream=not trailers):
                 yield r
-
-
-class _BodyTimeout(Exception):
-    """The request body did not complete before the stream's deadline."""

@@ -112,4 +112,9 @@ def test_tokens_quick(tmp_path: Path) -> None:
     for m in doc["modes"]:
         assert [r["output_tokens"] for r in m["rows"]] == [8, 256, 1024]
         assert all(r["ok"] == r["requests"] for r in m["rows"])
-    assert set(doc["summary"]) >= {"lean", "echo"}
+    assert set(doc["summary"]) >= {"lean", "echo", "echo_floor"}
+    for m in doc["modes"][1:]:  # with a picker: an idle rate, and net figures never above the raw ones
+        assert m["picker_idle_cpu_ms_per_s"] >= 0
+        assert all(0 <= r["picker_net_cpu_ms_per_request"] <= r["picker_cpu_ms_per_request"] for r in m["rows"])
+    floor = doc["echo_floor"]  # quick: 8 streams of 40 chunks and the [DONE] chunk, every one echoed back
+    assert floor["picker_echoed_chunks"] == 8 * 41 and floor["trivial_us_per_chunk"] > 0

@@ -43,6 +43,18 @@ def test_sse_usage_is_read_however_the_stream_is_split() -> None:
         assert sample(m, "dynamo_epp_cached_tokens_count", model="model-x") == 1
 
 
+def test_sse_usage_split_at_any_byte_into_two_chunks_is_read() -> None:
+    """Whole events skip the scan; a chunk cut anywhere (inside `"usage"` too) must still be joined."""
+    raw = sse_bytes()
+    for cut in range(1, len(raw)):
+        obs, m = observer()
+        obs.on_headers({":status": ["200"], "content-type": ["text/event-stream"]})
+        obs.on_chunk(raw[:cut])
+        obs.on_chunk(raw[cut:])
+        obs.finish()
+        assert sample(m, "dynamo_epp_cached_tokens_sum", model="model-x") == 64, cut
+
+
 def test_unary_usage_is_read_at_the_end() -> None:
     obs, m = observer()
     obs.on_headers({":status": ["200"], "content-type": ["application/json"]})
