@@ -59,6 +59,7 @@ from envoy_data_plane.envoy.config.core.v3 import (
     Http2ProtocolOptions,
     SocketAddress,
     TransportSocket,
+    TypedExtensionConfig,
 )
 from envoy_data_plane.envoy.config.core.v3 import (
     HttpProtocolOptions as HttpProtocolOptionsCore,
@@ -97,6 +98,8 @@ from envoy_data_plane.envoy.extensions.filters.http.header_to_metadata.v3 import
     ConfigRule,
     ConfigValueType,
 )
+from envoy_data_plane.envoy.extensions.common.matching.v3 import ExtensionWithMatcher
+from envoy_data_plane.envoy.extensions.filters.common.matcher.action.v3 import SkipFilter
 from envoy_data_plane.envoy.extensions.filters.http.lua.v3 import Lua
 from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
 from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
@@ -113,7 +116,18 @@ from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
     HttpProtocolOptions,
     HttpProtocolOptionsExplicitHttpConfig,
 )
+from envoy_data_plane.envoy.type.matcher.v3 import HttpResponseHeaderMatchInput
 from envoy_data_plane.google.protobuf import Any as AnyPb
+from envoy_data_plane.xds.core.v3 import TypedExtensionConfig as XdsTypedExtensionConfig
+from envoy_data_plane.xds.type.matcher.v3 import (
+    Matcher,
+    MatcherMatcherList,
+    MatcherMatcherListFieldMatcher,
+    MatcherMatcherListPredicate,
+    MatcherMatcherListPredicateSinglePredicate,
+    MatcherOnMatch,
+    StringMatcher,
+)
 
 from epp_extproc.gaie import (
     DEST_HEADER,
@@ -265,7 +279,12 @@ def ext_proc_filter(opts: EnvoyOptions, processing: ProcessingOptions, *, name: 
 def observer_filter(opts: EnvoyOptions) -> HttpFilter:
     """The first-chunk signal: an observability-mode ext_proc filter (Envoy never waits for it) that shows the
     picker the response body; the picker reads up to the first non-empty chunk, ends the prefill booking named
-    by the `envoy.lb` metadata its main stream set, and closes. Later chunks are not sent once it closed."""
+    by the `envoy.lb` metadata its main stream set, and closes. Later chunks are not sent once it closed.
+
+    Only for SSE answers: the filter is wrapped in a matcher that skips it unless the response's
+    content-type is text/event-stream. A unary answer's first chunk comes when it is complete, which the
+    main stream's end already says; opening a second gRPC stream for it cost ~0.45 ms of picker CPU and
+    ~0.2 ms of Envoy CPU per request (`bench_overhead`), a quarter of the picker's whole request path."""
     proc = ExternalProcessor(
         grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=PICKER_CLUSTER)),
         failure_mode_allow=True,  # an observer must never fail a request
@@ -276,7 +295,16 @@ def observer_filter(opts: EnvoyOptions) -> HttpFilter:
         metadata_options=MetadataOptions(
             forwarding_namespaces=MetadataOptionsMetadataNamespaces(untyped=[LB_NAMESPACE])),
     )
-    return HttpFilter(name=OBSERVER_FILTER, typed_config=AnyPb.pack(proc))
+    sse = MatcherMatcherListPredicate(single_predicate=MatcherMatcherListPredicateSinglePredicate(
+        input=XdsTypedExtensionConfig(name="content-type", typed_config=AnyPb.pack(
+            HttpResponseHeaderMatchInput(header_name="content-type"))),
+        value_match=StringMatcher(prefix="text/event-stream", ignore_case=True)))
+    skip_unless_sse = Matcher(matcher_list=MatcherMatcherList(matchers=[MatcherMatcherListFieldMatcher(
+        predicate=MatcherMatcherListPredicate(not_matcher=sse),
+        on_match=MatcherOnMatch(action=XdsTypedExtensionConfig(name="skip", typed_config=AnyPb.pack(SkipFilter()))))]))
+    wrapped = ExtensionWithMatcher(xds_matcher=skip_unless_sse, extension_config=TypedExtensionConfig(
+        name=OBSERVER_FILTER, typed_config=AnyPb.pack(proc)))
+    return HttpFilter(name=OBSERVER_FILTER, typed_config=AnyPb.pack(wrapped))
 
 
 def usage_filter() -> HttpFilter:

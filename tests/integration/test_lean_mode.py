@@ -141,7 +141,13 @@ def test_the_generated_config_keeps_response_bodies_off_the_pickers_stream() -> 
     main = hcm["http_filters"][0]["typed_config"]["processing_mode"]
     assert main.get("response_body_mode", "NONE") == "NONE"  # proto JSON omits the enum's zero value
     assert main["response_trailer_mode"] == "SEND"
-    assert hcm["http_filters"][1]["typed_config"]["observability_mode"] is True
+    observer = hcm["http_filters"][1]["typed_config"]  # wrapped in a matcher: it runs for SSE answers only
+    assert observer["extension_config"]["typed_config"]["observability_mode"] is True
+    skip = observer["xds_matcher"]["matcher_list"]["matchers"][0]
+    assert skip["on_match"]["action"]["typed_config"]["@type"].endswith("SkipFilter")
+    single = skip["predicate"]["not_matcher"]["single_predicate"]
+    assert single["input"]["typed_config"]["header_name"] == "content-type"
+    assert single["value_match"] == {"prefix": "text/event-stream", "ignore_case": True}
     assert hcm["access_log"][0]["name"] == "envoy.access_loggers.http_grpc"
 
 
@@ -165,6 +171,21 @@ def test_the_booking_lives_until_the_last_byte_and_prefill_ends_at_the_first_chu
     t.join(20)
     assert result["body"].endswith(b"data: [DONE]\n\n")
     wait_for(lambda: lean.app.load.total_inflight() == 0, "the booking to be freed at the end")
+
+
+def first_chunks(lean: Lean) -> float:
+    return lean.signal("first_chunk") + lean.signal("first_chunk_unknown")
+
+
+def test_only_sse_answers_open_the_first_chunk_observer_stream(lean: Lean) -> None:
+    """A unary answer is complete at its first chunk: the main stream's end says it, no second stream."""
+    before, logged = first_chunks(lean), lean.cached_count()
+    lean.post("/v1/unary-parts")
+    wait_for(lambda: lean.cached_count() == logged + 1, "the unary request's access log entry")
+    wait_for(lambda: lean.app.load.total_inflight() == 0, "the unary booking freed")
+    assert first_chunks(lean) == before
+    lean.post("/v1/split-usage/sse")
+    wait_for(lambda: first_chunks(lean) == before + 1, "the SSE answer's first-chunk signal")
 
 
 def test_usage_split_across_two_chunks_reaches_the_metrics(lean: Lean) -> None:
