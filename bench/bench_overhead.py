@@ -228,6 +228,8 @@ def targets(e2e: dict[str, Any], dec: list[dict[str, Any]]) -> dict[str, Any]:
     rows = e2e["rows"]
     c1 = next(r for r in rows if r["config"] == "c" and r["concurrency"] == 1)
     best_c = max(r["rps"] for r in rows if r["config"] == "c")
+    best_cpu = min((r["cpu_us_per_request"].get("picker") for r in rows
+                    if r["config"] == "c" and r["concurrency"] > 1), default=None)
     worst_in = max(d["in_process"]["decide_without_render"]["p99_ms"] for d in dec)
     worst_in50 = max(d["in_process"]["decide_without_render"]["p50_ms"] for d in dec)
     worst_proc50 = max(d["fine_decision"]["p50_ms"] or 0 for d in dec)
@@ -241,7 +243,11 @@ def targets(e2e: dict[str, Any], dec: list[dict[str, Any]]) -> dict[str, Any]:
                                 "met_with_render": worst_proc99 <= 1.0},
         "added_p50_at_c1_le_2ms": {"target_ms": 2.0, "measured_ms": c1["added_p50_ms"],
                                    "met": c1["added_p50_ms"] is not None and c1["added_p50_ms"] <= 2.0},
-        "c_sustains_1000_rps": {"target": 1000, "measured_max_rps": best_c, "met": best_c >= 1000},
+        "c_sustains_1000_rps": {"target": 1000, "measured_max_rps": best_c, "met": best_c >= 1000,
+                                # the client, Envoy, renderer and workers share the 2 cores: what one picker
+                                # process carries on a core of its own is 1 s over its CPU per request
+                                "picker_cpu_us_per_request": best_cpu,
+                                "one_picker_core_rps": 1e6 / best_cpu if best_cpu else None},
     }
 
 
