@@ -82,6 +82,8 @@ from envoy_data_plane.envoy.extensions.access_loggers.grpc.v3 import (
     CommonGrpcAccessLogConfig,
     HttpGrpcAccessLogConfig,
 )
+from envoy_data_plane.envoy.extensions.common.matching.v3 import ExtensionWithMatcher
+from envoy_data_plane.envoy.extensions.filters.common.matcher.action.v3 import SkipFilter
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
     ExternalProcessor,
     MetadataOptions,
@@ -98,8 +100,6 @@ from envoy_data_plane.envoy.extensions.filters.http.header_to_metadata.v3 import
     ConfigRule,
     ConfigValueType,
 )
-from envoy_data_plane.envoy.extensions.common.matching.v3 import ExtensionWithMatcher
-from envoy_data_plane.envoy.extensions.filters.common.matcher.action.v3 import SkipFilter
 from envoy_data_plane.envoy.extensions.filters.http.lua.v3 import Lua
 from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
 from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
