@@ -181,15 +181,13 @@ def run_throughput(seconds: float, quick: bool) -> tuple[list[dict[str, Any]], d
 def tree_cpu_seconds(pid: int) -> float:
     """user+system CPU of a process and all its descendants (the --processes children), from /proc."""
     total, todo = 0.0, [pid]
-    tick = os.sysconf("SC_CLK_TCK")
     while todo:
         p = todo.pop()
+        total += H.proc_cpu_seconds(p)
         try:
-            parts = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(parts[11]) + int(parts[12])) / tick
             for task in Path(f"/proc/{p}/task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
-        except (OSError, ValueError, IndexError):
+        except (OSError, ValueError):
             continue
     return total
 

@@ -16,7 +16,7 @@ import zmq.asyncio
 from bench.kvwire import cleared_event, pack_batch, removed_event, stored_event
 from kvindex.decode import encode_seq
 from kvindex.index import KvIndex
-from kvindex.subscriber import KvSource, SubscriberManager
+from kvindex.subscriber import MAX_REPLAY_CONFIRMS, KvSource, SubscriberManager
 from tests.mock.test_mock_support import ids_body, post, running_worker
 from tests.netutil import free_base_port, free_port
 
@@ -65,6 +65,7 @@ class FakeWorker:
         self.replay_delay_s = 0.0
         self.replay_garbage = False
         self.replay_no_end = False
+        self.replay_grows = False  # a busy engine: one more (unsent) batch is stored before each replay answer
         self._task = None
         if replay:
             rport = free_port()
@@ -81,6 +82,8 @@ class FakeWorker:
             self.replay_requests.append(start)
             if self.replay_delay_s:
                 await asyncio.sleep(self.replay_delay_s)
+            if self.replay_grows:
+                await self.publish([], send=False)
             if self.replay_garbage:
                 for _ in range(100):
                     await self.router.send_multipart([ident, b"", b"garbage"])
@@ -423,6 +426,20 @@ async def test_idle_worker_without_heartbeats_is_warmed_up_as_soon_as_the_subscr
     await mgr.add("w", w.endpoint, w.replay_endpoint)
     await until(lambda: idx.engine_hashes("w") == {1, 2, 3})  # no live message was ever sent
     assert w.replay_requests == [0, w.seq + 1] and mgr.stats("w").messages == 0
+
+
+async def test_a_publisher_that_answers_every_confirmation_with_new_batches_ends_the_replay_as_complete(custom):
+    """Confirmation rounds are bounded: a busy engine's newest batches are left to its live stream."""
+    make, worker = custom
+    idx, mgr = make(replay_timeout_s=0.5)
+    w = worker(replay="vllm")
+    for ev in chain_events(3):
+        await w.publish(ev, send=False)
+    w.replay_grows = True
+    await mgr.add("w", w.endpoint, w.replay_endpoint)
+    await until(lambda: mgr.stats("w").replay_ok == 1)
+    assert len(w.replay_requests) == MAX_REPLAY_CONFIRMS + 1 and mgr.stats("w").replay_failures == 0
+    assert idx.engine_hashes("w") == {1, 2, 3}
 
 
 async def test_replay_whose_last_batches_are_dropped_before_the_end_marker_fetches_them_again(custom):
