@@ -8,7 +8,7 @@ the picker's stream, what GAIE-style gateway configs do). Reported per request: 
 (user + system, from /proc), and, for each mode, its cost at 1024 tokens over its cost at 8 tokens.
 
 A picker spends CPU while no request is running too (the engines' /metrics scraped every 100 ms, health,
-probes; measured here at ~8 ms/s with one worker), and a 1024-token answer lasts ~130 times longer than an
+probes; measured at 8-11 ms/s with one worker), and a 1024-token answer lasts ~130 times longer than an
 8-token one, so the raw per-request figure charges each long request its share of that background. Each
 stack's idle rate is therefore measured in the same run, over `IDLE_S` seconds with the same processes
 before any traffic, and the figures are given both raw and net of it (rate x wall time / requests). The
