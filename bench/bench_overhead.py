@@ -113,7 +113,8 @@ def run_decision_process(n_workers: int, n_tokens: int, reps: int) -> dict[str, 
         pub = H.kv_publisher(st, n_workers, rate=0, doc_blocks=doc_blocks)
         spec, addrs = H.fake_worker_spec(pub)
         rend = H.mock_renderer(st)
-        pk = H.picker(st, spec, "trtllm-render", rend, argv0=[sys.executable, "-m", "bench.picker_host"])
+        pk = H.picker(st, spec, "trtllm-render", rend, extra=H.SIMULATED_WORKER_FLAGS,
+                      argv0=[sys.executable, "-m", "bench.picker_host"])
         H.wait_subscribed(pk, addrs)
         H.wait_warm(pk, addrs, H.kvpub_command(pub, "go")["warm"], timeout=20, poll=0.1)
 

@@ -206,13 +206,13 @@ def side_ports(n: int) -> int:
 
 
 def picker_group(st: H.Stack, spec: str, renderer: H.Proc, n: int) -> H.Proc:
-    """`epp-extproc --processes n` (the prober is off: the simulated workers have no HTTP port)."""
+    """`epp-extproc --processes n` over simulated workers (so `SIMULATED_WORKER_FLAGS`: no prober)."""
     grpc_port, health = H.free_port(), H.free_port()
     metrics = side_ports(n)
     argv = [H.PICKER, "--bind", "127.0.0.1", "--grpc-port", str(grpc_port), "--health-port", str(health),
             "--metrics-port", str(metrics), "--endpoints", spec, "--log-level", "WARNING",
             "--tokenizer-protocol", "trtllm-render", "--tokenizer-service-url", renderer.url,
-            "--max-inflight-requests", "100000", "--endpoint-probe-interval-ms", "0", "--processes", str(n),
+            "--max-inflight-requests", "100000", *H.SIMULATED_WORKER_FLAGS, "--processes", str(n),
             "--secure-serving=false"]  # the client below speaks h2c
     p = st.add(H.Proc("picker", argv, grpc_port, st.dir / "picker.log", extra={"metrics_port": metrics}))
     for i in range(n):

@@ -74,7 +74,8 @@ def run_workers(n: int, lengths: list[int], seconds: float, rate: float, cap: in
         pub = H.kv_publisher(st, n, rate=rate, doc_blocks=DOC_BLOCKS, cap=cap)
         spec, addrs = H.fake_worker_spec(pub)
         rend = H.mock_renderer(st)
-        pk = H.picker(st, spec, "trtllm-render", rend, argv0=[sys.executable, "-m", "bench.picker_host"])
+        pk = H.picker(st, spec, "trtllm-render", rend, extra=H.SIMULATED_WORKER_FLAGS,
+                      argv0=[sys.executable, "-m", "bench.picker_host"])
         H.wait_subscribed(pk, addrs, timeout=60)
         rss_idle = pk.rss_bytes()
         H.wait_warm(pk, addrs, H.kvpub_command(pub, "go")["warm"], timeout=60, poll=0.2)

@@ -665,9 +665,14 @@ def kvpub_command(p: Proc, cmd: str) -> dict[str, Any]:
     return json.loads(line)
 
 
+# A picker over simulated workers (`fake_worker_spec`) must not probe them: their addresses answer nothing,
+# so the prober would soon declare each one lost and drop its KV entries mid-run.
+SIMULATED_WORKER_FLAGS = ("--endpoint-probe-interval-ms", "0")
+
+
 def fake_worker_spec(pub: Proc) -> tuple[str, list[str]]:
     """Endpoints flag for the picker: one fake HTTP address per simulated worker (never contacted with
-    the ext_proc client) with its KV-event PUB endpoint."""
+    the ext_proc client) with its KV-event PUB endpoint. Start that picker with `SIMULATED_WORKER_FLAGS`."""
     addrs, parts = [], []
     for i, ep in enumerate(pub.extra["endpoints"]):
         addr = f"127.0.0.1:{20000 + i}"
