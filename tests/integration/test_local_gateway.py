@@ -27,10 +27,17 @@ PORT_FLAGS = ("port", "renderer-port", "picker-port", "health-port", "metrics-po
 
 
 def _ports() -> dict[str, int]:
-    ports = {k: free_port() for k in PORT_FLAGS}
-    ports["worker-base-port"] = free_base_port((0, 1))  # worker i listens on base + i
-    ports["kv-base-port"] = free_base_port((0, 1, 10, 11))  # worker i publishes on base + 10*i, replays +1
-    return ports
+    """Ports for every flag, all distinct: a free port is free only until it is used, so two independent picks
+    (or a base plus its offsets) can land on the same number, and the second process then fails to bind."""
+    while True:
+        ports = {k: free_port() for k in PORT_FLAGS}
+        ports["worker-base-port"] = free_base_port((0, 1))  # worker i listens on base + i
+        ports["kv-base-port"] = free_base_port((0, 1, 10, 11))  # worker i publishes on base + 10*i, replays +1
+        used = [p for k, p in ports.items() if not k.endswith("base-port")]
+        used += [ports["worker-base-port"] + i for i in (0, 1)]
+        used += [ports["kv-base-port"] + i for i in (0, 1, 10, 11)]
+        if len(set(used)) == len(used):
+            return ports
 
 
 def _run_until_ready_then_ctrl_c(argv: list[str], env: dict[str, str], gateway_port: int) -> str:
