@@ -20,6 +20,7 @@ from epp_extproc.envoy.tls import cert_files
 
 BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
 LOG_FORMATS = ("text", "json")
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
 
 class TokenizerProtocol(StrEnum):
@@ -105,6 +106,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("--log-format", "DYN_EPP_LOG_FORMAT", "text", str,
            "`text` for people, `json` = one JSON object per line (time, level, logger, message) for log "
            "pipelines", LOG_FORMATS),
+    Option("--event-loop", "DYN_EPP_EVENT_LOOP", "auto", str,
+           "`uvloop` (libuv) spends less CPU per gRPC message than the standard loop (bench/README.md has the "
+           "figures); `auto` = uvloop when it is installed (it is a dependency), else `asyncio`",
+           EVENT_LOOPS),
     Option("--secure-serving", "DYN_EPP_SECURE_SERVING", True, _bool,
            "TLS on the ext_proc port, as GAIE's and Dynamo's pickers and their gateway configs expect (health "
            "port and metrics stay plain); `--secure-serving=false` serves plaintext h2c"),
@@ -269,6 +274,7 @@ class Config:
     admin_bind: str = _default("admin_bind")
     log_level: str = _default("log_level")
     log_format: str = _default("log_format")
+    event_loop: str = _default("event_loop")
     secure_serving: bool = _default("secure_serving")
     cert_path: str | None = _default("cert_path")
     endpoints: str | None = _default("endpoints")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -181,16 +180,18 @@ class _Stream:
         self.body_done = False
         self.routed: Routed | None = None
         self.finished = False  # an ImmediateResponse was sent, or an observer is done: stop reading
-        self.deadline = time.monotonic() + svc.body_timeout_s
+        self.deadline = asyncio.get_running_loop().time() + svc.body_timeout_s
 
     async def run(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
         """Two phases: until the request body is complete, each message must arrive before the deadline;
         then the response, whose chunks (one message each, possibly thousands) take the short synchronous
-        path of :meth:`_response_chunk`: no generator, task or timer per chunk."""
+        path of :meth:`_response_chunk`: no generator, task or timer per chunk. The deadline is a timer on
+        this task (`timeout_at`), not `wait_for`, which in Python 3.11 wraps every read in a task of its own."""
         it = aiter(requests)
         while not self.body_done:
             try:
-                req = await asyncio.wait_for(anext(it), max(self.deadline - time.monotonic(), 0.0))
+                async with asyncio.timeout_at(self.deadline):
+                    req = await anext(it)
             except StopAsyncIteration:
                 return
             except TimeoutError:

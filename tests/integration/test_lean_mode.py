@@ -13,6 +13,7 @@ import json
 import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -89,11 +90,27 @@ class Lean:
         self.app = PickerApp(Config(grpc_port=0, health_port=0, metrics_port=0, admin_port=0, bind="127.0.0.1",
                                     secure_serving=False, endpoint_probe_interval_ms=0,
                                     endpoints=f"w=127.0.0.1:{self.up.port}"))
+        self.kinds: list[str] = []  # every message kind the picker's ext_proc streams received
+        self._tap(self.app.servicer)
         self.bg.run(self.app.start())
         opts = envoy_config.EnvoyOptions(picker_port=self.app.grpc_port, picker_tls=False,
                                          picker_health_check=False, access_log_flush_ms=50)
         assert opts.response_mode == "lean"  # what every generated config uses
         self.envoy = EnvoyProcess(opts).start()
+
+    def _tap(self, servicer: Any) -> None:
+        inner = servicer.Process
+
+        async def process(requests: Any, context: Any) -> Any:
+            async def tapped() -> Any:
+                async for r in requests:
+                    self.kinds.append(r.WhichOneof("request"))
+                    yield r
+
+            async for resp in inner(tapped(), context):
+                yield resp
+
+        servicer.Process = process  # before start(): the gRPC server registers the method then
 
     def post(self, path: str, timeout: float = 20) -> bytes:
         r = request(self.envoy.url, path=path, body=b'{"model":"m"}', timeout=timeout)
@@ -171,6 +188,15 @@ def test_the_booking_lives_until_the_last_byte_and_prefill_ends_at_the_first_chu
     t.join(20)
     assert result["body"].endswith(b"data: [DONE]\n\n")
     wait_for(lambda: lean.app.load.total_inflight() == 0, "the booking to be freed at the end")
+
+
+def test_a_lean_request_sends_the_picker_nothing_of_its_response(lean: Lean) -> None:
+    """Request headers and body in, the decision out; the stream's end is the only response signal."""
+    lean.kinds.clear()
+    lean.post("/v1/unary-parts")
+    wait_for(lambda: lean.app.load.total_inflight() == 0, "the booking freed at the stream's end")
+    assert "request_headers" in lean.kinds and "request_body" in lean.kinds
+    assert [k for k in lean.kinds if k.startswith("response_")] == []
 
 
 def first_chunks(lean: Lean) -> float:
