@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness as H
+from bench import request_floor
 from bench.kvpub import make_doc
 
 FAST_MOCK = ["--speedup", "1000000", "--prefill-ms-per-token", "0", "--decode-ms-per-token", "0",
@@ -225,7 +226,8 @@ def run_decision(quick: bool) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------- report
-def targets(e2e: dict[str, Any], dec: list[dict[str, Any]]) -> dict[str, Any]:
+def targets(e2e: dict[str, Any], dec: list[dict[str, Any]], floor: dict[str, Any] | None = None) \
+        -> dict[str, Any]:
     rows = e2e["rows"]
     c1 = next(r for r in rows if r["config"] == "c" and r["concurrency"] == 1)
     best_c = max(r["rps"] for r in rows if r["config"] == "c")
@@ -248,7 +250,11 @@ def targets(e2e: dict[str, Any], dec: list[dict[str, Any]]) -> dict[str, Any]:
                                 # the client, Envoy, renderer and workers share the 2 cores: what one picker
                                 # process carries on a core of its own is 1 s over its CPU per request
                                 "picker_cpu_us_per_request": best_cpu,
-                                "one_picker_core_rps": 1e6 / best_cpu if best_cpu else None},
+                                "one_picker_core_rps": 1e6 / best_cpu if best_cpu else None,
+                                # the same request driven straight over gRPC (no Envoy on the cores), next
+                                # to a servicer that does nothing but route: grpc.aio's own floor
+                                "direct_grpc_one_core_rps": (floor or {}).get("one_picker_core_rps"),
+                                "trivial_servicer_one_core_rps": (floor or {}).get("trivial_servicer_core_rps")},
     }
 
 
@@ -272,6 +278,13 @@ def print_report(doc: dict[str, Any]) -> None:
                    for d in doc["decision_8k"]],
                   ["workers", "epp_dec p50", "epp_dec p99", "dec p50", "dec p99", "render p50", "lookup p50",
                    "lookup p99", "no-render p50", "no-render p99", "score p50", "score p99"]))
+    f = doc.get("request_floor")
+    if f:
+        print(f"\nOne request straight over gRPC (lean-mode messages, c=32): picker {f['picker_us_per_request']:.0f} "
+              f"us CPU ({f['one_picker_core_rps']:.0f} req/s per core); a trivial grpc.aio servicer "
+              f"{f['trivial_us_per_request']:.0f} us ({f['trivial_servicer_core_rps']:.0f} req/s); one render call "
+              f"{f['render_call']['picker_render_client_us_per_call']:.0f} us in the picker's client, "
+              f"{f['render_call']['aiohttp_us_per_call']:.0f} us with aiohttp")
     H.print_targets(doc)
 
 
@@ -301,9 +314,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     e2e = run_e2e(a.quick)
     print("overhead: decision time for 8k-token prompts", flush=True)
     dec = run_decision(a.quick)
+    print("overhead: one request's CPU in the picker against a trivial grpc.aio servicer", flush=True)
+    floor = request_floor.measure(a.quick)
     doc = {"bench": "overhead", **H.meta(a.quick), "configs": CONFIGS, "mock_args": FAST_MOCK,
-           "e2e": e2e, "decision_8k": dec}
-    doc["targets"] = targets(e2e, dec)
+           "e2e": e2e, "decision_8k": dec, "request_floor": floor}
+    doc["targets"] = targets(e2e, dec, floor)
     return H.publish(doc, a.out, "overhead", print_report, chart)
 
 

@@ -15,17 +15,17 @@ alive, so a client cannot open the circuit with bad requests.
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import time
 from array import array
 from typing import Any
 
-import aiohttp
 import orjson
 from prometheus_client import Counter, Gauge
 
 from epp_extproc.adapters.breaker import STATE_VALUE, CircuitBreaker
+from epp_extproc.adapters.http1 import BodyTooLarge, ConnectFailed, HttpError, Origin, Response
 from epp_extproc.core.render import Rendered, RenderError, RenderFailure
 from epp_extproc.metrics import PickerMetrics
 
@@ -53,10 +53,10 @@ class RenderClient:
         self.protocol = protocol
         self.field = TOKEN_FIELD[protocol]
         self.base_url = base_url.rstrip("/")
-        self.timeout = aiohttp.ClientTimeout(total=timeout_ms / 1000)
+        self.timeout_s = timeout_ms / 1000
+        self._origin = Origin(self.base_url, limit=256)
         self.max_bytes = max_response_bytes
         self.metrics = metrics
-        self._session: aiohttp.ClientSession | None = None
         self._circuit_state = Gauge("epp_render_circuit_state", "Renderer circuit breaker: 0 closed, "
                                     "1 half-open (probing), 2 open (not called, routing by load)",
                                     registry=metrics.registry)
@@ -71,16 +71,8 @@ class RenderClient:
         if state == "open":
             self._circuit_opens.inc()
 
-    def _sess(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            conn = aiohttp.TCPConnector(limit=256, keepalive_timeout=30, ttl_dns_cache=30)
-            self._session = aiohttp.ClientSession(connector=conn, timeout=self.timeout,
-                                                  json_serialize=json.dumps)
-        return self._session
-
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        await self._origin.close()
 
     async def render(self, kind: str, body: bytes, *, count: bool = True) -> Rendered:
         started = time.perf_counter()
@@ -110,43 +102,30 @@ class RenderClient:
                     self.metrics.render_seconds.observe(time.perf_counter() - started)
 
     async def _render(self, kind: str, body: bytes) -> Rendered:
-        url = self.base_url + (CHAT_PATH if kind == "chat" else COMPLETIONS_PATH)
+        path = CHAT_PATH if kind == "chat" else COMPLETIONS_PATH
+        url = self.base_url + path
         try:
-            async with self._sess().post(url, data=body, headers={"content-type": "application/json"},
-                                         allow_redirects=False) as r:
-                if 300 <= r.status < 400:
-                    raise RenderError(RenderFailure.UPSTREAM_STATUS, f"renderer answered HTTP {r.status} "
-                                      f"(redirect to {_clip(r.headers.get('location', '?'), 120)!r}); "
-                                      "redirects are not followed", r.status)
-                try:
-                    raw = await self._read_capped(r)
-                except _OverCap:
-                    if r.status == 200:
-                        raise
-                    raw = b""  # an error page over the cap: its status decides, its text is not worth it
-                if r.status != 200:
-                    raise RenderError(RenderFailure.UPSTREAM_STATUS, f"renderer answered HTTP {r.status}: "
-                                      f"{raw[:200].decode(errors='replace')}", r.status)
-        except RenderError:
-            raise
+            async with asyncio.timeout(self.timeout_s):
+                r = await self._origin.post(path, body, content_type="application/json", max_body=self.max_bytes)
         except TimeoutError:
-            raise RenderError(RenderFailure.TIMEOUT, f"no answer from {url} within {self.timeout.total}s") from None
-        except aiohttp.ClientConnectionError as e:
+            raise RenderError(RenderFailure.TIMEOUT, f"no answer from {url} within {self.timeout_s:g}s") from None
+        except BodyTooLarge as e:
+            if e.status == 200:
+                raise _OverCap(RenderFailure.INVALID_ANSWER, f"render {e}") from None
+            # an error page over the cap: its status decides, its text is not worth it
+            r = Response(e.status, {}, b"")
+        except ConnectFailed as e:
             raise RenderError(RenderFailure.UNAVAILABLE, f"cannot reach {url}: {_clip(str(e))}") from None
-        except aiohttp.ClientError as e:
+        except HttpError as e:
             raise RenderError(RenderFailure.INVALID_ANSWER, f"{url}: {_clip(str(e))}") from None
-        return self._token_ids(raw, kind)
-
-    async def _read_capped(self, r: aiohttp.ClientResponse) -> bytes:
-        if r.content_length is not None and r.content_length > self.max_bytes:
-            raise _OverCap(RenderFailure.INVALID_ANSWER, f"render answer of {r.content_length} bytes exceeds the "
-                                                         f"{self.max_bytes}-byte cap")
-        buf = bytearray()
-        async for chunk in r.content.iter_chunked(65536):
-            buf += chunk
-            if len(buf) > self.max_bytes:
-                raise _OverCap(RenderFailure.INVALID_ANSWER, f"render answer exceeds the {self.max_bytes}-byte cap")
-        return bytes(buf)
+        if 300 <= r.status < 400:
+            raise RenderError(RenderFailure.UPSTREAM_STATUS, f"renderer answered HTTP {r.status} "
+                              f"(redirect to {_clip(r.headers.get('location', '?'), 120)!r}); "
+                              "redirects are not followed", r.status)
+        if r.status != 200:
+            raise RenderError(RenderFailure.UPSTREAM_STATUS, f"renderer answered HTTP {r.status}: "
+                              f"{r.body[:200].decode(errors='replace')}", r.status)
+        return self._token_ids(r.body, kind)
 
     def _token_ids(self, raw: bytes, kind: str) -> Rendered:
         try:

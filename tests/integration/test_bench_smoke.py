@@ -39,6 +39,9 @@ def test_overhead_quick(tmp_path: Path) -> None:
         assert d["in_process"]["decide_without_render"]["p99_ms"] > 0
     assert set(doc["targets"]) == {"decision_p50_le_0.2ms", "decision_p99_le_1ms", "added_p50_at_c1_le_2ms",
                                    "c_sustains_1000_rps"}
+    floor = doc["request_floor"]  # the picker really routed every stream (a refusal raises) and cost CPU
+    assert 0 < floor["trivial_us_per_request"] and 0 < floor["picker_us_per_request"]
+    assert floor["render_call"]["aiohttp_us_per_call"] > 0 and floor["render_call"]["picker_render_client_us_per_call"] > 0
 
 
 @pytest.mark.timeout(120)
