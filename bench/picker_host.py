@@ -15,7 +15,6 @@ Nothing in the request path changes: the wrappers only time the original methods
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 import time
@@ -24,7 +23,7 @@ from collections.abc import Sequence
 from prometheus_client import Histogram
 
 from epp_extproc.app import PickerApp
-from epp_extproc.cli import serve
+from epp_extproc.cli import run, serve
 from epp_extproc.config import load_config
 
 FINE_BUCKETS = tuple(round(10e-6 * 1.2 ** i, 9) for i in range(76))  # 10 us .. ~10 s, 20% apart
@@ -77,7 +76,8 @@ def instrument(app: PickerApp) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    return asyncio.run(serve(load_config(argv), instrument))
+    cfg = load_config(argv)
+    return run(serve(cfg, instrument), cfg.event_loop)  # the product's loop choice, not the standard one
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
@@ -259,3 +260,35 @@ async def test_a_refused_connection_is_connect_failed() -> None:
 def test_only_http_urls_are_origins() -> None:
     with pytest.raises(ValueError):
         Origin("ftp://renderer:21")
+
+
+async def test_an_https_origin_is_verified_and_a_certificate_it_does_not_trust_is_refused(tmp_path: Path) -> None:
+    import ssl
+
+    from epp_extproc.envoy.tls import self_signed
+
+    cert = self_signed(cert_dir=tmp_path)
+    key = tmp_path / "tls.key"
+    key.write_bytes(cert.key_pem)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(str(cert.cert_file), str(key))
+
+    async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(2)
+            writer.write(OK)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
+            pass
+        finally:
+            writer.close()
+
+    srv = await asyncio.start_server(h, "127.0.0.1", 0, ssl=server_ctx)
+    url = f"https://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+    trusting = Origin(url, ssl_context=ssl.create_default_context(cafile=str(cert.cert_file)))
+    assert (await post(trusting)).body == b"{}"
+    with pytest.raises(ConnectFailed, match="certificate verify failed"):
+        await post(Origin(url))  # the system's CAs do not know a self-signed certificate
+    await trusting.close()
+    srv.close()
