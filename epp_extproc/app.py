@@ -135,7 +135,8 @@ class PickerApp:
             self.scraper = WorkerMetricsScraper(
                 self.registry, self.load, self.detector, interval_s=cfg.worker_metrics_interval_ms / 1000,
                 path=cfg.worker_metrics_path, on_sample=self.flow.dispatch if self.flow else None,
-                on_error=lambda address, _why: errors.labels(address).inc())
+                on_error=lambda address, _why: errors.labels(address).inc(),
+                idle_interval_s=cfg.worker_metrics_idle_interval_ms / 1000)
 
     def flow_snapshot(self) -> dict[str, object]:
         """GET /debug/flow: the queue and what the detector thinks of each worker."""

@@ -218,6 +218,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("--worker-metrics-interval-ms", "DYN_EPP_WORKER_METRICS_INTERVAL_MS", 100, int,
            "scrape each worker's Prometheus metrics this often (queue, running, KV utilisation) for "
            "saturation and the load this picker did not book; 0 = off"),
+    Option("--worker-metrics-idle-interval-ms", "DYN_EPP_WORKER_METRICS_IDLE_INTERVAL_MS", 1000, int,
+           "a worker found idle twice in a row (nothing running or waiting, nothing of this picker's) is "
+           "scraped at doubling intervals up to this; a booking on it restores the interval at once; at "
+           "or below the interval = every worker at the interval"),
     Option("--worker-metrics-staleness-ms", "DYN_EPP_WORKER_METRICS_STALENESS_MS", 300, int,
            "a worker's metrics older than this are ignored (it is judged by this picker's bookings only)"),
     Option("--worker-metrics-path", "DYN_EPP_WORKER_METRICS_PATH", "/metrics", str,
@@ -311,6 +315,7 @@ class Config:
     router_temperature: float = _default("router_temperature")
     prediction_ttl_s: float = _default("prediction_ttl_s")
     worker_metrics_interval_ms: int = _default("worker_metrics_interval_ms")
+    worker_metrics_idle_interval_ms: int = _default("worker_metrics_idle_interval_ms")
     worker_metrics_staleness_ms: int = _default("worker_metrics_staleness_ms")
     worker_metrics_path: str = _default("worker_metrics_path")
     flow_control: bool = _default("flow_control")
@@ -384,9 +389,10 @@ class Config:
             raise ValueError("DYN_EPP_REQUEST_BODY_TIMEOUT_MS must be positive")
         if self.router_temperature < 0:
             raise ValueError("DYN_ROUTER_TEMPERATURE must be >= 0")
-        if self.worker_metrics_interval_ms < 0 or self.worker_metrics_staleness_ms <= 0:
-            raise ValueError("DYN_EPP_WORKER_METRICS_INTERVAL_MS must be >= 0 and "
-                             "DYN_EPP_WORKER_METRICS_STALENESS_MS > 0")
+        if self.worker_metrics_interval_ms < 0 or self.worker_metrics_staleness_ms <= 0 \
+                or self.worker_metrics_idle_interval_ms < 0:
+            raise ValueError("DYN_EPP_WORKER_METRICS_INTERVAL_MS and DYN_EPP_WORKER_METRICS_IDLE_INTERVAL_MS "
+                             "must be >= 0 and DYN_EPP_WORKER_METRICS_STALENESS_MS > 0")
         if not 0 < self.flow_control_queue_ttl_s < 600:
             raise ValueError("DYN_EPP_FLOW_CONTROL_QUEUE_TTL_S must be in (0, 600): the shipped Envoy configs "
                              "wait 600 s (message_timeout) for the picker's answer")

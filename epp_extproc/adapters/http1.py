@@ -4,7 +4,8 @@ The renderer is called once for every routed request, so its client sits in the 
 client spends ~190 µs of CPU per call on this machine (request and response objects, multidict headers, a
 stream reader, a timer context); this one writes to kept-alive connections directly and lets httptools (the
 C llhttp parser that uvicorn uses) parse the answer, ~55 µs for the same call (`bench/README.md`). It does only
-what a render call needs: a POST with a body; the status, the headers and a body capped in size; keep-alive
+what a render call (and a /metrics scrape) needs: a POST with a body or a GET; the status, the headers and a
+body capped in size; keep-alive
 reuse, with one retry on a fresh connection when a reused idle one turns out closed before any byte of the
 answer; a bounded pool; plain TCP or TLS.
 
@@ -190,16 +191,27 @@ class Origin:
 
     async def post(self, path: str, body: bytes, *, content_type: str, max_body: int) -> Response:
         """One POST; bound it with `asyncio.timeout` around the call (a cancelled call closes its connection)."""
-        head = (b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n"
-                b"Accept: application/json\r\nUser-Agent: epp-extproc\r\n\r\n"
-                % ((self.prefix + path).encode(), self._host_header, content_type.encode(), len(body)))
+        return await self.request(b"POST", path, body, content_type=content_type, max_body=max_body)
+
+    async def get(self, path: str, *, max_body: int) -> Response:
+        return await self.request(b"GET", path, None, content_type=None, max_body=max_body)
+
+    async def request(self, method: bytes, path: str, body: bytes | None, *, content_type: str | None,
+                      max_body: int) -> Response:
+        head = b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (method, (self.prefix + path).encode(), self._host_header)
+        if content_type is not None:
+            head += b"Content-Type: %s\r\n" % content_type.encode()
+        if body is not None:
+            head += b"Content-Length: %d\r\n" % len(body)
+        head += b"User-Agent: epp-extproc\r\n\r\n"
+        data = [head, body] if body else [head]
         async with self._slots:
             for _ in range(2):
                 conn = self._take_idle()
                 reused = conn is not None
                 if conn is None:
                     conn = await self._connect()
-                fut = conn.send([head, body], max_body)
+                fut = conn.send(data, max_body)
                 try:
                     return await fut
                 except _Stale:

@@ -77,11 +77,10 @@ def setup(address: str, thresholds: Thresholds | None = None, **kw: object) \
 
 @contextlib.asynccontextmanager
 async def session(scraper: WorkerMetricsScraper) -> AsyncIterator[None]:
-    scraper._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
     try:
         yield
     finally:
-        await scraper._session.close()
+        await scraper.close()  # its kept-alive connections
 
 
 async def test_mock_worker_saturated_by_its_own_queue_is_seen_saturated() -> None:
@@ -172,3 +171,94 @@ async def test_mock_kv_utilization_counts_only_blocks_running_requests_hold() ->
         async with client.get(w.url + "/metrics") as r:
             g = parse_gauges(await r.text())
         assert g.kv_utilization == 0.0 and g.running == 0  # ... but nothing holds them: not "in use"
+
+
+# ------------------------------------------------------------------------------------------- idle workers
+def gauges_text(running: int) -> str:
+    return TRTLLM.replace("trtllm_num_requests_running 8.0", f"trtllm_num_requests_running {running}") \
+        .replace("trtllm_num_requests_waiting 3.0", "trtllm_num_requests_waiting 0")
+
+
+async def scrapes_in(scraper: WorkerMetricsScraper, seconds: float) -> int:
+    before = scraper.scrapes
+    await asyncio.sleep(seconds)
+    return scraper.scrapes - before
+
+
+async def test_an_idle_worker_is_scraped_less_often_until_this_picker_books_on_it() -> None:
+    async def handler(_: web.Request) -> web.Response:
+        return web.Response(text=gauges_text(running=0), content_type="text/plain")
+
+    runner, address = await serve(handler)
+    scraper, _, load = setup(address, interval_s=0.02, idle_interval_s=0.32)
+    task = asyncio.create_task(scraper.run())
+    try:
+        await asyncio.sleep(0.7)  # 2 idle samples, then 40, 80, 160, 320 ms apart
+        idle = await scrapes_in(scraper, 1.0)
+        assert 2 <= idle <= 6, idle  # at the 20 ms interval this would be ~50
+        booking = load.book(address, 4)
+        busy = await scrapes_in(scraper, 0.5)
+        assert busy >= 12, busy  # back to the interval at the next tick
+        booking.free()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await runner.cleanup()
+
+
+async def test_a_worker_running_other_gateways_requests_is_scraped_at_the_interval() -> None:
+    async def handler(_: web.Request) -> web.Response:
+        return web.Response(text=gauges_text(running=1), content_type="text/plain")
+
+    runner, address = await serve(handler)
+    scraper, det, _ = setup(address, interval_s=0.02, idle_interval_s=0.32)
+    task = asyncio.create_task(scraper.run())
+    try:
+        await asyncio.sleep(0.2)
+        assert await scrapes_in(scraper, 1.0) >= 25
+        assert det.fresh(address) is not None
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await runner.cleanup()
+
+
+def _reference_parse(text: str) -> tuple[float | None, ...]:
+    """The line-by-line reading the find-based parser replaced: every line, prefix test, then the value."""
+    from epp_extproc.adapters.worker_metrics import _KIND, _sample_value
+
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        for name, kind in _KIND.items():
+            if line.startswith(name):
+                v = _sample_value(line[len(name):])
+                if v is not None:
+                    sums[kind] = max(sums.get(kind, 0.0), v) if kind in ("kv", "max_running") \
+                        else sums.get(kind, 0.0) + v
+    kv = sums.get("kv")
+    if kv is not None and kv > 1.0:
+        kv = min(kv / 100.0, 1.0)
+    return sums.get("waiting"), sums.get("running"), kv, sums.get("max_running")
+
+
+def test_the_parser_agrees_with_a_line_by_line_reading_of_any_exposition() -> None:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from epp_extproc.adapters.worker_metrics import _KIND
+
+    names = sorted(_KIND) + ["vllm:num_requests_waiting_total", "trtllm_other", "# HELP vllm:num_requests_running x"]
+    line = st.tuples(st.sampled_from(names), st.sampled_from(["", '{engine="0"}', '{a="}"}', "{"]),
+                     st.sampled_from([" ", "\t", ""]),
+                     st.sampled_from(["1", "0", "2.5", "-1", "NaN", "+Inf", "x", "150", ""]),
+                     st.sampled_from(["", " 1700000000"])).map(lambda t: "".join(t))
+    doc = st.lists(line, max_size=12).map(lambda ls: "\n".join(ls)) | \
+        st.lists(line, max_size=12).map(lambda ls: "\r\n".join(ls) + "\r\n")
+
+    @settings(max_examples=400, deadline=None)
+    @given(doc)
+    def check(text: str) -> None:
+        g = parse_gauges(text)
+        assert (g.waiting, g.running, g.kv_utilization, g.max_running) == _reference_parse(text)
+
+    check()
