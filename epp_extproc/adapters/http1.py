@@ -131,6 +131,11 @@ class _Conn(asyncio.Protocol):
                         else ConnectFailed("connection lost mid-answer"))
 
     # -- httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.waiter is None:  # a second answer in the same read, never asked for: not a server to trust
+            self.abort()
+            raise httptools.HttpParserCallbackError("unsolicited answer")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(self.headers) >= MAX_HEADERS:
             self._fail(BadResponse(f"answer has more than {MAX_HEADERS} headers"))

@@ -292,3 +292,15 @@ async def test_an_https_origin_is_verified_and_a_certificate_it_does_not_trust_i
         await post(Origin(url))  # the system's CAs do not know a self-signed certificate
     await trusting.close()
     srv.close()
+
+
+async def test_an_answer_nobody_asked_for_closes_the_connection_and_leaves_the_first_intact() -> None:
+    extra = b"HTTP/1.1 200 OK\r\nX-Sneaky: 1\r\nContent-Length: 2\r\n\r\n[]"
+    async with RawServer(answer(OK + extra)) as srv:
+        origin = Origin(srv.url)
+        first = await post(origin)
+        assert first.body == b"{}" and "x-sneaky" not in first.headers
+        second = await post(origin)  # on a new connection: the one that talked out of turn is gone
+        assert second.body == b"{}"
+        await origin.close()
+    assert srv.connections == 2
