@@ -1,6 +1,6 @@
 """A small fake Kubernetes API server that speaks the real list/watch JSON, for discovery tests.
 
-Only what a pod + InferencePool reflector touches is implemented, but that part behaves like the real
+Only what a pod + InferencePool reflector (and the InferenceObjective poller's list) touches is implemented, but that part behaves like the real
 apiserver: one cluster-wide resourceVersion counter, list answers carrying `metadata.resourceVersion`, watch
 streams of newline-delimited `{"type", "object"}` events replayed from a history after the requested version,
 label- and field-selector filtering (an object that stops matching is reported as DELETED, one that starts
@@ -25,10 +25,13 @@ from kubernetes_asyncio import client as k8s_client
 PODS = "pods"
 POOLS = "inferencepools"
 SLICES = "endpointslices"
+OBJECTIVES = "inferenceobjectives"
+OBJECTIVE_PREFIX = "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/"
 POOL_PREFIX = "/apis/inference.networking.k8s.io/v1/namespaces/"
 SLICE_PREFIX = "/apis/discovery.k8s.io/v1/namespaces/"
 _KIND = {PODS: ("Pod", "v1"), POOLS: ("InferencePool", "inference.networking.k8s.io/v1"),
-         SLICES: ("EndpointSlice", "discovery.k8s.io/v1")}
+         SLICES: ("EndpointSlice", "discovery.k8s.io/v1"),
+         OBJECTIVES: ("InferenceObjective", "inference.networking.x-k8s.io/v1alpha2")}
 
 
 def parse_label_selector(sel: str) -> list[tuple[str, str, str]]:
@@ -133,6 +136,7 @@ class FakeKube:
         app.router.add_get("/api/v1/namespaces/{ns}/pods", self._handle_pods)
         app.router.add_get(POOL_PREFIX + "{ns}/inferencepools", self._handle_pools)
         app.router.add_get(SLICE_PREFIX + "{ns}/endpointslices", self._handle_slices)
+        app.router.add_get(OBJECTIVE_PREFIX + "{ns}/inferenceobjectives", self._handle_objectives)
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1,
                                      handler_cancellation=True)  # a client hang-up ends its watch
         await self._runner.setup()
@@ -246,6 +250,9 @@ class FakeKube:
 
     async def _handle_slices(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, SLICES)
+
+    async def _handle_objectives(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, OBJECTIVES)
 
     async def _handle(self, request: web.Request, resource: str) -> web.StreamResponse:
         ns = request.match_info["ns"]
