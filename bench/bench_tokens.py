@@ -36,6 +36,9 @@ from bench import harness as H
 
 NAME = "tokens"
 LENGTHS = (8, 256, 1024)
+# more requests for the short answers: CPU times from /proc tick at 10 ms, and 64 requests of ~1.5 ms each
+# are only ~10 ticks, so a cell of 8-token answers would be ±10% on granularity alone (as would the ratio)
+REQUESTS_SCALE = {8: 8, 256: 2, 1024: 2}
 MODES = ("none", "lean", "echo")
 IDLE_S = 10.0
 
@@ -53,7 +56,10 @@ def run_mode(mode: str, requests: int, concurrency: int, decode_ms: float, idle_
                           kv=False)
         pk = None
         if mode != "none":
-            pk = H.picker(st, f"w0={w.address}", extra=["--endpoint-probe-interval-ms", "0"])
+            # idle workers are scraped less often (--worker-metrics-idle-interval-ms): off here, so the
+            # background measured while idle is the one that runs while the worker streams
+            pk = H.picker(st, f"w0={w.address}", extra=["--endpoint-probe-interval-ms", "0",
+                                                        "--worker-metrics-idle-interval-ms", "0"])
         env = H.envoy(st, picker_proc=pk, upstreams=(w.address,), response_mode="echo" if mode == "echo" else "lean")
         url = f"{env.url}/v1/chat/completions"
         asyncio.run(H.closed_loop(url, lambda i: body(8, i), concurrency=2, max_requests=8, max_seconds=30,
@@ -68,7 +74,8 @@ def run_mode(mode: str, requests: int, concurrency: int, decode_ms: float, idle_
             p0 = pk.cpu_seconds() if pk else 0.0
             e0 = env.cpu_seconds()
             results, elapsed = asyncio.run(H.closed_loop(url, lambda i, n=n: body(n, i), concurrency=concurrency,
-                                                         max_requests=requests, max_seconds=300, stream=True))
+                                                         max_requests=requests * REQUESTS_SCALE[n],
+                                                         max_seconds=300, stream=True))
             ok = [r for r in results if r.status == 200 and not r.error]
             p1 = pk.cpu_seconds() if pk else 0.0
             e1 = env.cpu_seconds()
