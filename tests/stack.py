@@ -93,6 +93,7 @@ class GatewayStack:
     body_mode: str = "FULL_DUPLEX_STREAMED"
     tokenizer_protocol: str = "trtllm-render"
     replay: bool = True  # False: the picker is not told the workers' replay endpoints
+    envoy_opts: dict[str, Any] = field(default_factory=dict)  # EnvoyOptions overrides
 
     def __post_init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="epp-stack-"))
@@ -135,7 +136,7 @@ class GatewayStack:
 
     def envoy_options(self) -> envoy_config.EnvoyOptions:
         assert self.app is not None
-        return envoy_config.EnvoyOptions(picker_port=self.app.grpc_port, body_mode=self.body_mode)
+        return envoy_config.EnvoyOptions(picker_port=self.app.grpc_port, body_mode=self.body_mode, **self.envoy_opts)
 
     def restart_picker(self, down_s: float = 0.0) -> None:
         """Stop the picker and start a fresh one (empty index, no bookings) on the same ext_proc port."""

@@ -13,7 +13,7 @@ tests and the benchmarks, so all of them exercise the configuration a user gets:
 - limits fit the picker's own: the picker cluster's circuit breaker is twice the picker's in-flight cap so
   the picker's clear 503 "endpoint picker overloaded" always comes first (Envoy's default breaker is 1,024, the
   picker's default cap: at the cap Envoy would answer an empty 500 instead); in BUFFERED mode the per-message
-  timeout outlasts the picker's render timeout (FULL_DUPLEX_STREAMED has no per-message timeout in Envoy; the
+  timeout outlasts the picker's render timeout plus its queue TTL (FULL_DUPLEX_STREAMED has no per-message timeout in Envoy; the
   picker's own deadlines bound it).
 
 The processing modes live in `ProcessingOptions`, and the ext_proc filter is built by `ext_proc_filter`, so a
@@ -221,6 +221,7 @@ class EnvoyOptions:
     health_check_interval_s: float = 5.0
     picker_max_inflight: int = 1024  # the picker's --max-inflight-requests: its breaker is twice that
     render_timeout_ms: int = 5000  # the picker's --tokenization-timeout-ms: BUFFERED message timeout > it
+    queue_ttl_s: float = 30.0  # the picker's --flow-control-queue-ttl-s: a BUFFERED body may wait that long too
     buffer_limit_bytes: int = 64 * 1024 * 1024
     extra_picker_ports: tuple[int, ...] = ()  # more picker replicas: Envoy round-robins ext_proc streams
     picker_max_requests_per_connection: int | None = None  # rotate connections (spreads --processes children)
@@ -270,8 +271,10 @@ def ext_proc_filter(opts: EnvoyOptions, processing: ProcessingOptions, *, name: 
         grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=cluster)),
         failure_mode_allow=opts.failure_mode_allow,
         processing_mode=processing.mode(),
-        # applies in BUFFERED only: the body message waits for render + score, bounded by the render timeout
-        message_timeout=_secs(opts.render_timeout_ms / 1000 + 5),
+        # applies in BUFFERED only: the body message waits for render + score (bounded by the render
+        # timeout) and, with flow control on, for the queue (bounded by its TTL, after which the picker
+        # answers 429 itself); a shorter timeout would have Envoy fail a request the picker still holds
+        message_timeout=_secs(opts.render_timeout_ms / 1000 + opts.queue_ttl_s + 5),
     )
     if opts.forward_metadata:
         proc.metadata_options = MetadataOptions(
@@ -512,7 +515,9 @@ _CLI: tuple[tuple[str, str, type | Any, str], ...] = (
     ("picker_max_inflight", "--picker-max-inflight", int,
      "the picker's --max-inflight-requests; the picker cluster's circuit breaker is twice this"),
     ("render_timeout_ms", "--render-timeout-ms", int,
-     "the picker's --tokenization-timeout-ms; BUFFERED mode's message timeout is this + 5 s"),
+     "the picker's --tokenization-timeout-ms; BUFFERED mode's message timeout is this + the queue TTL + 5 s"),
+    ("queue_ttl_s", "--flow-control-queue-ttl-s", float,
+     "the picker's --flow-control-queue-ttl-s: how long a BUFFERED body may wait in its queue"),
     ("buffer_limit_bytes", "--buffer-limit-bytes", int, "per-connection buffer limit (listener, workers)"),
     ("upstream_timeout_s", "--upstream-timeout-s", float, "route timeout and stream idle timeout"),
 )

@@ -212,3 +212,29 @@ def test_client_that_disconnects_while_queued_leaves_nothing_behind(stack: Gatew
     assert stack.mocks[0].get("/mock/stats")["inference_requests"] == before + 2  # it never reached the worker
     assert stack.chat([{"role": "user", "content": "after"}]).status == 200
     settle(stack)
+
+
+
+
+@pytest.fixture(scope="module")
+def buffered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayStack]:
+    s = GatewayStack(workers=1, body_mode="BUFFERED",
+                     worker_args=["--max-batch-size", "1", "--decode-ms-per-token", str(DECODE_MS)],
+                     picker={"flow_control": True, "queue_depth_threshold": 1, "worker_metrics_interval_ms": 50,
+                             "flow_control_queue_ttl_s": 30.0, "tokenization_timeout_ms": 500},
+                     envoy_opts={"render_timeout_ms": 500, "queue_ttl_s": 30.0}).start()
+    yield s
+    s.stop()
+
+
+def test_in_buffered_mode_a_request_queued_longer_than_render_plus_5s_is_still_served(
+        buffered: GatewayStack) -> None:
+    """Envoy times the BUFFERED body message; a request the picker holds in its queue must outlive it."""
+    clients = Clients(buffered)
+    with Saturated(buffered):
+        clients.send("patient")
+        time.sleep(5.0 + 0.5 + 0.7)  # past render timeout + 5 s, the message timeout before the queue TTL counted
+        assert queued(buffered) == 1
+    (tag, r), = clients.join()
+    assert r.status == 200, r.body
+    settle(buffered)
