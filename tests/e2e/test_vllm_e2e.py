@@ -159,6 +159,22 @@ def test_streamed_usage_is_read_by_the_picker(stack: VllmStack) -> None:
     assert r.observed == r.cached
 
 
+def test_picker_reads_each_engines_own_gauges(stack: VllmStack) -> None:
+    """vLLM's real /metrics (histograms, labelled series) through the picker's scraper: every worker gets a
+    fresh sample with its request counts and KV utilisation (idle workers are read about once a second)."""
+    seen: dict[str, Any] = {}
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and len(seen) < len(stack.workers):
+        for addr, w in stack.picker_get("/debug/flow")["workers"].items():
+            if w["scraped"] is not None:
+                seen[addr] = w["scraped"]
+        time.sleep(0.05)
+    assert set(seen) == {w.address for w in stack.workers}, seen
+    for s in seen.values():
+        assert s["running"] >= 0 and s["waiting"] >= 0 and s["kv_utilization"] is not None, s
+        assert 0.0 <= s["kv_utilization"] <= 1.0, s
+
+
 def test_index_matches_the_engines_event_streams(stack: VllmStack) -> None:
     waited = stack.wait_index_matches(State.probes)
     FIGURES["index_match_wait_s"] = round(waited, 2)
