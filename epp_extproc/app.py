@@ -20,7 +20,7 @@ from epp_extproc.adapters.kv_routing import KvRouting
 from epp_extproc.adapters.objectives import ObjectiveCrdPoller, ObjectivesFile
 from epp_extproc.adapters.render_client import RenderClient
 from epp_extproc.adapters.render_fingerprint import FingerprintWatcher
-from epp_extproc.adapters.replica_sync import ReplicaSync
+from epp_extproc.adapters.replica_sync import ReplicaSync, SyncTls
 from epp_extproc.adapters.worker_metrics import WorkerMetricsScraper
 from epp_extproc.admin import build_admin_app, build_metrics_app, debug_score
 from epp_extproc.config import Config, ProcessSlot
@@ -76,10 +76,13 @@ class PickerApp:
         self._setup_flow_control()
         self.sync: ReplicaSync | None = None
         if config.sync_enabled() or self.slot.sync_listen:
+            tls = SyncTls.load(config.replica_sync_tls_path, config.replica_sync_server_name) \
+                if config.replica_sync_tls_path else None
             self.sync = ReplicaSync(self.load, self.registry, index=self.kv.index if self.kv else None,
                                     heartbeat_s=config.peer_timeout_ms / 4000,
                                     peer_timeout_s=config.peer_timeout_ms / 1000,
-                                    expiry_s=config.peer_expiry_ms / 1000, metrics_registry=self.metrics.registry)
+                                    expiry_s=config.peer_expiry_ms / 1000, metrics_registry=self.metrics.registry,
+                                    tls=tls)
             if self.kv is not None:
                 self.kv.predict_listeners.append(self.sync.on_predict)
         self._started_at = time.monotonic()

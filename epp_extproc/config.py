@@ -131,6 +131,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("--pod-ip", "POD_IP", None, _opt_str, "this pod's IP, left out of the peer service's endpoints"),
     Option("--replica-sync-port", "DYN_EPP_REPLICA_SYNC_PORT", 9004, int,
            "gRPC port of the replica-sync service (listens only when peers or --processes > 1 are set)"),
+    Option("--replica-sync-tls-path", "DYN_EPP_REPLICA_SYNC_TLS_PATH", None, _opt_str,
+           "directory with tls.crt, tls.key and ca.crt (one Secret shared by the replicas): sync over TCP "
+           "becomes mutual TLS, each side presenting tls.crt and accepting only certificates ca.crt signed; "
+           "unset = plaintext (keep 9004 behind the NetworkPolicy); Unix sockets (--processes) stay local"),
+    Option("--replica-sync-server-name", "DYN_EPP_REPLICA_SYNC_SERVER_NAME", "epp-replica-sync", str,
+           "the name a peer's certificate must carry (a DNS subjectAltName): peers are dialled by pod IP"),
     Option("--peer-timeout-ms", "DYN_EPP_PEER_TIMEOUT_MS", 2000, int,
            "a peer silent this long (it heartbeats every quarter of it) counts as gone"),
     Option("--peer-expiry-ms", "DYN_EPP_PEER_EXPIRY_MS", 5000, int,
@@ -331,6 +337,8 @@ class Config:
     peer_service: str | None = _default("peer_service")
     pod_ip: str | None = _default("pod_ip")
     replica_sync_port: int = _default("replica_sync_port")
+    replica_sync_tls_path: str | None = _default("replica_sync_tls_path")
+    replica_sync_server_name: str = _default("replica_sync_server_name")
     peer_timeout_ms: int = _default("peer_timeout_ms")
     peer_expiry_ms: int = _default("peer_expiry_ms")
 
@@ -412,6 +420,10 @@ class Config:
             raise ValueError("DYN_EPP_PROCESSES > 1 needs a fixed DYN_EPP_GRPC_PORT (the processes share it)")
         if self.peers and self.peer_service:
             raise ValueError("choose one peer source: --peers or --peer-service")
+        if self.replica_sync_tls_path:
+            from epp_extproc.adapters.replica_sync import SyncTls
+
+            SyncTls.load(self.replica_sync_tls_path, self.replica_sync_server_name)  # the files, named if missing
         if self.processes > 1 and (self.peers or self.peer_service):
             raise ValueError("DYN_EPP_PROCESSES > 1 cannot be combined with DYN_EPP_PEERS/DYN_EPP_PEER_SERVICE yet")
         if self.peer_timeout_ms <= 0 or self.peer_expiry_ms < 0:

@@ -54,6 +54,40 @@ MAX_PREDICTION_TTL_S = 60.0
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a snapshot of 100k bookings fits with room to spare
 
 
+TLS_FILES = ("tls.crt", "tls.key", "ca.crt")
+
+
+@dataclass(frozen=True)
+class SyncTls:
+    """Mutual TLS for sync over TCP: every replica presents the shared certificate and accepts only peers
+    whose certificate the shared CA signed (a plaintext or foreign peer cannot push bookings)."""
+
+    cert_pem: bytes
+    key_pem: bytes
+    ca_pem: bytes
+    server_name: str  # peers are dialled by IP: the name their certificate is checked against
+
+    @classmethod
+    def load(cls, path: str, server_name: str) -> SyncTls:
+        d = os.path.abspath(path)
+        missing = [f for f in TLS_FILES if not os.path.isfile(os.path.join(d, f))]
+        if missing:
+            raise ValueError(f"DYN_EPP_REPLICA_SYNC_TLS_PATH={path!r} lacks {', '.join(missing)}")
+        parts = []
+        for f in TLS_FILES:
+            with open(os.path.join(d, f), "rb") as fh:
+                parts.append(fh.read())
+        return cls(parts[0], parts[1], parts[2], server_name)
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self.key_pem, self.cert_pem)], root_certificates=self.ca_pem,
+                                           require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.ca_pem, private_key=self.key_pem,
+                                            certificate_chain=self.cert_pem)
+
+
 def default_replica_id() -> str:
     """POD_NAME on Kubernetes (stable across a container restart, so the restarted replica's snapshot
     replaces its old bookings at once), else host-pid-random: unique even for pickers sharing a process."""
@@ -198,7 +232,13 @@ class PeerLink:
         opts = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 1000)]
-        async with grpc.aio.insecure_channel(self.target, options=opts) as channel:
+        tls = self.sync.tls
+        if tls is not None and not self.target.startswith("unix:"):
+            channel = grpc.aio.secure_channel(self.target, tls.channel_credentials(),
+                                              options=[*opts, ("grpc.ssl_target_name_override", tls.server_name)])
+        else:
+            channel = grpc.aio.insecure_channel(self.target, options=opts)
+        async with channel:
             stub = pb_grpc.ReplicaSyncStub(channel)
             call = stub.Sync(self._requests(session))
             first = await asyncio.wait_for(call.read(), self.sync.peer_timeout_s)
@@ -277,7 +317,7 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
     def __init__(self, load: LoadTracker, registry: EndpointRegistry, *, index: KvIndex | None = None,
                  replica_id: str | None = None, heartbeat_s: float = 0.5, peer_timeout_s: float = 2.0,
                  expiry_s: float = 5.0, max_backlog: int = 100_000,
-                 metrics_registry: CollectorRegistry | None = None) -> None:
+                 metrics_registry: CollectorRegistry | None = None, tls: SyncTls | None = None) -> None:
         self.load = load
         self.registry = registry
         self.index = index
@@ -287,6 +327,7 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
         self.peer_timeout_s = peer_timeout_s
         self.expiry_s = expiry_s
         self.max_backlog = max_backlog
+        self.tls = tls
         self.metrics = SyncMetrics(metrics_registry or CollectorRegistry())
         self.links: dict[str, PeerLink] = {}
         self.inbound: dict[str, _Inbound] = {}
@@ -354,10 +395,14 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
         pb_grpc.add_ReplicaSyncServicer_to_server(self, self._server)
         self.addresses = []
         for addr in listen:
-            port = self._server.add_insecure_port(addr)
+            if self.tls is not None and not addr.startswith("unix:"):
+                port = self._server.add_secure_port(addr, self.tls.server_credentials())
+            else:
+                port = self._server.add_insecure_port(addr)
             self.addresses.append(addr if addr.startswith("unix:") else f"{addr.rpartition(':')[0]}:{port}")
         await self._server.start()
-        log.info("replica sync %s listening on %s", self.replica_id, ", ".join(self.addresses))
+        log.info("replica sync %s listening on %s%s", self.replica_id, ", ".join(self.addresses),
+                 " (mutual TLS over TCP)" if self.tls is not None else "")
 
     async def close(self, flush_s: float = 0.5) -> None:
         """Push what is still queued (the frees of a drain), then stop the links and the server."""
