@@ -54,10 +54,11 @@ class TrivialEcho(pb_grpc.ExternalProcessorServicer):
                 yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 
 
-def _serve_trivial(port: int, ready: Any) -> None:
+def serve_servicer(servicer_cls: type, port: int, ready: Any) -> None:
+    """A spawned process's main: `servicer_cls()` as the ext_proc service on `port`, on the picker's loop."""
     async def main() -> None:
         server = grpc.aio.server()
-        pb_grpc.add_ExternalProcessorServicer_to_server(TrivialEcho(), server)
+        pb_grpc.add_ExternalProcessorServicer_to_server(servicer_cls(), server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         ready.set()
@@ -136,7 +137,7 @@ def measure(chunks: int = 1000, streams: int = 32, concurrency: int = 8) -> dict
     out: dict[str, Any] = {"chunks_per_stream": chunks, "streams": streams, "concurrency": concurrency}
     port = H.free_port()
     ready = mp.get_context("spawn").Event()
-    proc = mp.get_context("spawn").Process(target=_serve_trivial, args=(port, ready), daemon=True)
+    proc = mp.get_context("spawn").Process(target=serve_servicer, args=(TrivialEcho, port, ready), daemon=True)
     proc.start()
     try:
         if not ready.wait(20):

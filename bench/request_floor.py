@@ -26,7 +26,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from bench import harness as H
-from bench.echo_floor import _headers, run_loop
+from bench.echo_floor import _headers, serve_servicer
 
 _Mode = processing_mode_pb2.ProcessingMode.BodySendMode
 FULL_DUPLEX, NONE = _Mode.Value("FULL_DUPLEX_STREAMED"), _Mode.Value("NONE")
@@ -36,6 +36,7 @@ class TrivialRouter(pb_grpc.ExternalProcessorServicer):
     """The floor: routes every request to one fixed endpoint, echoing the body, and nothing else."""
 
     async def Process(self, requests, context):  # noqa: N802, ANN001, ANN201
+        body = b""  # this stream's body (the picker forwards it too)
         async for req in requests:
             if req.WhichOneof("request") == "request_body" and req.request_body.end_of_stream:
                 yield pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=pb.CommonResponse(
@@ -45,21 +46,9 @@ class TrivialRouter(pb_grpc.ExternalProcessorServicer):
                     clear_route_cache=True)))
                 yield pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
                     body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
-                        body=self.body, end_of_stream=True)))))
+                        body=body + req.request_body.body, end_of_stream=True)))))
             elif req.WhichOneof("request") == "request_body":
-                self.body = req.request_body.body
-
-
-def _serve_trivial(port: int, ready: Any) -> None:
-    async def main() -> None:
-        server = grpc.aio.server()
-        pb_grpc.add_ExternalProcessorServicer_to_server(TrivialRouter(), server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        ready.set()
-        await server.wait_for_termination()
-
-    run_loop(main())
+                body += req.request_body.body
 
 
 async def _one(stub: pb_grpc.ExternalProcessorStub, body: bytes) -> None:
@@ -149,7 +138,7 @@ def measure(quick: bool = False) -> dict[str, Any]:
     port = H.free_port()
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    proc = ctx.Process(target=_serve_trivial, args=(port, ready), daemon=True)
+    proc = ctx.Process(target=serve_servicer, args=(TrivialRouter, port, ready), daemon=True)
     proc.start()
     try:
         if not ready.wait(20):
