@@ -185,14 +185,25 @@ async def scrapes_in(scraper: WorkerMetricsScraper, seconds: float) -> int:
     return scraper.scrapes - before
 
 
-async def test_an_idle_worker_is_scraped_less_often_until_this_picker_books_on_it() -> None:
+@contextlib.asynccontextmanager
+async def scraping(running: int) -> AsyncIterator[tuple[WorkerMetricsScraper, SaturationDetector, LoadTracker, str]]:
+    """A worker whose /metrics report `running` requests (none waiting), scraped every 20 ms, idle up to 320."""
     async def handler(_: web.Request) -> web.Response:
-        return web.Response(text=gauges_text(running=0), content_type="text/plain")
+        return web.Response(text=gauges_text(running=running), content_type="text/plain")
 
     runner, address = await serve(handler)
-    scraper, _, load = setup(address, interval_s=0.02, idle_interval_s=0.32)
+    scraper, det, load = setup(address, interval_s=0.02, idle_interval_s=0.32)
     task = asyncio.create_task(scraper.run())
     try:
+        yield scraper, det, load, address
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await runner.cleanup()
+
+
+async def test_an_idle_worker_is_scraped_less_often_until_this_picker_books_on_it() -> None:
+    async with scraping(running=0) as (scraper, _, load, address):
         await asyncio.sleep(0.7)  # 2 idle samples, then 40, 80, 160, 320 ms apart
         idle = await scrapes_in(scraper, 1.0)
         assert 2 <= idle <= 6, idle  # at the 20 ms interval this would be ~50
@@ -200,27 +211,13 @@ async def test_an_idle_worker_is_scraped_less_often_until_this_picker_books_on_i
         busy = await scrapes_in(scraper, 0.5)
         assert busy >= 12, busy  # back to the interval at the next tick
         booking.free()
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await runner.cleanup()
 
 
 async def test_a_worker_running_other_gateways_requests_is_scraped_at_the_interval() -> None:
-    async def handler(_: web.Request) -> web.Response:
-        return web.Response(text=gauges_text(running=1), content_type="text/plain")
-
-    runner, address = await serve(handler)
-    scraper, det, _ = setup(address, interval_s=0.02, idle_interval_s=0.32)
-    task = asyncio.create_task(scraper.run())
-    try:
+    async with scraping(running=1) as (scraper, det, _, address):
         await asyncio.sleep(0.2)
         assert await scrapes_in(scraper, 1.0) >= 25
         assert det.fresh(address) is not None
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await runner.cleanup()
 
 
 def _reference_parse(text: str) -> tuple[float | None, ...]:
