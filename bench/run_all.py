@@ -2,7 +2,8 @@
 
 Each benchmark runs in its own process (so one crash or Ctrl-C stops cleanly and never leaks the next one's
 ports) and writes ``DIR/<name>.json`` (+ ``<name>.png``). ``make bench`` runs the full set; on a 2-core machine
-it takes about 15 minutes. ``--quick`` is the tiny smoke setting (seconds per benchmark).
+it takes well over 15 minutes (each benchmark prints its own time). ``--quick`` is the tiny smoke setting
+(seconds per benchmark).
 """
 
 from __future__ import annotations
