@@ -117,12 +117,16 @@ class GatewayStack:
                         for m in self.mocks)
 
     def start(self) -> GatewayStack:
-        for m in [*self.mocks, self.renderer]:
-            m.start()
-        self.app = self._new_picker(grpc_port=0)
-        self.bg.run(self.app.start())
-        self.envoy = EnvoyProcess(self.envoy_options()).start()
-        self.wait_subscribed()
+        try:
+            for m in [*self.mocks, self.renderer]:
+                m.start()
+            self.app = self._new_picker(grpc_port=0)
+            self.bg.run(self.app.start())
+            self.envoy = EnvoyProcess(self.envoy_options()).start()
+            self.wait_subscribed()
+        except BaseException:
+            self.stop()  # a fixture that fails half-way must not leave worker processes behind
+            raise
         return self
 
     def _new_picker(self, grpc_port: int) -> PickerApp:
