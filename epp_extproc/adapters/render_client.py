@@ -103,21 +103,22 @@ class RenderClient:
 
     async def _render(self, kind: str, body: bytes) -> Rendered:
         path = CHAT_PATH if kind == "chat" else COMPLETIONS_PATH
-        url = self.base_url + path
         try:
             async with asyncio.timeout(self.timeout_s):
                 r = await self._origin.post(path, body, content_type="application/json", max_body=self.max_bytes)
         except TimeoutError:
-            raise RenderError(RenderFailure.TIMEOUT, f"no answer from {url} within {self.timeout_s:g}s") from None
+            raise RenderError(RenderFailure.TIMEOUT, f"no answer from {self.base_url + path} within "
+                              f"{self.timeout_s:g}s") from None
         except BodyTooLarge as e:
             if e.status == 200:
                 raise _OverCap(RenderFailure.INVALID_ANSWER, f"render {e}") from None
             # an error page over the cap: its status decides, its text is not worth it
             r = Response(e.status, {}, b"")
         except ConnectFailed as e:
-            raise RenderError(RenderFailure.UNAVAILABLE, f"cannot reach {url}: {_clip(str(e))}") from None
+            raise RenderError(RenderFailure.UNAVAILABLE, f"cannot reach {self.base_url + path}: {_clip(str(e))}") \
+                from None
         except HttpError as e:
-            raise RenderError(RenderFailure.INVALID_ANSWER, f"{url}: {_clip(str(e))}") from None
+            raise RenderError(RenderFailure.INVALID_ANSWER, f"{self.base_url + path}: {_clip(str(e))}") from None
         if 300 <= r.status < 400:
             raise RenderError(RenderFailure.UPSTREAM_STATUS, f"renderer answered HTTP {r.status} "
                               f"(redirect to {_clip(r.headers.get('location', '?'), 120)!r}); "

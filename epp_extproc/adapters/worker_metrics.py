@@ -55,7 +55,6 @@ KV_UTIL = ("trtllm_kv_cache_utilization", "vllm:kv_cache_usage_perc", "vllm:gpu_
 MAX_RUNNING = ("trtllm_max_num_active_requests",)
 _KIND = {**{n: "waiting" for n in WAITING}, **{n: "running" for n in RUNNING},
          **{n: "kv" for n in KV_UTIL}, **{n: "max_running" for n in MAX_RUNNING}}
-_PREFIXES = tuple(_KIND)
 MAX_BACKOFF_S = 5.0
 IDLE_INTERVAL_S = 1.0
 
