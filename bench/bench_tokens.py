@@ -39,7 +39,9 @@ LENGTHS = (8, 256, 1024)
 # more requests for the short answers: CPU times from /proc tick at 10 ms, and 64 requests of ~1.5 ms each
 # are only ~10 ticks, so a cell of 8-token answers would be ±10% on granularity alone (as would the ratio)
 REQUESTS_SCALE = {8: 8, 256: 2, 1024: 2}
-MODES = ("none", "lean", "echo")
+# lean and echo on the picker's default ext_proc transport (its own h2 server), and both again on grpcio's
+# server (`--extproc-transport grpcio`, what the picker used before): the transport's share, same run
+MODES = ("none", "lean", "echo", "lean_grpcio", "echo_grpcio")
 IDLE_S = 10.0
 
 
@@ -58,9 +60,11 @@ def run_mode(mode: str, requests: int, concurrency: int, decode_ms: float, idle_
         if mode != "none":
             # idle workers are scraped less often (--worker-metrics-idle-interval-ms): off here, so the
             # background measured while idle is the one that runs while the worker streams
-            pk = H.picker(st, f"w0={w.address}", extra=["--endpoint-probe-interval-ms", "0",
-                                                        "--worker-metrics-idle-interval-ms", "0"])
-        env = H.envoy(st, picker_proc=pk, upstreams=(w.address,), response_mode="echo" if mode == "echo" else "lean")
+            pk = H.picker(st, f"w0={w.address}", extra=[
+                "--endpoint-probe-interval-ms", "0", "--worker-metrics-idle-interval-ms", "0",
+                "--extproc-transport", "grpcio" if mode.endswith("_grpcio") else "h2"])
+        env = H.envoy(st, picker_proc=pk, upstreams=(w.address,),
+                      response_mode="echo" if mode.startswith("echo") else "lean")
         url = f"{env.url}/v1/chat/completions"
         asyncio.run(H.closed_loop(url, lambda i: body(8, i), concurrency=2, max_requests=8, max_seconds=30,
                                   stream=True))  # warm-up: connections, certificate, caches
@@ -97,7 +101,7 @@ def run_mode(mode: str, requests: int, concurrency: int, decode_ms: float, idle_
 def summarize(doc: dict[str, Any]) -> None:
     by = {m["mode"]: {r["output_tokens"]: r for r in m["rows"]} for m in doc["modes"]}
     s: dict[str, Any] = {}
-    for mode in ("lean", "echo"):
+    for mode in MODES[1:]:
         rows = by.get(mode)
         if not rows:
             continue
@@ -114,8 +118,15 @@ def summarize(doc: dict[str, Any]) -> None:
         s["lean_target_met"] = r is not None and r <= 1.3
     floor = doc.get("echo_floor")
     if floor:
-        s["echo_floor"] = {k: floor[k] for k in ("trivial_us_per_chunk", "picker_us_per_chunk",
-                                                 "picker_own_us_per_chunk")}
+        s["echo_floor"] = {t: {k: floor[t][k] for k in ("trivial_us_per_chunk", "picker_us_per_chunk",
+                                                        "picker_own_us_per_chunk")} for t in ("grpcio", "h2")}
+        s["echo_floor"]["picker_h2_over_grpcio"] = floor["picker_h2_over_grpcio"]
+    for mode in ("lean", "echo"):
+        if mode in s and f"{mode}_grpcio" in s:  # the transport's effect, same run
+            s[f"{mode}_h2_over_grpcio_per_extra_chunk"] = H.ratio(s[mode]["picker_net_us_per_extra_chunk"],
+                                                                  s[f"{mode}_grpcio"]["picker_net_us_per_extra_chunk"])
+            s[f"{mode}_h2_over_grpcio_at_8"] = H.ratio(by[mode][8]["picker_net_cpu_ms_per_request"],
+                                                       by[f"{mode}_grpcio"][8]["picker_net_cpu_ms_per_request"])
     if "lean" in s and "echo" in s:
         s["echo_over_lean_at_1024"] = H.ratio(by["echo"][1024]["picker_cpu_ms_per_request"],
                                               by["lean"][1024]["picker_cpu_ms_per_request"])

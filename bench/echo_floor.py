@@ -3,9 +3,10 @@
 In GAIE's echo mode every response chunk is one ext_proc message in and one out. grpcio's asyncio stack has
 a floor per message pair (the poller thread, a completion-queue event and a loop wake-up each way, protobuf
 in and out) that no servicer written on it can go under. This measures, in the same run and with the same
-client, (a) a trivial grpc.aio servicer (on the picker's event loop) that echoes each chunk and does nothing
-else, and (b) the real picker (its own process, a decided request first, then the chunks), so the picker's
-own share per chunk is (b) - (a). Both are driven directly over gRPC (no Envoy), with 8 concurrent streams; CPU is the server
+client, (a) a trivial servicer (on the picker's event loop) that echoes each chunk and does nothing else, and
+(b) the real picker (its own process, a decided request first, then the chunks), so the picker's own share
+per chunk is (b) - (a); both on each ext_proc transport (`--extproc-transport`): grpcio's asyncio server, and
+the picker's own h2 server (`epp_extproc/envoy/h2server.py`). Both are driven directly over gRPC (no Envoy), with 8 concurrent streams; CPU is the server
 process's user + system time from /proc.
 """
 
@@ -54,9 +55,19 @@ class TrivialEcho(pb_grpc.ExternalProcessorServicer):
                 yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 
 
-def serve_servicer(servicer_cls: type, port: int, ready: Any) -> None:
-    """A spawned process's main: `servicer_cls()` as the ext_proc service on `port`, on the picker's loop."""
+def serve_servicer(servicer_cls: type, port: int, ready: Any, transport: str = "grpcio") -> None:
+    """A spawned process's main: `servicer_cls()` as the ext_proc service on `port`, on the picker's loop,
+    served by grpcio's asyncio server or by the picker's own h2 server (`--extproc-transport`)."""
     async def main() -> None:
+        if transport == "h2":
+            from epp_extproc.envoy.h2server import H2GrpcServer
+
+            h2 = H2GrpcServer(max_concurrent_rpcs=10_000)
+            pb_grpc.add_ExternalProcessorServicer_to_server(servicer_cls(), h2)
+            await h2.bind("127.0.0.1", port)
+            await h2.start()
+            ready.set()
+            await asyncio.Event().wait()
         server = grpc.aio.server()
         pb_grpc.add_ExternalProcessorServicer_to_server(servicer_cls(), server)
         server.add_insecure_port(f"127.0.0.1:{port}")
@@ -65,6 +76,23 @@ def serve_servicer(servicer_cls: type, port: int, ready: Any) -> None:
         await server.wait_for_termination()
 
     run_loop(main())
+
+
+def floor(servicer_cls: type, transport: str, measure_it: Any) -> float:
+    """`measure_it(port, cpu)` against a trivial servicer in its own spawned process."""
+    port = H.free_port()
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=serve_servicer, args=(servicer_cls, port, ready, transport), daemon=True)
+    proc.start()
+    try:
+        if not ready.wait(20):
+            raise RuntimeError(f"trivial {transport} servicer did not start")
+        time.sleep(0.3)
+        return measure_it(port, lambda: H.proc_cpu_seconds(proc.pid))
+    finally:
+        proc.terminate()
+        proc.join(5)
 
 
 def run_loop(main: Any) -> None:
@@ -134,28 +162,23 @@ def us_per_chunk(port: int, cpu: Any, chunks: int, streams: int, concurrency: in
 
 
 def measure(chunks: int = 1000, streams: int = 32, concurrency: int = 8) -> dict[str, Any]:
+    """Per transport (`--extproc-transport`): the trivial servicer's floor and the picker, same client."""
     out: dict[str, Any] = {"chunks_per_stream": chunks, "streams": streams, "concurrency": concurrency}
-    port = H.free_port()
-    ready = mp.get_context("spawn").Event()
-    proc = mp.get_context("spawn").Process(target=serve_servicer, args=(TrivialEcho, port, ready), daemon=True)
-    proc.start()
-    try:
-        if not ready.wait(20):
-            raise RuntimeError("trivial echo servicer did not start")
-        time.sleep(0.3)
-        out["trivial_us_per_chunk"], _ = us_per_chunk(port, lambda: H.proc_cpu_seconds(proc.pid), chunks,
-                                                      streams, concurrency)
-    finally:
-        proc.terminate()
-        proc.join(5)
-    with H.Stack() as st:
-        w = H.mock_worker(st, "w0", kv=False)
-        pk = H.picker(st, f"w0={w.address}", extra=["--endpoint-probe-interval-ms", "0",
-                                                    "--worker-metrics-interval-ms", "0", "--secure-serving=false"])
-        time.sleep(0.5)
-        out["picker_us_per_chunk"], echoed = us_per_chunk(pk.port, pk.cpu_seconds, chunks, streams, concurrency)
-        out["picker_echoed_chunks"] = echoed
-    out["picker_own_us_per_chunk"] = out["picker_us_per_chunk"] - out["trivial_us_per_chunk"]
+    for transport in ("grpcio", "h2"):
+        t: dict[str, Any] = {}
+        t["trivial_us_per_chunk"] = floor(TrivialEcho, transport, lambda port, cpu: us_per_chunk(
+            port, cpu, chunks, streams, concurrency)[0])
+        with H.Stack() as st:
+            w = H.mock_worker(st, "w0", kv=False)
+            pk = H.picker(st, f"w0={w.address}", extra=[
+                "--endpoint-probe-interval-ms", "0", "--worker-metrics-interval-ms", "0", "--secure-serving=false",
+                "--extproc-transport", transport])
+            time.sleep(0.5)
+            t["picker_us_per_chunk"], t["picker_echoed_chunks"] = us_per_chunk(pk.port, pk.cpu_seconds, chunks,
+                                                                               streams, concurrency)
+        t["picker_own_us_per_chunk"] = t["picker_us_per_chunk"] - t["trivial_us_per_chunk"]
+        out[transport] = t
+    out["picker_h2_over_grpcio"] = out["h2"]["picker_us_per_chunk"] / out["grpcio"]["picker_us_per_chunk"]
     return out
 
 

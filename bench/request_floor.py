@@ -3,8 +3,9 @@
 Envoy opens one ext_proc stream per HTTP request. In lean mode an HTTP/1.1 request's stream carries the
 request headers, the body and an empty end-of-body message in, the decision and the forwarded body out, then
 ends. This drives that exact sequence over gRPC (no Envoy, so no Envoy noise on the 2 cores) at concurrency
-32, in the same run, against (a) a trivial servicer on the same event loop as the picker that answers with a
-fixed endpoint and does nothing else, and (b) the real picker with `trtllm-render` against the mock renderer
+32, in the same run, on each ext_proc transport (grpcio's asyncio server and the picker's own h2 server),
+against (a) a trivial servicer on the same event loop as the picker that answers with a fixed endpoint and
+does nothing else, and (b) the real picker with `trtllm-render` against the mock renderer
 (one HTTP call per request) and two endpoints. (b) - (a) is the picker's own work; 1 s / (b) is what one
 picker core carries. CPU is the server process's user + system time from /proc.
 
@@ -15,7 +16,6 @@ aiohttp's client doing the same POST and read, same renderer, same run.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import time
 from typing import Any
 
@@ -26,7 +26,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from bench import harness as H
-from bench.echo_floor import _headers, serve_servicer
+from bench.echo_floor import _headers, floor
 
 _Mode = processing_mode_pb2.ProcessingMode.BodySendMode
 FULL_DUPLEX, NONE = _Mode.Value("FULL_DUPLEX_STREAMED"), _Mode.Value("NONE")
@@ -135,31 +135,25 @@ def measure(quick: bool = False) -> dict[str, Any]:
     n = 300 if quick else 3000
     make = make_bodies(120)
     out: dict[str, Any] = {"requests": n, "concurrency": 32}
-    port = H.free_port()
-    ctx = mp.get_context("spawn")
-    ready = ctx.Event()
-    proc = ctx.Process(target=serve_servicer, args=(TrivialRouter, port, ready), daemon=True)
-    proc.start()
-    try:
-        if not ready.wait(20):
-            raise RuntimeError("trivial servicer did not start")
-        out["trivial_us_per_request"] = us_per_request(port, lambda: H.proc_cpu_seconds(proc.pid), make, n, 32)
-    finally:
-        proc.terminate()
-        proc.join(5)
-    with H.Stack() as st:
-        renderer = H.mock_renderer(st)
-        H.wait_port(renderer.port)
-        pk = H.picker(st, "w0=127.0.0.1:20000,w1=127.0.0.1:20001", "trtllm-render", renderer,
-                      extra=[*H.SIMULATED_WORKER_FLAGS, "--worker-metrics-interval-ms", "0",
-                             "--secure-serving=false"])
-        time.sleep(0.5)
-        out["picker_us_per_request"] = us_per_request(pk.port, pk.cpu_seconds, make, n, 32)
-        out["render_call"] = asyncio.run(_render_cpu(renderer.url, [make(i) for i in range(200)],
-                                                     400 if quick else 4000, 16))
-    out["picker_own_us_per_request"] = out["picker_us_per_request"] - out["trivial_us_per_request"]
-    out["one_picker_core_rps"] = 1e6 / out["picker_us_per_request"]
-    out["trivial_servicer_core_rps"] = 1e6 / out["trivial_us_per_request"]
+    for transport in ("grpcio", "h2"):
+        t: dict[str, Any] = {"trivial_us_per_request": floor(TrivialRouter, transport, lambda port, cpu: (
+            us_per_request(port, cpu, make, n, 32)))}
+        with H.Stack() as st:
+            renderer = H.mock_renderer(st)
+            H.wait_port(renderer.port)
+            pk = H.picker(st, "w0=127.0.0.1:20000,w1=127.0.0.1:20001", "trtllm-render", renderer,
+                          extra=[*H.SIMULATED_WORKER_FLAGS, "--worker-metrics-interval-ms", "0",
+                                 "--secure-serving=false", "--extproc-transport", transport])
+            time.sleep(0.5)
+            t["picker_us_per_request"] = us_per_request(pk.port, pk.cpu_seconds, make, n, 32)
+            if transport == "h2":
+                out["render_call"] = asyncio.run(_render_cpu(renderer.url, [make(i) for i in range(200)],
+                                                             400 if quick else 4000, 16))
+        t["picker_own_us_per_request"] = t["picker_us_per_request"] - t["trivial_us_per_request"]
+        t["one_picker_core_rps"] = 1e6 / t["picker_us_per_request"]
+        t["trivial_servicer_core_rps"] = 1e6 / t["trivial_us_per_request"]
+        out[transport] = t
+    out["picker_h2_over_grpcio"] = out["h2"]["picker_us_per_request"] / out["grpcio"]["picker_us_per_request"]
     return out
 
 

@@ -30,6 +30,7 @@ from epp_extproc.core.load import LoadTracker
 from epp_extproc.core.pipeline import Pipeline
 from epp_extproc.envoy.access_log import AccessLogServicer, als_pb2_grpc
 from epp_extproc.envoy.extproc import ExtProcServicer, pb_grpc
+from epp_extproc.envoy.h2server import H2GrpcServer
 from epp_extproc.envoy.health import HEALTH_SERVER_OPTIONS, Health
 from epp_extproc.envoy.tls import CertSource, ServerCert
 from epp_extproc.metrics import PickerMetrics, PromFlowMetrics
@@ -90,7 +91,7 @@ class PickerApp:
         self.health = Health()
         self.servicer = ExtProcServicer(self.pipeline, allowed_modes=config.body_modes(),
                                         body_timeout_s=config.request_body_timeout_ms / 1000)
-        self._grpc: grpc.aio.Server | None = None
+        self._grpc: grpc.aio.Server | H2GrpcServer | None = None
         self._health_server: grpc.aio.Server | None = None
         self._admin: web.AppRunner | None = None
         self._metrics_http: web.AppRunner | None = None
@@ -206,7 +207,11 @@ class PickerApp:
                 ("grpc.so_reuseport", 1 if self.slot.share_port else 0)]  # 0: a second picker fails loudly
         # Streams over the in-flight cap still get a 503 from the picker; beyond twice the cap gRPC itself
         # refuses them, so a flood of streams that send nothing cannot grow memory without bound.
-        self._grpc = grpc.aio.server(options=opts, maximum_concurrent_rpcs=2 * cfg.max_inflight_requests)
+        if cfg.extproc_transport == "h2":
+            self._grpc = H2GrpcServer(max_concurrent_rpcs=2 * cfg.max_inflight_requests,
+                                      max_receive_message_length=msg_limit, max_send_message_length=msg_limit)
+        else:
+            self._grpc = grpc.aio.server(options=opts, maximum_concurrent_rpcs=2 * cfg.max_inflight_requests)
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(self.pipeline), self._grpc)
         # GAIE's Envoy health-checks the ext_proc cluster on the ext_proc port itself (gRPC health,
@@ -215,13 +220,20 @@ class PickerApp:
         if cfg.secure_serving:
             self.cert_source = CertSource(cfg.cert_path)
             tls = self.cert_source.current
-            self.grpc_port = self._grpc.add_secure_port(f"{cfg.bind}:{cfg.grpc_port}",
-                                                        self.cert_source.credentials())
+            if isinstance(self._grpc, H2GrpcServer):
+                self.grpc_port = await self._grpc.bind(cfg.bind, cfg.grpc_port,
+                                                       ssl_context=self.cert_source.ssl_context(),
+                                                       reuse_port=self.slot.share_port)
+            else:
+                self.grpc_port = self._grpc.add_secure_port(f"{cfg.bind}:{cfg.grpc_port}",
+                                                            self.cert_source.credentials())
             log.info("ext_proc serves TLS with a %s certificate (%s, sha256 %s)%s",
                      "self-signed" if tls.self_signed else "provided", tls.cert_file, tls.fingerprint(),
                      "" if tls.self_signed else "; reloaded when the files change")
             if cfg.cert_path:
                 self._tasks.append(asyncio.create_task(self.cert_source.run()))
+        elif isinstance(self._grpc, H2GrpcServer):
+            self.grpc_port = await self._grpc.bind(cfg.bind, cfg.grpc_port, reuse_port=self.slot.share_port)
         else:
             self.grpc_port = self._grpc.add_insecure_port(f"{cfg.bind}:{cfg.grpc_port}")
         self._health_server = grpc.aio.server(options=HEALTH_SERVER_OPTIONS)

@@ -21,6 +21,7 @@ from epp_extproc.envoy.tls import cert_files
 BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
 LOG_FORMATS = ("text", "json")
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+EXTPROC_TRANSPORTS = ("h2", "grpcio")
 
 
 class TokenizerProtocol(StrEnum):
@@ -110,6 +111,10 @@ OPTIONS: tuple[Option, ...] = (
            "`uvloop` (libuv) spends less CPU per gRPC message than the standard loop (bench/README.md has the "
            "figures); `auto` = uvloop when it is installed (it is a dependency), else `asyncio`",
            EVENT_LOOPS),
+    Option("--extproc-transport", "DYN_EPP_EXTPROC_TRANSPORT", "h2", str,
+           "what serves the ext_proc port (ext_proc, gRPC health, the access-log service): `h2` = the picker's "
+           "own HTTP/2 gRPC server (envoy/h2server.py), about a third of grpcio's CPU per message "
+           "(bench/README.md); `grpcio` = grpcio's asyncio server", EXTPROC_TRANSPORTS),
     Option("--secure-serving", "DYN_EPP_SECURE_SERVING", True, _bool,
            "TLS on the ext_proc port, as GAIE's and Dynamo's pickers and their gateway configs expect (health "
            "port and metrics stay plain); `--secure-serving=false` serves plaintext h2c"),
@@ -285,6 +290,7 @@ class Config:
     log_level: str = _default("log_level")
     log_format: str = _default("log_format")
     event_loop: str = _default("event_loop")
+    extproc_transport: str = _default("extproc_transport")
     secure_serving: bool = _default("secure_serving")
     cert_path: str | None = _default("cert_path")
     endpoints: str | None = _default("endpoints")

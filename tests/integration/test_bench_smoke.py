@@ -40,7 +40,8 @@ def test_overhead_quick(tmp_path: Path) -> None:
     assert set(doc["targets"]) == {"decision_p50_le_0.2ms", "decision_p99_le_1ms", "added_p50_at_c1_le_2ms",
                                    "c_sustains_1000_rps"}
     floor = doc["request_floor"]  # the picker really routed every stream (a refusal raises) and cost CPU
-    assert 0 < floor["trivial_us_per_request"] and 0 < floor["picker_us_per_request"]
+    for t in ("grpcio", "h2"):
+        assert 0 < floor[t]["trivial_us_per_request"] and 0 < floor[t]["picker_us_per_request"]
     assert floor["render_call"]["aiohttp_us_per_call"] > 0 and floor["render_call"]["picker_render_client_us_per_call"] > 0
 
 
@@ -111,7 +112,7 @@ def test_passthrough_quick(tmp_path: Path) -> None:
 @pytest.mark.timeout(150)
 def test_tokens_quick(tmp_path: Path) -> None:
     doc = run_bench("tokens", tmp_path, timeout=140)
-    assert [m["mode"] for m in doc["modes"]] == ["none", "lean", "echo"]
+    assert [m["mode"] for m in doc["modes"]] == ["none", "lean", "echo", "lean_grpcio", "echo_grpcio"]
     for m in doc["modes"]:
         assert [r["output_tokens"] for r in m["rows"]] == [8, 256, 1024]
         assert all(r["ok"] == r["requests"] for r in m["rows"])
@@ -119,5 +120,6 @@ def test_tokens_quick(tmp_path: Path) -> None:
     for m in doc["modes"][1:]:  # with a picker: an idle rate, and net figures never above the raw ones
         assert m["picker_idle_cpu_ms_per_s"] >= 0
         assert all(0 <= r["picker_net_cpu_ms_per_request"] <= r["picker_cpu_ms_per_request"] for r in m["rows"])
-    floor = doc["echo_floor"]  # quick: 8 streams of 40 chunks and the [DONE] chunk, every one echoed back
-    assert floor["picker_echoed_chunks"] == 8 * 41 and floor["trivial_us_per_chunk"] > 0
+    for t in ("grpcio", "h2"):  # quick: 8 streams of 40 chunks and the [DONE] chunk, every one echoed back
+        floor = doc["echo_floor"][t]
+        assert floor["picker_echoed_chunks"] == 8 * 41 and floor["trivial_us_per_chunk"] > 0
