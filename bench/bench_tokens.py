@@ -121,10 +121,11 @@ def summarize(doc: dict[str, Any]) -> None:
         s["echo_floor"] = {t: {k: floor[t][k] for k in ("trivial_us_per_chunk", "picker_us_per_chunk",
                                                         "picker_own_us_per_chunk")} for t in ("grpcio", "h2")}
         s["echo_floor"]["picker_h2_over_grpcio"] = floor["picker_h2_over_grpcio"]
+    if "echo" in s and "echo_grpcio" in s:  # (lean's per-chunk figures are ~0 +- noise: no ratio of those)
+        s["echo_h2_over_grpcio_per_extra_chunk"] = H.ratio(s["echo"]["picker_net_us_per_extra_chunk"],
+                                                           s["echo_grpcio"]["picker_net_us_per_extra_chunk"])
     for mode in ("lean", "echo"):
         if mode in s and f"{mode}_grpcio" in s:  # the transport's effect, same run
-            s[f"{mode}_h2_over_grpcio_per_extra_chunk"] = H.ratio(s[mode]["picker_net_us_per_extra_chunk"],
-                                                                  s[f"{mode}_grpcio"]["picker_net_us_per_extra_chunk"])
             s[f"{mode}_h2_over_grpcio_at_8"] = H.ratio(by[mode][8]["picker_net_cpu_ms_per_request"],
                                                        by[f"{mode}_grpcio"][8]["picker_net_cpu_ms_per_request"])
     if "lean" in s and "echo" in s:
