@@ -18,14 +18,7 @@ from epp_extproc.envoy import h2server as h2
 from epp_extproc.envoy.h2server import H2GrpcServer
 from epp_extproc.envoy.health import SERVICES, BoundedHealthServicer
 from epp_extproc.envoy.tls import CertSource
-
-
-@pytest.fixture(scope="module", params=["asyncio", "uvloop"])
-def event_loop_policy(request: pytest.FixtureRequest) -> asyncio.AbstractEventLoopPolicy:
-    if request.param == "uvloop":
-        uvloop = pytest.importorskip("uvloop")
-        return uvloop.EventLoopPolicy()
-    return asyncio.DefaultEventLoopPolicy()
+from tests.loops import event_loop_policy  # noqa: F401 - both loops
 
 
 def _same(b: bytes) -> bytes:

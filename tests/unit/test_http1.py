@@ -16,16 +16,7 @@ from epp_extproc.adapters.http1 import (
     Origin,
     Response,
 )
-
-
-@pytest.fixture(scope="module", params=["asyncio", "uvloop"])
-def event_loop_policy(request: pytest.FixtureRequest) -> asyncio.AbstractEventLoopPolicy:
-    """Every case on both loops the picker runs on (`--event-loop`): uvloop's transports are not asyncio's."""
-    if request.param == "uvloop":
-        uvloop = pytest.importorskip("uvloop")
-        return uvloop.EventLoopPolicy()
-    return asyncio.DefaultEventLoopPolicy()
-
+from tests.loops import event_loop_policy  # noqa: F401 - both loops
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
