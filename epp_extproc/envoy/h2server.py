@@ -134,7 +134,7 @@ class _Call:
 
     __slots__ = ("sid", "conn", "method", "handler", "headers", "msgs", "unread", "partial", "ended", "waiter",
                  "task", "headers_sent", "closed", "reset", "send_window", "pending", "drained", "credit",
-                 "status", "details", "deadline", "timer", "recv_window")
+                 "status", "code_set", "details", "deadline", "timer", "recv_window")
 
     def __init__(self, conn: _Connection, sid: int, method: str, handler: Any,
                  headers: list[tuple[str, str]]) -> None:
@@ -158,6 +158,7 @@ class _Call:
         self.credit = 0  # stream window not yet given back (held while `unread` is over a window)
         self.recv_window = STREAM_WINDOW  # what the peer may still send on this stream
         self.status: grpc.StatusCode | None = None  # set: the call is ending (trailers follow pending data)
+        self.code_set: grpc.StatusCode | None = None  # the servicer's context.set_code()
         self.details: str | None = None
         self.deadline: float | None = None
         self.timer: asyncio.TimerHandle | None = None
@@ -370,22 +371,22 @@ class _Call:
                     await result
             else:
                 r = await (h.stream_unary if h.request_streaming else h.unary_unary)(arg, self)
-                if r is not None and self.status is None:
+                if r is not None and self.code_set is None:
                     if not self._send_message(r):
                         await self._drain()
-            self.finish(self.status or grpc.StatusCode.OK, self.details)
+            self.finish(self.code_set or grpc.StatusCode.OK, self.details)
         except _Aborted as e:
             code, details = e.args
             self.finish(code, details)
         except asyncio.CancelledError:
             if not self.closed:  # cancelled by our own shutdown or a deadline, not by the peer
-                self.finish(self.status or grpc.StatusCode.CANCELLED, self.details or "call cancelled")
+                self.finish(self.code_set or grpc.StatusCode.CANCELLED, self.details or "call cancelled")
         except Exception as e:  # noqa: BLE001 - the servicer's bug becomes the call's status, as in grpcio
-            if self.status is None:
+            if self.code_set is None:
                 log.exception("gRPC handler %s failed", self.method)
                 self.finish(grpc.StatusCode.UNKNOWN, f"Unexpected {type(e).__name__}: {e}")
-            else:
-                self.finish(self.status, self.details)
+            else:  # e.g. the generated base class: set_code(UNIMPLEMENTED), then raise
+                self.finish(self.code_set, self.details)
         finally:
             if self.timer is not None:
                 self.timer.cancel()
@@ -420,13 +421,13 @@ class _Call:
         raise NotImplementedError("read() is not supported by this server; iterate the requests")
 
     def set_code(self, code: grpc.StatusCode) -> None:
-        self.status = code
+        self.code_set = code
 
     def set_details(self, details: str) -> None:
         self.details = details
 
     def code(self) -> grpc.StatusCode | None:
-        return self.status
+        return self.code_set
 
     def cancelled(self) -> bool:
         return self.reset

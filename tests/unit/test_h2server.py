@@ -120,6 +120,15 @@ async def test_unary_health_check_and_the_grpcio_not_found_status(served) -> Non
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+async def test_a_method_the_servicer_leaves_to_its_generated_base_is_unimplemented(served) -> None:  # noqa: ANN001
+    """The generated base sets the code on the context, then raises: the code set is the call's status."""
+    _, _, port = served
+    async with _channel(port) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await health_pb2_grpc.HealthStub(ch).List(health_pb2.HealthListRequest(), timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
 async def test_unary_stream_written_through_the_context(served) -> None:  # noqa: ANN001
     _, _, port = served
     async with _channel(port) as ch:
