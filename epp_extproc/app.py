@@ -315,6 +315,8 @@ class PickerApp:
         cfg = self.config
         assert self.sync is not None
         await self.sync.start(self.slot.sync_listen or [f"{cfg.bind}:{cfg.replica_sync_port}"])
+        if self.sync.tls is not None:
+            self._tasks.append(asyncio.create_task(self.sync.tls.run()))
         if cfg.peer_service:
             from epp_extproc.adapters.discovery_peers import PeerServiceDiscovery
 

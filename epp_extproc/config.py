@@ -139,7 +139,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--replica-sync-tls-path", "DYN_EPP_REPLICA_SYNC_TLS_PATH", None, _opt_str,
            "directory with tls.crt, tls.key and ca.crt (one Secret shared by the replicas): sync over TCP "
            "becomes mutual TLS, each side presenting tls.crt and accepting only certificates ca.crt signed; "
-           "unset = plaintext (keep 9004 behind the NetworkPolicy); Unix sockets (--processes) stay local"),
+           "re-read when the files change (new connections use the new set); unset = plaintext (keep 9004 behind "
+           "the NetworkPolicy); Unix sockets (--processes) stay local"),
     Option("--replica-sync-server-name", "DYN_EPP_REPLICA_SYNC_SERVER_NAME", "epp-replica-sync", str,
            "the name a peer's certificate must carry (a DNS subjectAltName): peers are dialled by pod IP"),
     Option("--peer-timeout-ms", "DYN_EPP_PEER_TIMEOUT_MS", 2000, int,
@@ -429,7 +430,7 @@ class Config:
         if self.replica_sync_tls_path:
             from epp_extproc.adapters.replica_sync import SyncTls
 
-            SyncTls.load(self.replica_sync_tls_path, self.replica_sync_server_name)  # the files, named if missing
+            SyncTls.load(self.replica_sync_tls_path, self.replica_sync_server_name)  # named if missing or broken
         if self.processes > 1 and (self.peers or self.peer_service):
             raise ValueError("DYN_EPP_PROCESSES > 1 cannot be combined with DYN_EPP_PEERS/DYN_EPP_PEER_SERVICE yet")
         if self.peer_timeout_ms <= 0 or self.peer_expiry_ms < 0:

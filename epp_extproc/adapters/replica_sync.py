@@ -57,35 +57,112 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a snapshot of 100k bookings fits with ro
 TLS_FILES = ("tls.crt", "tls.key", "ca.crt")
 
 
-@dataclass(frozen=True)
+def _stamp(paths: Sequence[str]) -> tuple[tuple[float, int, int], ...] | None:
+    try:
+        return tuple((st.st_mtime, st.st_size, st.st_ino) for st in (os.stat(p) for p in paths))
+    except OSError:
+        return None
+
+
+def _read_pair(d: str) -> tuple[bytes, bytes, bytes]:
+    """(cert, key, ca) from d, checked: PEM that loads, and the key is the certificate's (else ValueError)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    parts = []
+    for f in TLS_FILES:
+        with open(os.path.join(d, f), "rb") as fh:
+            parts.append(fh.read())
+    cert_pem, key_pem, ca_pem = parts
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+        key = serialization.load_pem_private_key(key_pem, password=None)
+        x509.load_pem_x509_certificates(ca_pem)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{d}: tls.crt/tls.key/ca.crt do not load as PEM: {e}") from None
+    spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    if cert.public_key().public_bytes(*spki) != key.public_key().public_bytes(*spki):
+        raise ValueError(f"{d}: tls.key is not the key of tls.crt")
+    return cert_pem, key_pem, ca_pem
+
+
 class SyncTls:
     """Mutual TLS for sync over TCP: every replica presents the shared certificate and accepts only peers
-    whose certificate the shared CA signed (a plaintext or foreign peer cannot push bookings)."""
+    whose certificate the shared CA signed (a plaintext or foreign peer cannot push bookings).
 
-    cert_pem: bytes
-    key_pem: bytes
-    ca_pem: bytes
-    server_name: str  # peers are dialled by IP: the name their certificate is checked against
+    The files are re-read when they change (`run`: a renewed Secret, kubelet swapping its `..data` link): new
+    inbound handshakes get the new pair and CA through grpcio's dynamic server credentials, new outbound
+    sessions build their channel from the new ones; established streams keep theirs. A set that does not load
+    (half-written, key not the certificate's) is logged and the previous one stays in service."""
+
+    def __init__(self, cert_pem: bytes, key_pem: bytes, ca_pem: bytes, server_name: str,
+                 path: str | None = None, *, poll_interval_s: float = 1.0) -> None:
+        self.cert_pem, self.key_pem, self.ca_pem = cert_pem, key_pem, ca_pem
+        self.server_name = server_name  # peers are dialled by IP: the name their certificate is checked against
+        self.path = path
+        self.poll_interval_s = poll_interval_s
+        self.reloads = 0
+        self._paths = [os.path.join(path, f) for f in TLS_FILES] if path else []
+        self._stamp = _stamp(self._paths) if path else None
+        self._pending = False  # a new set the server's credentials have not fetched yet
 
     @classmethod
-    def load(cls, path: str, server_name: str) -> SyncTls:
+    def load(cls, path: str, server_name: str, **kw: float) -> SyncTls:
         d = os.path.abspath(path)
         missing = [f for f in TLS_FILES if not os.path.isfile(os.path.join(d, f))]
         if missing:
             raise ValueError(f"DYN_EPP_REPLICA_SYNC_TLS_PATH={path!r} lacks {', '.join(missing)}")
-        parts = []
-        for f in TLS_FILES:
-            with open(os.path.join(d, f), "rb") as fh:
-                parts.append(fh.read())
-        return cls(parts[0], parts[1], parts[2], server_name)
+        try:
+            cert, key, ca = _read_pair(d)
+        except ValueError as e:
+            raise ValueError(f"DYN_EPP_REPLICA_SYNC_TLS_PATH={path!r}: {e}") from None
+        return cls(cert, key, ca, server_name, d, **kw)
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials([(self.key_pem, self.cert_pem)], root_certificates=self.ca_pem,
-                                           require_client_auth=True)
+        # grpcio calls the fetch function on each new handshake (from its own thread): it only hands over a
+        # set the poller already read and checked, so a handshake never does file I/O
+        return grpc.dynamic_ssl_server_credentials(self._config(), self._fetch, require_client_authentication=True)
+
+    def _config(self) -> grpc.ServerCertificateConfiguration:
+        return grpc.ssl_server_certificate_configuration([(self.key_pem, self.cert_pem)],
+                                                         root_certificates=self.ca_pem)
+
+    def _fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        if not self._pending:
+            return None
+        self._pending = False
+        return self._config()
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=self.ca_pem, private_key=self.key_pem,
                                             certificate_chain=self.cert_pem)
+
+    async def check_once(self) -> bool:
+        """Reload when the files changed; True when a new set was put in service."""
+        if not self.path:
+            return False
+        stamp = await asyncio.to_thread(_stamp, self._paths)
+        if stamp is None or stamp == self._stamp:
+            return False
+        try:
+            cert, key, ca = await asyncio.to_thread(_read_pair, self.path)
+        except (ValueError, OSError) as e:
+            log.warning("replica sync TLS files in %s changed but do not load (%s); keeping the previous ones",
+                        self.path, e)
+            return False  # stamp not recorded: retried at the next poll (a half-written Secret completes)
+        self._stamp = stamp
+        if (cert, key, ca) == (self.cert_pem, self.key_pem, self.ca_pem):
+            return False
+        self.cert_pem, self.key_pem, self.ca_pem = cert, key, ca
+        self._pending = True
+        self.reloads += 1
+        log.info("replica sync TLS reloaded from %s; new connections use it", self.path)
+        return True
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            await self.check_once()
 
 
 def default_replica_id() -> str:

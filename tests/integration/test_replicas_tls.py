@@ -82,3 +82,49 @@ def test_a_tls_path_without_its_files_stops_start_up_with_one_line(tmp_path: Pat
         load_config(["--peers", "127.0.0.1:1", "--replica-sync-tls-path", str(tmp_path)], env={})
     msg = str(e.value)
     assert "lacks tls.key, ca.crt" in msg and "\n" not in msg
+
+
+async def test_a_renewed_secret_is_served_to_new_connections_without_a_restart(
+        apps: list[PickerApp], secrets: dict[str, Path], tmp_path: Path) -> None:
+    """A's Secret moves to the other CA (cert-manager renewed it with a new issuer): without a restart, A
+    then links with a replica of that CA, both ways (its server's credentials and its outbound channels)."""
+    mounted = tmp_path / "a-secret"
+    mounted.mkdir()
+    for f in ("tls.crt", "tls.key", "ca.crt"):
+        (mounted / f).write_bytes((secrets["ours"] / f).read_bytes())
+    a, c = await pair(apps, mounted, secrets["theirs"])
+    await asyncio.sleep(1.5)
+    assert not any(lk.up for x in (a, c) for lk in x.sync.links.values())  # type: ignore[union-attr]
+    for f in ("tls.key", "tls.crt", "ca.crt"):  # not atomic: a half-written set must not be taken
+        (mounted / f).write_bytes((secrets["theirs"] / f).read_bytes())
+    await until(lambda: all(lk.up for x in (a, c) for lk in x.sync.links.values()), "both links up", timeout=15)
+    assert a.sync.tls is not None and a.sync.tls.reloads == 1  # type: ignore[union-attr]
+    c.load.book(WORKER, 4)
+    await until(lambda: inflight(a) == 1, "C's booking at A")
+
+
+async def test_a_renewed_secret_whose_key_does_not_match_keeps_the_previous_one(tmp_path: Path,
+                                                                                secrets: dict[str, Path]) -> None:
+    from epp_extproc.adapters.replica_sync import SyncTls
+
+    for f in ("tls.crt", "tls.key", "ca.crt"):
+        (tmp_path / f).write_bytes((secrets["ours"] / f).read_bytes())
+    tls = SyncTls.load(str(tmp_path), "epp-replica-sync")
+    before = tls.cert_pem
+    (tmp_path / "tls.crt").write_bytes((secrets["theirs"] / "tls.crt").read_bytes())  # key still the old one
+    assert not await tls.check_once()
+    assert tls.cert_pem == before and tls.reloads == 0
+    (tmp_path / "tls.key").write_bytes((secrets["theirs"] / "tls.key").read_bytes())
+    (tmp_path / "ca.crt").write_bytes((secrets["theirs"] / "ca.crt").read_bytes())
+    assert await tls.check_once() and tls.cert_pem != before and tls.reloads == 1
+
+
+def test_a_tls_path_whose_key_is_not_the_certificates_stops_start_up_with_one_line(
+        tmp_path: Path, secrets: dict[str, Path]) -> None:
+    (tmp_path / "tls.crt").write_bytes((secrets["ours"] / "tls.crt").read_bytes())
+    (tmp_path / "tls.key").write_bytes((secrets["theirs"] / "tls.key").read_bytes())
+    (tmp_path / "ca.crt").write_bytes((secrets["ours"] / "ca.crt").read_bytes())
+    with pytest.raises(SystemExit) as e:
+        load_config(["--peers", "127.0.0.1:1", "--replica-sync-tls-path", str(tmp_path)], env={})
+    msg = str(e.value)
+    assert "tls.key is not the key of tls.crt" in msg and "\n" not in msg
