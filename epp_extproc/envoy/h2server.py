@@ -18,7 +18,8 @@ and a servicer sees a context with grpcio's `abort`, `write`, `set_code`, `set_d
 `invocation_metadata`, `peer` and `time_remaining`. A peer RST_STREAM or a lost connection cancels the
 handler task, as grpcio does, so the servicer's `finally` frees what it holds.
 
-Bounds, whatever a peer sends: a header block of at most `MAX_HEADER_LIST_BYTES`; at most
+Bounds, whatever a peer sends: `PREFACE_TIMEOUT_S` to send the HTTP/2 preface; a header block of at most
+`MAX_HEADER_LIST_BYTES`; at most
 `max_streams_per_connection` open streams a connection (more: REFUSED_STREAM) and `max_concurrent_rpcs` in
 the server (more: RESOURCE_EXHAUSTED); a message of at most `max_receive_message_length`; per stream at most
 one window (`STREAM_WINDOW`) of received but unread messages before its window stops being refilled (so
@@ -64,6 +65,7 @@ CONNECTION_WINDOW = 1 << 26
 MAX_OUTPUT_BUFFER = 8 << 20
 MAX_WINDOW = (1 << 31) - 1
 DEFAULT_MAX_STREAMS_PER_CONNECTION = 1024
+PREFACE_TIMEOUT_S = 10.0  # a connection that has not sent the HTTP/2 preface by then is closed
 
 _U32 = struct.Struct(">I")
 _SETTING = struct.Struct(">HI")
@@ -486,6 +488,14 @@ class _Connection(asyncio.Protocol):
         transport.write(_frame(SETTINGS, 0, 0, settings)
                         + _frame(WINDOW_UPDATE, 0, 0, _U32.pack(CONNECTION_WINDOW - 65_535)))
         self.server.connections.add(self)
+        self.loop.call_later(PREFACE_TIMEOUT_S, self._check_preface)
+
+    def _check_preface(self) -> None:
+        """A client that connects and says nothing holds a socket for nothing (and would block a drain)."""
+        if not self.preface and self.transport is not None and not self.transport.is_closing():
+            log.info("gRPC connection from %s closed: no HTTP/2 preface within %.0fs", self.peer_name,
+                     PREFACE_TIMEOUT_S)
+            self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)

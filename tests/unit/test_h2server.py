@@ -303,6 +303,20 @@ async def test_a_ping_is_answered_with_its_payload(served) -> None:  # noqa: ANN
     raw.close()
 
 
+async def test_a_connection_that_never_sends_the_preface_is_closed(served, monkeypatch) -> None:  # noqa: ANN001
+    server, _, port = served
+    monkeypatch.setattr(h2, "PREFACE_TIMEOUT_S", 0.3)
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(h2.PREFACE[:10])  # a start, then silence
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    while await asyncio.wait_for(r.read(65536), 5):  # our SETTINGS, then the close
+        pass
+    assert 0.25 <= loop.time() - t0 < 3
+    assert not server.connections
+    w.close()
+
+
 async def test_not_http2_is_answered_with_goaway_and_closed(served) -> None:  # noqa: ANN001
     r, w = await asyncio.open_connection("127.0.0.1", served[2])
     w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
