@@ -203,15 +203,17 @@ class PickerApp:
         # One BUFFERED body arrives as one message: let any body up to the whole buffer budget reach the
         # picker, so one just over --max-body-bytes gets the documented 413 rather than a gRPC error (500).
         msg_limit = cfg.max_buffered_body_bytes + 1024 * 1024
-        opts = [("grpc.max_receive_message_length", msg_limit), ("grpc.max_send_message_length", msg_limit),
-                ("grpc.so_reuseport", 1 if self.slot.share_port else 0)]  # 0: a second picker fails loudly
-        # Streams over the in-flight cap still get a 503 from the picker; beyond twice the cap gRPC itself
+        # Streams over the in-flight cap still get a 503 from the picker; beyond twice the cap the server itself
         # refuses them, so a flood of streams that send nothing cannot grow memory without bound.
+        max_calls = 2 * cfg.max_inflight_requests
         if cfg.extproc_transport == "h2":
-            self._grpc = H2GrpcServer(max_concurrent_rpcs=2 * cfg.max_inflight_requests,
-                                      max_receive_message_length=msg_limit, max_send_message_length=msg_limit)
+            self._grpc = H2GrpcServer(max_concurrent_rpcs=max_calls, max_receive_message_length=msg_limit,
+                                      max_send_message_length=msg_limit)
         else:
-            self._grpc = grpc.aio.server(options=opts, maximum_concurrent_rpcs=2 * cfg.max_inflight_requests)
+            self._grpc = grpc.aio.server(options=[
+                ("grpc.max_receive_message_length", msg_limit), ("grpc.max_send_message_length", msg_limit),
+                ("grpc.so_reuseport", 1 if self.slot.share_port else 0)],  # 0: a second picker fails loudly
+                maximum_concurrent_rpcs=max_calls)
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(self.pipeline), self._grpc)
         # GAIE's Envoy health-checks the ext_proc cluster on the ext_proc port itself (gRPC health,
@@ -219,23 +221,22 @@ class PickerApp:
         self.health.add_to(self._grpc)
         if cfg.secure_serving:
             self.cert_source = CertSource(cfg.cert_path)
+        address = f"{cfg.bind}:{cfg.grpc_port}"
+        if isinstance(self._grpc, H2GrpcServer):
+            self.grpc_port = await self._grpc.bind(
+                cfg.bind, cfg.grpc_port, reuse_port=self.slot.share_port,
+                ssl_context=self.cert_source.ssl_context() if self.cert_source else None)
+        elif self.cert_source is not None:
+            self.grpc_port = self._grpc.add_secure_port(address, self.cert_source.credentials())
+        else:
+            self.grpc_port = self._grpc.add_insecure_port(address)
+        if self.cert_source is not None:
             tls = self.cert_source.current
-            if isinstance(self._grpc, H2GrpcServer):
-                self.grpc_port = await self._grpc.bind(cfg.bind, cfg.grpc_port,
-                                                       ssl_context=self.cert_source.ssl_context(),
-                                                       reuse_port=self.slot.share_port)
-            else:
-                self.grpc_port = self._grpc.add_secure_port(f"{cfg.bind}:{cfg.grpc_port}",
-                                                            self.cert_source.credentials())
             log.info("ext_proc serves TLS with a %s certificate (%s, sha256 %s)%s",
                      "self-signed" if tls.self_signed else "provided", tls.cert_file, tls.fingerprint(),
                      "" if tls.self_signed else "; reloaded when the files change")
             if cfg.cert_path:
                 self._tasks.append(asyncio.create_task(self.cert_source.run()))
-        elif isinstance(self._grpc, H2GrpcServer):
-            self.grpc_port = await self._grpc.bind(cfg.bind, cfg.grpc_port, reuse_port=self.slot.share_port)
-        else:
-            self.grpc_port = self._grpc.add_insecure_port(f"{cfg.bind}:{cfg.grpc_port}")
         self._health_server = grpc.aio.server(options=HEALTH_SERVER_OPTIONS)
         self.health.add_to(self._health_server)
         self.health_port = self._health_server.add_insecure_port(f"{cfg.bind}:{cfg.health_port}")

@@ -36,6 +36,7 @@ from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.load import BookingChange, HeldBooking, LoadTracker
 from epp_extproc.proto_gen.epp.v1 import replica_sync_pb2 as pb
 from epp_extproc.proto_gen.epp.v1 import replica_sync_pb2_grpc as pb_grpc
+from epp_extproc.tls_files import check_pair, file_stamp
 from kvindex.index import KvIndex
 
 log = logging.getLogger(__name__)
@@ -57,32 +58,20 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a snapshot of 100k bookings fits with ro
 TLS_FILES = ("tls.crt", "tls.key", "ca.crt")
 
 
-def _stamp(paths: Sequence[str]) -> tuple[tuple[float, int, int], ...] | None:
-    try:
-        return tuple((st.st_mtime, st.st_size, st.st_ino) for st in (os.stat(p) for p in paths))
-    except OSError:
-        return None
-
-
-def _read_pair(d: str) -> tuple[bytes, bytes, bytes]:
+def _read_set(d: str) -> tuple[bytes, bytes, bytes]:
     """(cert, key, ca) from d, checked: PEM that loads, and the key is the certificate's (else ValueError)."""
     from cryptography import x509
-    from cryptography.hazmat.primitives import serialization
 
     parts = []
     for f in TLS_FILES:
         with open(os.path.join(d, f), "rb") as fh:
             parts.append(fh.read())
     cert_pem, key_pem, ca_pem = parts
+    check_pair(cert_pem, key_pem)
     try:
-        cert = x509.load_pem_x509_certificate(cert_pem)
-        key = serialization.load_pem_private_key(key_pem, password=None)
         x509.load_pem_x509_certificates(ca_pem)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{d}: tls.crt/tls.key/ca.crt do not load as PEM: {e}") from None
-    spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    if cert.public_key().public_bytes(*spki) != key.public_key().public_bytes(*spki):
-        raise ValueError(f"{d}: tls.key is not the key of tls.crt")
+    except ValueError as e:
+        raise ValueError(f"ca.crt does not load as PEM: {e}") from None
     return cert_pem, key_pem, ca_pem
 
 
@@ -103,7 +92,7 @@ class SyncTls:
         self.poll_interval_s = poll_interval_s
         self.reloads = 0
         self._paths = [os.path.join(path, f) for f in TLS_FILES] if path else []
-        self._stamp = _stamp(self._paths) if path else None
+        self._stamp = file_stamp(self._paths) if path else None
         self._pending = False  # a new set the server's credentials have not fetched yet
 
     @classmethod
@@ -113,7 +102,7 @@ class SyncTls:
         if missing:
             raise ValueError(f"DYN_EPP_REPLICA_SYNC_TLS_PATH={path!r} lacks {', '.join(missing)}")
         try:
-            cert, key, ca = _read_pair(d)
+            cert, key, ca = _read_set(d)
         except ValueError as e:
             raise ValueError(f"DYN_EPP_REPLICA_SYNC_TLS_PATH={path!r}: {e}") from None
         return cls(cert, key, ca, server_name, d, **kw)
@@ -141,11 +130,11 @@ class SyncTls:
         """Reload when the files changed; True when a new set was put in service."""
         if not self.path:
             return False
-        stamp = await asyncio.to_thread(_stamp, self._paths)
+        stamp = await asyncio.to_thread(file_stamp, self._paths)
         if stamp is None or stamp == self._stamp:
             return False
         try:
-            cert, key, ca = await asyncio.to_thread(_read_pair, self.path)
+            cert, key, ca = await asyncio.to_thread(_read_set, self.path)
         except (ValueError, OSError) as e:
             log.warning("replica sync TLS files in %s changed but do not load (%s); keeping the previous ones",
                         self.path, e)

@@ -261,21 +261,22 @@ class _Call:
         if len(data) > limit:
             raise _Aborted(grpc.StatusCode.RESOURCE_EXHAUSTED, f"Sent message larger than max ({len(data)} vs. "
                                                                f"{limit})")
-        body = b"\x00" + len(data).to_bytes(4, "big") + data
+        prefix = b"\x00" + len(data).to_bytes(4, "big")
         conn = self.conn
         head = b""
         if not self.headers_sent:
             self.headers_sent = True
             head = _frame(HEADERS, END_HEADERS, self.sid, RESPONSE_HEADERS)
-        n = len(body)
+        n = 5 + len(data)
         if not self.pending and n <= conn.peer_max_frame and n <= self.send_window and n <= conn.send_window:
             self.send_window -= n
             conn.send_window -= n
-            conn.write(head + _head(n, DATA, 0, self.sid) + body)
+            conn.write(b"".join((head, _head(n, DATA, 0, self.sid), prefix, data)))  # the message copied once
             return not conn.paused
         if head:
             conn.write(head)
-        self.pending += body
+        self.pending += prefix
+        self.pending += data
         self.flush()
         return not self.pending and not conn.paused
 
@@ -402,7 +403,8 @@ class _Call:
             # may still wait behind data the peer's window does not take yet
 
     def expire(self) -> None:
-        self.status, self.details = None, None
+        """The client's grpc-timeout passed: DEADLINE_EXCEEDED replaces whatever was still to be sent."""
+        self.status, self.details = None, None  # even trailers already waiting behind unsent data
         if not self.closed:
             self.pending.clear()
             self.finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
@@ -459,7 +461,6 @@ class _Connection(asyncio.Protocol):
         self.decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_LIST_BYTES)
         self.calls: dict[int, _Call] = {}
         self.last_sid = 0
-        self.goaway = False
         self.peer_initial_window = 65_535
         self.peer_max_frame = MAX_FRAME
         self.send_window = 65_535
@@ -569,11 +570,10 @@ class _Connection(asyncio.Protocol):
                 call = self.calls.get(sid)
                 if call is not None:
                     call.on_reset()
-            elif kind == GOAWAY:
-                self.goaway = True  # the peer opens no more streams; the open ones run to their end
             elif kind == PUSH_PROMISE:
                 raise _ConnectionError(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
-            # PRIORITY and unknown frame types are ignored (RFC 9113 §4.1, §5.3.2)
+            # ignored: PRIORITY (§5.3.2), unknown types (§4.1), GOAWAY (the peer opens no more streams;
+            # the open ones run to their end)
         self.buf = buf[pos:]
 
     def _strip_padding(self, flags: int, payload: bytes) -> bytes:

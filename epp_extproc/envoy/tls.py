@@ -20,7 +20,6 @@ import datetime
 import hashlib
 import ipaddress
 import logging
-import os
 import shutil
 import ssl
 import tempfile
@@ -34,6 +33,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+
+from epp_extproc.tls_files import check_pair, file_stamp
 
 CERT_FILE = "tls.crt"
 KEY_FILE = "tls.key"
@@ -71,15 +72,9 @@ def load(cert_path: str) -> ServerCert:
     crt, key = cert_files(cert_path)
     cert_pem, key_pem = crt.read_bytes(), key.read_bytes()
     try:
-        cert = x509.load_pem_x509_certificate(cert_pem)
-        private = serialization.load_pem_private_key(key_pem, password=None)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"DYN_EPP_CERT_PATH={cert_path!r}: {CERT_FILE}/{KEY_FILE} do not load as PEM: "
-                         f"{e}") from None
-    pub = serialization.PublicFormat.SubjectPublicKeyInfo
-    if (cert.public_key().public_bytes(serialization.Encoding.DER, pub)
-            != private.public_key().public_bytes(serialization.Encoding.DER, pub)):
-        raise ValueError(f"DYN_EPP_CERT_PATH={cert_path!r}: {KEY_FILE} is not the key of {CERT_FILE}")
+        check_pair(cert_pem, key_pem)
+    except ValueError as e:
+        raise ValueError(f"DYN_EPP_CERT_PATH={cert_path!r}: {e}") from None
     return ServerCert(cert_pem, key_pem, crt, self_signed=False)
 
 
@@ -107,13 +102,6 @@ def self_signed(common_name: str = "epp-extproc", cert_dir: Path | None = None) 
     return ServerCert(cert_pem, key_pem, crt, self_signed=True)
 
 
-def _stamp(paths: tuple[Path, Path]) -> tuple[tuple[float, int, int], ...] | None:
-    try:
-        return tuple((st.st_mtime, st.st_size, st.st_ino) for st in (os.stat(p) for p in paths))
-    except OSError:
-        return None
-
-
 class CertSource:
     """The certificate the ext_proc port serves, as gRPC server credentials that follow file changes.
 
@@ -128,7 +116,7 @@ class CertSource:
         self._tmpdir: Path | None = None
         if cert_path:
             self._paths: tuple[Path, Path] | None = cert_files(cert_path)
-            self._stamp = _stamp(self._paths)
+            self._stamp = file_stamp(self._paths)
             self.current = load(cert_path)
         else:
             self._paths = None
@@ -179,7 +167,7 @@ class CertSource:
         """Reload when the files changed; True when a new pair was put in service."""
         if self._paths is None or self.cert_path is None:
             return False
-        stamp = await asyncio.to_thread(_stamp, self._paths)
+        stamp = await asyncio.to_thread(file_stamp, self._paths)
         if stamp is None or stamp == self._stamp:
             return False
         try:
