@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Any
@@ -34,6 +33,7 @@ from epp_extproc.envoy.h2server import H2GrpcServer
 from epp_extproc.envoy.health import HEALTH_SERVER_OPTIONS, Health
 from epp_extproc.envoy.tls import CertSource, ServerCert
 from epp_extproc.metrics import PickerMetrics, PromFlowMetrics
+from kvindex.aio import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -335,11 +335,7 @@ class PickerApp:
         await self.health.shutdown()
         if self.flow is not None:
             self.flow.close()  # queued requests get 503 now rather than a reset stream later
-        for t in list(self._tasks):
-            t.cancel()
-        for t in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(list(self._tasks))
         if self._grpc is not None:
             inflight = self.pipeline.gate.count
             if inflight:

@@ -39,6 +39,7 @@ import xxhash
 import zmq
 import zmq.asyncio
 
+from kvindex.aio import cancel_and_wait
 from kvindex.decode import (
     REPLAY_END_SEQ,
     TOO_MANY_EVENTS,
@@ -56,6 +57,7 @@ MAX_REPLAY_ROUNDS = 256  # replays re-asked from a hole (each must make progress
 MAX_REPLAY_CONFIRMS = 8  # rounds in a row that end on the end marker after batches before the live stream takes over
 MAX_REPLAY_GARBAGE = 16  # malformed replay replies tolerated in one replay
 GAP_WARN_INTERVAL_S = 10.0  # one gap warning per burst, not one per gap
+STOP_TIMEOUT_S = 2.0  # a subscriber task that ignores its cancel this long has its socket closed under it
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,21 +228,15 @@ class SubscriberManager:
         subs, self._subs = [s for ss in self._subs.values() for s in ss], {}
         for sub in subs:
             await self._stop(sub)
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watchdog
-            self._watchdog = None
+        await cancel_and_wait([self._watchdog])
+        self._watchdog = None
         if self._own_ctx:
             self._ctx.term()
 
     async def _stop(self, sub: _Sub) -> None:
         sub.gen += 1
-        for task in (sub.task, sub.monitor):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        if await cancel_and_wait((sub.task, sub.monitor), STOP_TIMEOUT_S):
+            log.error("kv subscriber of %s did not stop on cancel: closing its socket under it", sub.label)
         if sub.sock is not None:
             with contextlib.suppress(zmq.ZMQError):
                 sub.sock.disable_monitor()
@@ -556,7 +552,8 @@ class SubscriberManager:
             await dealer.send_multipart([b"", encode_seq(ask)])
             while True:
                 try:
-                    frames = await asyncio.wait_for(dealer.recv_multipart(copy=True), self.replay_timeout_s)
+                    async with asyncio.timeout(self.replay_timeout_s):
+                        frames = await dealer.recv_multipart(copy=True)
                 except TimeoutError:
                     if received and sub.gen == gen:
                         # the end marker is the frame a full send HWM drops first: ask again from where the

@@ -10,7 +10,6 @@ same string the picker names to Envoy.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from epp_extproc.adapters.server_info import fetch_block_size, fetch_served_adapters
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
+from kvindex.aio import cancel_and_wait
 from kvindex.hashing import chain_hashes, pack_tokens, root_seed
 from kvindex.index import KvIndex
 from kvindex.subscriber import KvSource, SubscriberManager
@@ -183,9 +183,5 @@ class KvRouting:
         return snap
 
     async def close(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
-        for t in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(list(self._tasks))
         await self.subscribers.close()

@@ -94,7 +94,8 @@ class FingerprintWatcher:
                 nxt = min((e.due for e in self._entries.values()), default=now + self.refresh_s)
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), max(0.01, nxt - now))
+                    async with asyncio.timeout(max(0.01, nxt - now)):
+                        await self._wake.wait()
 
     async def _read(self, session: aiohttp.ClientSession, address: str) -> None:
         fp, outcome = await self._fetch(session, address)

@@ -37,6 +37,7 @@ from epp_extproc.core.load import BookingChange, HeldBooking, LoadTracker
 from epp_extproc.proto_gen.epp.v1 import replica_sync_pb2 as pb
 from epp_extproc.proto_gen.epp.v1 import replica_sync_pb2_grpc as pb_grpc
 from epp_extproc.tls_files import check_pair, file_stamp
+from kvindex.aio import cancel_and_wait
 from kvindex.index import KvIndex
 
 log = logging.getLogger(__name__)
@@ -245,10 +246,7 @@ class PeerLink:
         while (cur := self._cur) is not None and cur.open and (cur.pending.items or cur.acks) and \
                 time.monotonic() < deadline:
             await asyncio.sleep(0.005)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        await cancel_and_wait([self._task])
         self.sync.metrics.link_up.labels(self.target).set(0)
 
     def offer(self, item: pb.BookingDelta | pb.Prediction) -> None:
@@ -307,7 +305,8 @@ class PeerLink:
         async with channel:
             stub = pb_grpc.ReplicaSyncStub(channel)
             call = stub.Sync(self._requests(session))
-            first = await asyncio.wait_for(call.read(), self.sync.peer_timeout_s)
+            async with asyncio.timeout(self.sync.peer_timeout_s):
+                first = await call.read()
             if first is grpc.aio.EOF or not first.HasField("hello"):
                 raise ConnectionError("peer did not answer with Hello")
             if first.hello.replica_id == self.sync.replica_id:
@@ -318,7 +317,8 @@ class PeerLink:
             self.sync.metrics.link_up.labels(self.target).set(1)
             log.info("replica sync to %s (%s) is up", self.target, self.peer_id)
             while True:  # heartbeats are always acked: silence means the peer or the path is gone
-                msg = await asyncio.wait_for(call.read(), self.sync.peer_timeout_s)
+                async with asyncio.timeout(self.sync.peer_timeout_s):
+                    msg = await call.read()
                 if msg is grpc.aio.EOF:
                     raise ConnectionError("peer closed the stream")
                 if session.reset:
@@ -351,7 +351,8 @@ class PeerLink:
                 session.wake.clear()
                 idle = min(sync.heartbeat_s, ACK_INTERVAL_S) if session.acks else sync.heartbeat_s
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(session.wake.wait(), idle)
+                    async with asyncio.timeout(idle):
+                        await session.wake.wait()
             if session.reset:
                 return  # this stream is over; the next one starts with its own snapshot
             pending, session.pending = session.pending, _Outgoing()
@@ -536,7 +537,8 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
 
     async def _read(self, context: grpc.aio.ServicerContext) -> pb.SyncRequest | None:
         try:
-            msg = await asyncio.wait_for(context.read(), self.peer_timeout_s)
+            async with asyncio.timeout(self.peer_timeout_s):
+                msg = await context.read()
         except TimeoutError:
             log.warning("replica sync: a peer stayed silent for %.1fs", self.peer_timeout_s)
             return None

@@ -43,6 +43,7 @@ from epp_extproc.adapters.http1 import BodyTooLarge, HttpError, Origin
 from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.flow_control import SaturationDetector, WorkerSample
 from epp_extproc.core.load import EndpointLoad, LoadTracker
+from kvindex.aio import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -188,11 +189,7 @@ class WorkerMetricsScraper:
                     t.add_done_callback(tasks.discard)
                 await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
         finally:
-            for t in list(tasks):
-                t.cancel()
-            for t in list(tasks):
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
+            await cancel_and_wait(list(tasks))
             await self.close()
 
     async def close(self) -> None:

@@ -91,13 +91,15 @@ class Child:
         with contextlib.suppress(ProcessLookupError):
             self.proc.send_signal(signal.SIGTERM)
         try:
-            await asyncio.wait_for(self.proc.wait(), 10)
+            async with asyncio.timeout(10):
+                await self.proc.wait()
         except TimeoutError:
             self.proc.kill()
             await self.proc.wait()
         if self.pump is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.pump, 2)
+                async with asyncio.timeout(2):
+                    await self.pump
 
 
 async def _wait_http(url: str, timeout: float = 30.0) -> None:

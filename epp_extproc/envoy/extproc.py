@@ -160,7 +160,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         """Over the cap: answer the request's headers with the reason, or drop a stream that sends none."""
         self.picker.count_rejection(err)
         try:
-            req = await asyncio.wait_for(anext(aiter(requests)), OVERLOADED_FIRST_MESSAGE_S)
+            async with asyncio.timeout(OVERLOADED_FIRST_MESSAGE_S):
+                req = await anext(aiter(requests))
         except (TimeoutError, StopAsyncIteration):
             return
         if req.WhichOneof("request") == "request_headers":

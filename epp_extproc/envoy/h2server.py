@@ -820,7 +820,8 @@ class H2GrpcServer:
                 c.transport.close()
         for srv in self._servers:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(srv.wait_closed(), 1.0)
+                async with asyncio.timeout(1.0):
+                    await srv.wait_closed()
         self._servers.clear()
 
 

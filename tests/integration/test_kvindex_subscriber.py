@@ -417,6 +417,44 @@ async def test_a_reset_during_an_in_flight_replay_drops_what_it_fetched_and_the_
     assert idx.engine_hashes("w") == {50}
 
 
+class _CloseOnReplayReply(zmq.asyncio.Socket):
+    """A DEALER that starts its manager's close() in the very callback that completes a replay reply: the
+    cancel lands on a task whose awaited result is already there (as when discovery removes a worker while
+    its replay answers). ``asyncio.wait_for`` on Python 3.11 returns that result and swallows the cancel."""
+
+    on_reply: Callable[[], None] | None = None
+
+    def recv_multipart(self, *a: Any, **kw: Any) -> Any:
+        fut = super().recv_multipart(*a, **kw)
+        if self.socket_type == zmq.DEALER and type(self).on_reply is not None:
+            fut.add_done_callback(lambda _f: type(self).on_reply())  # runs before the awaiting task resumes
+        return fut
+
+
+async def test_a_close_that_lands_as_a_replay_reply_arrives_still_stops_the_subscriber():
+    ctx = zmq.asyncio.Context()
+    ctx._socket_class = _CloseOnReplayReply
+    idx = KvIndex(default_block_size=BS)
+    mgr = SubscriberManager(idx, heartbeat_stale_s=0.2, zmq_context=ctx, replay_timeout_s=0.5)
+    w = FakeWorker(ctx, replay="trtllm")
+    closing: list[asyncio.Task] = []
+    try:
+        await mgr.add("w", w.endpoint, w.replay_endpoint)
+        await w.sync(mgr, "w")
+        await w.publish([stored_event([1], None, block(0), BS)], send=False)  # lost: the next one is a gap
+        _CloseOnReplayReply.on_reply = lambda: closing.append(asyncio.ensure_future(mgr.close()))
+        await w.publish([stored_event([2], 1, block(1), BS)])
+        await until(lambda: bool(closing))
+        # asyncio.wait, not a timeout: cancelling the waiter would cancel close() and, through it, the task
+        done, _ = await asyncio.wait({closing[0]}, timeout=1.5)
+        assert closing[0] in done  # before: the subscriber task ran on and close() waited for it forever
+        assert closing[0].exception() is None
+    finally:
+        _CloseOnReplayReply.on_reply = None
+        w.close()
+        ctx.destroy(linger=0)
+
+
 async def test_idle_worker_without_heartbeats_is_warmed_up_as_soon_as_the_subscriber_connects(custom):
     make, worker = custom
     idx, mgr = make(replay_timeout_s=0.5)
