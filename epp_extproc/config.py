@@ -115,6 +115,11 @@ OPTIONS: tuple[Option, ...] = (
            "what serves the ext_proc port (ext_proc, gRPC health, the access-log service): `h2` = the picker's "
            "own HTTP/2 gRPC server (envoy/h2server.py), about a third of grpcio's CPU per message "
            "(bench/README.md); `grpcio` = grpcio's asyncio server", EXTPROC_TRANSPORTS),
+    Option("--extproc-keepalive-s", "DYN_EPP_EXTPROC_KEEPALIVE_S", 60.0, float,
+           "h2 transport: a peer silent this long on the ext_proc port is sent an HTTP/2 PING, and its "
+           "connection is closed when nothing arrives within 20 s more (its streams end as cancelled, their "
+           "bookings are freed): a gateway host that died without closing its connections holds nothing for "
+           "long. Envoy answers PINGs by itself; 0 = off"),
     Option("--secure-serving", "DYN_EPP_SECURE_SERVING", True, _bool,
            "TLS on the ext_proc port, as GAIE's and Dynamo's pickers and their gateway configs expect (health "
            "port and metrics stay plain); `--secure-serving=false` serves plaintext h2c"),
@@ -292,6 +297,7 @@ class Config:
     log_format: str = _default("log_format")
     event_loop: str = _default("event_loop")
     extproc_transport: str = _default("extproc_transport")
+    extproc_keepalive_s: float = _default("extproc_keepalive_s")
     secure_serving: bool = _default("secure_serving")
     cert_path: str | None = _default("cert_path")
     endpoints: str | None = _default("endpoints")
@@ -389,6 +395,8 @@ class Config:
             raise ValueError("DYN_KV_CACHE_BLOCK_SIZE must be positive")
         if self.render_fingerprint_refresh_ms <= 0:
             raise ValueError("DYN_EPP_RENDER_FINGERPRINT_REFRESH_MS must be positive")
+        if not self.extproc_keepalive_s >= 0:
+            raise ValueError("DYN_EPP_EXTPROC_KEEPALIVE_S must be >= 0 (0 = off)")
         if self.endpoint_probe_interval_ms < 0:
             raise ValueError("DYN_EPP_ENDPOINT_PROBE_INTERVAL_MS must be >= 0 (0 = off)")
         if not self.endpoint_probe_max_rate > 0:

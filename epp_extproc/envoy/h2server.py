@@ -18,7 +18,10 @@ and a servicer sees a context with grpcio's `abort`, `write`, `set_code`, `set_d
 `invocation_metadata`, `peer` and `time_remaining`. A peer RST_STREAM or a lost connection cancels the
 handler task, as grpcio does, so the servicer's `finally` frees what it holds.
 
-Bounds, whatever a peer sends: `PREFACE_TIMEOUT_S` to send the HTTP/2 preface; a header block of at most
+Bounds, whatever a peer sends: `PREFACE_TIMEOUT_S` to send the HTTP/2 preface; a peer silent for
+`keepalive_time_s` (0 = never) is sent a PING and closed if it sends nothing within `keepalive_timeout_s` (a host that
+died without a FIN or RST would otherwise hold its calls, and their bookings, forever: a lean-mode call is
+silent for the whole answer); a header block of at most
 `MAX_HEADER_LIST_BYTES`; at most
 `max_streams_per_connection` open streams a connection (more: REFUSED_STREAM) and `max_concurrent_rpcs` in
 the server (more: RESOURCE_EXHAUSTED); a message of at most `max_receive_message_length`; per stream at most
@@ -66,6 +69,9 @@ MAX_OUTPUT_BUFFER = 8 << 20
 MAX_WINDOW = (1 << 31) - 1
 DEFAULT_MAX_STREAMS_PER_CONNECTION = 1024
 PREFACE_TIMEOUT_S = 10.0  # a connection that has not sent the HTTP/2 preface by then is closed
+KEEPALIVE_TIME_S = 60.0  # a peer this long silent is sent a PING (grpcio's server waits 2 h by default)
+KEEPALIVE_TIMEOUT_S = 20.0  # and closed if nothing at all arrives this long after it (grpcio's default)
+_KEEPALIVE_PING = b"epp-kpal"
 
 _U32 = struct.Struct(">I")
 _SETTING = struct.Struct(">HI")
@@ -470,6 +476,10 @@ class _Connection(asyncio.Protocol):
         self.header_flags = 0
         self.header_parts: list[bytes] = []
         self.goaway_sent = False
+        self.last_rx = self.loop.time()  # when the peer last sent anything: its silence starts a PING
+        self.heard = True  # anything received since our last PING (uvloop's clock is per loop turn, in ms)
+        self.ping_sent: float | None = None
+        self.keepalive: asyncio.TimerHandle | None = None
 
     # --- asyncio.Protocol ----------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -490,6 +500,8 @@ class _Connection(asyncio.Protocol):
                         + _frame(WINDOW_UPDATE, 0, 0, _U32.pack(CONNECTION_WINDOW - 65_535)))
         self.server.connections.add(self)
         self.loop.call_later(PREFACE_TIMEOUT_S, self._check_preface)
+        if self.server.keepalive_time_s > 0:
+            self.keepalive = self.loop.call_later(self.server.keepalive_time_s, self._check_alive)
 
     def _check_preface(self) -> None:
         """A client that connects and says nothing holds a socket for nothing (and would block a drain)."""
@@ -498,8 +510,33 @@ class _Connection(asyncio.Protocol):
                      PREFACE_TIMEOUT_S)
             self.transport.close()
 
+    def _check_alive(self) -> None:
+        """Silence past `keepalive_time_s` sends a PING; any frame at all after it proves the peer alive."""
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        now = self.loop.time()
+        server = self.server
+        if self.ping_sent is not None and not self.heard:
+            if now - self.ping_sent < server.keepalive_timeout_s:
+                self.keepalive = self.loop.call_at(self.ping_sent + server.keepalive_timeout_s, self._check_alive)
+                return
+            log.warning("gRPC connection from %s closed: nothing received for %.0fs, not even the answer to a "
+                        "PING; %d open calls end as cancelled", self.peer_name, now - self.last_rx, len(self.calls))
+            t.abort()
+            return
+        self.ping_sent = None
+        if now - self.last_rx >= server.keepalive_time_s:
+            self.write(_frame(PING, 0, 0, _KEEPALIVE_PING))
+            self.ping_sent, self.heard = now, False
+            self.keepalive = self.loop.call_at(now + server.keepalive_timeout_s, self._check_alive)
+        else:
+            self.keepalive = self.loop.call_at(self.last_rx + server.keepalive_time_s, self._check_alive)
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        if self.keepalive is not None:
+            self.keepalive.cancel()
         for call in list(self.calls.values()):
             call.on_reset()
         self.calls.clear()
@@ -513,6 +550,8 @@ class _Connection(asyncio.Protocol):
             call.wake_writer()
 
     def data_received(self, data: bytes) -> None:
+        self.last_rx = self.loop.time()
+        self.heard = True
         try:
             self._frames(self.buf + data if self.buf else data)
         except _ConnectionError as e:
@@ -764,11 +803,14 @@ class H2GrpcServer:
 
     def __init__(self, *, max_concurrent_rpcs: int, max_receive_message_length: int = 4 << 20,
                  max_send_message_length: int = 4 << 20,
-                 max_streams_per_connection: int = DEFAULT_MAX_STREAMS_PER_CONNECTION) -> None:
+                 max_streams_per_connection: int = DEFAULT_MAX_STREAMS_PER_CONNECTION,
+                 keepalive_time_s: float = KEEPALIVE_TIME_S, keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S) -> None:
         self.max_concurrent_rpcs = max_concurrent_rpcs
         self.max_receive_message_length = max_receive_message_length
         self.max_send_message_length = max_send_message_length
         self.max_streams_per_connection = max_streams_per_connection  # the server cap answers beyond it
+        self.keepalive_time_s = keepalive_time_s
+        self.keepalive_timeout_s = keepalive_timeout_s
         self.methods: dict[str, Any] = {}
         self.connections: set[_Connection] = set()
         self.active = 0

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -83,13 +85,13 @@ class ScriptedUpstream:
 
 
 class Lean:
-    def __init__(self) -> None:
+    def __init__(self, **config: Any) -> None:
         self.bg = BackgroundLoop()
         self.up = ScriptedUpstream()
         self.bg.run(self.up.start())
         self.app = PickerApp(Config(grpc_port=0, health_port=0, metrics_port=0, admin_port=0, bind="127.0.0.1",
                                     secure_serving=False, endpoint_probe_interval_ms=0,
-                                    endpoints=f"w=127.0.0.1:{self.up.port}"))
+                                    endpoints=f"w=127.0.0.1:{self.up.port}", **config))
         self.kinds: list[str] = []  # every message kind the picker's ext_proc streams received
         self._tap(self.app.servicer)
         self.bg.run(self.app.start())
@@ -265,3 +267,60 @@ def test_no_request_leaves_pending_usage_or_bookings_behind(lean: Lean) -> None:
         lean.post("/v1/unary-parts")
     wait_for(lambda: len(lean.app.pipeline.late_usage) == 0 and lean.app.load.total_inflight() == 0,
              "every parked usage matched by its access-log entry")
+
+
+def _held_request(lean: Lean, out: dict[str, Any]) -> threading.Thread:
+    def client() -> None:
+        try:
+            out["body"] = request(lean.envoy.url, path="/v1/held/sse", body=b'{"model":"m"}', timeout=30).body
+        except Exception as e:  # noqa: BLE001 - the frozen-gateway case expects a broken answer
+            out["error"] = e
+
+    t = threading.Thread(target=client)
+    t.start()
+    return t
+
+
+def test_envoy_answers_the_keepalive_pings_of_a_long_silent_lean_stream(caplog) -> None:  # noqa: ANN001
+    """A lean stream is silent for the whole answer: 15 keepalive periods of it must not cost the booking."""
+    lean = Lean(extproc_keepalive_s=0.1)
+    try:
+        lean.app._grpc.keepalive_timeout_s = 0.3
+        lean.up.gate = asyncio.Event()
+        out: dict[str, Any] = {}
+        t = _held_request(lean, out)
+        wait_for(lambda: lean.app.load.total_inflight() == 1, "the booking")
+        time.sleep(1.5)
+        assert lean.app.load.total_inflight() == 1 and "not even the answer to a PING" not in caplog.text
+        lean.bg.loop.call_soon_threadsafe(lean.up.gate.set)
+        t.join(20)
+        assert out.get("body", b"").endswith(b"data: [DONE]\n\n"), out
+        wait_for(lambda: lean.app.load.total_inflight() == 0, "the booking freed at the end")
+    finally:
+        lean.close()
+
+
+def test_a_frozen_gateway_loses_its_connection_and_the_booking_is_freed(caplog) -> None:  # noqa: ANN001
+    """SIGSTOP: the kernel still acknowledges every byte, as for a host whose gateway hangs, but nothing answers
+    the picker's PING. Without keepalive the booking stayed until the process came back, or forever."""
+    lean = Lean(extproc_keepalive_s=0.2)
+    envoy = lean.envoy.proc
+    assert envoy is not None
+    try:
+        lean.app._grpc.keepalive_timeout_s = 0.3
+        lean.up.gate = asyncio.Event()
+        out: dict[str, Any] = {}
+        t = _held_request(lean, out)
+        wait_for(lambda: lean.app.load.total_inflight() == 1, "the booking")
+        envoy.send_signal(signal.SIGSTOP)
+        try:
+            wait_for(lambda: lean.app.load.total_inflight() == 0, "the booking freed while Envoy is frozen", 5)
+        finally:
+            envoy.send_signal(signal.SIGCONT)
+        assert "not even the answer to a PING" in caplog.text
+        lean.bg.loop.call_soon_threadsafe(lean.up.gate.set)
+        t.join(20)
+        assert lean.post("/v1/unary-parts")  # Envoy connects again and routes the next request
+        wait_for(lambda: lean.app.load.total_inflight() == 0, "no booking left")
+    finally:
+        lean.close()

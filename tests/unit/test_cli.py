@@ -47,3 +47,10 @@ def test_text_log_format_is_the_default(capsys, restore_root_logging) -> None:
 def test_unknown_log_format_is_refused() -> None:
     with pytest.raises(SystemExit):
         load_config(["--log-format", "xml"], env={})
+
+
+def test_extproc_keepalive_defaults_to_a_minute_takes_its_env_and_refuses_a_negative() -> None:
+    assert load_config([], env={}).extproc_keepalive_s == 60.0
+    assert load_config([], env={"DYN_EPP_EXTPROC_KEEPALIVE_S": "0"}).extproc_keepalive_s == 0.0
+    with pytest.raises((SystemExit, ValueError), match="KEEPALIVE"):
+        load_config(["--extproc-keepalive-s", "-1"], env={})

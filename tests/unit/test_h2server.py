@@ -410,6 +410,59 @@ async def test_streams_past_the_per_connection_limit_are_refused() -> None:
         await server.stop(0)
 
 
+@contextlib.asynccontextmanager
+async def _keepalive_server(time_s: float, timeout_s: float) -> AsyncIterator[tuple[H2GrpcServer, Service, int]]:
+    server = H2GrpcServer(max_concurrent_rpcs=4, keepalive_time_s=time_s, keepalive_timeout_s=timeout_s)
+    svc = Service()
+    server.add_registered_method_handlers("test.Svc", svc.handlers())
+    port = await server.bind("127.0.0.1", 0)
+    await server.start()
+    try:
+        yield server, svc, port
+    finally:
+        await server.stop(0)
+
+
+async def test_a_peer_that_answers_nothing_after_a_keepalive_ping_is_closed_and_its_calls_cancelled(caplog):  # noqa: ANN001
+    """A host that died without a FIN would hold its calls (and their bookings) forever."""
+    async with _keepalive_server(0.2, 0.3) as (server, svc, port):
+        raw = await Raw.open(port)
+        raw.w.write(_frame(h2.SETTINGS, h2.ACK, 0) + _frame(h2.HEADERS, h2.END_HEADERS, 1,
+                                                             _request_headers("/test.Svc/Hang")))
+        await asyncio.wait_for(svc.started.wait(), 5)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        kind, flags, _, _ = await raw.until(h2.PING)  # then the peer goes silent: no ACK, nothing
+        assert not flags & h2.ACK
+        await asyncio.wait_for(svc.finally_ran.wait(), 5)
+        assert 0.25 <= loop.time() - t0 < 3 and server.active == 0 and not server.connections
+        assert "not even the answer to a PING" in caplog.text
+        raw.close()
+
+
+async def test_a_peer_that_answers_keepalive_pings_keeps_a_silent_call_open(served) -> None:  # noqa: ANN001
+    """grpcio's client answers PINGs as Envoy does: a call silent for many periods (a lean-mode answer) lives."""
+    async with _keepalive_server(0.1, 0.1) as (server, svc, port), _channel(port) as ch:
+        call = ch.stream_stream("/test.Svc/Hang")(iter([b"x"]))
+        await asyncio.wait_for(svc.started.wait(), 5)
+        await asyncio.sleep(1.0)  # ten keepalive periods with nothing but PINGs and their answers
+        assert not svc.finally_ran.is_set() and len(server.connections) == 1
+        svc.release.set()
+        assert [r async for r in call] == [b"released"]
+        assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_an_idle_peer_is_pinged_only_after_keepalive_time_of_silence() -> None:
+    async with _keepalive_server(0.4, 5.0) as (_, _, port):
+        raw = await Raw.open(port)
+        raw.w.write(_frame(h2.SETTINGS, h2.ACK, 0))
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await raw.until(h2.PING)
+        assert loop.time() - t0 >= 0.35
+        raw.close()
+
+
 def test_the_port_is_taken_loudly() -> None:
     async def main() -> None:
         s = socket.socket()
