@@ -25,7 +25,7 @@ from typing import Any
 import xxhash
 
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
-from kvindex.hashing import MASK64, block_hashes, pack_tokens, root_seed
+from kvindex.hashing import block_hashes, pack_tokens, root_seed
 
 log = logging.getLogger(__name__)
 
@@ -618,14 +618,14 @@ class KvIndex:
     def overlap_hashes(
         self, hashes: Sequence[int], block_size: int, workers: Iterable[str] | None = None
     ) -> dict[str, int]:
-        """Like :meth:`overlap` for chain hashes already computed with :func:`block_hashes`; only slots
-        whose block size is ``block_size`` can match."""
+        """Like :meth:`overlap` for chain hashes already computed with :func:`block_hashes` (u64, as the index
+        keys them: they are walked as given); only slots whose block size is ``block_size`` can match."""
         if self._pred_heap:
             self._expire(self._clock())
         alive = self._group_masks().get(block_size, 0) & self._allowed(workers)
         res: dict[str, int] = {}
         if alive:
-            self._walk((h & MASK64 for h in hashes), alive, res)
+            self._walk(hashes, alive, res)
         return res
 
     def _walk(self, hashes: Iterable[int], alive: int, res: dict[str, int]) -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import struct
 from array import array
 
+import pytest
 import xxhash
 
-from kvindex.hashing import block_hashes, root_seed
+from kvindex.hashing import block_hashes, pack_tokens, root_seed
 
 
 def test_first_block_is_xxh3_of_little_endian_u32_tokens_seeded_1337():
@@ -50,3 +51,12 @@ def test_lora_name_changes_every_hash_of_the_chain():
 def test_packed_array_input_gives_the_same_hashes_as_a_list():
     toks = list(range(64))
     assert block_hashes(array("I", toks), 16) == block_hashes(toks, 16)
+
+
+def test_a_list_a_tuple_and_a_range_pack_to_the_same_u32s_and_bad_ids_are_refused():
+    toks = [0, 1, 31999, 2**32 - 1]
+    assert pack_tokens(toks).tobytes() == pack_tokens(tuple(toks)).tobytes() == struct.pack("<4I", *toks)
+    assert pack_tokens(range(3)).tolist() == [0, 1, 2]
+    for bad, err in (([1, -1], OverflowError), ([1, 2**32], OverflowError), ([1, 1.5], TypeError)):
+        with pytest.raises(err):
+            pack_tokens(bad)
