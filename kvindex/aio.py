@@ -10,9 +10,10 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Future | None], timeout: float
     """Cancel each task and wait for it to end; returns the ones still running after ``timeout``.
 
     Suppressing ``CancelledError`` around ``await task`` also swallows a cancel aimed at the caller, which then
-    runs on, and waits forever for a task that swallowed its own cancel (``asyncio.wait_for`` does that on
-    Python 3.11 when its result is ready in the same instant). ``asyncio.wait`` does neither. A task's own
-    failure is retrieved here, so a shutdown does not log it as never retrieved."""
+    runs on; ``asyncio.wait`` lets it through. With a ``timeout``, a task that swallowed its own cancel
+    (``asyncio.wait_for`` does that on Python 3.11 when its result is ready in the same instant) is returned
+    rather than waited for forever. A task's own failure is retrieved here, so a shutdown does not log it as
+    never retrieved."""
     tasks = [t for t in tasks if t is not None]
     for t in tasks:
         t.cancel()

@@ -19,10 +19,9 @@ and a servicer sees a context with grpcio's `abort`, `write`, `set_code`, `set_d
 handler task, as grpcio does, so the servicer's `finally` frees what it holds.
 
 Bounds, whatever a peer sends: `PREFACE_TIMEOUT_S` to send the HTTP/2 preface; a peer silent for
-`keepalive_time_s` (0 = never) is sent a PING and closed if it sends nothing within `keepalive_timeout_s` (a host that
-died without a FIN or RST would otherwise hold its calls, and their bookings, forever: a lean-mode call is
-silent for the whole answer); a header block of at most
-`MAX_HEADER_LIST_BYTES`; at most
+`keepalive_time_s` (0 = never) is sent a PING and closed if it sends nothing within `keepalive_timeout_s`
+(a host that died without a FIN or RST would otherwise hold its calls, and their bookings, forever: a
+lean-mode call is silent for the whole answer); a header block of at most `MAX_HEADER_LIST_BYTES`; at most
 `max_streams_per_connection` open streams a connection (more: REFUSED_STREAM) and `max_concurrent_rpcs` in
 the server (more: RESOURCE_EXHAUSTED); a message of at most `max_receive_message_length`; per stream at most
 one window (`STREAM_WINDOW`) of received but unread messages before its window stops being refilled (so

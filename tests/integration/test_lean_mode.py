@@ -8,13 +8,14 @@ the response flags. A scripted upstream controls exactly how the answer is cut i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -269,49 +270,47 @@ def test_no_request_leaves_pending_usage_or_bookings_behind(lean: Lean) -> None:
              "every parked usage matched by its access-log entry")
 
 
-def _held_request(lean: Lean, out: dict[str, Any]) -> threading.Thread:
-    def client() -> None:
-        try:
-            out["body"] = request(lean.envoy.url, path="/v1/held/sse", body=b'{"model":"m"}', timeout=30).body
-        except Exception as e:  # noqa: BLE001 - the frozen-gateway case expects a broken answer
-            out["error"] = e
-
-    t = threading.Thread(target=client)
-    t.start()
-    return t
-
-
-def test_envoy_answers_the_keepalive_pings_of_a_long_silent_lean_stream(caplog) -> None:  # noqa: ANN001
-    """A lean stream is silent for the whole answer: 15 keepalive periods of it must not cost the booking."""
-    lean = Lean(extproc_keepalive_s=0.1)
+@contextlib.contextmanager
+def _held_lean_answer(keepalive_s: float) -> Iterator[tuple[Lean, dict[str, Any], threading.Thread]]:
+    """A picker whose h2 server pings after `keepalive_s` of silence (and gives up 0.3 s later), and one lean SSE
+    answer held open by the upstream, yielded once its booking is in place."""
+    lean = Lean(extproc_keepalive_s=keepalive_s)
     try:
         lean.app._grpc.keepalive_timeout_s = 0.3
         lean.up.gate = asyncio.Event()
         out: dict[str, Any] = {}
-        t = _held_request(lean, out)
+
+        def client() -> None:
+            try:
+                out["body"] = request(lean.envoy.url, path="/v1/held/sse", body=b'{"model":"m"}', timeout=30).body
+            except Exception as e:  # noqa: BLE001 - the frozen-gateway case expects a broken answer
+                out["error"] = e
+
+        t = threading.Thread(target=client)
+        t.start()
         wait_for(lambda: lean.app.load.total_inflight() == 1, "the booking")
+        yield lean, out, t
+    finally:
+        lean.close()
+
+
+def test_envoy_answers_the_keepalive_pings_of_a_long_silent_lean_stream(caplog) -> None:  # noqa: ANN001
+    """A lean stream is silent for the whole answer: 15 keepalive periods of it must not cost the booking."""
+    with _held_lean_answer(0.1) as (lean, out, t):
         time.sleep(1.5)
         assert lean.app.load.total_inflight() == 1 and "not even the answer to a PING" not in caplog.text
         lean.bg.loop.call_soon_threadsafe(lean.up.gate.set)
         t.join(20)
         assert out.get("body", b"").endswith(b"data: [DONE]\n\n"), out
         wait_for(lambda: lean.app.load.total_inflight() == 0, "the booking freed at the end")
-    finally:
-        lean.close()
 
 
 def test_a_frozen_gateway_loses_its_connection_and_the_booking_is_freed(caplog) -> None:  # noqa: ANN001
     """SIGSTOP: the kernel still acknowledges every byte, as for a host whose gateway hangs, but nothing answers
     the picker's PING. Without keepalive the booking stayed until the process came back, or forever."""
-    lean = Lean(extproc_keepalive_s=0.2)
-    envoy = lean.envoy.proc
-    assert envoy is not None
-    try:
-        lean.app._grpc.keepalive_timeout_s = 0.3
-        lean.up.gate = asyncio.Event()
-        out: dict[str, Any] = {}
-        t = _held_request(lean, out)
-        wait_for(lambda: lean.app.load.total_inflight() == 1, "the booking")
+    with _held_lean_answer(0.2) as (lean, _, t):
+        envoy = lean.envoy.proc
+        assert envoy is not None
         envoy.send_signal(signal.SIGSTOP)
         try:
             wait_for(lambda: lean.app.load.total_inflight() == 0, "the booking freed while Envoy is frozen", 5)
@@ -322,5 +321,3 @@ def test_a_frozen_gateway_loses_its_connection_and_the_booking_is_freed(caplog) 
         t.join(20)
         assert lean.post("/v1/unary-parts")  # Envoy connects again and routes the next request
         wait_for(lambda: lean.app.load.total_inflight() == 0, "no booking left")
-    finally:
-        lean.close()
