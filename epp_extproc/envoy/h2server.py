@@ -21,7 +21,8 @@ handler task, as grpcio does, so the servicer's `finally` frees what it holds.
 Bounds, whatever a peer sends: `PREFACE_TIMEOUT_S` to send the HTTP/2 preface; a peer silent for
 `keepalive_time_s` (0 = never) is sent a PING and closed if it sends nothing within `keepalive_timeout_s`
 (a host that died without a FIN or RST would otherwise hold its calls, and their bookings, forever: a
-lean-mode call is silent for the whole answer); a header block of at most `MAX_HEADER_LIST_BYTES`; at most
+lean-mode call is silent for the whole answer); a header block of at most `MAX_HEADER_LIST_BYTES` in at
+most `MAX_HEADER_FRAMES` frames (a flood of empty CONTINUATIONs adds frames, not bytes); at most
 `max_streams_per_connection` open streams a connection (more: REFUSED_STREAM) and `max_concurrent_rpcs` in
 the server (more: RESOURCE_EXHAUSTED); a message of at most `max_receive_message_length`; per stream at most
 one window (`STREAM_WINDOW`) of received but unread messages before its window stops being refilled (so
@@ -62,6 +63,7 @@ NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR, _, STREAM_CLOSED, 
 
 MAX_FRAME = 16_384  # what we accept (the protocol's default, and Envoy's frame size)
 MAX_HEADER_LIST_BYTES = 65_536
+MAX_HEADER_FRAMES = 64  # HEADERS + CONTINUATIONs of one block (64 KiB is 4 full frames; Envoy sends 1-2)
 STREAM_WINDOW = 1 << 20  # per stream: a 16 MiB BUFFERED body needs ~32 refills, localhost round trips
 CONNECTION_WINDOW = 1 << 26
 MAX_OUTPUT_BUFFER = 8 << 20
@@ -474,6 +476,7 @@ class _Connection(asyncio.Protocol):
         self.header_sid = 0  # a header block in progress (HEADERS without END_HEADERS), and its parts
         self.header_flags = 0
         self.header_parts: list[bytes] = []
+        self.header_bytes = 0
         self.goaway_sent = False
         self.last_rx = self.loop.time()  # when the peer last sent anything: its silence starts a PING
         self.heard = True  # anything received since our last PING (uvloop's clock is per loop turn, in ms)
@@ -649,14 +652,17 @@ class _Connection(asyncio.Protocol):
         if flags & END_HEADERS:
             self._header_block(sid, flags, block)
         else:
-            self.header_sid, self.header_flags, self.header_parts = sid, flags, [block]
+            self.header_sid, self.header_flags, self.header_parts, self.header_bytes = sid, flags, [block], len(block)
 
     def _continuation(self, sid: int, flags: int, payload: bytes) -> None:
         if sid != self.header_sid or not sid:
             raise _ConnectionError(PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
         self.header_parts.append(payload)
-        if sum(map(len, self.header_parts)) > MAX_HEADER_LIST_BYTES:
+        self.header_bytes += len(payload)
+        if self.header_bytes > MAX_HEADER_LIST_BYTES:
             raise _ConnectionError(ENHANCE_YOUR_CALM, f"header block over {MAX_HEADER_LIST_BYTES} bytes")
+        if len(self.header_parts) > MAX_HEADER_FRAMES:  # empty CONTINUATIONs add no bytes, only frames
+            raise _ConnectionError(ENHANCE_YOUR_CALM, f"header block in over {MAX_HEADER_FRAMES} frames")
         if flags & END_HEADERS:
             block = b"".join(self.header_parts)
             self.header_sid, self.header_parts = 0, []

@@ -386,6 +386,19 @@ async def test_data_on_a_finished_stream_is_dropped_and_the_connection_goes_on(s
     raw.close()
 
 
+async def test_a_flood_of_empty_continuation_frames_loses_the_connection(served) -> None:  # noqa: ANN001
+    """The CONTINUATION flood (CVE-2024-27316 and kin): empty frames add nothing to the byte cap, so the block
+    grew without end, and each frame summed the whole list again."""
+    server, _, port = served
+    raw = await Raw.open(port)
+    block = _request_headers()
+    raw.w.write(_frame(h2.HEADERS, 0, 1, block[:4]) + _frame(h2.CONTINUATION, 0, 1) * 1_000)  # 9 KB
+    kind, _, _, payload = await raw.until(h2.GOAWAY)
+    assert struct.unpack(">I", payload[4:8])[0] == h2.ENHANCE_YOUR_CALM and b"frames" in payload[8:]
+    assert server.active == 0
+    raw.close()
+
+
 async def test_streams_past_the_per_connection_limit_are_refused() -> None:
     server = H2GrpcServer(max_concurrent_rpcs=100, max_streams_per_connection=3)
     server.add_registered_method_handlers("test.Svc", Service().handlers())
