@@ -29,6 +29,9 @@ one window (`STREAM_WINDOW`) of received but unread messages before its window s
 at most two windows wait unread; a peer sending past its window loses the connection); outbound,
 a handler waits while the peer's window is shut or the socket's write buffer is full, and a connection whose
 unread output passes `MAX_OUTPUT_BUFFER` (a peer that sends PINGs and SETTINGS but never reads) is closed.
+Control floods cost O(1) a frame: the answers to one read's frames leave in one write, a WINDOW_UPDATE
+visits only the calls waiting for window, and a new SETTINGS_INITIAL_WINDOW_SIZE is one shift, not a loop
+over the open streams.
 Not implemented, because no gRPC client needs them here: server push, priorities (ignored), message
 compression (a compressed message is refused with UNIMPLEMENTED: we never advertise an encoding).
 """
@@ -161,7 +164,7 @@ class _Call:
         self.headers_sent = False
         self.closed = False  # trailers sent (or reset): nothing more goes out
         self.reset = False
-        self.send_window = conn.peer_initial_window
+        self.send_window = conn.peer_initial_window - conn.window_shift  # its window is this + the shift
         self.pending = bytearray()  # framed output waiting for window
         self.drained: asyncio.Future[None] | None = None
         self.credit = 0  # stream window not yet given back (held while `unread` is over a window)
@@ -275,7 +278,8 @@ class _Call:
             self.headers_sent = True
             head = _frame(HEADERS, END_HEADERS, self.sid, RESPONSE_HEADERS)
         n = 5 + len(data)
-        if not self.pending and n <= conn.peer_max_frame and n <= self.send_window and n <= conn.send_window:
+        if not self.pending and n <= conn.peer_max_frame and n <= self.send_window + conn.window_shift \
+                and n <= conn.send_window:
             self.send_window -= n
             conn.send_window -= n
             conn.write(b"".join((head, _head(n, DATA, 0, self.sid), prefix, data)))  # the message copied once
@@ -293,7 +297,7 @@ class _Call:
         p = self.pending
         out = []
         while p:
-            n = min(len(p), conn.peer_max_frame, self.send_window, conn.send_window)
+            n = min(len(p), conn.peer_max_frame, self.send_window + conn.window_shift, conn.send_window)
             if n <= 0:
                 break
             out.append(_head(n, DATA, 0, self.sid) + bytes(p[:n]))
@@ -302,10 +306,13 @@ class _Call:
             conn.send_window -= n
         if out:
             conn.write(b"".join(out))
-        if not p:
-            if self.status is not None and not self.closed:
-                self._send_trailers()
-            self.wake_writer()
+        if p:
+            conn.waiting[self.sid] = self
+            return
+        conn.waiting.pop(self.sid, None)
+        if self.status is not None and not self.closed:
+            self._send_trailers()
+        self.wake_writer()
 
     def wake_writer(self) -> None:
         d = self.drained
@@ -471,6 +478,10 @@ class _Connection(asyncio.Protocol):
         self.peer_initial_window = 65_535
         self.peer_max_frame = MAX_FRAME
         self.send_window = 65_535
+        # SETTINGS_INITIAL_WINDOW_SIZE moves every stream's window: one shift here, not a loop over the streams
+        self.window_shift = 0
+        self.waiting: dict[int, _Call] = {}  # calls whose output waits for window: what a WINDOW_UPDATE wakes
+        self.corked: list[bytes] | None = None  # while a read's frames are handled, writes gather here
         self.recv_window = CONNECTION_WINDOW  # raised from 65,535 by our first WINDOW_UPDATE
         self.paused = False
         self.header_sid = 0  # a header block in progress (HEADERS without END_HEADERS), and its parts
@@ -554,12 +565,20 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.last_rx = self.loop.time()
         self.heard = True
+        self.corked = []  # what the frames of this read answer (ACKs, WINDOW_UPDATEs, data): one write
         try:
             self._frames(self.buf + data if self.buf else data)
         except _ConnectionError as e:
             self.close(e.code, str(e))
         except hpack.HPACKError as e:
             self.close(COMPRESSION_ERROR, f"header block: {e}")
+        finally:
+            self._uncork()
+
+    def _uncork(self) -> None:
+        out, self.corked = self.corked, None
+        if out:
+            self.write(b"".join(out))
 
     # --- frames --------------------------------------------------------------------------------------
     def _frames(self, buf: bytes) -> None:
@@ -718,9 +737,11 @@ class _Connection(asyncio.Protocol):
             call.task = self.loop.create_task(call.run())
 
     def release(self, call: _Call) -> None:
+        self.waiting.pop(call.sid, None)
         if self.calls.pop(call.sid, None) is not None and call.task is not None:
             self.server.active -= 1
             if not self.calls and self.goaway_sent and self.transport is not None:
+                self._uncork()
                 self.transport.close()
 
     def _settings(self, sid: int, flags: int, payload: bytes) -> None:
@@ -735,10 +756,8 @@ class _Connection(asyncio.Protocol):
             if key == S_INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
                     raise _ConnectionError(FLOW_CONTROL_ERROR, "initial window over 2^31-1")
-                delta = value - self.peer_initial_window
+                self.window_shift += value - self.peer_initial_window
                 self.peer_initial_window = value
-                for call in self.calls.values():
-                    call.send_window += delta
             elif key == S_MAX_FRAME_SIZE:
                 if not 16_384 <= value <= 16_777_215:
                     raise _ConnectionError(PROTOCOL_ERROR, "SETTINGS_MAX_FRAME_SIZE out of range")
@@ -764,7 +783,7 @@ class _Connection(asyncio.Protocol):
         if call is None:
             return
         call.send_window += inc
-        if call.send_window > MAX_WINDOW:
+        if call.send_window + self.window_shift > MAX_WINDOW:
             self.write(_frame(RST_STREAM, 0, sid, _U32.pack(FLOW_CONTROL_ERROR)))
             call.on_reset()
             return
@@ -772,12 +791,17 @@ class _Connection(asyncio.Protocol):
             call.flush()
 
     def _flush_all(self) -> None:
-        for call in list(self.calls.values()):
-            if call.pending:
+        """Only the calls waiting for window: a flood of WINDOW_UPDATEs or SETTINGS costs O(1) a frame, not
+        O(open streams)."""
+        if self.waiting:
+            for call in list(self.waiting.values()):
                 call.flush()
 
     # --- output --------------------------------------------------------------------------------------
     def write(self, data: bytes) -> None:
+        if self.corked is not None:
+            self.corked.append(data)
+            return
         t = self.transport
         if t is None or t.is_closing():
             return
@@ -790,6 +814,7 @@ class _Connection(asyncio.Protocol):
     def close(self, code: int, why: str) -> None:
         log.info("gRPC connection from %s closed: %s", self.peer_name, why)
         self.write(_frame(GOAWAY, 0, 0, _U32.pack(self.last_sid) + _U32.pack(code) + why.encode()[:256]))
+        self._uncork()
         if self.transport is not None:
             self.transport.close()
 
@@ -800,6 +825,7 @@ class _Connection(asyncio.Protocol):
         self.goaway_sent = True
         self.write(_frame(GOAWAY, 0, 0, _U32.pack(self.last_sid) + _U32.pack(NO_ERROR)))
         if not self.calls and self.transport is not None:
+            self._uncork()
             self.transport.close()
 
 

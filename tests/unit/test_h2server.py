@@ -369,6 +369,37 @@ async def test_output_waits_for_a_peer_that_grants_no_window(served) -> None:  #
     raw.close()
 
 
+async def test_a_new_initial_window_mid_call_moves_the_open_streams_windows(served) -> None:  # noqa: ANN001
+    """RFC 9113 §6.9.2: SETTINGS_INITIAL_WINDOW_SIZE changes every open stream's window by the difference,
+    downwards too; the waiting output goes out as the new window allows."""
+    server, _, port = served
+    raw = await Raw.open(port, struct.pack(">HI", h2.S_INITIAL_WINDOW_SIZE, 1000))
+    raw.w.write(_frame(h2.HEADERS, h2.END_HEADERS, 1, _request_headers())
+                + _frame(h2.DATA, 0, 1, _msg(b"big:3000")))
+    got = 0
+    while got < 1000:
+        kind, _, _, payload = await raw.frame()
+        got += len(payload) if kind == h2.DATA else 0
+    # the window is spent (0); shrinking the initial window by 500 leaves it at -500, then +2505 opens 2005
+    raw.w.write(_frame(h2.SETTINGS, 0, 0, struct.pack(">HI", h2.S_INITIAL_WINDOW_SIZE, 500))
+                + _frame(h2.SETTINGS, 0, 0, struct.pack(">HI", h2.S_INITIAL_WINDOW_SIZE, 3005)))
+    while got < 3005:
+        kind, _, _, payload = await raw.frame()
+        got += len(payload) if kind == h2.DATA else 0
+    assert got == 3005
+    conn = next(iter(server.connections))
+    assert not conn.waiting  # nothing waits for window any more: a WINDOW_UPDATE flood visits no call
+    raw.w.write(_frame(h2.DATA, 0, 1, _msg(b"big:4000")))  # the window is exactly spent: all of it waits
+    await asyncio.sleep(0.2)
+    assert list(conn.waiting) == [1] and len(conn.calls[1].pending) == 4005  # the one call a WINDOW_UPDATE visits
+    raw.w.write(_frame(h2.WINDOW_UPDATE, 0, 1, struct.pack(">I", 4005)))
+    while got < 3005 + 4005:
+        kind, _, _, payload = await raw.frame()
+        got += len(payload) if kind == h2.DATA else 0
+    assert got == 3005 + 4005 and not conn.waiting
+    raw.close()
+
+
 async def test_data_on_a_finished_stream_is_dropped_and_the_connection_goes_on(served) -> None:  # noqa: ANN001
     _, _, port = served
     raw = await Raw.open(port)
@@ -397,6 +428,46 @@ async def test_a_flood_of_empty_continuation_frames_loses_the_connection(served)
     assert struct.unpack(">I", payload[4:8])[0] == h2.ENHANCE_YOUR_CALM and b"frames" in payload[8:]
     assert server.active == 0
     raw.close()
+
+
+class _Transport:
+    """What a connection writes, write by write (a syscall each on a real socket)."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+    def set_write_buffer_limits(self, high: int) -> None:
+        pass
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+async def test_the_answers_to_the_frames_of_one_read_leave_in_one_write() -> None:
+    """A flood of PINGs or SETTINGS cost a syscall per frame; now a read costs one however many it holds."""
+    conn = h2._Connection(H2GrpcServer(max_concurrent_rpcs=1, keepalive_time_s=0))
+    t = _Transport()
+    conn.connection_made(t)  # type: ignore[arg-type]
+    t.writes.clear()
+    pings = b"".join(_frame(h2.PING, 0, 0, b"%08d" % i) for i in range(100))
+    conn.data_received(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + pings)
+    assert len(t.writes) == 1
+    out = t.writes[0]
+    assert out.startswith(_frame(h2.SETTINGS, h2.ACK, 0))
+    assert out[9:] == b"".join(_frame(h2.PING, h2.ACK, 0, b"%08d" % i) for i in range(100))  # in order
+    conn.connection_lost(None)
 
 
 async def test_streams_past_the_per_connection_limit_are_refused() -> None:
