@@ -524,7 +524,7 @@ async def test_a_peer_that_answers_nothing_after_a_keepalive_ping_is_closed_and_
         raw.close()
 
 
-async def test_a_peer_that_answers_keepalive_pings_keeps_a_silent_call_open(served) -> None:  # noqa: ANN001
+async def test_a_peer_that_answers_keepalive_pings_keeps_a_silent_call_open() -> None:
     """grpcio's client answers PINGs as Envoy does: a call silent for many periods (a lean-mode answer) lives."""
     async with _keepalive_server(0.1, 0.1) as (server, svc, port), _channel(port) as ch:
         call = ch.stream_stream("/test.Svc/Hang")(iter([b"x"]))
