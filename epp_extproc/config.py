@@ -120,6 +120,9 @@ OPTIONS: tuple[Option, ...] = (
            "connection is closed when nothing arrives within 20 s more (its streams end as cancelled, their "
            "bookings are freed): a gateway host that died without closing its connections holds nothing for "
            "long. Envoy answers PINGs by itself; 0 = off"),
+    Option("--extproc-max-connections", "DYN_EPP_EXTPROC_MAX_CONNECTIONS", 4096, int,
+           "h2 transport: connections the ext_proc port holds at once; more are closed as they arrive (logged). "
+           "Envoy opens one per worker thread, so this is gateway pods x their threads, with room to spare"),
     Option("--secure-serving", "DYN_EPP_SECURE_SERVING", True, _bool,
            "TLS on the ext_proc port, as GAIE's and Dynamo's pickers and their gateway configs expect (health "
            "port and metrics stay plain); `--secure-serving=false` serves plaintext h2c"),
@@ -298,6 +301,7 @@ class Config:
     event_loop: str = _default("event_loop")
     extproc_transport: str = _default("extproc_transport")
     extproc_keepalive_s: float = _default("extproc_keepalive_s")
+    extproc_max_connections: int = _default("extproc_max_connections")
     secure_serving: bool = _default("secure_serving")
     cert_path: str | None = _default("cert_path")
     endpoints: str | None = _default("endpoints")
@@ -395,6 +399,8 @@ class Config:
             raise ValueError("DYN_KV_CACHE_BLOCK_SIZE must be positive")
         if self.render_fingerprint_refresh_ms <= 0:
             raise ValueError("DYN_EPP_RENDER_FINGERPRINT_REFRESH_MS must be positive")
+        if self.extproc_max_connections <= 0:
+            raise ValueError("DYN_EPP_EXTPROC_MAX_CONNECTIONS must be positive")
         if not self.extproc_keepalive_s >= 0:
             raise ValueError("DYN_EPP_EXTPROC_KEEPALIVE_S must be >= 0 (0 = off)")
         if self.endpoint_probe_interval_ms < 0:

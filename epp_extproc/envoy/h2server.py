@@ -18,7 +18,8 @@ and a servicer sees a context with grpcio's `abort`, `write`, `set_code`, `set_d
 `invocation_metadata`, `peer` and `time_remaining`. A peer RST_STREAM or a lost connection cancels the
 handler task, as grpcio does, so the servicer's `finally` frees what it holds.
 
-Bounds, whatever a peer sends: `PREFACE_TIMEOUT_S` to send the HTTP/2 preface; a peer silent for
+Bounds, whatever a peer sends: at most `max_connections` open connections (more are closed as they arrive);
+`PREFACE_TIMEOUT_S` to send the HTTP/2 preface; a peer silent for
 `keepalive_time_s` (0 = never) is sent a PING and closed if it sends nothing within `keepalive_timeout_s`
 (a host that died without a FIN or RST would otherwise hold its calls, and their bookings, forever: a
 lean-mode call is silent for the whole answer); a header block of at most `MAX_HEADER_LIST_BYTES` in at
@@ -54,6 +55,8 @@ from urllib.parse import quote
 import grpc
 import hpack
 
+from epp_extproc.core.logs import Throttled
+
 log = logging.getLogger(__name__)
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -72,6 +75,7 @@ CONNECTION_WINDOW = 1 << 26
 MAX_OUTPUT_BUFFER = 8 << 20
 MAX_WINDOW = (1 << 31) - 1
 DEFAULT_MAX_STREAMS_PER_CONNECTION = 1024
+DEFAULT_MAX_CONNECTIONS = 4096  # Envoy opens one per worker thread: 50 gateway pods x 16 threads is 800
 PREFACE_TIMEOUT_S = 10.0  # a connection that has not sent the HTTP/2 preface by then is closed
 KEEPALIVE_TIME_S = 60.0  # a peer this long silent is sent a PING (grpcio's server waits 2 h by default)
 KEEPALIVE_TIMEOUT_S = 20.0  # and closed if nothing at all arrives this long after it (grpcio's default)
@@ -496,6 +500,13 @@ class _Connection(asyncio.Protocol):
 
     # --- asyncio.Protocol ----------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        server = self.server
+        if len(server.connections) >= server.max_connections:  # idle h2 connections that answer PINGs stay
+            server.refused_connections += 1
+            server.refusal_log.warning("connections", "gRPC connection refused: already %d open (the cap)",
+                                       len(server.connections))
+            transport.abort()
+            return
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio's classes
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple) and len(peer) >= 2:
@@ -835,13 +846,17 @@ class H2GrpcServer:
     def __init__(self, *, max_concurrent_rpcs: int, max_receive_message_length: int = 4 << 20,
                  max_send_message_length: int = 4 << 20,
                  max_streams_per_connection: int = DEFAULT_MAX_STREAMS_PER_CONNECTION,
-                 keepalive_time_s: float = KEEPALIVE_TIME_S, keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S) -> None:
+                 keepalive_time_s: float = KEEPALIVE_TIME_S, keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
         self.max_concurrent_rpcs = max_concurrent_rpcs
         self.max_receive_message_length = max_receive_message_length
         self.max_send_message_length = max_send_message_length
         self.max_streams_per_connection = max_streams_per_connection  # the server cap answers beyond it
         self.keepalive_time_s = keepalive_time_s
         self.keepalive_timeout_s = keepalive_timeout_s
+        self.max_connections = max_connections  # more are closed as they arrive
+        self.refused_connections = 0
+        self.refusal_log = Throttled(log)
         self.methods: dict[str, Any] = {}
         self.connections: set[_Connection] = set()
         self.active = 0

@@ -54,3 +54,9 @@ def test_extproc_keepalive_defaults_to_a_minute_takes_its_env_and_refuses_a_nega
     assert load_config([], env={"DYN_EPP_EXTPROC_KEEPALIVE_S": "0"}).extproc_keepalive_s == 0.0
     with pytest.raises((SystemExit, ValueError), match="KEEPALIVE"):
         load_config(["--extproc-keepalive-s", "-1"], env={})
+
+
+def test_extproc_max_connections_defaults_to_4096_and_refuses_zero() -> None:
+    assert load_config([], env={}).extproc_max_connections == 4096
+    with pytest.raises((SystemExit, ValueError), match="MAX_CONNECTIONS"):
+        load_config([], env={"DYN_EPP_EXTPROC_MAX_CONNECTIONS": "0"})

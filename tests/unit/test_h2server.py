@@ -547,6 +547,35 @@ async def test_an_idle_peer_is_pinged_only_after_keepalive_time_of_silence() -> 
         raw.close()
 
 
+async def test_connections_past_the_cap_are_closed_as_they_arrive_and_a_freed_slot_is_served_again(caplog):  # noqa: ANN001
+    """Idle connections that answer PINGs are kept: without a cap a client could hold sockets without end."""
+    server = H2GrpcServer(max_concurrent_rpcs=4, max_connections=2)
+    port = await server.bind("127.0.0.1", 0)
+    await server.start()
+    try:
+        kept = [await Raw.open(port) for _ in range(2)]
+        for raw in kept:
+            await raw.until(h2.SETTINGS)
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        with contextlib.suppress(ConnectionError):
+            assert await asyncio.wait_for(r.read(), 5) == b""  # closed before a byte of SETTINGS
+        w.close()
+        assert server.refused_connections == 1 and len(server.connections) == 2
+        assert "gRPC connection refused: already 2 open" in caplog.text
+        kept.pop().close()
+        for _ in range(100):
+            if len(server.connections) < 2:
+                break
+            await asyncio.sleep(0.01)
+        again = await Raw.open(port)
+        again.w.write(_frame(h2.PING, 0, 0, b"12345678"))
+        assert (await again.until(h2.PING))[3] == b"12345678"
+        for raw in (*kept, again):
+            raw.close()
+    finally:
+        await server.stop(0)
+
+
 def test_the_port_is_taken_loudly() -> None:
     async def main() -> None:
         s = socket.socket()
