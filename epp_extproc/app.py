@@ -209,7 +209,7 @@ class PickerApp:
         if cfg.extproc_transport == "h2":
             self._grpc = H2GrpcServer(max_concurrent_rpcs=max_calls, max_receive_message_length=msg_limit,
                                       max_send_message_length=msg_limit, keepalive_time_s=cfg.extproc_keepalive_s,
-                                      max_connections=cfg.extproc_max_connections)
+                                      max_connections=cfg.extproc_max_connections, max_partial_bytes=msg_limit)
         else:
             self._grpc = grpc.aio.server(options=[
                 ("grpc.max_receive_message_length", msg_limit), ("grpc.max_send_message_length", msg_limit),

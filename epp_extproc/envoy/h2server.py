@@ -25,8 +25,10 @@ Bounds, whatever a peer sends: at most `max_connections` open connections (more 
 lean-mode call is silent for the whole answer); a header block of at most `MAX_HEADER_LIST_BYTES` in at
 most `MAX_HEADER_FRAMES` frames (a flood of empty CONTINUATIONs adds frames, not bytes); at most
 `max_streams_per_connection` open streams a connection (more: REFUSED_STREAM) and `max_concurrent_rpcs` in
-the server (more: RESOURCE_EXHAUSTED); a message of at most `max_receive_message_length`; per stream at most
-one window (`STREAM_WINDOW`) of received but unread messages before its window stops being refilled (so
+the server (more: RESOURCE_EXHAUSTED); a message of at most `max_receive_message_length`, and at most
+`max_partial_bytes` in messages still arriving on all calls together (the call that would pass it ends with
+RESOURCE_EXHAUSTED: without it, each open call could hold a whole message cap of a message never finished);
+per stream at most one window (`STREAM_WINDOW`) of received but unread messages before its window stops being refilled (so
 at most two windows wait unread; a peer sending past its window loses the connection); outbound,
 a handler waits while the peer's window is shut or the socket's write buffer is full, and a connection whose
 unread output passes `MAX_OUTPUT_BUFFER` (a peer that sends PINGs and SETTINGS but never reads) is closed.
@@ -150,7 +152,7 @@ class _Call:
 
     __slots__ = ("sid", "conn", "method", "handler", "headers", "msgs", "unread", "partial", "ended", "waiter",
                  "task", "headers_sent", "closed", "reset", "send_window", "pending", "drained", "credit",
-                 "status", "code_set", "details", "deadline", "timer", "recv_window")
+                 "status", "code_set", "details", "deadline", "timer", "recv_window", "partial_held")
 
     def __init__(self, conn: _Connection, sid: int, method: str, handler: Any,
                  headers: list[tuple[str, str]]) -> None:
@@ -162,6 +164,7 @@ class _Call:
         self.msgs: collections.deque[bytes] = collections.deque()
         self.unread = 0  # bytes of complete messages not yet taken by the handler
         self.partial = bytearray()
+        self.partial_held = 0  # what `partial` adds to the server's count of bytes in unfinished messages
         self.ended = False  # the client half-closed
         self.waiter: asyncio.Future[None] | None = None
         self.task: asyncio.Task[None] | None = None
@@ -222,6 +225,14 @@ class _Call:
             self.msgs.append(bytes(p[5:5 + size]))
             self.unread += 5 + size
             del p[:5 + size]
+        grown = len(p) - self.partial_held
+        if grown:
+            server = self.conn.server
+            server.partial_bytes += grown
+            self.partial_held = len(p)
+            if grown > 0 and server.partial_bytes > server.max_partial_bytes:
+                self.finish_now(grpc.StatusCode.RESOURCE_EXHAUSTED, "messages still arriving hold over "
+                                f"{server.max_partial_bytes} bytes in this server")
 
     def on_end(self) -> None:
         self.ended = True
@@ -749,6 +760,10 @@ class _Connection(asyncio.Protocol):
 
     def release(self, call: _Call) -> None:
         self.waiting.pop(call.sid, None)
+        if call.partial_held:  # what the client was still sending is dropped with the call
+            self.server.partial_bytes -= call.partial_held
+            call.partial_held = 0
+            call.partial = bytearray()
         if self.calls.pop(call.sid, None) is not None and call.task is not None:
             self.server.active -= 1
             if not self.calls and self.goaway_sent and self.transport is not None:
@@ -847,7 +862,7 @@ class H2GrpcServer:
                  max_send_message_length: int = 4 << 20,
                  max_streams_per_connection: int = DEFAULT_MAX_STREAMS_PER_CONNECTION,
                  keepalive_time_s: float = KEEPALIVE_TIME_S, keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, max_partial_bytes: int | None = None) -> None:
         self.max_concurrent_rpcs = max_concurrent_rpcs
         self.max_receive_message_length = max_receive_message_length
         self.max_send_message_length = max_send_message_length
@@ -855,6 +870,9 @@ class H2GrpcServer:
         self.keepalive_time_s = keepalive_time_s
         self.keepalive_timeout_s = keepalive_timeout_s
         self.max_connections = max_connections  # more are closed as they arrive
+        # bytes of messages still arriving, all calls together: past it the call that grows them ends
+        self.max_partial_bytes = max_receive_message_length if max_partial_bytes is None else max_partial_bytes
+        self.partial_bytes = 0
         self.refused_connections = 0
         self.refusal_log = Throttled(log)
         self.methods: dict[str, Any] = {}

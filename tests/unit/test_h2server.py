@@ -576,6 +576,40 @@ async def test_connections_past_the_cap_are_closed_as_they_arrive_and_a_freed_sl
         await server.stop(0)
 
 
+async def test_unfinished_messages_of_all_calls_together_are_held_to_the_servers_budget() -> None:
+    """Each call may receive a message of up to the message cap; without a shared budget, many calls that
+    never finish theirs held a whole cap each. The call that would pass the budget ends; the others go on."""
+    server = H2GrpcServer(max_concurrent_rpcs=8, max_receive_message_length=4 << 20, max_partial_bytes=1 << 20)
+    svc = Service()
+    server.add_registered_method_handlers("test.Svc", svc.handlers())
+    port = await server.bind("127.0.0.1", 0)
+    await server.start()
+    try:
+        raw = await Raw.open(port)
+        head = b"\x00" + (2 << 20).to_bytes(4, "big")  # a 2 MiB message announced, 600 KB of it sent
+        part = head + b"x" * (600_000 - 5)
+        frames = [part[i:i + 16_384] for i in range(0, len(part), 16_384)]
+        for sid in (1, 3):
+            raw.w.write(_frame(h2.HEADERS, h2.END_HEADERS, sid, _request_headers("/test.Svc/Count"))
+                        + b"".join(_frame(h2.DATA, 0, sid, f) for f in frames))
+        kind, flags, sid, payload = await raw.until(h2.HEADERS)
+        assert sid == 3 and flags & h2.END_STREAM  # the second passed 1 MiB: trailers-only, ended
+        status = dict(hpack.Decoder().decode(payload))
+        assert status["grpc-status"] == str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
+        assert server.partial_bytes == 600_000  # the first one's part only: the ended call's is dropped
+        raw.w.write(_frame(h2.DATA, h2.END_STREAM, 1, b"y" * 5))  # not the rest: the first ends unfinished
+        kind, flags, sid, payload = await raw.until(h2.HEADERS)
+        assert sid == 1
+        for _ in range(100):
+            if not server.active:
+                break
+            await asyncio.sleep(0.01)
+        assert server.partial_bytes == 0 and server.active == 0
+        raw.close()
+    finally:
+        await server.stop(0)
+
+
 def test_the_port_is_taken_loudly() -> None:
     async def main() -> None:
         s = socket.socket()
