@@ -365,7 +365,8 @@ class _Call:
         self.conn.release(self)
 
     def finish_now(self, code: grpc.StatusCode, details: str) -> None:
-        """A fault in what the client sent: end the call and cancel its handler."""
+        """A fault in what the client sent (or its deadline): drop what waits to go out, end the call with
+        `code` and cancel its handler."""
         self.pending.clear()
         self.finish(code, details)
         if self.task is not None and not self.task.done():
@@ -435,10 +436,7 @@ class _Call:
         """The client's grpc-timeout passed: DEADLINE_EXCEEDED replaces whatever was still to be sent."""
         self.status, self.details = None, None  # even trailers already waiting behind unsent data
         if not self.closed:
-            self.pending.clear()
-            self.finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-            if self.task is not None and not self.task.done():
-                self.task.cancel()
+            self.finish_now(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
     # --- grpc.aio.ServicerContext, the parts servicers use -------------------------------------------
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
