@@ -5,7 +5,9 @@ numbers its batches on its own).  Each subscription owns its stream's sequence b
 
 * **warm-up**: as soon as it connects (and again after the worker is known to have restarted), a subscription
   with a replay endpoint asks for everything from seq 0, so an idle worker's cache is visible without waiting
-  for its next event (vLLM sends no heartbeats);
+  for its next event (vLLM sends no heartbeats).  A warm-up that applied nothing is asked once more at the
+  first live message: ZeroMQ registers a SUB at the PUB asynchronously, so a batch published right after
+  the warm-up's answer can go to nobody, and nothing before the first live message shows it as a gap;
 * **gap**: batches were lost.  With a replay endpoint the replay starts one batch *before* the gap, so the
   subscriber can check the publisher still has the history it applied (same payload digest); a different
   payload, a far jump (a ``time_ns`` start) or a replay that no longer holds the range means lost state
@@ -109,7 +111,7 @@ class _ReplayFailed(Exception):
 
 class _Sub:
     __slots__ = ("worker_id", "source", "sock", "task", "monitor", "stats", "last_live", "applied", "digest", "gen",
-                 "need_warm", "gap_warned_at", "gaps_unwarned")
+                 "need_warm", "recheck", "gap_warned_at", "gaps_unwarned")
 
     def __init__(self, worker_id: str, source: KvSource) -> None:
         self.worker_id = worker_id
@@ -123,6 +125,7 @@ class _Sub:
         self.digest = 0  # xxh3 of the payload applied at `applied`: is a replay the same history?
         self.gen = 0  # bumped by every reset; in-flight replays check it after each await
         self.need_warm = source.replay_endpoint is not None
+        self.recheck = False  # the warm-up applied nothing: ask again from 0 at the first live message
         self.gap_warned_at = -GAP_WARN_INTERVAL_S
         self.gaps_unwarned = 0
 
@@ -406,6 +409,10 @@ class SubscriberManager:
         _, seq, payload = parsed
         last_live = sub.last_live
         sub.last_live = seq
+        if sub.recheck and sub.applied is None:
+            # Nothing was applied yet, so nothing tells whether batches came before this one: those published
+            # between the warm-up's answer and the moment the PUB registered this SUB went to nobody.
+            await self._warm_up(sub, recheck=False)  # raises _Reset if the worker was reset meanwhile
         applied = sub.applied
         if last_live is not None and seq <= last_live:
             self._restart(sub, f"seq went back to {seq}")
@@ -473,13 +480,19 @@ class SubscriberManager:
             sub.stats.replay_lost += 1
             self._clear(sub)
 
-    async def _warm_up(self, sub: _Sub) -> None:
-        """Connect, restart or reset: rebuild from everything the publisher's replay buffer still holds."""
+    async def _warm_up(self, sub: _Sub, recheck: bool = True) -> None:
+        """Connect, restart or reset: rebuild from everything the publisher's replay buffer still holds.
+
+        A warm-up that applies nothing (a fresh engine's empty buffer, or a replay that failed) is asked once
+        more at the first live message (``recheck``): ZeroMQ registers a SUB at the PUB asynchronously, so a
+        batch published just after the warm-up's answer can be lost on the wire with no gap to show it."""
         sub.need_warm = False  # every path here comes from an empty rank: connect, or after a clear/reset
+        sub.recheck = False
         sub.applied = None
         if not await self._replay(sub, 0, lambda seq, payload: True):
             self._clear(sub)
             sub.applied = None
+        sub.recheck = recheck and sub.applied is None
 
     async def _replay(self, sub: _Sub, start: int, accept: Callable[[int, bytes], bool]) -> bool:
         """Ask for every buffered batch with seq >= ``start`` and apply them as they arrive, contiguously.

@@ -466,6 +466,35 @@ async def test_idle_worker_without_heartbeats_is_warmed_up_as_soon_as_the_subscr
     assert w.replay_requests == [0, w.seq + 1] and mgr.stats("w").messages == 0
 
 
+async def test_a_batch_published_before_the_sub_joined_after_an_empty_warm_up_is_fetched_by_replay(custom):
+    """A fresh engine (empty replay buffer) stores blocks right after the picker's warm-up was answered, before
+    ZeroMQ has registered the SUB's subscription at the PUB: that batch only exists in the replay buffer, and
+    the first live message after it must not be applied as if nothing came before it."""
+    make, worker = custom
+    idx, mgr = make(replay_timeout_s=0.5)
+    w = worker(replay="vllm")
+    await mgr.add("w", w.endpoint, w.replay_endpoint)
+    await until(lambda: mgr.stats("w").replay_ok == 1)  # the warm-up found nothing
+    await w.publish(chain_events(1)[0], send=False)  # the PUB had no subscriber yet: dropped on the wire
+    await w.sync(mgr, "w")
+    assert idx.engine_hashes("w") == {1}
+    assert w.replay_requests[:2] == [0, 0]  # asked again from 0 at the first live message
+
+
+async def test_an_empty_warm_up_is_rechecked_once_not_at_every_message(custom):
+    make, worker = custom
+    idx, mgr = make(replay_timeout_s=0.5)
+    w = worker(replay="vllm")
+    await mgr.add("w", w.endpoint, w.replay_endpoint)
+    await until(lambda: mgr.stats("w").replay_ok == 1)
+    await w.sync(mgr, "w")
+    asked = len(w.replay_requests)
+    for _ in range(5):
+        await w.publish([])
+    await until(lambda: mgr.stats("w").last_seq == w.seq)
+    assert len(w.replay_requests) == asked and mgr.stats("w").gaps == 0
+
+
 async def test_a_publisher_that_answers_every_confirmation_with_new_batches_ends_the_replay_as_complete(custom):
     """Confirmation rounds are bounded: a busy engine's newest batches are left to its live stream."""
     make, worker = custom
