@@ -15,7 +15,9 @@ numbers its batches on its own).  Each subscription owns its stream's sequence b
 * **replay** must be contiguous up to the end marker: publishers keep ZeroMQ's default send high-water mark on
   their replay ROUTER, which drops frames in the middle (and the end marker) of a large replay.  A hole stops
   applying and the replay is asked again from the hole on a fresh socket, as long as each round makes progress
-  (bounded rounds); a missing end marker without progress is a timeout, never a success;
+  (bounded rounds); a missing end marker without progress is a timeout, never a success.  A failed replay
+  (not one over its budget) schedules a rebuild from 0 at the first message after a backoff
+  (:data:`REWARM_MIN_S` doubling to :data:`REWARM_MAX_S`); what the rank holds stays until the publisher answers;
 * **reset**: any reset (prober saw the worker die, restart, clear) bumps a generation number that every step
   of an in-flight replay checks after each await, so nothing stale is applied after a reset.
 
@@ -60,6 +62,8 @@ MAX_REPLAY_CONFIRMS = 8  # rounds in a row that end on the end marker after batc
 MAX_REPLAY_GARBAGE = 16  # malformed replay replies tolerated in one replay
 GAP_WARN_INTERVAL_S = 10.0  # one gap warning per burst, not one per gap
 STOP_TIMEOUT_S = 2.0  # a subscriber task that ignores its cancel this long has its socket closed under it
+REWARM_MIN_S = 1.0  # after a failed replay the rank is rebuilt from 0 again after this long, doubling per failure
+REWARM_MAX_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,12 +110,17 @@ class _Reset(Exception):
 
 
 class _ReplayFailed(Exception):
-    """Internal: a replay timed out, overran its budget or kept sending garbage."""
+    """Internal: a replay timed out, overran its budget or kept sending garbage.  ``retry``: worth asking
+    again later (a budget overrun is not: the buffer would overrun it again)."""
+
+    def __init__(self, why: str, retry: bool = True) -> None:
+        super().__init__(why)
+        self.retry = retry
 
 
 class _Sub:
     __slots__ = ("worker_id", "source", "sock", "task", "monitor", "stats", "last_live", "applied", "digest", "gen",
-                 "need_warm", "recheck", "gap_warned_at", "gaps_unwarned")
+                 "need_warm", "recheck", "rewarm_at", "rewarm_backoff", "gap_warned_at", "gaps_unwarned")
 
     def __init__(self, worker_id: str, source: KvSource) -> None:
         self.worker_id = worker_id
@@ -126,6 +135,8 @@ class _Sub:
         self.gen = 0  # bumped by every reset; in-flight replays check it after each await
         self.need_warm = source.replay_endpoint is not None
         self.recheck = False  # the warm-up applied nothing: ask again from 0 at the first live message
+        self.rewarm_at: float | None = None  # a replay failed: rebuild from 0 at the first message after this
+        self.rewarm_backoff = 0.0
         self.gap_warned_at = -GAP_WARN_INTERVAL_S
         self.gaps_unwarned = 0
 
@@ -275,6 +286,8 @@ class SubscriberManager:
         sub.applied = None
         sub.digest = 0
         sub.need_warm = sub.source.replay_endpoint is not None
+        sub.rewarm_at = None
+        sub.rewarm_backoff = 0.0
 
     def _clear(self, sub: _Sub) -> None:
         """This stream lost state: clear what it fed (its rank, or the whole worker for a rank-less endpoint)."""
@@ -413,6 +426,8 @@ class SubscriberManager:
             # Nothing was applied yet, so nothing tells whether batches came before this one: those published
             # between the warm-up's answer and the moment the PUB registered this SUB went to nobody.
             await self._warm_up(sub, recheck=False)  # raises _Reset if the worker was reset meanwhile
+        elif sub.rewarm_at is not None and st.last_message_monotonic >= sub.rewarm_at:
+            await self._rewarm(sub)
         applied = sub.applied
         if last_live is not None and seq <= last_live:
             self._restart(sub, f"seq went back to {seq}")
@@ -424,7 +439,8 @@ class SubscriberManager:
             self._warn_gap(sub, applied + 1, seq - 1)
             if seq - applied > FAR_JUMP:
                 self._restart(sub, f"seq jumped from {applied} to {seq}")
-            elif sub.source.replay_endpoint:
+            elif sub.source.replay_endpoint and sub.rewarm_at is None:
+                # (while a rebuild is pending the endpoint just failed: clear, and let the rebuild bring it back)
                 await self._recover(sub, applied)  # raises _Reset if the worker was reset meanwhile
                 if sub.applied is not None and seq <= sub.applied:
                     return
@@ -489,7 +505,10 @@ class SubscriberManager:
         sub.need_warm = False  # every path here comes from an empty rank: connect, or after a clear/reset
         sub.recheck = False
         sub.applied = None
-        if not await self._replay(sub, 0, lambda seq, payload: True):
+        if await self._replay(sub, 0, lambda seq, payload: True):
+            sub.rewarm_at = None  # whatever failed before is rebuilt now
+            sub.rewarm_backoff = 0.0
+        else:
             self._clear(sub)
             sub.applied = None
         sub.recheck = recheck and sub.applied is None
@@ -514,7 +533,8 @@ class SubscriberManager:
                 hole = await self._replay_round(sub, ask, rnd == 0, accept, gen, spent)
             except _ReplayFailed as exc:
                 st.replay_failures += 1
-                log.warning("kv replay from %s (%s) failed: %s", sub.label, sub.source.replay_endpoint, exc)
+                log.warning("kv replay from %s (%s) failed: %s%s", sub.label, sub.source.replay_endpoint, exc,
+                            self._schedule_rewarm(sub) if exc.retry else "")
                 return False
             if hole is None:
                 st.replay_ok += 1
@@ -533,7 +553,8 @@ class SubscriberManager:
             confirms = 0
             if rnd and hole == ask:
                 st.replay_failures += 1
-                log.warning("kv replay from %s made no progress past seq %d: rank cleared", sub.label, hole)
+                log.warning("kv replay from %s made no progress past seq %d: rank cleared%s", sub.label, hole,
+                            self._schedule_rewarm(sub))
                 return False
             st.replay_holes += 1
             (log.warning if rnd == 0 else log.debug)(
@@ -541,9 +562,38 @@ class SubscriberManager:
                 "there", sub.label, hole)
             ask = hole
         st.replay_failures += 1
-        log.warning("kv replay from %s still had holes after %d rounds: rank cleared", sub.label,
-                    MAX_REPLAY_ROUNDS)
+        log.warning("kv replay from %s still had holes after %d rounds: rank cleared%s", sub.label,
+                    MAX_REPLAY_ROUNDS, self._schedule_rewarm(sub))
         return False
+
+    def _schedule_rewarm(self, sub: _Sub) -> str:
+        """A replay failed, so the rank misses whatever it was to bring: rebuild it from 0 later, backing off
+        (a dead replay endpoint stalls the subscription ``replay_timeout_s`` per attempt).  Returns the words
+        for the log line."""
+        sub.rewarm_backoff = min(REWARM_MAX_S, sub.rewarm_backoff * 2 if sub.rewarm_backoff else REWARM_MIN_S)
+        sub.rewarm_at = time.monotonic() + sub.rewarm_backoff
+        return f"; rebuilding from the replay buffer again in {sub.rewarm_backoff:.0f}s"
+
+    async def _rewarm(self, sub: _Sub) -> None:
+        """Rebuild the rank from everything the replay buffer holds, after an earlier replay failed.  What the
+        rank holds now stays until the publisher answers (the endpoint may still be down): the first reply
+        clears it and the whole buffer is applied in order, then the live stream goes on from its end."""
+        sub.rewarm_at = None
+        cleared = False
+
+        def accept(seq: int, payload: bytes) -> bool:
+            nonlocal cleared
+            cleared = True
+            self._clear(sub)
+            sub.applied = None
+            return True
+
+        log.info("kv events from %s: rebuilding from the replay buffer after a failed replay", sub.label)
+        if await self._replay(sub, 0, accept):
+            sub.rewarm_backoff = 0.0
+        elif cleared:
+            self._clear(sub)  # a partial rebuild: the live stream starts the history again
+            sub.applied = None
 
     async def _replay_round(
         self, sub: _Sub, ask: int, initial: bool, accept: Callable[[int, bytes], bool], gen: int, spent: list[int]
@@ -592,7 +642,7 @@ class SubscriberManager:
                 spent[1] += len(payload)
                 if spent[0] > self.replay_max_batches or spent[1] > self.max_replay_bytes:
                     sub.stats.oversized += 1
-                    raise _ReplayFailed("replay over its batch/byte budget")
+                    raise _ReplayFailed("replay over its batch/byte budget", retry=False)
                 if first_reply:
                     first_reply = False
                     if initial:

@@ -13,6 +13,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+import kvindex.subscriber as subscriber_module
 from bench.kvwire import cleared_event, pack_batch, removed_event, stored_event
 from kvindex.decode import encode_seq
 from kvindex.index import KvIndex
@@ -66,6 +67,7 @@ class FakeWorker:
         self.replay_garbage = False
         self.replay_no_end = False
         self.replay_grows = False  # a busy engine: one more (unsent) batch is stored before each replay answer
+        self.replay_ignore = 0  # the next n requests get no answer at all (an endpoint down or stalled)
         self._task = None
         if replay:
             rport = free_port()
@@ -80,6 +82,9 @@ class FakeWorker:
             ident, _, start8 = await self.router.recv_multipart()
             start = int.from_bytes(start8, "big")
             self.replay_requests.append(start)
+            if self.replay_ignore > 0:
+                self.replay_ignore -= 1
+                continue
             if self.replay_delay_s:
                 await asyncio.sleep(self.replay_delay_s)
             if self.replay_grows:
@@ -493,6 +498,73 @@ async def test_an_empty_warm_up_is_rechecked_once_not_at_every_message(custom):
         await w.publish([])
     await until(lambda: mgr.stats("w").last_seq == w.seq)
     assert len(w.replay_requests) == asked and mgr.stats("w").gaps == 0
+
+
+async def heartbeat_until(w: FakeWorker, pred: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Keep a live stream going (a busy engine's heartbeats) until ``pred`` holds."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await w.publish([])
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def quick_rewarm(monkeypatch):
+    monkeypatch.setattr(subscriber_module, "REWARM_MIN_S", 0.1)
+    monkeypatch.setattr(subscriber_module, "REWARM_MAX_S", 0.4)
+
+
+async def test_a_warm_up_whose_replay_timed_out_is_rebuilt_from_the_buffer_later(custom, quick_rewarm):
+    """A replay endpoint that did not answer in time (an engine busy for a moment) must not leave the cache
+    the worker held before the picker started invisible for good."""
+    make, worker = custom
+    idx, mgr = make(replay_timeout_s=0.2)
+    w = worker(replay="vllm")
+    for ev in chain_events(3):
+        await w.publish(ev, send=False)
+    w.replay_ignore = 2  # the warm-up and its recheck at the first live message
+    await mgr.add("w", w.endpoint, w.replay_endpoint)
+    await heartbeat_until(w, lambda: idx.engine_hashes("w") == {1, 2, 3})
+    assert mgr.stats("w").replay_failures == 2 and w.replay_requests[:3] == [0, 0, 0]
+
+
+async def test_while_the_replay_endpoint_stays_down_live_state_is_kept_and_rebuilds_back_off(custom, quick_rewarm):
+    make, worker = custom
+    idx, mgr = make(replay_timeout_s=0.05)
+    w = worker(replay="vllm")
+    w.replay_ignore = 10**9
+    await mgr.add("w", w.endpoint, w.replay_endpoint)
+    await w.sync(mgr, "w")
+    seq = await w.publish(chain_events(1)[0])
+    await until(lambda: mgr.stats("w").last_seq == seq)
+    clears = idx.stats("w").clears  # the failed warm-up and its recheck cleared an empty rank
+    await w.publish([], send=False)  # a gap while a rebuild is pending: cleared, not one more replay
+    t0, asked = time.monotonic(), len(w.replay_requests)
+    seq = await w.publish(chain_events(1, first_hash=10)[0])
+    await until(lambda: mgr.stats("w").last_seq == seq)
+    for _ in range(80):  # 1.6 s of messages: one rebuild per backoff period, not one per message
+        await w.publish([])
+        await asyncio.sleep(0.02)
+    assert idx.stats("w").clears == clears + 1 and mgr.stats("w").gaps == 1  # the gap's clear, nothing else
+    assert idx.engine_hashes("w") == {10}  # unanswered rebuilds leave what the live stream brought
+    assert 3 <= len(w.replay_requests) - asked <= (time.monotonic() - t0) / 0.1 + 1 < 80
+
+
+async def test_a_replay_over_its_budget_is_not_asked_again(custom, quick_rewarm):
+    """The buffer would overrun the budget again: rebuilding would cost the whole budget every period."""
+    make, worker = custom
+    idx, mgr = make(replay_timeout_s=0.2, replay_max_batches=2)
+    w = worker(replay="vllm")
+    for ev in chain_events(3):
+        await w.publish(ev, send=False)
+    await mgr.add("w", w.endpoint, w.replay_endpoint)
+    await heartbeat_until(w, lambda: mgr.stats("w").messages > 0)
+    asked = len(w.replay_requests)
+    for _ in range(30):
+        await w.publish([])
+        await asyncio.sleep(0.02)
+    assert len(w.replay_requests) == asked and mgr.stats("w").oversized >= 1
 
 
 async def test_a_publisher_that_answers_every_confirmation_with_new_batches_ends_the_replay_as_complete(custom):
