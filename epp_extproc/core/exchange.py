@@ -103,8 +103,10 @@ class PickerExchange:
                     seen = self.observer.finish()
                 except Exception:
                     log.exception("response observer failed")
-            if not seen and self._chunks == 0:  # lean mode: the usage comes later, by the access log
-                self._pipe.late_usage.park(d.booking.id, self.labels(d.model), d.predicted_cached_tokens)
+            if not seen and self._chunks == 0:  # lean mode: the usage comes by the access log
+                self._pipe.stream_ended_without_usage(d.booking.id, self.labels(d.model), d.predicted_cached_tokens)
+            else:
+                self._pipe.late_usage.take_early(d.booking.id)  # an entry the stream's own usage made moot
             d.booking.free()
         self._pipe.gate.leave()
 

@@ -3,6 +3,11 @@
 When a request's stream ends without the picker having seen its usage, what the usage must be compared with
 (model, predicted cached tokens) waits here under the booking id for a bounded time and count, so a gateway
 that never sends access logs costs a fixed amount of memory, and a late or duplicated entry is ignored.
+
+The two arrive on different gRPC streams, so their order is not guaranteed: Envoy writes the access log
+before it closes the filters' streams, and a full buffer (or a flush timer due at that instant) ships the
+entry at once.  An entry for a request still in flight waits here too (``early``), under the same bounds,
+until its stream ends.
 """
 
 from __future__ import annotations
@@ -30,10 +35,11 @@ class LateUsage:
         self.ttl_s = ttl_s
         self.clock = clock
         self._pending: OrderedDict[str, Pending] = OrderedDict()
+        self._early: OrderedDict[str, tuple[bytes | None, float]] = OrderedDict()
         self.expired = 0
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self._early)
 
     def park(self, booking_id: str, model: str, predicted: int | None) -> None:
         now = self.clock()
@@ -47,10 +53,33 @@ class LateUsage:
         self._expire(self.clock())
         return self._pending.pop(booking_id, None)
 
+    def hold_early(self, booking_id: str, usage_tail: bytes | None) -> None:
+        """The access-log entry of a request whose stream has not ended yet."""
+        now = self.clock()
+        self._expire(now)
+        if len(self._early) >= self.limit:
+            self._early.popitem(last=False)
+            self.expired += 1
+        self._early[booking_id] = (usage_tail, now)
+
+    def take_early(self, booking_id: str) -> tuple[bool, bytes | None]:
+        """(found, usage tail) of an entry that came before its stream ended."""
+        if not self._early:
+            return False, None
+        self._expire(self.clock())
+        got = self._early.pop(booking_id, None)
+        return (False, None) if got is None else (True, got[0])
+
     def _expire(self, now: float) -> None:
         while self._pending:
             first = next(iter(self._pending.values()))
             if now - first.since < self.ttl_s:
-                return
+                break
             self._pending.popitem(last=False)
+            self.expired += 1
+        while self._early:
+            since = next(iter(self._early.values()))[1]
+            if now - since < self.ttl_s:
+                break
+            self._early.popitem(last=False)
             self.expired += 1

@@ -352,14 +352,29 @@ class Pipeline:
             self.metrics.response_flags.labels(f).inc()
         pending = self.late_usage.take(booking_id)
         if pending is None:
-            self.metrics.lean_signals.labels("access_log_unmatched").inc()
+            if self.load.booking(booking_id) is not None:  # its stream has not ended yet: wait for it
+                self.late_usage.hold_early(booking_id, usage_tail)
+                self.metrics.lean_signals.labels("access_log_early").inc()
+            else:
+                self.metrics.lean_signals.labels("access_log_unmatched").inc()
             return
+        self._logged_usage(pending.model, pending.predicted_cached_tokens, usage_tail)
+
+    def stream_ended_without_usage(self, booking_id: str, model: str, predicted: int | None) -> None:
+        """Lean mode: the stream ended and its usage comes by the access log, or came already."""
+        found, usage_tail = self.late_usage.take_early(booking_id)
+        if found:
+            self._logged_usage(model, predicted, usage_tail)
+        else:
+            self.late_usage.park(booking_id, model, predicted)
+
+    def _logged_usage(self, model: str, predicted: int | None, usage_tail: bytes | None) -> None:
         usage = usage_from_tail(usage_tail) if usage_tail else None
         if usage is None:
             self.metrics.lean_signals.labels("access_log_no_usage").inc()
             return
         self.metrics.lean_signals.labels("access_log_usage").inc()
-        record_usage(self.metrics, pending.model, pending.predicted_cached_tokens, usage, "access_log")
+        record_usage(self.metrics, model, predicted, usage, "access_log")
 
     def count_rejection(self, err: PickError) -> None:
         label = f"render_{err.render.label}" if err.render is not None else err.problem.value

@@ -123,6 +123,11 @@ class Lean:
     def signal(self, name: str) -> float:
         return self.app.metrics.lean_signals.labels(name)._value.get()
 
+    def signals(self) -> dict[str, float]:
+        """Every lean signal counted so far (what a failed wait shows)."""
+        return {m.labels["signal"]: m.value for metric in self.app.metrics.lean_signals.collect()
+                for m in metric.samples if m.name.endswith("_total")}
+
     def flag(self, name: str) -> float:
         return self.app.metrics.response_flags.labels(name)._value.get()
 
@@ -143,13 +148,13 @@ def lean():
     s.close()
 
 
-def wait_for(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+def wait_for(cond: Callable[[], bool], what: str | Callable[[], str], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():
             return
         time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
 
 
 def test_the_generated_config_keeps_response_bodies_off_the_pickers_stream() -> None:
@@ -228,7 +233,34 @@ def test_a_unary_answer_in_several_chunks_gives_its_usage(lean: Lean) -> None:
     before = lean.cached_count()
     body = lean.post("/v1/unary-parts")
     assert json.loads(body)["usage"] == USAGE
-    wait_for(lambda: lean.cached_count() == before + 1, "the unary usage from the access log")
+    wait_for(lambda: lean.cached_count() == before + 1,
+             lambda: f"the unary usage from the access log; lean signals {lean.signals()}")
+
+
+def test_an_access_log_entry_that_comes_before_its_stream_ends_still_gives_the_usage(lean: Lean) -> None:
+    """Envoy writes the access log before it closes the filters' streams, and a full buffer ships the entry at
+    once: it can reach the picker before the main stream's end does."""
+    wait_for(lambda: len(lean.app.pipeline.late_usage) == 0 and lean.app.load.total_inflight() == 0,
+             "the earlier tests' entries")
+    before, early = lean.cached_count(), lean.signal("access_log_early")
+    lean.up.gate = asyncio.Event()
+    t = threading.Thread(target=lambda: lean.post("/v1/held/sse"))
+    t.start()
+    wait_for(lambda: lean.app.load.total_inflight() == 1, "the booking")
+    booking = lean.app.load.bookings()[0].id
+
+    async def entry_first() -> None:
+        lean.app.pipeline.access_logged(booking, b'"usage":' + json.dumps(USAGE).encode() + b"}", [])
+
+    lean.bg.run(entry_first())
+    assert lean.signal("access_log_early") == early + 1 and lean.cached_count() == before
+    lean.bg.loop.call_soon_threadsafe(lean.up.gate.set)
+    t.join(20)
+    wait_for(lambda: lean.cached_count() == before + 1, "the usage counted when the stream ended")
+    # Envoy's own entry for it comes later and is counted once only
+    wait_for(lambda: lean.signal("access_log_unmatched") >= 1 and len(lean.app.pipeline.late_usage) == 0,
+             lambda: f"Envoy's own entry; lean signals {lean.signals()}")
+    assert lean.cached_count() == before + 1
 
 
 def test_a_client_that_disconnects_mid_stream_frees_the_booking_and_is_reported(lean: Lean) -> None:
