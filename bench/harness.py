@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import signal
 import socket
@@ -37,8 +38,37 @@ RESULTS = Path(__file__).parent / "results"
 
 
 # ----------------------------------------------------------------------------- ports and processes
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port that is free now, chosen below the kernel's ephemeral range and never handed out twice
+    by this process.  A port from bind(0) is an ephemeral one: between this call and the moment a test's
+    server binds it, the kernel may give it to any outgoing connection or other bind(0) (a client socket, an
+    HTTP server on port 0), and the server fails with "Address already in use"."""
+    lo, hi = _ephemeral_range()
+    top = min(lo, 65536) - 1
+    bottom = max(1024, top - 12_000) if top > 2048 else 0
+    for _ in range(500 if bottom else 0):
+        port = random.randint(bottom, top)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # no room below the ephemeral range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -5,11 +5,9 @@ from __future__ import annotations
 import socket
 import time
 
+from bench.harness import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_base_port", "free_port", "wait_port"]
 
 
 def wait_port(port: int, host: str = "127.0.0.1", timeout: float = 15.0) -> None:
