@@ -132,6 +132,9 @@ def settle(stack: GatewayStack) -> None:
     stack.wait_idle()
     wait_until(lambda: queued(stack) == 0 and flow(stack)["queue"]["pending"] == 0, "the queue is empty")
     wait_until(lambda: engine(stack)["running"] == 0 and engine(stack)["waiting"] == 0, "the engine is idle")
+    # the picker learns it from its next scrape of the worker's metrics (every 50 ms here): until then it still
+    # sees the pool saturated, and a sheddable request sent at once would be shed
+    wait_until(lambda: not any(w["saturated"] for w in flow(stack)["workers"].values()), "the picker sees room")
 
 
 def test_requests_beyond_saturation_wait_in_the_picker_not_in_the_engine(stack: GatewayStack) -> None:
