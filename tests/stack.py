@@ -48,6 +48,10 @@ class MockProc:
 
     def start(self) -> MockProc:
         assert self.log is not None
+        if self.proc is not None and self.proc.poll() is None:
+            # a second process would fail to bind while the port answers from the first, which would be
+            # left behind when this one is stopped
+            raise RuntimeError(f"{self.name} is already running (pid {self.proc.pid})")
         self.proc = subprocess.Popen(self.argv, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
         try:
             wait_port(self.port, timeout=20)

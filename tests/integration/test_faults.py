@@ -123,6 +123,7 @@ def wait_renderer_circuit_closed(stack: GatewayStack, timeout_s: float = 20.0) -
 
 
 def test_restarted_renderer_brings_kv_routing_back(stack: GatewayStack) -> None:
+    stack.renderer.stop(signal.SIGKILL)  # dead already after the test above; killed here when run on its own
     stack.renderer.start()
     # the dead renderer opened the circuit: KV routing returns once the next probe after the open time succeeds
     wait_renderer_circuit_closed(stack)
