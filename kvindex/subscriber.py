@@ -427,7 +427,8 @@ class SubscriberManager:
             # between the warm-up's answer and the moment the PUB registered this SUB went to nobody.
             await self._warm_up(sub, recheck=False)  # raises _Reset if the worker was reset meanwhile
         elif sub.rewarm_at is not None and st.last_message_monotonic >= sub.rewarm_at:
-            await self._rewarm(sub)
+            log.info("kv events from %s: rebuilding from the replay buffer after a failed replay", sub.label)
+            await self._warm_up(sub, recheck=False, keep=True)
         applied = sub.applied
         if last_live is not None and seq <= last_live:
             self._restart(sub, f"seq went back to {seq}")
@@ -496,20 +497,34 @@ class SubscriberManager:
             sub.stats.replay_lost += 1
             self._clear(sub)
 
-    async def _warm_up(self, sub: _Sub, recheck: bool = True) -> None:
-        """Connect, restart or reset: rebuild from everything the publisher's replay buffer still holds.
+    async def _warm_up(self, sub: _Sub, recheck: bool = True, keep: bool = False) -> None:
+        """Rebuild the rank from everything the publisher's replay buffer still holds: on connect, restart or
+        reset (the rank is empty), or after an earlier replay failed (``keep``: what the rank holds stays
+        until the publisher answers, which may still be down; its first reply clears it, then the whole
+        buffer is applied in order and the live stream goes on from its end).
 
         A warm-up that applies nothing (a fresh engine's empty buffer, or a replay that failed) is asked once
         more at the first live message (``recheck``): ZeroMQ registers a SUB at the PUB asynchronously, so a
         batch published just after the warm-up's answer can be lost on the wire with no gap to show it."""
-        sub.need_warm = False  # every path here comes from an empty rank: connect, or after a clear/reset
+        sub.need_warm = False
         sub.recheck = False
-        sub.applied = None
-        if await self._replay(sub, 0, lambda seq, payload: True):
-            sub.rewarm_at = None  # whatever failed before is rebuilt now
+        sub.rewarm_at = None  # a failure below schedules the next one
+        cleared = not keep
+        if not keep:
+            sub.applied = None
+
+        def accept(seq: int, payload: bytes) -> bool:
+            nonlocal cleared
+            if not cleared:
+                cleared = True
+                self._clear(sub)
+                sub.applied = None
+            return True
+
+        if await self._replay(sub, 0, accept):
             sub.rewarm_backoff = 0.0
-        else:
-            self._clear(sub)
+        elif cleared:
+            self._clear(sub)  # none or part of the buffer came: the live stream starts the history again
             sub.applied = None
         sub.recheck = recheck and sub.applied is None
 
@@ -573,27 +588,6 @@ class SubscriberManager:
         sub.rewarm_backoff = min(REWARM_MAX_S, sub.rewarm_backoff * 2 if sub.rewarm_backoff else REWARM_MIN_S)
         sub.rewarm_at = time.monotonic() + sub.rewarm_backoff
         return f"; rebuilding from the replay buffer again in {sub.rewarm_backoff:.0f}s"
-
-    async def _rewarm(self, sub: _Sub) -> None:
-        """Rebuild the rank from everything the replay buffer holds, after an earlier replay failed.  What the
-        rank holds now stays until the publisher answers (the endpoint may still be down): the first reply
-        clears it and the whole buffer is applied in order, then the live stream goes on from its end."""
-        sub.rewarm_at = None
-        cleared = False
-
-        def accept(seq: int, payload: bytes) -> bool:
-            nonlocal cleared
-            cleared = True
-            self._clear(sub)
-            sub.applied = None
-            return True
-
-        log.info("kv events from %s: rebuilding from the replay buffer after a failed replay", sub.label)
-        if await self._replay(sub, 0, accept):
-            sub.rewarm_backoff = 0.0
-        elif cleared:
-            self._clear(sub)  # a partial rebuild: the live stream starts the history again
-            sub.applied = None
 
     async def _replay_round(
         self, sub: _Sub, ask: int, initial: bool, accept: Callable[[int, bytes], bool], gen: int, spent: list[int]

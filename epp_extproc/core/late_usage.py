@@ -16,6 +16,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 MAX_PENDING = 16_384
 PENDING_TTL_S = 60.0
@@ -28,6 +29,12 @@ class Pending:
     since: float
 
 
+@dataclass(slots=True, frozen=True)
+class _Early:
+    usage_tail: bytes | None
+    since: float
+
+
 class LateUsage:
     def __init__(self, limit: int = MAX_PENDING, ttl_s: float = PENDING_TTL_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -35,7 +42,7 @@ class LateUsage:
         self.ttl_s = ttl_s
         self.clock = clock
         self._pending: OrderedDict[str, Pending] = OrderedDict()
-        self._early: OrderedDict[str, tuple[bytes | None, float]] = OrderedDict()
+        self._early: OrderedDict[str, _Early] = OrderedDict()
         self.expired = 0
 
     def __len__(self) -> int:
@@ -43,11 +50,7 @@ class LateUsage:
 
     def park(self, booking_id: str, model: str, predicted: int | None) -> None:
         now = self.clock()
-        self._expire(now)
-        if len(self._pending) >= self.limit:
-            self._pending.popitem(last=False)
-            self.expired += 1
-        self._pending[booking_id] = Pending(model, predicted, now)
+        self._put(self._pending, booking_id, Pending(model, predicted, now), now)
 
     def take(self, booking_id: str) -> Pending | None:
         self._expire(self.clock())
@@ -56,11 +59,7 @@ class LateUsage:
     def hold_early(self, booking_id: str, usage_tail: bytes | None) -> None:
         """The access-log entry of a request whose stream has not ended yet."""
         now = self.clock()
-        self._expire(now)
-        if len(self._early) >= self.limit:
-            self._early.popitem(last=False)
-            self.expired += 1
-        self._early[booking_id] = (usage_tail, now)
+        self._put(self._early, booking_id, _Early(usage_tail, now), now)
 
     def take_early(self, booking_id: str) -> tuple[bool, bytes | None]:
         """(found, usage tail) of an entry that came before its stream ended."""
@@ -68,18 +67,17 @@ class LateUsage:
             return False, None
         self._expire(self.clock())
         got = self._early.pop(booking_id, None)
-        return (False, None) if got is None else (True, got[0])
+        return (False, None) if got is None else (True, got.usage_tail)
+
+    def _put(self, waiting: OrderedDict[str, Any], booking_id: str, value: Any, now: float) -> None:
+        self._expire(now)
+        if len(waiting) >= self.limit:
+            waiting.popitem(last=False)
+            self.expired += 1
+        waiting[booking_id] = value
 
     def _expire(self, now: float) -> None:
-        while self._pending:
-            first = next(iter(self._pending.values()))
-            if now - first.since < self.ttl_s:
-                break
-            self._pending.popitem(last=False)
-            self.expired += 1
-        while self._early:
-            since = next(iter(self._early.values()))[1]
-            if now - since < self.ttl_s:
-                break
-            self._early.popitem(last=False)
-            self.expired += 1
+        for waiting in (self._pending, self._early):
+            while waiting and now - next(iter(waiting.values())).since >= self.ttl_s:
+                waiting.popitem(last=False)
+                self.expired += 1
