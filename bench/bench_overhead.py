@@ -15,7 +15,7 @@ latency the picker adds (p50(x) - p50(a)). The picker's own decision time comes 
 Decision time for 8k-token prompts over 8 and 64 workers: (1) a real picker process (`bench.picker_host`,
 the product plus timing probes) whose workers are simulated KV publishers (`bench.kvpub`) that hold long
 prefixes of the prompt, scored through its ext_proc port; its histograms give the figures; (2) the same
-`Pipeline.decide` in-process with the render call stubbed out, timed exactly per call.
+`Picker.decide` in-process with the render call stubbed out, timed exactly per call.
 """
 
 from __future__ import annotations
@@ -151,9 +151,12 @@ async def _inproc(n_workers: int, n_tokens: int, reps: int) -> dict[str, Any]:
     from bench.kvwire import pack_batch, stored_event
     from epp_extproc.adapters.kv_routing import KvRouting
     from epp_extproc.config import Config
+    from epp_extproc.core.admission import BodyBudget, InflightGate
     from epp_extproc.core.cost import choose
     from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
+    from epp_extproc.core.lean import LeanSignals
     from epp_extproc.core.load import LoadTracker
+    from epp_extproc.core.picker import Picker
     from epp_extproc.core.pipeline import Pipeline
     from epp_extproc.core.render import Rendered
     from epp_extproc.core.request import RequestContext
@@ -190,6 +193,8 @@ async def _inproc(n_workers: int, n_tokens: int, reps: int) -> dict[str, Any]:
 
     rend = StubRenderer()
     pipe = Pipeline(cfg, reg, load, metrics, renderer=rend, kv=kv)  # type: ignore[arg-type]
+    picker = Picker(pipe, gate=InflightGate(cfg.max_inflight_requests),
+                    bodies=BodyBudget(cfg.max_body_bytes, cfg.max_buffered_body_bytes), lean=LeanSignals(load, metrics))
     words = " ".join(str(t) for t in doc[:n_tokens])  # a body of realistic size (~6 bytes per token)
     decide, score = [], []
     for i in range(reps):
@@ -198,7 +203,7 @@ async def _inproc(n_workers: int, n_tokens: int, reps: int) -> dict[str, Any]:
             {"role": "user", "content": words + f" q{i}"}]}).encode()
         ctx = RequestContext("POST", "/v1/chat/completions", {"content-type": ["application/json"]}, body, None)
         t0 = time.perf_counter()
-        d = await pipe.decide(ctx)
+        d = await picker.decide(ctx)
         decide.append(time.perf_counter() - t0)
         d.booking.free()
         from epp_extproc.core.pipeline import Plan

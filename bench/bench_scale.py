@@ -9,7 +9,7 @@ requests of 1k..32k tokens are scored through the real picker's ext_proc port (`
 product plus timing probes; trtllm-render against the mock renderer; 4 concurrent clients).
 
 Per (workers, prompt length): ingest lag p99 (batch `ts` stamped at publish -> applied to the index),
-decision time p99 (`Pipeline.decide`, includes the render hop), index lookup p99 (`Pipeline.candidates`),
+decision time p99 (`Picker.decide`, includes the render hop), index lookup p99 (`Pipeline.candidates`),
 picker RSS and CPU utilisation. Baseline for the growth ratios: 8 workers at the same prompt length (and 1k
 tokens at the same worker count). Chart: log-log growth with workers and with prompt length.
 """

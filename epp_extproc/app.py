@@ -23,10 +23,13 @@ from epp_extproc.adapters.replica_sync import ReplicaSync, SyncTls
 from epp_extproc.adapters.worker_metrics import WorkerMetricsScraper
 from epp_extproc.admin import build_admin_app, build_metrics_app, debug_score
 from epp_extproc.config import Config, ProcessSlot
+from epp_extproc.core.admission import BodyBudget, InflightGate
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.core.flow_control import FlowController, ObjectiveTable, SaturationDetector, Thresholds
+from epp_extproc.core.lean import LeanSignals
 from epp_extproc.core.load import LoadTracker
-from epp_extproc.core.pipeline import Pipeline
+from epp_extproc.core.picker import Picker
+from epp_extproc.core.pipeline import Admission, Pipeline
 from epp_extproc.envoy.access_log import AccessLogServicer, als_pb2_grpc
 from epp_extproc.envoy.extproc import ExtProcServicer, pb_grpc
 from epp_extproc.envoy.h2server import H2GrpcServer
@@ -72,9 +75,14 @@ class PickerApp:
         if config.tokenizer_protocol == "trtllm-render" and config.prompt_passthrough != "off":
             self.fingerprints = FingerprintWatcher(self.registry, self.metrics,
                                                    refresh_s=config.render_fingerprint_refresh_ms / 1000)
+        admission = self._setup_flow_control()
         self.pipeline = Pipeline(config, self.registry, self.load, self.metrics, renderer=self.renderer,
-                                 kv=self.kv, fingerprint_of=self.fingerprints.get if self.fingerprints else None)
-        self._setup_flow_control()
+                                 kv=self.kv, fingerprint_of=self.fingerprints.get if self.fingerprints else None,
+                                 admission=admission)
+        self.picker = Picker(
+            self.pipeline, gate=InflightGate(config.max_inflight_requests, self.metrics.picker_inflight),
+            bodies=BodyBudget(config.max_body_bytes, config.max_buffered_body_bytes, self.metrics.buffered_bytes),
+            lean=LeanSignals(self.load, self.metrics))
         self.sync: ReplicaSync | None = None
         if config.sync_enabled() or self.slot.sync_listen:
             tls = SyncTls.load(config.replica_sync_tls_path, config.replica_sync_server_name) \
@@ -89,7 +97,7 @@ class PickerApp:
         self._started_at = time.monotonic()
         self.draining = False
         self.health = Health()
-        self.servicer = ExtProcServicer(self.pipeline, allowed_modes=config.body_modes(),
+        self.servicer = ExtProcServicer(self.picker, allowed_modes=config.body_modes(),
                                         body_timeout_s=config.request_body_timeout_ms / 1000)
         self._grpc: grpc.aio.Server | H2GrpcServer | None = None
         self._health_server: grpc.aio.Server | None = None
@@ -116,8 +124,9 @@ class PickerApp:
         if self.fingerprints is not None:
             self.fingerprints.lost(address)
 
-    def _setup_flow_control(self) -> None:
-        """Worker metrics feed saturation and the cost; the flow controller admits proposals (Pipeline.admit)."""
+    def _setup_flow_control(self) -> Admission | None:
+        """Worker metrics feed saturation and the cost; the flow controller admits proposals (Pipeline.admit):
+        its admission call is returned for the pipeline (None: flow control is off)."""
         cfg = self.config
         self.objectives = ObjectiveTable()
         self.detector = SaturationDetector(
@@ -132,7 +141,6 @@ class PickerApp:
                 ttl_s=cfg.flow_control_queue_ttl_s, max_queued=cfg.flow_control_max_queued_requests,
                 metrics=PromFlowMetrics(self.metrics))
             self.load.on_release(flow.dispatch)
-            self.pipeline.admission = lambda ctx: flow.admit(self.objectives.flow_key(ctx.headers), ctx.subset)
         self.scraper: WorkerMetricsScraper | None = None
         if cfg.worker_metrics_interval_ms > 0:
             errors = self.metrics.worker_scrape_errors
@@ -141,6 +149,10 @@ class PickerApp:
                 path=cfg.worker_metrics_path, on_sample=self.flow.dispatch if self.flow else None,
                 on_error=lambda address, _why: errors.labels(address).inc(),
                 idle_interval_s=cfg.worker_metrics_idle_interval_ms / 1000)
+        if self.flow is None:
+            return None
+        flow, objectives = self.flow, self.objectives
+        return lambda ctx: flow.admit(objectives.flow_key(ctx.headers), ctx.subset)
 
     def flow_snapshot(self) -> dict[str, object]:
         """GET /debug/flow: the queue and what the detector thinks of each worker."""
@@ -216,7 +228,7 @@ class PickerApp:
                 ("grpc.so_reuseport", 1 if self.slot.share_port else 0)],  # 0: a second picker fails loudly
                 maximum_concurrent_rpcs=max_calls)
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
-        als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(self.pipeline), self._grpc)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(self.picker), self._grpc)
         # GAIE's Envoy health-checks the ext_proc cluster on the ext_proc port itself (gRPC health,
         # service envoy.service.ext_proc.v3.ExternalProcessor); the health port serves the same servicer.
         self.health.add_to(self._grpc)
@@ -338,12 +350,12 @@ class PickerApp:
             self.flow.close()  # queued requests get 503 now rather than a reset stream later
         await cancel_and_wait(list(self._tasks))
         if self._grpc is not None:
-            inflight = self.pipeline.gate.count
+            inflight = self.picker.gate.count
             if inflight:
                 log.info("draining: %d ext_proc streams in flight, waiting up to %.1fs", inflight, grace)
             await self._grpc.stop(grace)
             if inflight:
-                cut = self.pipeline.gate.count
+                cut = self.picker.gate.count
                 (log.warning if cut else log.info)("drained: %d of %d streams finished, %d cut at the deadline",
                                                    inflight - cut, inflight, cut)
         if self.sync is not None:

@@ -594,8 +594,10 @@ class KvIndex:
         lora_name: str | None = None,
         salt: str | None = None,
         exclude_last_token: bool = True,
+        predicted: bool = True,
     ) -> dict[str, int]:
-        """Per worker, how many consecutive leading full blocks of the prompt it holds (real or predicted).
+        """Per worker, how many consecutive leading full blocks of the prompt it holds (real or predicted;
+        stored ones only with ``predicted=False``).
 
         ``exclude_last_token`` applies the TensorRT-LLM rule: the last prompt token is never part of a
         reusable block, so ``prompt[:-1]`` is what is hashed.  Workers with 0 are omitted.  With DP ranks, a
@@ -612,11 +614,12 @@ class KvIndex:
         for bs, gmask in self._group_masks().items():
             alive = gmask & allowed
             if alive and n_tok >= bs:
-                self._walk(_chain(token_ids, n_tok // bs, bs, root_seed(lora_name, salt)), alive, res)
+                self._walk(_chain(token_ids, n_tok // bs, bs, root_seed(lora_name, salt)), alive, res, predicted)
         return res
 
     def overlap_hashes(
-        self, hashes: Sequence[int], block_size: int, workers: Iterable[str] | None = None
+        self, hashes: Sequence[int], block_size: int, workers: Iterable[str] | None = None, *,
+        predicted: bool = True,
     ) -> dict[str, int]:
         """Like :meth:`overlap` for chain hashes already computed with :func:`block_hashes` (u64, as the index
         keys them: they are walked as given); only slots whose block size is ``block_size`` can match."""
@@ -625,14 +628,14 @@ class KvIndex:
         alive = self._group_masks().get(block_size, 0) & self._allowed(workers)
         res: dict[str, int] = {}
         if alive:
-            self._walk(hashes, alive, res)
+            self._walk(hashes, alive, res, predicted)
         return res
 
-    def _walk(self, hashes: Iterable[int], alive: int, res: dict[str, int]) -> None:
+    def _walk(self, hashes: Iterable[int], alive: int, res: dict[str, int], predicted: bool = True) -> None:
         """The one mask walk: AND each block's holders (real or predicted) into ``alive`` and record, for the
         slots that drop out, how many leading blocks they held; stops when no candidate is left."""
         blocks_get = self._blocks.get
-        pred_get = self._pred.get if self._pred else None
+        pred_get = self._pred.get if predicted and self._pred else None
         n = 0
         for i, h in enumerate(hashes):
             m = blocks_get(h, 0)

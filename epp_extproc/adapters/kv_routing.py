@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from epp_extproc.adapters.server_info import fetch_block_size, fetch_served_adapters
+from epp_extproc.core.contract import NO_IDENTITY, Credit, PromptIdentity
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from kvindex.aio import cancel_and_wait
 from kvindex.hashing import chain_hashes, pack_tokens, root_seed
@@ -150,17 +151,24 @@ class KvRouting:
     def block_size(self, address: str) -> int:
         return self.index.block_size(address)
 
-    def prompt(self, tokens: Sequence[int], salt: str | None, *, model: object = None) -> Prompt:
-        """The request's prompt as the engines hash it: with its salt and, when `model` names a LoRA adapter
-        a worker serves, with that adapter (see `adapter_for`)."""
-        return Prompt(tokens, salt, self.adapter_for(model))
+    def prompt(self, tokens: Sequence[int], identity: PromptIdentity = NO_IDENTITY) -> Prompt:
+        """The request's prompt as the engines hash it: with its salt and, when its `model` names a LoRA
+        adapter a worker serves, with that adapter (see `adapter_for`). Media items are not keyed yet: a
+        prompt that carries them is scored as its text (the render path does not report them today)."""
+        return Prompt(tokens, identity.salt, self.adapter_for(identity.model))
 
-    def overlap(self, prompt: Prompt, workers: Sequence[str]) -> dict[str, int]:
+    def overlap(self, prompt: Prompt, workers: Sequence[str], *, predicted: bool = True) -> dict[str, int]:
         sizes = self.index.block_sizes()
         if len(sizes) == 1:  # the usual pool: hash once, reuse the hashes for the prediction
-            return self.index.overlap_hashes(prompt.hashes(sizes[0]), sizes[0], workers)
+            return self.index.overlap_hashes(prompt.hashes(sizes[0]), sizes[0], workers, predicted=predicted)
         return self.index.overlap(prompt.packed, workers=workers, lora_name=prompt.lora, salt=prompt.salt,
-                                  exclude_last_token=True)
+                                  exclude_last_token=True, predicted=predicted)
+
+    def credit(self, prompt: Prompt, workers: Sequence[str]) -> dict[str, Credit]:
+        """`overlap` split into what the workers' events confirmed and what only predictions add."""
+        total = self.overlap(prompt, workers)
+        confirmed = self.overlap(prompt, workers, predicted=False)
+        return {w: Credit(confirmed.get(w, 0), n - confirmed.get(w, 0)) for w, n in total.items()}
 
     def predict(self, address: str, prompt: Prompt) -> None:
         if self.prediction_ttl_s > 0:

@@ -9,29 +9,41 @@ slot exactly once.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Mapping
 
+from epp_extproc.core.admission import BodyBudget, InflightGate
+from epp_extproc.core.decision import Decision
 from epp_extproc.core.errors import PickError, Problem
-from epp_extproc.core.pipeline import Decision
+from epp_extproc.core.lean import LeanSignals
 from epp_extproc.core.request import RequestContext, clip
 from epp_extproc.core.usage import ModelLabels, UsageObserver
-
-if TYPE_CHECKING:
-    from epp_extproc.core.pipeline import Pipeline
+from epp_extproc.metrics import PickerMetrics
 
 log = logging.getLogger(__name__)
 
+Decide = Callable[[RequestContext], Awaitable[Decision]]
+
 
 class PickerExchange:
-    __slots__ = ("_pipe", "_buf", "_held", "_deciding", "decision", "observer", "_closed", "_chunks")
+    """Made by `Picker.open()` with the collaborators it may use, and nothing else of the picker's."""
+
+    __slots__ = ("_decide", "_bodies", "_gate", "_lean", "_metrics", "_knows", "_count_rejection", "_buf",
+                 "_held", "_deciding", "decision", "observer", "_closed", "_chunks")
 
     labels = ModelLabels()  # bounded model label values, shared by every exchange of the process
 
-    def __init__(self, pipe: Pipeline) -> None:
-        self._pipe = pipe
+    def __init__(self, decide: Decide, bodies: BodyBudget, gate: InflightGate, lean: LeanSignals,
+                 metrics: PickerMetrics, *, knows: Callable[[str], bool],
+                 count_rejection: Callable[[PickError], None]) -> None:
+        self._decide = decide  # propose -> admit -> commit (Picker.decide)
+        self._bodies = bodies
+        self._gate = gate  # entered by Picker.open(); left once, by close()
+        self._lean = lean
+        self._metrics = metrics
+        self._knows = knows  # is an address one of the pool's endpoints?
+        self._count_rejection = count_rejection
         self._buf = bytearray()  # grows in place: tiny chunks cost their bytes, not an object each
-        self._held = 0  # body bytes accounted in the pipeline's BodyBudget
+        self._held = 0  # body bytes accounted in the picker's BodyBudget
         self._deciding = False
         self.decision: Decision | None = None
         self.observer: UsageObserver | None = None
@@ -40,7 +52,7 @@ class PickerExchange:
 
     # ------------------------------------------------------------ request
     def add_body(self, data: bytes) -> None:
-        self._pipe.bodies.take(self._held, len(data))
+        self._bodies.take(self._held, len(data))
         self._held += len(data)
         self._buf += data
 
@@ -55,25 +67,22 @@ class PickerExchange:
             raise PickError(Problem.PROTOCOL, "one HTTP request per ext_proc stream: a second request_headers")
         self._deciding = True
         try:
-            p, ticket = await self._pipe.admit(await self._pipe.propose(request), request)  # flow control
-            self.decision = self._pipe.commit(p)
-            if ticket is not None:
-                ticket.release()  # booked: the worker's load now counts it
+            self.decision = await self._decide(request)
         finally:
             self._release_body()
-        self.observer = UsageObserver(self.decision, self._pipe.metrics, self.labels)
+        self.observer = UsageObserver(self.decision, self._metrics, self.labels)
         return self.decision
 
     def reject(self, err: PickError, request: RequestContext) -> None:
         """The edge answers this request itself: count it and say why, once, with a bounded line."""
-        self._pipe.count_rejection(err)
+        self._count_rejection(err)
         log.info("rejected %s %s: %s", clip(request.method, 16), clip(request.path), clip(str(err), 300))
 
     # ------------------------------------------------------------ response
     def served_by(self, address: str) -> None:
         """The gateway reports it served another endpoint (a fallback): move the booking if we know it."""
         d = self.decision
-        if d is not None and address and address != d.address and address in self._pipe.registry:
+        if d is not None and address and address != d.address and self._knows(address):
             log.info("gateway served %s instead of %s; moving the booking", clip(address, 64), d.address)
             d.booking.move(address)
 
@@ -104,13 +113,13 @@ class PickerExchange:
                 except Exception:
                     log.exception("response observer failed")
             if not seen and self._chunks == 0:  # lean mode: the usage comes by the access log
-                self._pipe.stream_ended_without_usage(d.booking.id, self.labels(d.model), d.predicted_cached_tokens)
+                self._lean.stream_ended(d.booking.id, self.labels(d.model), d.predicted_cached_tokens)
             else:
-                self._pipe.late_usage.take_early(d.booking.id)  # an entry the stream's own usage made moot
+                self._lean.response_seen(d.booking.id)
             d.booking.free()
-        self._pipe.gate.leave()
+        self._gate.leave()
 
     def _release_body(self) -> None:
         if self._held:
-            self._pipe.bodies.give_back(self._held)
+            self._bodies.give_back(self._held)
             self._held = 0

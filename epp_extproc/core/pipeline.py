@@ -1,9 +1,11 @@
-"""From a buffered request to a routing decision, in two halves: propose, then commit.
+"""From a buffered request to a routing decision, in three steps: propose, admit, commit.
 
 `propose()` does everything that can fail (parse, salt, render, score, choose, prepare the forwarded body) and
-changes nothing; `commit()` does everything that changes state (book the load, predict the prompt's blocks,
-count) and cannot fail. A request that fails anywhere therefore leaves no booking and no prediction behind,
-and `/debug/score` is just a proposal that is never committed.
+changes nothing; `admit()` waits for flow control and may re-score; `commit()` does everything that changes
+state (book the load, predict the prompt's blocks, count) and cannot fail. A request that fails anywhere
+therefore leaves no booking and no prediction behind, and `/debug/score` is just a proposal that is never
+committed. The request's life around the decision (in-flight cap, body budget, response signals) is the
+picker's (core/picker.py); what a lookup and a booking are is written in core/contract.py.
 """
 
 from __future__ import annotations
@@ -12,23 +14,22 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 from epp_extproc.config import Config, RenderPolicy, SaltPolicy, TokenizerProtocol
-from epp_extproc.core.admission import BodyBudget, InflightGate
 from epp_extproc.core.body import BodyError, ParsedBody, parse_object, rewrite
+from epp_extproc.core.contract import Bookings, KvLookup, PromptIdentity, PromptKey
 from epp_extproc.core.cost import Candidate, CostParams, choose, eligible, loads_for
+from epp_extproc.core.decision import Decision
 from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.flow_control import Ticket
-from epp_extproc.core.late_usage import LateUsage
-from epp_extproc.core.load import Booking, LoadTracker
+from epp_extproc.core.load import EndpointLoad
 from epp_extproc.core.logs import Throttled
 from epp_extproc.core.passthrough import ORIGINAL, FingerprintId, Verdict, decide
 from epp_extproc.core.render import Rendered, Renderer, RenderError, render_kind
 from epp_extproc.core.request import RequestContext, clip
 from epp_extproc.core.salt import resolve_salt
-from epp_extproc.core.usage import record_usage, usage_from_tail
 from epp_extproc.metrics import PickerMetrics
 
 log = logging.getLogger(__name__)
@@ -39,36 +40,15 @@ TRTLLM_SALT_MESSAGE = "cache_salt is not supported with TensorRT-LLM workers"
 BYTES_PER_TOKEN_ESTIMATE = 4  # load weight of a request whose prompt could not be rendered
 IDENTITY_ENCODINGS = frozenset({"", "identity"})
 
-
-class PromptView(Protocol):
-    """A rendered prompt as the KV side hashes it (adapters/kv_routing.Prompt)."""
-
-    def __len__(self) -> int: ...
+# Flow control's admission (core/flow_control.FlowController.admit, keyed by the request's objective): a
+# proposal waits for a ticket while every worker is saturated; None = no flow control.
+Admission = Callable[[RequestContext], Awaitable[Ticket]]
 
 
-class KvView(Protocol):
-    """What the decision needs from the KV index (adapters/kv_routing.KvRouting)."""
+class LoadView(Bookings):
+    """What the decision needs from the load tracker (core/load.LoadTracker): bookings and the loads."""
 
-    def prompt(self, tokens: Sequence[int], salt: str | None, *, model: object = None) -> PromptView: ...
-    def base_model_for(self, model: object) -> str | None: ...
-    def block_size(self, address: str) -> int: ...
-    def overlap(self, prompt: Any, workers: Sequence[str]) -> dict[str, int]: ...
-    def predict(self, address: str, prompt: Any) -> None: ...
-
-
-@dataclass(slots=True)
-class Decision:
-    """A committed pick: where the request goes, what is forwarded, and the load it holds there."""
-
-    address: str
-    body: bytes | None  # the body to forward (None: the request has none)
-    booking: Booking
-    model: str | None = None
-    predicted_cached_tokens: int | None = None
-
-    @property
-    def booking_id(self) -> str:
-        return self.booking.id
+    def loads(self) -> dict[str, EndpointLoad]: ...
 
 
 @dataclass(slots=True)
@@ -76,7 +56,7 @@ class Plan:
     """What the request needs before scoring: its tokens (if any), salt handling and body injections."""
 
     tokens: list[int] | None = None
-    prompt: Any = None  # the tokens packed and hashed for the index (KV routing only)
+    prompt: PromptKey | None = None  # the tokens packed and hashed for the index (KV routing only)
     hash_salt: str | None = None
     inject: dict[str, Any] = field(default_factory=dict)
     est_tokens: int = 0
@@ -110,9 +90,12 @@ class Proposal:
 
 
 class Pipeline:
-    def __init__(self, config: Config, registry: EndpointRegistry, load: LoadTracker, metrics: PickerMetrics,
-                 *, renderer: Renderer | None = None, kv: KvView | None = None,
-                 fingerprint_of: Callable[[str], FingerprintId | None] | None = None) -> None:
+    """The decision, on plain values; every collaborator is handed in, none is patched in later."""
+
+    def __init__(self, config: Config, registry: EndpointRegistry, load: LoadView, metrics: PickerMetrics,
+                 *, renderer: Renderer | None = None, kv: KvLookup | None = None,
+                 fingerprint_of: Callable[[str], FingerprintId | None] | None = None,
+                 admission: Admission | None = None) -> None:
         self.config = config
         self.registry = registry
         self.load = load
@@ -120,14 +103,9 @@ class Pipeline:
         self.renderer = renderer
         self.kv = kv
         self.fingerprint_of = fingerprint_of  # a worker's render fingerprint, for prompt passthrough
+        self.admission = admission
         self.params = CostParams(config.kv_overlap_score_credit, config.prefill_load_scale,
                                  config.router_temperature)
-        self.gate = InflightGate(config.max_inflight_requests, metrics.picker_inflight)
-        # flow control (core/flow_control.py, wired by app.py): a proposal waits for a ticket while every
-        # worker is saturated; None = no flow control
-        self.admission: Callable[[RequestContext], Awaitable[Ticket]] | None = None
-        self.bodies = BodyBudget(config.max_body_bytes, config.max_buffered_body_bytes, metrics.buffered_bytes)
-        self.late_usage = LateUsage()
 
     # ---------------------------------------------------------------- propose: no side effects
     def parse(self, ctx: RequestContext) -> ParsedBody | None:
@@ -183,8 +161,12 @@ class Pipeline:
             self._render_failed(e, ctx)
             return plan
         if self.kv is not None:
-            plan.prompt = self.kv.prompt(plan.tokens, plan.hash_salt, model=plan.model)
+            plan.prompt = self.kv.prompt(plan.tokens, self._identity(plan))
         return plan
+
+    @staticmethod
+    def _identity(plan: Plan) -> PromptIdentity:
+        return PromptIdentity(plan.hash_salt, plan.model if isinstance(plan.model, str) else None)
 
     def _render_failed(self, e: RenderError, ctx: RequestContext) -> None:
         policy = self.config.render_reject_policy if e.rejected else self.config.render_failure_policy
@@ -198,7 +180,7 @@ class Pipeline:
         if plan.tokens is None or self.kv is None:
             return cands
         if plan.prompt is None:
-            plan.prompt = self.kv.prompt(plan.tokens, plan.hash_salt, model=plan.model)
+            plan.prompt = self.kv.prompt(plan.tokens, self._identity(plan))
         overlaps = self.kv.overlap(plan.prompt, addresses)
         n = len(plan.tokens)
         for c in cands:
@@ -311,14 +293,6 @@ class Pipeline:
                       p.chosen.overlap_blocks)
         return Decision(p.address, p.body, booking, p.model, p.predicted_cached_tokens)
 
-    async def decide(self, ctx: RequestContext) -> Decision:
-        p, ticket = await self.admit(await self.propose(ctx), ctx)
-        try:
-            return self.commit(p)
-        finally:
-            if ticket is not None:
-                ticket.release()
-
     def passthrough(self, plan: Plan, parsed: ParsedBody | None, address: str) -> Verdict | None:
         """May the body sent to `address` carry the rendered prompt (core/passthrough.py)? None when the
         question does not arise: no TensorRT-LLM renderer, or not an inference request with a body."""
@@ -328,57 +302,6 @@ class Pipeline:
         worker = self.fingerprint_of(address) if self.fingerprint_of is not None else None
         return decide(self.config.prompt_passthrough, plan.kind, parsed.values, plan.rendered,
                       salted_load_only=plan.salted_load_only, worker=worker)
-
-    # ---------------------------------------------------------------- the edge's entry point
-    def open(self) -> Any:
-        """A new request (one ext_proc stream): admitted against the in-flight cap now, not at its headers."""
-        from epp_extproc.core.exchange import PickerExchange
-
-        self.gate.enter()
-        return PickerExchange(self)
-
-    def first_chunk(self, booking_id: str) -> None:
-        """Lean mode: the observer stream saw the first non-empty response chunk of this booking."""
-        b = self.load.booking(booking_id)
-        if b is not None:
-            b.prefill_done()
-            self.metrics.lean_signals.labels("first_chunk").inc()
-        else:
-            self.metrics.lean_signals.labels("first_chunk_unknown").inc()
-
-    def access_logged(self, booking_id: str, usage_tail: bytes | None, flags: list[str]) -> None:
-        """Lean mode: Envoy's access log reports how a request ended and, when it had one, its usage."""
-        for f in flags:
-            self.metrics.response_flags.labels(f).inc()
-        pending = self.late_usage.take(booking_id)
-        if pending is None:
-            if self.load.booking(booking_id) is not None:  # its stream has not ended yet: wait for it
-                self.late_usage.hold_early(booking_id, usage_tail)
-                self.metrics.lean_signals.labels("access_log_early").inc()
-            else:
-                self.metrics.lean_signals.labels("access_log_unmatched").inc()
-            return
-        self._logged_usage(pending.model, pending.predicted_cached_tokens, usage_tail)
-
-    def stream_ended_without_usage(self, booking_id: str, model: str, predicted: int | None) -> None:
-        """Lean mode: the stream ended and its usage comes by the access log, or came already."""
-        found, usage_tail = self.late_usage.take_early(booking_id)
-        if found:
-            self._logged_usage(model, predicted, usage_tail)
-        else:
-            self.late_usage.park(booking_id, model, predicted)
-
-    def _logged_usage(self, model: str, predicted: int | None, usage_tail: bytes | None) -> None:
-        usage = usage_from_tail(usage_tail) if usage_tail else None
-        if usage is None:
-            self.metrics.lean_signals.labels("access_log_no_usage").inc()
-            return
-        self.metrics.lean_signals.labels("access_log_usage").inc()
-        record_usage(self.metrics, model, predicted, usage, "access_log")
-
-    def count_rejection(self, err: PickError) -> None:
-        label = f"render_{err.render.label}" if err.render is not None else err.problem.value
-        self.metrics.requests.labels(label).inc()
 
     # ---------------------------------------------------------------- debug
     def explain(self, p: Proposal) -> dict[str, Any]:
@@ -390,8 +313,14 @@ class Pipeline:
                     "prefill_blocks": round(c.load.prefill_blocks, 3),
                     "decode_blocks": round(c.load.decode_blocks, 3), "cost": round(c.cost, 4)}
                    for c in p.candidates]
+        credit = self.kv.credit(p.plan.prompt, [c.address for c in p.candidates]) \
+            if self.kv is not None and p.plan.prompt is not None else None
         for w in workers:
-            v = self.passthrough(p.plan, p.parsed, str(w["address"]))
+            address = str(w["address"])
+            if credit is not None:  # where each worker's overlap comes from: its events, or predictions
+                c = credit.get(address)
+                w["confirmed_blocks"], w["predicted_blocks"] = (c.confirmed, c.predicted) if c else (0, 0)
+            v = self.passthrough(p.plan, p.parsed, address)
             if v is not None:
                 w["prompt_passthrough"] = {"forwarded": v.forward, "reason": v.reason}
         v = p.passthrough

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from epp_extproc.core.decision import Decision
 from epp_extproc.metrics import PickerMetrics
-
-if TYPE_CHECKING:
-    from epp_extproc.core.pipeline import Decision
 
 log = logging.getLogger(__name__)
 

@@ -126,7 +126,7 @@ async def test_requests_above_the_inflight_cap_get_503_overloaded(picker) -> Non
     held = stub.Process()
     await held.write(headers_msg(mode="FULL_DUPLEX_STREAMED"))  # body still to come: occupies the one slot
     for _ in range(50):
-        if app.pipeline.gate.count == 1:
+        if app.picker.gate.count == 1:
             break
         await asyncio.sleep(0.01)
     call = stub.Process()
@@ -155,10 +155,10 @@ async def test_client_disconnect_mid_pick_frees_everything(picker) -> None:
     assert app.load.total_inflight() == 1
     call.cancel()
     for _ in range(100):
-        if app.load.total_inflight() == 0 and app.pipeline.gate.count == 0:
+        if app.load.total_inflight() == 0 and app.picker.gate.count == 0:
             break
         await asyncio.sleep(0.01)
-    assert app.load.total_inflight() == 0 and app.pipeline.gate.count == 0
+    assert app.load.total_inflight() == 0 and app.picker.gate.count == 0
 
 
 async def test_spoofed_destination_headers_are_removed(picker) -> None:
@@ -230,7 +230,7 @@ async def roomy():
 
 async def settled(app: PickerApp) -> bool:
     for _ in range(200):
-        if app.load.total_inflight() == 0 and app.pipeline.gate.count == 0 and app.pipeline.bodies.used == 0:
+        if app.load.total_inflight() == 0 and app.picker.gate.count == 0 and app.picker.bodies.used == 0:
             return True
         await asyncio.sleep(0.01)
     return False
@@ -278,7 +278,7 @@ async def test_unfinished_bodies_share_one_budget_and_the_one_past_it_gets_503(r
         await c.write(headers_msg(mode="FULL_DUPLEX_STREAMED"))
     await first.write(body_msg(b"x" * 90_000, False))
     for _ in range(100):
-        if app.pipeline.bodies.used == 90_000:
+        if app.picker.bodies.used == 90_000:
             break
         await asyncio.sleep(0.01)
     await second.write(body_msg(b"y" * 90_000, False))  # 180 kB together > the 150 kB budget

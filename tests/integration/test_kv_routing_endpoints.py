@@ -13,6 +13,7 @@ from aiohttp import web
 from bench.kvwire import pack_batch, stored_event
 from epp_extproc.adapters.kv_routing import KvRouting, Prompt
 from epp_extproc.adapters.server_info import fetch_block_size
+from epp_extproc.core.contract import PromptIdentity
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from kvindex.decode import encode_seq
 from tests.netutil import free_base_port, free_port
@@ -197,5 +198,5 @@ def test_the_prompt_of_a_request_naming_an_adapter_is_hashed_with_it() -> None:
     kv = KvRouting(EndpointRegistry(), block_size=32, max_blocks_per_worker=1000, topic="", prediction_ttl_s=0.0,
                    metrics_registry=None, ask_server_info=False)
     kv.set_adapters("10.0.0.5:8000", ["sql-lora"])
-    assert kv.prompt(TOKENS, None, model="sql-lora").lora == "sql-lora"
-    assert kv.prompt(TOKENS, None, model="base").lora is None and kv.prompt(TOKENS, None).lora is None
+    assert kv.prompt(TOKENS, PromptIdentity(model="sql-lora")).lora == "sql-lora"
+    assert kv.prompt(TOKENS, PromptIdentity(model="base")).lora is None and kv.prompt(TOKENS).lora is None

@@ -240,7 +240,7 @@ def test_a_unary_answer_in_several_chunks_gives_its_usage(lean: Lean) -> None:
 def test_an_access_log_entry_that_comes_before_its_stream_ends_still_gives_the_usage(lean: Lean) -> None:
     """Envoy writes the access log before it closes the filters' streams, and a full buffer ships the entry at
     once: it can reach the picker before the main stream's end does."""
-    wait_for(lambda: len(lean.app.pipeline.late_usage) == 0 and lean.app.load.total_inflight() == 0,
+    wait_for(lambda: len(lean.app.picker.lean.late_usage) == 0 and lean.app.load.total_inflight() == 0,
              "the earlier tests' entries")
     before, early = lean.cached_count(), lean.signal("access_log_early")
     lean.up.gate = asyncio.Event()
@@ -250,7 +250,7 @@ def test_an_access_log_entry_that_comes_before_its_stream_ends_still_gives_the_u
     booking = lean.app.load.bookings()[0].id
 
     async def entry_first() -> None:
-        lean.app.pipeline.access_logged(booking, b'"usage":' + json.dumps(USAGE).encode() + b"}", [])
+        lean.app.picker.access_logged(booking, b'"usage":' + json.dumps(USAGE).encode() + b"}", [])
 
     lean.bg.run(entry_first())
     assert lean.signal("access_log_early") == early + 1 and lean.cached_count() == before
@@ -258,7 +258,7 @@ def test_an_access_log_entry_that_comes_before_its_stream_ends_still_gives_the_u
     t.join(20)
     wait_for(lambda: lean.cached_count() == before + 1, "the usage counted when the stream ended")
     # Envoy's own entry for it comes later and is counted once only
-    wait_for(lambda: lean.signal("access_log_unmatched") >= 1 and len(lean.app.pipeline.late_usage) == 0,
+    wait_for(lambda: lean.signal("access_log_unmatched") >= 1 and len(lean.app.picker.lean.late_usage) == 0,
              lambda: f"Envoy's own entry; lean signals {lean.signals()}")
     assert lean.cached_count() == before + 1
 
@@ -298,7 +298,7 @@ def test_a_worker_dying_mid_stream_frees_the_booking_and_is_reported(lean: Lean)
 def test_no_request_leaves_pending_usage_or_bookings_behind(lean: Lean) -> None:
     for _ in range(5):
         lean.post("/v1/unary-parts")
-    wait_for(lambda: len(lean.app.pipeline.late_usage) == 0 and lean.app.load.total_inflight() == 0,
+    wait_for(lambda: len(lean.app.picker.lean.late_usage) == 0 and lean.app.load.total_inflight() == 0,
              "every parked usage matched by its access-log entry")
 
 

@@ -182,7 +182,7 @@ def chat(body: dict[str, Any], headers: dict[str, list[str]] | None = None) -> R
 async def test_trtllm_salt_is_rejected_before_rendering(stub: StubRenderer) -> None:
     app = await picker(f"http://127.0.0.1:{stub.port}")
     with pytest.raises(PickError) as e:
-        await app.pipeline.decide(chat({"messages": []}, {"x-tenant-id": ["t"]}))
+        await app.picker.decide(chat({"messages": []}, {"x-tenant-id": ["t"]}))
     assert (http_error(e.value, "/v1/chat/completions").status, e.value.detail) == (400, TRTLLM_SALT_MESSAGE)
     assert e.value.problem is Problem.SALT_REJECTED
     assert stub.seen == []
@@ -191,7 +191,7 @@ async def test_trtllm_salt_is_rejected_before_rendering(stub: StubRenderer) -> N
 
 async def test_trtllm_salt_load_only_policy_forwards_the_salt_and_skips_rendering(stub: StubRenderer) -> None:
     app = await picker(f"http://127.0.0.1:{stub.port}", cache_salt_policy="load-only")
-    d = await app.pipeline.decide(chat({"messages": [], "nvext": {"cache_salt": "t"}}))
+    d = await app.picker.decide(chat({"messages": [], "nvext": {"cache_salt": "t"}}))
     assert json.loads(d.body) == {"messages": [], "cache_salt": "t"}
     assert stub.seen == [] and d.predicted_cached_tokens is None
     d.booking.free()
@@ -201,7 +201,7 @@ async def test_trtllm_salt_load_only_policy_forwards_the_salt_and_skips_renderin
 async def test_trtllm_salt_load_only_policy_does_not_inject_into_completions(stub: StubRenderer) -> None:
     app = await picker(f"http://127.0.0.1:{stub.port}", cache_salt_policy="load-only")
     ctx = RequestContext("POST", "/v1/completions", {"x-tenant-id": ["t"]}, b'{"prompt":"p"}')
-    d = await app.pipeline.decide(ctx)
+    d = await app.picker.decide(ctx)
     assert d.body == b'{"prompt":"p"}'  # TensorRT-LLM's completions API has no cache_salt field
     d.booking.free()
     await app.stop()
@@ -209,7 +209,7 @@ async def test_trtllm_salt_load_only_policy_does_not_inject_into_completions(stu
 
 async def test_vllm_salt_is_forwarded_and_the_renderer_gets_the_body_without_nvext(stub: StubRenderer) -> None:
     app = await picker(f"http://127.0.0.1:{stub.port}", protocol="vllm-render")
-    d = await app.pipeline.decide(chat({"messages": [], "nvext": {"x": 1}}, {"x-tenant-id": ["t"]}))
+    d = await app.picker.decide(chat({"messages": [], "nvext": {"x": 1}}, {"x-tenant-id": ["t"]}))
     assert json.loads(d.body) == {"messages": [], "cache_salt": "t"}
     assert json.loads(stub.seen[-1][1]) == {"messages": []}
     d.booking.free()
@@ -219,7 +219,7 @@ async def test_vllm_salt_is_forwarded_and_the_renderer_gets_the_body_without_nve
 async def test_sglang_salt_is_used_for_selection_but_not_injected(stub: StubRenderer) -> None:
     stub.doc = {"input_ids": list(range(100))}
     app = await picker(f"http://127.0.0.1:{stub.port}", protocol="sglang-renderer")
-    d = await app.pipeline.decide(chat({"messages": []}, {"x-tenant-id": ["t"]}))
+    d = await app.picker.decide(chat({"messages": []}, {"x-tenant-id": ["t"]}))
     assert json.loads(d.body) == {"messages": []}
     d.booking.free()
     await app.stop()
@@ -227,7 +227,7 @@ async def test_sglang_salt_is_used_for_selection_but_not_injected(stub: StubRend
 
 async def test_salted_and_unsalted_prompts_do_not_share_predicted_blocks(stub: StubRenderer) -> None:
     app = await picker(f"http://127.0.0.1:{stub.port}", protocol="vllm-render")
-    d = await app.pipeline.decide(chat({"messages": []}, {"x-tenant-id": ["t"]}))
+    d = await app.picker.decide(chat({"messages": []}, {"x-tenant-id": ["t"]}))
     both = ["127.0.0.1:9", "127.0.0.1:10"]
     assert app.kv.overlap(Prompt(list(range(100)), "t"), both) == {d.address: 3}
     assert app.kv.overlap(Prompt(list(range(100)), None), both) == {}
@@ -238,7 +238,7 @@ async def test_salted_and_unsalted_prompts_do_not_share_predicted_blocks(stub: S
 async def test_renderer_down_routes_by_load_by_default(stub: StubRenderer) -> None:
     stub.status = 503
     app = await picker(f"http://127.0.0.1:{stub.port}")
-    d = await app.pipeline.decide(chat({"messages": []}))
+    d = await app.picker.decide(chat({"messages": []}))
     assert d.address in ("127.0.0.1:9", "127.0.0.1:10") and d.predicted_cached_tokens is None
     d.booking.free()
     await app.stop()
@@ -249,7 +249,7 @@ async def test_fail_policy_restores_the_reference_statuses(stub: StubRenderer, s
     stub.status = status
     app = await picker(f"http://127.0.0.1:{stub.port}", render_failure_policy="fail")
     with pytest.raises(PickError) as e:
-        await app.pipeline.decide(chat({"messages": []}))
+        await app.picker.decide(chat({"messages": []}))
     assert http_error(e.value, "/v1/chat/completions").status == expected
     await app.stop()
 
@@ -257,12 +257,12 @@ async def test_fail_policy_restores_the_reference_statuses(stub: StubRenderer, s
 async def test_renderer_4xx_routes_by_load_unless_the_reject_policy_is_fail(stub: StubRenderer) -> None:
     stub.status = 400
     app = await picker(f"http://127.0.0.1:{stub.port}")
-    d = await app.pipeline.decide(chat({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}))
+    d = await app.picker.decide(chat({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}))
     d.booking.free()
     await app.stop()
     app = await picker(f"http://127.0.0.1:{stub.port}", render_reject_policy="fail")
     with pytest.raises(PickError) as e:
-        await app.pipeline.decide(chat({"messages": []}))
+        await app.picker.decide(chat({"messages": []}))
     assert http_error(e.value, "/v1/chat/completions").status == 400
     await app.stop()
 
@@ -272,7 +272,7 @@ async def test_a_burst_of_one_prefix_sticks_to_one_worker_before_any_kv_event(st
     app = await picker(f"http://127.0.0.1:{stub.port}")
     picks = []
     for _ in range(6):
-        d = await app.pipeline.decide(chat({"messages": []}))
+        d = await app.picker.decide(chat({"messages": []}))
         picks.append(d.address)
         d.booking.prefill_done()
         d.booking.free()
@@ -284,7 +284,7 @@ async def test_a_burst_of_one_prefix_sticks_to_one_worker_before_any_kv_event(st
 async def test_malformed_body_is_400_without_a_render_call(stub: StubRenderer) -> None:
     app = await picker(f"http://127.0.0.1:{stub.port}")
     with pytest.raises(PickError) as e:
-        await app.pipeline.decide(RequestContext("POST", "/v1/chat/completions", {}, b"[1]"))
+        await app.picker.decide(RequestContext("POST", "/v1/chat/completions", {}, b"[1]"))
     assert e.value.problem is Problem.BAD_REQUEST and stub.seen == []
     await app.stop()
 
@@ -292,10 +292,10 @@ async def test_malformed_body_is_400_without_a_render_call(stub: StubRenderer) -
 async def test_a_request_books_only_the_blocks_its_worker_must_compute(stub: StubRenderer) -> None:
     stub.doc = {"token_ids": list(range(640))}  # 20 blocks
     app = await picker(f"http://127.0.0.1:{stub.port}")
-    first = await app.pipeline.decide(chat({"messages": []}))
+    first = await app.picker.decide(chat({"messages": []}))
     assert first.booking.prefill_blocks == 20  # cold: the whole prompt
     first.booking.free()
-    second = await app.pipeline.decide(chat({"messages": []}))
+    second = await app.picker.decide(chat({"messages": []}))
     assert second.address == first.address
     assert second.booking.prefill_blocks == 1  # 19 blocks already there (predicted), 1 to compute
     second.booking.free()

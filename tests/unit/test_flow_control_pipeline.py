@@ -11,7 +11,7 @@ import pytest
 from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.flow_control import FlowController, FlowKey
 from epp_extproc.core.request import RequestContext
-from tests.unit.test_propose_commit import ADDRS, make
+from tests.unit.test_propose_commit import ADDRS, decide, make
 
 
 class Room:
@@ -28,15 +28,14 @@ def chat() -> RequestContext:
 
 
 def gated(room: Room, ttl_s: float = 5.0):  # noqa: ANN201
-    pipe, _, _ = make()
     fc = FlowController(room, lambda: list(ADDRS), ttl_s=ttl_s)  # type: ignore[arg-type]
-    pipe.admission = lambda ctx: fc.admit(FlowKey(0, "f"), ctx.subset)
+    pipe, _, _ = make(admission=lambda ctx: fc.admit(FlowKey(0, "f"), ctx.subset))
     return pipe, fc
 
 
 async def test_admitted_at_once_the_proposal_is_committed_unchanged() -> None:
     pipe, fc = gated(Room(1))
-    d = await pipe.decide(chat())
+    d = await decide(pipe, chat())
     assert d.address in ADDRS and pipe.load.total_inflight() == 1 and fc.pending == 0
 
 
@@ -60,14 +59,14 @@ async def test_a_proposal_that_waited_is_rescored_against_the_load_of_that_momen
 async def test_ttl_expiry_books_nothing_and_is_a_429_fact() -> None:
     pipe, fc = gated(Room(0), ttl_s=0.05)
     with pytest.raises(PickError) as e:
-        await pipe.decide(chat())
+        await decide(pipe, chat())
     assert e.value.problem is Problem.FLOW_TTL_EXPIRED
     assert pipe.load.total_inflight() == 0 and fc.size == 0 and fc.pending == 0
 
 
 async def test_cancelled_while_queued_books_nothing() -> None:
     pipe, fc = gated(Room(0))
-    task = asyncio.create_task(pipe.decide(chat()))
+    task = asyncio.create_task(decide(pipe, chat()))
     await asyncio.sleep(0.01)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -57,3 +57,33 @@ def test_index_predict_hashes_equals_predict() -> None:
     i2.predict_hashes("w", block_hashes(tokens[:-1], 32), 60.0)
     assert i1.overlap(tokens) == i2.overlap(tokens) == {"w": 15}
     assert i1.block_sizes() == [32]
+
+
+def stored(worker: str, kv: KvRouting, tokens: list[int], n_blocks: int, bs: int = 32) -> None:
+    """The worker's own event: it stores the first `n_blocks` blocks of `tokens`."""
+    from array import array
+
+    from kvindex.events import BlockStored, DecodedBatch
+
+    ev = BlockStored(list(range(1, n_blocks + 1)), None, array("I", tokens[:n_blocks * bs]), bs)
+    kv.index.apply_batch(worker, DecodedBatch(events=[ev], raw_event_count=1))
+
+
+async def test_credit_tells_confirmed_blocks_from_predicted_ones() -> None:
+    kv = routing({"a": 32, "b": 32})
+    tokens = list(range(5000, 5000 + 300))
+    stored("a", kv, tokens, 3)
+    kv.predict("a", Prompt(tokens, None))  # the picker sent the whole prompt there: 9 blocks credited
+    kv.predict("b", Prompt(tokens[:100], None))  # only predictions on b
+    credit = kv.credit(Prompt(tokens, None), ["a", "b"])
+    assert (credit["a"].confirmed, credit["a"].predicted) == (3, 6)
+    assert (credit["b"].confirmed, credit["b"].predicted) == (0, 3)
+    assert {w: c.blocks for w, c in credit.items()} == kv.overlap(Prompt(tokens, None), ["a", "b"])
+
+
+async def test_confirmed_only_overlap_ignores_predictions() -> None:
+    kv = routing({"a": 32})
+    tokens = list(range(300))
+    kv.predict("a", Prompt(tokens, None))
+    assert kv.overlap(Prompt(tokens, None), ["a"], predicted=False) == {}
+    assert kv.overlap(Prompt(tokens, None), ["a"]) == {"a": 9}

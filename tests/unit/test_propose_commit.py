@@ -9,10 +9,15 @@ from typing import Any
 import pytest
 
 from epp_extproc.config import Config
+from epp_extproc.core.admission import BodyBudget, InflightGate
+from epp_extproc.core.contract import PromptIdentity
+from epp_extproc.core.decision import Decision
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.core.errors import PickError, Problem
+from epp_extproc.core.lean import LeanSignals
 from epp_extproc.core.load import LoadTracker
-from epp_extproc.core.pipeline import Pipeline
+from epp_extproc.core.picker import Picker
+from epp_extproc.core.pipeline import Admission, Pipeline
 from epp_extproc.core.render import Rendered, RenderError, RenderFailure
 from epp_extproc.core.request import RequestContext
 from epp_extproc.metrics import PickerMetrics
@@ -41,8 +46,8 @@ class FakeKv:
         self.models: list[object] = []
         self.fail_overlap = False
 
-    def prompt(self, tokens: Sequence[int], salt: str | None, *, model: object = None) -> list[int]:
-        self.models.append(model)
+    def prompt(self, tokens: Sequence[int], identity: PromptIdentity) -> list[int]:
+        self.models.append(identity.model)
         return list(tokens)
 
     def block_size(self, address: str) -> int:
@@ -60,13 +65,21 @@ class FakeKv:
         self.predicted.append(address)
 
 
-def make(**cfg: Any) -> tuple[Pipeline, FakeRenderer, FakeKv]:
+def make(admission: Admission | None = None, **cfg: Any) -> tuple[Pipeline, FakeRenderer, FakeKv]:
     reg = EndpointRegistry()
     reg.replace([Endpoint(f"w{i}", a) for i, a in enumerate(ADDRS)])
     metrics = PickerMetrics()
     r, kv = FakeRenderer(), FakeKv()
     config = Config(tokenizer_protocol="trtllm-render", tokenizer_service_url="http://127.0.0.1:1", **cfg)
-    return Pipeline(config, reg, LoadTracker(metrics.endpoint_inflight), metrics, renderer=r, kv=kv), r, kv
+    return Pipeline(config, reg, LoadTracker(metrics.endpoint_inflight), metrics, renderer=r, kv=kv,
+                    admission=admission), r, kv
+
+
+async def decide(pipe: Pipeline, ctx: RequestContext) -> Decision:
+    """The whole decision as the edge's exchange runs it (`Picker.decide`: propose -> admit -> commit)."""
+    picker = Picker(pipe, gate=InflightGate(64), bodies=BodyBudget(1 << 20, 1 << 24),
+                    lean=LeanSignals(pipe.load, pipe.metrics))
+    return await picker.decide(ctx)
 
 
 def chat(body: bytes, headers: dict[str, list[str]] | None = None) -> RequestContext:
@@ -98,7 +111,7 @@ async def test_a_request_failing_at_any_step_leaves_no_booking_and_no_prediction
     pipe, r, kv = make(**cfg)
     ctx = make_ctx(pipe, r, kv)
     with pytest.raises(PickError) as e:
-        await pipe.decide(ctx)
+        await decide(pipe, ctx)
     assert e.value.problem is problem
     assert pipe.load.total_inflight() == 0
     assert all(ld.inflight == 0 and ld.prefill_blocks == 0 for ld in pipe.load.loads().values())
@@ -108,7 +121,7 @@ async def test_a_request_failing_at_any_step_leaves_no_booking_and_no_prediction
 async def test_a_body_too_deep_for_the_rewrite_is_a_clear_400_not_a_500() -> None:
     pipe, _, _ = make()
     with pytest.raises(PickError) as e:
-        await pipe.decide(chat(deep_nvext_body()))
+        await decide(pipe, chat(deep_nvext_body()))
     assert "nesting too deep" in e.value.detail
 
 
@@ -116,7 +129,7 @@ async def test_an_unexpected_error_while_scoring_books_nothing() -> None:
     pipe, _, kv = make()
     kv.fail_overlap = True
     with pytest.raises(RuntimeError):
-        await pipe.decide(chat(b'{"messages":[]}'))
+        await decide(pipe, chat(b'{"messages":[]}'))
     assert pipe.load.total_inflight() == 0 and kv.predicted == []
 
 

@@ -6,8 +6,8 @@ import json
 
 from prometheus_client import generate_latest
 
+from epp_extproc.core.decision import Decision
 from epp_extproc.core.load import LoadTracker
-from epp_extproc.core.pipeline import Decision
 from epp_extproc.core.usage import ModelLabels, UsageObserver
 from epp_extproc.metrics import PickerMetrics
 

@@ -1,0 +1,26 @@
+"""A committed pick, as everything after the decision sees it (the exchange, the usage observer, the edge).
+
+A leaf module: the decision's result must be importable by whoever reads it without importing whoever makes
+it (the pipeline), which is what kept `exchange` <-> `pipeline` <-> `usage` in a circle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epp_extproc.core.contract import BookingHandle
+
+
+@dataclass(slots=True)
+class Decision:
+    """Where the request goes, what is forwarded, and the load it holds there until it ends."""
+
+    address: str
+    body: bytes | None  # the body to forward (None: the request has none)
+    booking: BookingHandle
+    model: str | None = None
+    predicted_cached_tokens: int | None = None
+
+    @property
+    def booking_id(self) -> str:
+        return self.booking.id

@@ -1,0 +1,59 @@
+"""The picker the edge talks to: one object that admits a request, decides it and follows it to its end.
+
+It owns what lives across requests but is not the decision: the in-flight cap (a stream is counted from the
+moment it opens), the body budget, and lean mode's signals. Each request gets a `PickerExchange` (`open()`),
+which drives the pipeline's three steps through `decide()`: propose -> admit -> commit. Everything is
+handed in at construction, so a test builds a picker from the same parts the app does.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from epp_extproc.core.admission import BodyBudget, InflightGate
+from epp_extproc.core.decision import Decision
+from epp_extproc.core.errors import PickError
+from epp_extproc.core.exchange import PickerExchange
+from epp_extproc.core.lean import LeanSignals
+from epp_extproc.core.pipeline import Pipeline
+from epp_extproc.core.request import RequestContext
+
+log = logging.getLogger(__name__)
+
+
+class Picker:
+    """Implements `core.api.Picker` for the edge, and `decide()` for callers with a whole request."""
+
+    def __init__(self, pipeline: Pipeline, *, gate: InflightGate, bodies: BodyBudget, lean: LeanSignals) -> None:
+        self.pipeline = pipeline
+        self.gate = gate
+        self.bodies = bodies
+        self.lean = lean
+        self.metrics = pipeline.metrics
+
+    def open(self) -> PickerExchange:
+        """A new request (one ext_proc stream): admitted against the in-flight cap now, not at its headers."""
+        self.gate.enter()
+        return PickerExchange(self.decide, self.bodies, self.gate, self.lean, self.metrics,
+                              knows=self.pipeline.registry.__contains__, count_rejection=self.count_rejection)
+
+    async def decide(self, request: RequestContext) -> Decision:
+        """Propose, wait for admission, commit; the flow ticket is released once the load is booked (or on any
+        failure). Raises PickError, and then nothing is booked."""
+        pipe = self.pipeline
+        p, ticket = await pipe.admit(await pipe.propose(request), request)
+        try:
+            return pipe.commit(p)
+        finally:
+            if ticket is not None:
+                ticket.release()  # booked: the worker's load now counts it
+
+    def count_rejection(self, err: PickError) -> None:
+        label = f"render_{err.render.label}" if err.render is not None else err.problem.value
+        self.metrics.requests.labels(label).inc()
+
+    def first_chunk(self, booking_id: str) -> None:
+        self.lean.first_chunk(booking_id)
+
+    def access_logged(self, booking_id: str, usage_tail: bytes | None, flags: list[str]) -> None:
+        self.lean.access_logged(booking_id, usage_tail, flags)
