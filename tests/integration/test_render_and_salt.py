@@ -314,6 +314,23 @@ async def test_debug_score_is_a_proposal_that_books_nothing_and_is_not_counted_a
     await app.stop()
 
 
+async def test_debug_score_says_which_blocks_events_confirmed_and_which_are_predictions(
+        stub: StubRenderer) -> None:
+    app = await picker(f"http://127.0.0.1:{stub.port}")
+    tokens = list(range(1000, 1000 + 32 * 4 + 1))
+    before = await app.debug_score({"token_ids": tokens})
+    assert all((w["confirmed_blocks"], w["predicted_blocks"]) == (0, 0) for w in before["workers"])
+    d = await app.picker.decide(RequestContext("POST", "/v1/chat/completions", {}, None))
+    assert app.kv is not None
+    app.kv.predict(d.address, app.kv.prompt(tokens))  # as a committed request with this prompt predicts it
+    after = await app.debug_score({"token_ids": tokens})
+    by = {w["address"]: w for w in after["workers"]}
+    assert (by[d.address]["confirmed_blocks"], by[d.address]["predicted_blocks"]) == (0, 4)
+    assert by[d.address]["overlap_blocks"] == 4
+    d.booking.free()
+    await app.stop()
+
+
 async def test_debug_score_refuses_more_token_ids_than_its_cap(stub: StubRenderer) -> None:
     from epp_extproc.admin import MAX_DEBUG_TOKENS
 
