@@ -275,11 +275,29 @@ class PickerApp:
         if self.scraper is not None:
             self._tasks.append(asyncio.create_task(self.scraper.run()))
         self._start_objectives()
+        self._warn_if_load_only()
         await self._grpc.start()
         await self._health_server.start()
         log.info("picker listening: ext_proc %s:%d, health %s:%d, metrics http://%s:%d/metrics, "
                  "admin http://%s:%d/debug/", cfg.bind, self.grpc_port, cfg.bind, self.health_port, cfg.bind,
                  self.metrics_port, cfg.admin_bind, self.admin_port)
+
+    def _warn_if_load_only(self) -> None:
+        """KV-aware routing is the product's point: say so at start-up when requests will be routed by load
+        only, and which flags turn it on."""
+        if self.renderer is None:
+            log.warning("no renderer configured: every request is routed by load only. KV-aware routing needs "
+                        "--tokenizer-protocol (e.g. trtllm-render) and --tokenizer-service-url (a worker's or "
+                        "render server's http://HOST:PORT)")
+            return
+        renderer = self.renderer
+
+        async def check() -> None:
+            why = await renderer.unreachable()
+            if why is not None:
+                log.warning("renderer %s is not reachable (%s): requests are routed by load only until it "
+                            "answers; check --tokenizer-service-url", renderer.base_url, why)
+        self._spawn(check())
 
     async def debug_score(self, payload: dict[str, Any]) -> dict[str, Any]:
         """`/debug/score`: a proposal that is never committed, and whose render is not counted as traffic."""

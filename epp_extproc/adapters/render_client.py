@@ -74,6 +74,23 @@ class RenderClient:
     async def close(self) -> None:
         await self._origin.close()
 
+    async def unreachable(self, timeout_s: float = 2.0) -> str | None:
+        """Why the renderer cannot be reached right now (None: it accepts connections). A start-up check
+        only: a renderer that is down routes every request by load, which a newcomer should hear about."""
+        from urllib.parse import urlsplit
+
+        u = urlsplit(self.base_url)
+        port = u.port or (443 if u.scheme == "https" else 80)
+        try:
+            async with asyncio.timeout(timeout_s):
+                _, writer = await asyncio.open_connection(u.hostname, port)
+        except TimeoutError:
+            return f"no connection within {timeout_s:g}s"
+        except OSError as e:
+            return e.strerror or str(e)
+        writer.close()
+        return None
+
     async def render(self, kind: str, body: bytes, *, count: bool = True) -> Rendered:
         started = time.perf_counter()
         outcome = "ok"
