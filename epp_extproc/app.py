@@ -99,6 +99,7 @@ class PickerApp:
         self.health = Health()
         self.servicer = ExtProcServicer(self.picker, allowed_modes=config.body_modes(),
                                         body_timeout_s=config.request_body_timeout_ms / 1000)
+        self.access_log = AccessLogServicer(self.picker)
         self._grpc: grpc.aio.Server | H2GrpcServer | None = None
         self._health_server: grpc.aio.Server | None = None
         self._admin: web.AppRunner | None = None
@@ -228,7 +229,7 @@ class PickerApp:
                 ("grpc.so_reuseport", 1 if self.slot.share_port else 0)],  # 0: a second picker fails loudly
                 maximum_concurrent_rpcs=max_calls)
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._grpc)
-        als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(self.picker), self._grpc)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.access_log, self._grpc)
         # GAIE's Envoy health-checks the ext_proc cluster on the ext_proc port itself (gRPC health,
         # service envoy.service.ext_proc.v3.ExternalProcessor); the health port serves the same servicer.
         self.health.add_to(self._grpc)
@@ -303,6 +304,26 @@ class PickerApp:
         """`/debug/score`: a proposal that is never committed, and whose render is not counted as traffic."""
         return await debug_score(self.pipeline, payload)
 
+    async def _drain(self, grace: float) -> None:
+        """No new streams; the requests in flight get up to `grace` s; the long-lived service streams (Envoy's
+        access log, health watches) are not requests and end as soon as the requests have, so a picker behind
+        an idle Envoy stops at once."""
+        assert self._grpc is not None
+        gate = self.picker.gate
+        inflight = gate.count
+        if inflight:
+            log.info("draining: %d requests in flight, waiting up to %.1fs", inflight, grace)
+        stopping = asyncio.get_running_loop().create_task(self._grpc.stop(grace))
+        while gate.count and not stopping.done():
+            await asyncio.sleep(0.02)
+        self.access_log.streams.end_all()
+        self.health.servicer.streams.end_all()
+        if isinstance(self._grpc, grpc.aio.Server) and not stopping.done():
+            await self._grpc.stop(0)  # grpcio's drain still counts the cancelled handlers: cut them now
+        await stopping
+        cut = gate.count
+        (log.warning if cut else log.info)("drained: %d requests finished, %d cut", inflight - cut, cut)
+
     @property
     def tls(self) -> ServerCert | None:
         """The certificate the ext_proc port serves now (None = plaintext h2c)."""
@@ -368,14 +389,7 @@ class PickerApp:
             self.flow.close()  # queued requests get 503 now rather than a reset stream later
         await cancel_and_wait(list(self._tasks))
         if self._grpc is not None:
-            inflight = self.picker.gate.count
-            if inflight:
-                log.info("draining: %d ext_proc streams in flight, waiting up to %.1fs", inflight, grace)
-            await self._grpc.stop(grace)
-            if inflight:
-                cut = self.picker.gate.count
-                (log.warning if cut else log.info)("drained: %d of %d streams finished, %d cut at the deadline",
-                                                   inflight - cut, inflight, cut)
+            await self._drain(grace)
         if self.sync is not None:
             await self.sync.close()
         if self._health_server is not None:

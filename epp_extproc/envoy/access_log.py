@@ -15,6 +15,7 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from epp_extproc.core.api import Picker
+from epp_extproc.envoy.streams import LongLivedStreams
 from epp_extproc.gaie import BOOKING_KEY, LB_NAMESPACE, USAGE_NAMESPACE
 
 log = logging.getLogger(__name__)
@@ -40,9 +41,15 @@ def _string(common: accesslog_pb2.AccessLogCommon, namespace: str, key: str) -> 
 class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
     def __init__(self, picker: Picker) -> None:
         self.picker = picker
+        self.streams = LongLivedStreams()  # Envoy keeps one open per connection: a drain ends them last
 
     async def StreamAccessLogs(self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage],  # noqa: N802
                                context: grpc.aio.ServicerContext) -> als_pb2.StreamAccessLogsResponse:
+        with self.streams.track():
+            await self._read(request_iterator)
+        return als_pb2.StreamAccessLogsResponse()
+
+    async def _read(self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage]) -> None:
         async for msg in request_iterator:
             if not msg.HasField("http_logs"):
                 continue
@@ -57,4 +64,3 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
                     self.picker.access_logged(booking, tail, _flags(common))
                 except Exception:
                     log.exception("access-log entry could not be applied")
-        return als_pb2.StreamAccessLogsResponse()

@@ -17,6 +17,8 @@ from collections.abc import Iterable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from epp_extproc.envoy.streams import LongLivedStreams
+
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 SERVICES = ("liveness", "readiness", EXT_PROC_SERVICE, "")
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -41,6 +43,7 @@ class BoundedHealthServicer(health.aio.HealthServicer):
         self.max_watchers = max_watchers
         self.watchers = 0
         self._closing = asyncio.Event()
+        self.streams = LongLivedStreams()  # a drain ends them once the requests are done
 
     async def Watch(self, request: health_pb2.HealthCheckRequest,  # noqa: N802 - the gRPC method name
                     context: grpc.aio.ServicerContext) -> None:
@@ -53,12 +56,13 @@ class BoundedHealthServicer(health.aio.HealthServicer):
                                 f"{self.max_watchers} health watchers already open; use Check")
         self.watchers += 1
         try:
-            if service in self.known:
-                await super().Watch(request, context)
-            else:
-                del service  # nothing about an unknown name outlives this line but the call's own request
-                await context.write(health_pb2.HealthCheckResponse(status=SERVICE_UNKNOWN))
-                await self._closing.wait()  # the protocol keeps the call open; it ends at shutdown/cancel
+            with self.streams.track():
+                if service in self.known:
+                    await super().Watch(request, context)
+                else:
+                    del service  # nothing about an unknown name outlives this line but the call's own request
+                    await context.write(health_pb2.HealthCheckResponse(status=SERVICE_UNKNOWN))
+                    await self._closing.wait()  # the protocol keeps the call open; it ends at shutdown/cancel
         finally:
             self.watchers -= 1
 
