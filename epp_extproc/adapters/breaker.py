@@ -9,6 +9,13 @@ Without one, a hung renderer adds the whole render timeout (5 s) to every reques
 
 A call's outcome is reported on the `Ticket` `admit()` returned. A ticket released without a verdict (the
 request was cancelled mid-call) frees the half-open probe slot, so the next call probes instead.
+
+A timeout is not always the upstream's fault: a client can send prompts built to take longer than the render
+timeout, and if each of those counted, a handful of such clients would open the circuit and route everyone
+by load. So a call that timed out while the upstream answered another call (`timed_out()`: an answer came
+after this call started) is that request's outlier, counted apart; a timeout during which nothing answered
+is the upstream's, and counts like any failure. A hung renderer answers nobody, so it still opens the
+circuit after `failures` timeouts.
 The clock is injectable so the state machine is testable without sleeping.
 """
 
@@ -27,12 +34,13 @@ STATE_VALUE = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}  # the gauge's encoding
 class Ticket:
     """Permission for one call; report `success()` or `failure()` once, or `release()` for neither."""
 
-    __slots__ = ("_breaker", "_probe", "_done")
+    __slots__ = ("_breaker", "_probe", "_done", "started")
 
-    def __init__(self, breaker: CircuitBreaker, probe: bool) -> None:
+    def __init__(self, breaker: CircuitBreaker, probe: bool, started: float) -> None:
         self._breaker = breaker
         self._probe = probe
         self._done = False
+        self.started = started
 
     def success(self) -> None:
         if not self._done:
@@ -43,6 +51,15 @@ class Ticket:
         if not self._done:
             self._done = True
             self._breaker._failure(self._probe, why)
+
+    def timed_out(self, why: str) -> None:
+        """No answer in time: the upstream's failure, unless it answered another call meanwhile."""
+        if not self._done:
+            self._done = True
+            if self._breaker.answered_since(self.started):
+                self._breaker._outlier(self._probe)
+            else:
+                self._breaker._failure(self._probe, why)
 
     def release(self) -> None:
         if not self._done:
@@ -66,12 +83,14 @@ class CircuitBreaker:
         self.open_s = open_s
         self.opened_at = 0.0
         self.opens = 0  # times the circuit opened (re-opens after a failed probe included)
+        self.outliers = 0  # timeouts that were the request's own (the upstream answered others meanwhile)
+        self.last_answer_at = float("-inf")
         self._probing = False
 
     def admit(self) -> Ticket | None:
         """A ticket for one call, or None: the circuit is open, do not call."""
         if self.threshold <= 0 or self.state == CLOSED:
-            return Ticket(self, probe=False)
+            return Ticket(self, False, self.clock())
         if self.state == OPEN:
             if self.clock() - self.opened_at < self.open_s:
                 return None
@@ -80,15 +99,20 @@ class CircuitBreaker:
         if self._probing:
             return None
         self._probing = True
-        return Ticket(self, probe=True)
+        return Ticket(self, True, self.clock())
 
     def retry_in(self) -> float:
         """Seconds until the open circuit lets a probe through (0 when not open)."""
         return max(0.0, self.opened_at + self.open_s - self.clock()) if self.state == OPEN else 0.0
 
+    def answered_since(self, t: float) -> bool:
+        """Did the upstream answer any call after `t`?"""
+        return self.last_answer_at > t
+
     def _success(self, probe: bool) -> None:
         if self.threshold <= 0:
             return
+        self.last_answer_at = self.clock()
         self.consecutive = 0
         if probe:
             self._probing = False
@@ -110,6 +134,12 @@ class CircuitBreaker:
         self.consecutive += 1
         if self.consecutive >= self.threshold:
             self._open(f"{self.consecutive} consecutive failures, the last: {why}")
+
+    def _outlier(self, probe: bool) -> None:
+        """The request's own timeout: neither a failure of the upstream nor proof that it is well."""
+        self.outliers += 1
+        if probe:
+            self._probing = False
 
     def _release(self, probe: bool) -> None:
         if probe:

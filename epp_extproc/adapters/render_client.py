@@ -107,6 +107,8 @@ class RenderClient:
             if ticket is not None:
                 if e.rejected or isinstance(e, _OverCap):
                     ticket.success()  # it answered: the request is at fault, not the renderer
+                elif e.failure is RenderFailure.TIMEOUT:
+                    ticket.timed_out(str(e))  # the renderer's fault only if it answered nobody meanwhile
                 else:
                     ticket.failure(str(e))
             raise

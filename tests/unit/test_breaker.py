@@ -112,3 +112,42 @@ def test_state_changes_are_reported(clock: Clock) -> None:
     assert probe is not None
     probe.success()
     assert seen == [OPEN, HALF_OPEN, CLOSED]
+
+
+def test_timeouts_while_the_upstream_answers_others_are_the_requests_own_and_never_open_it(
+        clock: Clock) -> None:
+    b = breaker(clock, failures=3)
+    for _ in range(20):  # each bait call times out, and meanwhile another request was answered
+        bait = b.admit()
+        clock.t += 0.1
+        ok = b.admit()
+        assert bait is not None and ok is not None
+        ok.success()
+        clock.t += 5.0
+        bait.timed_out("no answer within 5s")
+    assert (b.state, b.opens, b.outliers) == (CLOSED, 0, 20)
+
+
+def test_timeouts_during_which_nothing_answered_open_it_like_any_failure(clock: Clock) -> None:
+    b = breaker(clock, failures=3)
+    ok = b.admit()
+    assert ok is not None
+    ok.success()  # the renderer worked, then hung
+    clock.t += 1.0
+    calls = [b.admit() for _ in range(3)]
+    clock.t += 5.0
+    for t in calls:
+        assert t is not None
+        t.timed_out("no answer within 5s")
+    assert (b.state, b.opens, b.outliers) == (OPEN, 1, 0)
+
+
+def test_a_probe_that_times_out_with_nobody_answering_reopens_it(clock: Clock) -> None:
+    b = breaker(clock, failures=1, open_s=5.0)
+    fail(b)
+    clock.t += 5.0
+    probe = b.admit()
+    assert probe is not None and b.state == HALF_OPEN
+    clock.t += 5.0
+    probe.timed_out("no answer within 5s")
+    assert (b.state, b.opens, b.open_s) == (OPEN, 2, 10.0)
