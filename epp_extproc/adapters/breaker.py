@@ -52,14 +52,17 @@ class Ticket:
             self._done = True
             self._breaker._failure(self._probe, why)
 
-    def timed_out(self, why: str) -> None:
-        """No answer in time: the upstream's failure, unless it answered another call meanwhile."""
-        if not self._done:
-            self._done = True
-            if self._breaker.answered_since(self.started):
-                self._breaker._outlier(self._probe)
-            else:
-                self._breaker._failure(self._probe, why)
+    def timed_out(self, why: str) -> bool:
+        """No answer in time: the upstream's failure, unless it answered another call meanwhile (then True:
+        the request's own outlier)."""
+        if self._done:
+            return False
+        self._done = True
+        if self._breaker.answered_since(self.started):
+            self._breaker._outlier(self._probe)
+            return True
+        self._breaker._failure(self._probe, why)
+        return False
 
     def release(self) -> None:
         if not self._done:

@@ -62,6 +62,9 @@ class RenderClient:
                                     registry=metrics.registry)
         self._circuit_opens = Counter("epp_render_circuit_opens", "Times the renderer circuit opened "
                                       "(a failed half-open probe re-opens it)", registry=metrics.registry)
+        self._outliers = Counter("epp_render_timeout_outliers", "Render calls that timed out while the renderer "
+                                 "answered other calls: the request's own doing, not counted against the "
+                                 "renderer's circuit", registry=metrics.registry)
         self.breaker = CircuitBreaker(f"renderer {self.base_url}", failures=breaker_failures,
                                       open_s=breaker_open_ms / 1000, max_open_s=breaker_max_open_ms / 1000,
                                       on_change=self._on_circuit)
@@ -108,7 +111,8 @@ class RenderClient:
                 if e.rejected or isinstance(e, _OverCap):
                     ticket.success()  # it answered: the request is at fault, not the renderer
                 elif e.failure is RenderFailure.TIMEOUT:
-                    ticket.timed_out(str(e))  # the renderer's fault only if it answered nobody meanwhile
+                    if ticket.timed_out(str(e)):  # the renderer's fault only if it answered nobody meanwhile
+                        self._outliers.inc()
                 else:
                     ticket.failure(str(e))
             raise

@@ -44,8 +44,9 @@ class Renderer:
 
 async def test_timeout_bait_never_opens_the_circuit_but_a_hung_renderer_does() -> None:
     r = await Renderer().start()
+    metrics = PickerMetrics()
     client = RenderClient("trtllm-render", r.url, timeout_ms=TIMEOUT_MS, max_response_bytes=1 << 20,
-                          metrics=PickerMetrics(), breaker_failures=5, breaker_open_ms=5000)
+                          metrics=metrics, breaker_failures=5, breaker_open_ms=5000)
     outcomes: dict[str, int] = {}
 
     async def call(body: bytes) -> None:
@@ -71,6 +72,7 @@ async def test_timeout_bait_never_opens_the_circuit_but_a_hung_renderer_does() -
     assert client.breaker.opens == 0 and client.breaker.state == "closed"
     assert outcomes.get("circuit_open", 0) == 0 and outcomes["ok"] == 40
     assert outcomes["timeout"] == 200 and client.breaker.outliers == 200
+    assert metrics.registry.get_sample_value("epp_render_timeout_outliers_total") == 200
 
     r.hung = True  # a real outage: nobody gets an answer any more
     t0 = time.monotonic()
