@@ -11,8 +11,8 @@ original body, which is always correct. A read that fails (timeout, 5xx) keeps w
 saturated worker answering `/server_info` late has not changed its template, and dropping its fingerprint
 would make the picker send it MORE work (the original body) exactly when it is busiest.
 
-Bounded: one small GET per worker per refresh (a failed read retries after `retry_s`, doubling up to
-`refresh_s`), answers over
+Bounded: one small GET per worker per refresh (a failed read retries after `retry_s`, backing off by the
+house's schedule, `kvindex.backoff`, up to `refresh_s`), answers over
 `max_bytes` are refused, and entries live only as long as their endpoint.
 """
 
@@ -41,7 +41,7 @@ class _Entry:
     fingerprint: FingerprintId | None = None
     state: str = "unknown"  # unknown (never read, or lost) | missing (read: no usable fingerprint) | known
     due: float = 0.0  # monotonic time of the next read
-    failures: int = 0  # failed reads in a row (the retry interval doubles with each, up to refresh_s)
+    failures: int = 0  # failed reads in a row (each backs the retry off further, up to refresh_s)
 
 
 class FingerprintWatcher:
