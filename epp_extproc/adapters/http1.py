@@ -3,8 +3,9 @@
 The renderer is called once for every routed request, so its client sits in the request path. aiohttp's
 client spends ~190 µs of CPU per call on this machine (request and response objects, multidict headers, a
 stream reader, a timer context); this one writes to kept-alive connections directly and lets httptools (the
-C llhttp parser that uvicorn uses) parse the answer, ~55 µs for the same call (`bench/README.md`). It does only
-what a render call (and a /metrics scrape) needs: a POST with a body or a GET; the status, the headers and a
+C llhttp parser that uvicorn uses) parse the answer, ~55 µs for the same call (`bench/README.md`). It is also
+the client under `worker_http.WorkerHttp` (probes, /metrics, /server_info). It does only
+what a render call (and a worker GET) needs: a POST with a body or a GET; the status, the headers and a
 body capped in size; keep-alive
 reuse, with one retry on a fresh connection when a reused idle one turns out closed before any byte of the
 answer; a bounded pool; plain TCP or TLS.

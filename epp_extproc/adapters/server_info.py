@@ -9,6 +9,10 @@ discovery change would be a storm):
   ``trtllm_kv_cache_tokens_per_block``.  When none says, the index learns the size from the first event.
 * adapters: ``/v1/models`` entries with a ``parent`` (vLLM lists each loaded LoRA adapter as a model whose
   parent is the base model); a request whose ``model`` names one of them is hashed with that adapter.
+
+This module is the one reader of ``/server_info`` (`read_server_info`: the render fingerprint watcher asks
+it too); ``/metrics`` it asks of `worker_metrics.read_metrics`, the one reader of that. Every GET goes
+through `worker_http.WorkerHttp`.
 """
 
 from __future__ import annotations
