@@ -1,24 +1,15 @@
 """What the picker's two TLS users (the ext_proc port, replica sync) share about key pairs read from files:
-how a change of the files is noticed, and what makes a pair usable. No gRPC, no event loop."""
+what makes a pair usable (how a change of the files is noticed: `file_watch`, re-exported here). No gRPC,
+no event loop."""
 
 from __future__ import annotations
-
-import os
-from collections.abc import Iterable
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-Stamp = tuple[tuple[float, int, int], ...]
+from epp_extproc.file_watch import Stamp, file_stamp
 
-
-def file_stamp(paths: Iterable[str | os.PathLike[str]]) -> Stamp | None:
-    """(mtime, size, inode) of each file: a renewed Kubernetes Secret swaps its `..data` link, which changes
-    the inode even when the size and second do not. None while any file is missing (mid-swap)."""
-    try:
-        return tuple((st.st_mtime, st.st_size, st.st_ino) for st in (os.stat(p) for p in paths))
-    except OSError:
-        return None
+__all__ = ["Stamp", "check_pair", "file_stamp"]
 
 
 def check_pair(cert_pem: bytes, key_pem: bytes) -> None:

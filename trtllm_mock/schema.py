@@ -1,15 +1,31 @@
-"""Strict request validation with pydantic-style error text, mirroring trtllm-serve's ``extra="forbid"`` models.
+"""Strict request validation by pydantic models, as trtllm-serve's own ``extra="forbid"`` models do it.
 
 The real server rejects unknown top-level fields (``nvext`` included, even when null). A picker that forgets
-to strip its own fields must get a 400 here, not a silent success. Fields are an explicit allow-list per
-route; the key ones are type-checked, the rest are accepted with any JSON value (the mock ignores them).
+to strip its own fields must get a 400 here, not a silent success. Each route is a model whose fields are the
+allow-list; the fields the mock reads are typed (strictly: ``"5"`` is not an integer), the rest accept any JSON
+value (the mock ignores them). pydantic's errors become the 400 text in one place (`_field_errors`), printed
+as pydantic prints a ValidationError (`format_errors`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from .tokenizer import VOCAB_SIZE
 
@@ -83,207 +99,241 @@ def format_errors(model: str, errors: list[FieldError]) -> str:
     return "\n".join(lines)
 
 
-# ------------------------------------------------------------------ checkers
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+# ------------------------------------------------------------------ the models (pydantic, as trtllm-serve)
+_STRICT = ConfigDict(extra="forbid", strict=True)
+_LOOSE = ConfigDict(extra="allow", strict=True)
 
 
-def _is_num(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
+def _in_vocab(t: int) -> int:
+    if not 0 <= t < VOCAB_SIZE:
+        raise ValueError(f"token id {t} is outside the vocabulary [0, {VOCAB_SIZE})")
+    return t
 
 
-class _Checker:
-    def __init__(self, body: dict[str, Any]) -> None:
-        self.body = body
-        self.errors: list[FieldError] = []
-
-    def err(self, loc: str, msg: str, typ: str, value: Any) -> None:
-        self.errors.append(FieldError(loc, msg, typ, value))
-
-    def optional(self, name: str, check: Callable[[str, Any], None]) -> None:
-        if name in self.body and self.body[name] is not None:
-            check(name, self.body[name])
-
-    def int_(self, loc: str, v: Any, ge: int | None = None) -> None:
-        if not _is_int(v):
-            self.err(loc, "Input should be a valid integer", "int_type", v)
-        elif ge is not None and v < ge:
-            self.err(loc, f"Input should be greater than or equal to {ge}", "greater_than_equal", v)
-
-    def num(self, loc: str, v: Any) -> None:
-        if not _is_num(v):
-            self.err(loc, "Input should be a valid number", "float_type", v)
-
-    def bool_(self, loc: str, v: Any) -> None:
-        if not isinstance(v, bool):
-            self.err(loc, "Input should be a valid boolean", "bool_type", v)
-
-    def str_(self, loc: str, v: Any) -> None:
-        if not isinstance(v, str):
-            self.err(loc, "Input should be a valid string", "string_type", v)
-
-    def token_ids(self, loc: str, v: Any) -> None:
-        if not isinstance(v, list):
-            self.err(loc, "Input should be a valid list", "list_type", v)
-            return
-        for i, t in enumerate(v):
-            if not _is_int(t):
-                self.err(f"{loc}.{i}", "Input should be a valid integer", "int_type", t)
-            elif not 0 <= t < VOCAB_SIZE:
-                self.err(f"{loc}.{i}", f"Value error, token id {t} is outside the vocabulary [0, {VOCAB_SIZE})",
-                         "value_error", t)  # fmt: skip
-
-    def stop(self, loc: str, v: Any) -> None:
-        if isinstance(v, str):
-            return
-        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-            self.err(loc, "Input should be a valid string or a list of strings", "string_type", v)
-
-    def stream_options(self, loc: str, v: Any) -> None:
-        if not isinstance(v, dict):
-            self.err(loc, "Input should be a valid dictionary or instance of StreamOptions", "model_type", v)
-            return
-        for k, item in v.items():
-            if k not in STREAM_OPTION_FIELDS:
-                self.err(f"{loc}.{k}", "Extra inputs are not permitted", "extra_forbidden", item)
-            elif item is not None:
-                self.bool_(f"{loc}.{k}", item)
-
-    def extra(self, allowed: frozenset[str] | set[str]) -> None:
-        for k, v in self.body.items():
-            if k not in allowed:
-                self.err(k, "Extra inputs are not permitted", "extra_forbidden", v)
-
-    def common(self) -> None:
-        b = self.body
-        if "model" not in b:
-            self.err("model", "Field required", "missing", b)
-        else:
-            self.str_("model", b["model"])
-        self.optional("max_tokens", lambda n, v: self.int_(n, v, ge=1))
-        self.optional("n", lambda n, v: self.int_(n, v, ge=1))
-        self.optional("stream", self.bool_)
-        self.optional("stream_options", self.stream_options)
-        for f in (
-            "temperature",
-            "top_p",
-            "frequency_penalty",
-            "presence_penalty",
-            "min_p",
-            "repetition_penalty",
-        ):
-            self.optional(f, self.num)
-        for f in ("seed", "top_k", "min_tokens"):
-            self.optional(f, self.int_)
-        for f in ("ignore_eos", "echo", "add_special_tokens", "skip_special_tokens"):
-            self.optional(f, self.bool_)
-        self.optional("user", self.str_)
-        self.optional("stop", self.stop)
-        self.optional("stop_token_ids", self.token_ids)
-        if "priority" in b and b["priority"] is not None:
-            p = b["priority"]
-            if not _is_num(p):
-                self.err("priority", "Input should be a valid number", "float_type", p)
-            elif not 0.0 <= p <= 1.0:
-                self.err("priority", "Input should be between 0.0 and 1.0", "value_error", p)
-
-    def model_validators(self, stream_options_msg: str) -> None:
-        b = self.body
-        if b.get("stream_options") is not None and not b.get("stream"):
-            self.err("", f"Value error, {stream_options_msg}", "value_error", b)
-        if b.get("suffix"):
-            self.err("", "Value error, suffix is not supported", "value_error", b)
+def _priority(p: float) -> float:
+    if not 0.0 <= p <= 1.0:
+        raise PydanticCustomError("value_error", "Input should be between 0.0 and 1.0")
+    return p
 
 
-def _messages(c: _Checker, v: Any) -> None:
+def _stop(v: Any) -> Any:
+    if v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)):
+        return v
+    raise PydanticCustomError("string_type", "Input should be a valid string or a list of strings")
+
+
+def _a_dict(v: Any) -> Any:
+    if not isinstance(v, dict):
+        raise PydanticCustomError("dict_type", "Input should be a valid dictionary")
+    return v
+
+
+def _content(v: Any) -> Any:
+    """A message's content: null, a string, or a list of parts (only the list has more to check)."""
+    if v is None or isinstance(v, str):
+        return None
     if not isinstance(v, list):
-        c.err("messages", "Input should be a valid list", "list_type", v)
-        return
-    for i, m in enumerate(v):
-        loc = f"messages.{i}"
-        if not isinstance(m, dict):
-            c.err(loc, "Input should be a valid dictionary", "dict_type", m)
-            continue
-        if "role" not in m:
-            c.err(f"{loc}.role", "Field required", "missing", m)
-        elif not isinstance(m["role"], str):
-            c.err(f"{loc}.role", "Input should be a valid string", "string_type", m["role"])
-        content = m.get("content")
-        if content is None or isinstance(content, str):
-            continue
-        if not isinstance(content, list):
-            c.err(f"{loc}.content", "Input should be a valid string or a list of content parts", "union_tag_invalid",
-                  content)  # fmt: skip
-            continue
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                c.err(f"{loc}.content.{j}.type", "Field required", "missing", part)
-            elif part["type"] == "text" and not isinstance(part.get("text"), str):
-                c.err(
-                    f"{loc}.content.{j}.text",
-                    "Input should be a valid string",
-                    "string_type",
-                    part.get("text"),
-                )
+        raise PydanticCustomError("union_tag_invalid", "Input should be a valid string or a list of content parts")
+    return v
+
+
+def _part(v: Any) -> Any:
+    if not isinstance(v, dict) or not isinstance(v.get("type"), str):
+        raise PydanticCustomError("missing", "Field required")  # reported at `.type` (see _LOC_SUFFIX)
+    return v
+
+
+def _prompt_kind(v: Any) -> str | None:
+    if isinstance(v, str):
+        return "text"
+    if isinstance(v, list) and v and all(isinstance(p, str) for p in v):
+        return "texts"
+    if isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        return "ids"
+    if isinstance(v, list) and v and all(isinstance(p, list) for p in v):
+        return "id_lists"
+    return None
+
+
+def _a_prompt(v: Any) -> Any:
+    if _prompt_kind(v) is None:
+        raise PydanticCustomError("union_tag_invalid", "Input should be a string, a list of strings, a list of "
+                                  "token ids or a list of such lists")
+    return v
+
+
+TokenId = Annotated[int, AfterValidator(_in_vocab)]
+NonNegInt = Annotated[int, Field(ge=1)]
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = _LOOSE
+    type: str
+    text: Any = Field(default=None, validate_default=True)
+
+    @field_validator("text")
+    @classmethod
+    def _text_of_a_text_part(cls, v: Any, info: ValidationInfo) -> Any:
+        if info.data.get("type") == "text" and not isinstance(v, str):
+            raise PydanticCustomError("string_type", "Input should be a valid string")
+        return v
+
+
+class Message(BaseModel):
+    model_config = _LOOSE
+    role: str
+    content: Annotated[list[Annotated[ContentPart, BeforeValidator(_part)]] | None, BeforeValidator(_content)] = None
+
+
+class _Common(BaseModel):
+    """The fields both routes share; the ones the mock reads are typed, the rest take any JSON value."""
+
+    model_config = _STRICT
+    model: str
+    max_tokens: NonNegInt | None = None
+    n: NonNegInt | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    top_k: int | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    echo: bool | None = None
+    add_special_tokens: bool | None = None
+    skip_special_tokens: bool | None = None
+    user: str | None = None
+    stop: Annotated[Any, AfterValidator(_stop)] = None
+    stop_token_ids: list[TokenId] | None = None
+    priority: Annotated[float, AfterValidator(_priority)] | None = None
+    logit_bias: Any = None
+    logprobs: Any = None
+    response_format: Any = None
+    best_of: Any = None
+    use_beam_search: Any = None
+    top_p_min: Any = None
+    length_penalty: Any = None
+    early_stopping: Any = None
+    include_stop_str_in_output: Any = None
+    spaces_between_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+    lora_request: Any = None
+    disaggregated_params: Any = None
+    conversation_params: Any = None
+    prompt_ignore_length: Any = None
+    thinking_token_budget: Any = None
+
+    def _stream_options_need_stream(self, msg: str) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError(msg)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[Annotated[Message, BeforeValidator(_a_dict)]]
+    prompt_token_ids: list[TokenId] | None = None
+    max_completion_tokens: NonNegInt | None = None
+    add_generation_prompt: bool | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    cache_salt: Any = None
+    prompt_token_ids_b64: Any = None
+    top_logprobs: Any = None
+    parallel_tool_calls: Any = None
+    reasoning_effort: Any = None
+    thinking: Any = None
+    documents: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    injected_chat_template_kwargs: Any = None
+    media_io_kwargs: Any = None
+    agent_hierarchy: Any = None
+    mm_processor_kwargs: Any = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt(cls, v: Any) -> Any:
+        if v is not None and (not isinstance(v, str) or not v.strip()):
+            raise ValueError(CACHE_SALT_ERROR)
+        return v
+
+    @model_validator(mode="after")
+    def _whole(self) -> ChatCompletionRequest:
+        if self.tool_choice is not None and self.tool_choice not in ("none", "auto") and not self.tools:
+            raise ValueError("When using `tool_choice`, `tools` must be set.")
+        self._stream_options_need_stream("stream_options can only be set if stream is true")
+        return self
+
+
+class CompletionRequest(_Common):
+    prompt: Annotated[
+        Annotated[str, Tag("text")] | Annotated[list[str], Tag("texts")] | Annotated[list[TokenId], Tag("ids")]
+        | Annotated[list[list[TokenId]], Tag("id_lists")],
+        Discriminator(_prompt_kind), BeforeValidator(_a_prompt),
+    ]
+    suffix: Any = None
+    return_context_logits: Any = None
+    detokenize: Any = None
+
+    @model_validator(mode="after")
+    def _whole(self) -> CompletionRequest:
+        self._stream_options_need_stream("Stream options can only be defined when stream is true.")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+
+_TAGS = frozenset({"text", "texts", "ids", "id_lists"})  # a tagged union's branch names, not body locations
+
+
+def _loc(model: str, loc: tuple[str | int, ...]) -> str:
+    parts = [str(p) for i, p in enumerate(loc)
+             if not (model == "CompletionRequest" and i == 1 and loc[0] == "prompt" and p in _TAGS)]
+    return ".".join(parts)
+
+
+def _field_errors(model: str, exc: ValidationError) -> list[FieldError]:
+    """The one place pydantic's errors become the mock's 400 text: dotted locations without union tags, a bad
+    content part reported at its `.type`, unknown top-level fields first (in the body's order), then the rest
+    in pydantic's (the models' field order)."""
+    out: list[FieldError] = []
+    for e in exc.errors(include_url=False, include_context=False):
+        loc = _loc(model, e["loc"])
+        if e["type"] == "missing" and len(e["loc"]) == 4 and e["loc"][2] == "content":
+            loc += ".type"  # a part that is not an object with a string `type` (`_part`)
+        out.append(FieldError(loc, e["msg"], e["type"], e["input"]))
+    extras = [f for f in out if f.type == "extra_forbidden" and "." not in f.loc]
+    return extras + [f for f in out if not (f.type == "extra_forbidden" and "." not in f.loc)]
+
+
+def _validate(model: type[BaseModel], body: dict[str, Any]) -> None:
+    try:
+        model.model_validate(body)
+    except ValidationError as e:
+        raise RequestValidationError(model.__name__, _field_errors(model.__name__, e)) from None
 
 
 def validate_chat(body: dict[str, Any]) -> dict[str, Any]:
     """Validate a chat-completions body like ``ChatCompletionRequest`` (extra="forbid"); returns it unchanged."""
-    c = _Checker(body)
-    c.extra(CHAT_FIELDS)
-    c.common()
-    if "messages" not in body:
-        c.err("messages", "Field required", "missing", body)
-    else:
-        _messages(c, body["messages"])
-    c.optional("prompt_token_ids", c.token_ids)
-    c.optional("max_completion_tokens", lambda n, v: c.int_(n, v, ge=1))
-    c.optional("add_generation_prompt", c.bool_)
-    c.optional("tools", lambda n, v: None if isinstance(v, list) else c.err(n, "Input should be a valid list",
-                                                                             "list_type", v))  # fmt: skip
-    if "cache_salt" in body and body["cache_salt"] is not None:
-        salt = body["cache_salt"]
-        if not isinstance(salt, str) or not salt.strip():
-            c.err("cache_salt", f"Value error, {CACHE_SALT_ERROR}", "value_error", salt)
-    tc = body.get("tool_choice")
-    if tc is not None and tc not in ("none", "auto") and not body.get("tools"):
-        c.err("", "Value error, When using `tool_choice`, `tools` must be set.", "value_error", body)
-    c.model_validators("stream_options can only be set if stream is true")
-    if c.errors:
-        raise RequestValidationError("ChatCompletionRequest", c.errors)
+    _validate(ChatCompletionRequest, body)
     if body.get("prompt_token_ids") is not None and not body["prompt_token_ids"]:
         raise RequestRejected("prompt_token_ids must not be empty")
     return body
 
 
-def _prompt(c: _Checker, v: Any) -> None:
-    if isinstance(v, str):
-        return
-    if isinstance(v, list) and v and all(isinstance(p, str) for p in v):
-        return
-    if isinstance(v, list) and all(_is_int(t) for t in v):
-        c.token_ids("prompt", v)
-        return
-    if isinstance(v, list) and v and all(isinstance(p, list) for p in v):
-        for i, p in enumerate(v):
-            c.token_ids(f"prompt.{i}", p)
-        return
-    c.err("prompt", "Input should be a string, a list of strings, a list of token ids or a list of such lists",
-          "union_tag_invalid", v)  # fmt: skip
-
-
 def validate_completion(body: dict[str, Any]) -> dict[str, Any]:
     """Validate a completions body like ``CompletionRequest``; note it has NO ``cache_salt`` field."""
-    c = _Checker(body)
-    c.extra(COMPLETION_FIELDS)
-    c.common()
-    if "prompt" not in body:
-        c.err("prompt", "Field required", "missing", body)
-    else:
-        _prompt(c, body["prompt"])
-    c.model_validators("Stream options can only be defined when stream is true.")
-    if c.errors:
-        raise RequestValidationError("CompletionRequest", c.errors)
+    _validate(CompletionRequest, body)
     return body
 
 

@@ -36,6 +36,7 @@ from epp_extproc.core.endpoints import (
     split_host_port,
     zmq_tcp,
 )
+from kvindex.backoff import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +60,6 @@ def default_namespace(path: str = SERVICE_ACCOUNT_NAMESPACE_FILE) -> str:
     except OSError:
         return "default"
     return ns or "default"
-
-
-def backoff_delay(attempt: int, initial: float, cap: float, rng: random.Random) -> float:
-    """Exponential backoff with jitter in [d/2, d], d = min(cap, initial * 2**attempt).
-
-    Half-jitter rather than full jitter: replicas restarted together spread out, yet a retry never comes
-    sooner than half the nominal delay, so a sick API server is not hammered by near-zero draws.
-    """
-    nominal = min(cap, initial * (2 ** max(attempt, 0)))
-    return nominal / 2 + rng.random() * nominal / 2
 
 
 def selector_string(match_labels: Mapping[str, str]) -> str:
@@ -227,11 +218,8 @@ class InferencePoolDiscovery:
         successful list: a server whose lists succeed but whose watches fail must not be re-listed in a
         tight loop.
         """
-        attempt = 0
-
-        def progress() -> None:
-            nonlocal attempt
-            attempt = 0
+        backoff = Backoff(self._backoff_initial_s, self._backoff_max_s, rng=self._rng.random)
+        progress = backoff.succeeded
 
         while True:
             try:
@@ -247,10 +235,9 @@ class InferencePoolDiscovery:
                 log.info("%s watch expired (%s); re-listing", what, e)
                 continue
             except Exception as e:  # API errors, connection refused, malformed answers: retry after backoff
-                delay = backoff_delay(attempt, self._backoff_initial_s, self._backoff_max_s, self._rng)
-                attempt += 1
+                delay = backoff.failed()
                 log.warning("%s list/watch in %s failed (%s: %s); retrying in %.2fs (attempt %d)", what,
-                            self.namespace, type(e).__name__, clip(str(e), 300), delay, attempt)
+                            self.namespace, type(e).__name__, clip(str(e), 300), delay, backoff.failures)
                 await self._sleep(delay)
 
     async def _watch_once(self, what: str, request: Callable[..., Awaitable[Any]], rv: str,

@@ -23,15 +23,14 @@ loop no stall (at most the GIL share a 1 MiB YAML parse takes, ~0.5 s of one thr
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
 from typing import Any
 
 import orjson
 import yaml
 
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry, clip, split_host_port, zmq_tcp
+from epp_extproc.file_watch import FileWatch
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +41,6 @@ MAX_NAME_CHARS = 253  # a DNS name / Kubernetes object name
 # raises RecursionError at ~300 (600 brackets = 1.2 kB), which is also caught below.
 _YAML_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
-Stamp = tuple[float, int, int]
-_UNSEEN: Stamp = (-1.0, -1, -1)  # differs from every real stamp and from "missing" (None)
 
 
 class EndpointSpecError(ValueError):
@@ -163,9 +160,9 @@ def read_file(path: str, *, kv_event_port: int | None, replay_port: int | None) 
 class FileDiscovery:
     """Polls the file's (mtime, size, inode) and reloads on change; cheap and works on every filesystem.
 
-    Stat, read and parse run in a worker thread (`asyncio.to_thread`); only `registry.replace` runs on the
-    loop. No error stops the polling: every failure is logged once per file version and the previous set
-    is kept.
+    The polling is `file_watch.FileWatch` (the house's one file watcher): stat, read and parse run in a
+    worker thread; only `registry.replace` runs on the loop. No error stops the polling: every failure is
+    logged once per file version and the previous set is kept.
     """
 
     def __init__(self, registry: EndpointRegistry, path: str, *, kv_event_port: int | None,
@@ -175,49 +172,27 @@ class FileDiscovery:
         self.kv_event_port = kv_event_port
         self.replay_port = replay_port
         self.interval_s = interval_s
-        self._stamp: Stamp | None = _UNSEEN
-        self.failures = 0  # reloads refused since start (a test and /debug can read it)
+        self._watch: FileWatch[list[Endpoint]] = FileWatch(
+            [path], self._read, registry.replace, on_error=self._refused, interval_s=interval_s)
 
-    def _stat(self) -> Stamp | None:
+    @property
+    def failures(self) -> int:
+        """Reloads refused since start (a test and /debug can read it)."""
+        return self._watch.failures
+
+    def _read(self) -> list[Endpoint]:
         try:
-            st = os.stat(self.path)
+            return read_file(self.path, kv_event_port=self.kv_event_port, replay_port=self.replay_port)
         except FileNotFoundError:
-            return None
-        return (st.st_mtime, st.st_size, st.st_ino)
+            raise FileNotFoundError(f"endpoints file {clip(self.path)} is missing") from None
 
-    def _read_stable(self, stamp: Stamp | None) -> list[Endpoint] | None:
-        """The file's endpoints, or None when it changed while being read. Runs in a worker thread."""
-        if stamp is None:
-            raise FileNotFoundError(f"endpoints file {clip(self.path)} is missing")
-        try:
-            eps = read_file(self.path, kv_event_port=self.kv_event_port, replay_port=self.replay_port)
-        except (OSError, EndpointSpecError):
-            if self._stat() != stamp:
-                return None  # caught mid-write: the next poll reads the finished file
-            raise
-        return eps if self._stat() == stamp else None
+    def _refused(self, e: Exception) -> None:
+        log.error("cannot load endpoints file %s (keeping the %d known endpoints): %s",
+                  clip(self.path), len(self.registry), clip(str(e), 300))
 
     async def load_once(self) -> None:
         """Reload if the file changed; never raises (but a cancellation)."""
-        stamp = await asyncio.to_thread(self._stat)
-        if stamp == self._stamp:
-            return
-        try:
-            eps = await asyncio.to_thread(self._read_stable, stamp)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - OSError, EndpointSpecError, anything a hostile file causes
-            self._stamp = stamp  # logged once per file version, not once per poll
-            self.failures += 1
-            log.error("cannot load endpoints file %s (keeping the %d known endpoints): %s",
-                      clip(self.path), len(self.registry), clip(str(e), 300))
-            return
-        if eps is None:
-            return  # not recorded: read again on the next poll
-        self._stamp = stamp
-        self.registry.replace(eps)
+        await self._watch.check()
 
     async def run(self) -> None:
-        while True:
-            await self.load_once()
-            await asyncio.sleep(self.interval_s)
+        await self._watch.run()

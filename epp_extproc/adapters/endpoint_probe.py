@@ -10,19 +10,18 @@ failures (timeouts, 5xx) after two probes in a row; one successful probe puts it
 Cost is bounded whatever the pool size: probes are spread evenly (with jitter) over the round instead of
 fired all at once, at most `max_rate` probes per second in total (a round lasts max(interval, n / max_rate),
 so 1,000 endpoints at the default 100/s are each probed every 10 s), and at most `max_concurrency` are in
-flight (a pool of hung workers cannot hold thousands of sockets). One shared session serves every probe.
+flight (a pool of hung workers cannot hold thousands of sockets). Probes go through `WorkerHttp` (the one
+way the picker reaches a worker), each on a fresh connection.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 from collections.abc import Callable
 
-import aiohttp
-
+from epp_extproc.adapters.worker_http import ConnectFailed, HttpError, TimedOut, WorkerHttp
 from epp_extproc.core.endpoints import EndpointRegistry
 
 log = logging.getLogger(__name__)
@@ -30,13 +29,15 @@ log = logging.getLogger(__name__)
 FAILURES_TO_DOWN = 2
 DEFAULT_MAX_RATE = 100.0  # probes per second over the whole pool
 DEFAULT_MAX_CONCURRENCY = 32
+PROBE_MAX_BODY = 1 << 20  # a health answer is a few bytes; a larger one is read as unhealthy
 
 
 class EndpointProber:
     def __init__(self, registry: EndpointRegistry, *, interval_s: float, path: str = "/health",
                  timeout_s: float | None = None, on_lost: Callable[[str], None] | None = None,
                  on_change: Callable[[], None] | None = None, max_rate: float = DEFAULT_MAX_RATE,
-                 max_concurrency: int = DEFAULT_MAX_CONCURRENCY, rng: random.Random | None = None) -> None:
+                 max_concurrency: int = DEFAULT_MAX_CONCURRENCY, rng: random.Random | None = None,
+                 http: WorkerHttp | None = None) -> None:
         if max_rate <= 0 or max_concurrency <= 0:
             raise ValueError("max_rate and max_concurrency must be positive")
         self.registry = registry
@@ -51,23 +52,17 @@ class EndpointProber:
         self._rng = rng or random.Random()
         self._failures: dict[str, int] = {}
         self._lost: set[str] = set()  # refused since its last good probe: on_lost already called
-        self._session: aiohttp.ClientSession | None = None
+        self._http = http or WorkerHttp(timeout_s=self.timeout_s, max_body=PROBE_MAX_BODY)
         self._slots = asyncio.Semaphore(max_concurrency)
         self._inflight: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
-        # a fresh connection per probe: a pooled keep-alive socket would hide a dead process behind a reset
-        conn = aiohttp.TCPConnector(force_close=True, limit=self.max_concurrency)
-        self._session = aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(
-            total=self.timeout_s))
         try:
             while True:
                 await self.probe_round()
         finally:
             for t in list(self._inflight):
                 t.cancel()
-            with contextlib.suppress(Exception):
-                await self._session.close()
 
     async def probe_round(self) -> None:
         """Probe every current endpoint once, spread over max(interval, n / max_rate) seconds.
@@ -108,18 +103,19 @@ class EndpointProber:
 
     async def _probe(self, address: str) -> tuple[bool, bool, str]:
         """(healthy, connection refused, reason)."""
-        assert self._session is not None
+        # a fresh connection per probe: a pooled keep-alive socket would hide a dead process behind a reset
         try:
-            async with self._session.get(f"http://{address}{self.path}") as r:
-                await r.read()
-                return 200 <= r.status < 300, False, f"HTTP {r.status}"
-        except aiohttp.ClientConnectorError as e:
-            refused = isinstance(e.os_error, ConnectionRefusedError)
-            return False, refused, "connection refused" if refused else f"cannot connect: {str(e.os_error)[:200]}"
-        except TimeoutError:
+            r = await self._http.get(address, self.path, timeout_s=self.timeout_s, max_body=PROBE_MAX_BODY,
+                                     fresh=True)
+        except ConnectFailed as e:
+            if e.refused:
+                return False, True, "connection refused"
+            return False, False, f"cannot connect: {str(e)[:200]}"
+        except TimedOut:
             return False, False, f"no answer within {self.timeout_s}s"
-        except aiohttp.ClientError as e:
+        except HttpError as e:
             return False, False, f"{type(e).__name__}: {str(e)[:200]}"
+        return 200 <= r.status < 300, False, f"HTTP {r.status}"
 
     def _verdict(self, address: str, ok: bool, refused: bool, why: str) -> None:
         if address not in self.registry:

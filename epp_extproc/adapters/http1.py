@@ -3,8 +3,9 @@
 The renderer is called once for every routed request, so its client sits in the request path. aiohttp's
 client spends ~190 µs of CPU per call on this machine (request and response objects, multidict headers, a
 stream reader, a timer context); this one writes to kept-alive connections directly and lets httptools (the
-C llhttp parser that uvicorn uses) parse the answer, ~55 µs for the same call (`bench/README.md`). It does only
-what a render call (and a /metrics scrape) needs: a POST with a body or a GET; the status, the headers and a
+C llhttp parser that uvicorn uses) parse the answer, ~55 µs for the same call (`bench/README.md`). It is also
+the client under `worker_http.WorkerHttp` (probes, /metrics, /server_info). It does only
+what a render call (and a worker GET) needs: a POST with a body or a GET; the status, the headers and a
 body capped in size; keep-alive
 reuse, with one retry on a fresh connection when a reused idle one turns out closed before any byte of the
 answer; a bounded pool; plain TCP or TLS.
@@ -34,7 +35,12 @@ class HttpError(Exception):
 
 
 class ConnectFailed(HttpError):
-    """No connection, or the connection was lost before the answer was complete."""
+    """No connection, or the connection was lost before the answer was complete. `refused`: nothing listens
+    there (the connection was refused), which a health probe reads as "the process is gone"."""
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class BadResponse(HttpError):
@@ -73,7 +79,8 @@ class _Conn(asyncio.Protocol):
         self.headers: dict[str, str] = {}
         self.chunks: list[bytes] = []
         self.nbody = 0
-        self.header_bytes = 0
+        self.header_bytes = 0  # raw bytes read while the headers were incomplete
+        self.header_sum = 0  # bytes of the header names and values parsed
         self.headers_done = False
         self.got_bytes = False
         self._name = b""
@@ -140,6 +147,11 @@ class _Conn(asyncio.Protocol):
         if len(self.headers) >= MAX_HEADERS:
             self._fail(BadResponse(f"answer has more than {MAX_HEADERS} headers"))
             raise httptools.HttpParserCallbackError("too many headers")
+        # a header block that arrives in one read is parsed whole before data_received can count it
+        self.header_sum += len(name) + len(value)
+        if self.header_sum > MAX_HEADER_BYTES:
+            self._fail(BadResponse(f"answer headers exceed {MAX_HEADER_BYTES} bytes"))
+            raise httptools.HttpParserCallbackError("headers too large")
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
@@ -237,7 +249,8 @@ class Origin:
             _, conn = await loop.create_connection(lambda: _Conn(self), self.host, self.port, ssl=self.ssl,
                                                    server_hostname=self.host if self.ssl else None)
         except (OSError, ssl.SSLError) as e:
-            raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {e}") from None
+            raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {e}",
+                                refused=isinstance(e, ConnectionRefusedError)) from None
         self._open.add(conn)
         return conn
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Any
 
 import yaml
 
 from epp_extproc.core.flow_control import ObjectiveTable, parse_objectives
+from epp_extproc.file_watch import FileWatch
 
 log = logging.getLogger(__name__)
 
@@ -41,36 +41,29 @@ def read_objectives_file(path: str) -> dict[str, int]:
 
 
 class ObjectivesFile:
-    """Polls the file's (mtime, size, inode) and reloads on change."""
+    """Polls the file's (mtime, size, inode) and reloads on change (`file_watch.FileWatch`: read and parsed in
+    a worker thread while running; `load_once` reads in the caller's thread)."""
 
     def __init__(self, table: ObjectiveTable, path: str, interval_s: float = 2.0) -> None:
         self.table = table
         self.path = path
         self.interval_s = interval_s
-        self._stamp: tuple[float, int, int] | None = None
+        self._watch: FileWatch[dict[str, int]] = FileWatch(
+            [path], lambda: read_objectives_file(path), table.replace, on_error=self._refused,
+            interval_s=interval_s, stamp=None)  # a file missing from the start is not news
 
-    def load_once(self) -> None:
-        try:
-            st = os.stat(self.path)
-            stamp: tuple[float, int, int] | None = (st.st_mtime, st.st_size, st.st_ino)
-        except FileNotFoundError:
-            stamp = None
-        if stamp == self._stamp:
-            return
-        self._stamp = stamp
-        if stamp is None:
+    def _refused(self, e: Exception) -> None:
+        if isinstance(e, FileNotFoundError):
             log.error("objectives file %s is missing; keeping %d objectives", self.path,
                       len(self.table.snapshot()))
-            return
-        try:
-            self.table.replace(read_objectives_file(self.path))
-        except (OSError, ValueError) as e:
+        else:
             log.error("cannot load objectives file (keeping the previous ones): %s", e)
 
+    def load_once(self) -> None:
+        self._watch.check_sync()
+
     async def run(self) -> None:
-        while True:
-            self.load_once()
-            await asyncio.sleep(self.interval_s)
+        await self._watch.run()
 
 
 def objectives_for_pool(items: list[dict[str, Any]], pool_name: str) -> dict[str, int]:

@@ -34,10 +34,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.load import BookingChange, HeldBooking, LoadTracker
+from epp_extproc.file_watch import FileWatch, file_stamp
 from epp_extproc.proto_gen.epp.v1 import replica_sync_pb2 as pb
 from epp_extproc.proto_gen.epp.v1 import replica_sync_pb2_grpc as pb_grpc
-from epp_extproc.tls_files import check_pair, file_stamp
+from epp_extproc.tls_files import check_pair
 from kvindex.aio import cancel_and_wait
+from kvindex.backoff import Backoff
 from kvindex.index import KvIndex
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,8 @@ ACK_INTERVAL_S = 0.02
 MAX_PREDICTION_HASHES = 8192  # a peer's prediction longer than this is cut (bounded work per message)
 MAX_PREDICTION_TTL_S = 60.0
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a snapshot of 100k bookings fits with room to spare
+RECONNECT_INITIAL_S = 0.05  # a link's reconnect schedule (kvindex.backoff): a restarted peer is back soon
+RECONNECT_MAX_S = 2.0
 
 
 TLS_FILES = ("tls.crt", "tls.key", "ca.crt")
@@ -92,9 +96,12 @@ class SyncTls:
         self.path = path
         self.poll_interval_s = poll_interval_s
         self.reloads = 0
-        self._paths = [os.path.join(path, f) for f in TLS_FILES] if path else []
-        self._stamp = file_stamp(self._paths) if path else None
         self._pending = False  # a new set the server's credentials have not fetched yet
+        self._watch: FileWatch[tuple[bytes, bytes, bytes]] | None = None
+        if path:
+            paths = [os.path.join(path, f) for f in TLS_FILES]
+            self._watch = FileWatch(paths, lambda: _read_set(path), self._put_in_service, on_error=self._refused,
+                                    interval_s=poll_interval_s, retry_failed=True, stamp=file_stamp(paths))
 
     @classmethod
     def load(cls, path: str, server_name: str, **kw: float) -> SyncTls:
@@ -129,21 +136,17 @@ class SyncTls:
 
     async def check_once(self) -> bool:
         """Reload when the files changed; True when a new set was put in service."""
-        if not self.path:
+        return False if self._watch is None else await self._watch.check()
+
+    def _refused(self, e: Exception) -> None:
+        # the version is read again at the next poll (retry_failed): a half-written Secret completes
+        log.warning("replica sync TLS files in %s changed but do not load (%s); keeping the previous ones",
+                    self.path, e)
+
+    def _put_in_service(self, new: tuple[bytes, bytes, bytes]) -> bool:
+        if new == (self.cert_pem, self.key_pem, self.ca_pem):
             return False
-        stamp = await asyncio.to_thread(file_stamp, self._paths)
-        if stamp is None or stamp == self._stamp:
-            return False
-        try:
-            cert, key, ca = await asyncio.to_thread(_read_set, self.path)
-        except (ValueError, OSError) as e:
-            log.warning("replica sync TLS files in %s changed but do not load (%s); keeping the previous ones",
-                        self.path, e)
-            return False  # stamp not recorded: retried at the next poll (a half-written Secret completes)
-        self._stamp = stamp
-        if (cert, key, ca) == (self.cert_pem, self.key_pem, self.ca_pem):
-            return False
-        self.cert_pem, self.key_pem, self.ca_pem = cert, key, ca
+        self.cert_pem, self.key_pem, self.ca_pem = new
         self._pending = True
         self.reloads += 1
         log.info("replica sync TLS reloaded from %s; new connections use it", self.path)
@@ -267,14 +270,14 @@ class PeerLink:
         cur.wake.set()
 
     async def _run(self) -> None:
-        backoff = 0.05
+        backoff = Backoff(RECONNECT_INITIAL_S, RECONNECT_MAX_S)
         while True:
             self.attempts += 1
             session = self._cur = _Session()
             was_up = False
             try:
                 await self._session(session)
-                backoff = 0.05
+                backoff.succeeded()
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -288,9 +291,8 @@ class PeerLink:
                     self._cur = None
             self.sync.metrics.link_up.labels(self.target).set(0)
             if was_up:
-                backoff = 0.05  # a stream that worked: retry at once-ish, the peer probably restarted
-            await asyncio.sleep(backoff * (0.5 + random.random() / 2))
-            backoff = min(backoff * 2, 2.0)
+                backoff.succeeded()  # a stream that worked: retry at once-ish, the peer probably restarted
+            await asyncio.sleep(backoff.failed())
 
     async def _session(self, session: _Session) -> None:
         opts = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -14,8 +14,9 @@ model-server protocol):
 parallel ranks) are summed for the request counts and the maximum is taken for utilisation: one full rank
 is enough for requests routed to it to queue.
 
-Cost is bounded: one kept-alive connection per worker (`http1.Origin`, ~4x less CPU per GET than aiohttp's
-client), at most one GET per worker in flight, the body read up to `max_bytes` (a larger answer is an error,
+This module is the one reader of a worker's /metrics (`read_metrics`; `server_info` asks it for the block
+size gauge). Cost is bounded: kept-alive connections per worker (`WorkerHttp` over `http1.Origin`, ~4x
+less CPU per GET than aiohttp's client), at most one GET per worker in flight, the body read up to `max_bytes` (a larger answer is an error,
 not a partial parse; a gzip body a server sends unasked is capped after decompression), and only the lines
 of the names above are looked at, found with `str.find` rather than a scan of every line (a vLLM /metrics is
 mostly histograms). Parsing runs in the scraper task, never on a request's path.
@@ -31,7 +32,6 @@ to a worker this picker is not using is seen within `idle_interval_s`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -39,11 +39,12 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from epp_extproc.adapters.http1 import BodyTooLarge, HttpError, Origin
+from epp_extproc.adapters.worker_http import BodyTooLarge, HttpError, TimedOut, WorkerHttp
 from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.flow_control import SaturationDetector, WorkerSample
 from epp_extproc.core.load import EndpointLoad, LoadTracker
 from kvindex.aio import cancel_and_wait
+from kvindex.backoff import backoff_delay
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,35 @@ def _sample_value(rest: str) -> float | None:
     return value
 
 
+class MetricsError(Exception):
+    """A /metrics answer that is not usable (status, size, encoding); the message says why."""
+
+
+async def read_metrics(http: WorkerHttp, address: str, *, path: str = "/metrics", timeout_s: float | None = None,
+                       max_bytes: int = 4 * 1024 * 1024) -> str:
+    """A worker's Prometheus exposition as text (decompressed if the server gzipped it unasked, capped after
+    decompression). Raises `TimedOut`/`HttpError` when no answer came, `MetricsError` for an unusable one."""
+    try:
+        r = await http.get(address, path, timeout_s=timeout_s, max_body=max_bytes)
+    except BodyTooLarge as e:
+        if e.status != 200:
+            raise MetricsError(f"HTTP {e.status}") from None
+        raise MetricsError(f"answer larger than {max_bytes} bytes") from None
+    if r.status != 200:
+        raise MetricsError(f"HTTP {r.status}")
+    body = r.body
+    encoding = r.headers.get("content-encoding", "").strip().lower()
+    if encoding in ("gzip", "deflate"):  # not asked for, but some exporters compress anyway
+        try:
+            d = zlib.decompressobj(wbits=47 if encoding == "gzip" else 15)
+            body = d.decompress(body, max_bytes + 1)
+        except zlib.error as e:
+            raise MetricsError(f"bad {encoding} body: {e}") from None
+    if len(body) > max_bytes:
+        raise MetricsError(f"answer larger than {max_bytes} bytes")
+    return body.decode("utf-8", "replace")
+
+
 class WorkerMetricsScraper:
     """Polls every known endpoint's metrics path and feeds the saturation detector and the cost.
 
@@ -128,14 +158,14 @@ class WorkerMetricsScraper:
     beyond this picker's own bookings times the mean blocks of a booking, and `on_sample` runs (flow
     control dispatches). A failed or non-metrics answer zeroes the unbooked load and leaves the sample to
     go stale; a worker whose scrapes keep failing (other than by timing out: a busy engine is still one)
-    is retried with exponential backoff (up to 5 s).
+    is retried by the house's backoff (`kvindex.backoff`, up to 5 s).
     """
 
     def __init__(self, registry: EndpointRegistry, load: LoadTracker, detector: SaturationDetector, *,
                  interval_s: float = 0.1, timeout_s: float | None = None, path: str = "/metrics",
                  max_bytes: int = 4 * 1024 * 1024, on_sample: Callable[[], None] | None = None,
                  on_error: Callable[[str, str], None] | None = None,
-                 idle_interval_s: float = IDLE_INTERVAL_S) -> None:
+                 idle_interval_s: float = IDLE_INTERVAL_S, http: WorkerHttp | None = None) -> None:
         self.registry = registry
         self.load = load
         self.detector = detector
@@ -148,7 +178,7 @@ class WorkerMetricsScraper:
         self.on_sample = on_sample
         self.on_error = on_error
         self.idle_interval_s = idle_interval_s  # <= interval_s: idle workers are read like busy ones
-        self._origins: dict[str, Origin] = {}  # one kept-alive connection per worker
+        self._http = http or WorkerHttp(timeout_s=self.timeout_s, max_body=max_bytes)
         self._inflight: set[str] = set()  # one outstanding scrape per worker, whatever its latency
         self._mean_blocks = 1.0  # blocks of an average booking of this picker (weight of unbooked load)
         self._errors_logged: set[str] = set()
@@ -171,12 +201,10 @@ class WorkerMetricsScraper:
                 for gone in [a for a in self._failures if a not in known]:
                     self._failures.pop(gone, None)
                     self._retry_at.pop(gone, None)
-                for gone in [a for a in self._origins if a not in known]:
+                for gone in [a for a in self._idle_streak.keys() | self._idle_until.keys() if a not in known]:
                     self._idle_streak.pop(gone, None)
                     self._idle_until.pop(gone, None)
-                    origin = self._origins.pop(gone)
-                    with contextlib.suppress(Exception):
-                        await origin.close()
+                await self._http.retain(known)
                 now = time.monotonic()
                 for address in known - self._inflight:
                     if self._retry_at.get(address, 0.0) > now:
@@ -193,10 +221,7 @@ class WorkerMetricsScraper:
             await self.close()
 
     async def close(self) -> None:
-        origins, self._origins = self._origins, {}
-        for origin in origins.values():
-            with contextlib.suppress(Exception):
-                await origin.close()
+        await self._http.close()
 
     def _due_while_idle(self, address: str, now: float) -> bool:
         until = self._idle_until.get(address)
@@ -238,37 +263,17 @@ class WorkerMetricsScraper:
         ld = self.load.load(address)
         inflight = ld.inflight
         sent = time.monotonic()
-        origin = self._origins.get(address)
-        if origin is None:
-            try:
-                origin = self._origins[address] = Origin(f"http://{address}", limit=1)
-            except ValueError as e:
-                return self._failed(address, str(e))
         self.scrapes += 1
         try:
-            async with asyncio.timeout(self.timeout_s):
-                r = await origin.get(self.path, max_body=self.max_bytes)
-        except TimeoutError:
+            text = await read_metrics(self._http, address, path=self.path, timeout_s=self.timeout_s,
+                                      max_bytes=self.max_bytes)
+        except TimedOut:
             return self._failed(address, f"no answer within {self.timeout_s}s", backoff=False)
-        except BodyTooLarge as e:
-            if e.status != 200:
-                return self._failed(address, f"HTTP {e.status}")
-            return self._failed(address, f"answer larger than {self.max_bytes} bytes")
+        except MetricsError as e:
+            return self._failed(address, str(e))
         except HttpError as e:
             return self._failed(address, f"{type(e).__name__}: {e}")
-        if r.status != 200:
-            return self._failed(address, f"HTTP {r.status}")
-        body = r.body
-        encoding = r.headers.get("content-encoding", "").strip().lower()
-        if encoding in ("gzip", "deflate"):  # not asked for, but some exporters compress anyway
-            try:
-                d = zlib.decompressobj(wbits=47 if encoding == "gzip" else 15)
-                body = d.decompress(body, self.max_bytes + 1)
-            except zlib.error as e:
-                return self._failed(address, f"bad {encoding} body: {e}")
-        if len(body) > self.max_bytes:
-            return self._failed(address, f"answer larger than {self.max_bytes} bytes")
-        g = parse_gauges(body.decode("utf-8", "replace"))
+        g = parse_gauges(text)
         if g.waiting is None and g.running is None and g.kv_utilization is None:
             return self._failed(address, "no known engine gauge in the answer")
         if address not in self.registry:
@@ -298,7 +303,7 @@ class WorkerMetricsScraper:
         self._note_idle(address, False)
         n = self._failures[address] = self._failures.get(address, 0) + 1
         if backoff and n >= 2:  # a worker without metrics (404, not an engine) costs one GET per MAX_BACKOFF_S
-            self._retry_at[address] = time.monotonic() + min(MAX_BACKOFF_S, self.interval_s * 2 ** (n - 1))
+            self._retry_at[address] = time.monotonic() + backoff_delay(n - 1, self.interval_s, MAX_BACKOFF_S)
         ld = self.load.loads().get(address)
         if ld is not None:
             ld.unbooked_blocks = 0.0

@@ -34,7 +34,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from epp_extproc.tls_files import check_pair, file_stamp
+from epp_extproc.file_watch import FileWatch, file_stamp
+from epp_extproc.tls_files import check_pair
 
 CERT_FILE = "tls.crt"
 KEY_FILE = "tls.key"
@@ -114,12 +115,14 @@ class CertSource:
         self.cert_path = cert_path
         self.poll_interval_s = poll_interval_s
         self._tmpdir: Path | None = None
+        self._watch: FileWatch[ServerCert] | None = None
         if cert_path:
-            self._paths: tuple[Path, Path] | None = cert_files(cert_path)
-            self._stamp = file_stamp(self._paths)
+            paths = cert_files(cert_path)
+            stamp = file_stamp(paths)
             self.current = load(cert_path)
+            self._watch = FileWatch(paths, lambda: load(cert_path), self._put_in_service, on_error=self._refused,
+                                    interval_s=poll_interval_s, retry_failed=True, stamp=stamp)
         else:
-            self._paths = None
             try:
                 self._tmpdir = Path(tempfile.mkdtemp(prefix="epp-tls-"))
                 atexit.register(self.close)  # also when the owner never calls close() (crash, no stop)
@@ -165,18 +168,14 @@ class CertSource:
 
     async def check_once(self) -> bool:
         """Reload when the files changed; True when a new pair was put in service."""
-        if self._paths is None or self.cert_path is None:
-            return False
-        stamp = await asyncio.to_thread(file_stamp, self._paths)
-        if stamp is None or stamp == self._stamp:
-            return False
-        try:
-            new = await asyncio.to_thread(load, self.cert_path)
-        except (ValueError, OSError) as e:
-            log.warning("TLS certificate in %s changed but does not load (%s); keeping the previous one",
-                        self.cert_path, e)
-            return False  # stamp not recorded: retried at the next poll (a half-written Secret completes)
-        self._stamp = stamp
+        return False if self._watch is None else await self._watch.check()
+
+    def _refused(self, e: Exception) -> None:
+        # the version is read again at the next poll (retry_failed): a half-written Secret completes
+        log.warning("TLS certificate in %s changed but does not load (%s); keeping the previous one",
+                    self.cert_path, e)
+
+    def _put_in_service(self, new: ServerCert) -> bool:
         if new.cert_pem == self.current.cert_pem and new.key_pem == self.current.key_pem:
             return False
         with self._lock:

@@ -17,12 +17,12 @@ import yaml
 
 from epp_extproc.adapters.discovery_k8s import (
     InferencePoolDiscovery,
-    backoff_delay,
     default_namespace,
     pod_is_serving,
     selector_string,
 )
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
+from kvindex.backoff import backoff_delay
 from tests.fake_k8s import PODS, POOLS, FakeKube, make_pod, make_pool
 
 pytestmark = pytest.mark.timeout(20)
@@ -444,12 +444,12 @@ async def test_kubeconfig_is_used_when_given(kube, tmp_path):
 
 def test_backoff_is_capped():
     rng = random.Random(1)
-    assert all(backoff_delay(40, 0.5, 30.0, rng) <= 30.0 for _ in range(100))
+    assert all(backoff_delay(40, 0.5, 30.0, rng.random) <= 30.0 for _ in range(100))
 
 
 def test_backoff_jitter_varies_between_draws():
     rng = random.Random(1)
-    assert len({backoff_delay(3, 0.5, 30.0, rng) for _ in range(10)}) > 1
+    assert len({backoff_delay(3, 0.5, 30.0, rng.random) for _ in range(10)}) > 1
 
 
 def test_selector_string_is_sorted_key_value_pairs():

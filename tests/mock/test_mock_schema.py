@@ -9,6 +9,7 @@ import pytest
 
 from tests.mock.test_mock_support import chat_body, ids_body, post, running_worker
 from trtllm_mock import MockWorker
+from trtllm_mock.schema import RequestValidationError, validate_chat, validate_completion
 
 CACHE_SALT_MSG = "Parameter 'cache_salt' must be a non-empty string if provided."
 
@@ -193,3 +194,33 @@ async def test_max_tokens_is_honoured_and_output_is_deterministic(worker, sessio
     assert first["usage"]["completion_tokens"] == 7
     assert first["choices"][0]["finish_reason"] == "length"
     assert first["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+
+
+def _error_text(validate, body) -> str:  # noqa: ANN001
+    with pytest.raises(RequestValidationError) as e:
+        validate(body)
+    return str(e.value)
+
+
+def test_schema_errors_keep_the_exact_pydantic_text_in_body_field_order():
+    body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": 3}, {"x": 1}]}],
+            "nvext": None, "max_tokens": "5"}
+    assert _error_text(validate_chat, body) == (
+        "4 validation errors for ChatCompletionRequest\n"
+        "nvext\n  Extra inputs are not permitted [type=extra_forbidden, input_value=None, input_type=NoneType]\n"
+        "max_tokens\n  Input should be a valid integer [type=int_type, input_value='5', input_type=str]\n"
+        "messages.0.content.0.text\n  Input should be a valid string [type=string_type, input_value=3, input_type=int]\n"
+        "messages.0.content.1.type\n  Field required [type=missing, input_value={'x': 1}, input_type=dict]")
+
+
+def test_completion_token_ids_are_located_without_the_union_branch():
+    assert _error_text(validate_completion, {"model": "m", "prompt": [[1], [10**9]]}) == (
+        "1 validation error for CompletionRequest\nprompt.1.0\n  Value error, token id 1000000000 is outside the "
+        "vocabulary [0, 32000) [type=value_error, input_value=1000000000, input_type=int]")
+
+
+def test_whole_body_rules_are_checked_only_once_every_field_is_valid():
+    """As pydantic (so trtllm-serve) runs an after-model validator: a bad field hides the tool_choice rule."""
+    bad = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0, "tool_choice": {"a": 1}}
+    assert "`tools` must be set" not in _error_text(validate_chat, bad)
+    assert "`tools` must be set" in _error_text(validate_chat, {**bad, "max_tokens": 1})
