@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from epp_extproc.config import load_config
+from epp_extproc.config import Config, load_config
 from epp_extproc.runner import run, run_child, serve, setup_logging
 
-__all__ = ["SUBCOMMANDS", "main", "run", "run_child", "serve", "setup_logging"]  # run..: re-exports (bench)
+__all__ = ["SUBCOMMANDS", "check_inputs", "load", "main", "run", "run_child", "serve", "setup_logging"]  # run..: re-exports (bench)
 
 SUBCOMMANDS = ("envoy-config",)
 
@@ -20,13 +20,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         from epp_extproc.dev.envoy_config import main as envoy_config_main
 
         return envoy_config_main(args[1:])
-    cfg = load_config(args)
+    cfg = load(args)
     setup_logging(cfg.log_level, cfg.log_format)
     if cfg.processes > 1:
         from epp_extproc.processes import supervise
 
         return supervise(cfg)
     return run(serve(cfg), cfg.event_loop)
+
+
+def check_inputs(cfg: Config) -> None:
+    """What `Config.validate` leaves to start-up: the files the settings name (certificates) and the
+    endpoints spec in the static discovery's grammar. A typo must stop start-up with one line, before any
+    port is bound, rather than as a traceback from inside the app."""
+    from epp_extproc.adapters.discovery_static import EndpointSpecError, parse_flag
+    from epp_extproc.adapters.replica_sync import SyncTls
+    from epp_extproc.envoy.tls import cert_files
+
+    if cfg.cert_path is not None and cfg.secure_serving:
+        cert_files(cfg.cert_path)
+    if cfg.replica_sync_tls_path:
+        SyncTls.load(cfg.replica_sync_tls_path, cfg.replica_sync_server_name)  # named if missing or broken
+    if cfg.endpoints:
+        try:
+            parse_flag(cfg.endpoints, kv_event_port=cfg.kv_event_port, replay_port=cfg.kv_event_replay_port)
+        except EndpointSpecError as e:
+            raise ValueError(f"DYN_EPP_ENDPOINTS: {e}") from None
+
+
+def load(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """The settings the picker starts with: flags and env (`load_config`), then `check_inputs`; any fault
+    exits with one line `epp-extproc: <what is wrong>`."""
+    cfg = load_config(argv, env)
+    try:
+        check_inputs(cfg)
+    except ValueError as e:
+        raise SystemExit(f"epp-extproc: {e}") from None
+    return cfg
 
 
 if __name__ == "__main__":
