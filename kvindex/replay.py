@@ -152,7 +152,7 @@ class Replayer:
             except _ReplayFailed as exc:
                 st.replay_failures += 1
                 log.warning("kv replay from %s (%s) failed: %s%s", sub.label, sub.source.replay_endpoint, exc,
-                            self._schedule_rewarm(sub) if exc.retry else "")
+                            self.schedule_rewarm(sub) if exc.retry else "")
                 return False
             if hole is None:
                 st.replay_ok += 1
@@ -172,7 +172,7 @@ class Replayer:
             if rnd and hole == ask:
                 st.replay_failures += 1
                 log.warning("kv replay from %s made no progress past seq %d: rank cleared%s", sub.label, hole,
-                            self._schedule_rewarm(sub))
+                            self.schedule_rewarm(sub))
                 return False
             st.replay_holes += 1
             (log.warning if rnd == 0 else log.debug)(
@@ -181,10 +181,10 @@ class Replayer:
             ask = hole
         st.replay_failures += 1
         log.warning("kv replay from %s still had holes after %d rounds: rank cleared%s", sub.label,
-                    MAX_REPLAY_ROUNDS, self._schedule_rewarm(sub))
+                    MAX_REPLAY_ROUNDS, self.schedule_rewarm(sub))
         return False
 
-    def _schedule_rewarm(self, sub: Subscription) -> str:
+    def schedule_rewarm(self, sub: Subscription) -> str:
         """A replay failed, so the rank misses whatever it was to bring: rebuild it from 0 later, backing off
         (a dead replay endpoint stalls the subscription ``replay_timeout_s`` per attempt).  Returns the words
         for the log line."""
