@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 RESTART_INITIAL_S = 1.0
 RESTART_MAX_S = 60.0
 STABLE_S = 60.0  # a child up this long before it died was not crash-looping: its backoff starts over
-MAX_CONSECUTIVE_CRASHES = 10  # ~4-7 min of retries at the schedule above; then the supervisor exits 1
+MAX_CONSECUTIVE_CRASHES = 10  # 9 restarts, ~2-4 min of waits (nominal 243 s, half-jittered); then exit 1
 POLL_S = 0.2
 
 

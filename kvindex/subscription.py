@@ -53,7 +53,8 @@ class SubscriberStats:
 
 
 class Reset(Exception):
-    """Internal: the subscription was reset while a replay was in flight; what it fetched is stale."""
+    """Raised by the replay protocol when the subscription was reset while a replay was in flight: what it
+    fetched is stale, and the receive loop goes on with the next message."""
 
 
 class Subscription:
