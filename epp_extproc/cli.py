@@ -3,16 +3,13 @@
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import logging
-import signal
 import sys
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
-from epp_extproc.app import PickerApp
-from epp_extproc.config import Config, ProcessSlot, load_config
+from epp_extproc.config import Config, load_config
+from epp_extproc.runner import run, run_child, serve, setup_logging
+
+__all__ = ["SUBCOMMANDS", "check_inputs", "load", "main", "run", "run_child", "serve", "setup_logging"]  # run..: re-exports (bench)
 
 SUBCOMMANDS = ("envoy-config",)
 
@@ -23,7 +20,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from epp_extproc.dev.envoy_config import main as envoy_config_main
 
         return envoy_config_main(args[1:])
-    cfg = load_config(args)
+    cfg = load(args)
     setup_logging(cfg.log_level, cfg.log_format)
     if cfg.processes > 1:
         from epp_extproc.processes import supervise
@@ -32,62 +29,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run(serve(cfg), cfg.event_loop)
 
 
-def run_child(cfg: Config, slot: ProcessSlot) -> None:
-    """Entry point of one `--processes` child (a spawned interpreter: no state shared with the parent)."""
-    setup_logging(cfg.log_level, cfg.log_format)
-    for h in logging.getLogger().handlers:  # say which process wrote each line (text format)
-        if type(h.formatter) is logging.Formatter:
-            h.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [p{slot.index}] %(name)s: "
-                                             "%(message)s"))
-    raise SystemExit(run(serve(dataclasses.replace(cfg, processes=1), slot=slot), cfg.event_loop))
+def check_inputs(cfg: Config) -> None:
+    """What `Config.validate` leaves to start-up: the files the settings name (certificates) and the
+    endpoints spec in the static discovery's grammar. A typo must stop start-up with one line, before any
+    port is bound, rather than as a traceback from inside the app."""
+    from epp_extproc.adapters.discovery_static import EndpointSpecError, parse_flag
+    from epp_extproc.adapters.replica_sync import SyncTls
+    from epp_extproc.envoy.tls import cert_files
 
-
-def run(main: Coroutine[Any, Any, int], event_loop: str) -> int:
-    """Run the picker's coroutine on the chosen loop. uvloop halves the loop's own share of each gRPC
-    message (the wake-ups and callbacks grpc.aio schedules); `asyncio` remains for platforms without it."""
-    if event_loop in ("auto", "uvloop"):
+    if cfg.cert_path is not None and cfg.secure_serving:
+        cert_files(cfg.cert_path)
+    if cfg.replica_sync_tls_path:
+        SyncTls.load(cfg.replica_sync_tls_path, cfg.replica_sync_server_name)  # named if missing or broken
+    if cfg.endpoints:
         try:
-            import uvloop
-        except ImportError:
-            if event_loop == "uvloop":
-                main.close()
-                raise SystemExit("--event-loop uvloop: uvloop is not installed (pip install uvloop)") from None
-        else:
-            return uvloop.run(main)
-    return asyncio.run(main)
+            parse_flag(cfg.endpoints, kv_event_port=cfg.kv_event_port, replay_port=cfg.kv_event_replay_port)
+        except EndpointSpecError as e:
+            raise ValueError(f"DYN_EPP_ENDPOINTS: {e}") from None
 
 
-def setup_logging(level: str, fmt: str) -> None:
-    """`text` for a terminal; `json` = one object per line (time, level, logger, message, exc_info)."""
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        from pythonjsonlogger.json import JsonFormatter
-
-        handler.setFormatter(JsonFormatter("%(asctime)s %(levelname)s %(name)s %(message)s",
-                                           rename_fields={"asctime": "time", "levelname": "level",
-                                                          "name": "logger"}))
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-
-
-async def serve(cfg: Config, prepare: Callable[[PickerApp], None] | None = None,
-                slot: ProcessSlot | None = None) -> int:
-    """Run one picker until SIGINT/SIGTERM; `prepare` may instrument the app before it starts (benchmarks)."""
-    app = PickerApp(cfg, slot)
-    if prepare is not None:
-        prepare(app)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # before start: a SIGTERM during start-up still cleans up
-        loop.add_signal_handler(sig, stop.set)
-    await app.start()
-    await stop.wait()
-    logging.getLogger("epp_extproc").info("shutting down: draining for up to %.1fs", cfg.drain_timeout_s)
-    await app.stop(cfg.drain_timeout_s)
-    return 0
+def load(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """The settings the picker starts with: flags and env (`load_config`), then `check_inputs`; any fault
+    exits with one line `epp-extproc: <what is wrong>`."""
+    cfg = load_config(argv, env)
+    try:
+        check_inputs(cfg)
+    except ValueError as e:
+        raise SystemExit(f"epp-extproc: {e}") from None
+    return cfg
 
 
 if __name__ == "__main__":

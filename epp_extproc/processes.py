@@ -6,8 +6,11 @@ connections over them (the gateway must open several: Envoy does one per worker 
 with max_requests_per_connection). They share bookings and predictions through the replica-sync service
 over Unix sockets in a private directory, exactly as replicas on different hosts do over TCP. Process 0
 serves health and /metrics on the configured ports; process i serves its own /metrics on metrics-port + i
-(its health port is ephemeral). A child that dies is restarted; SIGTERM/SIGINT is passed on to every child,
-which drains, and the supervisor waits for them.
+(its health port is ephemeral). A child that dies is restarted after the house's backoff (1 s doubling to
+60 s, half-jittered; a child that stayed up `STABLE_S` starts over at 1 s); after `MAX_CONSECUTIVE_CRASHES`
+crashes in a row of one child the supervisor gives up: it stops every child and exits 1, so a crash loop
+(a bad flag, a port taken) surfaces to the process manager instead of spinning. SIGTERM/SIGINT is passed on
+to every child, which drains, and the supervisor waits for them.
 """
 
 from __future__ import annotations
@@ -20,13 +23,20 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
 from epp_extproc.config import Config, ProcessSlot
+from epp_extproc.runner import run_child
+from kvindex.backoff import Backoff
 
 log = logging.getLogger(__name__)
 
-RESTART_BACKOFF_S = 1.0
+RESTART_INITIAL_S = 1.0
+RESTART_MAX_S = 60.0
+STABLE_S = 60.0  # a child up this long before it died was not crash-looping: its backoff starts over
+MAX_CONSECUTIVE_CRASHES = 10  # 9 restarts, ~2-4 min of waits (nominal 243 s, half-jittered); then exit 1
+POLL_S = 0.2
 
 
 def child_configs(cfg: Config, sock_dir: str) -> list[tuple[Config, ProcessSlot]]:
@@ -48,14 +58,22 @@ def child_configs(cfg: Config, sock_dir: str) -> list[tuple[Config, ProcessSlot]
     return out
 
 
-def supervise(cfg: Config) -> int:
-    from epp_extproc.cli import run_child
-
+def supervise(cfg: Config, target: Callable[[Config, ProcessSlot], None] = run_child,
+              backoff: Callable[[], Backoff] = lambda: Backoff(RESTART_INITIAL_S, RESTART_MAX_S),
+              max_crashes: int = MAX_CONSECUTIVE_CRASHES, stable_s: float = STABLE_S) -> int:
+    """Run the children until SIGTERM/SIGINT (returns 0) or until one crashed `max_crashes` times in a row
+    (returns 1). `target`, `backoff`, `max_crashes`, `stable_s` are seams for tests; `target` must be a
+    module-level function (the spawn context pickles it by name)."""
     ctx = multiprocessing.get_context("spawn")  # a clean interpreter each: no forked event loop or gRPC state
     sock_dir = tempfile.mkdtemp(prefix="epp-replicas-")
     configs = child_configs(cfg, sock_dir)
-    children: list[BaseProcess | None] = [None] * len(configs)
+    n = len(configs)
+    children: list[BaseProcess | None] = [None] * n
+    started = [0.0] * n
+    restart_at: list[float | None] = [None] * n  # when a dead child is due to be spawned again
+    backoffs = [backoff() for _ in range(n)]
     stopping = False
+    code = 0
 
     def on_signal(signum: int, _frame: object) -> None:
         nonlocal stopping
@@ -65,23 +83,40 @@ def supervise(cfg: Config) -> int:
     signal.signal(signal.SIGINT, on_signal)
 
     def spawn(i: int) -> None:
-        p = ctx.Process(target=run_child, args=configs[i], name=f"epp-extproc-p{i}", daemon=False)
+        p = ctx.Process(target=target, args=configs[i], name=f"epp-extproc-p{i}", daemon=False)
         p.start()
         children[i] = p
+        started[i] = time.monotonic()
+        restart_at[i] = None
 
-    log.info("starting %d picker processes sharing ext_proc port %d (sync over %s)", len(configs),
-             cfg.grpc_port, sock_dir)
+    log.info("starting %d picker processes sharing ext_proc port %d (sync over %s)", n, cfg.grpc_port,
+             sock_dir)
     try:
-        for i in range(len(configs)):
+        for i in range(n):
             spawn(i)
         while not stopping:
-            time.sleep(0.2)
+            time.sleep(POLL_S)  # never a long sleep: a signal must stop the group within one poll
+            now = time.monotonic()
             for i, p in enumerate(children):
-                if p is not None and not p.is_alive() and not stopping:
-                    log.error("picker process %d exited with %s; restarting it in %.0fs", i, p.exitcode,
-                              RESTART_BACKOFF_S)
-                    time.sleep(RESTART_BACKOFF_S)
-                    spawn(i)
+                if stopping:
+                    break
+                if restart_at[i] is not None:
+                    if now >= restart_at[i]:  # type: ignore[operator]
+                        spawn(i)
+                    continue
+                if p is None or p.is_alive():
+                    continue
+                if now - started[i] >= stable_s:
+                    backoffs[i].succeeded()
+                delay = backoffs[i].failed()
+                if backoffs[i].failures >= max_crashes:
+                    log.error("picker process %d exited with %s, %d times in a row; giving up: stopping "
+                              "every process", i, p.exitcode, backoffs[i].failures)
+                    stopping, code = True, 1
+                    break
+                log.error("picker process %d exited with %s (%d in a row); restarting it in %.1fs", i,
+                          p.exitcode, backoffs[i].failures, delay)
+                restart_at[i] = now + delay
     finally:
         for p in children:
             if p is not None and p.is_alive() and p.pid is not None:
@@ -95,4 +130,4 @@ def supervise(cfg: Config) -> int:
                     p.kill()
                     p.join(5)
         shutil.rmtree(sock_dir, ignore_errors=True)
-    return 0
+    return code

@@ -26,6 +26,7 @@ import xxhash
 
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
 from kvindex.hashing import block_hashes, pack_tokens, root_seed
+from kvindex.metrics import register_index
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +153,6 @@ class KvIndex:
         self._free: list[int] = []
         self._groups: dict[int, int] | None = None
         if registry is not None:
-            from kvindex.metrics import register_index
-
             register_index(self, registry)
 
     # ------------------------------------------------------------------ workers

@@ -8,13 +8,17 @@ applying the event.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-if TYPE_CHECKING:
-    from kvindex.index import KvIndex
+
+class IndexSnapshot(Protocol):
+    """What the collector reads of the index (`KvIndex` is one): the index imports this module to register
+    itself, so this module names only the shape it reads, not the index, and no import circle forms."""
+
+    def snapshot(self) -> dict[str, Any]: ...
 
 PREFIX = "epp_kv_"
 
@@ -69,7 +73,7 @@ def _per_worker(workers: dict[str, dict[str, Any]], source: str) -> Iterator[Met
 class KvIndexCollector(Collector):
     """Yields one sample per worker (per rank for block counts) from the live index."""
 
-    def __init__(self, index: KvIndex) -> None:
+    def __init__(self, index: IndexSnapshot) -> None:
         self._index = index
 
     def describe(self) -> list[Metric]:
@@ -112,7 +116,7 @@ class SubscriberCollector(Collector):
         yield from _per_worker(self._snapshot(), "subscriber")
 
 
-def register_index(index: KvIndex, registry: CollectorRegistry) -> KvIndexCollector:
+def register_index(index: IndexSnapshot, registry: CollectorRegistry) -> KvIndexCollector:
     """Export ``index`` into ``registry`` (a fresh one in tests, the global REGISTRY in the picker)."""
     collector = KvIndexCollector(index)
     registry.register(collector)

@@ -21,7 +21,6 @@ class Problem(StrEnum):
     UNSUPPORTED_ENCODING = "unsupported_encoding"  # Content-Encoding the picker cannot read
     SALT_REJECTED = "cache_salt_rejected"  # salted request, TensorRT-LLM workers, reject policy
     NO_ENDPOINT = "no_endpoint"  # nothing discovered / healthy
-    NO_ENDPOINT_IN_SUBSET = "no_endpoint_in_subset"  # the gateway's subset hint names none we know
     OVERLOADED = "overloaded"  # above --max-inflight-requests
     FLOW_SATURATED = "flow_saturated"  # flow control: sheddable while saturated, or the queue full (429)
     FLOW_TTL_EXPIRED = "flow_ttl_expired"  # flow control: waited past --flow-control-queue-ttl-s (429)

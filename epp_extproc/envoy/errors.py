@@ -28,6 +28,7 @@ _STATUS: dict[Problem, int] = {
     Problem.FLOW_SATURATED: 429,  # GAIE: capacity exists but is contended (back-pressure)
     Problem.FLOW_TTL_EXPIRED: 429,
     Problem.FLOW_SHUTDOWN: 503,
+    Problem.RENDER_FAILED: 502,  # only without the renderer's failure attached: `render_status` decides else
     Problem.PROTOCOL: 400,
     Problem.UNSUPPORTED_MODE: 500,
     Problem.INTERNAL: 500,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from epp_extproc.app import PickerApp
-from epp_extproc.config import load_config
+from epp_extproc.cli import load
 from tests.integration.test_replicas import WORKER, config, inflight, until
 from tests.integration.test_tls import make_ca, openssl
 from tests.netutil import free_port
@@ -79,7 +79,7 @@ async def test_a_replica_without_a_certificate_of_our_ca_cannot_push_bookings(
 def test_a_tls_path_without_its_files_stops_start_up_with_one_line(tmp_path: Path) -> None:
     (tmp_path / "tls.crt").write_text("x")
     with pytest.raises(SystemExit) as e:
-        load_config(["--peers", "127.0.0.1:1", "--replica-sync-tls-path", str(tmp_path)], env={})
+        load(["--peers", "127.0.0.1:1", "--replica-sync-tls-path", str(tmp_path)], env={})
     msg = str(e.value)
     assert "lacks tls.key, ca.crt" in msg and "\n" not in msg
 
@@ -125,6 +125,6 @@ def test_a_tls_path_whose_key_is_not_the_certificates_stops_start_up_with_one_li
     (tmp_path / "tls.key").write_bytes((secrets["theirs"] / "tls.key").read_bytes())
     (tmp_path / "ca.crt").write_bytes((secrets["ours"] / "ca.crt").read_bytes())
     with pytest.raises(SystemExit) as e:
-        load_config(["--peers", "127.0.0.1:1", "--replica-sync-tls-path", str(tmp_path)], env={})
+        load(["--peers", "127.0.0.1:1", "--replica-sync-tls-path", str(tmp_path)], env={})
     msg = str(e.value)
     assert "tls.key is not the key of tls.crt" in msg and "\n" not in msg

@@ -19,6 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epp_extproc.app import PickerApp
+from epp_extproc.cli import load
 from epp_extproc.config import Config, load_config
 from epp_extproc.dev import envoy_config
 from tests.gateway_client import request
@@ -256,7 +257,7 @@ def test_cert_path_without_secure_serving_is_refused_at_start_up(tmp_path: Path)
 def test_cert_path_missing_the_key_is_refused_at_start_up(tmp_path: Path) -> None:
     (tmp_path / "tls.crt").write_text("x")
     with pytest.raises(SystemExit, match="lacks tls.key"):
-        load_config(["--cert-path", str(tmp_path)], env={})
+        load(["--cert-path", str(tmp_path)], env={})
 
 
 def test_a_failed_start_leaves_no_certificate_folder(tmp_path: Path) -> None:

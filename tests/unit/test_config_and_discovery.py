@@ -9,6 +9,7 @@ import os
 import pytest
 
 from epp_extproc.adapters.discovery_static import EndpointSpecError, FileDiscovery, parse_flag
+from epp_extproc.cli import load
 from epp_extproc.config import OPTIONS, Config, load_config
 from epp_extproc.core.endpoints import EndpointRegistry, split_host_port
 
@@ -102,7 +103,7 @@ def test_readme_configuration_table_is_the_one_generated_from_the_options() -> N
 
 def test_a_bad_endpoints_value_stops_start_up_with_one_line_naming_it() -> None:
     with pytest.raises(SystemExit) as e:
-        load_config(["--endpoints", "w0=not-an-address"], env={})
+        load(["--endpoints", "w0=not-an-address"], env={})
     msg = str(e.value)
     assert msg.startswith("epp-extproc: DYN_EPP_ENDPOINTS:") and "\n" not in msg
 
@@ -128,3 +129,16 @@ def test_readme_documents_every_flag_and_env_name() -> None:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     missing = [o.flag for o in OPTIONS if f"`{o.flag}`" not in readme or (o.env and f"`{o.env}`" not in readme)]
     assert missing == []
+
+
+def test_config_imports_nothing_from_adapters_or_envoy() -> None:
+    """Validation is about values; reading files and adapter grammars belong to start-up (`cli.load`)."""
+    import ast
+    from pathlib import Path
+
+    import epp_extproc.config as config
+
+    tree = ast.parse(Path(config.__file__).read_text())
+    names = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert [m for m in names if m.startswith(("epp_extproc.adapters", "epp_extproc.envoy"))] == []
