@@ -81,6 +81,7 @@ class PickerApp:
                                  admission=admission)
         self.picker = Picker(
             self.pipeline, gate=InflightGate(config.max_inflight_requests, self.metrics.picker_inflight),
+            arriving=InflightGate(4 * config.max_inflight_requests, self.metrics.incomplete_requests),
             bodies=BodyBudget(config.max_body_bytes, config.max_buffered_body_bytes, self.metrics.buffered_bytes),
             lean=LeanSignals(self.load, self.metrics))
         self.sync: ReplicaSync | None = None
@@ -216,9 +217,10 @@ class PickerApp:
         # One BUFFERED body arrives as one message: let any body up to the whole buffer budget reach the
         # picker, so one just over --max-body-bytes gets the documented 413 rather than a gRPC error (500).
         msg_limit = cfg.max_buffered_body_bytes + 1024 * 1024
-        # Streams over the in-flight cap still get a 503 from the picker; beyond twice the cap the server itself
-        # refuses them, so a flood of streams that send nothing cannot grow memory without bound.
-        max_calls = 2 * cfg.max_inflight_requests
+        # Streams over the picker's caps get a 503 from the picker itself (an ImmediateResponse; a gRPC error
+        # would be Envoy's 500), read within a second. Only beyond twice both caps together does the server
+        # refuse streams, so a flood of streams that send nothing cannot grow memory without bound.
+        max_calls = 2 * (self.picker.arriving.limit + self.picker.gate.limit)
         if cfg.extproc_transport == "h2":
             self._grpc = H2GrpcServer(max_concurrent_rpcs=max_calls, max_receive_message_length=msg_limit,
                                       max_send_message_length=msg_limit, keepalive_time_s=cfg.extproc_keepalive_s,
@@ -309,19 +311,19 @@ class PickerApp:
         access log, health watches) are not requests and end as soon as the requests have, so a picker behind
         an idle Envoy stops at once."""
         assert self._grpc is not None
-        gate = self.picker.gate
-        inflight = gate.count
+        picker = self.picker
+        inflight = picker.open_requests
         if inflight:
             log.info("draining: %d requests in flight, waiting up to %.1fs", inflight, grace)
         stopping = asyncio.get_running_loop().create_task(self._grpc.stop(grace))
-        while gate.count and not stopping.done():
+        while picker.open_requests and not stopping.done():
             await asyncio.sleep(0.02)
         self.access_log.streams.end_all()
         self.health.servicer.streams.end_all()
         if isinstance(self._grpc, grpc.aio.Server) and not stopping.done():
             await self._grpc.stop(0)  # grpcio's drain still counts the cancelled handlers: cut them now
         await stopping
-        cut = gate.count
+        cut = picker.open_requests
         (log.warning if cut else log.info)("drained: %d requests finished, %d cut", inflight - cut, cut)
 
     @property

@@ -30,8 +30,11 @@ class PickerMetrics:
             buckets=DECISION_BUCKETS, registry=r)
         self.endpoint_inflight = Gauge("epp_endpoint_inflight_requests",
                                        "Requests booked on each endpoint", ["endpoint"], registry=r)
-        self.picker_inflight = Gauge("epp_inflight_requests", "Requests currently inside the picker "
-                                     "(from request headers to the end of the response)", registry=r)
+        self.picker_inflight = Gauge("epp_inflight_requests", "Whole requests inside the picker (from their "
+                                     "complete body to the end of the response; --max-inflight-requests)",
+                                     registry=r)
+        self.incomplete_requests = Gauge("epp_incomplete_requests", "Requests whose headers or body are still "
+                                         "arriving (--max-incomplete-requests)", registry=r)
         self.buffered_bytes = Gauge("epp_buffered_body_bytes", "Request-body bytes the picker is buffering "
                                     "right now, across all streams (bounded by --max-buffered-body-bytes)",
                                     registry=r)

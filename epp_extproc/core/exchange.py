@@ -27,17 +27,19 @@ Decide = Callable[[RequestContext], Awaitable[Decision]]
 class PickerExchange:
     """Made by `Picker.open()` with the collaborators it may use, and nothing else of the picker's."""
 
-    __slots__ = ("_decide", "_bodies", "_gate", "_lean", "_metrics", "_knows", "_count_rejection", "_buf",
-                 "_held", "_deciding", "decision", "observer", "_closed", "_chunks")
+    __slots__ = ("_decide", "_bodies", "_arriving", "_gate", "_slot", "_lean", "_metrics", "_knows",
+                 "_count_rejection", "_buf", "_held", "_deciding", "decision", "observer", "_closed", "_chunks")
 
     labels = ModelLabels()  # bounded model label values, shared by every exchange of the process
 
-    def __init__(self, decide: Decide, bodies: BodyBudget, gate: InflightGate, lean: LeanSignals,
-                 metrics: PickerMetrics, *, knows: Callable[[str], bool],
+    def __init__(self, decide: Decide, bodies: BodyBudget, arriving: InflightGate, gate: InflightGate,
+                 lean: LeanSignals, metrics: PickerMetrics, *, knows: Callable[[str], bool],
                  count_rejection: Callable[[PickError], None]) -> None:
         self._decide = decide  # propose -> admit -> commit (Picker.decide)
         self._bodies = bodies
-        self._gate = gate  # entered by Picker.open(); left once, by close()
+        self._arriving = arriving  # entered by Picker.open(), left when the request is whole
+        self._gate = gate  # entered when the request is whole, left by close()
+        self._slot: InflightGate | None = arriving  # the cap that counts this request now
         self._lean = lean
         self._metrics = metrics
         self._knows = knows  # is an address one of the pool's endpoints?
@@ -67,11 +69,20 @@ class PickerExchange:
             raise PickError(Problem.PROTOCOL, "one HTTP request per ext_proc stream: a second request_headers")
         self._deciding = True
         try:
+            self._move_to_gate()
             self.decision = await self._decide(request)
         finally:
             self._release_body()
         self.observer = UsageObserver(self.decision, self._metrics, self.labels)
         return self.decision
+
+    def _move_to_gate(self) -> None:
+        """The request is whole: it stops counting as arriving and must find room among those in flight."""
+        if self._slot is self._arriving:
+            self._arriving.leave()
+            self._slot = None
+            self._gate.enter()  # raises PickError(OVERLOADED): 503, nothing booked
+            self._slot = self._gate
 
     def reject(self, err: PickError, request: RequestContext) -> None:
         """The edge answers this request itself: count it and say why, once, with a bounded line."""
@@ -117,7 +128,9 @@ class PickerExchange:
             else:
                 self._lean.response_seen(d.booking.id)
             d.booking.free()
-        self._gate.leave()
+        if self._slot is not None:
+            self._slot.leave()
+            self._slot = None
 
     def _release_body(self) -> None:
         if self._held:

@@ -1,7 +1,10 @@
 """The picker the edge talks to: one object that admits a request, decides it and follows it to its end.
 
-It owns what lives across requests but is not the decision: the in-flight cap (a stream is counted from the
-moment it opens), the body budget, and lean mode's signals. Each request gets a `PickerExchange` (`open()`),
+It owns what lives across requests but is not the decision: two caps, the body budget, and lean mode's
+signals. A stream is counted from the moment it opens, first as incomplete (`arriving`: its headers or body
+are still coming) and, once its request is whole, as in flight (`gate`). The caps are separate so that clients
+that open streams and stall (they may take --request-body-timeout-ms) cannot take the slots of requests that
+are ready to be decided: a full `arriving` refuses new streams, a full `gate` refuses whole requests. Each request gets a `PickerExchange` (`open()`),
 which drives the pipeline's three steps through `decide()`: propose -> admit -> commit. Everything is
 handed in at construction, so a test builds a picker from the same parts the app does.
 """
@@ -24,17 +27,24 @@ log = logging.getLogger(__name__)
 class Picker:
     """Implements `core.api.Picker` for the edge, and `decide()` for callers with a whole request."""
 
-    def __init__(self, pipeline: Pipeline, *, gate: InflightGate, bodies: BodyBudget, lean: LeanSignals) -> None:
+    def __init__(self, pipeline: Pipeline, *, gate: InflightGate, bodies: BodyBudget, lean: LeanSignals,
+                 arriving: InflightGate | None = None) -> None:
         self.pipeline = pipeline
         self.gate = gate
+        self.arriving = arriving if arriving is not None else InflightGate(4 * gate.limit)
         self.bodies = bodies
         self.lean = lean
         self.metrics = pipeline.metrics
 
+    @property
+    def open_requests(self) -> int:
+        """Requests the picker holds: still arriving, or whole and in flight (what a drain waits for)."""
+        return self.arriving.count + self.gate.count
+
     def open(self) -> PickerExchange:
-        """A new request (one ext_proc stream): admitted against the in-flight cap now, not at its headers."""
-        self.gate.enter()
-        return PickerExchange(self.decide, self.bodies, self.gate, self.lean, self.metrics,
+        """A new request (one ext_proc stream), counted as incomplete from now on, not from its headers."""
+        self.arriving.enter()
+        return PickerExchange(self.decide, self.bodies, self.arriving, self.gate, self.lean, self.metrics,
                               knows=self.pipeline.registry.__contains__, count_rejection=self.count_rejection)
 
     async def decide(self, request: RequestContext) -> Decision:

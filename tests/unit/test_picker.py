@@ -17,10 +17,10 @@ USAGE = {"prompt_tokens": 100, "completion_tokens": 2, "total_tokens": 102,
          "prompt_tokens_details": {"cached_tokens": 64}}
 
 
-def picker(cap: int = 2) -> Picker:
+def picker(cap: int = 2, arriving: int = 8) -> Picker:
     pipe, _, _ = make()
-    return Picker(pipe, gate=InflightGate(cap), bodies=BodyBudget(1 << 20, 1 << 24),
-                  lean=LeanSignals(pipe.load, pipe.metrics))
+    return Picker(pipe, gate=InflightGate(cap), arriving=InflightGate(arriving),
+                  bodies=BodyBudget(1 << 20, 1 << 24), lean=LeanSignals(pipe.load, pipe.metrics))
 
 
 def signal(p: Picker, name: str) -> float:
@@ -31,15 +31,40 @@ def chat(body: bytes) -> RequestContext:
     return RequestContext("POST", "/v1/chat/completions", {}, body)
 
 
-def test_a_stream_over_the_cap_is_refused_until_one_closes() -> None:
-    p = picker(cap=1)
+def test_streams_beyond_the_arriving_cap_are_refused_until_one_closes() -> None:
+    p = picker(cap=1, arriving=1)
     first = p.open()
     with pytest.raises(PickError) as e:
         p.open()
     assert e.value.problem is Problem.OVERLOADED
     first.close()
     p.open().close()
-    assert p.gate.count == 0
+    assert p.open_requests == 0
+
+
+async def test_stalled_streams_do_not_take_the_slots_of_whole_requests() -> None:
+    p = picker(cap=2, arriving=8)
+    stalled = [p.open() for _ in range(7)]  # headers sent, body never finished
+    for _ in range(2):
+        ex = p.open()
+        await ex.decide(chat(b'{"messages":[]}'))  # whole: decided although 7 streams stall
+    assert (p.arriving.count, p.gate.count) == (7, 2)
+    for ex in stalled:
+        ex.close()
+    assert p.arriving.count == 0
+
+
+async def test_a_whole_request_over_the_in_flight_cap_is_refused_and_holds_no_slot() -> None:
+    p = picker(cap=1)
+    first = p.open()
+    await first.decide(chat(b'{"messages":[]}'))
+    second = p.open()
+    with pytest.raises(PickError) as e:
+        await second.decide(chat(b'{"messages":[]}'))
+    assert e.value.problem is Problem.OVERLOADED and p.pipeline.load.total_inflight() == 1
+    second.close()
+    first.close()
+    assert p.open_requests == 0 and p.pipeline.load.total_inflight() == 0
 
 
 async def test_close_frees_the_booking_the_body_bytes_and_the_slot_exactly_once() -> None:
@@ -50,9 +75,10 @@ async def test_close_frees_the_booking_the_body_bytes_and_the_slot_exactly_once(
     assert p.bodies.used == len(body)
     d = await ex.decide(chat(ex.body()))
     assert p.bodies.used == 0 and p.pipeline.load.total_inflight() == 1 and p.gate.count == 1
+    assert p.arriving.count == 0
     ex.close()
     ex.close()
-    assert p.pipeline.load.total_inflight() == 0 and p.gate.count == 0
+    assert p.pipeline.load.total_inflight() == 0 and p.open_requests == 0
     assert p.pipeline.load.booking(d.booking_id) is None
 
 
