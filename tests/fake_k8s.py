@@ -137,6 +137,7 @@ class FakeKube:
         app.router.add_get(POOL_PREFIX + "{ns}/inferencepools", self._handle_pools)
         app.router.add_get(SLICE_PREFIX + "{ns}/endpointslices", self._handle_slices)
         app.router.add_get(OBJECTIVE_PREFIX + "{ns}/inferenceobjectives", self._handle_objectives)
+        app.router.add_route("*", "/{path:.*}", self._handle_unknown)
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1,
                                      handler_cancellation=True)  # a client hang-up ends its watch
         await self._runner.setup()
@@ -253,6 +254,11 @@ class FakeKube:
 
     async def _handle_objectives(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, OBJECTIVES)
+
+    async def _handle_unknown(self, request: web.Request) -> web.StreamResponse:
+        """Anything else is recorded under its path (so a test sees what a client asked for) and answered 404."""
+        self.requests.append(Request(request.path, "", dict(request.query)))
+        return web.json_response(self._status(404, "NotFound", f"{request.method} {request.path}"), status=404)
 
     async def _handle(self, request: web.Request, resource: str) -> web.StreamResponse:
         ns = request.match_info["ns"]

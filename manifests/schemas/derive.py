@@ -1,9 +1,10 @@
 """Derive description-free JSON schemas for InferencePool, HTTPRoute and Gateway from the upstream CRDs.
 
-Why: the manifest tests validate our custom objects against the real CRD schemas, but the CRDs (hundreds of KB,
-mostly prose) live outside the repository in ../shared/crds. We keep just what validation needs (types,
-required, enums, patterns, min/max limits, defaults, the x-kubernetes-* markers) in this folder, so the tests
-run on a plain clone, and a test re-derives them whenever ../shared/crds is present to catch drift.
+Why: the manifest tests validate our custom objects against the real CRD schemas, but the CRDs in
+manifests/crds/ (the pinned upstream releases, see its README) are hundreds of KB, mostly prose, and slow to
+parse. We keep just what validation needs (types, required, enums, patterns, min/max limits, defaults, the
+x-kubernetes-* markers) in this folder, and a test re-derives them from manifests/crds/ to catch drift: after
+updating a CRD there, run this script.
 
     python manifests/schemas/derive.py [CRD_DIR]     # writes manifests/schemas/<kind>-<version>.json
 """
@@ -18,7 +19,7 @@ from typing import Any
 import yaml
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_CRD_DIR = HERE.parents[2] / "shared" / "crds"
+DEFAULT_CRD_DIR = HERE.parent / "crds"
 
 # (CRD file, kind, version) of every schema we derive.
 WANTED = (

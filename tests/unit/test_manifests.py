@@ -8,6 +8,7 @@ else fails the test), cross-checked against `kubectl kustomize` when kubectl is 
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import re
@@ -30,7 +31,7 @@ from epp_extproc.config import ENV_NAMES, load_config
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "manifests"
 SCHEMAS = MANIFESTS / "schemas"
-CRD_DIR = ROOT.parent / "shared" / "crds"
+CRD_DIR = MANIFESTS / "crds"  # the pinned upstream CRDs (manifests/crds/README.md)
 K8S_VERSION = "1.33"  # native sidecars are GA here; kubernetes-validate ships schemas up to 1.37
 VARIANTS = ("trtllm", "cpu-mock")
 CRD_KINDS = {("inference.networking.k8s.io/v1", "InferencePool"): "inferencepool-v1.json",
@@ -45,7 +46,8 @@ import derive  # noqa: E402  (manifests/schemas/derive.py: not a package)
 
 
 def yaml_files() -> list[Path]:
-    return sorted(MANIFESTS.rglob("*.yaml"))
+    """Our own manifests; the vendored upstream CRDs are checked by the tests of their own section."""
+    return sorted(p for p in MANIFESTS.rglob("*.yaml") if CRD_DIR not in p.parents)
 
 
 def load_docs(path: Path) -> list[dict[str, Any]]:
@@ -210,7 +212,6 @@ def test_derived_schemas_carry_no_descriptions():
         assert '"description":' not in (SCHEMAS / name).read_text()
 
 
-@pytest.mark.skipif(not CRD_DIR.is_dir(), reason="../shared/crds not present (plain clone)")
 def test_derived_schemas_are_up_to_date_with_the_upstream_crds():
     for name, text in derive.derive(CRD_DIR).items():
         assert (SCHEMAS / name).read_text() == text, f"{name} is stale: run python manifests/schemas/derive.py"
@@ -642,3 +643,175 @@ def test_the_debug_api_stays_on_loopback_and_off_every_port_list(rendered, varia
     svc = find(objs, "Service", "llm-pool-epp")
     assert cfg.admin_port not in {p["port"] for p in svc["spec"]["ports"]}
     assert not _ingress_rules_for(objs, cfg.admin_port)
+
+
+# ---------------------------------------------------------------------------------------------- shipped CRDs and RBAC
+# What a fresh kind cluster needs before `kubectl apply -k`: every custom kind the manifests create and every
+# custom resource the Role grants must have its CRD in manifests/crds/ (pinned upstream releases), serving the
+# version we use; built-in kinds need nothing.
+
+BUILTIN_GROUPS = {"", "apps", "rbac.authorization.k8s.io", "networking.k8s.io", "discovery.k8s.io"}
+RELEASE = re.compile(r"v\d+\.\d+\.\d+")  # a release tag: not main-dev, v0.0.0-dev or an -rc
+
+
+@pytest.fixture(scope="module")
+def crds() -> list[dict[str, Any]]:
+    docs = [d for p in sorted(CRD_DIR.glob("*.yaml"))
+            for d in yaml.load_all(p.read_text(), Loader=yaml.CSafeLoader) if d]
+    return [d for d in docs if d["kind"] == "CustomResourceDefinition"]
+
+
+def served(crds: list[dict[str, Any]], group: str, *, kind: str | None = None,
+           plural: str | None = None) -> set[str]:
+    """The versions the shipped CRDs serve for this group and kind (or plural)."""
+    return {v["name"] for c in crds if c["spec"]["group"] == group
+            and kind in (None, c["spec"]["names"]["kind"]) and plural in (None, c["spec"]["names"]["plural"])
+            for v in c["spec"]["versions"] if v.get("served")}
+
+
+def role_grants(objs: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    return {(g, r, v) for rule in find(objs, "Role")["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+            for v in rule["verbs"]}
+
+
+@pytest.mark.parametrize("variant", ("base", *VARIANTS))
+def test_every_custom_kind_the_manifests_create_has_a_shipped_crd_serving_its_version(rendered, crds, variant):
+    custom = {(o["apiVersion"], o["kind"]) for o in rendered[variant]
+              if o["apiVersion"].rpartition("/")[0] not in BUILTIN_GROUPS}
+    assert custom  # InferencePool, HTTPRoute, Gateway
+    for api_version, kind in custom:
+        group, _, version = api_version.rpartition("/")
+        assert version in served(crds, group, kind=kind), f"no shipped CRD serves {api_version} {kind}"
+
+
+@pytest.mark.parametrize("variant", ("base", *VARIANTS))
+def test_builtin_groups_hold_only_kinds_kubernetes_itself_validates(rendered, variant):
+    """BUILTIN_GROUPS cannot hide a custom kind: every object there has a Kubernetes 1.33 schema."""
+    for obj in (o for o in rendered[variant] if o["apiVersion"].rpartition("/")[0] in BUILTIN_GROUPS):
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_every_custom_resource_the_role_grants_has_a_shipped_crd(rendered, crds):
+    for group, resource, _ in role_grants(rendered["base"]):
+        if group not in BUILTIN_GROUPS:
+            assert served(crds, group, plural=resource), f"no shipped CRD for {resource}.{group}"
+
+
+def test_the_crd_versions_the_picker_asks_for_are_served_by_the_shipped_crds(crds):
+    from epp_extproc.adapters.discovery_k8s import POOL_GROUP, POOL_PLURAL, POOL_VERSION
+    from epp_extproc.adapters.objectives import OBJECTIVE_GROUP, OBJECTIVE_PLURAL, OBJECTIVE_VERSION
+
+    assert POOL_VERSION in served(crds, POOL_GROUP, plural=POOL_PLURAL)
+    assert OBJECTIVE_VERSION in served(crds, OBJECTIVE_GROUP, plural=OBJECTIVE_PLURAL)
+
+
+def test_shipped_crds_are_upstream_releases_named_in_the_crds_readme(crds):
+    readme = (CRD_DIR / "README.md").read_text()
+    files = sorted(CRD_DIR.glob("*.yaml"))
+    assert files
+    for path in files:
+        docs = [d for d in yaml.load_all(path.read_text(), Loader=yaml.CSafeLoader) if d]
+        (version,) = {v for d in docs for k, v in (d["metadata"].get("annotations") or {}).items()
+                      if k.endswith("/bundle-version")}  # one release per file, on every object in it
+        assert RELEASE.fullmatch(version), f"{path.name}: {version} is not a release"
+        row = next((line for line in readme.splitlines() if f"`{path.name}`" in line), "")
+        assert version in row, f"{path.name} ({version}) is not listed with its version in crds/README.md"
+    assert len(crds) == len(files) - 1  # one CRD per file, plus the Gateway API's upgrade-safety policy
+
+
+def test_shipped_crds_validate_strictly_as_kubernetes_objects(crds):
+    """What `kubectl apply --dry-run=client` checks without a cluster: each CRD is a valid v1 object."""
+    for crd in crds:
+        kubernetes_validate.validate(crd, K8S_VERSION, strict=True)
+
+
+def _kubeconfig(tmp_path: Path, server: str) -> Path:
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": server}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u", "namespace": "llm"}}],
+        "users": [{"name": "u", "user": {}}]}))
+    return path
+
+
+async def test_the_picker_reads_exactly_the_resources_its_role_grants(rendered, tmp_path):
+    """Run the picker as the manifest configures it against a fake API server and compare what it asks for
+    (resource, list/watch) with the Role, both ways: nothing it reads is forbidden, nothing granted is unused."""
+    from epp_extproc.app import PickerApp
+    from tests.fake_k8s import OBJECTIVES, PODS, POOLS, SLICES, FakeKube, make_pool
+    from tests.netutil import free_port
+
+    groups = {PODS: "", POOLS: "inference.networking.k8s.io", SLICES: "discovery.k8s.io",
+              OBJECTIVES: "inference.networking.x-k8s.io"}
+    objs = rendered["cpu-mock"]
+    env = {k: v["value"] for k, v in env_of(picker(objs)).items() if "value" in v}
+    env.update(POD_NAMESPACE="llm", POD_IP="127.0.0.1", POD_NAME="llm-pool-epp-0")
+    async with FakeKube() as kube:
+        kube.put(POOLS, make_pool(env["DYN_EPP_INFERENCE_POOL_NAME"],
+                                  find(objs, "InferencePool")["spec"]["selector"]["matchLabels"]), namespace="llm")
+        env["KUBECONFIG"] = str(_kubeconfig(tmp_path, kube.url))
+        args = ["--grpc-port", "0", "--health-port", "0", "--metrics-port", "0", "--admin-port", "0",
+                "--bind", "127.0.0.1", "--replica-sync-port", str(free_port())]
+        app = PickerApp(load_config(args, env=env))
+        await app.start()
+        try:
+            for _ in range(200):
+                asked = {(r.resource, "watch" if r.watch else "list") for r in kube.requests}
+                if {(PODS, "watch"), (POOLS, "watch"), (SLICES, "watch"), (OBJECTIVES, "list")} <= asked:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await app.stop(0)
+    assert {r.namespace for r in kube.requests} == {"llm"}  # its own namespace only: a Role suffices
+    used = {(groups.get(res, res), res, verb) for res, verb in asked}
+    granted = role_grants(objs)
+    assert used - granted == set()
+    assert {(g, r) for g, r, _ in used} == {(g, r) for g, r, _ in granted}
+
+
+# ---------------------------------------------------------------------------------------------- manifests/README.md
+
+README = MANIFESTS / "README.md"
+
+
+def _readme_shell_lines() -> list[str]:
+    text = README.read_text()
+    blocks = re.findall(r"```sh\n(.*?)```", text, re.S)
+    assert blocks
+    return [line.split("#", 1)[0] for b in blocks for line in b.replace("\\\n", " ").splitlines()]
+
+
+def test_manifests_readme_reads_nothing_outside_the_repository():
+    for path in (README, CRD_DIR / "README.md", SCHEMAS / "derive.py"):
+        assert "../shared" not in path.read_text() and "/shared/" not in path.read_text(), path
+
+
+def test_manifests_readme_commands_name_files_that_exist():
+    named = []
+    for line in _readme_shell_lines():
+        for word in shlex.split(line, posix=True) if line.strip() else []:
+            if re.match(r"(manifests|tests)/", word):
+                named.append(word)
+    assert "manifests/crds/" in named and "manifests/cpu-mock" in named and "manifests/Dockerfile" in named
+    for word in named:
+        assert (ROOT / word).exists(), f"manifests/README.md names {word}, which does not exist"
+
+
+def test_manifests_readme_runs_tests_the_projects_way():
+    text = README.read_text()
+    assert "pytest tests/test_manifests.py" not in text
+    assert ".venv/bin/python -m pytest tests/unit/test_manifests.py" in text
+
+
+def test_manifests_readme_lists_every_resource_the_role_grants(rendered):
+    text = README.read_text()
+    (para,) = [p for p in text.split("\n\n") if p.startswith("**ServiceAccount + Role + RoleBinding")]
+    for _, resource, _ in role_grants(rendered["base"]):
+        assert f"`{resource}`" in para, f"the RBAC paragraph does not mention {resource}"
+
+
+def test_manifests_readme_states_the_replica_count_the_base_ships(rendered):
+    replicas = picker_deployment(rendered["base"])["spec"]["replicas"]
+    (said,) = re.findall(r"ships `replicas: (\d+)`", README.read_text())
+    assert int(said) == replicas
