@@ -81,7 +81,7 @@ class PickerApp:
                                  admission=admission)
         self.picker = Picker(
             self.pipeline, gate=InflightGate(config.max_inflight_requests, self.metrics.picker_inflight),
-            arriving=InflightGate(4 * config.max_inflight_requests, self.metrics.incomplete_requests),
+            arriving=InflightGate(config.max_incomplete_requests, self.metrics.incomplete_requests),
             bodies=BodyBudget(config.max_body_bytes, config.max_buffered_body_bytes, self.metrics.buffered_bytes),
             lean=LeanSignals(self.load, self.metrics))
         self.sync: ReplicaSync | None = None

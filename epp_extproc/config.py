@@ -200,7 +200,11 @@ class Config:
     kv_event_topic: str = opt("DYN_EPP_KV_EVENT_TOPIC", "", str, "ZMQ topic to subscribe to (prefix match)")
     # Request handling
     max_inflight_requests: int = opt("DYN_EPP_MAX_INFLIGHT_REQUESTS", 1024, int,
-        "above this many requests in the picker: 503 \"endpoint picker overloaded\"")
+        "whole requests (body complete) being decided or served: above this many, 503 \"endpoint picker "
+        "overloaded\"")
+    max_incomplete_requests: int = opt("DYN_EPP_MAX_INCOMPLETE_REQUESTS", 4096, int,
+        "requests whose headers or body are still arriving, counted apart so that stalled clients cannot take "
+        "the slots of whole requests: above this many, new streams get 503")
     max_body_bytes: int = opt("DYN_EPP_MAX_BODY_BYTES", 32 * 1024 * 1024, int,
         "request bodies above this size get 413 (in both body modes)")
     max_buffered_body_bytes: int = opt("DYN_EPP_MAX_BUFFERED_BODY_BYTES", 256 * 1024 * 1024, int,
@@ -335,6 +339,8 @@ class Config:
             raise ValueError("DYN_EPP_ENDPOINT_PROBE_MAX_RATE must be positive")
         if self.max_inflight_requests <= 0:
             raise ValueError("DYN_EPP_MAX_INFLIGHT_REQUESTS must be positive")
+        if self.max_incomplete_requests <= 0:
+            raise ValueError("DYN_EPP_MAX_INCOMPLETE_REQUESTS must be positive")
         if self.max_body_bytes <= 0:
             raise ValueError("DYN_EPP_MAX_BODY_BYTES must be positive")
         if self.max_buffered_body_bytes < self.max_body_bytes:

@@ -266,7 +266,7 @@ class GatewayStack:
         assert self.app is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.app.load.total_inflight() == 0 and self.app.picker.gate.count == 0:
+            if self.app.load.total_inflight() == 0 and self.app.picker.open_requests == 0:
                 return
             time.sleep(0.02)
         raise TimeoutError("picker still has requests in flight")

@@ -219,7 +219,8 @@ class EnvoyOptions:
     picker_tls_ca: str | None = None  # verify the picker against this CA file; None = encrypt, don't verify
     picker_health_check: bool = True  # gRPC health check of the picker on its ext_proc port
     health_check_interval_s: float = 5.0
-    picker_max_inflight: int = 1024  # the picker's --max-inflight-requests: its breaker is twice that
+    picker_max_inflight: int = 1024  # the picker's --max-inflight-requests
+    picker_max_incomplete: int = 4096  # the picker's --max-incomplete-requests
     render_timeout_ms: int = 5000  # the picker's --tokenization-timeout-ms: BUFFERED message timeout > it
     queue_ttl_s: float = 30.0  # the picker's --flow-control-queue-ttl-s: a BUFFERED body may wait that long too
     buffer_limit_bytes: int = 64 * 1024 * 1024
@@ -373,7 +374,9 @@ def picker_cluster(opts: EnvoyOptions) -> Cluster:
         load_assignment=load,
         typed_extension_protocol_options={"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": AnyPb.pack(
             protocol)},
-        circuit_breakers=_breaker(2 * opts.picker_max_inflight),
+        # Twice every stream the picker holds: the picker sheds above its own caps with a 503 of its own; a
+        # stream Envoy's breaker refuses would be the client's 500 (an ext_proc stream that failed to open).
+        circuit_breakers=_breaker(2 * (opts.picker_max_inflight + opts.picker_max_incomplete)),
     )
     if opts.picker_tls:
         validation = CertificateValidationContext()
@@ -512,8 +515,10 @@ _CLI: tuple[tuple[str, str, type | Any, str], ...] = (
      "route (without a pick) when the picker is unreachable instead of failing the request"),
     ("forward_metadata", "--forward-metadata", _bool,
      f"forward the {SUBSET_NAMESPACE} and {LB_NAMESPACE} metadata namespaces to the picker"),
-    ("picker_max_inflight", "--picker-max-inflight", int,
-     "the picker's --max-inflight-requests; the picker cluster's circuit breaker is twice this"),
+    ("picker_max_inflight", "--picker-max-inflight", int, "the picker's --max-inflight-requests"),
+    ("picker_max_incomplete", "--picker-max-incomplete", int,
+     "the picker's --max-incomplete-requests; the picker cluster's circuit breaker is twice the sum of both, so "
+     "the picker, not Envoy, sheds overload (with 503, never an ext_proc failure's 500)"),
     ("render_timeout_ms", "--render-timeout-ms", int,
      "the picker's --tokenization-timeout-ms; BUFFERED mode's message timeout is this + the queue TTL + 5 s"),
     ("queue_ttl_s", "--flow-control-queue-ttl-s", float,

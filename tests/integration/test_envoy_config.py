@@ -90,10 +90,10 @@ def test_cli_prints_yaml_with_the_picker_stanzas() -> None:
 
 def test_picker_circuit_breaker_leaves_room_above_the_pickers_own_cap() -> None:
     """At the picker's cap its 503 "endpoint picker overloaded" must come first, not Envoy's empty 500."""
-    for cap in (1024, 5000):
-        doc = envoy_config.to_dict(EnvoyOptions(picker_max_inflight=cap))
+    for cap, incomplete in ((1024, 4096), (5000, 16), (64, 4096)):
+        doc = envoy_config.to_dict(EnvoyOptions(picker_max_inflight=cap, picker_max_incomplete=incomplete))
         t = _cluster(doc, "picker")["circuit_breakers"]["thresholds"][0]
-        assert min(t["max_requests"], t["max_pending_requests"], t["max_connections"]) > cap
+        assert min(t["max_requests"], t["max_pending_requests"], t["max_connections"]) > cap + incomplete
 
 
 def test_picker_host_name_makes_a_dns_cluster_and_an_ip_a_static_one() -> None:

@@ -39,7 +39,7 @@ def body_msg(data: bytes, eos: bool) -> pb.ProcessingRequest:
 @pytest.fixture
 async def picker():
     cfg = Config(grpc_port=0, health_port=0, metrics_port=0, admin_port=0, bind="127.0.0.1",
-                 endpoints="a=127.0.0.1:9,b=127.0.0.1:10", max_inflight_requests=1,
+                 endpoints="a=127.0.0.1:9,b=127.0.0.1:10", max_inflight_requests=1, max_incomplete_requests=1,
                  allowed_body_modes="FULL_DUPLEX_STREAMED", secure_serving=False)  # protocol, not TLS
     app = PickerApp(cfg)
     await app.start()
@@ -121,12 +121,12 @@ async def test_unsupported_body_mode_fails_the_stream_naming_the_mode(picker) ->
     assert "BUFFERED" in e.value.details()
 
 
-async def test_requests_above_the_inflight_cap_get_503_overloaded(picker) -> None:
+async def test_streams_above_the_incomplete_cap_get_503_overloaded(picker) -> None:
     app, stub = picker
     held = stub.Process()
     await held.write(headers_msg(mode="FULL_DUPLEX_STREAMED"))  # body still to come: occupies the one slot
     for _ in range(50):
-        if app.picker.gate.count == 1:
+        if app.picker.arriving.count == 1:
             break
         await asyncio.sleep(0.01)
     call = stub.Process()
@@ -135,6 +135,44 @@ async def test_requests_above_the_inflight_cap_get_503_overloaded(picker) -> Non
     assert r.immediate_response.status.code == 503
     assert json.loads(r.immediate_response.body)["error"]["message"] == "endpoint picker overloaded"
     held.cancel()
+
+
+async def test_whole_requests_above_the_inflight_cap_get_503_overloaded(picker) -> None:
+    app, stub = picker
+    held = stub.Process()
+    await held.write(headers_msg(mode="FULL_DUPLEX_STREAMED"))
+    await held.write(body_msg(b'{"a":1}', True))
+    await held.read()  # routed: it holds the one in-flight slot until its stream ends
+    call = stub.Process()
+    await call.write(headers_msg(mode="FULL_DUPLEX_STREAMED"))
+    await call.write(body_msg(b'{"a":2}', True))
+    r = await call.read()
+    assert r.immediate_response.status.code == 503
+    assert json.loads(r.immediate_response.body)["error"]["message"] == "endpoint picker overloaded"
+    held.cancel()
+
+
+async def test_a_stalled_stream_does_not_take_the_slot_of_a_whole_request() -> None:
+    cfg = Config(grpc_port=0, health_port=0, metrics_port=0, admin_port=0, bind="127.0.0.1",
+                 endpoints="a=127.0.0.1:9", max_inflight_requests=1, max_incomplete_requests=8,
+                 allowed_body_modes="FULL_DUPLEX_STREAMED", secure_serving=False)
+    app = PickerApp(cfg)
+    await app.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        stalled = [stub.Process() for _ in range(5)]
+        for s in stalled:
+            await s.write(headers_msg(mode="FULL_DUPLEX_STREAMED"))  # and never a body
+        call = stub.Process()
+        await call.write(headers_msg(mode="FULL_DUPLEX_STREAMED"))
+        await call.write(body_msg(b'{"a":1}', True))
+        r = await call.read()
+        assert dest_of(r) == "127.0.0.1:9"
+        assert (app.picker.arriving.count, app.picker.gate.count) == (5, 1)
+        for s in stalled:
+            s.cancel()
+        call.cancel()
+    await app.stop()
 
 
 async def test_bodyless_request_is_picked_on_headers(picker) -> None:
@@ -155,10 +193,10 @@ async def test_client_disconnect_mid_pick_frees_everything(picker) -> None:
     assert app.load.total_inflight() == 1
     call.cancel()
     for _ in range(100):
-        if app.load.total_inflight() == 0 and app.picker.gate.count == 0:
+        if app.load.total_inflight() == 0 and app.picker.open_requests == 0:
             break
         await asyncio.sleep(0.01)
-    assert app.load.total_inflight() == 0 and app.picker.gate.count == 0
+    assert app.load.total_inflight() == 0 and app.picker.open_requests == 0
 
 
 async def test_spoofed_destination_headers_are_removed(picker) -> None:
@@ -230,7 +268,7 @@ async def roomy():
 
 async def settled(app: PickerApp) -> bool:
     for _ in range(200):
-        if app.load.total_inflight() == 0 and app.picker.gate.count == 0 and app.picker.bodies.used == 0:
+        if app.load.total_inflight() == 0 and app.picker.open_requests == 0 and app.picker.bodies.used == 0:
             return True
         await asyncio.sleep(0.01)
     return False

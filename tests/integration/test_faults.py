@@ -294,7 +294,7 @@ def test_picker_restart_under_traffic_fails_only_requests_caught_in_it_and_rebui
     # Envoy's failure_mode_allow=false: a request whose ext_proc stream broke is a clear 500, never routed
     assert set(during) <= {"200", "500"}, Counter(during)
     assert set(later) == {"200"}, Counter(later)
-    assert old.load.total_inflight() == 0 and old.picker.gate.count == 0
+    assert old.load.total_inflight() == 0 and old.picker.open_requests == 0
     new = stack.app
     assert new is not old and new is not None and new.kv is not None
     # the new picker started empty; matching caches built before it started means it rebuilt them...
@@ -320,9 +320,9 @@ def test_client_disconnect_mid_pick_frees_the_stream_and_reaches_no_worker(stack
     stack.renderer.proc.send_signal(signal.SIGSTOP)  # the pick waits on the render call
     try:
         sock = open_raw(stack, {"model": "mock-model", "messages": user("goodbye mid-pick"), "max_tokens": 4})
-        wait_until(lambda: stack.app.picker.gate.count == 1, "the picker is deciding")  # type: ignore[union-attr]
+        wait_until(lambda: stack.app.picker.open_requests == 1, "the picker is deciding")  # type: ignore[union-attr]
         sock.close()
-        wait_until(lambda: stack.app.picker.gate.count == 0, "the stream is gone",  # type: ignore[union-attr]
+        wait_until(lambda: stack.app.picker.open_requests == 0, "the stream is gone",  # type: ignore[union-attr]
                    timeout=RENDER_TIMEOUT_MS / 1000 * 4)
     finally:
         stack.renderer.proc.send_signal(signal.SIGCONT)

@@ -208,7 +208,7 @@ def test_client_that_disconnects_while_queued_leaves_nothing_behind(stack: Gatew
         wait_until(lambda: queued(stack) == 1, "the request is queued")
         sock.close()
         wait_until(lambda: queued(stack) == 0, "the queue forgot it")
-        wait_until(lambda: stack.app.picker.gate.count == 2, "its stream is gone")  # type: ignore[union-attr]
+        wait_until(lambda: stack.app.picker.open_requests == 2, "its stream is gone")  # type: ignore[union-attr]
         assert flow(stack)["queue"]["bands"] == {} and flow(stack)["queue"]["pending"] == 0
     assert stack.picker_metric("epp_flow_control_rejected_total", 'reason="client_cancelled"') == cancelled + 1
     settle(stack)

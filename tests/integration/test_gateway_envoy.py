@@ -241,10 +241,10 @@ def test_bookings_return_to_zero_after_requests(stack: Stack) -> None:
     stack.post(b'{"model":"m"}')
     deadline = time.monotonic() + 5
     # lean mode's observer stream holds a slot until its first message arrives: wait for both
-    while time.monotonic() < deadline and (stack.app.load.total_inflight() or stack.app.picker.gate.count):
+    while time.monotonic() < deadline and (stack.app.load.total_inflight() or stack.app.picker.open_requests):
         time.sleep(0.02)
     assert stack.app.load.total_inflight() == 0
-    assert stack.app.picker.gate.count == 0
+    assert stack.app.picker.open_requests == 0
 
 
 def test_metrics_and_debug_endpoints_answer(stack: Stack) -> None:

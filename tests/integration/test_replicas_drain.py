@@ -43,9 +43,9 @@ def test_a_draining_picker_finishes_the_stream_in_flight(stack: GatewayStack) ->
     t = threading.Thread(target=lambda: out.append(request(stack.url, body=json.dumps(body).encode())))
     t.start()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and stack.app.picker.gate.count == 0:
+    while time.monotonic() < deadline and stack.app.picker.open_requests == 0:
         time.sleep(0.01)
-    assert stack.app.picker.gate.count == 1
+    assert stack.app.picker.open_requests == 1
     app = stack.app
     stopping = threading.Thread(target=lambda: stack.bg.run(app.stop(grace=10)))
     stopping.start()

@@ -181,7 +181,7 @@ def test_soak_with_random_faults_loses_no_request_leaks_no_booking_and_keeps_mem
                   if any(f"/{p}/" in d.traceback[0].filename for p in PICKER_FILES)][:5]
         elapsed = time.monotonic() - started
         assert stack.app is not None
-        inflight, active = stack.app.load.total_inflight(), stack.app.picker.gate.count
+        inflight, active = stack.app.load.total_inflight(), stack.app.picker.open_requests
         answered = sum(soak.outcomes.values())
         errors = {k: v for k, v in soak.outcomes.items() if k != "ok"}
         report = {"seconds": round(elapsed, 1), "sent": soak.sent, "answered": answered,
