@@ -31,6 +31,7 @@ from h2grpc.codec import (
     PADDED,
     PING,
     PREFACE,
+    PRIORITY,
     PRIORITY_FLAG,
     PROTOCOL_ERROR,
     PUSH_PROMISE,
@@ -95,7 +96,9 @@ class Connection(asyncio.Protocol):
         self.keepalive: asyncio.TimerHandle | None = None
         self.opened = 0  # streams this connection opened, and of them those the peer reset young (rapid reset)
         self.premature_resets = 0
-        self.empty_frames = 0  # empty DATA/HEADERS/CONTINUATION frames without END_STREAM in a row
+        self.empty_frames = 0  # empty DATA/HEADERS frames without END_STREAM in a row
+        self.lingering: dict[int, None] = {}  # streams we closed first: the peer's frames in flight are ignored
+        self.skipped: list[tuple[int, int]] = []  # stream ids the peer skipped (closed, never opened), recent
 
     # --- asyncio.Protocol ----------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -240,8 +243,10 @@ class Connection(asyncio.Protocol):
             elif kind == WINDOW_UPDATE:
                 self._window_update(sid, payload)
             elif kind == PING:
-                if len(payload) != 8 or sid:
-                    raise ConnectionError_(FRAME_SIZE_ERROR, "bad PING")
+                if sid:
+                    raise ConnectionError_(PROTOCOL_ERROR, "PING on a stream")
+                if len(payload) != 8:
+                    raise ConnectionError_(FRAME_SIZE_ERROR, "PING not of 8 bytes")
                 if not flags & ACK:
                     self.write(frame(PING, ACK, 0, payload))
             elif kind == RST_STREAM:
@@ -251,10 +256,19 @@ class Connection(asyncio.Protocol):
                 if call is not None:
                     call.on_reset()
                     self._count_reset(call)
+                elif self._idle(sid):
+                    raise ConnectionError_(PROTOCOL_ERROR, f"RST_STREAM on idle stream {sid}")  # §6.4
+                else:
+                    self.lingering.pop(sid, None)
+            elif kind == PRIORITY:  # ignored (§5.3.2) once well-formed (§6.3)
+                if not sid:
+                    raise ConnectionError_(PROTOCOL_ERROR, "PRIORITY on stream 0")
+                if length != 5:
+                    self._reset(sid, FRAME_SIZE_ERROR)
             elif kind == PUSH_PROMISE:
                 raise ConnectionError_(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
-            # ignored: PRIORITY (§5.3.2), unknown types (§4.1), GOAWAY (the peer opens no more streams;
-            # the open ones run to their end)
+            # ignored: unknown types (§4.1), GOAWAY (the peer opens no more streams; the open ones run to
+            # their end)
         self.buf = buf[pos:]
 
     def _strip_padding(self, flags: int, payload: bytes) -> bytes:
@@ -277,12 +291,10 @@ class Connection(asyncio.Protocol):
             self.recv_window = self.limits.connection_window
         call = self.calls.get(sid)
         if call is None:
-            if sid > self.last_sid:
-                raise ConnectionError_(PROTOCOL_ERROR, f"DATA on idle stream {sid}")
-            return  # a stream we closed: what was in flight is dropped (its window is ours to forget)
+            self._not_open(sid, flags, "DATA")
+            return
         if call.ended:  # half-closed (remote): RFC 9113 §5.1, a stream error of type STREAM_CLOSED
-            self.write(frame(RST_STREAM, 0, sid, U32.pack(STREAM_CLOSED)))
-            call.on_reset()
+            self._reset(sid, STREAM_CLOSED)
             return
         data = self._strip_padding(flags, payload)
         call.on_data(data, bool(flags & END_STREAM), flow_len)
@@ -316,14 +328,26 @@ class Connection(asyncio.Protocol):
         headers = self.decoder.decode(block, raw=False)  # the decoder's table must see every block
         call = self.calls.get(sid)
         if call is not None:  # trailers from the client end its half of the stream
-            if not flags & END_STREAM:
-                raise ConnectionError_(PROTOCOL_ERROR, "second HEADERS without END_STREAM")
-            call.on_end()
+            if call.ended:  # half-closed (remote): §5.1
+                self._reset(sid, STREAM_CLOSED)
+            elif not flags & END_STREAM:  # trailers without END_STREAM: a malformed request (§8.1, §8.1.1)
+                self._reset(sid, PROTOCOL_ERROR)
+            else:
+                call.on_end()
             return
         if sid % 2 == 0:
             raise ConnectionError_(PROTOCOL_ERROR, f"HEADERS on server stream {sid}")
         if sid <= self.last_sid:
-            return  # trailers of a stream we already closed
+            for low, high in self.skipped:
+                if low <= sid <= high:  # §5.1.1: a new stream must have a higher id than any opened before
+                    raise ConnectionError_(PROTOCOL_ERROR, f"HEADERS opening stream {sid} after {self.last_sid}")
+            self._not_open(sid, flags, "HEADERS")
+            return
+        expected = self.last_sid + 2 if self.last_sid else 1
+        if sid > expected:  # the ids skipped are closed, never opened (§5.1.1): a few ranges remembered
+            if len(self.skipped) >= 16:
+                del self.skipped[0]
+            self.skipped.append((expected, sid - 2))
         self.last_sid = sid
         if self.goaway_sent:
             return  # opened after our GOAWAY: not processed (RFC 9113 §6.8), the peer retries elsewhere
@@ -333,6 +357,8 @@ class Connection(asyncio.Protocol):
         server = self.server
         if len(self.calls) >= server.max_streams_per_connection:
             self.write(frame(RST_STREAM, 0, sid, U32.pack(REFUSED_STREAM)))
+            if not flags & END_STREAM:
+                self.linger(sid)
             return
         path = method = ""
         timeout = None
@@ -362,6 +388,38 @@ class Connection(asyncio.Protocol):
                 call.timer = self.loop.call_at(call.deadline, call.expire)
             call.task = self.loop.create_task(call.run())
 
+    def _idle(self, sid: int) -> bool:
+        """Idle (§5.1): not opened yet, or an even id (the server's, and it opens none)."""
+        return sid > self.last_sid or not sid & 1
+
+    def _not_open(self, sid: int, flags: int, what: str) -> None:
+        """DATA or HEADERS on a stream without a call: idle is a connection error (§5.1); a stream we closed
+        while the peer was still sending, or reset, takes what was in flight (§5.1 "closed", ignored); any
+        other closed stream is a stream error STREAM_CLOSED (§5.1, §6.1)."""
+        if self._idle(sid):
+            raise ConnectionError_(PROTOCOL_ERROR, f"{what} on idle stream {sid}")
+        if sid in self.lingering:
+            if flags & END_STREAM:
+                del self.lingering[sid]
+            return
+        self.write(frame(RST_STREAM, 0, sid, U32.pack(STREAM_CLOSED)))
+
+    def _reset(self, sid: int, code: int) -> None:
+        """A stream error (§5.4.2): RST_STREAM, the call ends, what the peer has in flight is ignored."""
+        self.write(frame(RST_STREAM, 0, sid, U32.pack(code)))
+        call = self.calls.get(sid)
+        if call is not None:
+            call.on_reset()
+        self.linger(sid)
+
+    def linger(self, sid: int) -> None:
+        """Remember a stream we closed before the peer did: its frames in flight are ignored, not answered.
+        At most `max_streams_per_connection` are remembered; a forgotten one's frames get STREAM_CLOSED."""
+        lingering = self.lingering
+        if len(lingering) >= self.limits.max_streams_per_connection:
+            del lingering[next(iter(lingering))]
+        lingering[sid] = None
+
     def _count_reset(self, call: Call) -> None:
         """Rapid reset (CVE-2023-44487), Envoy's premature-reset rule: each stream opened then reset costs a
         header decode, a call and a task, and its slot is free again at once, so the stream cap does not bound
@@ -378,6 +436,8 @@ class Connection(asyncio.Protocol):
 
     def release(self, call: Call) -> None:
         self.waiting.pop(call.sid, None)
+        if not call.ended and not call.reset:  # half-closed (local): the peer may still send (§5.1)
+            self.linger(call.sid)
         if call.partial_held:  # what the client was still sending is dropped with the call
             self.server.partial_bytes -= call.partial_held
             call.partial_held = 0
@@ -425,11 +485,15 @@ class Connection(asyncio.Protocol):
             return
         call = self.calls.get(sid)
         if call is None:
+            if self._idle(sid):
+                raise ConnectionError_(PROTOCOL_ERROR, f"WINDOW_UPDATE on idle stream {sid}")  # §5.1
+            return  # closed: allowed in flight (§6.9)
+        if inc == 0:
+            self._reset(sid, PROTOCOL_ERROR)  # §6.9: a stream error
             return
         call.send_window += inc
         if call.send_window + self.window_shift > MAX_WINDOW:
-            self.write(frame(RST_STREAM, 0, sid, U32.pack(FLOW_CONTROL_ERROR)))
-            call.on_reset()
+            self._reset(sid, FLOW_CONTROL_ERROR)
             return
         if call.pending:
             call.flush()
