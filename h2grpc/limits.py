@@ -37,6 +37,12 @@ class Limits:
     # --- the server ----------------------------------------------------------------------------------
     max_connections: int = 4_096  # Envoy opens one per worker thread: 50 gateway pods x 16 threads is 800
 
+    def __post_init__(self) -> None:
+        if not 65_535 <= self.connection_window < 1 << 31 or not 0 < self.stream_window < 1 << 31:
+            raise ValueError("windows must lie in [65,535 (connection) or 1 (stream), 2^31-1]")
+        if not 16_384 <= self.max_frame < 1 << 24:
+            raise ValueError("max_frame must lie in [16,384, 2^24-1] (RFC 9113 §6.5.2)")
+
     @property
     def credit_step(self) -> int:
         """Stream window is given back in steps this big: no WINDOW_UPDATE per small message."""

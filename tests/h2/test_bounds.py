@@ -281,3 +281,25 @@ async def test_data_after_the_peers_end_stream_is_a_stream_closed_reset_and_the_
     assert (h2.DATA, 0, 3, msg(b"next")) in frames
     assert [status_of(p) for k, f, s, p in frames if k == h2.HEADERS and f & h2.END_STREAM] == ["0"]
     conn.connection_lost(None)
+
+
+# --- frame and block sizes --------------------------------------------------------------------------
+
+async def test_a_frame_over_the_max_frame_size_is_a_frame_size_error_before_its_payload_is_read() -> None:
+    server, _, conn, t = connect(NO_KEEPALIVE)
+    base = rss()
+    conn.data_received((16_385).to_bytes(3, "big") + bytes((h2.DATA, 0)) + (1).to_bytes(4, "big"))
+    assert goaway_code(t.take()) == h2.FRAME_SIZE_ERROR and t.closing
+    assert rss() - base < RSS_MARGIN
+    conn.connection_lost(None)
+
+
+async def test_a_header_block_over_the_list_size_in_encoded_bytes_is_enhance_your_calm() -> None:
+    server, _, conn, t = connect(NO_KEEPALIVE)
+    block = b"\x00" * 16_000
+    base = rss()
+    conn.data_received(frame(h2.HEADERS, 0, 1, block) + frame(h2.CONTINUATION, 0, 1, block) * 4)
+    assert goaway_code(t.take()) == h2.ENHANCE_YOUR_CALM and t.closing
+    assert len(conn.header_parts) <= 5 and rss() - base < RSS_MARGIN
+    conn.connection_lost(None)
+
