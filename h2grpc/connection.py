@@ -68,6 +68,8 @@ class Connection(asyncio.Protocol):
         self.limits = limits = server.limits
         self.stream_window = limits.stream_window  # read on every message: plain attributes, not a lookup chain
         self.credit_step = limits.credit_step
+        self.max_frame = limits.max_frame
+        self.max_output_buffer = limits.max_output_buffer
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.peer_name = "unknown"
@@ -197,7 +199,7 @@ class Connection(asyncio.Protocol):
     # --- frames --------------------------------------------------------------------------------------
     def _frames(self, buf: bytes) -> None:
         pos = 0
-        max_frame = self.limits.max_frame
+        max_frame = self.max_frame
         if not self.preface:
             if len(buf) < len(PREFACE):
                 if not PREFACE.startswith(buf):
@@ -224,14 +226,15 @@ class Connection(asyncio.Protocol):
             pos = end
             if self.header_sid and kind != CONTINUATION:
                 raise ConnectionError_(PROTOCOL_ERROR, "a header block interrupted by another frame")
-            if kind <= HEADERS:  # empty DATA and HEADERS (CVE-2019-9518); CONTINUATIONs: max_header_frames
-                if length or flags & END_STREAM:
-                    self.empty_frames = 0
-                else:
-                    self.empty_frames += 1
-                    if self.empty_frames > self.limits.max_consecutive_empty_frames:
-                        raise ConnectionError_(ENHANCE_YOUR_CALM, f"over {self.limits.max_consecutive_empty_frames}"
-                                                                  " empty frames in a row")
+            # empty DATA and HEADERS in a row (CVE-2019-9518; CONTINUATIONs: max_header_frames); the hot path,
+            # a DATA frame with a payload, pays one test and one attribute read
+            if not length and kind <= HEADERS and not flags & END_STREAM:
+                self.empty_frames += 1
+                if self.empty_frames > self.limits.max_consecutive_empty_frames:
+                    raise ConnectionError_(ENHANCE_YOUR_CALM, f"over {self.limits.max_consecutive_empty_frames}"
+                                                              " empty frames in a row")
+            elif self.empty_frames and kind <= HEADERS:
+                self.empty_frames = 0
             if kind == DATA:
                 self._data(sid, flags, payload)
             elif kind == HEADERS:
@@ -514,7 +517,7 @@ class Connection(asyncio.Protocol):
         if t is None or t.is_closing():
             return
         t.write(data)
-        if t.get_write_buffer_size() > self.limits.max_output_buffer:
+        if t.get_write_buffer_size() > self.max_output_buffer:
             self.log.warning("closing the gRPC connection from %s: %d bytes it does not read", self.peer_name,
                         t.get_write_buffer_size())
             t.abort()
