@@ -116,7 +116,8 @@ def main() -> None:
     for _ in range(rounds):
         for name, impl in (("old", old), ("new", "new")):
             got[name].append(run(impl))
-            print(name, "µs/msg %.1f  µs/unary %.1f" % tuple(x * 1e6 for x in got[name][-1]), flush=True)
+            msg_us, req_us = (x * 1e6 for x in got[name][-1])
+            print(f"{name} µs/msg {msg_us:.1f}  µs/unary {req_us:.1f}", flush=True)
     print(json.dumps({name: {"us_per_echoed_message": round(statistics.median(r[0] for r in runs) * 1e6, 1),
                              "us_per_unary_request": round(statistics.median(r[1] for r in runs) * 1e6, 1)}
                       for name, runs in got.items()}))
