@@ -62,6 +62,9 @@ KEEPALIVE_PING = b"epp-kpal"
 
 
 class Connection(asyncio.Protocol):
+    """One client connection. Frames are handled in `data_received` itself (no task per frame); a connection
+    error raised anywhere below becomes one GOAWAY with its code and the close."""
+
     def __init__(self, server: H2GrpcServer) -> None:
         self.server = server
         self.log = server.log
@@ -70,6 +73,8 @@ class Connection(asyncio.Protocol):
         self.credit_step = limits.credit_step
         self.max_frame = limits.max_frame
         self.max_output_buffer = limits.max_output_buffer
+        self.connection_window = limits.connection_window
+        self.refill_at = limits.connection_window // 2
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.peer_name = "unknown"
@@ -288,10 +293,10 @@ class Connection(asyncio.Protocol):
         self.recv_window -= flow_len  # counts on the connection whatever becomes of the stream
         if self.recv_window < 0:
             raise ConnectionError_(FLOW_CONTROL_ERROR, "the connection sent past its window")
-        if self.recv_window <= self.limits.connection_window // 2:
+        if self.recv_window <= self.refill_at:
             # the stream windows bound what waits unread; the connection's only paces the peer
-            self.write(frame(WINDOW_UPDATE, 0, 0, U32.pack(self.limits.connection_window - self.recv_window)))
-            self.recv_window = self.limits.connection_window
+            self.write(frame(WINDOW_UPDATE, 0, 0, U32.pack(self.connection_window - self.recv_window)))
+            self.recv_window = self.connection_window
         call = self.calls.get(sid)
         if call is None:
             self._not_open(sid, flags, "DATA")

@@ -3,7 +3,7 @@
 A trivial bytes servicer (stream-stream echo, and unary) in a child process on uvloop, grpcio's asyncio client
 in this one; the server process's user+system CPU from /proc per echoed message (8 concurrent streams) and per
 unary request (a stream each: HEADERS, DATA, trailers). Runs alternate old, new, old, new... so both see the
-same machine load; the median of each is reported.
+same machine load (each first in every other round); the median of each is reported.
 """
 
 from __future__ import annotations
@@ -113,8 +113,9 @@ def main() -> None:
     old = sys.argv[1]
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 4
     got: dict[str, list[tuple[float, float]]] = {"old": [], "new": []}
-    for _ in range(rounds):
-        for name, impl in (("old", old), ("new", "new")):
+    for i in range(rounds):
+        pair = (("old", old), ("new", "new"))
+        for name, impl in pair if i % 2 == 0 else pair[::-1]:  # neither always first
             got[name].append(run(impl))
             msg_us, req_us = (x * 1e6 for x in got[name][-1])
             print(f"{name} µs/msg {msg_us:.1f}  µs/unary {req_us:.1f}", flush=True)
@@ -176,7 +177,7 @@ def frames_only(old: str, rounds: int = 10, messages: int = 20_000) -> dict[str,
         return cpu / messages
 
     got: dict[str, list[float]] = {"old": [], "new": []}
-    for _ in range(rounds):
-        for name in ("old", "new"):
+    for i in range(rounds):
+        for name in ("old", "new") if i % 2 == 0 else ("new", "old"):
             got[name].append(uvloop.run(one(name)))
     return {name: round(statistics.median(v) * 1e6, 2) for name, v in got.items()}
