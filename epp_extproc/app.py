@@ -32,10 +32,10 @@ from epp_extproc.core.picker import Picker
 from epp_extproc.core.pipeline import Admission, Pipeline
 from epp_extproc.envoy.access_log import AccessLogServicer, als_pb2_grpc
 from epp_extproc.envoy.extproc import ExtProcServicer, pb_grpc
-from epp_extproc.envoy.h2server import H2GrpcServer
 from epp_extproc.envoy.health import HEALTH_SERVER_OPTIONS, Health
 from epp_extproc.envoy.tls import CertSource, ServerCert
 from epp_extproc.metrics import PickerMetrics, PromFlowMetrics
+from h2grpc import H2GrpcServer
 from kvindex.aio import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -224,7 +224,8 @@ class PickerApp:
         if cfg.extproc_transport == "h2":
             self._grpc = H2GrpcServer(max_concurrent_rpcs=max_calls, max_receive_message_length=msg_limit,
                                       max_send_message_length=msg_limit, keepalive_time_s=cfg.extproc_keepalive_s,
-                                      max_connections=cfg.extproc_max_connections, max_partial_bytes=msg_limit)
+                                      max_connections=cfg.extproc_max_connections, max_partial_bytes=msg_limit,
+                                      logger=logging.getLogger("epp_extproc.envoy.h2server"))
         else:
             self._grpc = grpc.aio.server(options=[
                 ("grpc.max_receive_message_length", msg_limit), ("grpc.max_send_message_length", msg_limit),

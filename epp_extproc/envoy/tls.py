@@ -197,3 +197,45 @@ class CertSource:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
             atexit.unregister(self.close)
+
+
+# --- the h2 transport's server context (issue 25 item 3: moved here from envoy/h2server.py) ---------------
+
+def server_ssl_context(cert_pem: bytes, key_pem: bytes) -> ssl.SSLContext:
+    """An h2 server context (TLS 1.2+, ALPN h2) from PEM in memory: the key goes through an anonymous memfd,
+    never a file."""
+    import os
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_alpn_protocols(["h2"])
+    fds = []
+    try:
+        for name, pem in (("crt", cert_pem), ("key", key_pem)):
+            fd = os.memfd_create(f"epp-tls-{name}", os.MFD_CLOEXEC)
+            fds.append(fd)
+            os.write(fd, pem)
+        ctx.load_cert_chain(f"/proc/self/fd/{fds[0]}", f"/proc/self/fd/{fds[1]}")
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return ctx
+
+
+def reloading_ssl_context(current: Any) -> ssl.SSLContext:
+    """A server context that hands each new handshake the pair `current()` returns now: its SNI callback, which
+    OpenSSL calls on every ClientHello, swaps in the context of a reloaded pair (built once per pair)."""
+    first = current()
+    base = server_ssl_context(first.cert_pem, first.key_pem)
+    state: list[Any] = [first, base]  # the pair last built, and its context
+
+    def pick(sslobj: ssl.SSLObject, server_name: str | None, ctx: ssl.SSLContext) -> None:
+        cur = current()
+        if state[0] is not cur:
+            state[:] = [cur, server_ssl_context(cur.cert_pem, cur.key_pem)]
+            state[1].sni_callback = pick
+        if state[1] is not ctx:
+            sslobj.context = state[1]
+
+    base.sni_callback = pick
+    return base

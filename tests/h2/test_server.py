@@ -1,4 +1,4 @@
-"""The ext_proc port's own HTTP/2 gRPC server: grpcio's client against it, and raw frames a client should not
+"""h2grpc, the ext_proc port's own HTTP/2 gRPC server: grpcio's client against it, and raw frames a client should not
 send. Every case runs on both loops the picker runs on."""
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ import hpack
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from epp_extproc.envoy import h2server as h2
-from epp_extproc.envoy.h2server import H2GrpcServer
 from epp_extproc.envoy.health import SERVICES, BoundedHealthServicer
 from epp_extproc.envoy.tls import CertSource
+from h2grpc import H2GrpcServer, Limits
+from h2grpc import codec as h2
+from h2grpc.connection import Connection
+from h2grpc.limits import DEFAULT
 from tests.loops import event_loop_policy  # noqa: F401 - both loops
 
 
@@ -303,9 +305,10 @@ async def test_a_ping_is_answered_with_its_payload(served) -> None:  # noqa: ANN
     raw.close()
 
 
-async def test_a_connection_that_never_sends_the_preface_is_closed(served, monkeypatch) -> None:  # noqa: ANN001
-    server, _, port = served
-    monkeypatch.setattr(h2, "PREFACE_TIMEOUT_S", 0.3)
+async def test_a_connection_that_never_sends_the_preface_is_closed() -> None:
+    server = H2GrpcServer(max_concurrent_rpcs=1, limits=Limits(preface_timeout_s=0.3))
+    port = await server.bind("127.0.0.1", 0)
+    await server.start()
     r, w = await asyncio.open_connection("127.0.0.1", port)
     w.write(h2.PREFACE[:10])  # a start, then silence
     loop = asyncio.get_running_loop()
@@ -315,6 +318,7 @@ async def test_a_connection_that_never_sends_the_preface_is_closed(served, monke
     assert 0.25 <= loop.time() - t0 < 3
     assert not server.connections
     w.close()
+    await server.stop(0)
 
 
 async def test_not_http2_is_answered_with_goaway_and_closed(served) -> None:  # noqa: ANN001
@@ -333,9 +337,9 @@ async def test_data_past_the_stream_window_closes_the_connection(served, caplog)
     raw.w.write(_frame(h2.HEADERS, h2.END_HEADERS, 1, _request_headers("/test.Svc/Hang")))
     await asyncio.wait_for(svc.started.wait(), 5)
     frame = _frame(h2.DATA, 0, 1, _msg(b"z" * 15_995))  # whole messages, never read by the handler
-    with caplog.at_level("INFO", logger="epp_extproc.envoy.h2server"):
+    with caplog.at_level("INFO", logger="h2grpc"):
         with contextlib.suppress(ConnectionError):
-            for _ in range(3 * h2.STREAM_WINDOW // 16_000):  # refills stop once one window waits unread
+            for _ in range(3 * DEFAULT.stream_window // 16_000):  # refills stop once one window waits unread
                 raw.w.write(frame)
                 await raw.w.drain()
         await asyncio.wait_for(svc.finally_ran.wait(), 5)  # the connection went, and its call with it
@@ -408,7 +412,7 @@ async def test_data_on_a_finished_stream_is_dropped_and_the_connection_goes_on(s
     assert flags & h2.END_STREAM  # trailers-only
     for _ in range(200):  # in flight before the client saw the reset: dropped, still counted on the connection
         raw.w.write(_frame(h2.DATA, 0, 1, b"q" * 16_000))
-    block = b"".join(h2._literal(k.encode(), v.encode()) for k, v in (
+    block = b"".join(h2.literal(k.encode(), v.encode()) for k, v in (
         (":method", "POST"), (":scheme", "http"), (":path", "/test.Svc/Chat"), (":authority", "x"),
         ("content-type", "application/grpc")))
     raw.w.write(_frame(h2.HEADERS, h2.END_HEADERS, 3, block) + _frame(h2.DATA, h2.END_STREAM, 3, _msg(b"more")))
@@ -457,7 +461,7 @@ class _Transport:
 
 async def test_the_answers_to_the_frames_of_one_read_leave_in_one_write() -> None:
     """A flood of PINGs or SETTINGS cost a syscall per frame; now a read costs one however many it holds."""
-    conn = h2._Connection(H2GrpcServer(max_concurrent_rpcs=1, keepalive_time_s=0))
+    conn = Connection(H2GrpcServer(max_concurrent_rpcs=1, keepalive_time_s=0))
     t = _Transport()
     conn.connection_made(t)  # type: ignore[arg-type]
     t.writes.clear()
@@ -477,7 +481,7 @@ async def test_streams_past_the_per_connection_limit_are_refused() -> None:
     await server.start()
     try:
         raw = await Raw.open(port)
-        block = b"".join(h2._literal(k.encode(), v.encode()) for k, v in (
+        block = b"".join(h2.literal(k.encode(), v.encode()) for k, v in (
             (":method", "POST"), (":scheme", "http"), (":path", "/test.Svc/Hang"), (":authority", "x")))
         for sid in (1, 3, 5, 7):
             raw.w.write(_frame(h2.HEADERS, h2.END_HEADERS, sid, block))
