@@ -137,21 +137,7 @@ class CertSource:
     def ssl_context(self) -> ssl.SSLContext:
         """For the h2 transport: a server context that hands each new handshake the pair in service now
         (its SNI callback, which OpenSSL calls on every ClientHello, swaps in the context of a reloaded pair)."""
-        from epp_extproc.envoy.h2server import server_ssl_context
-
-        base = server_ssl_context(self.current.cert_pem, self.current.key_pem)
-        state: list[Any] = [self.current, base]  # the pair last built, and its context
-
-        def pick(sslobj: ssl.SSLObject, server_name: str | None, ctx: ssl.SSLContext) -> None:
-            cur = self.current
-            if state[0] is not cur:
-                state[:] = [cur, server_ssl_context(cur.cert_pem, cur.key_pem)]
-                state[1].sni_callback = pick
-            if state[1] is not ctx:
-                sslobj.context = state[1]
-
-        base.sni_callback = pick
-        return base
+        return reloading_ssl_context(lambda: self.current)
 
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.dynamic_ssl_server_credentials(self._config(self.current), self._fetch,
