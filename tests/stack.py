@@ -22,6 +22,7 @@ from epp_extproc.dev import envoy_config, procs
 from epp_extproc.dev.procs import MOCK, Proc
 from tests.gateway_client import Reply, request
 from tests.harness import BackgroundLoop, EnvoyProcess
+from tests.waiting import until
 
 __all__ = ["MOCK", "GatewayStack", "MockProc"]
 
@@ -170,24 +171,20 @@ class GatewayStack:
 
     def wait_index_matches(self, timeout: float = 10.0) -> None:
         """Until the index agrees with every worker's cache (events are asynchronous), else fail loudly."""
-        deadline = time.monotonic() + timeout
-        while True:
+        bad: list[str] = []
+
+        def agree() -> bool:
+            nonlocal bad
             bad = [d for m in self.mocks for d in self.index_mismatches(m)]
-            if not bad:
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"index does not match the workers' caches: {bad}")
-            time.sleep(0.1)
+            return not bad
+
+        until(agree, lambda: f"the index to match the workers' caches: {bad}", timeout, 0.1)
 
     def wait_subscribed(self, timeout: float = 10.0) -> None:
         """Until every worker's subscriber has received at least one batch (heartbeat or clear)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            snap = self.kv_snapshot()["workers"]
-            if all(snap.get(m.address, {}).get("batches", 0) > 0 for m in self.mocks):
-                return
-            time.sleep(0.05)
-        raise TimeoutError(f"subscribers did not connect: {self.kv_snapshot()}")
+        until(lambda: all(self.kv_snapshot()["workers"].get(m.address, {}).get("batches", 0) > 0
+                          for m in self.mocks),
+              lambda: f"subscribers to connect: {self.kv_snapshot()}", timeout, 0.05)
 
     # -- client side
     @property
@@ -230,12 +227,9 @@ class GatewayStack:
 
     def wait_idle(self, timeout: float = 10.0) -> None:
         assert self.app is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.app.load.total_inflight() == 0 and self.app.pipeline.gate.count == 0:
-                return
-            time.sleep(0.02)
-        raise TimeoutError("picker still has requests in flight")
+        app = self.app
+        until(lambda: app.load.total_inflight() == 0 and app.pipeline.gate.count == 0,
+              "the picker to have no request in flight", timeout, 0.02)
 
     def stop(self) -> None:
         if self.envoy is not None:
