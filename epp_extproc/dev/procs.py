@@ -251,6 +251,8 @@ class Proc:
         """A child of the process (vLLM's EngineCore) can outlive it for a moment: nothing of the group stays."""
         assert self.proc is not None
         for _ in range(40):
+            if not _group_running(self.proc.pid):
+                return
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -281,6 +283,25 @@ class Proc:
     def cpu_seconds(self) -> float:
         """user+system CPU time of the process so far (from /proc, clock ticks)."""
         return 0.0 if self.proc is None else proc_cpu_seconds(self.proc.pid)
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (exited ones waiting for their parent to reap them don't
+    count: signals cannot end them, and their orphans are reaped by init whenever it gets to it)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return True  # no /proc: let killpg say whether the group exists
+    for e in entries:
+        if not e.isdigit():
+            continue
+        try:
+            fields_ = Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields_) > 2 and fields_[2] == str(pgid) and fields_[0] != "Z":
+            return True
+    return False
 
 
 def proc_cpu_seconds(pid: int) -> float:
