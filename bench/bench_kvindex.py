@@ -24,7 +24,7 @@ from typing import Any
 import msgpack
 import xxhash
 
-from bench.kvwire import pack_batch, stored_event
+from epp_extproc.dev.kvwire import pack_batch, stored_event
 from kvindex.decode import decode_payload
 from kvindex.hashing import block_hashes
 from kvindex.index import KvIndex

@@ -31,26 +31,13 @@ from typing import Any
 
 from bench import harness as H
 from bench import request_floor
+from bench.chat_bodies import make_bodies
 from bench.kvpub import make_doc
 
 FAST_MOCK = ["--speedup", "1000000", "--prefill-ms-per-token", "0", "--decode-ms-per-token", "0",
              "--max-batch-size", "4096", "--num-blocks", "65536"]
 CONFIGS = {"a": "envoy round-robin (no ext_proc)", "b": "envoy + picker, load only",
            "c": "envoy + picker, render + KV"}
-WORDS = ("alpha beta gamma delta kernel cache block token route prefix worker envoy picker tensor batch "
-         "decode prefill latency stream queue").split()
-
-
-def make_bodies(n_words: int) -> Any:
-    rng = random.Random(3)
-    system = " ".join(rng.choice(WORDS) for _ in range(n_words))
-
-    def make(i: int) -> bytes:
-        return json.dumps({"model": "mock-model", "max_tokens": 1, "messages": [
-            {"role": "system", "content": system},
-            {"role": "user", "content": f"question {i}: " + " ".join(rng.choice(WORDS) for _ in range(12))}],
-        }).encode()
-    return make
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -148,7 +135,6 @@ def run_decision_process(n_workers: int, n_tokens: int, reps: int) -> dict[str, 
 
 # ----------------------------------------------------------------------------- decision time, in-process
 async def _inproc(n_workers: int, n_tokens: int, reps: int) -> dict[str, Any]:
-    from bench.kvwire import pack_batch, stored_event
     from epp_extproc.adapters.kv_routing import KvRouting
     from epp_extproc.config import Config
     from epp_extproc.core.admission import BodyBudget, InflightGate
@@ -160,6 +146,7 @@ async def _inproc(n_workers: int, n_tokens: int, reps: int) -> dict[str, Any]:
     from epp_extproc.core.pipeline import Pipeline
     from epp_extproc.core.render import Rendered
     from epp_extproc.core.request import RequestContext
+    from epp_extproc.dev.kvwire import pack_batch, stored_event
     from epp_extproc.metrics import PickerMetrics
     from kvindex.decode import decode_payload
 

@@ -2,7 +2,7 @@
 
     python -m bench.bench_trace [--quick] [--out DIR] [--only a,c] [--rates 10,17.5,25] [--speedup 2.5]
 
-Nobody here shaped this workload: the Mooncake FAST'25 synthetic trace (`shared/traces`, 3,993 requests,
+Nobody here shaped this workload: the Mooncake FAST'25 synthetic trace (`bench/traces/`, 3,993 requests,
 multi-turn, 512-token prefix blocks), reduced as `bench/trace_workload.py` says exactly (whole prefix trees
 1 in 10, one hash id = 32 mock tokens = one KV block, outputs / 4, timestamps / the load multiplier / the mock
 speedup), replayed on its own timestamps by AIPerf (`aiperf profile --custom-dataset-type mooncake_trace

@@ -1,6 +1,7 @@
 """Shared benchmark machinery: real processes (mock workers, renderer, picker, Envoy), an aiohttp load
 generator (closed-loop concurrency and open-loop Poisson), percentile helpers and JSON/PNG output.
 
+The processes are the project's shared ones (`epp_extproc.dev.procs`, as `make run` and the tests use).
 Everything binds to 127.0.0.1 on free ports, every load loop is bounded in request count AND wall time, and
 every process a benchmark starts is stopped by :class:`Stack` on exit, also on Ctrl-C / SIGTERM.
 """
@@ -13,138 +14,30 @@ import json
 import math
 import os
 import platform
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from epp_extproc.dev import envoy_config
+from epp_extproc.dev import envoy_config, procs
+from epp_extproc.dev.procs import BIN, MOCK, PICKER, Proc, free_port, proc_cpu_seconds, wait_port
 
-BIN = Path(sys.executable).parent
-MOCK = str(BIN / "trtllm-mock")
-PICKER = str(BIN / "epp-extproc")
 RESULTS = Path(__file__).parent / "results"
 
 
 # ----------------------------------------------------------------------------- ports and processes
-def _first_ephemeral_port() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default range starts here
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A loopback port that is free now, chosen below the kernel's ephemeral range and never handed out twice
-    by this process.  A port from bind(0) is an ephemeral one: between this call and the moment a test's
-    server binds it, the kernel may give it to any outgoing connection or other bind(0) (a client socket, an
-    HTTP server on port 0), and the server fails with "Address already in use"."""
-    top = min(_first_ephemeral_port(), 65536) - 1
-    bottom = max(1024, top - 12_000) if top > 2048 else 0
-    for _ in range(500 if bottom else 0):
-        port = random.randint(bottom, top)
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
-    with socket.socket() as s:  # no room below the ephemeral range: the kernel's choice
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.03)
-    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
-
-
-@dataclass
-class Proc:
-    name: str
-    argv: list[str]
-    port: int | None
-    log: Path
-    proc: subprocess.Popen[bytes] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 30.0) -> Proc:
-        with open(self.log, "ab") as logf:
-            self.proc = subprocess.Popen(self.argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        if self.port is not None:
-            try:
-                wait_port(self.port, timeout, self.proc)
-            except (TimeoutError, RuntimeError) as e:
-                self.stop()
-                raise RuntimeError(f"{self.name} did not start ({e}):\n{self.log.read_text()[-3000:]}") from None
-        return self
-
-    def stop(self) -> None:
-        p = self.proc
-        if p is not None and p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
-    def rss_bytes(self) -> int:
-        assert self.proc is not None
-        try:
-            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return 0
-
-    def cpu_seconds(self) -> float:
-        """user+system CPU time of the process so far (from /proc, clock ticks)."""
-        assert self.proc is not None
-        return proc_cpu_seconds(self.proc.pid)
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    """user+system CPU time of process `pid` so far (from /proc, clock ticks: 10 ms resolution)."""
-    try:
-        parts = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
+# The processes themselves are the project's one kind (`epp_extproc.dev.procs`), as `make run` and the tests
+# start them; these names stay here for the benchmarks that use them.
+__all__ = ["BIN", "MOCK", "PICKER", "Proc", "free_port", "proc_cpu_seconds", "wait_port"]
 
 
 class Stack:
@@ -187,33 +80,15 @@ def install_sigterm() -> None:
 
 # ----------------------------------------------------------------------------- the parts
 def mock_worker(st: Stack, name: str, args: Sequence[str] = (), *, kv: bool = True) -> Proc:
-    port = free_port()
-    argv = [MOCK, "--name", name, "--port", str(port), "--tokens-per-block", "32", "--log-level", "WARNING",
-            "--heartbeat-interval", "1"]
-    p = Proc(name, argv, port, st.dir / f"{name}.log")
-    if kv:
-        p.extra["kv_port"] = free_port()
-        argv += ["--kv-events-endpoint", f"tcp://127.0.0.1:{p.extra['kv_port']}"]
-    else:
-        argv += ["--no-kv-events"]
-    argv += list(args)
-    return st.add(p)
+    return st.add(procs.mock_worker(name, st.dir, kv=kv, args=["--log-level", "WARNING", *args]))
 
 
 def mock_renderer(st: Stack, args: Sequence[str] = ()) -> Proc:
-    port = free_port()
-    return st.add(Proc("renderer", [MOCK, "--role", "renderer", "--name", "renderer", "--port", str(port),
-                                    "--log-level", "WARNING", *args], port, st.dir / "renderer.log"))
+    return st.add(procs.mock_renderer(st.dir, args=["--log-level", "WARNING", *args]))
 
 
 def endpoints_spec(workers: Sequence[Proc]) -> str:
-    out = []
-    for w in workers:
-        s = f"{w.name}={w.address}"
-        if w.extra.get("kv_port"):
-            s += f";kv=tcp://127.0.0.1:{w.extra['kv_port']}"
-        out.append(s)
-    return ",".join(out)
+    return procs.endpoint_spec(workers, replay=False)
 
 
 PICKER_MAX_INFLIGHT = 100_000  # benchmarks measure the picker, not its shedding; Envoy's breaker follows it
@@ -222,18 +97,10 @@ PICKER_MAX_INFLIGHT = 100_000  # benchmarks measure the picker, not its shedding
 def picker(st: Stack, spec: str, protocol: str = "none", renderer: Proc | None = None,
            extra: Sequence[str] = (), argv0: Sequence[str] | None = None) -> Proc:
     """The real picker as its own process (the `epp-extproc` console script unless `argv0` says otherwise)."""
-    grpc_port, health, metrics = free_port(), free_port(), free_port()
-    argv = [*(argv0 or [PICKER]), "--bind", "127.0.0.1", "--grpc-port", str(grpc_port), "--health-port",
-            str(health), "--metrics-port", str(metrics), "--admin-bind", "127.0.0.1",
-            "--admin-port", str(metrics), "--endpoints", spec, "--log-level", "WARNING",
-            "--tokenizer-protocol", protocol, "--max-inflight-requests", str(PICKER_MAX_INFLIGHT)]
-    if renderer is not None:
-        argv += ["--tokenizer-service-url", renderer.url]
-    argv += list(extra)
-    p = Proc("picker", argv, grpc_port, st.dir / "picker.log", extra={"metrics_port": metrics})
-    st.add(p)
-    wait_port(metrics, 20, p.proc)
-    return p
+    return st.add(procs.picker(st.dir, endpoints=spec, protocol=protocol,
+                               renderer_url=renderer.url if renderer is not None else None, argv0=argv0,
+                               args=["--log-level", "WARNING", "--max-inflight-requests", str(PICKER_MAX_INFLIGHT),
+                                     *extra]))
 
 
 def picker_url(p: Proc) -> str:
@@ -263,21 +130,7 @@ def envoy(st: Stack, *, picker_proc: Proc | None = None, upstreams: Sequence[str
                                      with_picker=picker_proc is not None, static_upstreams=tuple(upstreams),
                                      picker_max_inflight=PICKER_MAX_INFLIGHT, response_mode=response_mode,
                                      extra_picker_ports=tuple(p.port for p in more_pickers if p.port))
-    name = f"envoy-{len(st.procs)}"
-    cfg = envoy_config.write(opts, st.dir / f"{name}.json")
-    p = Proc(name, envoy_config.command(cfg, log_level="warning"), opts.listen_port, st.dir / f"{name}.log",
-             extra={"admin_port": opts.admin_port})
-    st.add(p)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{opts.admin_port}/ready", timeout=1) as r:
-                if r.read().strip() == b"LIVE":
-                    return p
-        except OSError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"envoy not ready:\n{p.log.read_text()[-3000:]}")
+    return st.add(procs.envoy(st.dir, opts, name=f"envoy-{len(st.procs)}"), timeout=60)
 
 
 def wait_warm(pk: Proc, addrs: Sequence[str], warm: Sequence[int], *, timeout: float, poll: float) -> None:
@@ -671,13 +524,15 @@ def kv_publisher(st: Stack, workers: int, *, rate: float, seed: int = 1, doc_blo
     p = Proc("kvpub", [sys.executable, "-m", "bench.kvpub", "--workers", str(workers), "--rate", str(rate),
                        "--seed", str(seed), "--doc-blocks", str(doc_blocks), "--cap", str(cap),
                        "--new-blocks", str(new_blocks)], None, st.dir / "kvpub.log")
-    p.proc = subprocess.Popen(p.argv, stdout=subprocess.PIPE, stdin=subprocess.PIPE,
-                              stderr=open(p.log, "ab"))
+    assert p.log is not None
+    with open(p.log, "ab") as log:  # its own session, as every Proc: stop() signals its group
+        p.proc = subprocess.Popen(p.argv, stdout=subprocess.PIPE, stdin=subprocess.PIPE, stderr=log,
+                                  start_new_session=True)
     st.procs.append(p)
     assert p.proc.stdout is not None
     line = p.proc.stdout.readline()
     if not line:
-        raise RuntimeError(f"kvpub did not start:\n{p.log.read_text()[-3000:]}")
+        raise RuntimeError(f"kvpub did not start:\n{p.tail(3000)}")
     p.extra.update(json.loads(line))
     return p
 
@@ -689,7 +544,7 @@ def kvpub_command(p: Proc, cmd: str) -> dict[str, Any]:
     p.proc.stdin.flush()
     line = p.proc.stdout.readline()
     if not line:
-        raise RuntimeError(f"kvpub died:\n{p.log.read_text()[-3000:]}")
+        raise RuntimeError(f"kvpub died:\n{p.tail(3000)}")
     return json.loads(line)
 
 

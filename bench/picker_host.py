@@ -4,7 +4,8 @@
 
 Adds to the picker's own /metrics, with fine log-spaced buckets so percentiles are exact to ~10%:
 
-* ``bench_decision_seconds``: `Picker.decide` (parse, render call, score, book, predict, rewrite);
+* ``bench_decision_seconds``: `Pipeline.propose` (parse, render call, score and choose, the forwarded body;
+  admission and commit follow it);
 * ``bench_lookup_seconds``: `Pipeline.candidates` (KV index overlap for every worker + loads);
 * ``bench_kv_ingest_lag_seconds``: wall time from the publisher stamping a batch (its msgpack ``ts``, taken
   just before the send) to the batch being applied to the index, i.e. visible to the next lookup;

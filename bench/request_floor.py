@@ -26,6 +26,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from bench import harness as H
+from bench.chat_bodies import make_bodies
 from bench.echo_floor import _headers, floor
 
 _Mode = processing_mode_pb2.ProcessingMode.BodySendMode
@@ -130,8 +131,6 @@ async def _render_cpu(renderer_url: str, bodies: list[bytes], n: int, conc: int)
 
 
 def measure(quick: bool = False) -> dict[str, Any]:
-    from bench.bench_overhead import make_bodies
-
     n = 300 if quick else 3000
     make = make_bodies(120)
     out: dict[str, Any] = {"requests": n, "concurrency": 32}

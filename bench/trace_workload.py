@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-TRACE_NAME = "shared/traces/mooncake_synthetic_trace.jsonl"
+TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_synthetic_trace.jsonl"  # source: traces/README.md
 TRACE_BLOCK = 512  # tokens per hash id in the Mooncake release
 TEMPLATE_PREFIX_TOKENS = 2  # <|im_start|> and "user" in front of the first content word (trtllm_mock template)
 VOCAB_WORDS = 20000
@@ -56,15 +56,14 @@ class TraceScale:
 
 
 def find_trace() -> Path:
-    """``$EPP_TRACE`` if set, else ``shared/traces/`` in a parent of the checkout (``/work/shared/traces``)."""
+    """``$EPP_TRACE`` if set (another trace in the same format), else the copy kept in ``bench/traces/``."""
     import os
 
     if os.environ.get("EPP_TRACE"):
         return Path(os.environ["EPP_TRACE"])
-    for parent in Path(__file__).resolve().parents:
-        if (parent / TRACE_NAME).exists():
-            return parent / TRACE_NAME
-    raise FileNotFoundError(f"Mooncake trace not found: no {TRACE_NAME} above {__file__} (set EPP_TRACE)")
+    if not TRACE.exists():
+        raise FileNotFoundError(f"Mooncake trace not found at {TRACE} (set EPP_TRACE)")
+    return TRACE
 
 
 def load(path: Path) -> list[dict[str, Any]]:

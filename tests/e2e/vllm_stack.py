@@ -16,9 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -30,10 +27,10 @@ from typing import Any
 import msgpack
 import zmq
 
-from epp_extproc.dev import envoy_config
+from epp_extproc.dev import envoy_config, procs
+from epp_extproc.dev.procs import Proc, free_port, wait_all_ready
 from tests.gateway_client import Reply, request
 from tests.harness import EnvoyProcess
-from tests.netutil import free_port, wait_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = os.environ.get("E2E_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
@@ -41,7 +38,6 @@ MODEL_DIR = os.environ.get("E2E_VLLM_MODEL", str(ROOT / ".venv-vllm" / "tiny-lla
 MODEL_NAME = "tiny-llama"
 LORA_NAME = "tiny-lora"  # a LoRA adapter every worker serves (`--lora-modules`), built with the model
 BLOCK_SIZE = 32
-PICKER = str(Path(sys.executable).parent / "epp-extproc")
 WORKER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 RENDER_MODULE = "vllm.entrypoints.launchers.render.entry"
 REPLAY_END = b"\xff" * 8
@@ -69,124 +65,6 @@ def prom_sum(text: str, name: str, labels: str = "") -> float:
     return sum(float(v) for lab, v in pat.findall(text) if labels in lab)
 
 
-@dataclass
-class Proc:
-    """A server process started in its own session, so the whole tree (vLLM's EngineCore too) can be
-    signalled at once."""
-
-    name: str
-    argv: list[str]
-    port: int
-    log: Path
-    env: dict[str, str] = field(default_factory=dict)
-    proc: subprocess.Popen[bytes] | None = None
-    started_at: float = 0.0
-    ready_s: float = 0.0
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.address}"
-
-    def start(self) -> Proc:
-        assert not self.alive(), f"{self.name} is already running"
-        with open(self.log, "ab") as f:
-            f.write(f"\n===== start {time.strftime('%H:%M:%S')}: {' '.join(self.argv)}\n".encode())
-        self.proc = subprocess.Popen(self.argv, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, **self.env}, start_new_session=True, cwd=str(ROOT))
-        self.started_at = time.monotonic()
-        return self
-
-    def wait_ready(self, path: str = "/health", timeout: float = 300) -> Proc:
-        deadline = time.monotonic() + timeout
-        while True:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url + path, timeout=2) as r:
-                    if r.status == 200:
-                        self.ready_s = time.monotonic() - self.started_at
-                        return self
-            except (OSError, urllib.error.HTTPError):
-                pass
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not ready after {timeout}s:\n{self.tail()}")
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def signal_tree(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def kill(self) -> None:
-        """SIGKILL the whole process group: the worker dies as in a crash (no clean shutdown)."""
-        if self.proc is None:
-            return
-        self.signal_tree(signal.SIGKILL)
-        self.proc.wait(30)
-        self._reap_group()
-
-    def stop(self, grace: float = 20) -> None:
-        if self.proc is None:
-            return
-        self.signal_tree(signal.SIGTERM)
-        try:
-            self.proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            self.signal_tree(signal.SIGKILL)
-            self.proc.wait(10)
-        self._reap_group()
-
-    def _reap_group(self) -> None:
-        """vLLM's EngineCore can outlive its API server for a moment: make sure nothing of the group stays."""
-        if self.proc is None:
-            return
-        for _ in range(40):
-            try:
-                os.killpg(self.proc.pid, 0)
-            except ProcessLookupError:
-                return
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                return
-            time.sleep(0.25)
-
-    def tail(self, n: int = 4000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-
-def wait_all_ready(procs: list[Proc], timeout: float = 300) -> None:
-    """Poll processes started together, so each one's ready time is its own, not the slowest one's."""
-    deadline = time.monotonic() + timeout
-    pending = list(procs)
-    while pending:
-        for p in list(pending):
-            try:
-                p.wait_ready(timeout=0.01)
-                pending.remove(p)
-            except TimeoutError:
-                if time.monotonic() > deadline:
-                    raise
-        time.sleep(0.3)
-
-
 def vllm_worker(name: str, workdir: Path) -> tuple[Proc, int, int]:
     port, kv, rp = free_port(), free_port(), free_port()
     kv_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv}",
@@ -198,7 +76,8 @@ def vllm_worker(name: str, workdir: Path) -> tuple[Proc, int, int]:
             "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{LORA_NAME}={MODEL_DIR}/lora",
             "--disable-uvicorn-access-log"]
     # dev mode only for POST /reset_prefix_cache, which the suite uses to start a section from an empty cache
-    return Proc(name, argv, port, workdir / f"{name}.log", {**VLLM_ENV, "VLLM_SERVER_DEV_MODE": "1"}), kv, rp
+    return Proc(name, argv, port, workdir / f"{name}.log", env={**VLLM_ENV, "VLLM_SERVER_DEV_MODE": "1"},
+                cwd=str(ROOT), ready_url=f"http://127.0.0.1:{port}/health"), kv, rp
 
 
 def vllm_renderer(workdir: Path) -> Proc:
@@ -206,7 +85,8 @@ def vllm_renderer(workdir: Path) -> Proc:
     argv = [VLLM_PYTHON, "-m", RENDER_MODULE, "--model", MODEL_DIR, "--served-model-name", MODEL_NAME,
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
             "--disable-uvicorn-access-log"]
-    return Proc("renderer", argv, port, workdir / "renderer.log", dict(VLLM_ENV))
+    return Proc("renderer", argv, port, workdir / "renderer.log", env=dict(VLLM_ENV), cwd=str(ROOT),
+                ready_url=f"http://127.0.0.1:{port}/health")
 
 
 # ----------------------------------------------------------------------------------------------- oracle
@@ -450,9 +330,9 @@ class VllmStack:
         for w in self.workers:
             kv, rp = self.kv[w.name]
             self.recorder.watch(w.address, f"tcp://127.0.0.1:{kv}", f"tcp://127.0.0.1:{rp}")
-            w.start()
-        self.renderer.start()
-        wait_all_ready([*self.workers, self.renderer])
+            w.start(timeout=None)
+        self.renderer.start(timeout=None)
+        wait_all_ready([*self.workers, self.renderer], timeout=300)
         self.figures["start_s"] = {p.name: round(p.ready_s, 1) for p in [*self.workers, self.renderer]}
         self.start_picker()
         self.envoy = EnvoyProcess(envoy_config.EnvoyOptions(picker_port=self.picker_ports[0])).start()
@@ -465,19 +345,14 @@ class VllmStack:
 
     def start_picker(self, *extra: str) -> None:
         g, h, m, a = self.picker_ports
-        argv = [PICKER, "--grpc-port", str(g), "--health-port", str(h), "--metrics-port", str(m),
-                "--admin-port", str(a),
-                "--bind", "127.0.0.1", "--endpoints", self.endpoints_spec(),
-                "--tokenizer-protocol", "vllm-render", "--tokenizer-service-url", self.renderer.url,
-                "--tokenization-timeout-ms", "20000", *extra]
-        self.picker = Proc("picker", argv, m, self.dir / "picker.log")
-        self.picker.start()
-        self.picker.wait_ready("/metrics", timeout=60)
-        wait_port(g, timeout=30)
+        self.picker = procs.picker(self.dir, endpoints=self.endpoints_spec(), protocol="vllm-render",
+                                   renderer_url=self.renderer.url, grpc_port=g, health_port=h, metrics_port=m,
+                                   admin_port=a, args=["--tokenization-timeout-ms", "20000", *extra])
+        self.picker.start(timeout=90)  # ext_proc listens and /metrics answers
 
     def restart_picker(self, *extra: str) -> float:
         assert self.picker is not None
-        self.picker.stop()
+        self.picker.stop(grace=20)
         t = time.monotonic()
         self.start_picker(*extra)
         return time.monotonic() - t
@@ -486,8 +361,8 @@ class VllmStack:
         w.kill()  # never leave an old process behind (nor let it keep the ports) if a test did not kill it
         kv, rp = self.kv[w.name]
         self.recorder.watch(w.address, f"tcp://127.0.0.1:{kv}", f"tcp://127.0.0.1:{rp}")
-        w.start()
-        w.wait_ready()
+        w.start(timeout=None)
+        w.wait_ready(timeout=300, interval=0.5)
 
     def reset_caches(self, timeout: float = 20) -> None:
         """Empty every live engine's prefix cache and wait until its AllBlocksCleared event arrives.
@@ -512,7 +387,7 @@ class VllmStack:
             self.envoy.stop()
         for p in [self.picker, *self.workers, self.renderer]:
             if p is not None:
-                p.stop()
+                p.stop(grace=20)
         self.recorder.close()
 
     # -- the picker's side
@@ -522,7 +397,7 @@ class VllmStack:
 
     def picker_get(self, path: str) -> Any:
         assert self.picker is not None
-        base = self.admin_url if path.startswith("/debug") else self.picker.url
+        base = self.admin_url if path.startswith("/debug") else f"http://127.0.0.1:{self.picker_ports[2]}"
         return http_json(base + path, timeout=10)
 
     def picker_metrics(self) -> str:

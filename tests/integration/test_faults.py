@@ -22,6 +22,7 @@ import pytest
 from epp_extproc.config import RenderPolicy
 from tests.gateway_client import Reply, request
 from tests.stack import GatewayStack, MockProc
+from tests.waiting import until
 
 SYSTEMS = [f"System prompt {k} for the fault tests: answer briefly and cite sources. " * 10 for k in range(4)]
 RENDER_TIMEOUT_MS = 500
@@ -31,14 +32,6 @@ PROBE_MS = 100
 def user(text: str, system: int | None = None) -> list[dict[str, str]]:
     msgs = [{"role": "system", "content": SYSTEMS[system]}] if system is not None else []
     return [*msgs, {"role": "user", "content": text}]
-
-
-def wait_until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for: {what}")
-        time.sleep(0.02)
 
 
 def endpoint(stack: GatewayStack, mock: MockProc) -> dict[str, Any]:
@@ -176,7 +169,7 @@ def test_killed_worker_is_out_of_rotation_and_its_index_entries_dropped(stack: G
     victim, survivor = stack.mocks
     assert stack.app.kv.index.blocks_indexed(victim.address) > 0
     victim.stop(signal.SIGKILL)
-    wait_until(lambda: not endpoint(stack, victim)["healthy"], "the picker notices the dead worker")
+    until(lambda: not endpoint(stack, victim)["healthy"], "the picker notices the dead worker")
     assert stack.app.kv.index.blocks_indexed(victim.address) == 0
     picks = stack.picker_metric("epp_picks_total", f'endpoint="{victim.address}"')
     # including prefixes only the dead worker had cached
@@ -190,7 +183,7 @@ def test_killed_worker_is_out_of_rotation_and_its_index_entries_dropped(stack: G
 def test_restarted_worker_is_back_in_rotation_with_an_index_matching_its_new_cache(stack: GatewayStack) -> None:
     victim = stack.mocks[0]
     victim.start()
-    wait_until(lambda: endpoint(stack, victim)["healthy"], "the restarted worker is probed healthy")
+    until(lambda: endpoint(stack, victim)["healthy"], "the restarted worker is probed healthy")
     # concurrent long-ish requests: the least-loaded rule spreads them over both workers
     with ThreadPoolExecutor(4) as pool:
         replies = list(pool.map(lambda i: stack.chat(user(f"rotation {i} " * 30), max_tokens=100), range(4)))
@@ -208,7 +201,7 @@ def wait_in_sync(stack: GatewayStack) -> None:
     """Until each subscriber has applied the last batch its worker published (so a drop is a mid-stream gap)."""
     def synced(m: MockProc) -> bool:
         return kv_stats(stack, m)["last_seq"] == m.get("/mock/stats")["kv_events"]["next_seq"] - 1
-    wait_until(lambda: all(synced(m) for m in stack.mocks), "subscribers in sync (a heartbeat at least)")
+    until(lambda: all(synced(m) for m in stack.mocks), "subscribers in sync (a heartbeat at least)")
 
 
 def test_dropped_kv_batch_is_detected_as_a_gap_and_healed_by_replay(stack: GatewayStack) -> None:
@@ -223,8 +216,8 @@ def test_dropped_kv_batch_is_detected_as_a_gap_and_healed_by_replay(stack: Gatew
     assert {r.status for r in replies} == {200}
     dropped = [m for m in stack.mocks if m.get("/mock/stats")["kv_events"]["batches_dropped"] > 0]
     assert dropped
-    wait_until(lambda: all(kv_stats(stack, m)["gaps"] > before[m.address]["gaps"] for m in dropped),
-               "the subscribers see the gaps (the next batch or heartbeat after the drop)")
+    until(lambda: all(kv_stats(stack, m)["gaps"] > before[m.address]["gaps"] for m in dropped),
+          "the subscribers see the gaps (the next batch or heartbeat after the drop)")
     for m in dropped:
         st = kv_stats(stack, m)
         assert st["replays"] > before[m.address]["replays"]
@@ -236,7 +229,7 @@ def test_restarted_publisher_clears_the_worker_and_the_index_follows(stack: Gate
     m = stack.mocks[1]
     restarts = kv_stats(stack, m)["restarts"]
     m.post("/mock/faults/restart-publisher")  # seq back to 0, replay buffer and cache emptied silently
-    wait_until(lambda: kv_stats(stack, m)["restarts"] > restarts, "the subscriber sees seq go back")
+    until(lambda: kv_stats(stack, m)["restarts"] > restarts, "the subscriber sees seq go back")
     assert stack.app is not None and stack.app.kv is not None
     assert stack.app.kv.index.blocks_indexed(m.address) == 0
     replies = send_many(stack, 8, "after publisher restart")
@@ -277,7 +270,7 @@ def traffic_during(stack: GatewayStack, fault: Callable[[], None], after: int = 
     threads = [threading.Thread(target=client) for _ in range(2)]
     for t in threads:
         t.start()
-    wait_until(lambda: len(during) >= 5, "some traffic before the fault")
+    until(lambda: len(during) >= 5, "some traffic before the fault")
     fault()
     fault_done.set()
     for t in threads:
@@ -320,10 +313,10 @@ def test_client_disconnect_mid_pick_frees_the_stream_and_reaches_no_worker(stack
     stack.renderer.proc.send_signal(signal.SIGSTOP)  # the pick waits on the render call
     try:
         sock = open_raw(stack, {"model": "mock-model", "messages": user("goodbye mid-pick"), "max_tokens": 4})
-        wait_until(lambda: stack.app.picker.open_requests == 1, "the picker is deciding")  # type: ignore[union-attr]
+        until(lambda: stack.app.picker.open_requests == 1, "the picker is deciding")  # type: ignore[union-attr]
         sock.close()
-        wait_until(lambda: stack.app.picker.open_requests == 0, "the stream is gone",  # type: ignore[union-attr]
-                   timeout=RENDER_TIMEOUT_MS / 1000 * 4)
+        until(lambda: stack.app.picker.open_requests == 0, "the stream is gone",  # type: ignore[union-attr]
+              timeout=RENDER_TIMEOUT_MS / 1000 * 4)
     finally:
         stack.renderer.proc.send_signal(signal.SIGCONT)
     assert inference_counts(stack) == before
@@ -337,11 +330,11 @@ def test_client_disconnect_mid_stream_frees_the_booking_and_the_worker_slot(stac
     sock = open_raw(stack, body)
     first = sock.recv(4096)
     assert first.startswith(b"HTTP/1.1 200")
-    wait_until(lambda: stack.app.load.total_inflight() == 1, "the streaming request is booked")  # type: ignore
+    until(lambda: stack.app.load.total_inflight() == 1, "the streaming request is booked")  # type: ignore
     sock.close()
-    wait_until(lambda: stack.app.load.total_inflight() == 0, "the booking is freed")  # type: ignore
-    wait_until(lambda: sum(m.get("/mock/stats")["running"] for m in stack.mocks) == 0,
-               "the worker stopped decoding for the departed client")
+    until(lambda: stack.app.load.total_inflight() == 0, "the booking is freed")  # type: ignore
+    until(lambda: sum(m.get("/mock/stats")["running"] for m in stack.mocks) == 0,
+          "the worker stopped decoding for the departed client")
     settle(stack)
 
 
@@ -384,14 +377,14 @@ def test_dropped_kv_batch_without_replay_clears_the_worker_and_indexes_only_what
     assert lone.chat(lost).status == 200
     fresh = [{"role": "user", "content": "a new prefix after the gap " * 30}]
     assert lone.chat(fresh).status == 200
-    wait_until(lambda: kv_stats(lone, m)["gaps"] == before["gaps"] + 1, "the gap is seen")
+    until(lambda: kv_stats(lone, m)["gaps"] == before["gaps"] + 1, "the gap is seen")
     lone.wait_idle()
     st = kv_stats(lone, m)
     assert st["clears"] == before["clears"] + 1 and st["replays"] == before["replays"] == 0
     assert lone.app is not None and lone.app.kv is not None
     held = {b["engine_hash"] for b in m.get("/mock/cache")["blocks"]}
-    wait_until(lambda: lone.app.kv.index.blocks_indexed(m.address) > 0,  # type: ignore[union-attr]
-               "the batch after the gap is applied")
+    until(lambda: lone.app.kv.index.blocks_indexed(m.address) > 0,  # type: ignore[union-attr]
+          "the batch after the gap is applied")
     assert lone.app.kv.index.engine_hashes(m.address) < held  # a strict subset: never a block it lacks
     # the prefix that arrived after the gap is indexed in full, so routing by it works again
     score = request(f"http://127.0.0.1:{lone.app.admin_port}", path="/debug/score",

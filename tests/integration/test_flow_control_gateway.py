@@ -13,7 +13,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +21,11 @@ import pytest
 
 from tests.gateway_client import Reply
 from tests.stack import GatewayStack
+from tests.waiting import until
 
 TTL_S = 2.0
 DECODE_MS = 5.0
 SHORT_TOKENS = 8  # ~40 ms of decode: a queued request
-
-
-def wait_until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for: {what}")
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +71,10 @@ class Saturated:
     def __init__(self, stack: GatewayStack, max_tokens: int = 4000) -> None:
         self.stack = stack
         self.socks = [open_raw(stack, max_tokens)]
-        wait_until(lambda: engine(stack)["running"] == 1, "the first blocker runs")
+        until(lambda: engine(stack)["running"] == 1, "the first blocker runs")
         self.socks.append(open_raw(stack, max_tokens))
-        wait_until(lambda: engine(stack)["waiting"] == 1, "the second blocker waits in the engine")
-        wait_until(lambda: flow(stack)["workers"][stack.mocks[0].address]["saturated"], "the pool is saturated")
+        until(lambda: engine(stack)["waiting"] == 1, "the second blocker waits in the engine")
+        until(lambda: flow(stack)["workers"][stack.mocks[0].address]["saturated"], "the pool is saturated")
 
     def release(self) -> None:
         """One at a time, each after the queue has moved: two slots freed together would dispatch two
@@ -90,7 +83,7 @@ class Saturated:
             n = queued(self.stack)
             s.close()
             if n:
-                wait_until(lambda n=n: queued(self.stack) < n, "a queued request is dispatched")
+                until(lambda n=n: queued(self.stack) < n, "a queued request is dispatched")
         self.socks = []
 
     def __enter__(self) -> Saturated:
@@ -120,7 +113,7 @@ class Clients:
         self.threads.append(t)
         n = queued(self.stack)
         t.start()
-        wait_until(lambda: queued(self.stack) == n + 1, f"{tag} is queued in the picker")
+        until(lambda: queued(self.stack) == n + 1, f"{tag} is queued in the picker")
 
     def join(self) -> list[tuple[str, Reply]]:
         for t in self.threads:
@@ -130,11 +123,11 @@ class Clients:
 
 def settle(stack: GatewayStack) -> None:
     stack.wait_idle()
-    wait_until(lambda: queued(stack) == 0 and flow(stack)["queue"]["pending"] == 0, "the queue is empty")
-    wait_until(lambda: engine(stack)["running"] == 0 and engine(stack)["waiting"] == 0, "the engine is idle")
+    until(lambda: queued(stack) == 0 and flow(stack)["queue"]["pending"] == 0, "the queue is empty")
+    until(lambda: engine(stack)["running"] == 0 and engine(stack)["waiting"] == 0, "the engine is idle")
     # the picker learns it from its next scrape of the worker's metrics (every 50 ms here): until then it still
     # sees the pool saturated, and a sheddable request sent at once would be shed
-    wait_until(lambda: not any(w["saturated"] for w in flow(stack)["workers"].values()), "the picker sees room")
+    until(lambda: not any(w["saturated"] for w in flow(stack)["workers"].values()), "the picker sees room")
 
 
 def test_requests_beyond_saturation_wait_in_the_picker_not_in_the_engine(stack: GatewayStack) -> None:
@@ -205,10 +198,10 @@ def test_client_that_disconnects_while_queued_leaves_nothing_behind(stack: Gatew
     cancelled = stack.picker_metric("epp_flow_control_rejected_total", 'reason="client_cancelled"')
     with Saturated(stack):
         sock = open_raw(stack, SHORT_TOKENS, {"x-gateway-inference-fairness-id": "leaver"})
-        wait_until(lambda: queued(stack) == 1, "the request is queued")
+        until(lambda: queued(stack) == 1, "the request is queued")
         sock.close()
-        wait_until(lambda: queued(stack) == 0, "the queue forgot it")
-        wait_until(lambda: stack.app.picker.open_requests == 2, "its stream is gone")  # type: ignore[union-attr]
+        until(lambda: queued(stack) == 0, "the queue forgot it")
+        until(lambda: stack.app.picker.open_requests == 2, "its stream is gone")  # type: ignore[union-attr]
         assert flow(stack)["queue"]["bands"] == {} and flow(stack)["queue"]["pending"] == 0
     assert stack.picker_metric("epp_flow_control_rejected_total", 'reason="client_cancelled"') == cancelled + 1
     settle(stack)

@@ -12,7 +12,6 @@ configuration a user of GAIE already has. Clients are plain HTTP and the officia
 from __future__ import annotations
 
 import json
-import subprocess
 import tempfile
 import time
 import urllib.request
@@ -26,10 +25,11 @@ import pytest
 from epp_extproc.app import PickerApp
 from epp_extproc.config import Config
 from epp_extproc.core.endpoints import Endpoint
-from epp_extproc.dev.envoy_config import envoy_binary
+from epp_extproc.dev.envoy_config import command as envoy_command
+from epp_extproc.dev.procs import Proc
 from tests.gateway_client import request
 from tests.harness import BackgroundLoop
-from tests.netutil import free_port, wait_port
+from tests.netutil import free_port
 from tests.stack import MOCK, GatewayStack, MockProc
 
 EXT_PROC = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -128,15 +128,12 @@ class GaieGateway:
         self.listen_port, self.admin_port = free_port(), free_port()
         cfg = self.dir / "envoy.yaml"
         cfg.write_text(json.dumps(gaie_config(self.listen_port, self.admin_port, self.app.grpc_port)))
-        self.log = open(self.dir / "envoy.log", "wb")
-        self.envoy = subprocess.Popen([envoy_binary(), "-c", str(cfg), "--log-level", "warning",
-                                       "--concurrency", "1", "--disable-hot-restart"], stdout=self.log,
-                                      stderr=subprocess.STDOUT)
+        self.envoy = Proc("envoy", envoy_command(cfg), self.listen_port, self.dir / "envoy.log")
         try:
-            wait_port(self.listen_port, timeout=30)
-        except TimeoutError:
+            self.envoy.start(timeout=30)
+        except RuntimeError:
             self.close()
-            raise RuntimeError((self.dir / "envoy.log").read_text()[-3000:]) from None
+            raise
 
     @property
     def url(self) -> str:
@@ -156,10 +153,7 @@ class GaieGateway:
             time.sleep(0.1)
 
     def close(self) -> None:
-        if self.envoy.poll() is None:
-            self.envoy.terminate()
-            self.envoy.wait(10)
-        self.log.close()
+        self.envoy.stop()
         self.bg.run(self.app.stop())
         self.bg.close()
         for m in self.mocks:

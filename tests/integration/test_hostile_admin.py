@@ -17,8 +17,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from epp_extproc.dev.procs import Proc
 from epp_extproc.envoy.health import Health
-from tests.netutil import free_port, wait_port
+from tests.netutil import free_port
 
 BIN = Path(sys.executable).parent
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -39,18 +40,13 @@ def picker_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], in
     argv = [str(BIN / "epp-extproc"), "--bind", "127.0.0.1", "--grpc-port", str(free_port()), "--health-port",
             str(health), "--metrics-port", str(free_port()), "--admin-port", str(free_port()),
             "--endpoints", "127.0.0.1:1", "--endpoint-probe-interval-ms", "0", "--log-level", "WARNING"]
-    with open(tmp_path / "picker.log", "wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_port(health)
-            yield proc, health
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    picker = Proc("picker", argv, health, tmp_path / "picker.log")
+    try:
+        picker.start(timeout=20)
+        assert picker.proc is not None
+        yield picker.proc, health
+    finally:
+        picker.stop()
 
 
 async def check(port: int, service: str) -> int:

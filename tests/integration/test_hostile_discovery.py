@@ -18,6 +18,7 @@ from epp_extproc.adapters import discovery_static
 from epp_extproc.adapters.discovery_k8s import pod_endpoints
 from epp_extproc.adapters.discovery_static import EndpointSpecError, FileDiscovery, parse_flag
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry, split_host_port
+from tests.waiting import until_async
 
 GOOD = "endpoints:\n  - {name: a, address: 127.0.0.1:8001}\n  - {name: b, address: 127.0.0.1:8002}\n"
 POLL_S = 0.02
@@ -50,10 +51,7 @@ class Watched:
         await asyncio.sleep(POLL_S * polls)
 
     async def until(self, names: list[str], timeout_s: float = 5.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.names() != names:
-            assert time.monotonic() < deadline, f"still {self.names()}, want {names}"
-            await asyncio.sleep(POLL_S)
+        await until_async(lambda: self.names() == names, lambda: f"{names}: still {self.names()}", timeout_s, POLL_S)
 
 
 @pytest.fixture

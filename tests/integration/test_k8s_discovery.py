@@ -24,17 +24,9 @@ from epp_extproc.adapters.discovery_k8s import (
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from kvindex.backoff import backoff_delay
 from tests.fake_k8s import PODS, POOLS, FakeKube, make_pod, make_pool
+from tests.waiting import until_async
 
 pytestmark = pytest.mark.timeout(20)
-
-
-async def until(pred: Callable[[], bool], what: str = "condition", cap_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + cap_s
-    while not pred():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 @dataclass
@@ -51,7 +43,7 @@ class Running:
 
     async def wait_names(self, *names: str) -> None:
         want = sorted(names)
-        await until(lambda: self.registry.synced and self.names() == want, f"endpoints {want}")
+        await until_async(lambda: self.registry.synced and self.names() == want, f"endpoints {want}")
 
 
 @pytest.fixture
@@ -138,7 +130,7 @@ async def test_readiness_stays_false_until_the_pods_are_listed(kube, start):
     seed(kube, make_pod("w0", "10.0.0.1"))
     release = kube.hold_lists(PODS)
     r = await start()
-    await until(lambda: len(kube.lists(PODS)) == 1, "the pod list request")
+    await until_async(lambda: len(kube.lists(PODS)) == 1, "the pod list request")
     assert r.registry.synced is False
     release.set()
     await r.wait_names("w0")
@@ -146,7 +138,7 @@ async def test_readiness_stays_false_until_the_pods_are_listed(kube, start):
 
 async def test_a_missing_pool_syncs_to_no_endpoints(kube, start):
     r = await start()
-    await until(lambda: r.registry.synced, "first sync")
+    await until_async(lambda: r.registry.synced, "first sync")
     assert r.names() == []
     assert kube.lists(PODS) == []
 
@@ -192,7 +184,7 @@ async def test_pod_becoming_not_ready_is_removed(kube, start):
 async def test_pod_becoming_ready_is_added(kube, start):
     seed(kube, make_pod("w0", "10.0.0.1", ready=False))
     r = await start()
-    await until(lambda: r.registry.synced, "first sync")
+    await until_async(lambda: r.registry.synced, "first sync")
     kube.put(PODS, make_pod("w0", "10.0.0.1"))
     await r.wait_names("w0")
 
@@ -227,7 +219,7 @@ async def test_pod_ip_change_replaces_its_endpoint(kube, start):
     r = await start()
     await r.wait_names("w0")
     kube.put(PODS, make_pod("w0", "10.0.0.7"))
-    await until(lambda: "10.0.0.7:8000" in r.registry and len(r.registry) == 1, "new address")
+    await until_async(lambda: "10.0.0.7:8000" in r.registry and len(r.registry) == 1, "new address")
 
 
 # ---------------------------------------------------------------------------------------------- the pool
@@ -260,7 +252,7 @@ async def test_pool_target_port_edit_readdresses_the_endpoints(kube, start):
     r = await start()
     await r.wait_names("w0")
     kube.put(POOLS, make_pool(ports=(9000,)))
-    await until(lambda: [e.address for e in r.registry.all()] == ["10.0.0.1:9000"], "port 9000")
+    await until_async(lambda: [e.address for e in r.registry.all()] == ["10.0.0.1:9000"], "port 9000")
 
 
 async def test_pool_deletion_empties_the_endpoint_set(kube, start):
@@ -268,7 +260,7 @@ async def test_pool_deletion_empties_the_endpoint_set(kube, start):
     r = await start()
     await r.wait_names("w0")
     kube.delete(POOLS, "llm-pool")
-    await until(lambda: len(r.registry) == 0, "no endpoints")
+    await until_async(lambda: len(r.registry) == 0, "no endpoints")
     assert r.registry.synced is True
 
 
@@ -277,7 +269,7 @@ async def test_pool_recreated_after_deletion_brings_the_pods_back(kube, start):
     r = await start()
     await r.wait_names("w0")
     kube.delete(POOLS, "llm-pool")
-    await until(lambda: len(r.registry) == 0, "no endpoints")
+    await until_async(lambda: len(r.registry) == 0, "no endpoints")
     kube.put(POOLS, make_pool())
     await r.wait_names("w0")
 
@@ -300,7 +292,7 @@ async def test_watch_resumes_from_the_list_resource_version_with_bookmarks_allow
     list_rv = str(kube.rv)
     r = await start()
     await r.wait_names("w0")
-    await until(lambda: kube.watches(PODS), "pod watch")
+    await until_async(lambda: kube.watches(PODS), "pod watch")
     q = kube.watches(PODS)[0].query
     assert (q["resourceVersion"], q["allowWatchBookmarks"].lower()) == (list_rv, "true")
 
@@ -313,7 +305,7 @@ async def test_expired_watch_is_reopened_from_the_last_seen_version_without_reli
     await r.wait_names("w0", "w1")
     last_rv = str(kube.rv)
     kube.expire_watches()
-    await until(lambda: len(kube.watches(PODS)) == 2, "second pod watch")
+    await until_async(lambda: len(kube.watches(PODS)) == 2, "second pod watch")
     assert kube.watches(PODS)[1].query["resourceVersion"] == last_rv
     assert len(kube.lists(PODS)) == 1
 
@@ -322,13 +314,13 @@ async def test_bookmark_advances_the_resume_version(kube, start):
     seed(kube, make_pod("w0", "10.0.0.1"))
     r = await start()
     await r.wait_names("w0")
-    await until(lambda: kube.open_watches(PODS) == 1, "open pod watch")
+    await until_async(lambda: kube.open_watches(PODS) == 1, "open pod watch")
     rv = kube.bookmark()
     kube.put(POOLS, make_pool())  # pool event after the bookmark: once seen, the bookmark was consumed
-    await until(lambda: len(kube.watches(POOLS)) == 1 and r.discovery._pool is not None
-                and r.discovery._pool["metadata"]["resourceVersion"] == str(kube.rv), "pool event")
+    await until_async(lambda: len(kube.watches(POOLS)) == 1 and r.discovery._pool is not None
+                      and r.discovery._pool["metadata"]["resourceVersion"] == str(kube.rv), "pool event")
     kube.expire_watches()
-    await until(lambda: len(kube.watches(PODS)) == 2, "second pod watch")
+    await until_async(lambda: len(kube.watches(PODS)) == 2, "second pod watch")
     assert kube.watches(PODS)[1].query["resourceVersion"] == str(rv)
     assert r.names() == ["w0"]
 
@@ -339,7 +331,7 @@ async def test_gone_relists_without_losing_or_duplicating_endpoints(kube, start,
     seed(kube, make_pod("w0", "10.0.0.1"), make_pod("w1", "10.0.0.2"))
     r = await start()
     await r.wait_names("w0", "w1")
-    await until(lambda: kube.open_watches(PODS) == 1, "open pod watch")
+    await until_async(lambda: kube.open_watches(PODS) == 1, "open pod watch")
     kube.deliver = False  # the watch stalls: these changes never reach it
     kube.delete(PODS, "w0")
     kube.put(PODS, make_pod("w2", "10.0.0.3"))
@@ -378,7 +370,7 @@ async def test_watch_error_after_sync_keeps_the_published_set_and_relists(kube, 
     await r.wait_names("w0")
     kube.fail_next(1, 500, PODS)
     kube.expire_watches()  # the re-watch hits the injected 500
-    await until(lambda: len(r.delays) == 1, "one backoff")
+    await until_async(lambda: len(r.delays) == 1, "one backoff")
     assert r.names() == ["w0"]
     kube.put(PODS, make_pod("w1", "10.0.0.2"))
     await r.wait_names("w0", "w1")
@@ -390,10 +382,10 @@ async def test_backoff_resets_once_the_watch_works_again(kube, start):
     kube.fail_next(2, 500, PODS)
     r = await start()
     await r.wait_names("w0")
-    await until(lambda: kube.open_watches(PODS) == 1, "open pod watch")
+    await until_async(lambda: kube.open_watches(PODS) == 1, "open pod watch")
     kube.fail_next(1, 500, PODS)
     kube.expire_watches()  # the window ended normally, so the next failure starts from the first delay
-    await until(lambda: len(r.delays) == 3, "third backoff")
+    await until_async(lambda: len(r.delays) == 3, "third backoff")
     assert r.delays[2] <= 0.1
 
 
@@ -402,7 +394,7 @@ async def test_failing_watches_back_off_exponentially_although_lists_succeed(kub
     kube.fail_next(3, 500, PODS, watches_only=True)
     r = await start()
     await r.wait_names("w0")
-    await until(lambda: kube.open_watches(PODS) == 1, "open pod watch")
+    await until_async(lambda: kube.open_watches(PODS) == 1, "open pod watch")
     assert len(r.delays) == 3
     for attempt, d in enumerate(r.delays):
         nominal = 0.1 * 2**attempt
@@ -432,7 +424,7 @@ async def test_kubeconfig_is_used_when_given(kube, tmp_path):
     disc = InferencePoolDiscovery(registry, "llm-pool", "default", kubeconfig=str(cfg))
     task = asyncio.create_task(disc.run())
     try:
-        await until(lambda: registry.synced and len(registry) == 1, "sync through the kubeconfig")
+        await until_async(lambda: registry.synced and len(registry) == 1, "sync through the kubeconfig")
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -10,11 +10,11 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from bench.kvwire import pack_batch, stored_event
 from epp_extproc.adapters.kv_routing import KvRouting, Prompt
 from epp_extproc.adapters.server_info import fetch_block_size
 from epp_extproc.core.contract import PromptIdentity
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
+from epp_extproc.dev.kvwire import pack_batch, stored_event
 from kvindex.decode import encode_seq
 from tests.netutil import free_base_port, free_port
 

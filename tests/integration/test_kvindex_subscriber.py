@@ -14,12 +14,13 @@ import zmq
 import zmq.asyncio
 
 import kvindex.subscriber as subscriber_module
-from bench.kvwire import cleared_event, pack_batch, removed_event, stored_event
+from epp_extproc.dev.kvwire import cleared_event, pack_batch, removed_event, stored_event
 from kvindex.decode import encode_seq
 from kvindex.index import KvIndex
 from kvindex.subscriber import MAX_REPLAY_CONFIRMS, KvSource, SubscriberManager
 from tests.mock.test_mock_support import ids_body, post, running_worker
 from tests.netutil import free_base_port, free_port
+from tests.waiting import until_async
 
 BS = 4
 
@@ -31,14 +32,6 @@ def toks(n_blocks: int, start: int = 1) -> list[int]:
 def block(i: int) -> list[int]:
     """Tokens of block ``i`` of the prompt ``toks(n)``."""
     return toks(i + 1)[i * BS :]
-
-
-async def until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 class FakeWorker:
@@ -130,7 +123,7 @@ class FakeWorker:
                 await asyncio.sleep(0.01)
                 if st.last_seq is not None:
                     break
-        await until(lambda: st.last_seq == self.seq)
+        await until_async(lambda: st.last_seq == self.seq)
 
     def close(self) -> None:
         if self._task:
@@ -169,7 +162,7 @@ async def test_published_blocks_reach_the_index(env):
     idx, mgr, start = env
     w = await start()
     seq = await w.publish([stored_event([1, 2], None, toks(2), BS)])
-    await until(lambda: mgr.stats("w").last_seq == seq)
+    await until_async(lambda: mgr.stats("w").last_seq == seq)
     assert idx.overlap(toks(2) + [0]) == {"w": 2}
 
 
@@ -180,7 +173,7 @@ async def test_gap_is_recovered_through_replay_without_losing_state(env, mode):
     await w.publish([stored_event([1], None, block(0), BS)])
     await w.publish([stored_event([2], 1, block(1), BS)], send=False)  # lost on the wire
     seq = await w.publish([stored_event([3], 2, block(2), BS)])
-    await until(lambda: mgr.stats("w").last_seq == seq)
+    await until_async(lambda: mgr.stats("w").last_seq == seq)
     assert idx.overlap(toks(3) + [0]) == {"w": 3}
     # the replay starts at the last applied batch: its payload proves the publisher has the same history;
     # a round that ended after batches is confirmed once more from the next seq
@@ -193,7 +186,7 @@ async def test_gap_without_replay_clears_the_worker(env):
     await w.publish([stored_event([1], None, block(0), BS)])
     await w.publish([stored_event([2], 1, block(1), BS)], send=False)
     seq = await w.publish([])
-    await until(lambda: mgr.stats("w").last_seq == seq)
+    await until_async(lambda: mgr.stats("w").last_seq == seq)
     assert idx.overlap(toks(2) + [0]) == {} and mgr.stats("w").gaps == 1
 
 
@@ -204,7 +197,7 @@ async def test_replay_that_lost_the_missing_batches_is_counted_and_clears(env):
     await w.publish([stored_event([2], 1, block(1), BS)], send=False)
     w.buffer.pop()  # the replay buffer no longer holds the lost batch
     seq = await w.publish([])
-    await until(lambda: mgr.stats("w").last_seq == seq)
+    await until_async(lambda: mgr.stats("w").last_seq == seq)
     assert mgr.stats("w").replay_lost == 1 and idx.overlap(toks(1) + [0]) == {}
 
 
@@ -213,7 +206,7 @@ async def test_backwards_sequence_means_restart_and_clears(env):
     w = await start()
     await w.publish([stored_event([1], None, block(0), BS)])
     seq = await w.publish([], seq=0)
-    await until(lambda: mgr.stats("w").last_seq == seq)
+    await until_async(lambda: mgr.stats("w").last_seq == seq)
     assert mgr.stats("w").restarts == 1 and idx.overlap(toks(1) + [0]) == {}
 
 
@@ -222,7 +215,7 @@ async def test_after_a_restart_new_events_are_indexed_again(env):
     w = await start()
     await w.publish([], seq=0)
     seq = await w.publish([stored_event([1], None, block(0), BS)])
-    await until(lambda: mgr.stats("w").last_seq == seq)
+    await until_async(lambda: mgr.stats("w").last_seq == seq)
     assert idx.overlap(toks(1) + [0]) == {"w": 1}
 
 
@@ -234,7 +227,7 @@ async def test_garbage_is_counted_and_the_subscriber_keeps_going(env):
     w.seq += 1
     await w.pub.send_multipart([b"", encode_seq(w.seq), b"\xc1\xc1"])
     seq = await w.publish([stored_event([1], None, block(0), BS)])
-    await until(lambda: mgr.stats("w").last_seq == seq)
+    await until_async(lambda: mgr.stats("w").last_seq == seq)
     st = idx.stats("w")
     assert (st.garbage_frames, st.garbage_batches) == (2, 1)
     assert idx.overlap(toks(1) + [0]) == {"w": 1}
@@ -243,16 +236,16 @@ async def test_garbage_is_counted_and_the_subscriber_keeps_going(env):
 async def test_heartbeating_worker_that_goes_silent_is_marked_stale(env):
     idx, mgr, start = env
     await start()
-    await until(lambda: mgr.stats("w").stale, timeout=3)
+    await until_async(lambda: mgr.stats("w").stale, timeout=3)
     assert mgr.stats_snapshot()["w"]["stale"] is True
 
 
 async def test_stale_worker_recovers_on_its_next_message(env):
     idx, mgr, start = env
     w = await start()
-    await until(lambda: mgr.stats("w").stale, timeout=3)
+    await until_async(lambda: mgr.stats("w").stale, timeout=3)
     await w.publish([])
-    await until(lambda: not mgr.stats("w").stale, timeout=3)
+    await until_async(lambda: not mgr.stats("w").stale, timeout=3)
 
 
 async def test_worker_that_never_heartbeats_is_not_marked_stale(ctx):
@@ -277,12 +270,12 @@ async def test_workers_added_and_removed_at_runtime(env):
     b = await start("b")
     sa = await a.publish([stored_event([1], None, block(0), BS)])
     sb = await b.publish([stored_event([1], None, block(0), BS)])
-    await until(lambda: mgr.stats("a").last_seq == sa and mgr.stats("b").last_seq == sb)
+    await until_async(lambda: mgr.stats("a").last_seq == sa and mgr.stats("b").last_seq == sb)
     await mgr.remove("a")
     assert mgr.workers() == ["b"] and "a" not in idx.workers()
     assert idx.overlap(toks(1) + [0]) == {"b": 1}
     sb = await b.publish([stored_event([2], 1, block(1), BS)])
-    await until(lambda: mgr.stats("b").last_seq == sb)
+    await until_async(lambda: mgr.stats("b").last_seq == sb)
     assert idx.overlap(toks(2) + [0]) == {"b": 2}
 
 
@@ -311,7 +304,7 @@ async def test_dead_replay_endpoint_is_counted_and_live_events_still_flow(ctx):
         await mgr.add("w", w.endpoint, f"tcp://127.0.0.1:{free_port()}")
         await w.sync(mgr, "w")
         seq = await w.publish([stored_event([1], None, block(0), BS)])
-        await until(lambda: mgr.stats("w").last_seq == seq)
+        await until_async(lambda: mgr.stats("w").last_seq == seq)
         assert mgr.stats("w").replay_failures >= 1
         assert idx.overlap(toks(1) + [0]) == {"w": 1}
     finally:
@@ -329,7 +322,7 @@ async def test_only_the_configured_topic_is_indexed(ctx):
         # had the filter let it through, this store would be applied (the next seq follows on)
         await w.publish([stored_event([1], None, block(0), BS)], topic=b"other")
         seq = await w.publish([])
-        await until(lambda: mgr.stats("w").last_seq == seq)
+        await until_async(lambda: mgr.stats("w").last_seq == seq)
         assert idx.overlap(toks(1) + [0]) == {}
     finally:
         await mgr.close()
@@ -375,7 +368,7 @@ async def test_replay_with_a_hole_is_not_applied_as_complete_and_is_asked_again_
         await w.publish(ev, send=False)  # five batches lost on the wire
     w.replay_drop, w.replay_drop_times = {w.seq - 2}, 1  # and the first replay drops one in the middle
     seq = await w.publish([])
-    await until(lambda: mgr.stats("w").last_seq == seq)
+    await until_async(lambda: mgr.stats("w").last_seq == seq)
     # asked from the last applied batch, then again from the hole, then past the end to confirm it
     assert mgr.stats("w").replay_holes == 1 and w.replay_requests[-3:] == [seq - 6, seq - 3, seq + 1]
     assert idx.engine_hashes("w") == {1, 2, 3, 4, 5, 6}
@@ -397,7 +390,7 @@ async def gap_with_faulty_replay(start: Callable, **faults: Any) -> FakeWorker:
 async def test_replay_without_end_marker_is_a_failure_that_clears_not_a_success(env):
     idx, mgr, start = env
     await gap_with_faulty_replay(start, replay_no_end=True)
-    await until(lambda: mgr.stats("w").replay_failures == 1, timeout=5)
+    await until_async(lambda: mgr.stats("w").replay_failures == 1, timeout=5)
     assert idx.engine_hashes("w") == set()
 
 
@@ -409,7 +402,7 @@ async def test_a_reset_during_an_in_flight_replay_drops_what_it_fetched_and_the_
     w.replay_delay_s = 0.2
     asked = len(w.replay_requests)
     await w.publish([])  # gap: the subscriber waits for the slow replay
-    await until(lambda: len(w.replay_requests) == asked + 1)
+    await until_async(lambda: len(w.replay_requests) == asked + 1)
     mgr.resync("w")  # meanwhile the prober sees the worker die
     await asyncio.sleep(0.3)
     assert idx.engine_hashes("w") == set()
@@ -418,7 +411,7 @@ async def test_a_reset_during_an_in_flight_replay_drops_what_it_fetched_and_the_
     w.buffer.clear()
     w.seq = -1
     seq = await w.publish([stored_event([50], None, block(0), BS)])
-    await until(lambda: mgr.stats("w").last_seq == seq)
+    await until_async(lambda: mgr.stats("w").last_seq == seq)
     assert idx.engine_hashes("w") == {50}
 
 
@@ -449,7 +442,7 @@ async def test_a_close_that_lands_as_a_replay_reply_arrives_still_stops_the_subs
         await w.publish([stored_event([1], None, block(0), BS)], send=False)  # lost: the next one is a gap
         _CloseOnReplayReply.on_reply = lambda: closing.append(asyncio.ensure_future(mgr.close()))
         await w.publish([stored_event([2], 1, block(1), BS)])
-        await until(lambda: bool(closing))
+        await until_async(lambda: bool(closing))
         # asyncio.wait, not a timeout: cancelling the waiter would cancel close() and, through it, the task
         done, _ = await asyncio.wait({closing[0]}, timeout=1.5)
         assert closing[0] in done  # before: the subscriber task ran on and close() waited for it forever
@@ -467,7 +460,7 @@ async def test_idle_worker_without_heartbeats_is_warmed_up_as_soon_as_the_subscr
     for ev in chain_events(3):  # stored before the picker (re)started; the engine is idle now
         await w.publish(ev, send=False)
     await mgr.add("w", w.endpoint, w.replay_endpoint)
-    await until(lambda: idx.engine_hashes("w") == {1, 2, 3})  # no live message was ever sent
+    await until_async(lambda: idx.engine_hashes("w") == {1, 2, 3})  # no live message was ever sent
     assert w.replay_requests == [0, w.seq + 1] and mgr.stats("w").messages == 0
 
 
@@ -479,7 +472,7 @@ async def test_a_batch_published_before_the_sub_joined_after_an_empty_warm_up_is
     idx, mgr = make(replay_timeout_s=0.5)
     w = worker(replay="vllm")
     await mgr.add("w", w.endpoint, w.replay_endpoint)
-    await until(lambda: mgr.stats("w").replay_ok == 1)  # the warm-up found nothing
+    await until_async(lambda: mgr.stats("w").replay_ok == 1)  # the warm-up found nothing
     await w.publish(chain_events(1)[0], send=False)  # the PUB had no subscriber yet: dropped on the wire
     await w.sync(mgr, "w")
     assert idx.engine_hashes("w") == {1}
@@ -491,12 +484,12 @@ async def test_an_empty_warm_up_is_rechecked_once_not_at_every_message(custom):
     idx, mgr = make(replay_timeout_s=0.5)
     w = worker(replay="vllm")
     await mgr.add("w", w.endpoint, w.replay_endpoint)
-    await until(lambda: mgr.stats("w").replay_ok == 1)
+    await until_async(lambda: mgr.stats("w").replay_ok == 1)
     await w.sync(mgr, "w")
     asked = len(w.replay_requests)
     for _ in range(5):
         await w.publish([])
-    await until(lambda: mgr.stats("w").last_seq == w.seq)
+    await until_async(lambda: mgr.stats("w").last_seq == w.seq)
     assert len(w.replay_requests) == asked and mgr.stats("w").gaps == 0
 
 
@@ -537,12 +530,12 @@ async def test_while_the_replay_endpoint_stays_down_live_state_is_kept_and_rebui
     await mgr.add("w", w.endpoint, w.replay_endpoint)
     await w.sync(mgr, "w")
     seq = await w.publish(chain_events(1)[0])
-    await until(lambda: mgr.stats("w").last_seq == seq)
+    await until_async(lambda: mgr.stats("w").last_seq == seq)
     clears = idx.stats("w").clears  # the failed warm-up and its recheck cleared an empty rank
     await w.publish([], send=False)  # a gap while a rebuild is pending: cleared, not one more replay
     t0, asked = time.monotonic(), len(w.replay_requests)
     seq = await w.publish(chain_events(1, first_hash=10)[0])
-    await until(lambda: mgr.stats("w").last_seq == seq)
+    await until_async(lambda: mgr.stats("w").last_seq == seq)
     for _ in range(80):  # 1.6 s of messages: one rebuild per backoff period, not one per message
         await w.publish([])
         await asyncio.sleep(0.02)
@@ -576,7 +569,7 @@ async def test_a_publisher_that_answers_every_confirmation_with_new_batches_ends
         await w.publish(ev, send=False)
     w.replay_grows = True
     await mgr.add("w", w.endpoint, w.replay_endpoint)
-    await until(lambda: mgr.stats("w").replay_ok == 1)
+    await until_async(lambda: mgr.stats("w").replay_ok == 1)
     assert len(w.replay_requests) == MAX_REPLAY_CONFIRMS + 1 and mgr.stats("w").replay_failures == 0
     assert idx.engine_hashes("w") == {1, 2, 3}
 
@@ -591,7 +584,7 @@ async def test_replay_whose_last_batches_are_dropped_before_the_end_marker_fetch
         await w.publish(ev, send=False)
     w.replay_drop, w.replay_drop_times = {w.seq - 1, w.seq}, 1  # the first replay loses its last two
     await mgr.add("w", w.endpoint, w.replay_endpoint)
-    await until(lambda: idx.engine_hashes("w") == {1, 2, 3, 4})
+    await until_async(lambda: idx.engine_hashes("w") == {1, 2, 3, 4})
     assert w.replay_requests == [0, w.seq - 1, w.seq + 1] and mgr.stats("w").replay_failures == 0
 
 
@@ -600,7 +593,7 @@ async def test_restart_whose_first_seen_seq_is_above_the_old_one_is_detected_and
     w = await start(replay="trtllm")
     for ev in chain_events(2):
         await w.publish(ev)
-    await until(lambda: idx.engine_hashes("w") == {1, 2})
+    await until_async(lambda: idx.engine_hashes("w") == {1, 2})
     old_last = w.seq
     # the worker restarts and its first batches are lost to the slow-joining SUB: the first one seen is
     # above the old last seq, and the replay buffer holds the NEW process's history
@@ -609,7 +602,7 @@ async def test_restart_whose_first_seen_seq_is_above_the_old_one_is_detected_and
     for ev in chain_events(old_last + 3, first_hash=1000)[: old_last + 3]:
         await w.publish(ev, send=False)
     seq = await w.publish([])
-    await until(lambda: mgr.stats("w").last_seq == seq)
+    await until_async(lambda: mgr.stats("w").last_seq == seq)
     assert mgr.stats("w").restarts == 1
     assert idx.engine_hashes("w") == set(range(1000, 1000 + old_last + 3))
 
@@ -619,7 +612,7 @@ async def test_far_sequence_jump_is_a_restart(env):
     w = await start()
     await w.publish(chain_events(1)[0])
     seq = await w.publish([stored_event([7], None, block(0), BS)], seq=time.time_ns())
-    await until(lambda: mgr.stats("w").last_seq == seq)
+    await until_async(lambda: mgr.stats("w").last_seq == seq)
     assert mgr.stats("w").restarts == 1 and idx.engine_hashes("w") == {7}
 
 
@@ -628,7 +621,7 @@ async def test_vllm_salt_in_the_first_blocks_extra_keys_matches_salted_prompts_o
     w = await start()
     ev = stored_event([1, 2], None, toks(2), BS, extra_keys=[["tenant-a"], None])
     seq = await w.publish([ev], envelope="map")
-    await until(lambda: mgr.stats("w").last_seq == seq)
+    await until_async(lambda: mgr.stats("w").last_seq == seq)
     assert idx.overlap(toks(2) + [0], salt="tenant-a") == {"w": 2}
     assert idx.overlap(toks(2) + [0]) == {} and idx.overlap(toks(2) + [0], salt="tenant-b") == {}
 
@@ -637,7 +630,7 @@ async def test_sglang_typed_cache_salt_is_not_credited_to_unsalted_prompts(env):
     idx, mgr, start = env
     w = await start()
     seq = await w.publish([stored_event([1, 2], None, toks(2), BS, cache_salt="tenant-a", session_id="s1")])
-    await until(lambda: mgr.stats("w").last_seq == seq)
+    await until_async(lambda: mgr.stats("w").last_seq == seq)
     assert idx.overlap(toks(2) + [0]) == {}
     assert idx.overlap(toks(2) + [0], salt="tenant-a") == {"w": 2}
     assert idx.stats("w").unknown_keys == 0
@@ -648,7 +641,7 @@ async def test_vllm_lora_blocks_are_indexed_under_their_adapter(env, keys):
     idx, mgr, start = env
     w = await start()
     seq = await w.publish([stored_event([1, 2], None, toks(2), BS, lora_id=1, lora_name="ad", extra_keys=keys)])
-    await until(lambda: mgr.stats("w").last_seq == seq)
+    await until_async(lambda: mgr.stats("w").last_seq == seq)
     assert idx.overlap(toks(2) + [0], lora_name="ad") == {"w": 2}
     assert idx.overlap(toks(2) + [0]) == {}
 
@@ -660,7 +653,7 @@ async def test_gap_warnings_are_one_per_burst(env, caplog):
         for _ in range(20):
             await w.publish([], send=False)
             seq = await w.publish([])
-        await until(lambda: mgr.stats("w").last_seq == seq)
+        await until_async(lambda: mgr.stats("w").last_seq == seq)
     assert mgr.stats("w").gaps == 20 and mgr.stats("w").dropped_batches == 20
     assert caplog.text.count("gap") == 1
 
@@ -682,7 +675,7 @@ async def test_garbage_replay_replies_do_not_freeze_the_subscriber(env):
     idx, mgr, start = env
     w = await gap_with_faulty_replay(start, replay_garbage=True)
     seq = await w.publish([stored_event([9], None, block(0), BS)])
-    await until(lambda: mgr.stats("w").last_seq == seq)
+    await until_async(lambda: mgr.stats("w").last_seq == seq)
     assert mgr.stats("w").replay_failures >= 1 and 9 in idx.engine_hashes("w")
 
 
@@ -694,7 +687,7 @@ async def test_batch_over_the_event_budget_is_refused_and_the_rank_cleared(custo
     await w.sync(mgr, "w")
     await w.publish(chain_events(1)[0])
     seq = await w.publish([removed_event([99])] * 5)
-    await until(lambda: mgr.stats("w").last_seq == seq)
+    await until_async(lambda: mgr.stats("w").last_seq == seq)
     assert mgr.stats("w").oversized == 1 and idx.engine_hashes("w") == set()
     assert idx.stats("w").removed_unknown == 0  # refused before it was applied
 
@@ -804,7 +797,7 @@ async def test_sglang_bigram_pages_are_decoded_not_counted_as_garbage(custom):
                               heartbeat_interval=0.05) as m, aiohttp.ClientSession() as s:
         idx, mgr = custom[0]()
         await mgr.add("m", m.kv_events_endpoint)
-        await until(lambda: mgr.stats("m").messages > 0)
+        await until_async(lambda: mgr.stats("m").messages > 0)
         p = prompts(1)[0]
         await chat(s, m, p)
         await index_matches(idx, s, m)
@@ -816,10 +809,10 @@ async def test_hybrid_tail_blocks_in_another_block_size_never_wipe_the_worker(cu
             aiohttp.ClientSession() as s:
         idx, mgr = custom[0]()
         await mgr.add("m", m.kv_events_endpoint)
-        await until(lambda: mgr.stats("m").messages > 0)
+        await until_async(lambda: mgr.stats("m").messages > 0)
         for p in prompts(3, length=3 * BS + 3):  # each prompt leaves a 3-token tail: one 2-token tail block
             await chat(s, m, p)
-        await until(lambda: idx.stats("m").skipped_unknown_parent == 3)
+        await until_async(lambda: idx.stats("m").skipped_unknown_parent == 3)
         await index_matches(idx, s, m)
         assert idx.stats("m").clears == 0 and idx.block_size("m") == BS
 
@@ -833,14 +826,14 @@ async def test_data_parallel_ranks_on_base_port_plus_rank_are_all_kept_under_one
         assert r1.kv_events_endpoint == f"tcp://127.0.0.1:{base + 1}"
         idx, mgr = custom[0]()
         await mgr.add("w", [KvSource(ep, None, 0), KvSource(f"tcp://127.0.0.1:{base + 1}", None, 1)])
-        await until(lambda: all(mgr.stats("w", r).messages > 0 for r in (0, 1)))
+        await until_async(lambda: all(mgr.stats("w", r).messages > 0 for r in (0, 1)))
         a, b = prompts(2)
         await chat(s, r0, a)
         await chat(s, r1, b[: 2 * BS + 1])
         await chat(s, r1, a[: 2 * BS + 1])
         for rank, m in ((0, r0), (1, r1)):
             want = await mock_hashes(s, m)
-            await until(lambda rank=rank, want=want: idx.engine_hashes("w", rank) == want)
+            await until_async(lambda rank=rank, want=want: idx.engine_hashes("w", rank) == want)
         assert idx.overlap(a) == {"w": 3}  # best over the ranks: rank 0 holds 3 blocks of a, rank 1 holds 2
         assert idx.overlap(b) == {"w": 2}
 
@@ -856,7 +849,7 @@ async def test_subscriber_counters_are_exported_by_their_own_collector(custom):
     await w.sync(mgr, "w")
     await w.publish([], send=False)
     seq = await w.publish([])
-    await until(lambda: mgr.stats("w").last_seq == seq)
+    await until_async(lambda: mgr.stats("w").last_seq == seq)
     assert reg.get_sample_value("epp_kv_seq_gaps_total", {"worker": "w"}) == 1
     assert reg.get_sample_value("epp_kv_dropped_batches_total", {"worker": "w"}) == 1
     assert reg.get_sample_value("epp_kv_last_seq", {"worker": "w"}) == seq

@@ -15,7 +15,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,6 +26,7 @@ from epp_extproc.config import Config
 from epp_extproc.dev import envoy_config
 from tests.gateway_client import request
 from tests.harness import BackgroundLoop, EnvoyProcess
+from tests.waiting import until
 
 USAGE = {"prompt_tokens": 100, "completion_tokens": 3, "total_tokens": 103,
          "prompt_tokens_details": {"cached_tokens": 64}}
@@ -148,15 +149,6 @@ def lean():
     s.close()
 
 
-def wait_for(cond: Callable[[], bool], what: str | Callable[[], str], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
-
-
 def test_the_generated_config_keeps_response_bodies_off_the_pickers_stream() -> None:
     doc = envoy_config.to_dict(envoy_config.EnvoyOptions())
     hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
@@ -187,22 +179,22 @@ def test_the_booking_lives_until_the_last_byte_and_prefill_ends_at_the_first_chu
 
     t = threading.Thread(target=client)
     t.start()
-    wait_for(lambda: lean.app.load.total_inflight() == 1, "the booking")
-    wait_for(lambda: all(ld.prefill_blocks == 0 for ld in lean.app.load.loads().values()),
-             "the first chunk to end the prefill booking")
+    until(lambda: lean.app.load.total_inflight() == 1, "the booking")
+    until(lambda: all(ld.prefill_blocks == 0 for ld in lean.app.load.loads().values()),
+          "the first chunk to end the prefill booking")
     time.sleep(0.3)
     assert lean.app.load.total_inflight() == 1, "freed before the answer ended"
     lean.bg.loop.call_soon_threadsafe(lean.up.gate.set)
     t.join(20)
     assert result["body"].endswith(b"data: [DONE]\n\n")
-    wait_for(lambda: lean.app.load.total_inflight() == 0, "the booking to be freed at the end")
+    until(lambda: lean.app.load.total_inflight() == 0, "the booking to be freed at the end")
 
 
 def test_a_lean_request_sends_the_picker_nothing_of_its_response(lean: Lean) -> None:
     """Request headers and body in, the decision out; the stream's end is the only response signal."""
     lean.kinds.clear()
     lean.post("/v1/unary-parts")
-    wait_for(lambda: lean.app.load.total_inflight() == 0, "the booking freed at the stream's end")
+    until(lambda: lean.app.load.total_inflight() == 0, "the booking freed at the stream's end")
     assert "request_headers" in lean.kinds and "request_body" in lean.kinds
     assert [k for k in lean.kinds if k.startswith("response_")] == []
 
@@ -215,17 +207,17 @@ def test_only_sse_answers_open_the_first_chunk_observer_stream(lean: Lean) -> No
     """A unary answer is complete at its first chunk: the main stream's end says it, no second stream."""
     before, logged = first_chunks(lean), lean.cached_count()
     lean.post("/v1/unary-parts")
-    wait_for(lambda: lean.cached_count() == logged + 1, "the unary request's access log entry")
-    wait_for(lambda: lean.app.load.total_inflight() == 0, "the unary booking freed")
+    until(lambda: lean.cached_count() == logged + 1, "the unary request's access log entry")
+    until(lambda: lean.app.load.total_inflight() == 0, "the unary booking freed")
     assert first_chunks(lean) == before
     lean.post("/v1/split-usage/sse")
-    wait_for(lambda: first_chunks(lean) == before + 1, "the SSE answer's first-chunk signal")
+    until(lambda: first_chunks(lean) == before + 1, "the SSE answer's first-chunk signal")
 
 
 def test_usage_split_across_two_chunks_reaches_the_metrics(lean: Lean) -> None:
     before = lean.cached_count()
     lean.post("/v1/split-usage/sse")
-    wait_for(lambda: lean.cached_count() == before + 1, "the usage from the access log")
+    until(lambda: lean.cached_count() == before + 1, "the usage from the access log")
     assert lean.app.metrics.cached_tokens.labels("m")._sum.get() >= 64
 
 
@@ -233,20 +225,20 @@ def test_a_unary_answer_in_several_chunks_gives_its_usage(lean: Lean) -> None:
     before = lean.cached_count()
     body = lean.post("/v1/unary-parts")
     assert json.loads(body)["usage"] == USAGE
-    wait_for(lambda: lean.cached_count() == before + 1,
-             lambda: f"the unary usage from the access log; lean signals {lean.signals()}")
+    until(lambda: lean.cached_count() == before + 1,
+          lambda: f"the unary usage from the access log; lean signals {lean.signals()}")
 
 
 def test_an_access_log_entry_that_comes_before_its_stream_ends_still_gives_the_usage(lean: Lean) -> None:
     """Envoy writes the access log before it closes the filters' streams, and a full buffer ships the entry at
     once: it can reach the picker before the main stream's end does."""
-    wait_for(lambda: len(lean.app.picker.lean.late_usage) == 0 and lean.app.load.total_inflight() == 0,
-             "the earlier tests' entries")
+    until(lambda: len(lean.app.picker.lean.late_usage) == 0 and lean.app.load.total_inflight() == 0,
+          "the earlier tests' entries")
     before, early = lean.cached_count(), lean.signal("access_log_early")
     lean.up.gate = asyncio.Event()
     t = threading.Thread(target=lambda: lean.post("/v1/held/sse"))
     t.start()
-    wait_for(lambda: lean.app.load.total_inflight() == 1, "the booking")
+    until(lambda: lean.app.load.total_inflight() == 1, "the booking")
     booking = lean.app.load.bookings()[0].id
 
     async def entry_first() -> None:
@@ -256,10 +248,10 @@ def test_an_access_log_entry_that_comes_before_its_stream_ends_still_gives_the_u
     assert lean.signal("access_log_early") == early + 1 and lean.cached_count() == before
     lean.bg.loop.call_soon_threadsafe(lean.up.gate.set)
     t.join(20)
-    wait_for(lambda: lean.cached_count() == before + 1, "the usage counted when the stream ended")
+    until(lambda: lean.cached_count() == before + 1, "the usage counted when the stream ended")
     # Envoy's own entry for it comes later and is counted once only
-    wait_for(lambda: lean.signal("access_log_unmatched") >= 1 and len(lean.app.picker.lean.late_usage) == 0,
-             lambda: f"Envoy's own entry; lean signals {lean.signals()}")
+    until(lambda: lean.signal("access_log_unmatched") >= 1 and len(lean.app.picker.lean.late_usage) == 0,
+          lambda: f"Envoy's own entry; lean signals {lean.signals()}")
     assert lean.cached_count() == before + 1
 
 
@@ -270,13 +262,13 @@ def test_a_client_that_disconnects_mid_stream_frees_the_booking_and_is_reported(
     conn.request("POST", "/v1/held/sse", body=b'{"model":"m"}', headers={"content-type": "application/json"})
     resp = conn.getresponse()
     resp.read1(10)  # the first chunk arrived
-    wait_for(lambda: lean.app.load.total_inflight() == 1, "the booking")
+    until(lambda: lean.app.load.total_inflight() == 1, "the booking")
     assert conn.sock is not None
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
-    wait_for(lambda: lean.app.load.total_inflight() == 0, "the booking freed after the client left")
-    wait_for(lambda: lean.flag("downstream_connection_termination") + lean.flag("downstream_remote_reset") >= 1,
-             "the access log to report the client's disconnect")
+    until(lambda: lean.app.load.total_inflight() == 0, "the booking freed after the client left")
+    until(lambda: lean.flag("downstream_connection_termination") + lean.flag("downstream_remote_reset") >= 1,
+          "the access log to report the client's disconnect")
     lean.bg.loop.call_soon_threadsafe(lean.up.gate.set)
 
 
@@ -288,18 +280,18 @@ def test_a_worker_dying_mid_stream_frees_the_booking_and_is_reported(lean: Lean)
     with pytest.raises((http.client.IncompleteRead, ConnectionError)):
         resp.read()
     conn.close()
-    wait_for(lambda: lean.app.load.total_inflight() == 0, "the booking freed after the worker died")
+    until(lambda: lean.app.load.total_inflight() == 0, "the booking freed after the worker died")
     # a chunked HTTP/1.1 answer cut mid-body is Envoy's upstream protocol error (UPE)
-    wait_for(lambda: sum(lean.flag(f) for f in ("upstream_remote_reset", "upstream_connection_termination",
+    until(lambda: sum(lean.flag(f) for f in ("upstream_remote_reset", "upstream_connection_termination",
                                                "upstream_protocol_error")) >= 1,
-             "the access log to report the upstream's death")
+          "the access log to report the upstream's death")
 
 
 def test_no_request_leaves_pending_usage_or_bookings_behind(lean: Lean) -> None:
     for _ in range(5):
         lean.post("/v1/unary-parts")
-    wait_for(lambda: len(lean.app.picker.lean.late_usage) == 0 and lean.app.load.total_inflight() == 0,
-             "every parked usage matched by its access-log entry")
+    until(lambda: len(lean.app.picker.lean.late_usage) == 0 and lean.app.load.total_inflight() == 0,
+          "every parked usage matched by its access-log entry")
 
 
 @contextlib.contextmanager
@@ -320,7 +312,7 @@ def _held_lean_answer(keepalive_s: float) -> Iterator[tuple[Lean, dict[str, Any]
 
         t = threading.Thread(target=client)
         t.start()
-        wait_for(lambda: lean.app.load.total_inflight() == 1, "the booking")
+        until(lambda: lean.app.load.total_inflight() == 1, "the booking")
         yield lean, out, t
     finally:
         lean.close()
@@ -334,7 +326,7 @@ def test_envoy_answers_the_keepalive_pings_of_a_long_silent_lean_stream(caplog) 
         lean.bg.loop.call_soon_threadsafe(lean.up.gate.set)
         t.join(20)
         assert out.get("body", b"").endswith(b"data: [DONE]\n\n"), out
-        wait_for(lambda: lean.app.load.total_inflight() == 0, "the booking freed at the end")
+        until(lambda: lean.app.load.total_inflight() == 0, "the booking freed at the end")
 
 
 def test_a_frozen_gateway_loses_its_connection_and_the_booking_is_freed(caplog) -> None:  # noqa: ANN001
@@ -345,11 +337,11 @@ def test_a_frozen_gateway_loses_its_connection_and_the_booking_is_freed(caplog) 
         assert envoy is not None
         envoy.send_signal(signal.SIGSTOP)
         try:
-            wait_for(lambda: lean.app.load.total_inflight() == 0, "the booking freed while Envoy is frozen", 5)
+            until(lambda: lean.app.load.total_inflight() == 0, "the booking freed while Envoy is frozen", 5)
         finally:
             envoy.send_signal(signal.SIGCONT)
         assert "not even the answer to a PING" in caplog.text
         lean.bg.loop.call_soon_threadsafe(lean.up.gate.set)
         t.join(20)
         assert lean.post("/v1/unary-parts")  # Envoy connects again and routes the next request
-        wait_for(lambda: lean.app.load.total_inflight() == 0, "no booking left")
+        until(lambda: lean.app.load.total_inflight() == 0, "no booking left")

@@ -10,6 +10,7 @@ from aiohttp import web
 from epp_extproc.adapters.render_fingerprint import FingerprintWatcher
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.metrics import PickerMetrics
+from tests.waiting import until_async
 
 FP = {"digest": "ab" * 32, "compared": {"tokenizer": {"complete": True}}}
 
@@ -39,13 +40,6 @@ class InfoServer:
         self.address = f"127.0.0.1:{port}"
 
 
-async def until(cond: Any, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
-
-
 async def stop(task: asyncio.Task[None], srv: InfoServer) -> None:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
@@ -65,7 +59,7 @@ async def test_fingerprint_is_read_at_admission() -> None:
     srv = InfoServer()
     await srv.start()
     w, task = await watching(srv, refresh_s=60)
-    await until(lambda: w.state(srv.address) == "known")
+    await until_async(lambda: w.state(srv.address) == "known")
     assert w.get(srv.address).digest == "ab" * 32  # type: ignore[union-attr]
     await stop(task, srv)
 
@@ -74,10 +68,10 @@ async def test_a_failed_re_read_keeps_the_fingerprint() -> None:
     srv = InfoServer()
     await srv.start()
     w, task = await watching(srv)
-    await until(lambda: w.state(srv.address) == "known")
+    await until_async(lambda: w.state(srv.address) == "known")
     srv.status = 503
     reads = srv.reads
-    await until(lambda: srv.reads >= reads + 3)
+    await until_async(lambda: srv.reads >= reads + 3)
     assert w.get(srv.address) is not None and w.state(srv.address) == "known"
     await stop(task, srv)
 
@@ -86,12 +80,12 @@ async def test_a_changed_fingerprint_is_picked_up_and_a_lost_worker_forgotten() 
     srv = InfoServer()
     await srv.start()
     w, task = await watching(srv)
-    await until(lambda: w.state(srv.address) == "known")
+    await until_async(lambda: w.state(srv.address) == "known")
     srv.doc = {"render_fingerprint": {**FP, "digest": "cd" * 32}}
-    await until(lambda: w.get(srv.address) is not None and w.get(srv.address).digest == "cd" * 32)  # type: ignore[union-attr]
+    await until_async(lambda: w.get(srv.address) is not None and w.get(srv.address).digest == "cd" * 32)  # type: ignore[union-attr]
     srv.doc = {"model": "no fingerprint here"}
     w.lost(srv.address)
     assert w.get(srv.address) is None
-    await until(lambda: w.state(srv.address) == "missing")
+    await until_async(lambda: w.state(srv.address) == "missing")
     assert w.get(srv.address) is None
     await stop(task, srv)

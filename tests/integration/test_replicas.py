@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -22,6 +21,7 @@ from epp_extproc.adapters.kv_routing import Prompt
 from epp_extproc.app import PickerApp
 from epp_extproc.config import Config, ProcessSlot
 from tests.netutil import free_port
+from tests.waiting import until_async
 
 WORKER = "127.0.0.1:1"  # bookings name a worker address; nothing needs to listen there
 FAST = {"peer_timeout_ms": 1500, "peer_expiry_ms": 500}  # generous: the test machine is shared
@@ -42,14 +42,6 @@ def replica(sync_port: int, peers: list[int], **extra: object) -> PickerApp:
     return PickerApp(config(sync_port, peers, **extra), slot)
 
 
-async def until(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 @pytest.fixture
 async def mesh() -> AsyncIterator[Callable[..., Awaitable[list[PickerApp]]]]:
     """`await mesh(n)`: n replicas, each listing every other one as a peer, all synced."""
@@ -61,8 +53,8 @@ async def mesh() -> AsyncIterator[Callable[..., Awaitable[list[PickerApp]]]]:
         for a in new:
             await a.start()
             apps.append(a)
-        await until(lambda: all(a.ready() and all(lk.up for lk in a.sync.links.values()) for a in new),
-                    "every link up")  # type: ignore[union-attr]
+        await until_async(lambda: all(a.ready() and all(lk.up for lk in a.sync.links.values()) for a in new),
+                          "every link up")  # type: ignore[union-attr]
         return new
 
     yield make
@@ -77,24 +69,24 @@ def inflight(app: PickerApp) -> int:
 async def test_a_booking_on_one_replica_is_load_on_the_other(mesh) -> None:  # noqa: ANN001
     a, b = await mesh(2)
     booking = a.load.book(WORKER, 10)
-    await until(lambda: b.load.load(WORKER).prefill_blocks == 10 and inflight(b) == 1, "the booking at B")
+    await until_async(lambda: b.load.load(WORKER).prefill_blocks == 10 and inflight(b) == 1, "the booking at B")
     booking.prefill_done()
-    await until(lambda: b.load.load(WORKER).prefill_blocks == 0, "prefill done at B")
+    await until_async(lambda: b.load.load(WORKER).prefill_blocks == 0, "prefill done at B")
     assert b.load.load(WORKER).decode_blocks == 10
     booking.move("127.0.0.1:2")
-    await until(lambda: b.load.load("127.0.0.1:2").inflight == 1 and inflight(b) == 0, "the move at B")
+    await until_async(lambda: b.load.load("127.0.0.1:2").inflight == 1 and inflight(b) == 0, "the move at B")
     booking.free()
-    await until(lambda: b.load.load("127.0.0.1:2").inflight == 0, "the free at B")
+    await until_async(lambda: b.load.load("127.0.0.1:2").inflight == 0, "the free at B")
     assert b.load.peer_inflight() == 0 and b.load.total_inflight() == 0
 
 
 async def test_three_replicas_each_see_the_sum_of_all_bookings(mesh) -> None:  # noqa: ANN001
     apps = await mesh(3)
     held = [app.load.book(WORKER, 1) for app in apps for _ in range(2)]
-    await until(lambda: all(inflight(app) == 6 for app in apps), "6 bookings everywhere")
+    await until_async(lambda: all(inflight(app) == 6 for app in apps), "6 bookings everywhere")
     for b in held[:3]:
         b.free()
-    await until(lambda: all(inflight(app) == 3 for app in apps), "3 bookings everywhere")
+    await until_async(lambda: all(inflight(app) == 3 for app in apps), "3 bookings everywhere")
     assert [app.load.total_inflight() for app in apps] == [0, 1, 2]  # each still owns only its own
 
 
@@ -105,21 +97,21 @@ async def test_a_prediction_on_one_replica_counts_as_cached_on_the_other(mesh) -
     assert b.kv is not None and a.kv is not None
     assert b.kv.overlap(prompt, [WORKER]).get(WORKER, 0) == 0
     a.kv.predict(WORKER, prompt)
-    await until(lambda: b.kv.overlap(prompt, [WORKER]).get(WORKER, 0) == 4, "the predicted blocks at B")
+    await until_async(lambda: b.kv.overlap(prompt, [WORKER]).get(WORKER, 0) == 4, "the predicted blocks at B")
 
 
 async def test_a_restarted_receiver_gets_the_bookings_back_from_a_snapshot(mesh) -> None:  # noqa: ANN001
     a, b = await mesh(2)
     held = [a.load.book(WORKER, 2) for _ in range(3)]
-    await until(lambda: inflight(b) == 3, "3 bookings at B")
+    await until_async(lambda: inflight(b) == 3, "3 bookings at B")
     port = b.config.replica_sync_port
     await b.stop(0)
     b2 = replica(port, [])
     await b2.start()
     try:
-        await until(lambda: inflight(b2) == 3, "the snapshot at the restarted B")
+        await until_async(lambda: inflight(b2) == 3, "the snapshot at the restarted B")
         held[0].free()
-        await until(lambda: inflight(b2) == 2, "deltas after the snapshot")
+        await until_async(lambda: inflight(b2) == 2, "deltas after the snapshot")
     finally:
         await b2.stop(0)
 
@@ -135,13 +127,13 @@ async def test_a_restarted_sender_replaces_its_old_bookings_at_once(mesh) -> Non
     try:
         for _ in range(3):
             a.load.book(WORKER, 1)
-        await until(lambda: inflight(b) == 3, "3 bookings at B")
+        await until_async(lambda: inflight(b) == 3, "3 bookings at B")
         await a.stop(0)  # no frees: the process is gone with its bookings
         a2 = PickerApp(a_cfg)
         a2.sync.replica_id = "replica-a"  # type: ignore[union-attr]
         await a2.start()
         a2.load.book(WORKER, 1)
-        await until(lambda: inflight(b) == 1, "the new incarnation's snapshot replacing the old bookings")
+        await until_async(lambda: inflight(b) == 1, "the new incarnation's snapshot replacing the old bookings")
         await a2.stop(0)
     finally:
         await b.stop(0)
@@ -175,11 +167,11 @@ async def test_a_killed_peer_has_its_bookings_expire(mesh) -> None:  # noqa: ANN
     peer = subprocess.Popen([sys.executable, "-c", PEER_SCRIPT, f"127.0.0.1:{b_port}", "5"],
                             stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
-        await until(lambda: inflight(b) == 5, "the peer's 5 bookings at B", timeout=20)
+        await until_async(lambda: inflight(b) == 5, "the peer's 5 bookings at B", timeout=20)
         mine = b.load.book(WORKER, 1)
         os.kill(peer.pid, signal.SIGKILL)  # mid-load: nothing is freed, nothing says goodbye
         peer.wait(10)
-        await until(lambda: inflight(b) == 1, "the dead peer's bookings expiring")
+        await until_async(lambda: inflight(b) == 1, "the dead peer's bookings expiring")
         assert b.load.peer_inflight() == 0 and b.load.peers() == []
         assert b.sync is not None and b.sync.metrics.bookings_expired._value.get() == 5
         mine.free()
@@ -244,15 +236,15 @@ async def test_a_partition_expires_the_peer_and_healing_resyncs_it() -> None:
     await a.start()
     try:
         held = [a.load.book(WORKER, 1) for _ in range(3)]
-        await until(lambda: inflight(b) == 3, "3 bookings at B")
+        await until_async(lambda: inflight(b) == 3, "3 bookings at B")
         proxy.cut = True
-        await until(lambda: inflight(b) == 0, "B dropping the unreachable peer's bookings")
+        await until_async(lambda: inflight(b) == 0, "B dropping the unreachable peer's bookings")
         held[0].free()
         held += [a.load.book(WORKER, 1) for _ in range(2)]  # A now holds 4, B cannot know yet
         await asyncio.sleep(0.2)
         assert inflight(b) == 0
         proxy.cut = False
-        await until(lambda: inflight(b) == 4, "the snapshot after the heal")
+        await until_async(lambda: inflight(b) == 4, "the snapshot after the heal")
         assert b.load.peer_inflight() == 4
     finally:
         await a.stop(0)
@@ -274,7 +266,7 @@ async def test_a_replica_is_not_ready_until_it_has_synced_with_a_reachable_peer(
         await asyncio.sleep(0.2)
         assert not a.ready()
         proxy.cut = False
-        await until(a.ready, "readiness once the peer answered")  # after a retry through the healed path
+        await until_async(a.ready, "readiness once the peer answered")  # after a retry through the healed path
     finally:
         await a.stop(0)
         await proxy.close()
@@ -284,9 +276,9 @@ async def test_a_replica_is_not_ready_until_it_has_synced_with_a_reachable_peer(
 async def test_stopping_flushes_the_last_frees_to_the_peers(mesh) -> None:  # noqa: ANN001
     a, b = await mesh(2, peer_expiry_ms=60_000)  # expiry far away: only A's own frees can clear B's view
     held = [a.load.book(WORKER, 1) for _ in range(2)]
-    await until(lambda: inflight(b) == 2, "2 bookings at B")
+    await until_async(lambda: inflight(b) == 2, "2 bookings at B")
     for h in held:
         h.free()  # the last streams ending as the drain completes; stop() follows at once
     await a.stop(0.5)
-    await until(lambda: inflight(b) == 0, "the frees at B")
+    await until_async(lambda: inflight(b) == 0, "the frees at B")
     assert not a.ready()

@@ -4,8 +4,7 @@ and two real pickers that find each other that way and share load over real gRPC
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -16,17 +15,10 @@ from epp_extproc.app import PickerApp
 from epp_extproc.config import Config
 from tests.fake_k8s import SLICES, FakeKube, make_slice
 from tests.netutil import free_port
+from tests.waiting import until_async
 
 pytestmark = pytest.mark.timeout(30)
 SERVICE = "epp"
-
-
-async def until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -50,24 +42,24 @@ async def test_peers_are_the_service_endpoints_on_the_named_port_without_self(ku
     kube.put(SLICES, make_slice("epp-a", SERVICE, 9004, [("10.0.0.1", True, False), ("10.0.0.2", True, False),
                                                         ("10.0.0.3", False, False), ("10.0.0.4", True, True)]))
     kube.put(SLICES, make_slice("other-a", "other", 9004, [("10.0.0.9", True, False)]))
-    await until(lambda: bool(peers), "the first peer set")
+    await until_async(lambda: bool(peers), "the first peer set")
     # not-ready 10.0.0.3 is a peer (it waits for us to become ready); terminating 10.0.0.4 is not
     assert peers[-1] == {"10.0.0.2:9004", "10.0.0.3:9004"}
 
 
 async def test_a_slice_without_the_named_port_names_no_peers(kube, peers) -> None:  # noqa: ANN001
     kube.put(SLICES, make_slice("epp-a", SERVICE, 9002, [("10.0.0.2", True, False)], port_name="grpc"))
-    await until(lambda: len(peers) == 1, "the first publish")
+    await until_async(lambda: len(peers) == 1, "the first publish")
     assert peers[-1] == set()
 
 
 async def test_slice_changes_update_the_peer_set(kube, peers) -> None:  # noqa: ANN001
     kube.put(SLICES, make_slice("epp-a", SERVICE, 9004, [("10.0.0.2", True, False)]))
-    await until(lambda: peers and peers[-1] == {"10.0.0.2:9004"}, "one peer")
+    await until_async(lambda: peers and peers[-1] == {"10.0.0.2:9004"}, "one peer")
     kube.put(SLICES, make_slice("epp-b", SERVICE, 9004, [("10.0.0.5", False, False)]))
-    await until(lambda: peers[-1] == {"10.0.0.2:9004", "10.0.0.5:9004"}, "a second slice")
+    await until_async(lambda: peers[-1] == {"10.0.0.2:9004", "10.0.0.5:9004"}, "a second slice")
     kube.delete(SLICES, "epp-a")
-    await until(lambda: peers[-1] == {"10.0.0.5:9004"}, "the deleted slice's peer gone")
+    await until_async(lambda: peers[-1] == {"10.0.0.5:9004"}, "the deleted slice's peer gone")
 
 
 async def test_two_pickers_find_each_other_through_the_service_and_share_load(kube: FakeKube,
@@ -89,13 +81,13 @@ async def test_two_pickers_find_each_other_through_the_service_and_share_load(ku
     for a in apps:
         await a.start()
     try:
-        await until(lambda: all(a.ready() for a in apps), "both ready after syncing with each other")
+        await until_async(lambda: all(a.ready() for a in apps), "both ready after syncing with each other")
         held = apps[0].load.book("127.0.0.1:1", 3)
-        await until(lambda: apps[1].load.load("127.0.0.1:1").inflight == 1, "A's booking at B")
+        await until_async(lambda: apps[1].load.load("127.0.0.1:1").inflight == 1, "A's booking at B")
         kube.delete(SLICES, "epp-0")  # A leaves the Service: B stops pushing to it, A still pushes to B
-        await until(lambda: not apps[1].sync.links, "B's link to A closed")  # type: ignore[union-attr]
+        await until_async(lambda: not apps[1].sync.links, "B's link to A closed")  # type: ignore[union-attr]
         held.free()
-        await until(lambda: apps[1].load.load("127.0.0.1:1").inflight == 0, "A's free at B")
+        await until_async(lambda: apps[1].load.load("127.0.0.1:1").inflight == 0, "A's free at B")
     finally:
         for a in apps:
             await a.stop(0)

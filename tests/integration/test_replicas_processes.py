@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 
 from epp_extproc.dev.envoy_config import EnvoyOptions
+from epp_extproc.dev.procs import Proc
 from tests.gateway_client import request
 from tests.harness import EnvoyProcess
 from tests.netutil import free_port, wait_port
@@ -55,31 +55,23 @@ def group() -> Any:
         m.start()
     grpc_port, health_port = free_port(), free_port()
     metrics_port = two_free_ports(avoid={grpc_port, health_port})
-    log = open(stack.dir / "picker.log", "wb")
-    proc = subprocess.Popen([EPP, "--processes", "2", "--grpc-port", str(grpc_port), "--health-port",
+    picker = Proc("picker", [EPP, "--processes", "2", "--grpc-port", str(grpc_port), "--health-port",
                              str(health_port), "--metrics-port", str(metrics_port), "--bind", "127.0.0.1",
                              "--endpoints", stack.endpoints_spec(), "--tokenizer-protocol", "trtllm-render",
                              "--tokenizer-service-url", stack.renderer.url, "--drain-timeout-s", "2",
-                             "--secure-serving=false"],
-                            stdout=log, stderr=subprocess.STDOUT)
+                             "--secure-serving=false"], grpc_port, stack.dir / "picker.log")
     envoy = None
     try:
+        picker.start(timeout=None)
         for port in (grpc_port, metrics_port, metrics_port + 1):
-            wait_port(port, timeout=30)
+            wait_port(port, timeout=30, proc=picker.proc)
         envoy = EnvoyProcess(EnvoyOptions(picker_port=grpc_port, picker_max_requests_per_connection=1,
                                            picker_tls=False)).start()
-        yield stack, proc, envoy, metrics_port
+        yield stack, picker.proc, envoy, metrics_port
     finally:
         if envoy is not None:
             envoy.stop()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
+        picker.stop(grace=15)
         for m in [*stack.mocks, stack.renderer]:
             m.stop()
 

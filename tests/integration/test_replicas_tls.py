@@ -11,9 +11,10 @@ import pytest
 
 from epp_extproc.app import PickerApp
 from epp_extproc.cli import load
-from tests.integration.test_replicas import WORKER, config, inflight, until
+from tests.integration.test_replicas import WORKER, config, inflight
 from tests.integration.test_tls import make_ca, openssl
 from tests.netutil import free_port
+from tests.waiting import until_async
 
 
 def make_sync_secret(d: Path, ca: tuple[Path, Path], name: str = "epp-replica-sync") -> Path:
@@ -58,11 +59,11 @@ async def pair(apps: list[PickerApp], a_tls: Path | None, b_tls: Path | None) ->
 async def test_replicas_sharing_a_ca_sync_bookings_over_mutual_tls(apps: list[PickerApp],
                                                                   secrets: dict[str, Path]) -> None:
     a, b = await pair(apps, secrets["ours"], secrets["ours"])
-    await until(lambda: all(lk.up for x in (a, b) for lk in x.sync.links.values()), "both links up")  # type: ignore[union-attr]
+    await until_async(lambda: all(lk.up for x in (a, b) for lk in x.sync.links.values()), "both links up")  # type: ignore[union-attr]
     booking = a.load.book(WORKER, 4)
-    await until(lambda: inflight(b) == 1, "the booking at B")
+    await until_async(lambda: inflight(b) == 1, "the booking at B")
     booking.free()
-    await until(lambda: inflight(b) == 0, "the free at B")
+    await until_async(lambda: inflight(b) == 0, "the free at B")
 
 
 @pytest.mark.parametrize("intruder", ["theirs", None])
@@ -97,10 +98,11 @@ async def test_a_renewed_secret_is_served_to_new_connections_without_a_restart(
     assert not any(lk.up for x in (a, c) for lk in x.sync.links.values())  # type: ignore[union-attr]
     for f in ("tls.key", "tls.crt", "ca.crt"):  # not atomic: a half-written set must not be taken
         (mounted / f).write_bytes((secrets["theirs"] / f).read_bytes())
-    await until(lambda: all(lk.up for x in (a, c) for lk in x.sync.links.values()), "both links up", timeout=15)
+    await until_async(lambda: all(lk.up for x in (a, c) for lk in x.sync.links.values()), "both links up",
+                      timeout=15)
     assert a.sync.tls is not None and a.sync.tls.reloads == 1  # type: ignore[union-attr]
     c.load.book(WORKER, 4)
-    await until(lambda: inflight(a) == 1, "C's booking at A")
+    await until_async(lambda: inflight(a) == 1, "C's booking at A")
 
 
 async def test_a_renewed_secret_whose_key_does_not_match_keeps_the_previous_one(tmp_path: Path,

@@ -7,7 +7,7 @@ import struct
 import msgpack
 import pytest
 
-from bench.kvwire import cleared_event, pack_all_int64, pack_batch, removed_event, stored_event
+from epp_extproc.dev.kvwire import cleared_event, pack_all_int64, pack_batch, removed_event, stored_event
 from kvindex.decode import (
     REPLAY_END_SEQ,
     decode_payload,

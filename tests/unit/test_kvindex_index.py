@@ -7,7 +7,7 @@ import tracemalloc
 
 import pytest
 
-from bench.kvwire import cleared_event, pack_batch, removed_event, stored_event
+from epp_extproc.dev.kvwire import cleared_event, pack_batch, removed_event, stored_event
 from kvindex.decode import decode_payload
 from kvindex.hashing import block_hashes
 from kvindex.index import KvIndex

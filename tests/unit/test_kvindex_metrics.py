@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from bench.kvwire import pack_batch, stored_event
+from epp_extproc.dev.kvwire import pack_batch, stored_event
 from kvindex.decode import decode_payload
 from kvindex.index import KvIndex
 
