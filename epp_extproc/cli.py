@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 
 from epp_extproc.config import Config, load_config, setting
-from epp_extproc.runner import run, run_child, serve, setup_logging
+from epp_extproc.runner import ListenError, run, run_child, serve, setup_logging
 
 __all__ = ["SUBCOMMANDS", "check_inputs", "load", "main", "run", "run_child", "serve", "setup_logging"]  # run..: re-exports (bench)
 
@@ -26,7 +26,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from epp_extproc.processes import supervise
 
         return supervise(cfg)
-    return run(serve(cfg), cfg.event_loop)
+    try:
+        return run(serve(cfg), cfg.event_loop)
+    except ListenError as e:  # a port in use: one line naming its flag, not a traceback
+        print(f"epp-extproc: {e}", file=sys.stderr)
+        return 1
 
 
 def check_inputs(cfg: Config) -> None:
