@@ -331,6 +331,16 @@ class Config:
             raise ValueError(f"{n('admin_port')} equals {n('metrics_port')} ({self.admin_port}) on a different "
                              f"address: set {n('admin_bind')} to the --bind address ({self.bind}) to serve "
                              "/debug on the metrics listener, or choose another admin port")
+        listeners = ["grpc_port", "health_port", "metrics_port"]
+        if (self.admin_bind, self.admin_port) != (self.bind, self.metrics_port):  # else one listener, on purpose
+            listeners.append("admin_port")
+        seen: dict[int, str] = {}
+        for dest in listeners:
+            port = getattr(self, dest)
+            if port and port in seen:  # two servers on one port: connections would land on either
+                raise ValueError(f"{n(seen[port])} and {n(dest)} are both {port}: each listener needs its own "
+                                 "port")
+            seen.setdefault(port, dest)
         _positive(self, "kv_cache_block_size")
         _positive(self, "render_fingerprint_refresh_ms")
         _positive(self, "extproc_max_connections")
@@ -519,15 +529,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _parse_env(o: Option, raw: str) -> Any:
     """One env value, read with its flag's parser; a bad one is one line naming the variable and its flag."""
+    if o.choices and raw not in o.choices:
+        raise SystemExit(f"epp-extproc: {o.env} ({o.flag}) must be one of {', '.join(o.choices)}; got {raw!r}")
     try:
-        v = o.type(raw)
+        return o.type(raw)
     except ValueError as e:
         expected = {int: "an integer", float: "a number"}.get(o.type)  # type: ignore[call-overload]
         why = f"expected {expected}" if expected else str(e)
         raise SystemExit(f"epp-extproc: {o.env} ({o.flag}): {why}, got {raw!r}") from None
-    if o.choices and v not in o.choices:
-        raise SystemExit(f"epp-extproc: {o.env} ({o.flag}) must be one of {', '.join(o.choices)}; got {raw!r}")
-    return v
 
 
 def load_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
