@@ -247,7 +247,8 @@ class Config:
         "prober finds the worker gone)")
     # KV scoring
     kv_cache_block_size: int = opt("DYN_KV_CACHE_BLOCK_SIZE", 32, int,
-        "tokens per KV block (TensorRT-LLM default 32); learned per worker from its events")
+        "tokens per KV block, assumed for a worker until its own is known: asked from its /server_info (vLLM: "
+        "/metrics), else learned from its events. 32 is TensorRT-LLM's default; vLLM's is 16 on GPU")
     max_index_blocks_per_worker: int = opt("DYN_EPP_MAX_INDEX_BLOCKS_PER_WORKER", 1_000_000, int,
         "cap on indexed blocks per worker (oldest evicted) so missed removals cannot grow memory")
     kv_overlap_score_credit: float = opt("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT", 2.0, float,
@@ -403,7 +404,7 @@ def _options() -> tuple[Option, ...]:
     return tuple(out)
 
 
-OPTIONS: tuple[Option, ...] = _options()  # in field order: the order of --help and the README's table
+OPTIONS: tuple[Option, ...] = _options()  # in field order; --help and the README show them by GROUPS
 ENV_NAMES: frozenset[str] = frozenset(o.env for o in OPTIONS if o.env)
 _BY_DEST: dict[str, Option] = {o.dest: o for o in OPTIONS}
 
@@ -482,6 +483,15 @@ then an Envoy in front of it (OpenAI requests on :8080):
   (`epp-extproc envoy-config --help` lists its options)"""
 
 
+def grouped_options() -> list[tuple[str, list[Option]]]:
+    """OPTIONS by --help section; one missing from GROUPS still reaches the parser (under "other") rather
+    than silently not existing, and a unit test fails until it is placed."""
+    out = [(title, [_BY_DEST[d] for d in dests]) for title, dests in GROUPS]
+    placed = {d for _, dests in GROUPS for d in dests}
+    rest = [o for o in OPTIONS if o.dest not in placed]
+    return out + [("other", rest)] if rest else out
+
+
 def version() -> str:
     """The installed distribution's version (what `pip show epp-extproc` says)."""
     from importlib.metadata import PackageNotFoundError
@@ -511,10 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
-    for title, dests in GROUPS:
+    for title, options in grouped_options():
         g = p.add_argument_group(title)
-        for dest in dests:
-            o = _BY_DEST[dest]
+        for o in options:
             env = f" [env {o.env}]" if o.env else ""
             kw: dict[str, Any] = {"dest": o.dest, "default": None,
                                   "help": f"{o.help} (default {show_default(o.default)}){env}"}

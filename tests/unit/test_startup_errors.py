@@ -136,3 +136,11 @@ def test_two_flags_on_one_port_are_named_together() -> None:
     argv[argv.index("--grpc-port") + 1] = argv[argv.index("--health-port") + 1] = port
     msg = one_line_error(epp(*argv))
     assert f"--grpc-port (DYN_EPP_GRPC_PORT) and --health-port (DYN_EPP_HEALTH_PORT) are both {port}" in msg
+
+
+def test_an_option_missing_from_the_groups_still_reaches_the_parser(monkeypatch: pytest.MonkeyPatch) -> None:
+    import epp_extproc.config as config
+
+    monkeypatch.setattr(config, "GROUPS", tuple((t, tuple(d for d in ds if d != "peers")) for t, ds in GROUPS))
+    assert load_config(["--peers", "10.0.0.1:9004"], env={}).peers == "10.0.0.1:9004"
+    assert "\nother:\n" in config.build_parser().format_help()
