@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from epp_extproc.config import Config, load_config
-from epp_extproc.runner import run, run_child, serve, setup_logging
+from epp_extproc.config import Config, load_config, setting
+from epp_extproc.runner import ListenError, run, run_child, serve, setup_logging
 
 __all__ = ["SUBCOMMANDS", "check_inputs", "load", "main", "run", "run_child", "serve", "setup_logging"]  # run..: re-exports (bench)
 
@@ -26,7 +26,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from epp_extproc.processes import supervise
 
         return supervise(cfg)
-    return run(serve(cfg), cfg.event_loop)
+    try:
+        return run(serve(cfg), cfg.event_loop)
+    except ListenError as e:  # a port in use: one line naming its flag, not a traceback
+        print(f"epp-extproc: {e}", file=sys.stderr)
+        return 1
 
 
 def check_inputs(cfg: Config) -> None:
@@ -38,14 +42,24 @@ def check_inputs(cfg: Config) -> None:
     from epp_extproc.envoy.tls import cert_files
 
     if cfg.cert_path is not None and cfg.secure_serving:
-        cert_files(cfg.cert_path)
-    if cfg.replica_sync_tls_path:
-        SyncTls.load(cfg.replica_sync_tls_path, cfg.replica_sync_server_name)  # named if missing or broken
+        _named("cert_path", cert_files, cfg.cert_path)
+    if cfg.replica_sync_tls_path:  # named if missing or broken
+        _named("replica_sync_tls_path", SyncTls.load, cfg.replica_sync_tls_path, cfg.replica_sync_server_name)
     if cfg.endpoints:
         try:
             parse_flag(cfg.endpoints, kv_event_port=cfg.kv_event_port, replay_port=cfg.kv_event_replay_port)
         except EndpointSpecError as e:
-            raise ValueError(f"DYN_EPP_ENDPOINTS: {e}") from None
+            raise ValueError(f"{setting('endpoints')}: {e}; expected comma separated `name=ip:port` or "
+                             "`ip:port`, numeric IPs (Envoy routes to the address as given), e.g. "
+                             "w0=127.0.0.1:8001,w1=127.0.0.1:8002") from None
+
+
+def _named(dest: str, check: Callable[..., object], *args: str) -> None:
+    """Run a file check from another module, its message led by the flag that named the file."""
+    try:
+        check(*args)
+    except ValueError as e:
+        raise ValueError(f"{setting(dest).split(' ')[0]}: {e}") from None
 
 
 def load(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Config:

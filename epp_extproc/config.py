@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlparse
 
 BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
@@ -247,7 +247,8 @@ class Config:
         "prober finds the worker gone)")
     # KV scoring
     kv_cache_block_size: int = opt("DYN_KV_CACHE_BLOCK_SIZE", 32, int,
-        "tokens per KV block (TensorRT-LLM default 32); learned per worker from its events")
+        "tokens per KV block, assumed for a worker until its own is known: asked from its /server_info (vLLM: "
+        "/metrics), else learned from its events. 32 is TensorRT-LLM's default; vLLM's is 16 on GPU")
     max_index_blocks_per_worker: int = opt("DYN_EPP_MAX_INDEX_BLOCKS_PER_WORKER", 1_000_000, int,
         "cap on indexed blocks per worker (oldest evicted) so missed removals cannot grow memory")
     kv_overlap_score_credit: float = opt("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT", 2.0, float,
@@ -295,7 +296,8 @@ class Config:
                 try:
                     setattr(self, f.name, opt.type(getattr(self, f.name)))
                 except ValueError:
-                    raise ValueError(f"{opt.env} must be one of {list(opt.choices or ())}") from None
+                    raise ValueError(f"{setting(f.name)} must be one of {', '.join(opt.choices or ())}; "
+                                     f"got {getattr(self, f.name)!r}") from None
 
     def sync_enabled(self) -> bool:
         return bool(self.peers or self.peer_service)
@@ -306,87 +308,89 @@ class Config:
     def validate(self) -> None:
         """Fail at start-up, with a message naming the setting, rather than on the first request. Only the
         values themselves: what reads files or parses with an adapter's grammar (certificates, the endpoints
-        spec) is checked by the CLI at start-up (`cli.check_inputs`), so config depends on nothing above it."""
+        spec) is checked by the CLI at start-up (`cli.check_inputs`), so config depends on nothing above it.
+        Each message names the flag and its env name (`--flag (ENV)`): the user set one of the two, and
+        "not set" rather than `None` when a needed value is missing."""
+        n = setting
         if self.tokenizer_protocol is not TokenizerProtocol.NONE:
-            url = urlparse(self.tokenizer_service_url or "")
+            need = (f"{n('tokenizer_protocol')} {self.tokenizer_protocol.value} needs the renderer's absolute "
+                    "http(s) base URL, e.g. http://127.0.0.1:8000 (or --tokenizer-protocol none: route by load)")
+            if not self.tokenizer_service_url:
+                raise ValueError(f"{n('tokenizer_service_url')} is not set: {need}")
+            url = urlparse(self.tokenizer_service_url)
             if url.scheme not in ("http", "https") or not url.netloc:
-                raise ValueError("DYN_EPP_TOKENIZER_SERVICE_URL must be an absolute http(s) URL when "
-                                 f"DYN_EPP_TOKENIZER_PROTOCOL={self.tokenizer_protocol}; got "
-                                 f"{self.tokenizer_service_url!r}")
+                raise ValueError(f"{n('tokenizer_service_url')} must be an absolute http(s) URL, got "
+                                 f"{self.tokenizer_service_url!r}: {need}")
         if self.cert_path is not None:
             if not self.secure_serving:
-                raise ValueError("DYN_EPP_CERT_PATH is set but DYN_EPP_SECURE_SERVING is off: the ext_proc port "
+                raise ValueError(f"{n('cert_path')} is set but secure serving is off (--secure-serving=false or "
+                                 "DYN_EPP_SECURE_SERVING is off): the ext_proc port "
                                  "would serve plain h2c; enable secure serving or drop the cert path")
-        if self.render_circuit_failures < 0:
-            raise ValueError("DYN_EPP_RENDER_CIRCUIT_FAILURES must be >= 0 (0 = never open)")
-        if self.render_circuit_open_ms <= 0:
-            raise ValueError("DYN_EPP_RENDER_CIRCUIT_OPEN_MS must be positive")
+        _at_least(self, "render_circuit_failures", 0, " (0 = never open)")
+        _positive(self, "render_circuit_open_ms")
         if self.admin_port == self.metrics_port != 0 and self.admin_bind != self.bind:
-            raise ValueError("DYN_EPP_ADMIN_PORT equals DYN_EPP_METRICS_PORT on a different address: set "
-                             "DYN_EPP_ADMIN_BIND_ADDRESS to DYN_EPP_BIND_ADDRESS to serve /debug on the "
-                             "metrics listener, or choose another admin port")
-        if self.kv_cache_block_size <= 0:
-            raise ValueError("DYN_KV_CACHE_BLOCK_SIZE must be positive")
-        if self.render_fingerprint_refresh_ms <= 0:
-            raise ValueError("DYN_EPP_RENDER_FINGERPRINT_REFRESH_MS must be positive")
-        if self.extproc_max_connections <= 0:
-            raise ValueError("DYN_EPP_EXTPROC_MAX_CONNECTIONS must be positive")
-        if not self.extproc_keepalive_s >= 0:
-            raise ValueError("DYN_EPP_EXTPROC_KEEPALIVE_S must be >= 0 (0 = off)")
-        if self.endpoint_probe_interval_ms < 0:
-            raise ValueError("DYN_EPP_ENDPOINT_PROBE_INTERVAL_MS must be >= 0 (0 = off)")
-        if not self.endpoint_probe_max_rate > 0:
-            raise ValueError("DYN_EPP_ENDPOINT_PROBE_MAX_RATE must be positive")
-        if self.max_inflight_requests <= 0:
-            raise ValueError("DYN_EPP_MAX_INFLIGHT_REQUESTS must be positive")
-        if self.max_incomplete_requests <= 0:
-            raise ValueError("DYN_EPP_MAX_INCOMPLETE_REQUESTS must be positive")
-        if self.max_body_bytes <= 0:
-            raise ValueError("DYN_EPP_MAX_BODY_BYTES must be positive")
+            raise ValueError(f"{n('admin_port')} equals {n('metrics_port')} ({self.admin_port}) on a different "
+                             f"address: set {n('admin_bind')} to the --bind address ({self.bind}) to serve "
+                             "/debug on the metrics listener, or choose another admin port")
+        listeners = ["grpc_port", "health_port", "metrics_port"]
+        if (self.admin_bind, self.admin_port) != (self.bind, self.metrics_port):  # else one listener, on purpose
+            listeners.append("admin_port")
+        seen: dict[int, str] = {}
+        for dest in listeners:
+            port = getattr(self, dest)
+            if port and port in seen:  # two servers on one port: connections would land on either
+                raise ValueError(f"{n(seen[port])} and {n(dest)} are both {port}: each listener needs its own "
+                                 "port")
+            seen.setdefault(port, dest)
+        _positive(self, "kv_cache_block_size")
+        _positive(self, "render_fingerprint_refresh_ms")
+        _positive(self, "extproc_max_connections")
+        _at_least(self, "extproc_keepalive_s", 0, " (0 = off)")
+        _at_least(self, "endpoint_probe_interval_ms", 0, " (0 = off)")
+        _positive(self, "endpoint_probe_max_rate")
+        _positive(self, "max_inflight_requests")
+        _positive(self, "max_incomplete_requests")
+        _positive(self, "max_body_bytes")
         if self.max_buffered_body_bytes < self.max_body_bytes:
-            raise ValueError("DYN_EPP_MAX_BUFFERED_BODY_BYTES must be at least DYN_EPP_MAX_BODY_BYTES (one "
-                             "largest body must fit)")
-        if self.request_body_timeout_ms <= 0:
-            raise ValueError("DYN_EPP_REQUEST_BODY_TIMEOUT_MS must be positive")
-        if self.router_temperature < 0:
-            raise ValueError("DYN_ROUTER_TEMPERATURE must be >= 0")
-        if self.worker_metrics_interval_ms < 0 or self.worker_metrics_staleness_ms <= 0 \
-                or self.worker_metrics_idle_interval_ms < 0:
-            raise ValueError("DYN_EPP_WORKER_METRICS_INTERVAL_MS and DYN_EPP_WORKER_METRICS_IDLE_INTERVAL_MS "
-                             "must be >= 0 and DYN_EPP_WORKER_METRICS_STALENESS_MS > 0")
+            raise ValueError(f"{n('max_buffered_body_bytes')} must be at least {n('max_body_bytes')} "
+                             f"({self.max_body_bytes}): one largest body must fit; got {self.max_buffered_body_bytes}")
+        _positive(self, "request_body_timeout_ms")
+        _at_least(self, "router_temperature", 0, "")
+        _at_least(self, "worker_metrics_interval_ms", 0, " (0 = off)")
+        _at_least(self, "worker_metrics_idle_interval_ms", 0, "")
+        _positive(self, "worker_metrics_staleness_ms")
         if not 0 < self.flow_control_queue_ttl_s < 600:
-            raise ValueError("DYN_EPP_FLOW_CONTROL_QUEUE_TTL_S must be in (0, 600): the shipped Envoy configs "
-                             "wait 600 s (message_timeout) for the picker's answer")
-        if self.flow_control_max_queued_requests <= 0 or self.queue_depth_threshold < 0:
-            raise ValueError("DYN_EPP_FLOW_CONTROL_MAX_QUEUED_REQUESTS must be positive and "
-                             "DYN_EPP_QUEUE_DEPTH_THRESHOLD >= 0")
+            raise ValueError(f"{n('flow_control_queue_ttl_s')} must be in (0, 600), got "
+                             f"{self.flow_control_queue_ttl_s}: the shipped Envoy configs wait 600 s "
+                             "(message_timeout) for the picker's answer")
+        _positive(self, "flow_control_max_queued_requests")
+        _at_least(self, "queue_depth_threshold", 0, "")
         if not 0 < self.kv_cache_util_threshold <= 1:
-            raise ValueError("DYN_EPP_KV_CACHE_UTIL_THRESHOLD must be in (0, 1]")
-        if self.max_num_batched_tokens < 0:
-            raise ValueError("DYN_EPP_MAX_NUM_BATCHED_TOKENS must be >= 0 (0 = off)")
+            raise ValueError(f"{n('kv_cache_util_threshold')} must be in (0, 1], got {self.kv_cache_util_threshold}")
+        _at_least(self, "max_num_batched_tokens", 0, " (0 = off)")
         if self.flow_control and self.worker_metrics_interval_ms == 0 and self.max_num_batched_tokens == 0:
-            raise ValueError("DYN_EPP_FLOW_CONTROL needs a saturation signal: worker metrics "
-                             "(DYN_EPP_WORKER_METRICS_INTERVAL_MS > 0) or DYN_EPP_MAX_NUM_BATCHED_TOKENS")
-        if self.processes < 1:
-            raise ValueError("DYN_EPP_PROCESSES must be >= 1")
+            raise ValueError(f"{n('flow_control')} needs a saturation signal: worker metrics "
+                             f"({n('worker_metrics_interval_ms')} > 0) or {n('max_num_batched_tokens')} > 0")
+        _at_least(self, "processes", 1, "")
         if self.processes > 1 and self.grpc_port == 0:
-            raise ValueError("DYN_EPP_PROCESSES > 1 needs a fixed DYN_EPP_GRPC_PORT (the processes share it)")
+            raise ValueError(f"{n('processes')} > 1 needs a fixed {n('grpc_port')} (the processes share it); "
+                             "got port 0")
         if self.peers and self.peer_service:
-            raise ValueError("choose one peer source: --peers or --peer-service")
+            raise ValueError(f"choose one peer source: {n('peers')} or {n('peer_service')}, not both")
         if self.processes > 1 and (self.peers or self.peer_service):
-            raise ValueError("DYN_EPP_PROCESSES > 1 cannot be combined with DYN_EPP_PEERS/DYN_EPP_PEER_SERVICE yet")
-        if self.peer_timeout_ms <= 0 or self.peer_expiry_ms < 0:
-            raise ValueError("DYN_EPP_PEER_TIMEOUT_MS must be positive and DYN_EPP_PEER_EXPIRY_MS >= 0")
-        if self.drain_timeout_s < 0:
-            raise ValueError("DYN_EPP_DRAIN_TIMEOUT_S must be >= 0")
+            raise ValueError(f"{n('processes')} > 1 cannot be combined with {n('peers')} or "
+                             f"{n('peer_service')} yet")
+        _positive(self, "peer_timeout_ms")
+        _at_least(self, "peer_expiry_ms", 0, "")
+        _at_least(self, "drain_timeout_s", 0, "")
         modes = self.body_modes()
         bad = [m for m in modes if m not in BODY_MODES]
         if bad or not modes:
-            raise ValueError(f"DYN_EPP_ALLOWED_BODY_MODES: unknown mode(s) {bad}; choose from {BODY_MODES}")
-        sources = [s for s in (self.endpoints, self.endpoints_file, self.inference_pool_name) if s]
+            what = f"unknown mode(s) {', '.join(bad)}" if bad else "no mode given"
+            raise ValueError(f"{n('allowed_body_modes')}: {what}; choose from {', '.join(BODY_MODES)}")
+        sources = [d for d in ("endpoints", "endpoints_file", "inference_pool_name") if getattr(self, d)]
         if len(sources) > 1:
-            raise ValueError("choose one endpoint source: --endpoints, --endpoints-file or "
-                             "--inference-pool-name")
+            raise ValueError("choose one endpoint source, not " + " and ".join(n(d) for d in sources))
 
     def body_modes(self) -> tuple[str, ...]:
         return tuple(m.strip().upper() for m in self.allowed_body_modes.split(",") if m.strip())
@@ -400,9 +404,28 @@ def _options() -> tuple[Option, ...]:
     return tuple(out)
 
 
-OPTIONS: tuple[Option, ...] = _options()  # in field order: the order of --help and the README's table
+OPTIONS: tuple[Option, ...] = _options()  # in field order; --help and the README show them by GROUPS
 ENV_NAMES: frozenset[str] = frozenset(o.env for o in OPTIONS if o.env)
 _BY_DEST: dict[str, Option] = {o.dest: o for o in OPTIONS}
+
+
+def setting(dest: str) -> str:
+    """How an error names a setting: the flag the user may have typed and the env name they may have set
+    (`--endpoints (DYN_EPP_ENDPOINTS)`), so either way they find what to change."""
+    o = _BY_DEST[dest]
+    return f"{o.flag} ({o.env})" if o.env else o.flag
+
+
+def _positive(cfg: Config, dest: str) -> None:
+    value = getattr(cfg, dest)
+    if not value > 0:
+        raise ValueError(f"{setting(dest)} must be positive, got {value}")
+
+
+def _at_least(cfg: Config, dest: str, low: float, note: str) -> None:
+    value = getattr(cfg, dest)
+    if not value >= low:
+        raise ValueError(f"{setting(dest)} must be >= {low}{note}, got {value}")
 
 
 def show_default(value: Any) -> str:
@@ -416,24 +439,113 @@ def show_default(value: Any) -> str:
     return str(value)
 
 
+# --help's sections: every option sits in exactly one (a unit test checks), in this order.
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("serving (the ext_proc port Envoy calls)",
+     ("grpc_port", "health_port", "bind", "extproc_transport", "event_loop", "extproc_keepalive_s",
+      "drain_timeout_s")),
+    ("discovery (which workers, and their KV events)",
+     ("endpoints", "endpoints_file", "inference_pool_name", "namespace", "kubeconfig",
+      "endpoint_probe_interval_ms", "endpoint_probe_path", "endpoint_probe_max_rate", "kv_event_port",
+      "kv_event_replay_port", "kv_event_topic")),
+    ("renderer (request -> token ids)",
+     ("tokenizer_protocol", "tokenizer_service_url", "tokenization_timeout_ms", "tokenizer_max_response_bytes",
+      "render_circuit_failures", "render_circuit_open_ms", "render_failure_policy", "render_reject_policy",
+      "cache_salt_policy", "prompt_passthrough", "render_fingerprint_refresh_ms")),
+    ("routing (KV overlap against load)",
+     ("kv_cache_block_size", "max_index_blocks_per_worker", "kv_overlap_score_credit", "prefill_load_scale",
+      "router_temperature", "prediction_ttl_s", "worker_metrics_interval_ms",
+      "worker_metrics_idle_interval_ms", "worker_metrics_staleness_ms", "worker_metrics_path")),
+    ("flow control (queue while every worker is saturated)",
+     ("flow_control", "flow_control_queue_ttl_s", "flow_control_max_queued_requests", "queue_depth_threshold",
+      "kv_cache_util_threshold", "max_num_batched_tokens", "inference_objectives_file")),
+    ("replicas (several pickers sharing load)",
+     ("processes", "peers", "peer_service", "pod_ip", "replica_sync_port", "peer_timeout_ms",
+      "peer_expiry_ms")),
+    ("limits (what one client can hold)",
+     ("max_inflight_requests", "max_incomplete_requests", "max_body_bytes", "max_buffered_body_bytes",
+      "request_body_timeout_ms", "allowed_body_modes", "extproc_max_connections")),
+    ("TLS",
+     ("secure_serving", "cert_path", "replica_sync_tls_path", "replica_sync_server_name")),
+    ("admin and observability",
+     ("metrics_port", "admin_port", "admin_bind", "log_level", "log_format")),
+)
+
+EPILOG = """\
+a picker for two local mock workers, rendering with the first one's render endpoint:
+  trtllm-mock --port 8001 --enable-render-endpoints --kv-events-endpoint tcp://127.0.0.1:5557 &
+  trtllm-mock --port 8002 --enable-render-endpoints --kv-events-endpoint tcp://127.0.0.1:5558 &
+  epp-extproc --endpoints 'w0=127.0.0.1:8001;kv=tcp://127.0.0.1:5557,w1=127.0.0.1:8002;kv=tcp://127.0.0.1:5558' \\
+      --tokenizer-protocol trtllm-render --tokenizer-service-url http://127.0.0.1:8001
+
+then an Envoy in front of it (OpenAI requests on :8080):
+  epp-extproc envoy-config --listen-port 8080 > envoy.yaml && envoy -c envoy.yaml
+  (`epp-extproc envoy-config --help` lists its options)"""
+
+
+def grouped_options() -> list[tuple[str, list[Option]]]:
+    """OPTIONS by --help section; one missing from GROUPS still reaches the parser (under "other") rather
+    than silently not existing, and a unit test fails until it is placed."""
+    out = [(title, [_BY_DEST[d] for d in dests]) for title, dests in GROUPS]
+    placed = {d for _, dests in GROUPS for d in dests}
+    rest = [o for o in OPTIONS if o.dest not in placed]
+    return out + [("other", rest)] if rest else out
+
+
+def version() -> str:
+    """The installed distribution's version (what `pip show epp-extproc` says)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("epp-extproc")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad flag value is one line naming the flag (argparse's default prints the whole usage first: with
+    this many options, the error scrolls out of sight)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="epp-extproc",
-        description="KV-cache-aware endpoint picker for Envoy (ext_proc). Every flag can also be set "
-                    "through the environment variable shown in brackets.",
-        epilog="`epp-extproc envoy-config --help`: print a ready Envoy configuration for this picker.",
+        usage="%(prog)s [options]  |  %(prog)s envoy-config [options]",
+        description="KV-cache-aware endpoint picker for Envoy (ext_proc). Every flag can also be set\n"
+                    "through the environment variable shown in brackets; a flag wins over its variable.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    for o in OPTIONS:
-        env = f" [env {o.env}]" if o.env else ""
-        kw: dict[str, Any] = {"dest": o.dest, "default": None,
-                              "help": f"{o.help} (default {show_default(o.default)}){env}"}
-        if o.choices:
-            kw["choices"] = list(o.choices)
-        kw["type"] = o.type
-        if o.type is _bool:  # `--secure-serving` alone means true; `--secure-serving=false` also works
-            kw.update(nargs="?", const=True)
-        p.add_argument(o.flag, **kw)
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    for title, options in grouped_options():
+        g = p.add_argument_group(title)
+        for o in options:
+            env = f" [env {o.env}]" if o.env else ""
+            kw: dict[str, Any] = {"dest": o.dest, "default": None,
+                                  "help": f"{o.help} (default {show_default(o.default)}){env}"}
+            if o.choices:
+                kw["choices"] = list(o.choices)
+            kw["type"] = o.type
+            if o.type is _bool:  # `--secure-serving` alone means true; `--secure-serving=false` also works
+                kw.update(nargs="?", const=True)
+            g.add_argument(o.flag, **kw)
     return p
+
+
+def _parse_env(o: Option, raw: str) -> Any:
+    """One env value, read with its flag's parser; a bad one is one line naming the variable and its flag."""
+    if o.choices and raw not in o.choices:
+        raise SystemExit(f"epp-extproc: {o.env} ({o.flag}) must be one of {', '.join(o.choices)}; got {raw!r}")
+    try:
+        return o.type(raw)
+    except ValueError as e:
+        expected = {int: "an integer", float: "a number"}.get(o.type)  # type: ignore[call-overload]
+        why = f"expected {expected}" if expected else str(e)
+        raise SystemExit(f"epp-extproc: {o.env} ({o.flag}): {why}, got {raw!r}") from None
 
 
 def load_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
@@ -443,13 +555,7 @@ def load_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None
     for o in OPTIONS:
         v = getattr(args, o.dest)
         if v is None and o.env and env.get(o.env) is not None:
-            raw = env[o.env]
-            try:
-                v = o.type(raw)
-            except ValueError as e:
-                raise SystemExit(f"epp-extproc: bad value for {o.env}={raw!r}: {e}") from None
-            if o.choices and v not in o.choices:
-                raise SystemExit(f"epp-extproc: {o.env} must be one of {list(o.choices)}, got {raw!r}")
+            v = _parse_env(o, env[o.env])
         if v is None:
             v = o.default
         values[o.dest] = v

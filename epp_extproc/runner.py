@@ -9,14 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import logging
+import re
 import signal
+import socket
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from epp_extproc.app import PickerApp
 from epp_extproc.config import Config, ProcessSlot
+
+# What the three servers say when a bind fails: grpcio "Failed to bind to address 127.0.0.1:9003; ...",
+# h2grpc "cannot listen on 127.0.0.1:9002: ...", aiohttp "... bind on address ('127.0.0.1', 9091): ...".
+_BIND_FAILURE = re.compile(r"(?:bind to address|listen on) \[?[^\s\]]*\]?:(\d+)|bind on address \('[^']*', (\d+)")
+
+
+class ListenError(Exception):
+    """A port the picker was told to listen on could not be bound; the message names its flag."""
 
 
 def run_child(cfg: Config, slot: ProcessSlot) -> None:
@@ -26,7 +37,11 @@ def run_child(cfg: Config, slot: ProcessSlot) -> None:
         if type(h.formatter) is logging.Formatter:
             h.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [p{slot.index}] %(name)s: "
                                              "%(message)s"))
-    raise SystemExit(run(serve(dataclasses.replace(cfg, processes=1), slot=slot), cfg.event_loop))
+    try:
+        code = run(serve(dataclasses.replace(cfg, processes=1), slot=slot), cfg.event_loop)
+    except ListenError as e:
+        raise SystemExit(f"epp-extproc: [p{slot.index}] {e}") from None
+    raise SystemExit(code)
 
 
 def run(main: Coroutine[Any, Any, int], event_loop: str) -> int:
@@ -70,8 +85,56 @@ async def serve(cfg: Config, prepare: Callable[[PickerApp], None] | None = None,
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):  # before start: a SIGTERM during start-up still cleans up
         loop.add_signal_handler(sig, stop.set)
-    await app.start()
+    try:
+        await app.start()
+    except (OSError, RuntimeError) as e:
+        reason = listen_failure(cfg, e)
+        if reason is None:
+            raise
+        raise ListenError(reason) from None
     await stop.wait()
     logging.getLogger("epp_extproc").info("shutting down: draining for up to %.1fs", cfg.drain_timeout_s)
     await app.stop(cfg.drain_timeout_s)
     return 0
+
+
+def listen_failure(cfg: Config, exc: BaseException) -> str | None:
+    """The one line for a port that could not be bound, naming the flag that chose it; None when `exc` is
+    not a bind failure. The servers' own errors name only an address (grpcio's not even why), so the port
+    is matched to the flags and, for the reason, bound once more here."""
+    m = _BIND_FAILURE.search(str(exc))
+    if m is None:
+        return None
+    port = int(m.group(1) or m.group(2))
+    shared = (cfg.admin_bind, cfg.admin_port) == (cfg.bind, cfg.metrics_port)  # one listener, on purpose
+    ports = [("grpc_port", "--grpc-port", "DYN_EPP_GRPC_PORT", cfg.bind, cfg.grpc_port),
+             ("health_port", "--health-port", "DYN_EPP_HEALTH_PORT", cfg.bind, cfg.health_port),
+             ("admin_port", "--admin-port", "DYN_EPP_ADMIN_PORT", cfg.admin_bind, cfg.admin_port)]
+    if not shared:
+        ports.append(("metrics_port", "--metrics-port", "DYN_EPP_METRICS_PORT", cfg.bind, cfg.metrics_port))
+    named = [(flag, env, host) for _, flag, env, host, p in ports if p == port]
+    if not named:
+        return f"cannot listen on port {port}: {exc}"
+    if len(named) > 1:
+        flags = " and ".join(f"{flag} ({env})" for flag, env, _ in named)
+        return f"{flags} are {'both' if len(named) == 2 else 'all'} {port}: each needs its own port"
+    flag, env, host = named[0]
+    why = _why_unbindable(host, port)
+    if why == "in use":
+        return f"{flag} {port} is already in use ({env}); stop the other picker or choose another port"
+    return f"{flag} {port} ({env}): cannot listen on {host}:{port}: {why}"
+
+
+def _why_unbindable(host: str, port: int) -> str:
+    """Bind the port once more, as the servers do (SO_REUSEADDR), to say why they could not."""
+    h = host.strip("[]")
+    family = socket.AF_INET6 if ":" in h else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((h or "0.0.0.0", port))
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            return "in use"
+        return e.strerror or str(e)
+    return "the server refused it (it is free now: try again)"

@@ -52,8 +52,25 @@ NAMED_TOOL_CHOICE_WITH_IDS_ERROR = (
 )
 
 
+# The error bodies, as trtllm-serve answers them (tensorrt_llm/serve/openai_server.py and openai_protocol.py,
+# checked at NVIDIA/TensorRT-LLM 00057725d9a6591f033e44f31c219e2426827bb7); tests/mock/test_mock_error_shapes.py
+# pins each one:
+# - a request the schema refuses (pydantic, model validators, bad JSON): FastAPI's RequestValidationError, which
+#   trtllm-serve's own handler answers 400 `{"error": str(exc)}` (a string, not an object);
+# - a refusal inside the route handler (prompt too long, engine limits): its `except Exception` answers
+#   `create_error_response(str(e))`, 400 `ErrorResponse` = the flat `{"object": "error", "message", "type":
+#   "BadRequestError", "param": null, "code": 400}` (`object_error`);
+# - FastAPI's own HTTPExceptions (a body that is not even text, an unknown path, a wrong method) keep its default
+#   handler: `{"detail": "..."}`.
+
+
 class BadRequest(Exception):
-    """Any 400: carries the message; the route decides which of the two error shapes it is wrapped in."""
+    """A 400 the schema gives (trtllm-serve: a RequestValidationError): the route decides the shape."""
+
+
+class HandlerRejected(Exception):
+    """A 400 trtllm-serve's route handler gives after validation (its `create_error_response`): always the flat
+    ErrorResponse, whatever `--error-shape` says about validation errors."""
 
 
 def object_error(message: str, status: int = 400) -> web.Response:
@@ -63,6 +80,19 @@ def object_error(message: str, status: int = 400) -> web.Response:
     )
     body = {"object": "error", "message": message, "type": err_type, "param": None, "code": status}
     return web.json_response(body, status=status)
+
+
+@web.middleware
+async def _fastapi_http_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """An unknown path or a wrong method answers as FastAPI does: `{"detail": "Not Found"}` /
+    `{"detail": "Method Not Allowed"}`, not aiohttp's text."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return web.json_response({"detail": "Not Found"}, status=404)
+    except web.HTTPMethodNotAllowed as e:
+        return web.json_response({"detail": "Method Not Allowed"}, status=405,
+                                 headers={"Allow": ", ".join(sorted(e.allowed_methods))})
 
 
 def _referenced_fraction(cache: KVCache) -> float:
@@ -174,7 +204,7 @@ class MockWorker:
 
     # ------------------------------------------------------------------- app
     def _build_app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[_fastapi_http_errors])
         app.on_response_prepare.append(self._tag_response)
         r = app.router
         cfg = self.config
@@ -356,19 +386,19 @@ class MockWorker:
     def _admission_checks(self, body: dict[str, Any], prompt: list[int]) -> int:
         """Shared refusals after schema validation; returns the effective max_tokens."""
         if body.get("n", 1) != 1:
-            raise BadRequest("trtllm_mock only supports n=1")
+            raise HandlerRejected("trtllm_mock only supports n=1")
         if not prompt:
-            raise BadRequest("The prompt must not be empty.")
+            raise HandlerRejected("The prompt must not be empty.")
         max_tokens = (
             body.get("max_tokens") or body.get("max_completion_tokens") or self.config.default_max_tokens
         )
         if len(prompt) + max_tokens > self.config.max_seq_len:
-            raise BadRequest(
+            raise HandlerRejected(
                 f"The sum of prompt length ({len(prompt)}) and max_tokens ({max_tokens}) exceeds "
                 f"max_seq_len ({self.config.max_seq_len})."
             )
         if not self.engine.fits_at_all(len(prompt) + max_tokens):
-            raise BadRequest(
+            raise HandlerRejected(
                 f"Request needs {self.cache.blocks_needed(len(prompt) + max_tokens)} KV blocks but the cache "
                 f"only has {self.cache.num_blocks}."
             )
@@ -382,8 +412,8 @@ class MockWorker:
         try:
             body = validate_chat(await self._json_object(request, "ChatCompletionRequest"))
             part = multimodal_part_type(body)
-            if part is not None:
-                raise BadRequest(
+            if part is not None:  # trtllm-serve: parse_chat_messages_coroutines, inside the handler
+                raise HandlerRejected(
                     f"Content part type {part!r} is not supported: the mock serves a text-only model."
                 )
             if body.get("prompt_token_ids") is not None and _named_tool_choice(body):
@@ -392,6 +422,8 @@ class MockWorker:
             max_tokens = self._admission_checks(body, prompt)
         except (BadRequest, RequestValidationError, RequestRejected) as exc:
             return self._inference_error(str(exc))
+        except HandlerRejected as exc:
+            return object_error(str(exc))
         return await self._serve(request, "chat", body, prompt, body.get("cache_salt"), max_tokens)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -405,6 +437,8 @@ class MockWorker:
             max_tokens = max(self._admission_checks(body, p) for p in ids)
         except (BadRequest, RequestValidationError, RequestRejected) as exc:
             return self._inference_error(str(exc))
+        except HandlerRejected as exc:
+            return object_error(str(exc))
         if len(ids) > 1:
             return await self._serve_many(request, body, ids, max_tokens)
         return await self._serve(request, "completion", body, ids[0], None, max_tokens)

@@ -36,7 +36,10 @@ log = logging.getLogger(__name__)
 _throttled = Throttled(log)
 
 DROP_MEMBERS = frozenset({"nvext"})
-TRTLLM_SALT_MESSAGE = "cache_salt is not supported with TensorRT-LLM workers"
+# The reference's words first (clients match on them), then what counts as a salt and the operator's way out.
+TRTLLM_SALT_MESSAGE = ("cache_salt is not supported with TensorRT-LLM workers: an x-tenant-id header counts as a "
+                       "salt, as do cache_salt and nvext.cache_salt; a picker started with --cache-salt-policy "
+                       "load-only routes such requests by load (the worker still isolates the tenant's cache)")
 BYTES_PER_TOKEN_ESTIMATE = 4  # load weight of a request whose prompt could not be rendered
 IDENTITY_ENCODINGS = frozenset({"", "identity"})
 
@@ -305,7 +308,9 @@ class Pipeline:
 
     # ---------------------------------------------------------------- debug
     def explain(self, p: Proposal) -> dict[str, Any]:
-        """A proposal as `/debug/score` shows it."""
+        """A proposal as `/debug/score` shows it: scored, never committed, so its blocks are what the pick
+        WOULD book (`would_book_blocks`; `booked_blocks` is the same value under its old, misleading name,
+        kept for one release)."""
         names = {ep.address: ep.name for ep in self.registry.all()}
         workers = [{"name": names.get(c.address), "address": c.address, "overlap_blocks": c.overlap_blocks,
                     "block_size": self.kv.block_size(c.address) if self.kv else None,
@@ -328,6 +333,7 @@ class Pipeline:
         # what the picked worker would receive: the rendered prompt (`tokens`) or the original body
         forwarded = None if v is None else {"body": v.forward, "reason": v.reason, "members": sorted(v.inject)}
         return {"route": p.plan.route, "prompt_tokens": len(p.plan.tokens or []), "workers": workers,
-                "pick": p.address, "booked_blocks": round(p.booked_blocks, 3),
+                "pick": p.address, "would_book_blocks": round(p.booked_blocks, 3),
+                "booked_blocks": round(p.booked_blocks, 3),  # deprecated: would_book_blocks
                 "predicted_cached_tokens": p.predicted_cached_tokens, "injected_members": injected,
                 "forwarded": forwarded}

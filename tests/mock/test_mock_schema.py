@@ -146,7 +146,7 @@ async def test_request_longer_than_max_seq_len_is_rejected():
     async with running_worker(kv_events=False, max_seq_len=10) as w, aiohttp.ClientSession() as s:
         status, body = await post(s, w.url + "/v1/chat/completions", ids_body(list(range(100, 109)), max_tokens=5))
     assert status == 400
-    assert "max_seq_len" in body["error"]
+    assert "max_seq_len" in body["message"]  # a handler refusal: the flat ErrorResponse
 
 
 async def test_known_openai_and_trtllm_fields_are_accepted(worker, session):

@@ -105,7 +105,7 @@ def test_a_bad_endpoints_value_stops_start_up_with_one_line_naming_it() -> None:
     with pytest.raises(SystemExit) as e:
         load(["--endpoints", "w0=not-an-address"], env={})
     msg = str(e.value)
-    assert msg.startswith("epp-extproc: DYN_EPP_ENDPOINTS:") and "\n" not in msg
+    assert msg.startswith("epp-extproc: --endpoints (DYN_EPP_ENDPOINTS):") and "\n" not in msg
 
 
 def test_policies_are_enums_whether_given_as_flags_or_plain_strings() -> None:
