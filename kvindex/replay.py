@@ -64,15 +64,17 @@ class Replayer:
 
     def __init__(self, ctx: zmq.asyncio.Context, idx: KvIndex, *,
                  apply: Callable[[Subscription, int, bytes], None], clear: Callable[[Subscription], None],
-                 restart: Callable[[Subscription, str], None], peek: Callable[[Subscription], int | None],
-                 replay_timeout_s: float, replay_max_batches: int,
-                 max_batch_bytes: int, max_replay_bytes: int, turn_budget_s: float) -> None:
+                 restart: Callable[[Subscription, str], None], replay_timeout_s: float, replay_max_batches: int,
+                 max_batch_bytes: int, max_replay_bytes: int, turn_budget_s: float,
+                 peek: Callable[[Subscription], int | None] | None = None) -> None:
+        """``peek(sub)``: the seq of the next live message, if one is there (read and kept for the receive
+        loop), so a replay knows where the live stream starts; None: a replay never learns it that way."""
         self._ctx = ctx
         self._idx = idx
         self._apply = apply
         self._clear = clear
         self._restart = restart
-        self._peek = peek
+        self._peek = peek or (lambda _sub: None)
         self.replay_timeout_s = replay_timeout_s
         self.replay_max_batches = replay_max_batches
         self.max_batch_bytes = max_batch_bytes
