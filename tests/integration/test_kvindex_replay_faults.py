@@ -96,6 +96,8 @@ class VllmPublisher:
         while not self._dead.is_set():
             if self._replay.poll(0):
                 self._service_replay()
+                if self._dead.is_set():
+                    break
             try:
                 item = self._queue.get(timeout=0.1)
             except queue.Empty:
@@ -125,8 +127,10 @@ class VllmPublisher:
                 self._replay.send_multipart((client_id, b"", seq.to_bytes(8, "big"), buf))
                 sent += 1
         self._replay.send_multipart((client_id, b"", END_SEQ, b""))
-        if self.die_after_replay:
+        if self.die_after_replay:  # its sockets go with it at once
             self._dead.set()
+            self._pub.close(linger=0)
+            self._replay.close(linger=0)
 
     async def wait_published(self, n: int) -> None:
         await until(lambda: self.published >= n)
@@ -181,10 +185,11 @@ async def test_a_replay_answer_that_arrived_during_a_loop_stall_is_read_not_time
     for h in (1, 2, 3):
         pub.publish(stored(h, None if h == 1 else h - 1), send=False)
     await pub.wait_published(3)
-    idx, mgr = make(replay_timeout_s=0.2)
+    idx, mgr = make(replay_timeout_s=0.3)  # (vLLM's thread reads the ROUTER every 0.1 s at most)
     await mgr.add("w", pub.endpoint, pub.replay_endpoint)
     await until(lambda: pub.requests == [0])
-    time.sleep(0.6)  # noqa: ASYNC251 - the stall under test: a flood, a long decision, a slow file parse
+    time.sleep(0.8)  # noqa: ASYNC251 - the stall under test: a flood, a long decision, a slow file parse
+    pub.replay_delay_s = 0.0  # (only the warm-up's answer is slow)
     # well before any rebuild after a failure could run (REWARM_MIN_S)
     await until(lambda: idx.engine_hashes("w") == {1, 2, 3}, timeout=subscriber_module.REWARM_MIN_S / 4)
     assert mgr.stats("w").replay_failures == 0 and pub.published == 3
@@ -199,7 +204,7 @@ async def test_an_idle_engine_whose_warm_up_failed_is_warmed_later_without_a_new
     for h in (1, 2, 3):
         pub.publish(stored(h, None if h == 1 else h - 1), send=False)
     await pub.wait_published(3)
-    idx, mgr = make(replay_timeout_s=0.2)
+    idx, mgr = make(replay_timeout_s=0.3)
     await mgr.add("w", pub.endpoint, pub.replay_endpoint)
     await until(lambda: idx.engine_hashes("w") == {1, 2, 3})
     assert mgr.stats("w").replay_failures == 1 and mgr.stats("w").messages == 0 and pub.requests[:2] == [0, 0]
