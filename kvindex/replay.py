@@ -17,8 +17,9 @@ rebuild (rewarm) after a failed one.
   marker through), so it is followed by another round from the next seq, as many as make progress;
 * **waiting**: a reply already in the DEALER socket is read before a timeout is declared (a stalled event loop
   fires the timer late, with the answer long there);
-* **rewarm**: a failed replay (not one over its budget) schedules a rebuild from 0 at the first live message
-  after a delay on the house's :class:`~kvindex.backoff.Backoff` (each subscription carries its own).
+* **rewarm**: a failed replay (not one over its budget) schedules a rebuild from 0 after a delay on the
+  house's :class:`~kvindex.backoff.Backoff` (each subscription carries its own); the subscriber's receive
+  loop runs it when the timer is due, or at the first live message after it.
 
 The live stream's state changes (apply a batch, clear the rank, note a publisher restart) belong to the
 subscriber (`kvindex/subscriber.py`), which hands them in as callables: this module imports no subscriber.

@@ -20,9 +20,16 @@ numbers its batches on its own).  Each subscription owns its stream's sequence b
 * **replay** must be contiguous up to the end marker: publishers keep ZeroMQ's default send high-water mark on
   their replay ROUTER, which drops frames in the middle (and the end marker) of a large replay.  A hole stops
   applying and the replay is asked again from the hole on a fresh socket, as long as each round makes progress
-  (bounded rounds); a missing end marker without progress is a timeout, never a success.  A failed replay
-  (not one over its budget) schedules a rebuild from 0 at the first message after a backoff
-  (:data:`REWARM_MIN_S` doubling to :data:`REWARM_MAX_S`, on the house's :class:`~kvindex.backoff.Backoff`); what the rank holds stays until the publisher answers;
+  (bounded rounds); a missing end marker without progress is a timeout, never a success; it is complete at a
+  bare end marker or once it reaches the first live seq minus one.  A failed replay (not one over its budget)
+  schedules a rebuild from 0 on its own timer, message or not (vLLM's idle engine sends nothing), after a
+  backoff (:data:`REWARM_MIN_S` doubling to :data:`REWARM_MAX_S`, on the house's
+  :class:`~kvindex.backoff.Backoff`); what the rank holds stays until the publisher answers;
+* **reconnect**: when the SUB's peer goes away the SUB is recreated, never disconnected and reconnected
+  (libzmq keeps a prefetched first frame of a queued message and glues the next peer's first message to it,
+  or aborts on ``!_more`` in fq.cpp when the rest of that message is gone); with a replay endpoint the
+  history is then verified by a replay from the last applied batch, and a malformed first message after a
+  reconnect is taken as a restart;
 * **reset**: any reset (prober saw the worker die, restart, clear) bumps a generation number that every step
   of an in-flight replay checks after each await, so nothing stale is applied after a reset.
 
