@@ -276,3 +276,34 @@ async def test_an_engine_restart_during_a_slow_replay_leaves_none_of_the_dead_pr
     await asyncio.sleep(0.3)  # the SUB reconnects to the new process
     new.publish(stored(9))
     await until(lambda: idx.engine_hashes("w") == {9}, timeout=10)
+
+
+async def test_a_malformed_first_message_after_a_reconnect_is_taken_as_a_restart(setup):
+    """Without a replay endpoint nothing else can tell: a garbled first batch from whatever now listens on the
+    port (a restarted engine's, glued to a frame its predecessor left) must not leave the old blocks indexed."""
+    make, _ = setup
+    port = free_port()
+    zctx = zmq.Context()
+    old = zctx.socket(zmq.PUB)
+    old.setsockopt(zmq.LINGER, 0)
+    old.bind(f"tcp://127.0.0.1:{port}")
+    idx, mgr = make()
+    await mgr.add("w", f"tcp://127.0.0.1:{port}")
+    seq = 0
+    while idx.engine_hashes("w") != {1}:  # live until the SUB demonstrably receives
+        old.send_multipart([b"", seq.to_bytes(8, "big"), pack_batch(stored(1), rank=0, envelope="map")])
+        seq += 1
+        await asyncio.sleep(0.05)
+    old.close(linger=0)
+    await until(lambda: mgr.stats("w").reconnects >= 1)
+    new = zctx.socket(zmq.PUB)
+    new.setsockopt(zmq.LINGER, 0)
+    new.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        while not idx.stats("w").garbage_frames:  # until the recreated SUB receives it
+            new.send_multipart([b"", b"", (0).to_bytes(8, "big"), pack_batch(stored(9), rank=0, envelope="map")])
+            await asyncio.sleep(0.05)
+        assert idx.engine_hashes("w") == set() and mgr.stats("w").restarts == 1
+    finally:
+        new.close(linger=0)
+        zctx.term()
