@@ -5,12 +5,21 @@ rebuild (rewarm) after a failed one.
 * **warm-up** (`warm_up`): rebuild the rank from everything the buffer holds, from seq 0;
 * **recover** (`recover`): after a gap, replay from the last applied batch itself, so the first reply proves
   (same payload digest) that the publisher still has the history applied;
+* **verify** (`verify`): after the SUB socket was recreated (its peer went away), replay from the last applied
+  batch: the same payload proves the same process, anything else is a restart (clear and warm up again);
 * **rounds** (`replay`): the stream must be contiguous up to the end marker. A hole (frames dropped at the
   publisher's send high-water mark) is asked again from there on a fresh socket while each round makes
-  progress (at most :data:`MAX_REPLAY_ROUNDS`); an end marker after batches is confirmed by one more round
-  (at most :data:`MAX_REPLAY_CONFIRMS`); a missing end marker without progress is a timeout, never a success;
-* **rewarm**: a failed replay (not one over its budget) schedules a rebuild from 0 at the first live message
-  after a delay on the house's :class:`~kvindex.backoff.Backoff` (each subscription carries its own).
+  progress (at most :data:`MAX_REPLAY_ROUNDS`); a missing end marker without progress is a timeout, never a
+  success;
+* **completion**: a replay is complete when a round answers a bare end marker (nothing at or after the seq
+  asked), or when its last seq reaches the first live seq minus one (the live stream carries on from there).
+  An end marker after batches proves nothing (the send HWM drops the tail of a burst and can let the end
+  marker through), so it is followed by another round from the next seq, as many as make progress;
+* **waiting**: a reply already in the DEALER socket is read before a timeout is declared (a stalled event loop
+  fires the timer late, with the answer long there);
+* **rewarm**: a failed replay (not one over its budget) schedules a rebuild from 0 after a delay on the
+  house's :class:`~kvindex.backoff.Backoff` (each subscription carries its own); the subscriber's receive
+  loop runs it when the timer is due, or at the first live message after it.
 
 The live stream's state changes (apply a batch, clear the rank, note a publisher restart) belong to the
 subscriber (`kvindex/subscriber.py`), which hands them in as callables: this module imports no subscriber.
@@ -34,7 +43,9 @@ from kvindex.subscription import Reset, Subscription
 log = logging.getLogger("kvindex.subscriber")  # one logger for the whole subscriber, as operators know it
 
 MAX_REPLAY_ROUNDS = 256  # replays re-asked from a hole (each must make progress) before giving up
-MAX_REPLAY_CONFIRMS = 8  # rounds in a row that end on the end marker after batches before the live stream takes over
+# Kept for importers: confirmation rounds are no longer capped by a count (a tail-dropping publisher answers
+# every round with batches and an end marker); a replay ends at a bare end marker or at the first live seq.
+MAX_REPLAY_CONFIRMS = 8
 MAX_REPLAY_GARBAGE = 16  # malformed replay replies tolerated in one replay
 REWARM_MIN_S = 1.0  # after a failed replay the rank is rebuilt from 0 again after this long, doubling per failure
 REWARM_MAX_S = 60.0
@@ -55,21 +66,26 @@ class Replayer:
     def __init__(self, ctx: zmq.asyncio.Context, idx: KvIndex, *,
                  apply: Callable[[Subscription, int, bytes], None], clear: Callable[[Subscription], None],
                  restart: Callable[[Subscription, str], None], replay_timeout_s: float, replay_max_batches: int,
-                 max_batch_bytes: int, max_replay_bytes: int, turn_budget_s: float) -> None:
+                 max_batch_bytes: int, max_replay_bytes: int, turn_budget_s: float,
+                 peek: Callable[[Subscription], int | None] | None = None) -> None:
+        """``peek(sub)``: the seq of the next live message, if one is there (read and kept for the receive
+        loop), so a replay knows where the live stream starts; None: a replay never learns it that way."""
         self._ctx = ctx
         self._idx = idx
         self._apply = apply
         self._clear = clear
         self._restart = restart
+        self._peek = peek or (lambda _sub: None)
         self.replay_timeout_s = replay_timeout_s
         self.replay_max_batches = replay_max_batches
         self.max_batch_bytes = max_batch_bytes
         self.max_replay_bytes = max_replay_bytes
         self.turn_budget_s = turn_budget_s
 
-    async def recover(self, sub: Subscription, applied: int) -> None:
+    async def recover(self, sub: Subscription, applied: int, live: int | None = None) -> None:
         """Gap after ``applied``: replay from ``applied`` itself, so the first reply proves (same digest) that
-        the publisher still has the history we applied; otherwise the rank lost state and is warmed again."""
+        the publisher still has the history we applied; otherwise the rank lost state and is warmed again.
+        ``live``: the seq of the live message that showed the gap (the replay must reach the one before it)."""
         digest = sub.digest
         first: list[int] = []
 
@@ -89,7 +105,7 @@ class Replayer:
             return True
 
         try:
-            ok = await self.replay(sub, applied, check)
+            ok = await self.replay(sub, applied, check, until=live)
         except _Restarted:
             self._restart(sub, f"replayed batch {applied} differs from the one applied")
             await self.warm_up(sub)
@@ -100,7 +116,37 @@ class Replayer:
             sub.stats.replay_lost += 1
             self._clear(sub)
 
-    async def warm_up(self, sub: Subscription, recheck: bool = True, keep: bool = False) -> None:
+    async def verify(self, sub: Subscription) -> None:
+        """The SUB socket was recreated (its peer went away): a restarted engine's first batches may have been
+        lost meanwhile, and an idle one sends nothing more, so ask the replay endpoint from the last applied
+        batch.  The same payload at that seq proves the same process (the rest fills what the reconnect lost);
+        anything else (another payload, a buffer that no longer starts there) means the history applied is a
+        dead process's: clear it and rebuild from 0.  No answer: the rebuild on the rewarm timer replaces it."""
+        applied = sub.applied
+        if applied is None:
+            return
+        digest = sub.digest
+        same: list[bool] = []
+
+        def check(seq: int, payload: bytes) -> bool:
+            if seq != applied or xxhash.xxh3_64_intdigest(payload) != digest:
+                raise _Restarted
+            same.append(True)
+            return False
+
+        try:
+            if not await self.replay(sub, applied, check) and sub.rewarm_at is not None:
+                return  # no answer (an engine still starting): the rebuild from 0 on the rewarm timer decides
+        except _Restarted:
+            pass
+        else:
+            if same:
+                return
+        # the receive loop warms the rank up from 0 next (the reset asks for it)
+        self._restart(sub, f"after a reconnect the replay no longer holds batch {applied} as applied")
+
+    async def warm_up(self, sub: Subscription, recheck: bool = True, keep: bool = False,
+                      live: int | None = None) -> None:
         """Rebuild the rank from everything the publisher's replay buffer still holds: on connect, restart or
         reset (the rank is empty), or after an earlier replay failed (``keep``: what the rank holds stays
         until the publisher answers, which may still be down; its first reply clears it, then the whole
@@ -108,7 +154,9 @@ class Replayer:
 
         A warm-up that applies nothing (a fresh engine's empty buffer, or a replay that failed) is asked once
         more at the first live message (``recheck``): ZeroMQ registers a SUB at the PUB asynchronously, so a
-        batch published just after the warm-up's answer can be lost on the wire with no gap to show it."""
+        batch published just after the warm-up's answer can be lost on the wire with no gap to show it.
+        ``live``: the seq of a live message in hand (the replay must reach the one before it).  A rebuild that
+        kept the rank and is answered with an empty buffer clears it: the publisher holds no history."""
         sub.need_warm = False
         sub.recheck = False
         sub.rewarm_at = None  # a failure below schedules the next one
@@ -124,27 +172,32 @@ class Replayer:
                 sub.applied = None
             return True
 
-        if await self.replay(sub, 0, accept):
+        if await self.replay(sub, 0, accept, until=live):
             sub.rewarm.succeeded()
+            if not cleared:
+                self._clear(sub)
+                sub.applied = None
         elif cleared:
             self._clear(sub)  # none or part of the buffer came: the live stream starts the history again
             sub.applied = None
         sub.recheck = recheck and sub.applied is None
 
-    async def replay(self, sub: Subscription, start: int, accept: Callable[[int, bytes], bool]) -> bool:
+    async def replay(self, sub: Subscription, start: int, accept: Callable[[int, bytes], bool],
+                     until: int | None = None) -> bool:
         """Ask for every buffered batch with seq >= ``start`` and apply them as they arrive, contiguously.
 
         A hole (frames dropped at the publisher's send HWM), or a timeout after progress (the end marker is
         dropped too), stops applying and the replay is asked again from there on a fresh socket, as long as each
         round makes progress, at most :data:`MAX_REPLAY_ROUNDS` times, within one batch/byte budget.  ``accept(seq, payload)`` sees each
-        first reply (False: do not apply it).  True when the stream is contiguous up to the end marker; False
+        first reply (False: do not apply it).  ``until``: the first live seq, if known (otherwise the SUB is
+        peeked for one between rounds).  True when the stream is contiguous up to a bare end marker or up to
+        ``until - 1``; False
         after a failure (counted), with whatever contiguous prefix was applied kept.  Raises :class:`Reset` if
         the subscription was reset meanwhile."""
         st = sub.stats
         gen = sub.gen
         ask = start
         spent = [0, 0]  # batches and bytes received over every round: the budget is per replay
-        confirms = 0
         for rnd in range(MAX_REPLAY_ROUNDS):
             st.replays += 1
             try:
@@ -159,16 +212,16 @@ class Replayer:
                 return True
             if isinstance(hole, _Confirm):
                 # the end marker came after batches: a tail dropped at the send HWM looks just like that, so
-                # ask once more from the next seq and finish only on a bare end marker.  A publisher busy
-                # enough to answer every confirmation with new batches is followed by its live stream, whose
-                # gaps are recovered like any other.
-                confirms += 1
-                if confirms > MAX_REPLAY_CONFIRMS:
+                # the replay is complete only once it reaches the live stream (its first seq minus one), or
+                # when a round from the next seq answers a bare end marker.  A publisher busy enough to answer
+                # every round with new batches publishes them live too: the live stream takes over.
+                if until is None:
+                    until = self._peek(sub)
+                if int(hole) == ask or (until is not None and int(hole) >= until):
                     st.replay_ok += 1
                     return True
                 ask = int(hole)
                 continue
-            confirms = 0
             if rnd and hole == ask:
                 st.replay_failures += 1
                 log.warning("kv replay from %s made no progress past seq %d: rank cleared%s", sub.label, hole,
@@ -212,16 +265,17 @@ class Replayer:
             await dealer.send_multipart([b"", encode_seq(ask)])
             while True:
                 try:
-                    async with asyncio.timeout(self.replay_timeout_s):
-                        frames = await dealer.recv_multipart(copy=True)
-                except TimeoutError:
-                    if received and sub.gen == gen:
+                    frames = await self._recv_reply(dealer)
+                except zmq.ZMQError as exc:
+                    raise _ReplayFailed(repr(exc)) from None
+                if frames is None:
+                    if sub.gen != gen:
+                        raise Reset
+                    if received:
                         # the end marker is the frame a full send HWM drops first: ask again from where the
                         # contiguous part ended (a re-ask past the newest batch answers the end marker alone)
                         return expected
-                    raise _ReplayFailed("no end marker within the timeout") from None
-                except zmq.ZMQError as exc:
-                    raise _ReplayFailed(repr(exc)) from None
+                    raise _ReplayFailed("no end marker within the timeout")
                 if sub.gen != gen:
                     raise Reset
                 parsed = split_replay_frames(frames)
@@ -267,6 +321,22 @@ class Replayer:
                         raise Reset
         finally:
             dealer.close(linger=0)
+
+    async def _recv_reply(self, dealer: zmq.asyncio.Socket) -> list[bytes] | None:
+        """The next reply, or None after ``replay_timeout_s`` without one.  What is already in the socket is
+        read first, before any deadline is looked at: an event loop stalled past the timeout (a flood, a long
+        decision, a slow file parse) wakes with the timer due and the answer long there.  Waiting is a poll,
+        never a cancelled receive, so a timeout cannot swallow a reply that arrived in the same instant."""
+        deadline = time.monotonic() + self.replay_timeout_s
+        while True:
+            try:
+                return await dealer.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                pass
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            await dealer.poll(timeout=max(1, int(left * 1000)), flags=zmq.POLLIN)
 
 
 class _Confirm(int):

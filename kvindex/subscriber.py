@@ -20,9 +20,16 @@ numbers its batches on its own).  Each subscription owns its stream's sequence b
 * **replay** must be contiguous up to the end marker: publishers keep ZeroMQ's default send high-water mark on
   their replay ROUTER, which drops frames in the middle (and the end marker) of a large replay.  A hole stops
   applying and the replay is asked again from the hole on a fresh socket, as long as each round makes progress
-  (bounded rounds); a missing end marker without progress is a timeout, never a success.  A failed replay
-  (not one over its budget) schedules a rebuild from 0 at the first message after a backoff
-  (:data:`REWARM_MIN_S` doubling to :data:`REWARM_MAX_S`, on the house's :class:`~kvindex.backoff.Backoff`); what the rank holds stays until the publisher answers;
+  (bounded rounds); a missing end marker without progress is a timeout, never a success; it is complete at a
+  bare end marker or once it reaches the first live seq minus one.  A failed replay (not one over its budget)
+  schedules a rebuild from 0 on its own timer, message or not (vLLM's idle engine sends nothing), after a
+  backoff (:data:`REWARM_MIN_S` doubling to :data:`REWARM_MAX_S`, on the house's
+  :class:`~kvindex.backoff.Backoff`); what the rank holds stays until the publisher answers;
+* **reconnect**: when the SUB's peer goes away the SUB is recreated, never disconnected and reconnected
+  (libzmq keeps a prefetched first frame of a queued message and glues the next peer's first message to it,
+  or aborts on ``!_more`` in fq.cpp when the rest of that message is gone); with a replay endpoint the
+  history is then verified by a replay from the last applied batch, and a malformed first message after a
+  reconnect is taken as a restart;
 * **reset**: any reset (prober saw the worker die, restart, clear) bumps a generation number that every step
   of an in-flight replay checks after each await, so nothing stale is applied after a reset.
 
@@ -119,7 +126,7 @@ class SubscriberManager:
         else:
             self._ctx = zmq.asyncio.Context.shadow(zmq_context.underlying)
         self._replayer = Replayer(self._ctx, idx, apply=self._apply, clear=self._clear, restart=self._restart,
-                                  replay_timeout_s=replay_timeout_s, replay_max_batches=replay_max_batches,
+                                  peek=self._peek, replay_timeout_s=replay_timeout_s, replay_max_batches=replay_max_batches,
                                   max_batch_bytes=max_batch_bytes, max_replay_bytes=max_replay_bytes,
                                   turn_budget_s=turn_budget_s)
         self._subs: dict[str, list[Subscription]] = {}
@@ -150,16 +157,8 @@ class SubscriberManager:
         subs = []
         for source in sources:
             sub = Subscription(worker_id, source, Backoff(REWARM_MIN_S, REWARM_MAX_S))
-            sock = self._ctx.socket(zmq.SUB)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, self.max_batch_bytes + 4096)
-            sock.setsockopt(zmq.SUBSCRIBE, self.topic)
-            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            sock.connect(source.endpoint)
-            sub.sock = sock
+            self._open_socket(sub)
             sub.task = asyncio.create_task(self._run(sub), name=f"kvindex-sub-{sub.label}")
-            sub.monitor = asyncio.create_task(self._reconnect_on_disconnect(sub, mon),
-                                              name=f"kvindex-mon-{sub.label}")
             subs.append(sub)
         self._subs[worker_id] = subs
         if self._watchdog is None:
@@ -184,29 +183,45 @@ class SubscriberManager:
 
     async def _stop(self, sub: Subscription) -> None:
         sub.gen += 1
-        if await cancel_and_wait((sub.task, sub.monitor), STOP_TIMEOUT_S):
+        if await cancel_and_wait((sub.task,), STOP_TIMEOUT_S):
             log.error("kv subscriber of %s did not stop on cancel: closing its socket under it", sub.label)
+        self._close_socket(sub)
+
+    def _open_socket(self, sub: Subscription) -> None:
+        """A SUB (with its disconnect monitor) connected to the subscription's endpoint."""
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_batch_bytes + 4096)
+        sock.setsockopt(zmq.SUBSCRIBE, self.topic)
+        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(sub.source.endpoint)
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(mon, zmq.POLLIN)
+        sub.sock, sub.monitor, sub.poller = sock, mon, poller
+
+    def _close_socket(self, sub: Subscription) -> None:
         if sub.sock is not None:
             with contextlib.suppress(zmq.ZMQError):
                 sub.sock.disable_monitor()
             sub.sock.close(linger=0)
+        if sub.monitor is not None:
+            sub.monitor.close(linger=0)
+        sub.poller = None
 
-    async def _reconnect_on_disconnect(self, sub: Subscription, mon: zmq.asyncio.Socket) -> None:
-        """libzmq does not reconnect a SUB whose peer it dropped for exceeding ZMQ_MAXMSGSIZE: reconnect it
-        ourselves, so an oversized frame costs one lost batch (a gap, healed as usual), not the stream."""
-        try:
-            while True:
-                await mon.recv_multipart()
-                sock = sub.sock
-                if sock is None or sock.closed:
-                    return
-                sub.stats.reconnects += 1
-                with contextlib.suppress(zmq.ZMQError):
-                    sock.disconnect(sub.source.endpoint)
-                sock.connect(sub.source.endpoint)
-                await asyncio.sleep(0.05)  # a peer that keeps being dropped is not reconnected in a tight loop
-        finally:
-            mon.close(linger=0)
+    async def _reconnect(self, sub: Subscription) -> None:
+        """The SUB's peer went away (a restarted engine, or libzmq dropped it for exceeding ZMQ_MAXMSGSIZE,
+        after which it does not reconnect by itself): recreate the socket rather than reconnect it.  A SUB
+        keeps the first frame of a queued message it prefetched (libzmq's xsub checks the topic ahead), and a
+        reconnected socket glues the next peer's first message to it: the restarted engine's first batch
+        would be garbage and the restart unseen.  What the old socket still held is lost with it, so with a
+        replay endpoint the history is verified next (`Replayer.verify`)."""
+        sub.stats.reconnects += 1
+        self._close_socket(sub)
+        self._open_socket(sub)
+        sub.reconnected = True
+        sub.verify = sub.source.replay_endpoint is not None and sub.applied is not None
+        await asyncio.sleep(0.05)  # a peer that keeps being dropped is not reconnected in a tight loop
 
     def resync(self, worker_id: str) -> None:
         """The worker's cache is known to be gone (its process died): drop its entries now, invalidate any
@@ -293,18 +308,29 @@ class SubscriberManager:
 
     # -------------------------------------------------------------- the loop
     async def _run(self, sub: Subscription) -> None:
-        assert sub.sock is not None
         turn = time.perf_counter()
         while True:
             try:
                 if sub.need_warm:
                     await self._replayer.warm_up(sub)
-                frames = await sub.sock.recv_multipart(copy=True)
-                await self._on_message(sub, frames)
+                elif sub.verify:
+                    sub.verify = False
+                    await self._replayer.verify(sub)
+                    continue
+                elif sub.rewarm_at is not None and time.monotonic() >= sub.rewarm_at:
+                    # on its own schedule: an idle engine (vLLM sends no heartbeats) sends nothing to wait for
+                    log.info("kv events from %s: rebuilding from the replay buffer after a failed replay", sub.label)
+                    await self._replayer.warm_up(sub, recheck=False, keep=True)
+                    continue
+                frames, sub.pending = sub.pending, None
+                if frames is None:
+                    frames = await self._receive(sub)
+                if frames is not None:
+                    await self._on_message(sub, frames)
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as exc:
-                if sub.sock.closed:
+                if sub.sock is None or sub.sock.closed:
                     return
                 log.warning("kv events recv from %s failed: %s", sub.label, exc)
                 await asyncio.sleep(0.1)
@@ -318,6 +344,38 @@ class SubscriberManager:
             if now - turn > self.turn_budget_s:
                 await asyncio.sleep(0)
                 turn = time.perf_counter()
+
+    async def _receive(self, sub: Subscription) -> list[bytes] | None:
+        """The next live message, or None when the loop has something else to do first: the SUB's peer went
+        away (the socket is recreated here), or the rewarm timer is due.  A queued message is read without
+        waiting; waiting is a poll, so waking for the timer never loses a message."""
+        assert sub.sock is not None and sub.monitor is not None and sub.poller is not None
+        if sub.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            await self._drain_monitor_and_reconnect(sub)
+            return None
+        with contextlib.suppress(zmq.Again):
+            return await sub.sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+        timeout = None if sub.rewarm_at is None else max(1, int((sub.rewarm_at - time.monotonic()) * 1000) + 1)
+        await sub.poller.poll(timeout)
+        return None
+
+    async def _drain_monitor_and_reconnect(self, sub: Subscription) -> None:
+        assert sub.monitor is not None
+        with contextlib.suppress(zmq.Again):
+            while True:
+                await sub.monitor.recv_multipart(flags=zmq.NOBLOCK)
+        await self._reconnect(sub)
+
+    def _peek(self, sub: Subscription) -> int | None:
+        """The seq of the next live message, read from the SUB without waiting and kept in ``sub.pending``
+        for the receive loop: where a replay in progress may stop (the live stream goes on from there)."""
+        if sub.pending is None and sub.sock is not None and not sub.sock.closed:
+            try:
+                sub.pending = sub.sock.recv_multipart(flags=zmq.NOBLOCK, copy=True).result()
+            except zmq.ZMQError:
+                return None
+        parsed = split_live_frames(sub.pending) if sub.pending is not None else None
+        return None if parsed is None else parsed[1]
 
     def _apply(self, sub: Subscription, seq: int, payload: bytes) -> None:
         batch = decode_payload(payload, self.max_batch_events)
@@ -350,9 +408,14 @@ class SubscriberManager:
         st.messages += 1
         st.stale = False
         st.silent = False
+        reconnected, sub.reconnected = sub.reconnected, False
         parsed = split_live_frames(frames)
         if parsed is None:
             self.idx.count_garbage_frames(sub.worker_id)
+            if reconnected:
+                # a restarted engine's first batch glued to a frame the old peer left behind looks like this:
+                # what the rank holds may be a dead process's, so rebuild it rather than keep it
+                self._restart(sub, "the first message after a reconnect is malformed")
             return
         _, seq, payload = parsed
         last_live = sub.last_live
@@ -360,10 +423,10 @@ class SubscriberManager:
         if sub.recheck and sub.applied is None:
             # Nothing was applied yet, so nothing tells whether batches came before this one: those published
             # between the warm-up's answer and the moment the PUB registered this SUB went to nobody.
-            await self._replayer.warm_up(sub, recheck=False)  # raises Reset if the worker was reset meanwhile
+            await self._replayer.warm_up(sub, recheck=False, live=seq)  # raises Reset if reset meanwhile
         elif sub.rewarm_at is not None and st.last_message_monotonic >= sub.rewarm_at:
             log.info("kv events from %s: rebuilding from the replay buffer after a failed replay", sub.label)
-            await self._replayer.warm_up(sub, recheck=False, keep=True)
+            await self._replayer.warm_up(sub, recheck=False, keep=True, live=seq)
         applied = sub.applied
         if last_live is not None and seq <= last_live:
             self._restart(sub, f"seq went back to {seq}")
@@ -377,7 +440,7 @@ class SubscriberManager:
                 self._restart(sub, f"seq jumped from {applied} to {seq}")
             elif sub.source.replay_endpoint and sub.rewarm_at is None:
                 # (while a rebuild is pending the endpoint just failed: clear, and let the rebuild bring it back)
-                await self._replayer.recover(sub, applied)  # raises Reset if the worker was reset meanwhile
+                await self._replayer.recover(sub, applied, live=seq)  # raises Reset if reset meanwhile
                 if sub.applied is not None and seq <= sub.applied:
                     return
                 if sub.applied is not None and seq > sub.applied + 1:
@@ -385,7 +448,7 @@ class SubscriberManager:
             else:
                 self._clear(sub)
         if sub.need_warm:
-            await self._replayer.warm_up(sub)
+            await self._replayer.warm_up(sub, live=seq)
             if sub.applied is not None and seq <= sub.applied:
                 return
         self._apply(sub, seq, payload)

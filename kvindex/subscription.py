@@ -61,15 +61,17 @@ class Subscription:
     """One KV-event stream of a worker: its socket and tasks (owned by the manager) and its sequence
     bookkeeping (shared by the live stream and the replay protocol)."""
 
-    __slots__ = ("worker_id", "source", "sock", "task", "monitor", "stats", "last_live", "applied", "digest", "gen",
-                 "need_warm", "recheck", "rewarm_at", "rewarm", "gap_warned_at", "gaps_unwarned")
+    __slots__ = ("worker_id", "source", "sock", "task", "monitor", "poller", "stats", "last_live", "applied", "digest",
+                 "gen", "need_warm", "recheck", "rewarm_at", "rewarm", "gap_warned_at", "gaps_unwarned", "pending",
+                 "reconnected", "verify")
 
     def __init__(self, worker_id: str, source: KvSource, rewarm: Backoff) -> None:
         self.worker_id = worker_id
         self.source = source
         self.sock: zmq.asyncio.Socket | None = None
         self.task: asyncio.Task[None] | None = None
-        self.monitor: asyncio.Task[None] | None = None
+        self.monitor: zmq.asyncio.Socket | None = None  # the SUB's disconnect events (a new socket on each)
+        self.poller: zmq.asyncio.Poller | None = None  # the SUB and its monitor: what the receive loop waits on
         self.stats = SubscriberStats(endpoint=source.endpoint, rank=source.rank)
         self.last_live: int | None = None  # last seq seen on the SUB socket (restart detection)
         self.applied: int | None = None  # last seq applied from any source (gap detection, dedup)
@@ -81,6 +83,11 @@ class Subscription:
         self.rewarm = rewarm  # failed replays in a row: how long until the next rebuild from 0
         self.gap_warned_at = -GAP_WARN_INTERVAL_S
         self.gaps_unwarned = 0
+        # a live message read from the SUB during a replay to learn where the live stream starts (the replay is
+        # complete only once it reaches it); handled next, before the socket is read again
+        self.pending: list[bytes] | None = None
+        self.reconnected = False  # the SUB was recreated: its first message, if malformed, may be a restart
+        self.verify = False  # the SUB was recreated: prove by replay that the publisher is the same process
 
     @property
     def label(self) -> str:
