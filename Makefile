@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint bench install clean readme proto e2e-vllm
+.PHONY: run test test-transports lint bench install clean readme proto e2e-vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,12 +18,18 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/epp-local-gateway $(ARGS)
 
+# The suite runs on the default ext_proc server (h2grpc); the files marked `transport` run again on grpcio's.
 test: $(STAMP)
-	$(BIN)/ruff check epp_extproc kvindex trtllm_mock tests bench
+	$(BIN)/ruff check epp_extproc kvindex trtllm_mock tests bench h2grpc
 	$(BIN)/python -m pytest -q
+	EPP_TEST_EXTPROC_TRANSPORT=grpcio $(BIN)/python -m pytest -q -m transport tests/integration
+
+# Every integration test on grpcio's ext_proc server (not part of `make test`: it doubles the suite's time).
+test-transports: $(STAMP)
+	EPP_TEST_EXTPROC_TRANSPORT=grpcio $(BIN)/python -m pytest -q tests/integration
 
 lint: $(STAMP)
-	$(BIN)/ruff check epp_extproc kvindex trtllm_mock tests bench
+	$(BIN)/ruff check epp_extproc kvindex trtllm_mock tests bench h2grpc
 
 readme: $(STAMP)
 	$(BIN)/python -m epp_extproc.dev.readme_config

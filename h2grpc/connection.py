@@ -434,7 +434,11 @@ class Connection(asyncio.Protocol):
         it. Once the connection has opened `premature_reset_min_streams`, more than half of them reset within
         `premature_reset_s` of opening ends it with ENHANCE_YOUR_CALM. A ratio, not a rate: Envoy, the
         only real client, resets our stream for each downstream client that goes away, at any rate its
-        traffic has, but never for most of its streams within a second of opening them."""
+        traffic has. Only a stream reset before we answered it counts: in lean mode Envoy ends every
+        request's ext_proc stream with a reset once the HTTP request is over, most within a second, after
+        the picker's decision went out; the attack resets streams before the server has answered."""
+        if call.headers_sent:
+            return  # answered already: the work the attack gets for free was done for a peer that waited for it
         lim = self.limits
         if self.loop.time() - call.opened_at < lim.premature_reset_s:
             self.premature_resets += 1

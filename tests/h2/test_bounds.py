@@ -64,6 +64,22 @@ async def test_resets_of_under_half_the_streams_keep_the_connection() -> None:
     conn.connection_lost(None)
 
 
+async def test_resets_of_answered_streams_are_not_premature() -> None:
+    """Lean mode: Envoy ends each request's ext_proc stream with a reset once its HTTP request is over, most
+    within a second of opening and after the picker's answer. 600 such streams keep the connection."""
+    server, handlers, conn, t = connect(NO_KEEPALIVE)
+    block = request_block("/test.Svc/Echo")
+    conn.data_received(b"".join(frame(h2.HEADERS, h2.END_HEADERS, sid, block) + frame(h2.DATA, 0, sid, msg(b"hi"))
+                                for sid in range(1, 1201, 2)))
+    await settle(20)
+    assert all(c.headers_sent for c in conn.calls.values()) and len(conn.calls) == 600
+    conn.data_received(b"".join(_rst(sid) for sid in range(1, 1201, 2)))
+    await settle()
+    assert goaway_code(t.take()) is None and not t.closing
+    assert conn.opened == 600 and conn.premature_resets == 0
+    conn.connection_lost(None)
+
+
 async def test_resets_of_old_streams_are_not_premature() -> None:
     """A stream reset after `premature_reset_s` (a client that gave up on a slow answer) does not count."""
     server, handlers, conn, t = connect(Limits(keepalive_time_s=0, premature_reset_min_streams=4,

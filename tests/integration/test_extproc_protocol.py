@@ -16,6 +16,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from epp_extproc.app import PickerApp
 from epp_extproc.config import Config
 
+pytestmark = pytest.mark.transport  # also run on --extproc-transport grpcio by `make test`
+
 Mode = processing_mode_pb2.ProcessingMode
 
 
@@ -47,6 +49,13 @@ async def picker():
     yield app, pb_grpc.ExternalProcessorStub(ch)
     await ch.close()
     await app.stop()
+
+
+async def test_the_picker_serves_the_transport_the_suite_asked_for(picker) -> None:
+    from tests.conftest import TRANSPORT
+
+    app, _ = picker
+    assert isinstance(app._grpc, grpc.aio.Server) is (TRANSPORT == "grpcio")
 
 
 def dest_of(resp: pb.ProcessingResponse) -> str:

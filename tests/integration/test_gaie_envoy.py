@@ -32,6 +32,8 @@ from tests.harness import BackgroundLoop
 from tests.netutil import free_port
 from tests.stack import MOCK, GatewayStack, MockProc
 
+pytestmark = pytest.mark.transport  # also run on --extproc-transport grpcio by `make test`
+
 EXT_PROC = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 

@@ -16,6 +16,8 @@ from epp_extproc.dev import envoy_config
 from tests.gateway_client import request
 from tests.harness import BackgroundLoop, EchoUpstream, EnvoyProcess
 
+pytestmark = pytest.mark.transport  # also run on --extproc-transport grpcio by `make test`
+
 MAX_BODY = 8 * 1024 * 1024
 
 

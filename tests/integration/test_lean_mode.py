@@ -28,6 +28,8 @@ from tests.gateway_client import request
 from tests.harness import BackgroundLoop, EnvoyProcess
 from tests.waiting import until
 
+pytestmark = pytest.mark.transport  # also run on --extproc-transport grpcio by `make test`
+
 USAGE = {"prompt_tokens": 100, "completion_tokens": 3, "total_tokens": 103,
          "prompt_tokens_details": {"cached_tokens": 64}}
 
@@ -332,6 +334,10 @@ def test_envoy_answers_the_keepalive_pings_of_a_long_silent_lean_stream(caplog) 
 def test_a_frozen_gateway_loses_its_connection_and_the_booking_is_freed(caplog) -> None:  # noqa: ANN001
     """SIGSTOP: the kernel still acknowledges every byte, as for a host whose gateway hangs, but nothing answers
     the picker's PING. Without keepalive the booking stayed until the process came back, or forever."""
+    from tests.conftest import TRANSPORT
+
+    if TRANSPORT == "grpcio":
+        pytest.skip("--extproc-keepalive-s is the h2 server's; grpcio's server is run without keepalive")
     with _held_lean_answer(0.2) as (lean, _, t):
         envoy = lean.envoy.proc
         assert envoy is not None
@@ -345,3 +351,16 @@ def test_a_frozen_gateway_loses_its_connection_and_the_booking_is_freed(caplog) 
         t.join(20)
         assert lean.post("/v1/unary-parts")  # Envoy connects again and routes the next request
         until(lambda: lean.app.load.total_inflight() == 0, "no booking left")
+
+
+def test_hundreds_of_requests_a_second_keep_the_pickers_connection(lean: Lean) -> None:
+    """Envoy ends each request's ext_proc stream with a reset soon after the picker answered it: that is not
+    a rapid-reset attack, and the connection must survive well past 500 streams a second (it did not, once:
+    every request from the 500th on got Envoy's 500)."""
+    from h2grpc import H2GrpcServer
+
+    for _ in range(700):
+        lean.post("/v1/unary-parts")
+    server = lean.app._grpc
+    if isinstance(server, H2GrpcServer):
+        assert server.goaways == {}

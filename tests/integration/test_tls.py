@@ -25,6 +25,8 @@ from epp_extproc.dev import envoy_config
 from tests.gateway_client import request
 from tests.harness import BackgroundLoop, EchoUpstream, EnvoyProcess
 
+pytestmark = pytest.mark.transport  # also run on --extproc-transport grpcio by `make test`
+
 BODY = b'{"model":"m","messages":[{"role":"user","content":"over tls"}]}'
 
 
