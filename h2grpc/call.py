@@ -49,7 +49,7 @@ class Call:
     __slots__ = ("sid", "conn", "method", "handler", "headers", "msgs", "unread", "partial", "ended", "waiter",
                  "task", "headers_sent", "closed", "reset", "send_window", "pending", "drained", "credit",
                  "status", "code_set", "details", "deadline", "timer", "recv_window", "head", "buf", "view", "filled",
-                 "opened_at")
+                 "mapped", "opened_at")
 
     def __init__(self, conn: Connection, sid: int, method: str, handler: Any,
                  headers: list[tuple[str, str]]) -> None:
@@ -67,6 +67,7 @@ class Call:
         self.buf: bytearray | mmap.mmap | None = None
         self.view: memoryview | None = None
         self.filled = 0
+        self.mapped = False
         self.ended = False  # the client half-closed
         self.waiter: asyncio.Future[None] | None = None
         self.task: asyncio.Task[None] | None = None
@@ -96,7 +97,8 @@ class Call:
         if not self.partial and len(data) >= 5 and data[0] == 0 \
                 and int.from_bytes(data[1:5], "big") == len(data) - 5 \
                 and len(data) - 5 <= self.conn.server.max_receive_message_length:
-            self.msgs.append(bytes(data[5:]))  # the usual case: one whole message in one frame, copied once
+            m = data[5:]  # the usual case: one whole message in one frame, copied once
+            self.msgs.append(m if type(m) is bytes else bytes(m))
             self.unread += len(data)
         else:
             self._reassemble(data)
@@ -117,6 +119,16 @@ class Call:
         what the deserializer takes) and the buffer is freed at once."""
         if self.status is not None:  # the call is ending (trailers wait for window): nothing reads the rest
             return
+        view = self.view
+        if view is not None:
+            filled = self.filled
+            end = filled + len(data)
+            if end < len(view):  # the common case: a frame inside a large message
+                view[filled:end] = data
+                self.filled = end
+                if self.mapped:
+                    self._hold()
+                return
         src = memoryview(data)
         i, n = 0, len(src)
         limit = self.conn.server.max_receive_message_length
@@ -165,7 +177,7 @@ class Call:
         except (OSError, MemoryError, ValueError):
             self.finish_now(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no memory for a message of {size} bytes")
             return False
-        self.buf, self.view, self.filled = buf, memoryview(buf), 0
+        self.buf, self.view, self.filled, self.mapped = buf, memoryview(buf), 0, size >= MAPPED_MIN
         return True
 
     def _hold(self) -> None:
@@ -192,6 +204,7 @@ class Call:
         buf, view = self.buf, self.view
         self.buf = self.view = None
         self.filled = 0
+        self.mapped = False
         if view is not None:
             view.release()
         if isinstance(buf, mmap.mmap):

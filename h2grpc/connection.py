@@ -216,7 +216,7 @@ class Connection(asyncio.Protocol):
             pos = len(PREFACE)
             self.preface = True
         n = len(buf)
-        view = memoryview(buf)  # DATA payloads are views: the one copy of a message's bytes is the call's
+        view: memoryview | None = None  # DATA payloads over 1 KiB are views: the call copies them once
         while n - pos >= 9:
             word = int.from_bytes(buf[pos:pos + 4], "big")
             length = word >> 8
@@ -242,7 +242,12 @@ class Connection(asyncio.Protocol):
             elif self.empty_frames and kind <= HEADERS:
                 self.empty_frames = 0
             if kind == DATA:
-                self._data(sid, flags, view[start:end])
+                if length < 1024:
+                    self._data(sid, flags, buf[start:end])
+                else:
+                    if view is None:
+                        view = memoryview(buf)
+                    self._data(sid, flags, view[start:end])
                 continue
             payload = buf[start:end]
             if kind == HEADERS:
@@ -289,7 +294,7 @@ class Connection(asyncio.Protocol):
             return payload[1:len(payload) - payload[0]]
         return payload
 
-    def _data(self, sid: int, flags: int, payload: memoryview) -> None:
+    def _data(self, sid: int, flags: int, payload: bytes | memoryview) -> None:
         if not sid:
             raise ConnectionError_(PROTOCOL_ERROR, "DATA on stream 0")
         flow_len = len(payload)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import gc
 import multiprocessing as mp
 import os
@@ -36,7 +37,18 @@ def _same(b: bytes) -> bytes:
     return b
 
 
+def _heap_up_to_32_mib() -> None:
+    """A long-running server has freed big blocks before (each large body it took), and glibc's malloc then
+    serves blocks up to that size (at most 32 MiB, its dynamic mmap threshold's ceiling) from its heap, where a
+    buffer that grows is copied and leaves holes that stay resident. A fresh process maps each block over
+    128 KiB on its own, which hides that: set the threshold where a long-running one ends up."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 * MiB)  # M_MMAP_THRESHOLD
+
+
 def _serve(transport: str, cap: int, budget: int, port_q: Any) -> None:
+    _heap_up_to_32_mib()
     try:
         import uvloop
         uvloop.install()
@@ -63,11 +75,6 @@ def _serve(transport: str, cap: int, budget: int, port_q: Any) -> None:
             server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("rss.Svc", {"Hold": handler}),))
             port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        # a long-running server has freed big buffers before (every large body it took): glibc's malloc then
-        # serves blocks up to that size from its heap, not from mmap (its dynamic mmap threshold, at most
-        # 32 MiB), where a buffer that grows is copied and leaves holes. Free one, as one large body would.
-        warm = bytearray(32 * MiB - 4096)
-        del warm
         gc.collect()
         port_q.put(port)
         await asyncio.Event().wait()
