@@ -128,6 +128,7 @@ class Attack:
         self.reader: asyncio.Task[None] | None = None
         self.next_sid = 1
         self.decoder = hpack.Decoder()
+        self.pongs = 0
 
     async def open(self) -> None:
         self.r, self.w = await asyncio.open_connection("127.0.0.1", self.port)
@@ -157,6 +158,8 @@ class Attack:
                         self.windows[sid] += inc
                 elif kind == h2.PING and not flags & h2.ACK:
                     self.w.write(_frame(h2.PING, h2.ACK, 0, payload))
+                elif kind == h2.PING:
+                    self.pongs += 1
                 elif kind == h2.HEADERS and flags & h2.END_STREAM:
                     status = dict(self.decoder.decode(payload)).get("grpc-status")
                     if status is not None:
@@ -220,6 +223,19 @@ class Attack:
                 await asyncio.wait_for(self.more.wait(), 0.5)
         return self.statuses.get(sid)
 
+    async def ping(self, timeout: float = 60.0) -> None:
+        """A PING answered: the server has handled every frame sent before it (it reads them in order)."""
+        want = self.pongs + 1
+        self.w.write(_frame(h2.PING, 0, 0, b"rss-ping"))
+        await self.w.drain()
+        deadline = time.monotonic() + timeout
+        while self.pongs < want:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no PING ACK in {timeout}s")
+            self.more.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.more.wait(), 0.5)
+
     def cancel(self, sid: int) -> None:
         self.w.write(_frame(h2.RST_STREAM, 0, sid, (8).to_bytes(4, "big")))  # CANCEL
 
@@ -231,15 +247,25 @@ class Attack:
             await self.w.wait_closed()
 
 
-async def settle_rss(server: ServerProcess, seconds: float = 1.0) -> int:
-    """The server's RSS once the attack's last bytes were taken in: the smallest of a few readings after
-    `seconds` (a busy machine may still be delivering the socket's last bytes)."""
-    await asyncio.sleep(seconds)
+def steady_rss(server: ServerProcess) -> int:
+    """The server's RSS once it has handled what it was sent (after a PING answered): the largest of a few
+    readings, so a page the allocator is still returning does not flatter it."""
     readings = []
-    for _ in range(5):
+    for _ in range(3):
         readings.append(server.rss())
-        await asyncio.sleep(0.1)
+        time.sleep(0.05)
     return max(readings)
+
+
+async def rss_falls_to(server: ServerProcess, limit: int, timeout: float = 30.0) -> int:
+    """The server's RSS once it is at most `limit`, or after `timeout` (the caller asserts on the value): a
+    closed connection is noticed by the server in its own time, with no answer to wait for."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = server.rss()
+        if now <= limit or time.monotonic() > deadline:
+            return now
+        await asyncio.sleep(0.2)
 
 
 async def attack(transport: str, calls: int, size: int, cap: int, budget: int) -> dict[str, float]:
@@ -250,11 +276,13 @@ async def attack(transport: str, calls: int, size: int, cap: int, budget: int) -
         a = Attack(server.port)
         await a.open()
         sids = await a.send_unfinished(calls, size)
-        held = await settle_rss(server)
+        await a.ping()
+        held = steady_rss(server)
         for sid in sids:
             a.cancel(sid)
+        await a.ping()
+        after = steady_rss(server)
         await a.close()
-        after = await settle_rss(server)
         return {"base_mb": base / 1e6, "held_growth_mb": (held - base) / 1e6, "after_growth_mb": (after - base) / 1e6,
                 "sent_mb": calls * size / 1e6, "ended": float(len(a.statuses) + len(a.reset))}
     finally:
