@@ -229,11 +229,12 @@ class Call:
         msgs = self.msgs
         while True:
             while msgs:
-                raw = msgs.popleft()
-                self.unread -= 5 + len(raw)
+                self.unread -= 5 + len(msgs[0])
                 if self.credit >= self.conn.credit_step:
                     self.give_credit()
-                yield deserialize(raw)
+                # no local keeps the message: this frame stays suspended while the handler waits for the next
+                # one, and a name bound here would hold each call's last message (a whole body) until then
+                yield deserialize(msgs.popleft())
             if self.ended:
                 if self.partial:
                     raise Aborted(grpc.StatusCode.INTERNAL, "stream ended inside a message")

@@ -3,7 +3,7 @@
 A counter of buffered bytes says what the server meant to hold; VmRSS says what it holds: the copies per frame,
 a buffer grown by reallocation, the allocator's holes and a buffer kept after its call all show there and
 nowhere else. The server is a child process (its RSS is not this process's client buffers), serving a
-stream-stream method that never reads, over h2grpc (`h2`) or grpcio's asyncio server (`grpcio`).
+stream-stream method that reads its requests (and drops them), over h2grpc (`h2`) or grpcio's asyncio server (`grpcio`).
 
 `python -m tests.h2.partial_rss [--transport h2|grpcio] [--calls 10] [--mb 30]` prints the figures of one attack:
 `calls` messages of `mb` MB each, announced whole and sent but their last byte, over one connection (the
@@ -42,6 +42,9 @@ def _heap_up_to_32_mib() -> None:
     serves blocks up to that size (at most 32 MiB, its dynamic mmap threshold's ceiling) from its heap, where a
     buffer that grows is copied and leaves holes that stay resident. A fresh process maps each block over
     128 KiB on its own, which hides that: set the threshold where a long-running one ends up."""
+    if os.environ.get("RSS_FRESH_MALLOC"):
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)
+        return
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, 32 * MiB)  # M_MMAP_THRESHOLD
@@ -55,8 +58,11 @@ def _serve(transport: str, cap: int, budget: int, port_q: Any) -> None:
     except ImportError:  # pragma: no cover - uvloop is a dependency of the picker
         pass
 
-    async def hold(requests, context):  # noqa: ANN001, ANN202 - never reads: messages stay unfinished or queued
-        await asyncio.Event().wait()
+    async def hold(requests, context):  # noqa: ANN001, ANN202
+        # reads, as the ext_proc servicer does (grpcio's core takes in a message only for a reader); the
+        # messages never end, so the reads never return
+        async for r in requests:
+            del r  # dropped: whatever stays held is the server's
         yield b""
 
     async def main() -> None:
@@ -224,7 +230,13 @@ class Attack:
         return self.statuses.get(sid)
 
     async def ping(self, timeout: float = 60.0) -> None:
-        """A PING answered: the server has handled every frame sent before it (it reads them in order)."""
+        """Two PINGs answered, one after the other: the server has handled every frame sent before them (it
+        reads them in order), and the handlers those frames woke have run (its loop runs what is ready before
+        it reads the second)."""
+        for _ in range(2):
+            await self._ping(timeout)
+
+    async def _ping(self, timeout: float) -> None:
         want = self.pongs + 1
         self.w.write(_frame(h2.PING, 0, 0, b"rss-ping"))
         await self.w.drain()
@@ -268,14 +280,14 @@ async def rss_falls_to(server: ServerProcess, limit: int, timeout: float = 30.0)
         await asyncio.sleep(0.2)
 
 
-async def attack(transport: str, calls: int, size: int, cap: int, budget: int) -> dict[str, float]:
+async def attack(transport: str, calls: int, size: int, cap: int, budget: int, short: int = 1) -> dict[str, float]:
     server = ServerProcess(transport, cap=cap, budget=budget)
     try:
         await asyncio.sleep(0.5)
         base = server.rss()
         a = Attack(server.port)
         await a.open()
-        sids = await a.send_unfinished(calls, size)
+        sids = await a.send_unfinished(calls, size, short)
         await a.ping()
         held = steady_rss(server)
         for sid in sids:
@@ -296,9 +308,10 @@ def main() -> None:
     p.add_argument("--mb", type=int, default=30)
     p.add_argument("--cap-mb", type=int, default=257)
     p.add_argument("--budget-mb", type=int, default=None, help="default: calls x mb + 1 (all fit)")
+    p.add_argument("--whole", action="store_true", help="each message whole (the calls still unfinished)")
     a = p.parse_args()
     budget = (a.budget_mb or a.calls * a.mb + 1) * MiB
-    out = asyncio.run(attack(a.transport, a.calls, a.mb * 1_000_000, a.cap_mb * MiB, budget))
+    out = asyncio.run(attack(a.transport, a.calls, a.mb * 1_000_000, a.cap_mb * MiB, budget, 0 if a.whole else 1))
     print(a.transport, " ".join(f"{k}={v:.1f}" for k, v in out.items()), file=sys.stdout)
 
 

@@ -4,7 +4,8 @@ The server runs in a child process (tests/h2/partial_rss.py) with glibc's heap s
 in a long-running server, and its VmRSS is read from /proc against a baseline taken in the same test. One
 attack, run once for the module: k calls, each with a message announced at M bytes and sent but its last
 byte, their total just under the budget B; then one more call that passes B; then every call cancelled; then
-the same attack again, whose calls end with their connection. Each reading follows a PING answered (the
+the same attack again, whose calls end with their connection; then k whole messages on calls that stay open,
+each taken and dropped by the handler. Each reading follows a PING answered (the
 server has handled every frame before it), so no timing is asserted; margins are ratios of B. The bound the
 README states is B plus a page a call.
 """
@@ -47,6 +48,17 @@ async def _round(server: ServerProcess, figures: dict[str, object], tag: str, ba
         figures[f"{tag}_after"] = await rss_falls_to(server, base + int(BUDGET * 0.1))
 
 
+async def _whole(server: ServerProcess, figures: dict[str, object]) -> None:
+    """k whole messages on calls that stay open; the handler takes each and drops it."""
+    attack = Attack(server.port)
+    await attack.open()
+    sids = await attack.send_unfinished(CALLS, SIZE, short=0)
+    await attack.ping()
+    figures["whole_held"] = steady_rss(server)
+    figures["whole_ended_early"] = [s for s in sids if s in attack.statuses or s in attack.reset]
+    await attack.close()
+
+
 @pytest.fixture(scope="module")
 def figures() -> dict[str, object]:
     server = ServerProcess("h2", cap=32 * MiB, budget=BUDGET)
@@ -56,6 +68,7 @@ def figures() -> dict[str, object]:
             out: dict[str, object] = {"base": server.rss()}
             await _round(server, out, "first", out["base"], cancel=True)  # type: ignore[arg-type]
             await _round(server, out, "second", out["base"], cancel=False)  # type: ignore[arg-type]
+            await _whole(server, out)
             return out
 
         return asyncio.run(main())
@@ -84,3 +97,8 @@ def test_the_memory_of_unfinished_messages_is_returned_when_their_connection_clo
 def test_a_second_round_of_the_same_attack_grows_rss_no_further_than_the_first(figures) -> None:  # noqa: ANN001
     assert figures["second_ended_early"] == [] and figures["second_over_status"] == RESOURCE_EXHAUSTED
     assert figures["second_held"] - figures["base"] <= BUDGET * 1.2  # type: ignore[operator]
+
+
+def test_a_message_the_handler_has_taken_is_not_held_while_its_call_waits_for_the_next(figures) -> None:  # noqa: ANN001
+    assert figures["whole_ended_early"] == []
+    assert figures["whole_held"] - figures["base"] <= BUDGET * 0.1  # type: ignore[operator]
