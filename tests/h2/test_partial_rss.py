@@ -20,20 +20,23 @@ from tests.h2.partial_rss import Attack, MiB, ServerProcess, rss_falls_to, stead
 
 BUDGET = 96 * MiB
 CALLS = 6
-SIZE = 15 * MiB  # 6 x (15 MiB + 5) is just under 96 MiB; a 7th passes it
+SIZE = 15 * MiB  # 6 x (15 MiB + 5) is just under 96 MiB; a 7th passes it. Over MAPPED_MIN: mapped
+HEAP_CALLS = 191
+HEAP_SIZE = 512 << 10  # 191 x (512 KiB + 5) is just under 96 MiB; a 192nd passes it. A bytearray each
 RESOURCE_EXHAUSTED = "8"
 
 
-async def _round(server: ServerProcess, figures: dict[str, object], tag: str, base: int, cancel: bool) -> None:
+async def _round(server: ServerProcess, figures: dict[str, object], tag: str, base: int, cancel: bool,
+                 calls: int = CALLS, size: int = SIZE) -> None:
     """k unfinished messages, one more that passes the budget, then the calls end: cancelled one by one
     (RST_STREAM), or with their connection."""
     attack = Attack(server.port)
     await attack.open()
-    sids = await attack.send_unfinished(CALLS, SIZE)
+    sids = await attack.send_unfinished(calls, size)
     await attack.ping()
     figures[f"{tag}_held"] = steady_rss(server)
     figures[f"{tag}_ended_early"] = [s for s in sids if s in attack.statuses or s in attack.reset]
-    [over] = await attack.send_unfinished(1, SIZE)
+    [over] = await attack.send_unfinished(1, size)
     figures[f"{tag}_over_status"] = await attack.wait_for(over)
     await attack.ping()
     figures[f"{tag}_after_over"] = steady_rss(server)
@@ -76,6 +79,24 @@ def figures() -> dict[str, object]:
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def heap_figures() -> dict[str, object]:
+    """The same rounds with messages under MAPPED_MIN: their buffers come from the heap, which keeps what is
+    freed for the next ones (so RSS need not fall when the calls end, but must not grow on the next round)."""
+    server = ServerProcess("h2", cap=32 * MiB, budget=BUDGET)
+    try:
+        async def main() -> dict[str, object]:
+            await asyncio.sleep(0.5)
+            out: dict[str, object] = {"base": server.rss()}
+            for tag in ("first", "second"):
+                await _round(server, out, tag, out["base"], True, HEAP_CALLS, HEAP_SIZE)  # type: ignore[arg-type]
+            return out
+
+        return asyncio.run(main())
+    finally:
+        server.stop()
+
+
 def test_unfinished_messages_just_under_the_budget_grow_rss_by_at_most_the_budget_and_a_fifth(figures) -> None:  # noqa: ANN001
     assert figures["first_ended_early"] == []  # all k held: the budget was not passed
     assert figures["first_held"] - figures["base"] <= BUDGET * 1.2  # type: ignore[operator]
@@ -102,3 +123,19 @@ def test_a_second_round_of_the_same_attack_grows_rss_no_further_than_the_first(f
 def test_a_message_the_handler_has_taken_is_not_held_while_its_call_waits_for_the_next(figures) -> None:  # noqa: ANN001
     assert figures["whole_ended_early"] == []
     assert figures["whole_held"] - figures["base"] <= BUDGET * 0.1  # type: ignore[operator]
+
+
+def test_heap_buffers_just_under_the_budget_grow_rss_by_at_most_the_budget_and_a_fifth(heap_figures) -> None:  # noqa: ANN001
+    assert heap_figures["first_ended_early"] == []
+    assert heap_figures["first_held"] - heap_figures["base"] <= BUDGET * 1.2  # type: ignore[operator]
+
+
+def test_a_heap_buffer_that_would_pass_the_budget_is_resource_exhausted_and_adds_no_memory(heap_figures) -> None:  # noqa: ANN001
+    assert heap_figures["first_over_status"] == RESOURCE_EXHAUSTED
+    assert heap_figures["first_after_over"] - heap_figures["first_held"] <= BUDGET * 0.1  # type: ignore[operator]
+
+
+def test_heap_buffers_freed_by_one_round_serve_the_next_without_growing_rss(heap_figures) -> None:  # noqa: ANN001
+    assert heap_figures["second_ended_early"] == [] and heap_figures["second_over_status"] == RESOURCE_EXHAUSTED
+    assert heap_figures["second_held"] - heap_figures["first_held"] <= BUDGET * 0.1  # type: ignore[operator]
+    assert heap_figures["second_held"] - heap_figures["base"] <= BUDGET * 1.2  # type: ignore[operator]
