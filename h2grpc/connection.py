@@ -216,7 +216,8 @@ class Connection(asyncio.Protocol):
             pos = len(PREFACE)
             self.preface = True
         n = len(buf)
-        view: memoryview | None = None  # DATA payloads over 1 KiB are views: the call copies them once
+        # DATA payloads from 12 KiB (a large message's full frames) are views: the call copies them once
+        view: memoryview | None = None
         while n - pos >= 9:
             word = int.from_bytes(buf[pos:pos + 4], "big")
             length = word >> 8
@@ -242,7 +243,7 @@ class Connection(asyncio.Protocol):
             elif self.empty_frames and kind <= HEADERS:
                 self.empty_frames = 0
             if kind == DATA:
-                if length < 1024:
+                if length < 12_288:
                     self._data(sid, flags, buf[start:end])
                 else:
                     if view is None:
