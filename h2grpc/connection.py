@@ -216,6 +216,8 @@ class Connection(asyncio.Protocol):
             pos = len(PREFACE)
             self.preface = True
         n = len(buf)
+        # DATA payloads from 12 KiB (a large message's full frames) are views: the call copies them once
+        view: memoryview | None = None
         while n - pos >= 9:
             word = int.from_bytes(buf[pos:pos + 4], "big")
             length = word >> 8
@@ -227,7 +229,7 @@ class Connection(asyncio.Protocol):
             kind = word & 0xFF
             flags = buf[pos + 4]
             sid = int.from_bytes(buf[pos + 5:pos + 9], "big") & 0x7FFFFFFF
-            payload = buf[pos + 9:end]
+            start = pos + 9
             pos = end
             if self.header_sid and kind != CONTINUATION:
                 raise ConnectionError_(PROTOCOL_ERROR, "a header block interrupted by another frame")
@@ -241,8 +243,15 @@ class Connection(asyncio.Protocol):
             elif self.empty_frames and kind <= HEADERS:
                 self.empty_frames = 0
             if kind == DATA:
-                self._data(sid, flags, payload)
-            elif kind == HEADERS:
+                if length < 12_288:
+                    self._data(sid, flags, buf[start:end])
+                else:
+                    if view is None:
+                        view = memoryview(buf)
+                    self._data(sid, flags, view[start:end])
+                continue
+            payload = buf[start:end]
+            if kind == HEADERS:
                 self._headers(sid, flags, payload)
             elif kind == CONTINUATION:
                 self._continuation(sid, flags, payload)
@@ -279,14 +288,14 @@ class Connection(asyncio.Protocol):
             # their end)
         self.buf = buf[pos:]
 
-    def _strip_padding(self, flags: int, payload: bytes) -> bytes:
+    def _strip_padding(self, flags: int, payload: bytes | memoryview) -> bytes | memoryview:
         if flags & PADDED:
             if not payload or payload[0] >= len(payload):
                 raise ConnectionError_(PROTOCOL_ERROR, "padding longer than the frame")
             return payload[1:len(payload) - payload[0]]
         return payload
 
-    def _data(self, sid: int, flags: int, payload: bytes) -> None:
+    def _data(self, sid: int, flags: int, payload: bytes | memoryview) -> None:
         if not sid:
             raise ConnectionError_(PROTOCOL_ERROR, "DATA on stream 0")
         flow_len = len(payload)
@@ -450,10 +459,7 @@ class Connection(asyncio.Protocol):
         self.waiting.pop(call.sid, None)
         if not call.ended and not call.reset:  # half-closed (local): the peer may still send (§5.1)
             self.linger(call.sid)
-        if call.partial_held:  # what the client was still sending is dropped with the call
-            self.server.partial_bytes -= call.partial_held
-            call.partial_held = 0
-            call.partial = bytearray()
+        call.drop_partial()
         if self.calls.pop(call.sid, None) is not None and call.task is not None:
             self.server.active -= 1
             if not self.calls and self.goaway_sent and self.transport is not None:
