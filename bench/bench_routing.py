@@ -324,12 +324,8 @@ def chart(doc: dict[str, Any], path: Path) -> None:
     plt = H.pyplot()
     rows = doc["result"]["rows"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for cfg, label in CONFIGS.items():
-        rs = sorted((r for r in rows if r["config"] == cfg), key=lambda r: r["rate"])
-        x = [r["rate"] for r in rs]
-        axes[0].plot(x, [r.get("ttft_p90_ms") for r in rs], "o-", label=f"({cfg}) {label}")
-        axes[1].plot(x, [r["cached_ratio"] for r in rs], "o-", label=f"({cfg})")
-        axes[2].plot(x, [r["output_tokens_per_s"] for r in rs], "o-", label=f"({cfg})")
+    H.plot_by_config(axes, rows, CONFIGS, "rate", (lambda r: r.get("ttft_p90_ms"), lambda r: r["cached_ratio"],
+                                                   lambda r: r["output_tokens_per_s"]))
     orc = doc["result"]["oracle"]
     xs = sorted(float(k) for k in orc)
     axes[1].plot(xs, [orc[str(k) if str(k) in orc else str(int(k))]["infinite"] for k in xs], "k--",
@@ -337,10 +333,7 @@ def chart(doc: dict[str, Any], path: Path) -> None:
     axes[1].plot(xs, [orc[str(k) if str(k) in orc else str(int(k))]["affinity_lru"] for k in xs], "k:",
                  label="(d) group affinity, LRU of real capacity")
     axes[0].set_yscale("log")
-    for ax, title in zip(axes, ("TTFT p90 (ms, log)", "cached-token ratio", "output tokens/s"), strict=True):
-        ax.set_xlabel("offered load (req/s, Poisson)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
+    H.label_axes(axes, ("TTFT p90 (ms, log)", "cached-token ratio", "output tokens/s"), "offered load (req/s, Poisson)")
     axes[0].legend(fontsize=8)
     axes[1].legend(fontsize=7)
     H.save_figure(fig, "Shared-prefix workload on 4 mock workers: round-robin vs load-only vs KV-aware", path)
