@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness as H
+from bench.prefix_oracle import block_chain, cached_tokens, lru_store
 
 CONFIGS = {"a": "envoy round-robin", "b": "picker, load only", "c": "picker, KV-aware"}
 PICKER_ARGS: dict[str, list[str]] = {"a": [], "b": [], "c": []}
@@ -120,39 +121,20 @@ def schedule(w: Workload, rate: float, seed: int) -> tuple[list[float], list[Tur
 
 
 # ----------------------------------------------------------------------------- oracle
-def _chain(tokens: list[int]) -> list[int]:
-    out, h = [], 0
-    for i in range(len(tokens) // BS):
-        h = hash((h, tuple(tokens[i * BS:(i + 1) * BS])))
-        out.append(h)
-    return out
-
-
 def oracle(prompts: list[tuple[int, list[int]]], workers: int, capacity: int) -> dict[str, float]:
     """Cached-token ratio bounds for prompts in send order ((group, token ids) each), mock reuse rules:
     full blocks only, within prompt[:-1]."""
     seen: set[int] = set()
-    lru = [OrderedDict() for _ in range(workers)]
+    lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(workers)]
     total = inf_cached = aff_cached = 0
     for g, toks in prompts:
-        chain = _chain(toks)
-        reusable = (len(toks) - 1) // BS
+        chain = block_chain(toks, BS)
         total += len(toks)
-        k = 0
-        while k < reusable and chain[k] in seen:
-            k += 1
-        inf_cached += k * BS
+        inf_cached += cached_tokens(toks, chain, seen, BS)
         seen.update(chain)
         cache = lru[g % workers]
-        k = 0
-        while k < reusable and chain[k] in cache:
-            k += 1
-        aff_cached += k * BS
-        for h in chain:
-            cache[h] = True
-            cache.move_to_end(h)
-        while len(cache) > capacity:
-            cache.popitem(last=False)
+        aff_cached += cached_tokens(toks, chain, cache, BS)
+        lru_store(cache, chain, capacity)
     return {"infinite": inf_cached / total if total else 0.0,
             "affinity_lru": aff_cached / total if total else 0.0}
 
