@@ -336,12 +336,8 @@ class MockWorker:
 
     async def render_chat(self, request: web.Request) -> web.Response:
         """POST /v1/chat/completions/render: ONE object with the token ids inference would cache."""
-        self.render_counter.labels(route="chat").inc()
-        self.render_count += 1
         try:
-            body = await self._json_object(request, "ChatCompletionRequest")
-            for f in RENDER_STRIPPED_FIELDS:
-                body.pop(f, None)
+            body = await self._render_body(request, "chat", "ChatCompletionRequest")
             validate_chat(body)
             if multimodal_part_type(body) is not None:
                 raise BadRequest(MULTIMODAL_RENDER_ERROR)
@@ -352,12 +348,8 @@ class MockWorker:
 
     async def render_completions(self, request: web.Request) -> web.Response:
         """POST /v1/completions/render: a JSON ARRAY with one object per prompt."""
-        self.render_counter.labels(route="completions").inc()
-        self.render_count += 1
         try:
-            body = await self._json_object(request, "CompletionRequest")
-            for f in RENDER_STRIPPED_FIELDS:
-                body.pop(f, None)
+            body = await self._render_body(request, "completions", "CompletionRequest")
             validate_completion(body)
             prompts = completion_prompts(body["prompt"])
             if any(len(p) == 0 for p in prompts):
@@ -366,6 +358,15 @@ class MockWorker:
             return object_error(str(exc))
         out = [self._render_object("completion", await self._completion_prompt_ids(p), body) for p in prompts]
         return web.json_response(out)
+
+    async def _render_body(self, request: web.Request, route: str, schema: str) -> dict[str, Any]:
+        """Both render routes count every call, even a rejected one, and ignore the fields a render drops."""
+        self.render_counter.labels(route=route).inc()
+        self.render_count += 1
+        body = await self._json_object(request, schema)
+        for f in RENDER_STRIPPED_FIELDS:
+            body.pop(f, None)
+        return body
 
     async def _chat_prompt_ids(self, body: dict[str, Any]) -> list[int]:
         """Template + tokenize (paying the render cost), or take ``prompt_token_ids`` as they are."""
