@@ -452,15 +452,7 @@ class MockWorker:
         rid, created, model = "cmpl-" + uuid.uuid4().hex, int(time.time()), self.config.model
 
         async def run(prompt: list[int]) -> tuple[list[int], int]:
-            tokens: list[int] = []
-            cached = 0
-            async with contextlib.aclosing(self.engine.generate(prompt, None, max_tokens)) as gen:
-                async for item in gen:
-                    if isinstance(item, Prefilled):
-                        cached = item.cached_tokens
-                    else:
-                        tokens.append(item)
-            return tokens, cached
+            return await self._generate_all(prompt, None, max_tokens)
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
             doc: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -500,6 +492,19 @@ class MockWorker:
         return web.json_response({"id": rid, "object": "text_completion", "created": created, "model": model,
                                   "choices": choices, "usage": usage})  # fmt: skip
 
+    async def _generate_all(self, prompt: list[int], salt: str | None, max_tokens: int) -> tuple[list[int], int]:
+        """A whole generation for a non-streamed answer: (its tokens, the prompt tokens served from cache).
+        aclosing, because the engine releases the sequence only when its generator is closed, cancelled or not."""
+        tokens: list[int] = []
+        cached = 0
+        async with contextlib.aclosing(self.engine.generate(prompt, salt, max_tokens)) as gen:
+            async for item in gen:
+                if isinstance(item, Prefilled):
+                    cached = item.cached_tokens
+                else:
+                    tokens.append(item)
+        return tokens, cached
+
     async def _serve(
         self,
         request: web.Request,
@@ -514,14 +519,7 @@ class MockWorker:
         model = self.config.model
         if body.get("stream"):
             return await self._stream(request, kind, rid, created, body, prompt, salt, max_tokens)
-        tokens: list[int] = []
-        cached = 0
-        async with contextlib.aclosing(self.engine.generate(prompt, salt, max_tokens)) as gen:
-            async for item in gen:
-                if isinstance(item, Prefilled):
-                    cached = item.cached_tokens
-                else:
-                    tokens.append(item)
+        tokens, cached = await self._generate_all(prompt, salt, max_tokens)
         text = detokenize(tokens)
         usage = self._usage(len(prompt), len(tokens), cached)
         if kind == "chat":
