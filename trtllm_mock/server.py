@@ -405,13 +405,18 @@ class MockWorker:
             )
         return max_tokens
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        """POST /v1/chat/completions with the strict ChatCompletionRequest schema."""
-        self.inference_counter.labels(route="chat").inc()
+    async def _inference_body(self, request: web.Request, route: str, schema: str) -> dict[str, Any]:
+        """Both inference routes count every call, even a rejected one, and keep its exact bytes for
+        GET /mock/last-request (what the gateway forwarded)."""
+        self.inference_counter.labels(route=route).inc()
         self.inference_count += 1
         self.last_inference_body = await request.read()
+        return await self._json_object(request, schema)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions with the strict ChatCompletionRequest schema."""
         try:
-            body = validate_chat(await self._json_object(request, "ChatCompletionRequest"))
+            body = validate_chat(await self._inference_body(request, "chat", "ChatCompletionRequest"))
             part = multimodal_part_type(body)
             if part is not None:  # trtllm-serve: parse_chat_messages_coroutines, inside the handler
                 raise HandlerRejected(
@@ -429,11 +434,8 @@ class MockWorker:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions: one prompt (text or ids); this schema has no cache_salt at all."""
-        self.inference_counter.labels(route="completions").inc()
-        self.inference_count += 1
-        self.last_inference_body = await request.read()
         try:
-            body = validate_completion(await self._json_object(request, "CompletionRequest"))
+            body = validate_completion(await self._inference_body(request, "completions", "CompletionRequest"))
             ids = [await self._completion_prompt_ids(p) for p in completion_prompts(body["prompt"])]
             max_tokens = max(self._admission_checks(body, p) for p in ids)
         except (BadRequest, RequestValidationError, RequestRejected) as exc:
