@@ -322,16 +322,10 @@ def chart(doc: dict[str, Any], path: Path) -> None:
     plt = H.pyplot()
     rows = doc["result"]["rows"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for cfg, label in CONFIGS.items():
-        rs = sorted((r for r in rows if r["config"] == cfg), key=lambda r: r["load"])
-        x = [r["load"] for r in rs]
-        axes[0].plot(x, [r["per_class"]["high"].get("ttft_p90_ms") for r in rs], "o-", label=f"({cfg}) {label}")
-        axes[1].plot(x, [r["served_rps"] for r in rs], "o-", label=f"({cfg})")
+    H.plot_by_config(axes, rows, CONFIGS, "load", (lambda r: r["per_class"]["high"].get("ttft_p90_ms"),
+                                                   lambda r: r["served_rps"]))
     axes[0].set_yscale("log")
-    for ax, title in zip(axes, ("high-band TTFT p90 (ms, log)", "served req/s"), strict=True):
-        ax.set_xlabel("offered load (x nominal capacity)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
+    H.label_axes(axes, ("high-band TTFT p90 (ms, log)", "served req/s"), "offered load (x nominal capacity)")
     axes[0].legend(fontsize=8)
     H.save_figure(fig, "Two priority bands at half and twice the pool's capacity", path)
 

@@ -299,11 +299,9 @@ def chart(doc: dict[str, Any], path: Path) -> None:
         axes[0].plot(levels, [r["p50_ms"] for r in rs], "o-", label=f"({cfg}) {label}")
         axes[1].plot(levels, [r["p99_ms"] for r in rs], "o-", label=f"({cfg})")
         axes[2].plot(levels, [r["rps"] for r in rs], "o-", label=f"({cfg})")
-    for ax, title in zip(axes, ("latency p50 (ms)", "latency p99 (ms)", "throughput (req/s)"), strict=True):
+    for ax in axes:
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
+    H.label_axes(axes, ("latency p50 (ms)", "latency p99 (ms)", "throughput (req/s)"), "concurrency")
     axes[0].legend(fontsize=8)
     H.save_figure(fig, "Picker overhead: same Envoy, same near-instant mock workers (2-core machine)", path)
 

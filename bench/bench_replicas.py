@@ -273,16 +273,9 @@ def chart(doc: dict[str, Any], path: Path) -> None:
     plt = H.pyplot()
     rows = doc["result"]["routing"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for cfg, label in CONFIGS.items():
-        rs = sorted((r for r in rows if r["config"] == cfg), key=lambda r: r["rate"])
-        x = [r["rate"] for r in rs]
-        axes[0].plot(x, [r.get("ttft_p90_ms") for r in rs], "o-", label=f"({cfg}) {label}")
-        axes[1].plot(x, [r["cached_ratio"] for r in rs], "o-", label=f"({cfg})")
+    H.plot_by_config(axes[:2], rows, CONFIGS, "rate", (lambda r: r.get("ttft_p90_ms"), lambda r: r["cached_ratio"]))
     axes[0].set_yscale("log")
-    for ax, title in zip(axes[:2], ("TTFT p90 (ms, log)", "cached-token ratio"), strict=True):
-        ax.set_xlabel("offered load (req/s, Poisson)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
+    H.label_axes(axes[:2], ("TTFT p90 (ms, log)", "cached-token ratio"), "offered load (req/s, Poisson)")
     axes[0].legend(fontsize=8)
     tp = doc["result"]["throughput"]
     axes[2].bar([str(r["processes"]) for r in tp], [r["decisions_per_s"] for r in tp])

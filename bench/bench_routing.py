@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness as H
+from bench.prefix_oracle import block_chain, cached_tokens, lru_store
 
 CONFIGS = {"a": "envoy round-robin", "b": "picker, load only", "c": "picker, KV-aware"}
 PICKER_ARGS: dict[str, list[str]] = {"a": [], "b": [], "c": []}
@@ -120,39 +121,20 @@ def schedule(w: Workload, rate: float, seed: int) -> tuple[list[float], list[Tur
 
 
 # ----------------------------------------------------------------------------- oracle
-def _chain(tokens: list[int]) -> list[int]:
-    out, h = [], 0
-    for i in range(len(tokens) // BS):
-        h = hash((h, tuple(tokens[i * BS:(i + 1) * BS])))
-        out.append(h)
-    return out
-
-
 def oracle(prompts: list[tuple[int, list[int]]], workers: int, capacity: int) -> dict[str, float]:
     """Cached-token ratio bounds for prompts in send order ((group, token ids) each), mock reuse rules:
     full blocks only, within prompt[:-1]."""
     seen: set[int] = set()
-    lru = [OrderedDict() for _ in range(workers)]
+    lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(workers)]
     total = inf_cached = aff_cached = 0
     for g, toks in prompts:
-        chain = _chain(toks)
-        reusable = (len(toks) - 1) // BS
+        chain = block_chain(toks, BS)
         total += len(toks)
-        k = 0
-        while k < reusable and chain[k] in seen:
-            k += 1
-        inf_cached += k * BS
+        inf_cached += cached_tokens(toks, chain, seen, BS)
         seen.update(chain)
         cache = lru[g % workers]
-        k = 0
-        while k < reusable and chain[k] in cache:
-            k += 1
-        aff_cached += k * BS
-        for h in chain:
-            cache[h] = True
-            cache.move_to_end(h)
-        while len(cache) > capacity:
-            cache.popitem(last=False)
+        aff_cached += cached_tokens(toks, chain, cache, BS)
+        lru_store(cache, chain, capacity)
     return {"infinite": inf_cached / total if total else 0.0,
             "affinity_lru": aff_cached / total if total else 0.0}
 
@@ -324,12 +306,8 @@ def chart(doc: dict[str, Any], path: Path) -> None:
     plt = H.pyplot()
     rows = doc["result"]["rows"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for cfg, label in CONFIGS.items():
-        rs = sorted((r for r in rows if r["config"] == cfg), key=lambda r: r["rate"])
-        x = [r["rate"] for r in rs]
-        axes[0].plot(x, [r.get("ttft_p90_ms") for r in rs], "o-", label=f"({cfg}) {label}")
-        axes[1].plot(x, [r["cached_ratio"] for r in rs], "o-", label=f"({cfg})")
-        axes[2].plot(x, [r["output_tokens_per_s"] for r in rs], "o-", label=f"({cfg})")
+    H.plot_by_config(axes, rows, CONFIGS, "rate", (lambda r: r.get("ttft_p90_ms"), lambda r: r["cached_ratio"],
+                                                   lambda r: r["output_tokens_per_s"]))
     orc = doc["result"]["oracle"]
     xs = sorted(float(k) for k in orc)
     axes[1].plot(xs, [orc[str(k) if str(k) in orc else str(int(k))]["infinite"] for k in xs], "k--",
@@ -337,10 +315,7 @@ def chart(doc: dict[str, Any], path: Path) -> None:
     axes[1].plot(xs, [orc[str(k) if str(k) in orc else str(int(k))]["affinity_lru"] for k in xs], "k:",
                  label="(d) group affinity, LRU of real capacity")
     axes[0].set_yscale("log")
-    for ax, title in zip(axes, ("TTFT p90 (ms, log)", "cached-token ratio", "output tokens/s"), strict=True):
-        ax.set_xlabel("offered load (req/s, Poisson)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
+    H.label_axes(axes, ("TTFT p90 (ms, log)", "cached-token ratio", "output tokens/s"), "offered load (req/s, Poisson)")
     axes[0].legend(fontsize=8)
     axes[1].legend(fontsize=7)
     H.save_figure(fig, "Shared-prefix workload on 4 mock workers: round-robin vs load-only vs KV-aware", path)

@@ -307,22 +307,15 @@ def chart(doc: dict[str, Any], path: Path) -> None:
     plt = H.pyplot()
     rows = doc["result"]["rows"]
     fig, axes = plt.subplots(1, 4, figsize=(19, 4.5))
-    for cfg, label in doc["configs"].items():
-        rs = sorted((r for r in rows if r["config"] == cfg), key=lambda r: r["offered_rps"])
-        x = [r["offered_rps"] for r in rs]
-        axes[0].plot(x, [r["ttft_p90_ms"] for r in rs], "o-", label=f"({cfg}) {label}")
-        axes[1].plot(x, [r["itl_p50_ms"] for r in rs], "o-", label=f"({cfg})")
-        axes[2].plot(x, [r["aiperf_cached_ratio"] for r in rs], "o-", label=f"({cfg})")
-        axes[3].plot(x, [r["output_tokens_per_s"] for r in rs], "o-", label=f"({cfg})")
+    H.plot_by_config(axes, rows, doc["configs"], "offered_rps",
+                     (lambda r: r["ttft_p90_ms"], lambda r: r["itl_p50_ms"], lambda r: r["aiperf_cached_ratio"],
+                      lambda r: r["output_tokens_per_s"]))
     orc = doc["result"]["oracle"]
     axes[2].axhline(orc["pooled_lru"], color="k", ls="--", label="(d) oracle, pooled LRU of real capacity")
     axes[2].axhline(orc["infinite"], color="k", ls=":", label="(d) infinite cache")
     axes[0].set_yscale("log")
-    for ax, title in zip(axes, ("TTFT p90 (ms, log)", "ITL p50 (ms)", "cached-token ratio", "output tokens/s"),
-                         strict=True):
-        ax.set_xlabel("offered load (req/s of simulated time)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
+    H.label_axes(axes, ("TTFT p90 (ms, log)", "ITL p50 (ms)", "cached-token ratio", "output tokens/s"),
+                 "offered load (req/s of simulated time)")
     axes[0].legend(fontsize=7)
     axes[2].legend(fontsize=7)
     H.save_figure(fig, "Mooncake trace via AIPerf on 4 iteration-scheduled mock workers", path)

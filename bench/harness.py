@@ -416,6 +416,25 @@ def pyplot():  # noqa: ANN201 - matplotlib is an optional extra; import lazily w
     return plt
 
 
+def plot_by_config(axes: Sequence[Any], rows: list[dict[str, Any]], configs: dict[str, str], x_key: str,
+                   series: Sequence[Callable[[dict[str, Any]], Any]]) -> None:
+    """One line per configuration on each of `axes` (series[i] on axes[i]), its rows in order of `x_key`:
+    the shape every load-ladder chart shares; only the first axis names each configuration in full."""
+    for cfg, label in configs.items():
+        rs = sorted((r for r in rows if r["config"] == cfg), key=lambda r: r[x_key])
+        x = [r[x_key] for r in rs]
+        for i, (ax, y) in enumerate(zip(axes, series, strict=True)):
+            ax.plot(x, [y(r) for r in rs], "o-", label=f"({cfg}) {label}" if i == 0 else f"({cfg})")
+
+
+def label_axes(axes: Sequence[Any], titles: Sequence[str], xlabel: str) -> None:
+    """The same x label, a title each and a light grid: how every benchmark chart's panels look."""
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_xlabel(xlabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+
+
 def save_figure(fig: Any, title: str, path: Path) -> None:
     plt = pyplot()
     fig.suptitle(title)

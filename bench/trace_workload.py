@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.prefix_oracle import block_chain, cached_tokens, lru_store
+
 TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_synthetic_trace.jsonl"  # source: traces/README.md
 TRACE_BLOCK = 512  # tokens per hash id in the Mooncake release
 TEMPLATE_PREFIX_TOKENS = 2  # <|im_start|> and "user" in front of the first content word (trtllm_mock template)
@@ -139,14 +141,6 @@ def prompt_ids(text: str) -> list[int]:
     return prompt_ids_for_chat({"messages": [{"role": "user", "content": text}]})
 
 
-def _chain(tokens: Sequence[int], bs: int) -> list[int]:
-    out, h = [], 0
-    for i in range(len(tokens) // bs):
-        h = hash((h, tuple(tokens[i * bs:(i + 1) * bs])))
-        out.append(h)
-    return out
-
-
 def oracle(prompts: Sequence[Sequence[int]], *, workers: int, capacity: int, bs: int) -> dict[str, float]:
     """Cached-token ratio bounds for the prompts in arrival order, with the mock's reuse rules (full blocks
     within ``prompt[:-1]``): ``infinite`` = one cache holding every earlier prompt; ``pooled_lru`` = one LRU
@@ -155,23 +149,12 @@ def oracle(prompts: Sequence[Sequence[int]], *, workers: int, capacity: int, bs:
     pooled: OrderedDict[int, None] = OrderedDict()
     total = inf_c = lru_c = 0
     for toks in prompts:
-        chain = _chain(toks, bs)
-        reusable = (len(toks) - 1) // bs
+        chain = block_chain(toks, bs)
         total += len(toks)
-        k = 0
-        while k < reusable and chain[k] in seen:
-            k += 1
-        inf_c += k * bs
+        inf_c += cached_tokens(toks, chain, seen, bs)
         seen.update(chain)
-        k = 0
-        while k < reusable and chain[k] in pooled:
-            k += 1
-        lru_c += k * bs
-        for h in chain:
-            pooled[h] = None
-            pooled.move_to_end(h)
-        while len(pooled) > workers * capacity:
-            pooled.popitem(last=False)
+        lru_c += cached_tokens(toks, chain, pooled, bs)
+        lru_store(pooled, chain, workers * capacity)
     return {"infinite": inf_c / total if total else 0.0, "pooled_lru": lru_c / total if total else 0.0,
             "prompt_tokens": total}
 

@@ -58,6 +58,28 @@ def pack_int64(obj: Any) -> bytes:
     return bytes(out)
 
 
+# msgpack length headers per type: (lengths below this use the fix form, fix type byte,
+# 8-bit-length type byte or None where the type has none, 16-bit, 32-bit)
+_STR = (32, 0xA0, 0xD9, 0xDA, 0xDB)
+_BIN = (0, 0x00, 0xC4, 0xC5, 0xC6)
+_ARRAY = (16, 0x90, None, 0xDC, 0xDD)
+_MAP = (16, 0x80, None, 0xDE, 0xDF)
+
+
+def _pack_len(out: bytearray, n: int, kind: tuple[int, int, int | None, int, int]) -> None:
+    """The shortest header msgpack allows for a str/bin/array/map of `n` items: the four types differ only in
+    their type bytes and in which lengths they have a form for."""
+    fix_below, fix, b8, b16, b32 = kind
+    if n < fix_below:
+        out.append(fix | n)
+    elif b8 is not None and n < 1 << 8:
+        out += bytes((b8, n))
+    elif n < 1 << 16:
+        out += bytes((b16,)) + struct.pack(">H", n)
+    else:
+        out += bytes((b32,)) + struct.pack(">I", n)
+
+
 def _pack_into(obj: Any, out: bytearray) -> None:
     if obj is None:
         out.append(0xC0)
@@ -74,43 +96,17 @@ def _pack_into(obj: Any, out: bytearray) -> None:
         out += b"\xcb" + struct.pack(">d", obj)
     elif isinstance(obj, str):
         data = obj.encode("utf-8")
-        n = len(data)
-        if n < 32:
-            out.append(0xA0 | n)
-        elif n < 1 << 8:
-            out += b"\xd9" + struct.pack(">B", n)
-        elif n < 1 << 16:
-            out += b"\xda" + struct.pack(">H", n)
-        else:
-            out += b"\xdb" + struct.pack(">I", n)
+        _pack_len(out, len(data), _STR)
         out += data
     elif isinstance(obj, bytes | bytearray):
-        n = len(obj)
-        if n < 1 << 8:
-            out += b"\xc4" + struct.pack(">B", n)
-        elif n < 1 << 16:
-            out += b"\xc5" + struct.pack(">H", n)
-        else:
-            out += b"\xc6" + struct.pack(">I", n)
+        _pack_len(out, len(obj), _BIN)
         out += obj
     elif isinstance(obj, list | tuple):
-        n = len(obj)
-        if n < 16:
-            out.append(0x90 | n)
-        elif n < 1 << 16:
-            out += b"\xdc" + struct.pack(">H", n)
-        else:
-            out += b"\xdd" + struct.pack(">I", n)
+        _pack_len(out, len(obj), _ARRAY)
         for item in obj:
             _pack_into(item, out)
     elif isinstance(obj, dict):
-        n = len(obj)
-        if n < 16:
-            out.append(0x80 | n)
-        elif n < 1 << 16:
-            out += b"\xde" + struct.pack(">H", n)
-        else:
-            out += b"\xdf" + struct.pack(">I", n)
+        _pack_len(out, len(obj), _MAP)
         for k, v in obj.items():
             _pack_into(k, out)
             _pack_into(v, out)

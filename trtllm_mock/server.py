@@ -336,12 +336,8 @@ class MockWorker:
 
     async def render_chat(self, request: web.Request) -> web.Response:
         """POST /v1/chat/completions/render: ONE object with the token ids inference would cache."""
-        self.render_counter.labels(route="chat").inc()
-        self.render_count += 1
         try:
-            body = await self._json_object(request, "ChatCompletionRequest")
-            for f in RENDER_STRIPPED_FIELDS:
-                body.pop(f, None)
+            body = await self._render_body(request, "chat", "ChatCompletionRequest")
             validate_chat(body)
             if multimodal_part_type(body) is not None:
                 raise BadRequest(MULTIMODAL_RENDER_ERROR)
@@ -352,12 +348,8 @@ class MockWorker:
 
     async def render_completions(self, request: web.Request) -> web.Response:
         """POST /v1/completions/render: a JSON ARRAY with one object per prompt."""
-        self.render_counter.labels(route="completions").inc()
-        self.render_count += 1
         try:
-            body = await self._json_object(request, "CompletionRequest")
-            for f in RENDER_STRIPPED_FIELDS:
-                body.pop(f, None)
+            body = await self._render_body(request, "completions", "CompletionRequest")
             validate_completion(body)
             prompts = completion_prompts(body["prompt"])
             if any(len(p) == 0 for p in prompts):
@@ -366,6 +358,15 @@ class MockWorker:
             return object_error(str(exc))
         out = [self._render_object("completion", await self._completion_prompt_ids(p), body) for p in prompts]
         return web.json_response(out)
+
+    async def _render_body(self, request: web.Request, route: str, schema: str) -> dict[str, Any]:
+        """Both render routes count every call, even a rejected one, and ignore the fields a render drops."""
+        self.render_counter.labels(route=route).inc()
+        self.render_count += 1
+        body = await self._json_object(request, schema)
+        for f in RENDER_STRIPPED_FIELDS:
+            body.pop(f, None)
+        return body
 
     async def _chat_prompt_ids(self, body: dict[str, Any]) -> list[int]:
         """Template + tokenize (paying the render cost), or take ``prompt_token_ids`` as they are."""
@@ -404,13 +405,18 @@ class MockWorker:
             )
         return max_tokens
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        """POST /v1/chat/completions with the strict ChatCompletionRequest schema."""
-        self.inference_counter.labels(route="chat").inc()
+    async def _inference_body(self, request: web.Request, route: str, schema: str) -> dict[str, Any]:
+        """Both inference routes count every call, even a rejected one, and keep its exact bytes for
+        GET /mock/last-request (what the gateway forwarded)."""
+        self.inference_counter.labels(route=route).inc()
         self.inference_count += 1
         self.last_inference_body = await request.read()
+        return await self._json_object(request, schema)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions with the strict ChatCompletionRequest schema."""
         try:
-            body = validate_chat(await self._json_object(request, "ChatCompletionRequest"))
+            body = validate_chat(await self._inference_body(request, "chat", "ChatCompletionRequest"))
             part = multimodal_part_type(body)
             if part is not None:  # trtllm-serve: parse_chat_messages_coroutines, inside the handler
                 raise HandlerRejected(
@@ -428,11 +434,8 @@ class MockWorker:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions: one prompt (text or ids); this schema has no cache_salt at all."""
-        self.inference_counter.labels(route="completions").inc()
-        self.inference_count += 1
-        self.last_inference_body = await request.read()
         try:
-            body = validate_completion(await self._json_object(request, "CompletionRequest"))
+            body = validate_completion(await self._inference_body(request, "completions", "CompletionRequest"))
             ids = [await self._completion_prompt_ids(p) for p in completion_prompts(body["prompt"])]
             max_tokens = max(self._admission_checks(body, p) for p in ids)
         except (BadRequest, RequestValidationError, RequestRejected) as exc:
@@ -451,15 +454,7 @@ class MockWorker:
         rid, created, model = "cmpl-" + uuid.uuid4().hex, int(time.time()), self.config.model
 
         async def run(prompt: list[int]) -> tuple[list[int], int]:
-            tokens: list[int] = []
-            cached = 0
-            async with contextlib.aclosing(self.engine.generate(prompt, None, max_tokens)) as gen:
-                async for item in gen:
-                    if isinstance(item, Prefilled):
-                        cached = item.cached_tokens
-                    else:
-                        tokens.append(item)
-            return tokens, cached
+            return await self._generate_all(prompt, None, max_tokens)
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
             doc: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -499,6 +494,19 @@ class MockWorker:
         return web.json_response({"id": rid, "object": "text_completion", "created": created, "model": model,
                                   "choices": choices, "usage": usage})  # fmt: skip
 
+    async def _generate_all(self, prompt: list[int], salt: str | None, max_tokens: int) -> tuple[list[int], int]:
+        """A whole generation for a non-streamed answer: (its tokens, the prompt tokens served from cache).
+        aclosing, because the engine releases the sequence only when its generator is closed, cancelled or not."""
+        tokens: list[int] = []
+        cached = 0
+        async with contextlib.aclosing(self.engine.generate(prompt, salt, max_tokens)) as gen:
+            async for item in gen:
+                if isinstance(item, Prefilled):
+                    cached = item.cached_tokens
+                else:
+                    tokens.append(item)
+        return tokens, cached
+
     async def _serve(
         self,
         request: web.Request,
@@ -513,14 +521,7 @@ class MockWorker:
         model = self.config.model
         if body.get("stream"):
             return await self._stream(request, kind, rid, created, body, prompt, salt, max_tokens)
-        tokens: list[int] = []
-        cached = 0
-        async with contextlib.aclosing(self.engine.generate(prompt, salt, max_tokens)) as gen:
-            async for item in gen:
-                if isinstance(item, Prefilled):
-                    cached = item.cached_tokens
-                else:
-                    tokens.append(item)
+        tokens, cached = await self._generate_all(prompt, salt, max_tokens)
         text = detokenize(tokens)
         usage = self._usage(len(prompt), len(tokens), cached)
         if kind == "chat":
