@@ -133,7 +133,7 @@ class Config:
         EVENT_LOOPS)
     extproc_transport: str = opt("DYN_EPP_EXTPROC_TRANSPORT", "h2", str,
         "what serves the ext_proc port (ext_proc, gRPC health, the access-log service): `h2` = the picker's "
-        "own HTTP/2 gRPC server (envoy/h2server.py), about a third of grpcio's CPU per message "
+        "own HTTP/2 gRPC server (the h2grpc package), about a third of grpcio's CPU per message "
         "(bench/README.md); `grpcio` = grpcio's asyncio server", EXTPROC_TRANSPORTS)
     extproc_keepalive_s: float = opt("DYN_EPP_EXTPROC_KEEPALIVE_S", 60.0, float,
         "h2 transport: a peer silent this long on the ext_proc port is sent an HTTP/2 PING, and its "
