@@ -17,19 +17,16 @@ class InflightGate:
     def __init__(self, limit: int, gauge: Gauge | None = None) -> None:
         self.limit = limit
         self.count = 0
-        self._gauge = gauge
+        if gauge is not None:  # read when scraped: no metric call on the request path
+            gauge.set_function(lambda: self.count)
 
     def enter(self) -> None:
         if self.count >= self.limit:
             raise PickError(Problem.OVERLOADED, "endpoint picker overloaded")
         self.count += 1
-        if self._gauge is not None:
-            self._gauge.set(self.count)
 
     def leave(self) -> None:
         self.count = max(0, self.count - 1)
-        if self._gauge is not None:
-            self._gauge.set(self.count)
 
 
 class BodyBudget:
@@ -43,7 +40,8 @@ class BodyBudget:
         self.per_request = per_request
         self.total = total
         self.used = 0
-        self._gauge = gauge
+        if gauge is not None:  # read when scraped: no metric call on the request path
+            gauge.set_function(lambda: self.used)
 
     def take(self, held: int, more: int) -> None:
         """Account `more` bytes for a request already holding `held`; raise without taking anything."""
@@ -52,10 +50,6 @@ class BodyBudget:
         if self.used + more > self.total:
             raise PickError(Problem.BODY_BUDGET, "endpoint picker is buffering too many request bodies; retry")
         self.used += more
-        if self._gauge is not None:
-            self._gauge.set(self.used)
 
     def give_back(self, n: int) -> None:
         self.used = max(0, self.used - n)
-        if self._gauge is not None:
-            self._gauge.set(self.used)

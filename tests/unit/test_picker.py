@@ -123,3 +123,25 @@ async def test_an_early_access_log_entry_is_dropped_when_the_stream_carried_the_
     ex.response_chunk(json.dumps({"usage": USAGE}).encode())
     ex.close()
     assert len(p.lean.late_usage) == 0 and signal(p, "access_log_usage") == 0
+
+
+async def test_the_gauges_read_both_caps_and_the_body_budget_when_scraped() -> None:
+    from epp_extproc.metrics import PickerMetrics
+
+    m = PickerMetrics()
+    pipe, _, _ = make()
+    p = Picker(pipe, gate=InflightGate(2, m.picker_inflight), arriving=InflightGate(8, m.incomplete_requests),
+               bodies=BodyBudget(1 << 20, 1 << 24, m.buffered_bytes), lean=LeanSignals(pipe.load, pipe.metrics))
+
+    def sample(name: str) -> float | None:
+        return m.registry.get_sample_value(name)
+
+    stalled, whole = p.open(), p.open()
+    stalled.add_body(b"x" * 100)
+    await whole.decide(chat(b'{"messages":[]}'))
+    assert (sample("epp_incomplete_requests"), sample("epp_inflight_requests")) == (1, 1)
+    assert sample("epp_buffered_body_bytes") == 100
+    stalled.close()
+    whole.close()
+    assert (sample("epp_incomplete_requests"), sample("epp_inflight_requests"), sample("epp_buffered_body_bytes")) \
+        == (0, 0, 0)
