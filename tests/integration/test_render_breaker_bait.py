@@ -13,7 +13,7 @@ from epp_extproc.adapters.render_client import RenderClient
 from epp_extproc.core.render import RenderError, RenderFailure
 from epp_extproc.metrics import PickerMetrics
 
-TIMEOUT_MS = 300  # the product's default is 5 s; the ratios below are what the test keeps
+TIMEOUT_MS = 500  # the product's default is 5 s; the ratios below are what the test keeps
 TOKENS = {"token_ids": list(range(64))}
 
 
@@ -57,20 +57,23 @@ async def test_timeout_bait_never_opens_the_circuit_but_a_hung_renderer_does() -
             key = e.label
         outcomes[key] = outcomes.get(key, 0) + 1
 
+    baits: list[asyncio.Task[None]] = []
+
     async def bait_client() -> None:  # 5 requests a second, each one timing out
         for _ in range(10):
-            asyncio.create_task(call(b'{"messages":[{"role":"user","content":"bait"}]}'))
+            baits.append(asyncio.create_task(call(b'{"messages":[{"role":"user","content":"bait"}]}')))
             await asyncio.sleep(0.2)
 
     async def normal_client() -> None:
-        for _ in range(40):
+        # one render every 50 ms for as long as any bait call is still waiting: the renderer is seen answering
+        # others during every bait's timeout (a fixed count could end before the last baits time out)
+        while len(baits) < 20 * 10 or not all(t.done() for t in baits):
             await call(b'{"messages":[{"role":"user","content":"hi"}]}')
             await asyncio.sleep(0.05)
 
     await asyncio.gather(*(bait_client() for _ in range(20)), normal_client())
-    await asyncio.sleep(2 * TIMEOUT_MS / 1000)  # the last bait calls time out
     assert client.breaker.opens == 0 and client.breaker.state == "closed"
-    assert outcomes.get("circuit_open", 0) == 0 and outcomes["ok"] == 40
+    assert outcomes.get("circuit_open", 0) == 0 and outcomes["ok"] >= 40
     assert outcomes["timeout"] == 200 and client.breaker.outliers == 200
     assert metrics.registry.get_sample_value("epp_render_timeout_outliers_total") == 200
 
