@@ -16,6 +16,7 @@ from aiohttp import web
 from epp_extproc.adapters.discovery_static import FileDiscovery, parse_flag
 from epp_extproc.adapters.endpoint_probe import EndpointProber
 from epp_extproc.adapters.kv_routing import KvRouting
+from epp_extproc.adapters.model_rewrites import ModelRewriteCrdPoller, ModelRewritesFile
 from epp_extproc.adapters.objectives import ObjectiveCrdPoller, ObjectivesFile
 from epp_extproc.adapters.render_client import RenderClient
 from epp_extproc.adapters.render_fingerprint import FingerprintWatcher
@@ -28,6 +29,7 @@ from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.core.flow_control import FlowController, ObjectiveTable, SaturationDetector, Thresholds
 from epp_extproc.core.lean import LeanSignals
 from epp_extproc.core.load import LoadTracker
+from epp_extproc.core.model_rewrite import ModelRewriter, RewriteTable
 from epp_extproc.core.picker import Picker
 from epp_extproc.core.pipeline import Admission, Pipeline
 from epp_extproc.envoy.access_log import AccessLogServicer, als_pb2_grpc
@@ -76,9 +78,10 @@ class PickerApp:
             self.fingerprints = FingerprintWatcher(self.registry, self.metrics,
                                                    refresh_s=config.render_fingerprint_refresh_ms / 1000)
         admission = self._setup_flow_control()
+        self.rewrites = RewriteTable()  # filled by _start_rewrites (file or CRD); empty = no rewrite
         self.pipeline = Pipeline(config, self.registry, self.load, self.metrics, renderer=self.renderer,
                                  kv=self.kv, fingerprint_of=self.fingerprints.get if self.fingerprints else None,
-                                 admission=admission)
+                                 admission=admission, rewriter=ModelRewriter(self.rewrites))
         self.picker = Picker(
             self.pipeline, gate=InflightGate(config.max_inflight_requests, self.metrics.picker_inflight),
             arriving=InflightGate(config.max_incomplete_requests, self.metrics.incomplete_requests),
@@ -279,6 +282,7 @@ class PickerApp:
         if self.scraper is not None:
             self._tasks.append(asyncio.create_task(self.scraper.run()))
         self._start_objectives()
+        self._start_rewrites()
         self._warn_if_load_only()
         await self._grpc.start()
         await self._health_server.start()
@@ -364,6 +368,20 @@ class PickerApp:
             self._tasks.append(asyncio.create_task(poller.run()))
         elif cfg.inference_objectives_file:
             f = ObjectivesFile(self.objectives, cfg.inference_objectives_file)
+            f.load_once()
+            self._tasks.append(asyncio.create_task(f.run()))
+
+    def _start_rewrites(self) -> None:
+        """Model rewrites from the CRD when discovery is Kubernetes, else from the file (the objectives' rule)."""
+        cfg = self.config
+        if cfg.inference_pool_name:
+            from epp_extproc.adapters.discovery_k8s import default_namespace
+
+            poller = ModelRewriteCrdPoller(self.rewrites, cfg.inference_pool_name,
+                                           cfg.namespace or default_namespace(), kubeconfig=cfg.kubeconfig)
+            self._tasks.append(asyncio.create_task(poller.run()))
+        elif cfg.model_rewrites_file:
+            f = ModelRewritesFile(self.rewrites, cfg.model_rewrites_file)
             f.load_once()
             self._tasks.append(asyncio.create_task(f.run()))
 

@@ -38,6 +38,7 @@ def check_inputs(cfg: Config) -> None:
     endpoints spec in the static discovery's grammar. A typo must stop start-up with one line, before any
     port is bound, rather than as a traceback from inside the app."""
     from epp_extproc.adapters.discovery_static import EndpointSpecError, parse_flag
+    from epp_extproc.adapters.model_rewrites import read_rewrites_file
     from epp_extproc.adapters.replica_sync import SyncTls
     from epp_extproc.envoy.tls import cert_files
 
@@ -45,6 +46,14 @@ def check_inputs(cfg: Config) -> None:
         _named("cert_path", cert_files, cfg.cert_path)
     if cfg.replica_sync_tls_path:  # named if missing or broken
         _named("replica_sync_tls_path", SyncTls.load, cfg.replica_sync_tls_path, cfg.replica_sync_server_name)
+    if cfg.model_rewrites_file and not cfg.inference_pool_name:  # read at start-up: a typo stops it here
+        try:
+            read_rewrites_file(cfg.model_rewrites_file)
+        except OSError as e:
+            raise ValueError(f"{setting('model_rewrites_file')}: cannot read {cfg.model_rewrites_file}: "
+                             f"{e.strerror or e}") from None
+        except ValueError as e:
+            raise ValueError(f"{setting('model_rewrites_file')}: {e}") from None
     if cfg.endpoints:
         try:
             parse_flag(cfg.endpoints, kv_event_port=cfg.kv_event_port, replay_port=cfg.kv_event_replay_port)

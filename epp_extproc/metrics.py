@@ -67,6 +67,10 @@ class PickerMetrics:
         self.fingerprint_reads = Counter(
             "epp_render_fingerprint_reads", "Reads of a worker's /server_info render_fingerprint by outcome "
             "(ok, missing, error)", ["outcome"], registry=r)
+        self.model_rewrites = Counter(
+            "epp_model_rewrites", "Requests an InferenceModelRewrite rule applied to, by the rule's resource, the "
+            "model it matched (`*` for a rule matching every model) and the target chosen; only configured "
+            "names, so the labels stay bounded", ["rewrite", "model", "target"], registry=r)
         self.usage_observed = Counter("epp_usage_observed", "Responses whose usage the picker could read",
                                       ["kind"], registry=r)
         # flow control (labels: `priority` = the request's band, bounded by the configured objectives)

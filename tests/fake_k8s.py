@@ -1,6 +1,6 @@
 """A small fake Kubernetes API server that speaks the real list/watch JSON, for discovery tests.
 
-Only what a pod + InferencePool reflector (and the InferenceObjective poller's list) touches is implemented, but that part behaves like the real
+Only what a pod + InferencePool reflector (and the InferenceObjective and InferenceModelRewrite pollers' lists) touches is implemented, but that part behaves like the real
 apiserver: one cluster-wide resourceVersion counter, list answers carrying `metadata.resourceVersion`, watch
 streams of newline-delimited `{"type", "object"}` events replayed from a history after the requested version,
 label- and field-selector filtering (an object that stops matching is reported as DELETED, one that starts
@@ -26,12 +26,14 @@ PODS = "pods"
 POOLS = "inferencepools"
 SLICES = "endpointslices"
 OBJECTIVES = "inferenceobjectives"
+REWRITES = "inferencemodelrewrites"
 OBJECTIVE_PREFIX = "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/"
 POOL_PREFIX = "/apis/inference.networking.k8s.io/v1/namespaces/"
 SLICE_PREFIX = "/apis/discovery.k8s.io/v1/namespaces/"
 _KIND = {PODS: ("Pod", "v1"), POOLS: ("InferencePool", "inference.networking.k8s.io/v1"),
          SLICES: ("EndpointSlice", "discovery.k8s.io/v1"),
-         OBJECTIVES: ("InferenceObjective", "inference.networking.x-k8s.io/v1alpha2")}
+         OBJECTIVES: ("InferenceObjective", "inference.networking.x-k8s.io/v1alpha2"),
+         REWRITES: ("InferenceModelRewrite", "inference.networking.x-k8s.io/v1alpha2")}
 
 
 def parse_label_selector(sel: str) -> list[tuple[str, str, str]]:
@@ -137,6 +139,7 @@ class FakeKube:
         app.router.add_get(POOL_PREFIX + "{ns}/inferencepools", self._handle_pools)
         app.router.add_get(SLICE_PREFIX + "{ns}/endpointslices", self._handle_slices)
         app.router.add_get(OBJECTIVE_PREFIX + "{ns}/inferenceobjectives", self._handle_objectives)
+        app.router.add_get(OBJECTIVE_PREFIX + "{ns}/inferencemodelrewrites", self._handle_rewrites)
         app.router.add_route("*", "/{path:.*}", self._handle_unknown)
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1,
                                      handler_cancellation=True)  # a client hang-up ends its watch
@@ -254,6 +257,9 @@ class FakeKube:
 
     async def _handle_objectives(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, OBJECTIVES)
+
+    async def _handle_rewrites(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, REWRITES)
 
     async def _handle_unknown(self, request: web.Request) -> web.StreamResponse:
         """Anything else is recorded under its path (so a test sees what a client asked for) and answered 404."""

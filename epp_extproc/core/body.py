@@ -180,5 +180,36 @@ def rewrite(body: ParsedBody, raw: bytes, *, drop: frozenset[str] = frozenset(),
     return "".join(out).encode("utf-8")
 
 
+def replace_string_value(body: ParsedBody, key: str, value: str) -> ParsedBody:
+    """`body` with the value of every top-level `key` member replaced by the JSON string `value`, and nothing
+    else changed: the key's spelling, the whitespace around its colon, every other member and the separators
+    keep their exact bytes (a model rewrite must not reformat a multi-megabyte prompt, nor change what a
+    byte-exact client signed). Every duplicate of `key` is replaced, so a parser that keeps the first
+    occurrence sees the new value as much as one that keeps the last. Raises BodyError when the body cannot
+    be walked (e.g. nested too deep) or `value` is not encodable (a lone surrogate)."""
+    members = body.members
+    text = body.text
+    try:
+        encoded = json.dumps(value, ensure_ascii=False)
+        encoded.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BodyError(f"cannot write {key!r}: the new value is not valid Unicode") from None
+    out: list[str] = []
+    pos = 0
+    for m in members:
+        if m.key != key:
+            continue
+        _, j = scanstring(text, m.start + 1, True)  # past the key's closing quote
+        j = _skip_ws(text, j) + 1  # past the ':' (the walker checked it is there)
+        start = _skip_ws(text, j)
+        out += (text[pos:start], encoded)
+        pos = m.end
+    if not out:
+        return body
+    out.append(text[pos:])
+    new_text = "".join(out)
+    return ParsedBody(new_text.encode("utf-8"), {**body.values, key: value}, new_text)
+
+
 def _member(key: str, value: Any) -> str:
     return json.dumps(key, ensure_ascii=False) + ":" + json.dumps(value, ensure_ascii=False)

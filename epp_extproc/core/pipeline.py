@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from epp_extproc.config import Config, RenderPolicy, SaltPolicy, TokenizerProtocol
-from epp_extproc.core.body import BodyError, ParsedBody, parse_object, rewrite
+from epp_extproc.core.body import BodyError, ParsedBody, parse_object, replace_string_value, rewrite
 from epp_extproc.core.contract import Bookings, KvLookup, PromptIdentity, PromptKey
 from epp_extproc.core.cost import Candidate, CostParams, choose, eligible, loads_for
 from epp_extproc.core.decision import Decision
@@ -26,6 +26,7 @@ from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.flow_control import Ticket
 from epp_extproc.core.load import EndpointLoad
 from epp_extproc.core.logs import Throttled
+from epp_extproc.core.model_rewrite import ModelRewriter, Rewrite
 from epp_extproc.core.passthrough import ORIGINAL, FingerprintId, Verdict, decide
 from epp_extproc.core.render import Rendered, Renderer, RenderError, render_kind
 from epp_extproc.core.request import RequestContext, clip
@@ -90,6 +91,7 @@ class Proposal:
     predicted_cached_tokens: int | None = None  # what the chosen worker should reuse (KV routing only)
     parsed: ParsedBody | None = None
     passthrough: Verdict | None = None  # whether the forwarded body carries the rendered prompt
+    rewrite: Rewrite | None = None  # the model rewrite applied before render and scoring (counted at commit)
 
 
 class Pipeline:
@@ -98,7 +100,7 @@ class Pipeline:
     def __init__(self, config: Config, registry: EndpointRegistry, load: LoadView, metrics: PickerMetrics,
                  *, renderer: Renderer | None = None, kv: KvLookup | None = None,
                  fingerprint_of: Callable[[str], FingerprintId | None] | None = None,
-                 admission: Admission | None = None) -> None:
+                 admission: Admission | None = None, rewriter: ModelRewriter | None = None) -> None:
         self.config = config
         self.registry = registry
         self.load = load
@@ -107,6 +109,7 @@ class Pipeline:
         self.kv = kv
         self.fingerprint_of = fingerprint_of  # a worker's render fingerprint, for prompt passthrough
         self.admission = admission
+        self.rewriter = rewriter  # model rewrites and weighted splits (core/model_rewrite.py)
         self.params = CostParams(config.kv_overlap_score_credit, config.prefill_load_scale,
                                  config.router_temperature)
 
@@ -129,6 +132,23 @@ class Pipeline:
             return parse_object(ctx.body)
         except BodyError as e:
             raise PickError(Problem.BAD_REQUEST, str(e)) from None
+
+    def rewrite_model(self, ctx: RequestContext, parsed: ParsedBody | None
+                      ) -> tuple[RequestContext, ParsedBody | None, Rewrite | None]:
+        """The request as it is rendered, scored and forwarded once its `model` is rewritten: only the model's
+        string value changes in the body (core/body.replace_string_value), so everything after this step, LoRA
+        identity included, sees the target as if the client had asked for it. The caller's context is not
+        changed (flow control still reads its headers)."""
+        if self.rewriter is None or parsed is None:
+            return ctx, parsed, None
+        rw = self.rewriter.choose(parsed.values.get("model"), ctx.headers)
+        if rw is None or not rw.changes:
+            return ctx, parsed, rw
+        try:
+            parsed = replace_string_value(parsed, "model", rw.target)
+        except BodyError as e:
+            raise PickError(Problem.BAD_REQUEST, str(e)) from None
+        return replace(ctx, body=parsed.raw), parsed, rw
 
     async def plan(self, ctx: RequestContext, parsed: ParsedBody | None, *, count: bool = True) -> Plan:
         plan = Plan(est_tokens=len(ctx.body or b"") // BYTES_PER_TOKEN_ESTIMATE,
@@ -215,10 +235,12 @@ class Pipeline:
         the render call out of the traffic metrics.
         """
         started = time.perf_counter()
+        rewritten: Rewrite | None = None
         if tokens is not None:
             parsed, plan = None, Plan(tokens=tokens)
         else:
             parsed = self.parse(ctx)
+            ctx, parsed, rewritten = self.rewrite_model(ctx, parsed)
             self._eligible(ctx)  # fail fast, before any render call
             plan = await self.plan(ctx, parsed, count=count)
         addresses = self._eligible(ctx)  # endpoints may have changed during the render call
@@ -244,7 +266,7 @@ class Pipeline:
         model = parsed.values.get("model") if parsed is not None else None
         p = Proposal(chosen.address, body, self._booked_blocks(chosen, plan), plan, cands, chosen,
                      model if isinstance(model, str) else None, started, score_seconds, parsed=parsed,
-                     passthrough=verdict)
+                     passthrough=verdict, rewrite=rewritten)
         if plan.prompt is not None and self.kv is not None:
             p.predicted_cached_tokens = chosen.overlap_blocks * self.kv.block_size(chosen.address)
         return p
@@ -289,6 +311,9 @@ class Pipeline:
         self.metrics.requests.labels("routed").inc()
         if p.plan.salted_load_only:
             self.metrics.requests.labels("salted_load_only").inc()
+        if p.rewrite is not None:
+            rw = p.rewrite
+            self.metrics.model_rewrites.labels(rw.resource, rw.label_model, rw.target).inc()
         if p.passthrough is not None:
             self.metrics.prompt_passthrough.labels(p.passthrough.forward, p.passthrough.reason).inc()
         if log.isEnabledFor(logging.DEBUG):
@@ -336,4 +361,7 @@ class Pipeline:
                 "pick": p.address, "would_book_blocks": round(p.booked_blocks, 3),
                 "booked_blocks": round(p.booked_blocks, 3),  # deprecated: would_book_blocks
                 "predicted_cached_tokens": p.predicted_cached_tokens, "injected_members": injected,
-                "forwarded": forwarded}
+                "forwarded": forwarded,
+                "model_rewrite": None if p.rewrite is None else {"rewrite": p.rewrite.resource,
+                                                                 "model": p.rewrite.model,
+                                                                 "target": p.rewrite.target}}

@@ -341,6 +341,14 @@ def test_role_lets_flow_control_list_the_pools_inference_objectives(rendered):
                for r in rules)
 
 
+def test_role_lets_the_picker_list_the_pools_model_rewrites(rendered):
+    from epp_extproc.adapters.model_rewrites import REWRITE_GROUP, REWRITE_PLURAL
+
+    rules = find(rendered["base"], "Role")["rules"]
+    assert any(REWRITE_GROUP in r["apiGroups"] and REWRITE_PLURAL in r["resources"] and "list" in r["verbs"]
+               for r in rules)
+
+
 @pytest.mark.parametrize("variant", ("base", *VARIANTS))
 def test_picker_env_names_are_ones_the_picker_reads(rendered, variant):
     names = {n for n in env_of(picker(rendered[variant])) if n.startswith("DYN_") or n == "POD_NAMESPACE"}
@@ -699,10 +707,12 @@ def test_every_custom_resource_the_role_grants_has_a_shipped_crd(rendered, crds)
 
 def test_the_crd_versions_the_picker_asks_for_are_served_by_the_shipped_crds(crds):
     from epp_extproc.adapters.discovery_k8s import POOL_GROUP, POOL_PLURAL, POOL_VERSION
+    from epp_extproc.adapters.model_rewrites import REWRITE_GROUP, REWRITE_PLURAL, REWRITE_VERSION
     from epp_extproc.adapters.objectives import OBJECTIVE_GROUP, OBJECTIVE_PLURAL, OBJECTIVE_VERSION
 
     assert POOL_VERSION in served(crds, POOL_GROUP, plural=POOL_PLURAL)
     assert OBJECTIVE_VERSION in served(crds, OBJECTIVE_GROUP, plural=OBJECTIVE_PLURAL)
+    assert REWRITE_VERSION in served(crds, REWRITE_GROUP, plural=REWRITE_PLURAL)
 
 
 def test_shipped_crds_are_upstream_releases_named_in_the_crds_readme(crds):
@@ -739,11 +749,11 @@ async def test_the_picker_reads_exactly_the_resources_its_role_grants(rendered, 
     """Run the picker as the manifest configures it against a fake API server and compare what it asks for
     (resource, list/watch) with the Role, both ways: nothing it reads is forbidden, nothing granted is unused."""
     from epp_extproc.app import PickerApp
-    from tests.fake_k8s import OBJECTIVES, PODS, POOLS, SLICES, FakeKube, make_pool
+    from tests.fake_k8s import OBJECTIVES, PODS, POOLS, REWRITES, SLICES, FakeKube, make_pool
     from tests.netutil import free_port
 
     groups = {PODS: "", POOLS: "inference.networking.k8s.io", SLICES: "discovery.k8s.io",
-              OBJECTIVES: "inference.networking.x-k8s.io"}
+              OBJECTIVES: "inference.networking.x-k8s.io", REWRITES: "inference.networking.x-k8s.io"}
     objs = rendered["cpu-mock"]
     env = {k: v["value"] for k, v in env_of(picker(objs)).items() if "value" in v}
     env.update(POD_NAMESPACE="llm", POD_IP="127.0.0.1", POD_NAME="llm-pool-epp-0")
@@ -758,7 +768,8 @@ async def test_the_picker_reads_exactly_the_resources_its_role_grants(rendered, 
         try:
             for _ in range(200):
                 asked = {(r.resource, "watch" if r.watch else "list") for r in kube.requests}
-                if {(PODS, "watch"), (POOLS, "watch"), (SLICES, "watch"), (OBJECTIVES, "list")} <= asked:
+                if {(PODS, "watch"), (POOLS, "watch"), (SLICES, "watch"), (OBJECTIVES, "list"),
+                        (REWRITES, "list")} <= asked:
                     break
                 await asyncio.sleep(0.05)
         finally:
