@@ -26,7 +26,7 @@ from epp_extproc.conformance.protocol import (
 )
 from epp_extproc.gaie import DEST_HEADER, EXT_PROC_SERVICE
 
-__all__ = ["CHECKS", "Check", "Probe", "Verdict"]
+__all__ = ["CHECKS", "Check", "Probe", "Verdict", "destination_verdict"]
 
 Level = Literal["MUST", "SHOULD"]
 Status = Literal["pass", "fail", "skip"]
@@ -84,7 +84,7 @@ class Check:
     run: Callable[[Probe], Awaitable[Verdict]]
 
 
-def _destination(answer: Answer) -> Verdict:
+def destination_verdict(answer: Answer) -> Verdict:
     """The destination MUSTs on one routed answer: header and `envoy.lb` metadata, one value, the same,
     in `ip:port[,ip:port...]` form."""
     if answer.grpc_error or answer.immediate is not None or answer.timed_out:
@@ -105,14 +105,14 @@ def _destination(answer: Answer) -> Verdict:
 
 
 async def streamed_destination(p: Probe) -> Verdict:
-    return _destination(await p.request(FULL_DUPLEX))
+    return destination_verdict(await p.request(FULL_DUPLEX))
 
 
 async def buffered_destination(p: Probe) -> Verdict:
     answer = await p.request(BUFFERED)
     if answer.grpc_error and answer.grpc_error.split(":")[0] in ("FAILED_PRECONDITION", "UNIMPLEMENTED"):
         return skipped(f"the picker refuses BUFFERED ({answer.grpc_error}); the protocol requires streaming only")
-    return _destination(answer)
+    return destination_verdict(answer)
 
 
 async def client_destination_ignored(p: Probe) -> Verdict:
