@@ -70,9 +70,10 @@ class Probe:
         body = chat_body(self.model, salt=uuid.uuid4().hex)
         first, rest = request_messages(mode, body, headers=headers, subset=subset)
         answer = await (conn or self.conn).exchange(first, rest)
-        for v in answer.destinations():
-            if is_endpoint_list(v):
-                self.seen.add(first_endpoint(v))
+        if not headers and subset is None and conn is None:  # a plain request: whatever it names is the pool's
+            for v in answer.destinations():
+                if is_endpoint_list(v):
+                    self.seen.add(first_endpoint(v))
         return answer
 
 

@@ -20,6 +20,8 @@ from epp_extproc.conformance.report import Row, exit_code
 from epp_extproc.conformance.runner import check_picker, main
 from tests.integration.fake_picker import Break, start_fake
 
+pytestmark = pytest.mark.transport  # also run on --extproc-transport grpcio by `make test`
+
 POOL = ["127.0.0.1:9", "127.0.0.1:10"]
 MUSTS = {c.name for c in CHECKS if c.level == "MUST"}
 CONDITIONAL = {"no-endpoints-503", "shedding-429"}  # skipped unless the checker is given their condition
