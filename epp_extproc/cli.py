@@ -1,5 +1,6 @@
 """`epp-extproc`: run the picker until SIGINT/SIGTERM (drain first), as one process or `--processes N`;
-`epp-extproc envoy-config`: print an Envoy config for it."""
+`epp-extproc envoy-config`: print an Envoy config for it; `epp-extproc conformance HOST:PORT`: check any
+ext_proc picker against the endpoint-picker protocol."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from epp_extproc.runner import ListenError, run, run_child, serve, setup_logging
 
 __all__ = ["SUBCOMMANDS", "check_inputs", "load", "main", "run", "run_child", "serve", "setup_logging"]  # run..: re-exports (bench)
 
-SUBCOMMANDS = ("envoy-config",)
+SUBCOMMANDS = ("envoy-config", "conformance")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -20,6 +21,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from epp_extproc.dev.envoy_config import main as envoy_config_main
 
         return envoy_config_main(args[1:])
+    if args and args[0] == "conformance":
+        from epp_extproc.conformance.runner import main as conformance_main
+
+        return conformance_main(args[1:])
     cfg = load(args)
     setup_logging(cfg.log_level, cfg.log_format)
     if cfg.processes > 1:
