@@ -39,12 +39,15 @@ def check_inputs(cfg: Config) -> None:
     port is bound, rather than as a traceback from inside the app."""
     from epp_extproc.adapters.discovery_static import EndpointSpecError, parse_flag
     from epp_extproc.adapters.replica_sync import SyncTls
+    from epp_extproc.adapters.session_keys import read_keys_file
     from epp_extproc.envoy.tls import cert_files
 
     if cfg.cert_path is not None and cfg.secure_serving:
         _named("cert_path", cert_files, cfg.cert_path)
     if cfg.replica_sync_tls_path:  # named if missing or broken
         _named("replica_sync_tls_path", SyncTls.load, cfg.replica_sync_tls_path, cfg.replica_sync_server_name)
+    if cfg.session_affinity_keys_file:
+        _named("session_affinity_keys_file", read_keys_file, cfg.session_affinity_keys_file)
     if cfg.endpoints:
         try:
             parse_flag(cfg.endpoints, kv_event_port=cfg.kv_event_port, replay_port=cfg.kv_event_replay_port)
