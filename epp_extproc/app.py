@@ -21,6 +21,7 @@ from epp_extproc.adapters.objectives import ObjectiveCrdPoller, ObjectivesFile
 from epp_extproc.adapters.render_client import RenderClient
 from epp_extproc.adapters.render_fingerprint import FingerprintWatcher
 from epp_extproc.adapters.replica_sync import ReplicaSync, SyncTls
+from epp_extproc.adapters.session_keys import SessionKeysFile, read_keys_file
 from epp_extproc.adapters.worker_metrics import WorkerMetricsScraper
 from epp_extproc.admin import build_admin_app, build_metrics_app, debug_score
 from epp_extproc.config import Config, ProcessSlot
@@ -32,6 +33,7 @@ from epp_extproc.core.load import LoadTracker
 from epp_extproc.core.model_rewrite import ModelRewriter, RewriteTable
 from epp_extproc.core.picker import Picker
 from epp_extproc.core.pipeline import Admission, Pipeline
+from epp_extproc.core.session import SessionTokens
 from epp_extproc.envoy.access_log import AccessLogServicer, als_pb2_grpc
 from epp_extproc.envoy.extproc import ExtProcServicer, pb_grpc
 from epp_extproc.envoy.health import HEALTH_SERVER_OPTIONS, Health
@@ -79,9 +81,17 @@ class PickerApp:
                                                    refresh_s=config.render_fingerprint_refresh_ms / 1000)
         admission = self._setup_flow_control()
         self.rewrites = RewriteTable()  # filled by _start_rewrites (file or CRD); empty = no rewrite
+        self.sessions: SessionTokens | None = None
+        self.session_keys: SessionKeysFile | None = None
+        if config.session_affinity_keys_file:  # checked at start-up (cli.check_inputs): a bad file stops it
+            self.sessions = SessionTokens(read_keys_file(config.session_affinity_keys_file),
+                                          config.session_affinity_ttl_s)
+            self.session_keys = SessionKeysFile(self.sessions, config.session_affinity_keys_file)
+        detector = self.detector
         self.pipeline = Pipeline(config, self.registry, self.load, self.metrics, renderer=self.renderer,
                                  kv=self.kv, fingerprint_of=self.fingerprints.get if self.fingerprints else None,
-                                 admission=admission, rewriter=ModelRewriter(self.rewrites))
+                                 admission=admission, rewriter=ModelRewriter(self.rewrites), sessions=self.sessions,
+                                 saturated=lambda address: detector.state(address).saturated)
         self.picker = Picker(
             self.pipeline, gate=InflightGate(config.max_inflight_requests, self.metrics.picker_inflight),
             arriving=InflightGate(config.max_incomplete_requests, self.metrics.incomplete_requests),
@@ -283,6 +293,8 @@ class PickerApp:
             self._tasks.append(asyncio.create_task(self.scraper.run()))
         self._start_objectives()
         self._start_rewrites()
+        if self.session_keys is not None:
+            self._tasks.append(asyncio.create_task(self.session_keys.run()))
         self._warn_if_load_only()
         await self._grpc.start()
         await self._health_server.start()

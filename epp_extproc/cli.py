@@ -45,6 +45,7 @@ def check_inputs(cfg: Config) -> None:
     from epp_extproc.adapters.discovery_static import EndpointSpecError, parse_flag
     from epp_extproc.adapters.model_rewrites import read_rewrites_file
     from epp_extproc.adapters.replica_sync import SyncTls
+    from epp_extproc.adapters.session_keys import read_keys_file
     from epp_extproc.envoy.tls import cert_files
 
     if cfg.cert_path is not None and cfg.secure_serving:
@@ -59,6 +60,8 @@ def check_inputs(cfg: Config) -> None:
                              f"{e.strerror or e}") from None
         except ValueError as e:
             raise ValueError(f"{setting('model_rewrites_file')}: {e}") from None
+    if cfg.session_affinity_keys_file:
+        _named("session_affinity_keys_file", read_keys_file, cfg.session_affinity_keys_file)
     if cfg.endpoints:
         try:
             parse_flag(cfg.endpoints, kv_event_port=cfg.kv_event_port, replay_port=cfg.kv_event_replay_port)

@@ -259,6 +259,13 @@ class Config:
         "0 = argmin with random ties; > 0 = softmax sampling over normalised costs")
     prediction_ttl_s: float = opt("DYN_EPP_PREDICTION_TTL_S", 2.0, float,
         "how long a pick counts as cached on its worker before its KV events confirm it")
+    session_affinity_keys_file: str | None = opt("DYN_EPP_SESSION_AFFINITY_KEYS_FILE", None, _opt_str,
+        "turns session affinity on: a file of AES-256 keys (one per line, base64 or hex; the first seals, all "
+        "open; a Secret the replicas share, reloaded when it changes). A request carrying x-session-token is "
+        "answered with a sealed token naming its worker and sent back there while it is healthy and not "
+        "saturated")
+    session_affinity_ttl_s: float = opt("DYN_EPP_SESSION_AFFINITY_TTL_S", 3600.0, float,
+        "seconds a session token stays valid after it was issued (each answer issues a fresh one)")
     # Worker metrics and flow control
     worker_metrics_interval_ms: int = opt("DYN_EPP_WORKER_METRICS_INTERVAL_MS", 100, int,
         "scrape each worker's Prometheus metrics this often (queue, running, KV utilisation) for "
@@ -361,6 +368,7 @@ class Config:
                              f"({self.max_body_bytes}): one largest body must fit; got {self.max_buffered_body_bytes}")
         _positive(self, "request_body_timeout_ms")
         _at_least(self, "router_temperature", 0, "")
+        _positive(self, "session_affinity_ttl_s")
         _at_least(self, "worker_metrics_interval_ms", 0, " (0 = off)")
         _at_least(self, "worker_metrics_idle_interval_ms", 0, "")
         _positive(self, "worker_metrics_staleness_ms")
@@ -459,7 +467,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
       "cache_salt_policy", "prompt_passthrough", "render_fingerprint_refresh_ms")),
     ("routing (KV overlap against load)",
      ("kv_cache_block_size", "max_index_blocks_per_worker", "kv_overlap_score_credit", "prefill_load_scale",
-      "router_temperature", "prediction_ttl_s", "worker_metrics_interval_ms",
+      "router_temperature", "prediction_ttl_s", "session_affinity_keys_file", "session_affinity_ttl_s",
+      "worker_metrics_interval_ms",
       "worker_metrics_idle_interval_ms", "worker_metrics_staleness_ms", "worker_metrics_path")),
     ("flow control (queue while every worker is saturated)",
      ("flow_control", "flow_control_queue_ttl_s", "flow_control_max_queued_requests", "queue_depth_threshold",

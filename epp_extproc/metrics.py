@@ -64,6 +64,10 @@ class PickerMetrics:
             "epp_prompt_passthrough", "Inference requests by what the forwarded body carried: `tokens` (the "
             "rendered prompt, the worker skips rendering) or `original`, and why", ["forwarded", "reason"],
             registry=r)
+        self.session_affinity = Counter(
+            "epp_session_affinity", "Requests that opted in to session affinity (x-session-token), by what their "
+            "token came to: honoured, new, unavailable (re-picked), expired, tampered, oversized", ["outcome"],
+            registry=r)
         self.fingerprint_reads = Counter(
             "epp_render_fingerprint_reads", "Reads of a worker's /server_info render_fingerprint by outcome "
             "(ok, missing, error)", ["outcome"], registry=r)

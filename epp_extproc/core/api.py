@@ -41,7 +41,9 @@ class Exchange(Protocol):
     def served_by(self, address: str) -> None:
         """The gateway reports the endpoint it really served."""
 
-    def response_headers(self, headers: Mapping[str, list[str]]) -> None: ...
+    def response_headers(self, headers: Mapping[str, list[str]]) -> list[tuple[str, str]]:
+        """The worker's answer headers went by; returns headers to set on the answer (a session token)."""
+        ...
 
     def response_chunk(self, data: bytes) -> None:
         """A response body chunk went by (the first non-empty one ends prefill)."""

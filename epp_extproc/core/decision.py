@@ -20,6 +20,7 @@ class Decision:
     booking: BookingHandle
     model: str | None = None
     predicted_cached_tokens: int | None = None
+    session: bool = False  # the client opted in to session affinity: its answer carries a new token
 
     @property
     def booking_id(self) -> str:

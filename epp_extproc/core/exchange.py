@@ -16,6 +16,7 @@ from epp_extproc.core.decision import Decision
 from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.lean import LeanSignals
 from epp_extproc.core.request import RequestContext, clip
+from epp_extproc.core.session import SESSION_HEADER
 from epp_extproc.core.usage import ModelLabels, UsageObserver
 from epp_extproc.metrics import PickerMetrics
 
@@ -28,13 +29,14 @@ class PickerExchange:
     """Made by `Picker.open()` with the collaborators it may use, and nothing else of the picker's."""
 
     __slots__ = ("_decide", "_bodies", "_arriving", "_gate", "_slot", "_lean", "_metrics", "_knows",
-                 "_count_rejection", "_buf", "_held", "_deciding", "decision", "observer", "_closed", "_chunks")
+                 "_count_rejection", "_seal", "_served", "_buf", "_held", "_deciding", "decision", "observer", "_closed", "_chunks")
 
     labels = ModelLabels()  # bounded model label values, shared by every exchange of the process
 
     def __init__(self, decide: Decide, bodies: BodyBudget, arriving: InflightGate, gate: InflightGate,
                  lean: LeanSignals, metrics: PickerMetrics, *, knows: Callable[[str], bool],
-                 count_rejection: Callable[[PickError], None]) -> None:
+                 count_rejection: Callable[[PickError], None],
+                 seal: Callable[[str], str] | None = None) -> None:
         self._decide = decide  # propose -> admit -> commit (Picker.decide)
         self._bodies = bodies
         self._arriving = arriving  # entered by Picker.open(), left when the request is whole
@@ -44,6 +46,8 @@ class PickerExchange:
         self._metrics = metrics
         self._knows = knows  # is an address one of the pool's endpoints?
         self._count_rejection = count_rejection
+        self._seal = seal  # session affinity: a token naming the worker that served
+        self._served: str | None = None  # the gateway's report of the endpoint it really served
         self._buf = bytearray()  # grows in place: tiny chunks cost their bytes, not an object each
         self._held = 0  # body bytes accounted in the picker's BodyBudget
         self._deciding = False
@@ -94,12 +98,17 @@ class PickerExchange:
         """The gateway reports it served another endpoint (a fallback): move the booking if we know it."""
         d = self.decision
         if d is not None and address and address != d.address and self._knows(address):
+            self._served = address
             log.info("gateway served %s instead of %s; moving the booking", clip(address, 64), d.address)
             d.booking.move(address)
 
-    def response_headers(self, headers: Mapping[str, list[str]]) -> None:
+    def response_headers(self, headers: Mapping[str, list[str]]) -> list[tuple[str, str]]:
         if self.observer is not None:
             self.observer.on_headers(headers)
+        d = self.decision
+        if d is None or not d.session or self._seal is None:
+            return []
+        return [(SESSION_HEADER, self._seal(self._served or d.address))]
 
     def response_chunk(self, data: bytes) -> None:
         if self.decision is None or not data:

@@ -45,7 +45,8 @@ class Picker:
         """A new request (one ext_proc stream), counted as incomplete from now on, not from its headers."""
         self.arriving.enter()
         return PickerExchange(self.decide, self.bodies, self.arriving, self.gate, self.lean, self.metrics,
-                              knows=self.pipeline.registry.__contains__, count_rejection=self.count_rejection)
+                              knows=self.pipeline.registry.__contains__, count_rejection=self.count_rejection,
+                              seal=self.pipeline.sessions.seal if self.pipeline.sessions is not None else None)
 
     async def decide(self, request: RequestContext) -> Decision:
         """Propose, wait for admission, commit; the flow ticket is released once the load is booked (or on any

@@ -31,6 +31,7 @@ from epp_extproc.core.passthrough import ORIGINAL, FingerprintId, Verdict, decid
 from epp_extproc.core.render import Rendered, Renderer, RenderError, render_kind
 from epp_extproc.core.request import RequestContext, clip
 from epp_extproc.core.salt import resolve_salt
+from epp_extproc.core.session import SESSION_HEADER, SessionOutcome, SessionTokens
 from epp_extproc.metrics import PickerMetrics
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ class Proposal:
     parsed: ParsedBody | None = None
     passthrough: Verdict | None = None  # whether the forwarded body carries the rendered prompt
     rewrite: Rewrite | None = None  # the model rewrite applied before render and scoring (counted at commit)
+    session: SessionOutcome | None = None  # None: the client did not opt in to session affinity
 
 
 class Pipeline:
@@ -100,7 +102,8 @@ class Pipeline:
     def __init__(self, config: Config, registry: EndpointRegistry, load: LoadView, metrics: PickerMetrics,
                  *, renderer: Renderer | None = None, kv: KvLookup | None = None,
                  fingerprint_of: Callable[[str], FingerprintId | None] | None = None,
-                 admission: Admission | None = None, rewriter: ModelRewriter | None = None) -> None:
+                 admission: Admission | None = None, rewriter: ModelRewriter | None = None,
+                 sessions: SessionTokens | None = None, saturated: Callable[[str], bool] | None = None) -> None:
         self.config = config
         self.registry = registry
         self.load = load
@@ -110,6 +113,8 @@ class Pipeline:
         self.fingerprint_of = fingerprint_of  # a worker's render fingerprint, for prompt passthrough
         self.admission = admission
         self.rewriter = rewriter  # model rewrites and weighted splits (core/model_rewrite.py)
+        self.sessions = sessions  # session affinity on: tokens are read and issued
+        self.saturated = saturated  # is a worker saturated (flow control's detector)? asked for affinity only
         self.params = CostParams(config.kv_overlap_score_credit, config.prefill_load_scale,
                                  config.router_temperature)
 
@@ -248,7 +253,7 @@ class Pipeline:
         cands = self.candidates(addresses, plan)
         params = self.params if temperature is None else CostParams(self.params.overlap_credit,
                                                                      self.params.prefill_load_scale, temperature)
-        chosen = choose(cands, params)
+        chosen, session = self._choose(ctx, cands, params)
         score_seconds = time.perf_counter() - score_started
         body = ctx.body
         verdict = self.passthrough(plan, parsed, chosen.address)
@@ -266,10 +271,28 @@ class Pipeline:
         model = parsed.values.get("model") if parsed is not None else None
         p = Proposal(chosen.address, body, self._booked_blocks(chosen, plan), plan, cands, chosen,
                      model if isinstance(model, str) else None, started, score_seconds, parsed=parsed,
-                     passthrough=verdict, rewrite=rewritten)
+                     passthrough=verdict, rewrite=rewritten, session=session)
         if plan.prompt is not None and self.kv is not None:
             p.predicted_cached_tokens = chosen.overlap_blocks * self.kv.block_size(chosen.address)
         return p
+
+    def _choose(self, ctx: RequestContext, cands: list[Candidate],
+                params: CostParams) -> tuple[Candidate, SessionOutcome | None]:
+        """The cost rule's pick, unless the request's session token names a worker among the candidates
+        (healthy, inside the subset) that is not saturated: then that one."""
+        chosen = choose(cands, params)
+        if self.sessions is None:
+            return chosen, None
+        tokens = ctx.headers.get(SESSION_HEADER)
+        if not tokens:
+            return chosen, None
+        outcome, address = self.sessions.open(tokens[0])
+        if outcome is not SessionOutcome.HONOURED:
+            return chosen, outcome
+        pinned = next((c for c in cands if c.address == address), None)
+        if pinned is None or (self.saturated is not None and self.saturated(pinned.address)):
+            return chosen, SessionOutcome.UNAVAILABLE
+        return pinned, outcome
 
     # ---------------------------------------------------------------- flow control, between the two
     async def admit(self, p: Proposal, ctx: RequestContext) -> tuple[Proposal, Ticket | None]:
@@ -292,8 +315,8 @@ class Pipeline:
     def _rescore(self, p: Proposal, ctx: RequestContext, waited_s: float) -> Proposal:
         score_started = time.perf_counter()
         cands = self.candidates(self._eligible(ctx), p.plan)
-        chosen = choose(cands, self.params)
-        q = replace(p, address=chosen.address, candidates=cands, chosen=chosen,
+        chosen, session = self._choose(ctx, cands, self.params)
+        q = replace(p, address=chosen.address, candidates=cands, chosen=chosen, session=session,
                     booked_blocks=self._booked_blocks(chosen, p.plan), started=p.started + waited_s,
                     score_seconds=time.perf_counter() - score_started)
         if p.plan.prompt is not None and self.kv is not None:
@@ -314,12 +337,15 @@ class Pipeline:
         if p.rewrite is not None:
             rw = p.rewrite
             self.metrics.model_rewrites.labels(rw.resource, rw.label_model, rw.target).inc()
+        if p.session is not None:
+            self.metrics.session_affinity.labels(p.session.value).inc()
         if p.passthrough is not None:
             self.metrics.prompt_passthrough.labels(p.passthrough.forward, p.passthrough.reason).inc()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("-> %s via %s (cost %.2f, overlap %d blocks)", p.address, p.plan.route, p.chosen.cost,
                       p.chosen.overlap_blocks)
-        return Decision(p.address, p.body, booking, p.model, p.predicted_cached_tokens)
+        return Decision(p.address, p.body, booking, p.model, p.predicted_cached_tokens,
+                        session=p.session is not None)
 
     def passthrough(self, plan: Plan, parsed: ParsedBody | None, address: str) -> Verdict | None:
         """May the body sent to `address` carry the rendered prompt (core/passthrough.py)? None when the
@@ -364,4 +390,5 @@ class Pipeline:
                 "forwarded": forwarded,
                 "model_rewrite": None if p.rewrite is None else {"rewrite": p.rewrite.resource,
                                                                  "model": p.rewrite.model,
-                                                                 "target": p.rewrite.target}}
+                                                                 "target": p.rewrite.target},
+                "session": p.session.value if p.session is not None else None}

@@ -231,6 +231,9 @@ class EnvoyOptions:
 
     response_mode: str = "lean"  # lean: no response body through the picker's stream; echo: GAIE's full duplex
     access_log_flush_ms: int = 200  # how often Envoy ships usage and response flags to the picker (lean)
+    # lean mode with the answer's headers sent to the picker all the same: session affinity sets its token
+    # there (one more message each way per request)
+    lean_response_headers: bool = False
 
     def processing_options(self) -> ProcessingOptions:
         if self.processing is not None:
@@ -242,7 +245,8 @@ class EnvoyOptions:
             # request), and what the picker reads from them (a gateway's "served" metadata, the content
             # type an echo-mode observer needs) means nothing here: this Envoy routes to the picked endpoint
             # only, and the usage and response flags come from the access log.
-            return ProcessingOptions(request_body_mode=self.body_mode, response_header_mode="SKIP",
+            return ProcessingOptions(request_body_mode=self.body_mode,
+                                     response_header_mode="SEND" if self.lean_response_headers else "SKIP",
                                      response_body_mode="NONE", response_trailer_mode="SEND")
         return ProcessingOptions(request_body_mode=self.body_mode)
 

@@ -105,6 +105,15 @@ def _header_mutation(routed: Routed | None, remove: list[str], content_length: i
     return m
 
 
+def _response_headers(add: list[tuple[str, str]]) -> pb.HeadersResponse:
+    if not add:
+        return pb.HeadersResponse()
+    overwrite = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+    return pb.HeadersResponse(response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[
+        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()), append_action=overwrite)
+        for k, v in add])))
+
+
 def _lb_metadata(routed: Routed) -> struct_pb2.Struct:
     s = struct_pb2.Struct()
     s.update({LB_NAMESPACE: {DEST_HEADER: routed.address, BOOKING_KEY: routed.booking_id}})
@@ -251,8 +260,8 @@ class _Stream:
             served = _lb_value(req, SERVED_KEY)
             if served is not None:
                 self.exchange.served_by(served)
-            self.exchange.response_headers(_headers(req.response_headers)[2])
-            yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+            add = self.exchange.response_headers(_headers(req.response_headers)[2])
+            yield pb.ProcessingResponse(response_headers=_response_headers(add))
         elif kind == "response_body" and self.ctx is None:
             # No request on this stream: the lean mode's observability-mode filter showing us the response.
             self._observe_first_chunk(req)

@@ -49,9 +49,11 @@ def test_overhead_quick(tmp_path: Path) -> None:
 def test_routing_quick(tmp_path: Path) -> None:
     doc = run_bench("routing", tmp_path)
     rows = doc["result"]["rows"]
-    assert {r["config"] for r in rows} == {"a", "b", "c"}
+    assert {r["config"] for r in rows} == {"a", "b", "c", "s"}
     for r in rows:
         assert r["errors"] == 0 and r["requests"] > 0
+        # (s) opts every conversation in to session affinity: each answer brings a token, the others none
+        assert r["session_tokens"] == (r["requests"] if r["config"] == "s" else 0)
         assert r["ttft_p50_ms"] <= r["ttft_p90_ms"]
         assert 0 <= r["cached_ratio"] <= 1 and r["output_tokens_per_s"] > 0
         assert abs(r["cached_ratio"] - r["mock_stats_cached_ratio"]) < 1e-9  # usage agrees with the workers

@@ -49,8 +49,9 @@ class FakeExchange:
     def served_by(self, address: str) -> None:
         self.log.append(f"served {address}")
 
-    def response_headers(self, headers: Mapping[str, list[str]]) -> None:
+    def response_headers(self, headers: Mapping[str, list[str]]) -> list[tuple[str, str]]:
         self.log.append("response_headers")
+        return []
 
     def response_chunk(self, data: bytes) -> None:
         self.log.append(f"chunk {len(data)}")
