@@ -80,7 +80,7 @@ class PickerApp:
             self.fingerprints = FingerprintWatcher(self.registry, self.metrics,
                                                    refresh_s=config.render_fingerprint_refresh_ms / 1000)
         admission = self._setup_flow_control()
-        self.rewrites = RewriteTable()  # filled by _start_rewrites (file or CRD); empty = no rewrite
+        self.rewrites = RewriteTable()  # filled by _start_tables (file or CRD); empty = no rewrite
         self.sessions: SessionTokens | None = None
         self.session_keys: SessionKeysFile | None = None
         if config.session_affinity_keys_file:  # checked at start-up (cli.check_inputs): a bad file stops it
@@ -291,8 +291,7 @@ class PickerApp:
             self._tasks.append(asyncio.create_task(self.fingerprints.run()))
         if self.scraper is not None:
             self._tasks.append(asyncio.create_task(self.scraper.run()))
-        self._start_objectives()
-        self._start_rewrites()
+        self._start_tables()
         if self.session_keys is not None:
             self._tasks.append(asyncio.create_task(self.session_keys.run()))
         self._warn_if_load_only()
@@ -370,30 +369,24 @@ class PickerApp:
                         "--inference-pool-name): every request will get 503")
             self.registry.replace([])
 
-    def _start_objectives(self) -> None:
+    def _start_tables(self) -> None:
+        """Objectives and model rewrites: from their CRDs when discovery is Kubernetes, else from their files
+        (read once now, then followed)."""
         cfg = self.config
         if cfg.inference_pool_name:
             from epp_extproc.adapters.discovery_k8s import default_namespace
 
-            poller = ObjectiveCrdPoller(self.objectives, cfg.inference_pool_name,
-                                        cfg.namespace or default_namespace(), kubeconfig=cfg.kubeconfig)
-            self._tasks.append(asyncio.create_task(poller.run()))
-        elif cfg.inference_objectives_file:
-            f = ObjectivesFile(self.objectives, cfg.inference_objectives_file)
-            f.load_once()
-            self._tasks.append(asyncio.create_task(f.run()))
-
-    def _start_rewrites(self) -> None:
-        """Model rewrites from the CRD when discovery is Kubernetes, else from the file (the objectives' rule)."""
-        cfg = self.config
-        if cfg.inference_pool_name:
-            from epp_extproc.adapters.discovery_k8s import default_namespace
-
-            poller = ModelRewriteCrdPoller(self.rewrites, cfg.inference_pool_name,
-                                           cfg.namespace or default_namespace(), kubeconfig=cfg.kubeconfig)
-            self._tasks.append(asyncio.create_task(poller.run()))
-        elif cfg.model_rewrites_file:
-            f = ModelRewritesFile(self.rewrites, cfg.model_rewrites_file)
+            ns, pool = cfg.namespace or default_namespace(), cfg.inference_pool_name
+            for poller in (ObjectiveCrdPoller(self.objectives, pool, ns, kubeconfig=cfg.kubeconfig),
+                           ModelRewriteCrdPoller(self.rewrites, pool, ns, kubeconfig=cfg.kubeconfig)):
+                self._tasks.append(asyncio.create_task(poller.run()))
+            return
+        files: list[ObjectivesFile | ModelRewritesFile] = []
+        if cfg.inference_objectives_file:
+            files.append(ObjectivesFile(self.objectives, cfg.inference_objectives_file))
+        if cfg.model_rewrites_file:
+            files.append(ModelRewritesFile(self.rewrites, cfg.model_rewrites_file))
+        for f in files:
             f.load_once()
             self._tasks.append(asyncio.create_task(f.run()))
 

@@ -13,12 +13,12 @@ refuses most mistakes, and one team's typo must not undo another team's rollout.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
 import yaml
 
+from epp_extproc.adapters.crd_poll import CrdListPoller
 from epp_extproc.core.model_rewrite import (
     RewriteError,
     RewriteRules,
@@ -100,50 +100,22 @@ def rewrites_for_pool(items: list[dict[str, Any]], pool_name: str) -> tuple[Rewr
     return rules_in_order(kept), refused
 
 
-class ModelRewriteCrdPoller:
+class ModelRewriteCrdPoller(CrdListPoller):
     """Lists the namespace's InferenceModelRewrites every `interval_s` and keeps those of our pool."""
 
     def __init__(self, table: RewriteTable, pool_name: str, namespace: str, *, kubeconfig: str | None = None,
                  interval_s: float = 10.0, api_client: Any = None) -> None:
         self.table = table
         self.pool_name = pool_name
-        self.namespace = namespace
-        self.kubeconfig = kubeconfig
-        self.interval_s = interval_s
-        self._api = api_client
-        self._failing = False
         self._refused: list[str] = []
+        super().__init__("InferenceModelRewrite", REWRITE_GROUP, REWRITE_VERSION, REWRITE_PLURAL, namespace,
+                         apply=self._keep, in_service=lambda: f"{len(table.rules)} rules", kubeconfig=kubeconfig,
+                         interval_s=interval_s, api_client=api_client)
 
-    async def poll_once(self) -> bool:
-        from kubernetes_asyncio import client as k8s_client
-
-        if self._api is None:
-            from epp_extproc.adapters.discovery_k8s import api_client
-
-            self._api = await api_client(self.kubeconfig)
-        try:
-            doc = await k8s_client.CustomObjectsApi(self._api).list_namespaced_custom_object(
-                REWRITE_GROUP, REWRITE_VERSION, self.namespace, REWRITE_PLURAL)
-        except Exception as e:  # API down, RBAC missing, CRD not installed: keep the rules in service
-            if not self._failing:
-                log.warning("cannot list InferenceModelRewrites in %s (keeping %d rules): %s", self.namespace,
-                            len(self.table.rules), e)
-            self._failing = True
-            return False
-        self._failing = False
-        rules, refused = rewrites_for_pool(list(doc.get("items") or []), self.pool_name)
+    def _keep(self, items: list[dict[str, Any]]) -> None:
+        rules, refused = rewrites_for_pool(items, self.pool_name)
         if refused != self._refused:  # once per change, not every poll
             for why in refused:
                 log.error("skipping an InferenceModelRewrite: %s", why)
             self._refused = refused
         self.table.replace(rules)
-        return True
-
-    async def run(self) -> None:
-        try:
-            while True:
-                await self.poll_once()
-                await asyncio.sleep(self.interval_s)
-        finally:
-            if self._api is not None:
-                await self._api.close()

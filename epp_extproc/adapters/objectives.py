@@ -12,12 +12,12 @@ change rarely, so a periodic list is enough (no watch to keep alive); the picker
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
 import yaml
 
+from epp_extproc.adapters.crd_poll import CrdListPoller
 from epp_extproc.core.flow_control import ObjectiveTable, parse_objectives
 from epp_extproc.file_watch import FileWatch
 
@@ -85,47 +85,14 @@ def objectives_for_pool(items: list[dict[str, Any]], pool_name: str) -> dict[str
     return out
 
 
-class ObjectiveCrdPoller:
+class ObjectiveCrdPoller(CrdListPoller):
     """Lists the namespace's InferenceObjectives every `interval_s` and keeps those of our pool."""
 
     def __init__(self, table: ObjectiveTable, pool_name: str, namespace: str, *, kubeconfig: str | None = None,
                  interval_s: float = 10.0, api_client: Any = None) -> None:
         self.table = table
         self.pool_name = pool_name
-        self.namespace = namespace
-        self.kubeconfig = kubeconfig
-        self.interval_s = interval_s
-        self._api = api_client
-        self._failing = False
-
-    async def _client(self) -> Any:
-        from epp_extproc.adapters.discovery_k8s import api_client
-
-        return await api_client(self.kubeconfig)
-
-    async def poll_once(self) -> bool:
-        from kubernetes_asyncio import client as k8s_client
-
-        if self._api is None:
-            self._api = await self._client()
-        try:
-            doc = await k8s_client.CustomObjectsApi(self._api).list_namespaced_custom_object(
-                OBJECTIVE_GROUP, OBJECTIVE_VERSION, self.namespace, OBJECTIVE_PLURAL)
-        except Exception as e:  # API down, RBAC missing, CRD not installed: keep the previous table
-            if not self._failing:
-                log.warning("cannot list InferenceObjectives in %s (keeping %d known): %s", self.namespace,
-                            len(self.table.snapshot()), e)
-            self._failing = True
-            return False
-        self._failing = False
-        self.table.replace(objectives_for_pool(list(doc.get("items") or []), self.pool_name))
-        return True
-
-    async def run(self) -> None:
-        try:
-            while True:
-                await self.poll_once()
-                await asyncio.sleep(self.interval_s)
-        finally:
-            if self._api is not None:
-                await self._api.close()
+        super().__init__("InferenceObjective", OBJECTIVE_GROUP, OBJECTIVE_VERSION, OBJECTIVE_PLURAL, namespace,
+                         apply=lambda items: table.replace(objectives_for_pool(items, pool_name)),
+                         in_service=lambda: f"{len(table.snapshot())} known", kubeconfig=kubeconfig,
+                         interval_s=interval_s, api_client=api_client)
