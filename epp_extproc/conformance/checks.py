@@ -14,6 +14,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
 from epp_extproc.conformance.client import Connection
 from epp_extproc.conformance.protocol import (
     BUFFERED,
@@ -23,6 +25,7 @@ from epp_extproc.conformance.protocol import (
     first_endpoint,
     is_endpoint_list,
     request_messages,
+    served_message,
 )
 from epp_extproc.gaie import DEST_HEADER, EXT_PROC_SERVICE
 
@@ -65,11 +68,12 @@ class Probe:
     seen: set[str] = field(default_factory=set)
 
     async def request(self, mode: str = FULL_DUPLEX, *, headers: tuple[tuple[str, str], ...] = (),
-                      subset: list[str] | None = None, conn: Connection | None = None) -> Answer:
+                      subset: list[str] | None = None, conn: Connection | None = None,
+                      then: Callable[[Answer], list[pb.ProcessingRequest]] | None = None) -> Answer:
         """One fresh request (a new prompt each time, so a prefix-aware picker is free to spread them)."""
         body = chat_body(self.model, salt=uuid.uuid4().hex)
         first, rest = request_messages(mode, body, headers=headers, subset=subset)
-        answer = await (conn or self.conn).exchange(first, rest)
+        answer = await (conn or self.conn).exchange(first, rest, then)
         if not headers and subset is None and conn is None:  # a plain request: whatever it names is the pool's
             for v in answer.destinations():
                 if is_endpoint_list(v):
@@ -134,6 +138,23 @@ async def client_destination_ignored(p: Probe) -> Verdict:
         return failed(f"the destination is appended (append=true) to the client's {DEST_HEADER}, not replacing it")
     return passed(f"client value {'removed' if removed else 'overwritten'}; routed to "
                   f"{sorted(set(answer.destinations()))}")
+
+
+async def served_endpoint_accepted(p: Probe) -> Verdict:
+    def served(answer: Answer) -> list[pb.ProcessingRequest]:
+        dest = answer.destinations()
+        return [served_message(first_endpoint(dest[0]) if dest else OUTSIDE)]
+
+    answer = await p.request(FULL_DUPLEX, then=served)
+    if answer.grpc_error or answer.timed_out:
+        return failed(f"after the gateway reported the served endpoint: {answer.summary()} (Envoy answers the "
+                      "client 500 when the ext_proc stream fails)")
+    if answer.immediate is not None or not answer.responses:
+        return failed(f"not routed: {answer.summary()}")
+    kinds = [r.WhichOneof("response") for r in answer.after]
+    if kinds != ["response_headers"]:
+        return failed(f"the response headers carrying the served endpoint were answered with {kinds or 'nothing'}")
+    return passed("response headers with `envoy.lb` / `x-gateway-destination-endpoint-served` answered")
 
 
 async def _learn(p: Probe) -> list[str]:
@@ -230,6 +251,11 @@ CHECKS: tuple[Check, ...] = (
     Check("subset-respected", "MUST",
           "If the key `x-gateway-destination-endpoint-subset` is set, the EPP MUST only select endpoints from the "
           "specified list.", subset_respected),
+    Check("served-endpoint-accepted", "SHOULD",
+          "For each HTTP response, the data plane MUST communicate to the EPP the endpoint that served the request "
+          "as follows: In the ext_proc ProcessingRequest.metadata_context field, a new metadata field "
+          "\"x-gateway-destination-endpoint-served\" is added [...] with a default value of `envoy.lb`. (The EPP "
+          "must take it: a failed stream turns the answer into a 500.)", served_endpoint_accepted),
     Check("health-services", "MUST",
           "The EPP MUST expose health check endpoints following the gRPC Health Checking Protocol. [...] "
           "`liveness`, `readiness`, `envoy.service.ext_proc.v3.ExternalProcessor`", health_services),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -77,9 +78,11 @@ class Connection:
         if self._health is not self._extproc:
             await self._health.close()
 
-    async def exchange(self, first: pb.ProcessingRequest, rest: list[pb.ProcessingRequest]) -> Answer:
+    async def exchange(self, first: pb.ProcessingRequest, rest: list[pb.ProcessingRequest],
+                       then: Callable[[Answer], list[pb.ProcessingRequest]] | None = None) -> Answer:
         """Send one request as Envoy would and collect the request phase's answers, then end the stream (as a
-        gateway does when its client goes away: a picker must free what it booked)."""
+        gateway does when its client goes away: a picker must free what it booked). `then(answer)`: messages of
+        the response phase sent once the request was routed, each answer read (`Answer.after`)."""
         answer = Answer()
         mode = first.protocol_config.request_body_mode
         call = self.stub.Process(timeout=self.timeout_s + 5)
@@ -94,6 +97,13 @@ class Connection:
                 while await self._read(call, answer):
                     if _request_phase_done(answer, mode):
                         break
+                if then is not None and answer.immediate is None and answer.responses:
+                    for m in then(answer):
+                        await call.write(m)
+                        r = await call.read()
+                        if r is grpc.aio.EOF:
+                            break
+                        answer.after.append(r)
         except TimeoutError:
             answer.timed_out = True
         except grpc.aio.AioRpcError as e:

@@ -18,9 +18,10 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
-from epp_extproc.gaie import DEST_HEADER, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE
+from epp_extproc.gaie import DEST_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
 
-__all__ = ["BUFFERED", "FULL_DUPLEX", "Answer", "chat_body", "first_endpoint", "is_endpoint_list", "request_messages"]
+__all__ = ["BUFFERED", "FULL_DUPLEX", "Answer", "chat_body", "first_endpoint", "is_endpoint_list", "request_messages",
+           "served_message"]
 
 _Mode = processing_mode_pb2.ProcessingMode.BodySendMode
 FULL_DUPLEX = "FULL_DUPLEX_STREAMED"
@@ -65,6 +66,18 @@ def request_messages(mode: str, body: bytes, *, headers: Iterable[tuple[str, str
     return first, rest
 
 
+def served_message(address: str) -> pb.ProcessingRequest:
+    """The upstream's response headers as the gateway sends them, reporting in `envoy.lb` metadata the endpoint
+    that really served the request."""
+    s = struct_pb2.Struct()
+    s.update({SERVED_KEY: address})
+    m = pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=":status", raw_value=b"200"),
+        base_pb2.HeaderValue(key="content-type", raw_value=b"application/json")])))
+    m.metadata_context.filter_metadata[LB_NAMESPACE].CopyFrom(s)
+    return m
+
+
 def is_endpoint_list(value: str) -> bool:
     """`ip:port` or `ip:port,ip:port,...` (IPv6 as `[addr]:port`), as the protocol requires."""
     parts = value.split(",")
@@ -96,6 +109,7 @@ class Answer:
     responses: list[pb.ProcessingResponse] = field(default_factory=list)
     grpc_error: str | None = None  # the stream ended with this gRPC status (e.g. FAILED_PRECONDITION: ...)
     timed_out: bool = False
+    after: list[pb.ProcessingResponse] = field(default_factory=list)  # answers to the response-phase messages
 
     @property
     def immediate(self) -> pb.ImmediateResponse | None:

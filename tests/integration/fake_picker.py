@@ -36,6 +36,7 @@ class Break(enum.Enum):
     NOT_READY = "not-ready"  # readiness health is NOT_SERVING
     NO_OVERALL_HEALTH = "no-overall-health"  # service "" is NOT_SERVING
     NO_ENDPOINTS_500 = "no-endpoints-500"  # with no endpoints: 500 instead of 503
+    FAIL_ON_SERVED = "fail-on-served"  # the response headers reporting the served endpoint end the stream in error
 
 
 def _immediate(code: int) -> pb.ProcessingResponse:
@@ -105,6 +106,10 @@ class FakePicker(pb_grpc.ExternalProcessorServicer):
                         client = h.raw_value.decode()
                 if buffered:
                     yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+            elif kind == "response_headers":
+                if self.brk is Break.FAIL_ON_SERVED:
+                    await context.abort(grpc.StatusCode.INTERNAL, "unexpected response headers")
+                yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
             elif kind == "request_body":
                 body += req.request_body.body
                 if not req.request_body.end_of_stream:

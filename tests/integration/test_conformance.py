@@ -65,7 +65,7 @@ async def test_this_picker_passes_every_must_the_checker_can_create(this_picker:
     rows = await run_checks(this_picker.grpc_port, health_port=this_picker.health_port)
     got = results(rows)
     assert all(got[n] == "pass" for n in MUSTS - CONDITIONAL), {n: rows[n].verdict.why for n in rows}
-    assert got["health-overall"] == "pass"
+    assert got["health-overall"] == "pass" and got["served-endpoint-accepted"] == "pass"
     assert got["shedding-429"] == "skip" and got["no-endpoints-503"] == "skip"
     assert exit_code(list(rows.values())) == 0
     assert await _settles(this_picker)  # every stream the checker opened was ended and its booking freed
@@ -107,6 +107,7 @@ _BROKEN = [  # (the rule a fake picker breaks, the one check that must then fail
     (Break.NO_METADATA_STREAMED, "streamed-destination"),
     (Break.NO_METADATA_BUFFERED, "buffered-destination"),
     (Break.HONOUR_CLIENT_HEADER, "client-destination-ignored"),
+    (Break.FAIL_ON_SERVED, "served-endpoint-accepted"),
     (Break.CONTINUE_ON_DISJOINT_SUBSET, "subset-disjoint-503"),
     (Break.EMPTY_SUBSET_IS_NO_HINT, "subset-empty-503"),
     (Break.IGNORE_SUBSET, "subset-respected"),
