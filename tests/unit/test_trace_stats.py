@@ -1,0 +1,43 @@
+"""The trace benchmark's summary of repeated runs and its rule for claiming a ratio between configurations."""
+
+from __future__ import annotations
+
+from bench.trace_stats import claim, fmt_spread, spread, summarize
+
+
+def test_spread_is_median_min_max_ignoring_missing_runs() -> None:
+    s = spread([30.0, None, 10.0, 20.0])
+    assert s is not None and (s.median, s.min, s.max, s.n) == (20.0, 10.0, 30.0, 3)
+    assert spread([None, None]) is None
+
+
+def test_claim_is_ratio_of_medians_when_spreads_are_disjoint() -> None:
+    assert claim([100.0, 110.0, 120.0], [40.0, 50.0, 60.0]) == 110.0 / 50.0
+    assert claim([40.0, 50.0, 60.0], [100.0, 110.0, 120.0]) == 50.0 / 110.0
+
+
+def test_claim_is_none_when_spreads_overlap_even_with_distant_medians() -> None:
+    assert claim([100.0, 110.0, 55.0], [40.0, 50.0, 60.0]) is None
+
+
+def test_claim_treats_touching_spreads_as_overlapping() -> None:
+    assert claim([60.0, 70.0, 80.0], [40.0, 50.0, 60.0]) is None
+
+
+def test_claim_needs_at_least_two_runs_a_side() -> None:
+    assert claim([100.0], [10.0, 11.0]) is None
+    assert claim([100.0, 101.0], [10.0, 11.0]) is not None
+
+
+def test_claim_ignores_missing_runs_and_a_zero_denominator() -> None:
+    assert claim([100.0, None, 110.0], [None, None]) is None
+    assert claim([1.0, 2.0], [0.0, 0.0]) is None
+
+
+def test_summarize_gives_one_spread_per_metric_and_none_for_a_metric_no_run_has() -> None:
+    runs = [{"ttft": 10.0, "tok": 5.0}, {"ttft": 30.0, "tok": None}, {"ttft": 20.0}]
+    out = summarize(runs, ["ttft", "tok", "absent"])
+    assert out["ttft"] == {"median": 20.0, "min": 10.0, "max": 30.0, "n": 3}
+    assert out["tok"] == {"median": 5.0, "min": 5.0, "max": 5.0, "n": 1}
+    assert out["absent"] is None
+    assert fmt_spread(out["ttft"]) == "20 [10..30]" and fmt_spread(None) == "-"
