@@ -41,3 +41,16 @@ def test_summarize_gives_one_spread_per_metric_and_none_for_a_metric_no_run_has(
     assert out["tok"] == {"median": 5.0, "min": 5.0, "max": 5.0, "n": 1}
     assert out["absent"] is None
     assert fmt_spread(out["ttft"]) == "20 [10..30]" and fmt_spread(None) == "-"
+
+
+def test_jitter_seed_zero_is_the_recorded_trace_and_other_seeds_move_arrivals_but_keep_order() -> None:
+    from bench.trace_workload import jitter
+
+    rows = [{"timestamp": float(t), "hash_ids": [t]} for t in (0, 10, 10, 20, 100)]
+    assert jitter(rows, 0, 5.0) == rows
+    a, b = jitter(rows, 1, 5.0), jitter(rows, 2, 5.0)
+    assert a == jitter(rows, 1, 5.0) and a != b  # seeded: reproducible, and seeds differ
+    for j in (a, b):
+        ts = [r["timestamp"] for r in j]
+        assert ts == sorted(ts) and [r["hash_ids"] for r in j] == [r["hash_ids"] for r in rows]
+        assert all(abs(x - r["timestamp"]) <= 5.0 + 10.0 for x, r in zip(ts, rows, strict=True))
