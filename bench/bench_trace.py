@@ -1,6 +1,7 @@
-"""Routing quality on the public Mooncake trace, driven by NVIDIA AIPerf (issue 16).
+"""Routing quality on the public Mooncake trace, driven by NVIDIA AIPerf (issues 16 and 28).
 
     python -m bench.bench_trace [--quick] [--out DIR] [--only a,c] [--rates 10,17.5,25] [--speedup 2.5]
+                                [--repeats 3] [--capacities ample,75,scarce] [--work DIR]
 
 Nobody here shaped this workload: the Mooncake FAST'25 synthetic trace (`bench/traces/`, 3,993 requests,
 multi-turn, 512-token prefix blocks), reduced as `bench/trace_workload.py` says exactly (whole prefix trees
@@ -10,38 +11,78 @@ speedup), replayed on its own timestamps by AIPerf (`aiperf profile --custom-dat
 
 Four `trtllm-mock` workers run the iteration-level timing model (`--scheduler iteration`) calibrated to
 TensorRT-LLM's published Llama-3.1-8B FP8 H100 figures (trtllm_mock/README.md), scaled so one mock prompt
-token costs what the 16 real tokens it stands for would, with the KV capacity of that GPU (900 blocks of
-512 real tokens) and its per-step budget (max_num_tokens 8192 real = 512 mock tokens).
+token costs what the 16 real tokens it stands for would, with its per-step budget (max_num_tokens 8192 real
+= 512 mock tokens).
 
   (a)  Envoy round-robin, no ext_proc (baseline)
   (b)  Envoy + picker, load only (--tokenizer-protocol none)
   (c)  Envoy + picker, trtllm-render + KV events, defaults (overlap credit 2.0)
   (c1) the same with Dynamo's overlap credit 1.0
   (e)  Envoy + picker, trtllm-render, NO KV events: only its own predictions of what it routed where, kept
-       for the whole run (the "approximate prefix" routing llm-d compares against)
-  (d)  oracle cached-token ratio of the same prompts in arrival order: one LRU cache with the capacity of
-       all four workers together (`pooled_lru`), and an infinite cache
+       for the whole run (the "approximate prefix" routing llm-d compares against). Frozen: its flags do not
+       change with the picker's defaults, so it stays the same yardstick across recordings.
+  (d)  offline cached-token ratios of the same prompts in arrival order: `pooled_lru` (one LRU cache with
+       the capacity of all four workers together, the figure earlier recordings called "the oracle"),
+       `infinite`, and `clairvoyant` (bench/clairvoyant.py: placement and Belady eviction knowing the future
+       and each worker's real capacity; a strong heuristic, not a proven bound; see its docstring)
 
-Every (config, load) run gets a fresh picker and Envoy and starts from empty worker caches. TTFT, ITL,
-output tokens/s and the cached-token ratio are AIPerf's own figures (its usage-based
-`overall_usage_prompt_cache_read_pct`); the workers' /mock/stats deltas give which worker served what and
-cross-check the cached tokens; the picker's `epp_picks_total` is recorded for the picker configurations.
+Method (issue 28, "a benchmark that can tell"):
+
+* **Cache pressure** is an axis (`--capacities`): the same trace at KV capacities per worker derived from the
+  sample's working set W (distinct full blocks of all prompts): `ample` = 2W per worker (every worker could
+  hold the whole trace and as much again in reservations), `75` = W / 1.33 over the pool (the working set
+  is ~1.33x the pool's capacity, the ~75%-of-demand point llm-d measured at), `scarce` = W / 2.5 over the
+  pool; `h100` = 900 blocks (the GPU's real capacity, the earlier recordings' setting). Per-worker figures
+  are floored at twice the largest request's reservation so no request waits forever.
+* **Repeats** (`--repeats`, default 3): every (capacity, config, load) cell runs once per arrival-jitter seed;
+  seed 0 is the trace as recorded, seed k shifts every timestamp by a seeded uniform jitter of +-1/4 of the
+  mean inter-arrival gap (trace_workload.jitter says why jitter and not other subsamples). Within one seed
+  every configuration runs back to back, so a slow drift of the machine's load hits all of them alike.
+* **Claims**: a cell is its median with the spread min..max; a ratio between two configurations is claimed
+  only when their spreads do not overlap (bench/trace_stats.claim), else the report says "no claim".
+
+Every run gets a fresh picker and Envoy and starts from empty worker caches. TTFT, ITL, output tokens/s and
+the cached-token ratio are AIPerf's own figures (its usage-based `overall_usage_prompt_cache_read_pct`); the
+workers' /mock/stats deltas give which worker served what and cross-check the cached tokens; the picker's
+`epp_picks_total` is recorded for the picker configurations.
+
+JSON result schema (`trace.json`), besides the common `bench`, `meta` keys, `configs`, `plan`, `aiperf_command`:
+
+    result.requests, trace_requests, trace_rate_rps, prompt_tokens, output_tokens, working_set_blocks
+    result.capacities[]: {name, blocks_per_worker, pool_blocks, working_set_over_pool,
+                          oracle: {pooled_lru, infinite, prompt_tokens},
+                          clairvoyant: [{offered_rps, divisor, cached_ratio: spread, runs: [{seed, cached_ratio,
+                                         waited_requests, evicted_blocks, per_worker_requests}]}]}
+    result.cells[]: {capacity, config, offered_rps, divisor,
+                     summary: {metric: spread | null}, runs: [run]}     spread = {median, min, max, n}
+        run: {seed, ttft_{p50,p90,p99,avg}_ms, itl_{p50,p90,p99,avg}_ms, output_tokens_per_s, requests, errors,
+              aiperf_cached_ratio, aiperf_prompt_tokens, workers_cached_ratio, workers_prompt_tokens,
+              per_worker_served, picker_picks, replay_sched_lag_p99_ms, benchmark_duration_s, aiperf_wall_s,
+              loadavg_1m}
+    result.claims[]: {capacity, offered_rps, metric, config, baseline, median_ratio, claim}
+        median_ratio: baseline/config for latencies, config/baseline otherwise (> 1 = config is better);
+        claim: the same ratio when the two spreads do not overlap, else null
+    targets: {capacity: {target: {...}}}
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import clairvoyant as CV
 from bench import harness as H
+from bench import trace_stats as S
 from bench import trace_workload as T
 from trtllm_mock.config import LLAMA_8B_H100
 
@@ -49,23 +90,30 @@ AIPERF = str(H.BIN / "aiperf")
 CONFIGS = {"a": "envoy round-robin", "b": "picker, load only", "c": "picker, KV-aware (defaults)",
            "c1": "picker, KV-aware, overlap credit 1.0", "e": "picker, prediction only (no KV events)"}
 BS = 32
+CAPACITIES = ("ample", "75", "scarce", "h100")
+METRICS = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "output_tokens_per_s",
+           "aiperf_cached_ratio", "workers_cached_ratio", "errors")
+LOWER_IS_BETTER = ("ttft_p50_ms", "ttft_p90_ms", "itl_p90_ms")
+CLAIMED_METRICS = (*LOWER_IS_BETTER, "output_tokens_per_s", "aiperf_cached_ratio")
 
 
 @dataclass
 class Plan:
     scale: T.TraceScale = field(default_factory=T.TraceScale)
     rates: tuple[float, ...] = (10.0, 17.5, 25.0)  # offered loads, req/s of simulated time
+    capacities: tuple[str, ...] = ("ample", "75", "scarce")
+    repeats: int = 3
+    jitter_gap_fraction: float = 0.25  # +- this fraction of the mean inter-arrival gap, seeds >= 1
     speedup: float = 2.5
     workers: int = 4
-    num_blocks: int = 900  # H100 80GB, Llama-3.1-8B, BF16 KV: ~458k tokens = ~900 blocks of 512
     max_num_tokens: int = 512  # 8192 real tokens (TensorRT-LLM default) / 16
     max_batch_size: int = 2048  # trtllm-serve default; KV capacity binds first
     aiperf_timeout_s: float = 240.0
 
-    def mock_args(self) -> list[str]:
+    def mock_args(self, num_blocks: int) -> list[str]:
         k = self.scale.length_divisor
         c = LLAMA_8B_H100
-        return ["--scheduler", "iteration", "--speedup", str(self.speedup), "--num-blocks", str(self.num_blocks),
+        return ["--scheduler", "iteration", "--speedup", str(self.speedup), "--num-blocks", str(num_blocks),
                 "--max-num-tokens", str(self.max_num_tokens), "--max-batch-size", str(self.max_batch_size),
                 "--step-base-ms", str(c["step_base_ms"]),
                 "--step-prefill-ms-per-token", f"{c['step_prefill_ms_per_token'] * k:.6g}",
@@ -73,8 +121,34 @@ class Plan:
                 "--step-kv-read-ms-per-token", f"{c['step_kv_read_ms_per_token'] * k:.6g}",
                 "--max-seq-len", "1000000", "--heartbeat-interval", "1"]
 
+    def engine_model(self, num_blocks: int) -> CV.EngineModel:
+        """The same capacity and step costs as `mock_args`, for the clairvoyant router."""
+        k = self.scale.length_divisor
+        c = LLAMA_8B_H100
+        return CV.EngineModel(workers=self.workers, num_blocks=num_blocks, block_tokens=BS,
+                              max_batch=min(self.max_batch_size, self.max_num_tokens),
+                              max_num_tokens=self.max_num_tokens, step_base_ms=c["step_base_ms"],
+                              prefill_ms_per_token=c["step_prefill_ms_per_token"] * k,
+                              decode_ms_per_token=c["step_decode_ms_per_token"],
+                              kv_read_ms_per_token=c["step_kv_read_ms_per_token"] * k)
 
-QUICK = Plan(scale=T.TraceScale(max_requests=24), rates=(40.0,), speedup=4.0, aiperf_timeout_s=60.0)
+
+QUICK = Plan(scale=T.TraceScale(max_requests=24), rates=(40.0,), capacities=("scarce",), repeats=2, speedup=4.0,
+             aiperf_timeout_s=60.0)
+
+
+def capacity_blocks(name: str, working_set: int, workers: int, largest_request: int) -> int:
+    """KV blocks per worker for a named cache pressure (see the module docstring for the rules and why)."""
+    floor = 2 * largest_request
+    if name == "ample":
+        return max(floor, 2 * working_set)
+    if name == "75":
+        return max(floor, math.ceil(working_set / (4 / 3) / workers))
+    if name == "scarce":
+        return max(floor, math.ceil(working_set / 2.5 / workers))
+    if name == "h100":
+        return 900  # H100 80GB, Llama-3.1-8B, BF16 KV: ~458k tokens = ~900 blocks of 512
+    raise ValueError(f"unknown capacity {name!r} (one of {', '.join(CAPACITIES)})")
 
 
 # ----------------------------------------------------------------------------- AIPerf
@@ -163,18 +237,19 @@ def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc)
 
 
 def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], renderer: H.Proc, input_file: Path,
-            tokenizer: Path, work: Path) -> dict[str, Any]:
+            tokenizer: Path, work: Path, tag: str) -> dict[str, Any]:
+    """One AIPerf replay through one configuration, from empty worker caches; ``tag`` names its artifacts."""
     wait_idle(workers)
     for m in workers:
         H.post_json(m.url + "/mock/cache/clear")
     before = stats(workers)
     with H.Stack(prefix=f"epp-trace-{cfg}-") as st:
         env, pk = start_config(st, cfg, workers, renderer)
-        art = work / f"aiperf-{cfg}-{divisor:g}"
+        art = work / f"aiperf-{tag}"
         shutil.rmtree(art, ignore_errors=True)
         t0 = time.monotonic()
         run_aiperf(aiperf_command(env.url, input_file, tokenizer, art, plan.aiperf_timeout_s),
-                   plan.aiperf_timeout_s + 120, work / f"aiperf-{cfg}-{divisor:g}.log")
+                   plan.aiperf_timeout_s + 120, work / f"aiperf-{tag}.log")
         wall = time.monotonic() - t0
         wait_idle(workers)
         after = stats(workers)
@@ -188,137 +263,286 @@ def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], rendere
     return row
 
 
-def run(plan: Plan, configs: list[str], work: Path) -> dict[str, Any]:
+# ----------------------------------------------------------------------------- the trace, once
+@dataclass
+class Workload:
+    """The sampled trace and what the offline figures need from it (computed once per benchmark)."""
+
+    rows: list[dict[str, Any]]
+    trace_requests: int
+    prompts: list[list[int]]
+    outputs: list[int]
+    working_set: int
+    largest_request: int
+    jitter_ms: float
+
+    def arrivals_ms(self, seed: int, divisor: float) -> list[float]:
+        """Simulated engine ms of each arrival for one jitter seed at one load."""
+        rows = T.jitter(self.rows, seed, self.jitter_ms)
+        return [(r["timestamp"] - rows[0]["timestamp"]) / divisor for r in rows]
+
+
+def workload(plan: Plan) -> Workload:
     rows_all = T.load(T.find_trace())
     rows = T.sample(rows_all, plan.scale)
     prompts = [T.prompt_ids(T.prompt_text(r, plan.scale)) for r in rows]
-    orc = T.oracle(prompts, workers=plan.workers, capacity=plan.num_blocks, bs=BS)
-    tok = T.build_tokenizer(work / "tokenizer")
-    base_rate = T.offered_rate(rows, 1.0)
-    out_rows: list[dict[str, Any]] = []
-    with H.Stack(prefix="epp-trace-") as outer:
-        workers = [H.mock_worker(outer, f"worker-{i}", plan.mock_args()) for i in range(plan.workers)]
+    outputs = [T.output_tokens(r, plan.scale) for r in rows]
+    largest = max(-(-(len(p) + o) // BS) for p, o in zip(prompts, outputs, strict=True))
+    return Workload(rows, len(rows_all), prompts, outputs, T.working_set_blocks(prompts, BS), largest,
+                    plan.jitter_gap_fraction * T.mean_gap_ms(rows))
+
+
+def clairvoyant_cell(plan: Plan, wl: Workload, blocks: int, rate: float, divisor: float) -> dict[str, Any]:
+    """The clairvoyant router's cached ratio at one capacity and load, once per jitter seed."""
+    runs = []
+    for seed in range(plan.repeats):
+        out = CV.route(wl.prompts, wl.outputs, wl.arrivals_ms(seed, divisor), plan.engine_model(blocks))
+        runs.append({"seed": seed, **{k: out[k] for k in ("cached_ratio", "waited_requests", "evicted_blocks",
+                                                            "per_worker_requests")}})
+    return {"offered_rps": rate, "divisor": divisor, "cached_ratio": S.summarize(runs, ["cached_ratio"])[
+        "cached_ratio"], "runs": runs}
+
+
+# ----------------------------------------------------------------------------- the runs
+def print_run(cap: str, row: dict[str, Any]) -> None:
+    print(f"  [{cap}] ({row['config']:>2}) {row['offered_rps']:g} req/s seed {row['seed']}: TTFT p50/p90/p99 "
+          f"{H.fmt(row['ttft_p50_ms'], '.0f')}/{H.fmt(row['ttft_p90_ms'], '.0f')}/{H.fmt(row['ttft_p99_ms'], '.0f')}"
+          f" ms, ITL p50/p90 {H.fmt(row['itl_p50_ms'], '.1f')}/{H.fmt(row['itl_p90_ms'], '.1f')} ms, "
+          f"{H.fmt(row['output_tokens_per_s'], '.0f')} out tok/s, cached {row['aiperf_cached_ratio']:.3f} "
+          f"(workers {row['workers_cached_ratio']:.3f}), errors {row['errors']}, served {row['per_worker_served']}, "
+          f"{row['aiperf_wall_s']}s", flush=True)
+
+
+def run_capacity(plan: Plan, configs: Sequence[str], wl: Workload, cap: str, work: Path) -> tuple[
+        dict[str, Any], list[dict[str, Any]]]:
+    """Every (load, seed, config) run at one capacity, on workers started with that capacity."""
+    blocks = capacity_blocks(cap, wl.working_set, plan.workers, wl.largest_request)
+    pool = blocks * plan.workers
+    info: dict[str, Any] = {"name": cap, "blocks_per_worker": blocks, "pool_blocks": pool,
+                            "working_set_over_pool": wl.working_set / pool,
+                            "oracle": T.oracle(wl.prompts, workers=plan.workers, capacity=blocks, bs=BS),
+                            "clairvoyant": []}
+    base_rate = T.offered_rate(wl.rows, 1.0)
+    runs: list[dict[str, Any]] = []
+    print(f"capacity {cap}: {blocks} blocks per worker, working set {wl.working_set} = "
+          f"{info['working_set_over_pool']:.2f}x the pool", flush=True)
+    with H.Stack(prefix=f"epp-trace-{cap}-") as outer:
+        workers = [H.mock_worker(outer, f"worker-{i}", plan.mock_args(blocks)) for i in range(plan.workers)]
         renderer = H.mock_renderer(outer)
         for rate in plan.rates:
             d = rate / base_rate  # the trace replayed d times faster than recorded
-            f = T.write_aiperf_input(rows, plan.scale, d * plan.speedup, work / f"trace-{rate:g}rps.jsonl")
-            for cfg in configs:
-                row = run_one(cfg, d, plan, workers, renderer, f, tok, work)
-                row["offered_rps"] = rate
-                out_rows.append(row)
-                print(f"  ({cfg:>2}) {rate:g} req/s (trace x{d:.1f}): TTFT p50/p90/p99 "
-                      f"{H.fmt(row['ttft_p50_ms'], '.0f')}/{H.fmt(row['ttft_p90_ms'], '.0f')}/"
-                      f"{H.fmt(row['ttft_p99_ms'], '.0f')} ms, ITL p50/p90 {H.fmt(row['itl_p50_ms'], '.1f')}/"
-                      f"{H.fmt(row['itl_p90_ms'], '.1f')} ms, {H.fmt(row['output_tokens_per_s'], '.0f')} out tok/s, "
-                      f"cached {row['aiperf_cached_ratio']:.3f} (workers {row['workers_cached_ratio']:.3f}), "
-                      f"errors {row['errors']}, served {row['per_worker_served']}, {row['aiperf_wall_s']}s",
-                      flush=True)
-    return {"rows": out_rows, "oracle": orc, "requests": len(rows), "trace_requests": len(rows_all),
-            "trace_rate_rps": base_rate, "prompt_tokens": sum(map(len, prompts)),
-            "output_tokens": sum(T.output_tokens(r, plan.scale) for r in rows)}
+            info["clairvoyant"].append(clairvoyant_cell(plan, wl, blocks, rate, d))
+            for seed in range(plan.repeats):
+                rows = T.jitter(wl.rows, seed, wl.jitter_ms)
+                tag = f"{cap}-{rate:g}rps-s{seed}"
+                f = T.write_aiperf_input(rows, plan.scale, d * plan.speedup, work / f"trace-{tag}.jsonl")
+                for cfg in configs:
+                    row = run_one(cfg, d, plan, workers, renderer, f, work / "tokenizer", work, f"{cfg}-{tag}")
+                    row.update(capacity=cap, offered_rps=rate, seed=seed)
+                    runs.append(row)
+                    print_run(cap, row)
+    return info, runs
 
 
-# ----------------------------------------------------------------------------- report
-def _row(doc: dict[str, Any], cfg: str, d: float) -> dict[str, Any] | None:
-    return next((r for r in doc["result"]["rows"] if r["config"] == cfg and r["divisor"] == d), None)
+def cells(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs grouped by (capacity, config, load), each group summarised as median and spread."""
+    keys: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
+    for r in runs:
+        keys.setdefault((r["capacity"], r["config"], r["offered_rps"]), []).append(r)
+    return [{"capacity": cap, "config": cfg, "offered_rps": rate, "divisor": rs[0]["divisor"],
+             "summary": S.summarize(rs, METRICS), "runs": rs} for (cap, cfg, rate), rs in keys.items()]
 
 
-def with_ratios(doc: dict[str, Any]) -> None:
-    """Each row against (a) at the same load: TTFT/ITL as a/x (>1 = better than round-robin), tokens/s x/a."""
-    for r in doc["result"]["rows"]:
-        a = _row(doc, "a", r["divisor"])
-        if a is None:
-            continue
-        r["vs_a"] = {"ttft_p50": H.ratio(a["ttft_p50_ms"], r["ttft_p50_ms"]),
-                     "ttft_p90": H.ratio(a["ttft_p90_ms"], r["ttft_p90_ms"]),
-                     "ttft_p99": H.ratio(a["ttft_p99_ms"], r["ttft_p99_ms"]),
-                     "itl_p50": H.ratio(a["itl_p50_ms"], r["itl_p50_ms"]),
-                     "itl_p90": H.ratio(a["itl_p90_ms"], r["itl_p90_ms"]),
-                     "output_tokens_per_s": H.ratio(r["output_tokens_per_s"], a["output_tokens_per_s"]),
-                     "cached_ratio": H.ratio(r["aiperf_cached_ratio"], a["aiperf_cached_ratio"])}
+def run(plan: Plan, configs: list[str], work: Path) -> dict[str, Any]:
+    wl = workload(plan)
+    T.build_tokenizer(work / "tokenizer")
+    caps, runs = [], []
+    for cap in plan.capacities:
+        info, rs = run_capacity(plan, configs, wl, cap, work)
+        caps.append(info)
+        runs += rs
+    return {"capacities": caps, "cells": cells(runs), "requests": len(wl.rows), "trace_requests": wl.trace_requests,
+            "trace_rate_rps": T.offered_rate(wl.rows, 1.0), "prompt_tokens": sum(map(len, wl.prompts)),
+            "output_tokens": sum(wl.outputs), "working_set_blocks": wl.working_set}
 
 
-def saturating_divisor(doc: dict[str, Any]) -> float:
-    """The first load at which round-robin's TTFT p90 is 3x its value at the lowest load (else the top one):
-    where (a) has saturated, the load the issue's TTFT targets are judged at."""
-    a = sorted((r for r in doc["result"]["rows"] if r["config"] == "a"), key=lambda r: r["divisor"])
+# ----------------------------------------------------------------------------- claims and targets
+def _cell(doc: dict[str, Any], cap: str, cfg: str, rate: float) -> dict[str, Any] | None:
+    return next((c for c in doc["result"]["cells"]
+                 if c["capacity"] == cap and c["config"] == cfg and c["offered_rps"] == rate), None)
+
+
+def _values(cell: dict[str, Any], metric: str) -> list[float | None]:
+    return [r.get(metric) for r in cell["runs"]]
+
+
+def compare(x: dict[str, Any], base: dict[str, Any], metric: str) -> dict[str, Any]:
+    """``x`` against ``base`` on one metric, oriented so > 1 means ``x`` is better: the ratio of medians,
+    and the claim (the same ratio only when the runs' spreads do not overlap)."""
+    xs, bs = _values(x, metric), _values(base, metric)
+    num, den = (bs, xs) if metric in LOWER_IS_BETTER else (xs, bs)
+    sn, sd = S.spread(num), S.spread(den)
+    return {"capacity": x["capacity"], "offered_rps": x["offered_rps"], "metric": metric, "config": x["config"],
+            "baseline": base["config"], "median_ratio": H.ratio(sn.median if sn else None, sd.median if sd else None),
+            "claim": S.claim(num, den)}
+
+
+PAIRS = (("b", "a"), ("c", "a"), ("c1", "a"), ("e", "a"), ("c", "b"), ("c", "e"), ("c", "c1"))
+
+
+def claims(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every pair of PAIRS present in a (capacity, load) on every claimed metric."""
+    out = []
+    for c in doc["result"]["cells"]:
+        for x, base in PAIRS:
+            if c["config"] != x:
+                continue
+            b = _cell(doc, c["capacity"], base, c["offered_rps"])
+            if b is not None:
+                out += [compare(c, b, m) for m in CLAIMED_METRICS]
+    return out
+
+
+def _median(cell: dict[str, Any] | None, metric: str) -> float | None:
+    s = (cell or {}).get("summary", {}).get(metric)
+    return s["median"] if s else None
+
+
+def saturating_rate(doc: dict[str, Any], cap: str) -> float | None:
+    """The first load at which round-robin's median TTFT p90 is 3x its value at the lowest load (else the top
+    one): where (a) has saturated, the load the issue's TTFT targets are judged at."""
+    a = sorted((c for c in doc["result"]["cells"] if c["capacity"] == cap and c["config"] == "a"),
+               key=lambda c: c["offered_rps"])
     if not a:
-        return max(r["divisor"] for r in doc["result"]["rows"])
-    floor = a[0]["ttft_p90_ms"] or 0.0
-    return next((r["divisor"] for r in a if (r["ttft_p90_ms"] or 0.0) >= 3 * floor), a[-1]["divisor"])
+        return None
+    floor = _median(a[0], "ttft_p90_ms") or 0.0
+    return next((c["offered_rps"] for c in a if (_median(c, "ttft_p90_ms") or 0.0) >= 3 * floor),
+                a[-1]["offered_rps"])
+
+
+def _find_claim(doc: dict[str, Any], cap: str, rate: float, metric: str, cfg: str, base: str) -> dict | None:
+    return next((k for k in doc["claims"] if (k["capacity"], k["offered_rps"], k["metric"], k["config"],
+                                              k["baseline"]) == (cap, rate, metric, cfg, base)), None)
+
+
+def capacity_targets(doc: dict[str, Any], cap: str) -> dict[str, Any]:
+    """Issue 16's targets at one capacity, judged on claims (a median ratio alone never meets a target)."""
+    out: dict[str, Any] = {}
+    sat = saturating_rate(doc, cap)
+    for base, factor in (("a", 5.0), ("e", 2.0)):
+        k = _find_claim(doc, cap, sat, "ttft_p90_ms", "c", base) if sat is not None else None
+        if k is not None:
+            out[f"c_ttft_p90_{factor:g}x_below_{base}_at_saturation"] = {
+                "saturating_rps": sat, **k, "met": k["claim"] is not None and k["claim"] >= factor}
+    info = next(i for i in doc["result"]["capacities"] if i["name"] == cap)
+    per = []
+    for c in (c for c in doc["result"]["cells"] if c["capacity"] == cap and c["config"] == "c"):
+        cv = next(x for x in info["clairvoyant"] if x["offered_rps"] == c["offered_rps"])
+        med = _median(c, "aiperf_cached_ratio")
+        per.append({"offered_rps": c["offered_rps"], "c": med, "clairvoyant": cv["cached_ratio"]["median"],
+                    "pooled_lru": info["oracle"]["pooled_lru"],
+                    "c_over_clairvoyant": H.ratio(med, cv["cached_ratio"]["median"]),
+                    "c_over_pooled_lru": H.ratio(med, info["oracle"]["pooled_lru"])})
+    if per:
+        out["c_cached_within_5pct_of_clairvoyant"] = {"per_load": per, "met": all(
+            (p["c_over_clairvoyant"] or 0) >= 0.95 for p in per)}
+    wins = [k for k in doc["claims"] if k["capacity"] == cap and k["config"] == "c" and k["baseline"] == "c1"
+            and k["claim"] is not None and k["claim"] < 1]
+    if any(c["config"] == "c1" for c in doc["result"]["cells"]):
+        out["c1_beats_c"] = {"where": wins, "any": bool(wins)}
+    return out
 
 
 def targets(doc: dict[str, Any]) -> dict[str, Any]:
-    rows = doc["result"]["rows"]
-    sat = saturating_divisor(doc)
-    bound = doc["result"]["oracle"]["pooled_lru"]
-    out: dict[str, Any] = {}
-    for other, factor in (("a", 5.0), ("e", 2.0)):
-        per = []
-        for d in sorted({r["divisor"] for r in rows}):
-            x, c = _row(doc, other, d), _row(doc, "c", d)
-            if x and c:
-                g = H.ratio(x["ttft_p90_ms"], c["ttft_p90_ms"])
-                per.append({"divisor": d, f"{other}_ms": x["ttft_p90_ms"], "c_ms": c["ttft_p90_ms"], "ratio": g,
-                            "met": g is not None and g >= factor})
-        at = next((p for p in per if p["divisor"] == sat), None)
-        if at is not None:
-            out[f"c_ttft_p90_{factor:g}x_below_{other}_at_saturation"] = {"saturating_divisor": sat, **at,
-                                                                        "per_load": per}
-    per = [{"divisor": r["divisor"], "c": r["aiperf_cached_ratio"], "oracle_pooled_lru": bound,
-            "c_over_oracle": H.ratio(r["aiperf_cached_ratio"], bound)} for r in rows if r["config"] == "c"]
-    if per:
-        out["c_cached_within_5pct_of_oracle"] = {"per_load": per, "met": all((p["c_over_oracle"] or 0) >= 0.95
-                                                                              for p in per)}
-    wins = []
-    for r in rows:
-        c_r = _row(doc, "c", r["divisor"]) if r["config"] == "c1" else None
-        if c_r is None:
-            continue
-        for m in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms"):
-            if r[m] is not None and c_r[m] is not None and r[m] < c_r[m]:
-                wins.append({"divisor": r["divisor"], "metric": m, "c1": r[m], "c": c_r[m]})
-        if r["aiperf_cached_ratio"] > c_r["aiperf_cached_ratio"]:
-            wins.append({"divisor": r["divisor"], "metric": "cached_ratio", "c1": r["aiperf_cached_ratio"],
-                         "c": c_r["aiperf_cached_ratio"]})
-    if any(r["config"] == "c1" for r in rows):
-        out["c1_beats_c"] = {"where": wins, "any": bool(wins)}
-    return out
+    return {i["name"]: capacity_targets(doc, i["name"]) for i in doc["result"]["capacities"]}
+
+
+# ----------------------------------------------------------------------------- report
+def _ratio_text(k: dict[str, Any] | None) -> str:
+    if k is None or k["median_ratio"] is None:
+        return "-"
+    return f"{k['claim']:.2f}" if k["claim"] is not None else f"({k['median_ratio']:.2f})"
 
 
 def print_report(doc: dict[str, Any]) -> None:
     res = doc["result"]
     print(f"\nMooncake trace, {res['requests']} of {res['trace_requests']} requests, {res['prompt_tokens']} prompt "
-          f"tokens (mock), (d) oracle cached ratio: pooled LRU {res['oracle']['pooled_lru']:.3f}, infinite "
-          f"{res['oracle']['infinite']:.3f}. Ratios are against (a) at the same load (TTFT/ITL a/x).")
-    print(H.table([[r["config"], f"{r['offered_rps']:.1f}", r["requests"], r["errors"], r["ttft_p50_ms"],
-                    r["ttft_p90_ms"], r["ttft_p99_ms"], (r.get("vs_a") or {}).get("ttft_p90"), r["itl_p50_ms"],
-                    r["itl_p90_ms"], (r.get("vs_a") or {}).get("itl_p50"), r["output_tokens_per_s"],
-                    (r.get("vs_a") or {}).get("output_tokens_per_s"), r["aiperf_cached_ratio"],
-                    r["workers_cached_ratio"]] for r in res["rows"]],
-                  ["cfg", "req/s", "reqs", "err", "TTFT p50", "p90", "p99", "a/x p90", "ITL p50", "p90",
-                   "a/x ITL", "out tok/s", "x/a", "cached", "(workers)"]))
+          f"tokens (mock), working set {res['working_set_blocks']} blocks. Each cell: median [min..max] over "
+          f"{doc['plan']['repeats']} jitter seeds. vs (a): a/x for TTFT, x/a for tokens/s; a bare figure is a "
+          "claim (spreads disjoint), one in brackets is a ratio of medians whose spreads overlap (no claim).")
+    for info in res["capacities"]:
+        cap = info["name"]
+        cv = ", ".join(f"{x['offered_rps']:g} req/s {S.fmt_spread(x['cached_ratio'], '.3f')}"
+                       for x in info["clairvoyant"])
+        print(f"\ncapacity {cap}: {info['blocks_per_worker']} blocks/worker, working set "
+              f"{info['working_set_over_pool']:.2f}x the pool; (d) pooled LRU {info['oracle']['pooled_lru']:.3f}, "
+              f"infinite {info['oracle']['infinite']:.3f}, clairvoyant {cv}")
+        rows = []
+        for c in (c for c in res["cells"] if c["capacity"] == cap):
+            sm = c["summary"]
+            k = _find_claim(doc, cap, c["offered_rps"], "ttft_p90_ms", c["config"], "a")
+            kt = _find_claim(doc, cap, c["offered_rps"], "output_tokens_per_s", c["config"], "a")
+            rows.append([cap, c["config"], f"{c['offered_rps']:g}", len(c["runs"]),
+                         int(sum(r["errors"] for r in c["runs"])), S.fmt_spread(sm["ttft_p50_ms"]),
+                         S.fmt_spread(sm["ttft_p90_ms"]), _ratio_text(k), S.fmt_spread(sm["itl_p90_ms"], ".1f"),
+                         S.fmt_spread(sm["output_tokens_per_s"]), _ratio_text(kt),
+                         S.fmt_spread(sm["aiperf_cached_ratio"], ".3f")])
+        print(H.table(rows, ["capacity", "cfg", "req/s", "runs", "err", "TTFT p50", "TTFT p90", "a/x p90",
+                             "ITL p90", "out tok/s", "x/a", "cached"]))
+    made = [k for k in doc["claims"] if k["claim"] is not None]
+    print(f"\nClaims ({len(made)} of {len(doc['claims'])} comparisons have disjoint spreads; > 1 = config better):")
+    for k in made:
+        print(f"  [{k['capacity']}] {k['offered_rps']:g} req/s {k['metric']}: ({k['config']}) vs "
+              f"({k['baseline']}) {k['claim']:.2f}")
     print("\nTargets")
-    for k, v in doc["targets"].items():
-        print(f"  {k}: {json.dumps(v)}")
+    for cap, ts in doc["targets"].items():
+        for name, v in ts.items():
+            print(f"  [{cap}] {name}: {json.dumps(v)}")
+
+
+def _median_rows(doc: dict[str, Any], cap: str) -> list[dict[str, Any]]:
+    """One flat row of medians per cell at ``cap``: the shape harness.plot_by_config draws."""
+    return [{"config": c["config"], "offered_rps": c["offered_rps"],
+             **{m: (c["summary"][m] or {}).get("median") for m in METRICS}}
+            for c in doc["result"]["cells"] if c["capacity"] == cap]
 
 
 def chart(doc: dict[str, Any], path: Path) -> None:
+    """One row of panels per capacity: medians per configuration against load, the offline figures dashed."""
     plt = H.pyplot()
-    rows = doc["result"]["rows"]
-    fig, axes = plt.subplots(1, 4, figsize=(19, 4.5))
-    H.plot_by_config(axes, rows, doc["configs"], "offered_rps",
-                     (lambda r: r["ttft_p90_ms"], lambda r: r["itl_p50_ms"], lambda r: r["aiperf_cached_ratio"],
-                      lambda r: r["output_tokens_per_s"]))
-    orc = doc["result"]["oracle"]
-    axes[2].axhline(orc["pooled_lru"], color="k", ls="--", label="(d) oracle, pooled LRU of real capacity")
-    axes[2].axhline(orc["infinite"], color="k", ls=":", label="(d) infinite cache")
-    axes[0].set_yscale("log")
-    H.label_axes(axes, ("TTFT p90 (ms, log)", "ITL p50 (ms)", "cached-token ratio", "output tokens/s"),
-                 "offered load (req/s of simulated time)")
-    axes[0].legend(fontsize=7)
-    axes[2].legend(fontsize=7)
-    H.save_figure(fig, "Mooncake trace via AIPerf on 4 iteration-scheduled mock workers", path)
+    caps = doc["result"]["capacities"]
+    fig, grid = plt.subplots(len(caps), 4, figsize=(19, 4.5 * len(caps)), squeeze=False)
+    for axes, info in zip(grid, caps, strict=True):
+        H.plot_by_config(axes, _median_rows(doc, info["name"]), doc["configs"], "offered_rps",
+                         (lambda r: r["ttft_p90_ms"], lambda r: r["itl_p90_ms"], lambda r: r["aiperf_cached_ratio"],
+                          lambda r: r["output_tokens_per_s"]))
+        cv = info["clairvoyant"]
+        axes[2].plot([x["offered_rps"] for x in cv], [x["cached_ratio"]["median"] for x in cv], "k^-",
+                     label="clairvoyant router")
+        axes[2].axhline(info["oracle"]["pooled_lru"], color="k", ls="--", label="pooled LRU of real capacity")
+        axes[2].axhline(info["oracle"]["infinite"], color="k", ls=":", label="infinite cache")
+        axes[0].set_yscale("log")
+        H.label_axes(axes, (f"[{info['name']}] TTFT p90 median (ms, log)", "ITL p90 median (ms)",
+                            "cached-token ratio", "output tokens/s"), "offered load (req/s of simulated time)")
+        axes[0].legend(fontsize=7)
+        axes[2].legend(fontsize=7)
+    H.save_figure(fig, "Mooncake trace via AIPerf on 4 iteration-scheduled mock workers, per KV capacity", path)
+
+
+def parse_capacities(text: str) -> tuple[str, ...]:
+    """``--capacities ample,75,scarce``: names checked here, so a typo fails before any worker starts."""
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [n for n in names if n not in CAPACITIES]
+    if bad or not names:
+        raise SystemExit(f"--capacities: unknown {bad or text!r}; choose from {','.join(CAPACITIES)}")
+    return names
+
+
+def mock_args_template(plan: Plan) -> list[str]:
+    """The workers' flags with the capacity left open (it is per capacity: result.capacities[].blocks_per_worker)."""
+    args = plan.mock_args(0)
+    args[args.index("--num-blocks") + 1] = "<blocks_per_worker>"
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -326,6 +550,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--only", help="comma-separated subset of configurations (a,b,c,c1,e)")
     ap.add_argument("--rates", help="comma-separated offered loads (req/s of simulated time)")
     ap.add_argument("--speedup", type=float, help="mock speedup (wall-clock compression)")
+    ap.add_argument("--repeats", type=int, help="runs per cell, one per arrival-jitter seed (default 3, quick 2)")
+    ap.add_argument("--capacities", help=f"comma-separated KV capacities per worker ({','.join(CAPACITIES)}; "
+                                         "default ample,75,scarce)")
     ap.add_argument("--work", help="directory for AIPerf inputs, artifacts and logs (default: a temp dir)")
     a = ap.parse_args(argv)
     plan = QUICK if a.quick else Plan()
@@ -336,20 +563,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         plan.rates = tuple(float(x) for x in a.rates.split(","))
     if a.speedup:
         plan.speedup = a.speedup
+    if a.repeats:
+        plan.repeats = a.repeats
+    if a.capacities:
+        plan.capacities = parse_capacities(a.capacities)
     import tempfile
 
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="epp-trace-work-"))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"trace: Mooncake via AIPerf, configs {configs}, loads {plan.rates} req/s, work dir {work}", flush=True)
+    print(f"trace: Mooncake via AIPerf, configs {configs}, loads {plan.rates} req/s, capacities {plan.capacities}, "
+          f"{plan.repeats} repeats, work dir {work}", flush=True)
     load_before = os.getloadavg()
     result = run(plan, configs, work)
     result["loadavg_1m_before_after"] = [load_before[0], os.getloadavg()[0]]
     doc = {"bench": "trace", **H.meta(a.quick), "configs": {k: CONFIGS[k] for k in configs},
-           "plan": {**asdict(plan), "scale": plan.scale.describe()}, "mock_args": plan.mock_args(),
+           "plan": {**asdict(plan), "scale": plan.scale.describe()}, "mock_args": mock_args_template(plan),
            "aiperf_command": aiperf_command("http://<gateway>", Path("<trace.jsonl>"), Path("<tokenizer dir>"),
                                             Path("<artifacts>"), plan.aiperf_timeout_s)[1:],
            "result": result}
-    with_ratios(doc)
+    doc["claims"] = claims(doc)
     doc["targets"] = targets(doc)
     return H.publish(doc, a.out, "trace", print_report, chart)
 

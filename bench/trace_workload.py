@@ -98,6 +98,40 @@ def prompt_text(row: dict[str, Any], s: TraceScale) -> str:
     return " ".join(words[:want])
 
 
+def jitter(rows: Sequence[dict[str, Any]], seed: int, amplitude_ms: float) -> list[dict[str, Any]]:
+    """The rows with each timestamp shifted by a seeded uniform jitter in +-``amplitude_ms`` (trace time).
+
+    Seed 0 is the trace as recorded. Repeats jitter arrivals rather than draw other subsamples so that every
+    repeat replays the SAME requests (same prompts, same oracle and clairvoyant figures, same cache demand):
+    what differs between repeats is only timing, i.e. the noise a comparison must rise above. Timestamps
+    are then made non-decreasing, so arrival order (and with it every later turn after its predecessor)
+    is kept."""
+    if seed == 0 or amplitude_ms <= 0:
+        return [dict(r) for r in rows]
+    import random
+
+    rng = random.Random(seed)
+    out, last = [], -math.inf
+    for r in rows:
+        t = max(last, r["timestamp"] + rng.uniform(-amplitude_ms, amplitude_ms))
+        out.append({**r, "timestamp": t})
+        last = t
+    return out
+
+
+def mean_gap_ms(rows: Sequence[dict[str, Any]]) -> float:
+    """Mean time between consecutive arrivals, in trace milliseconds (the unit the jitter is sized in)."""
+    return (rows[-1]["timestamp"] - rows[0]["timestamp"]) / max(1, len(rows) - 1)
+
+
+def working_set_blocks(prompts: Sequence[Sequence[int]], bs: int) -> int:
+    """Distinct full KV blocks over all prompts: what a cache must hold to never miss a reusable block."""
+    seen: set[int] = set()
+    for toks in prompts:
+        seen.update(block_chain(toks, bs))
+    return len(seen)
+
+
 def output_tokens(row: dict[str, Any], s: TraceScale) -> int:
     return max(1, round(row["output_length"] / s.output_divisor))
 

@@ -76,17 +76,27 @@ def test_scale_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_trace_quick(tmp_path: Path) -> None:
-    """The Mooncake replay runs end to end through AIPerf, Envoy, the picker and iteration-scheduled mocks."""
+def test_trace_quick_repeats_each_cell_and_reports_spreads_and_offline_bounds(tmp_path: Path) -> None:
+    """The Mooncake replay runs end to end through AIPerf, Envoy, the picker and iteration-scheduled mocks,
+    once per jitter seed, and reports each cell as median and spread beside the offline cached-ratio figures."""
     doc = run_bench("trace", tmp_path, timeout=140)
-    rows = doc["result"]["rows"]
-    assert [r["config"] for r in rows] == ["c"]
-    for r in rows:
-        assert r["errors"] == 0 and r["requests"] == doc["result"]["requests"] > 0
+    res = doc["result"]
+    assert [(c["capacity"], c["config"]) for c in res["cells"]] == [("scarce", "c")]
+    cell = res["cells"][0]
+    assert [r["seed"] for r in cell["runs"]] == [0, 1]
+    for r in cell["runs"]:
+        assert r["errors"] == 0 and r["requests"] == res["requests"] > 0
         assert r["ttft_p50_ms"] <= r["ttft_p90_ms"] and r["output_tokens_per_s"] > 0
         assert sum(r["per_worker_served"].values()) == r["requests"]
-        assert r["workers_prompt_tokens"] == r["aiperf_prompt_tokens"] == doc["result"]["prompt_tokens"]
-    assert set(doc["targets"]) == {"c_cached_within_5pct_of_oracle"}
+        assert r["workers_prompt_tokens"] == r["aiperf_prompt_tokens"] == res["prompt_tokens"]
+    s = cell["summary"]["ttft_p90_ms"]
+    assert s["n"] == 2 and s["min"] <= s["median"] <= s["max"]
+    (cap,) = res["capacities"]
+    assert cap["name"] == "scarce" and cap["blocks_per_worker"] * 4 == cap["pool_blocks"]
+    assert 0 <= cap["oracle"]["pooled_lru"] <= cap["oracle"]["infinite"] <= 1
+    assert [x["seed"] for x in cap["clairvoyant"][0]["runs"]] == [0, 1]
+    assert doc["claims"] == []  # only (c) ran: nothing to compare
+    assert set(doc["targets"]["scarce"]) == {"c_cached_within_5pct_of_clairvoyant"}
 
 
 def test_run_all_rejects_unknown_names(tmp_path: Path) -> None:

@@ -1,0 +1,76 @@
+"""Repeated runs of one benchmark cell, summarised as median and spread, and the rule for claiming a ratio.
+
+One run of a (config, load) cell on a shared 2-core machine is one sample of a noisy figure: the trace
+benchmark's single-run tables could not tell a 1.01x difference from noise. Each cell is therefore run
+several times (different arrival-jitter seeds) and reported as its median with the spread min..max.
+
+The claim rule is deliberately blunt: a ratio between two configurations is claimed only when their spreads
+do not overlap (every run of one is better than every run of the other), and then it is the ratio of the
+medians. Under "no difference" (all runs exchangeable) the chance that 3 runs of one lie wholly above 3 of the
+other is 1/20 (1/10 for either direction); with 2 runs each it is 1/6 (1/3), which is why --quick results
+never support a claim in the README.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+MIN_RUNS_TO_CLAIM = 2  # a single run has no spread: nothing can be said about its noise
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The median of a cell's runs and the range they covered."""
+
+    median: float
+    min: float
+    max: float
+    n: int
+
+    def overlaps(self, other: Spread) -> bool:
+        """True when the two ranges share any value (touching ends count as overlapping)."""
+        return not (self.max < other.min or other.max < self.min)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def spread(values: Sequence[float | None]) -> Spread | None:
+    """Median and min..max of the runs that produced the figure; None if none did (a failed metric)."""
+    xs = [float(v) for v in values if v is not None]
+    if not xs:
+        return None
+    return Spread(statistics.median(xs), min(xs), max(xs), len(xs))
+
+
+def claim(num_runs: Sequence[float | None], den_runs: Sequence[float | None]) -> float | None:
+    """median(num) / median(den) when the two sets of runs do not overlap, else None (no claim).
+
+    Both sides need at least ``MIN_RUNS_TO_CLAIM`` runs, and a zero median denominator claims nothing.
+    Direction is the caller's: for latencies pass the baseline as ``num`` (> 1 = the other is faster).
+    """
+    a, b = spread(num_runs), spread(den_runs)
+    if a is None or b is None or a.n < MIN_RUNS_TO_CLAIM or b.n < MIN_RUNS_TO_CLAIM:
+        return None
+    if a.overlaps(b) or b.median == 0:
+        return None
+    return a.median / b.median
+
+
+def summarize(runs: Sequence[Mapping[str, Any]], metrics: Sequence[str]) -> dict[str, dict[str, Any] | None]:
+    """Per metric, the spread of its values over ``runs`` (as plain dicts, for the JSON document)."""
+    out: dict[str, dict[str, Any] | None] = {}
+    for m in metrics:
+        s = spread([r.get(m) for r in runs])
+        out[m] = s.as_dict() if s else None
+    return out
+
+
+def fmt_spread(s: Mapping[str, Any] | None, spec: str = ".0f") -> str:
+    """``median [min..max]`` for the report table; ``-`` when the metric is missing."""
+    if not s:
+        return "-"
+    return f"{s['median']:{spec}} [{s['min']:{spec}}..{s['max']:{spec}}]"
