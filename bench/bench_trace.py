@@ -225,8 +225,8 @@ def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc)
         return H.envoy(st, upstreams=addrs), None
     if cfg == "b":
         pk = H.picker(st, H.endpoints_spec(workers))
-    elif cfg in ("c", "c1"):
-        extra = ["--kv-overlap-score-credit", "1"] if cfg == "c1" else []
+    elif cfg in ("c", "c1") or cfg in VARIANTS:
+        extra = ["--kv-overlap-score-credit", "1"] if cfg == "c1" else VARIANTS.get(cfg, [])
         pk = H.picker(st, H.endpoints_spec(workers), "trtllm-render", renderer, extra=extra)
         H.wait_subscribed(pk, addrs)
     else:  # (e): no KV endpoint given and no default port, predictions kept for the whole run
@@ -388,13 +388,15 @@ def compare(x: dict[str, Any], base: dict[str, Any], metric: str) -> dict[str, A
 
 
 PAIRS = (("b", "a"), ("c", "a"), ("c1", "a"), ("e", "a"), ("c", "b"), ("c", "e"), ("c", "c1"))
+VARIANTS: dict[str, list[str]] = {}  # --variant NAME=FLAGS: more KV-aware pickers, each compared with (c) and (e)
 
 
 def claims(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """Every pair of PAIRS present in a (capacity, load) on every claimed metric."""
     out = []
+    pairs = PAIRS + tuple((v, base) for v in VARIANTS for base in ("c", "e"))
     for c in doc["result"]["cells"]:
-        for x, base in PAIRS:
+        for x, base in pairs:
             if c["config"] != x:
                 continue
             b = _cell(doc, c["capacity"], base, c["offered_rps"])
@@ -554,7 +556,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--capacities", help=f"comma-separated KV capacities per worker ({','.join(CAPACITIES)}; "
                                          "default ample,75,scarce)")
     ap.add_argument("--work", help="directory for AIPerf inputs, artifacts and logs (default: a temp dir)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="another KV-aware picker, compared with (c) and (e), e.g. 'c30=--prediction-ttl-s 30'")
     a = ap.parse_args(argv)
+    for v in a.variant:
+        name, _, flags = v.partition("=")
+        CONFIGS[name] = f"picker, KV-aware, {flags}"
+        VARIANTS[name] = flags.split()
     plan = QUICK if a.quick else Plan()
     configs = ["c"] if a.quick else list(CONFIGS)  # --quick: does it run at all
     if a.only:
