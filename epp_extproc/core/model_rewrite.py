@@ -9,7 +9,7 @@ targets with weights (90/10). The API is GAIE v1.5.0's `InferenceModelRewrite`
 - a target's share is weight / sum of the rule's weights; targets that all leave `weight` out share equally.
 
 The choice is per request (seeded from `random`), except that a request carrying a session key
-(`SESSION_HEADER`) is placed by a stable hash of the key, so a conversation keeps one target and every
+(`CONVERSATION_HEADER`) is placed by a stable hash of the key, so a conversation keeps one target and every
 replica places it the same way without talking to the others. Buckets are cumulative, so moving weight from
 one target to another (90/10 -> 50/50) moves only the sessions in the slice that changed hands.
 
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 REWRITE_API_VERSION = "inference.networking.x-k8s.io/v1alpha2"
 REWRITE_KIND = "InferenceModelRewrite"
-SESSION_HEADER = "x-session-id"  # one conversation -> one target (hashed; never logged, never a label)
+CONVERSATION_HEADER = "x-session-id"  # one conversation -> one target (hashed; never logged, never a label)
 ANY_MODEL = "*"  # the metric's `model` label of a rule without `matches`: client-chosen names stay out
 MAX_WEIGHT = 1_000_000  # the CRD's bound on one weight
 
@@ -154,7 +154,7 @@ class ModelRewriter:
 
 
 def session_key(headers: Mapping[str, list[str]]) -> str | None:
-    values = headers.get(SESSION_HEADER)
+    values = headers.get(CONVERSATION_HEADER)
     if not values:
         return None
     v = values[-1].strip()

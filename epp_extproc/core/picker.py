@@ -35,6 +35,8 @@ class Picker:
         self.bodies = bodies
         self.lean = lean
         self.metrics = pipeline.metrics
+        sessions = pipeline.sessions  # session affinity: answers name their worker in a sealed token
+        self._seal = sessions.seal if sessions is not None else None
 
     @property
     def open_requests(self) -> int:
@@ -46,7 +48,7 @@ class Picker:
         self.arriving.enter()
         return PickerExchange(self.decide, self.bodies, self.arriving, self.gate, self.lean, self.metrics,
                               knows=self.pipeline.registry.__contains__, count_rejection=self.count_rejection,
-                              seal=self.pipeline.sessions.seal if self.pipeline.sessions is not None else None)
+                              seal=self._seal)
 
     async def decide(self, request: RequestContext) -> Decision:
         """Propose, wait for admission, commit; the flow ticket is released once the load is booked (or on any

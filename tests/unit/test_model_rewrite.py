@@ -11,7 +11,7 @@ import pytest
 
 from epp_extproc.core.model_rewrite import (
     ANY_MODEL,
-    SESSION_HEADER,
+    CONVERSATION_HEADER,
     ModelRewriter,
     RewriteError,
     RewriteRules,
@@ -140,7 +140,7 @@ def test_a_session_keeps_one_target_and_another_replica_places_it_the_same_way()
     rules = (Rule("split", frozenset({"m"}), (Target("a", 50), Target("b", 50))),)
     one, other = rewriter(*rules, seed=1), rewriter(*rules, seed=2)  # two replicas, different random state
     for s in range(200):
-        headers = {SESSION_HEADER: [f"conversation-{s}"]}
+        headers = {CONVERSATION_HEADER: [f"conversation-{s}"]}
         first = one.choose("m", headers).target  # type: ignore[union-attr]
         assert all(one.choose("m", headers).target == first for _ in range(5))  # type: ignore[union-attr]
         assert other.choose("m", headers).target == first  # type: ignore[union-attr]
@@ -148,7 +148,7 @@ def test_a_session_keeps_one_target_and_another_replica_places_it_the_same_way()
 
 def test_sessions_spread_over_the_targets_by_their_weights() -> None:
     rw = rewriter(Rule("split", frozenset({"m"}), (Target("a", 90), Target("b", 10))))
-    seen = Counter(rw.choose("m", {SESSION_HEADER: [f"s{i}"]}).target for i in range(10_000))  # type: ignore[union-attr]
+    seen = Counter(rw.choose("m", {CONVERSATION_HEADER: [f"s{i}"]}).target for i in range(10_000))  # type: ignore[union-attr]
     assert abs(seen["b"] / 10_000 - 0.10) <= 0.02, seen
 
 
@@ -156,11 +156,11 @@ def test_shifting_weight_moves_only_the_sessions_in_the_slice_that_changed_hands
     before = rewriter(Rule("r", frozenset({"m"}), (Target("a", 90), Target("b", 10))))
     after = rewriter(Rule("r", frozenset({"m"}), (Target("a", 50), Target("b", 50))))
     for i in range(2000):
-        h = {SESSION_HEADER: [f"s{i}"]}
+        h = {CONVERSATION_HEADER: [f"s{i}"]}
         if before.choose("m", h).target == "b":  # type: ignore[union-attr]
             assert after.choose("m", h).target == "b"  # type: ignore[union-attr]
 
 
 def test_a_blank_session_header_counts_as_none() -> None:
     rw = rewriter(Rule("split", frozenset({"m"}), (Target("a", 1), Target("b", 1))), seed=5)
-    assert len({rw.choose("m", {SESSION_HEADER: ["  "]}).target for _ in range(50)}) == 2  # type: ignore[union-attr]
+    assert len({rw.choose("m", {CONVERSATION_HEADER: ["  "]}).target for _ in range(50)}) == 2  # type: ignore[union-attr]

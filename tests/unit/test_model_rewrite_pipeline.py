@@ -9,7 +9,7 @@ import pytest
 
 from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.model_rewrite import (
-    SESSION_HEADER,
+    CONVERSATION_HEADER,
     ModelRewriter,
     RewriteRules,
     RewriteTable,
@@ -79,7 +79,7 @@ async def test_the_session_header_keeps_a_conversation_on_one_target_through_the
     split = Rule("canary", frozenset({"base"}), (Target("base", 50), Target("tenant-lora", 50)))
     pipe, _, _ = with_rules(split)
     for s in range(20):
-        headers = {SESSION_HEADER: [f"conv-{s}"]}
+        headers = {CONVERSATION_HEADER: [f"conv-{s}"]}
         models = {(await pipe.propose(chat(b'{"model":"base","messages":[]}', headers))).model for _ in range(4)}
         assert len(models) == 1
 
