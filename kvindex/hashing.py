@@ -192,12 +192,12 @@ def media_chain_hashes(
     append = out.append
     # validate once: sorted, non-overlapping, non-empty spans; the chain stops where the first bad one begins
     stop = nblocks
-    prev_end = 0
+    prev_start = prev_end = 0
     for it in media:
-        if it.length <= 0 or it.offset < prev_end:
-            stop = min(stop, max(0, min(it.offset, prev_end)) // block_size)
+        if it.length <= 0 or it.offset < prev_end:  # the chain ends before either item of a bad pair begins
+            stop = min(stop, max(0, min(it.offset, prev_start if prev_end else it.offset)) // block_size)
             break
-        prev_end = it.offset + it.length
+        prev_start, prev_end = it.offset, it.offset + it.length
     bare = dialect == DIALECT_VLLM_BARE
     if dialect == DIALECT_TRTLLM and media:
         stop = min(stop, media[0].offset // block_size)
