@@ -201,33 +201,44 @@ def media_chain_hashes(
     bare = dialect == DIALECT_VLLM_BARE
     if dialect == DIALECT_TRTLLM and media:
         stop = min(stop, media[0].offset // block_size)
+    tag = _BARE if bare else _PAIR
+    heads = [tag + _lp(it.identifier.encode()) for it in media]  # each item's key bytes, encoded once
     h = root_seed(lora_name, salt)
     j = 0
     n_items = len(media)
-    for b in range(stop):
+    b = 0
+    while b < stop:
         s = b * block_size
         e = s + block_size
         while j < n_items and media[j].offset + media[j].length <= s:
             j += 1
+        if (j == n_items or media[j].offset >= e) and not (b == 0 and bare and salt):
+            # a run of text-only blocks up to the next item: hashed exactly like chain_hashes
+            nxt = stop if j == n_items else min(stop, media[j].offset // block_size)
+            for off in range(b * step, nxt * step, step):
+                h = _xxh3(mv[off : off + step], h)
+                append(h)
+            b = nxt
+            continue
         k = j
-        keys: list = []
         while k < n_items and media[k].offset < e:
-            keys.append(media[k])
             k += 1
         if b == 0 and bare:
             # the salt and the items' bare ids share one list of strings in this dialect, so the event side
             # cannot tell a lone id from a lone salt: both sides read one string as the salt, more as keys
             # (kvindex/decode.py `_identity`); vLLM itself hashes the two cases alike
-            strings = [it.identifier for it in keys] + ([salt] if salt else [])
+            strings = [media[i].identifier for i in range(j, k)] + ([salt] if salt else [])
             if len(strings) == 1:
                 h = root_seed(lora_name, strings[0])
             elif strings:
                 h = mm_seed(root_seed(lora_name, None), mm_bare_key(strings))
-            keys = []
-        if keys:
-            mm = mm_bare_key([it.identifier for it in keys]) if bare else \
-                mm_pair_key([(it.identifier, it.offset - s) for it in keys])
-            h = mm_seed(h, mm)
-        h = _xxh3(mv[b * step : (b + 1) * step], h)
+        elif k == j + 1:  # the usual media block: inside one item
+            h = _xxh3(heads[j] if bare else heads[j] + ((media[j].offset - s) & MASK64).to_bytes(8, "little"), h)
+        elif bare:
+            h = _xxh3(b"".join(heads[j:k]), h)
+        else:
+            h = _xxh3(b"".join(heads[i] + _off(media[i].offset - s) for i in range(j, k)), h)
+        h = _xxh3(mv[b * step : e * 4], h)  # (the three branches above are mm_seed, inlined)
         append(h)
+        b += 1
     return out
