@@ -25,7 +25,7 @@ from typing import Any
 import xxhash
 
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
-from kvindex.hashing import block_hashes, chain_hashes, chain_hashes_with_keys, pack_tokens, root_seed
+from kvindex.hashing import block_hashes, chain_hashes_with_keys, pack_tokens, root_seed
 from kvindex.metrics import register_index
 
 log = logging.getLogger(__name__)
@@ -420,22 +420,53 @@ class KvIndex:
         multi = slot.multi
         wpred = w.pred if bs == w.block_size and rank == 0 else None
         before = len(eng)
-        mm = ev.mm
-        n_tok = len(ev.block_hashes) * bs
-        if mm is None:  # text-only chain: today's hashing, untouched
-            ours = chain_hashes(ev.token_ids, n_tok, bs, h)
+        if ev.mm is not None:  # a chain with media blocks: keyed with the engine's item keys (rare, not inlined)
+            self._store_keyed(w, slot, ev, h, wpred)
         else:
-            if ev.mm_dialect != w.dialect:
-                if w.dialect is not None:
-                    self._warn_once(w, "dialect", "worker %s keys media blocks as %s, then as %s: prompts follow "
-                                    "the latest", w.id, w.dialect, ev.mm_dialect)
-                w.dialect = ev.mm_dialect
-            ours = chain_hashes_with_keys(ev.token_ids, bs, h, mm)
-        for eh, h in zip(ev.block_hashes, ours, strict=True):
-            prev = setdefault(eh, h)
-            if prev is not h:  # engine hash already known (re-stored, or reused for other tokens)
+            step = bs * 4
+            mv = memoryview(ev.token_ids).cast("B")
+            off = 0
+            for eh in ev.block_hashes:
+                h = _xxh3(mv[off : off + step], h)
+                off += step
+                prev = setdefault(eh, h)
+                if prev is not h:  # engine hash already known (re-stored, or reused for other tokens)
+                    del eng[eh]
+                    eng[eh] = h  # move to the young end of the eviction order
+                    if prev == h:
+                        continue
+                    self._unref(slot, prev)
+                m = blocks.get(h, 0)
+                if m & bit:
+                    multi[h] = multi.get(h, 1) + 1
+                else:
+                    blocks[h] = m | bit
+                if wpred and h in wpred:
+                    self._confirm(w, h)
+        w.n_blocks += len(eng) - before
+        st.blocks_stored += len(ev.block_hashes)
+        st.events_applied += 1
+        if w.n_blocks > w.cap:
+            self._evict(w, slot)
+
+    def _store_keyed(self, w: _Worker, slot: _Slot, ev: BlockStored, seed: int, wpred: dict[int, float] | None) -> None:
+        """:meth:`_store`'s loop for a chain with media blocks: the same bookkeeping, hashes from
+        :func:`kvindex.hashing.chain_hashes_with_keys`; the worker's media dialect follows its events."""
+        if ev.mm_dialect != w.dialect:
+            if w.dialect is not None:
+                self._warn_once(w, "dialect", "worker %s keys media blocks as %s, then as %s: prompts follow the "
+                                "latest", w.id, w.dialect, ev.mm_dialect)
+            w.dialect = ev.mm_dialect
+        eng = slot.engine
+        blocks = self._blocks
+        bit = slot.bit
+        multi = slot.multi
+        for eh, h in zip(ev.block_hashes, chain_hashes_with_keys(ev.token_ids, ev.block_size, seed, ev.mm or ()),
+                         strict=True):
+            prev = eng.setdefault(eh, h)
+            if prev is not h:
                 del eng[eh]
-                eng[eh] = h  # move to the young end of the eviction order
+                eng[eh] = h
                 if prev == h:
                     continue
                 self._unref(slot, prev)
@@ -446,11 +477,6 @@ class KvIndex:
                 blocks[h] = m | bit
             if wpred and h in wpred:
                 self._confirm(w, h)
-        w.n_blocks += len(eng) - before
-        st.blocks_stored += len(ev.block_hashes)
-        st.events_applied += 1
-        if w.n_blocks > w.cap:
-            self._evict(w, slot)
 
     def _unref(self, slot: _Slot, h: int) -> None:
         multi = slot.multi
