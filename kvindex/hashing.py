@@ -104,9 +104,9 @@ def block_hashes(
 #   vllm-bare  the bare identifier per overlapping item (older vLLM: `extra_keys.append(mm_feature.identifier)`);
 #   trtllm     TensorRT-LLM `MmKey` (32-byte hash, start offset of the block inside the item, optional uuid):
 #              NVIDIA/TensorRT-LLM cpp/tensorrt_llm/batch_manager/blockKey.cpp `generateBlockHashExtraKeys`
-#              (commit 2bb816c6ee6c9e2a5e00f62cd36228eb8fe479aa).  Its events' token ids for media blocks are
-#              engine-internal (not the rendered placeholders), so a request can never rebuild them: the request
-#              side stops its chain at the first media block (text before the image is still credited).
+#              (commit 2bb816c6ee6c9e2a5e00f62cd36228eb8fe479aa).  Its render refuses media and its events' token
+#              ids for media blocks are the engine's own (not the rendered placeholders), so a request cannot
+#              rebuild them: the request side stops its chain at the first media block (text before it counts).
 DIALECT_VLLM = "vllm"
 DIALECT_VLLM_BARE = "vllm-bare"
 DIALECT_TRTLLM = "trtllm"
