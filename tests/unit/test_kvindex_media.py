@@ -175,3 +175,24 @@ def test_media_spans_that_overlap_end_the_chain_before_them_rather_than_guess() 
     toks = pack_tokens(SC["two_images"]["tokens"])
     bad = (MediaItem("a" * 64, 20, 40), MediaItem("b" * 64, 50, 30))  # the second starts inside the first
     assert len(media_chain_hashes(toks, len(toks), BS, None, None, bad)) == 1
+
+
+def test_request_side_keys_equal_exactly_where_vllms_engine_hashes_equal() -> None:
+    """Ground truth from vLLM 0.32.0's own block hasher: over prompts with identical tokens whose images differ in
+    identity, split point and salt, two blocks get the same key on the request side iff vLLM hashes them alike."""
+    eq = FIX["equivalence"]
+    packed = pack_tokens(eq["tokens"])
+    n = len(eq["tokens"])
+    ours = [media_chain_hashes(packed, n, BS, None, c["salt"], tuple(MediaItem(*m) for m in c["media"]))
+            for c in eq["cases"]]
+    engine = [c["engine_hashes"] for c in eq["cases"]]
+    assert all(len(o) == len(e) == n // BS for o, e in zip(ours, engine, strict=True))
+    same_engine = same_ours = 0
+    for b in range(n // BS):
+        for i in range(len(engine)):
+            for j in range(i + 1, len(engine)):
+                e, o = engine[i][b] == engine[j][b], ours[i][b] == ours[j][b]
+                assert e == o, (b, eq["cases"][i], eq["cases"][j])
+                same_engine += e
+                same_ours += o
+    assert same_engine > 0 and same_ours == same_engine  # the sample holds equal blocks, not only distinct ones
