@@ -29,7 +29,7 @@ LLAMA_8B_H100: dict[str, float] = {
 # 32 layers, hidden 1280; vLLM's Qwen2.5-VL recipe quotes "ViT 675M, LM 72B"), run in BF16. The same H100 that the
 # text timing is fitted to computes ~70k prefill tokens/s of the 8B FP8 model (0.0142 ms/token above); a patch costs
 # 675M/8B of a token's matrix work at half the FP8 rate (BF16): 0.0142 * 0.0844 * 2 = 0.0024 ms. A 980x980 image
-# (4,900 patches, 1,225 LLM tokens) then encodes in ~12 ms, ~1.45x the 8.4 ms its 1,225 tokens cost the LLM.
+# (4,900 patches, 1,225 LLM tokens) then encodes in ~12 ms, ~0.7x the ~17 ms its 1,225 tokens cost to prefill.
 # Derived, not measured: docs/mock-vision.md says so.
 ENCODER_MS_PER_PATCH = 0.0024
 
