@@ -146,7 +146,7 @@ class MockWorker:
         self.cache = KVCache(config.tokens_per_block, config.num_blocks)
         self.publisher: KvEventPublisher | None = None
         if config.role == "worker" and config.kv_events:
-            self.publisher = KvEventPublisher(config, on_restart=self.cache.clear)
+            self.publisher = KvEventPublisher(config, on_restart=self._restarted)
         self.engine = Engine(config, self.cache, self.publisher)
         self.fingerprint = fingerprint(config.model, config.chat_template, config.tokenizer_identity_complete)
         self.render_cost = RenderCost(config)
@@ -166,6 +166,12 @@ class MockWorker:
         self.port: int = config.port
 
     # --------------------------------------------------------------- lifecycle
+    def _restarted(self) -> None:
+        """A restarted process starts with an empty KV cache and (vision mode) an empty encoder cache."""
+        self.cache.clear()
+        if self.engine.encoder is not None:
+            self.engine.encoder.clear()
+
     @property
     def url(self) -> str:
         """Base HTTP URL (with the real port when the config asked for port 0)."""

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import aiohttp
+import pytest
 
 from tests.mock.test_mock_support import chat_body, post, running_worker
 from tests.mock.test_mock_vision_support import data_uri, image_body, image_part, jpeg, png
+from trtllm_mock import MockConfig
+from trtllm_mock.cli import config_from_args
 
 TPB = 16
 CHAT = "/v1/chat/completions"
@@ -169,3 +174,49 @@ async def test_an_image_ending_in_the_uncached_last_block_is_encoded_again_as_vl
 async def test_a_text_only_worker_reports_no_vision_stats():
     async with running_worker() as w, aiohttp.ClientSession() as s:
         assert (await stats(s, w.url))["vision"] is None
+
+
+async def test_a_restarted_worker_encodes_the_image_again():
+    img = image_part(data_uri(png(224, 224)))
+    async with vision_worker() as w, aiohttp.ClientSession() as s:
+        await chat(s, w.url, image_body(img, before="First question about"))
+        async with s.post(w.url + "/mock/faults/restart-publisher") as r:
+            assert r.status == 200
+        await chat(s, w.url, image_body(img, before="A quite different opening sentence for"))
+        vision = (await stats(s, w.url))["vision"]
+    assert vision["images_encoded"] == 2 and vision["images_skipped_encoder_cache"] == 0
+
+
+async def test_streaming_an_image_request_reports_the_cache_hit_past_the_image():
+    body = image_body(image_part(data_uri(png(224, 224))), after=LONG_TAIL, stream=True,
+                      stream_options={"include_usage": True})
+    async with vision_worker() as w, aiohttp.ClientSession() as s:
+        await chat(s, w.url, {**body, "stream": False, "stream_options": None})
+        async with s.post(w.url + CHAT, json=body) as r:
+            text = await r.text()
+    usage = json.loads([ln for ln in text.splitlines() if '"usage"' in ln][-1][len("data: "):])["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 64
+
+
+async def test_iteration_scheduler_adds_the_encoder_time_to_the_prefill_step():
+    img = image_part(data_uri(png(224, 224)))  # 256 patches
+    totals = []
+    for per_patch in (0.0, 0.5):
+        async with vision_worker(scheduler="iteration", encoder_ms_per_patch=per_patch, step_base_ms=0.0,
+                                 speedup=1000.0) as w, aiohttp.ClientSession() as s:
+            await chat(s, w.url, image_body(img))
+            totals.append(w.engine.stats.step_ms_total)
+    assert totals[1] - totals[0] == pytest.approx(256 * 0.5)
+
+
+def test_cli_flags_fill_the_vision_settings():
+    cfg, _ = config_from_args(["--multimodal", "--url-image-size", "320x200", "--encoder-ms-per-patch", "0.01",
+                               "--encoder-cache-tokens", "0", "--render-dialect", "vllm", "--event-dialect", "vllm"])
+    assert (cfg.multimodal, cfg.url_image_size, cfg.encoder_ms_per_patch, cfg.encoder_cache_tokens,
+            cfg.render_dialect, cfg.event_dialect) == (True, "320x200", 0.01, 0, "vllm", "vllm")
+    assert config_from_args([])[0].multimodal is False
+
+
+def test_a_bad_url_image_size_is_refused_at_start():
+    with pytest.raises(ValueError, match="640x480"):
+        MockConfig(url_image_size="big").validate()
