@@ -746,8 +746,7 @@ def vllm_render_answer(body: dict[str, Any], vision: VisionPrompt) -> dict[str, 
         "token_offsets": None,
         "features": vision.render_features(),
         "content_parts": None,
-        "sampling_params": {"max_tokens": max_tokens, "temperature": body.get("temperature"),
-                            "top_p": body.get("top_p"), "seed": body.get("seed")},
+        "sampling_params": _vllm_sampling_params(body, max_tokens),
         "model": body.get("model"),
         "reasoning_ended": None,
         "reasoning_parser_kwargs": None,
@@ -760,6 +759,16 @@ def vllm_render_answer(body: dict[str, Any], vision: VisionPrompt) -> dict[str, 
         "kv_transfer_params": None,
         "ec_transfer_params": None,
     }
+
+
+def _vllm_sampling_params(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
+    """The SamplingParams fields the mock models, with vLLM's defaults where the request sets none (so vLLM's own
+    ``GenerateRequest`` validates the answer)."""
+    params: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 1.0, "top_p": 1.0}
+    for key in ("temperature", "top_p", "seed"):
+        if body.get(key) is not None:
+            params[key] = body[key]
+    return params
 
 
 def vllm_error(message: str, status: int = 400) -> web.Response:

