@@ -43,6 +43,7 @@ from .tokenizer import (
 )
 from .vision import (
     VLLM_LOAD_ERROR_PREFIX,
+    ImageLoadError,
     ImageRejected,
     UnsupportedPart,
     VisionPrompt,
@@ -397,7 +398,8 @@ class MockWorker:
 
     async def _vision_prompt(self, body: dict[str, Any], error_prefix: str = "") -> VisionPrompt:
         """Vision mode's rendering: ids with each image's placeholder run, and the spans; an image the engine
-        would refuse is a HandlerRejected with its message (vLLM prefixes "Failed to load image: ")."""
+        would refuse is a HandlerRejected with its message (vLLM prefixes "Failed to load image: " to bytes that
+        do not open as an image: ``error_prefix``)."""
         if body.get("prompt_token_ids") is not None:
             if has_images(body):
                 raise HandlerRejected("prompt_token_ids cannot be combined with media content parts: the "
@@ -410,8 +412,10 @@ class MockWorker:
         try:
             return await self.render_cost.render(len(json.dumps(body["messages"])),
                                                  lambda: vision_prompt(body, template, size))
-        except ImageRejected as exc:
+        except ImageLoadError as exc:
             raise HandlerRejected(error_prefix + str(exc)) from None
+        except ImageRejected as exc:
+            raise HandlerRejected(str(exc)) from None
         except UnsupportedPart as exc:
             raise HandlerRejected(
                 f"Content part type {str(exc)!r} is not supported: the mock serves an image-only vision model."

@@ -69,6 +69,10 @@ class ImageRejected(ValueError):
     """An image part the engine refuses; ``str()`` is the engine's message."""
 
 
+class ImageLoadError(ImageRejected):
+    """The part's bytes could not be opened as an image (vLLM prefixes these "Failed to load image: ")."""
+
+
 class UnsupportedPart(ValueError):
     """A non-text part the vision model does not take (video, audio, embeddings)."""
 
@@ -202,7 +206,7 @@ def image_item(part: dict[str, Any], url_image_size: tuple[int, int]) -> ImageIt
         try:
             w, h = image_size(raw)
         except NotAnImage:
-            raise ImageRejected(_pil_unidentified()) from None
+            raise ImageLoadError(_pil_unidentified()) from None
         content = hashlib.sha256(IDENTITY_DOMAIN + raw).hexdigest()
     elif url[:7].lower() == "http://" or url[:8].lower() == "https://":
         w, h = url_image_size  # never fetched: a stand-in of a fixed size

@@ -84,3 +84,9 @@ async def test_a_text_only_vllm_renderer_refuses_images():
     async with render_worker("vllm", multimodal=False) as w, aiohttp.ClientSession() as s:
         status, out = await post(s, w.url + RENDER, image_body(image_part(data_uri(IMG))))
     assert status == 400 and out["error"]["message"] == "Multimodal input is not supported by prompt rendering."
+
+
+async def test_vllm_render_refuses_an_extreme_aspect_ratio_with_the_processors_text():
+    async with render_worker("vllm") as w, aiohttp.ClientSession() as s:
+        status, out = await post(s, w.url + RENDER, image_body(image_part(data_uri(png(4000, 10)))))
+    assert status == 400 and out["error"]["message"] == "absolute aspect ratio must be smaller than 200, got 400.0"
