@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--heartbeat-interval", type=float, default=d.heartbeat_interval, help="seconds; 0 disables")
     a("--event-encoding", choices=["compact", "int64"], default=d.event_encoding)
     a("--dp-rank", type=int, default=d.dp_rank)
+    a("--event-dialect", choices=["trtllm", "vllm", "vllm-array", "sglang"], default=d.event_dialect,
+      help="whose KV-event wire form to publish")
     a("--prefill-ms-per-token", type=float, default=d.prefill_ms_per_token)
     a("--decode-ms-per-token", type=float, default=d.decode_ms_per_token)
     a("--max-batch-size", type=int, default=d.max_batch_size)
@@ -65,6 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--step-prefill-ms-per-token", type=float, default=d.step_prefill_ms_per_token)
     a("--step-decode-ms-per-token", type=float, default=d.step_decode_ms_per_token)
     a("--step-kv-read-ms-per-token", type=float, default=d.step_kv_read_ms_per_token)
+    a("--multimodal", action="store_true", default=d.multimodal,
+      help="vision mode: image_url parts become Qwen2/2.5-VL placeholder runs (docs/mock-vision.md)")
+    a("--url-image-size", default=d.url_image_size, help="size an http(s) image stands in as (never fetched)")
+    a("--encoder-ms-per-patch", type=float, default=d.encoder_ms_per_patch,
+      help="vision encoder time per 14x14 patch of an uncached image")
+    a("--encoder-cache-tokens", type=int, default=d.encoder_cache_tokens,
+      help="encoder cache capacity in embeddings (vLLM: max_num_batched_tokens)")
+    a("--render-dialect", choices=["trtllm", "vllm"], default=d.render_dialect,
+      help="render answer shape: TensorRT-LLM's render objects or vLLM's GenerateRequest")
     a("--log-level", default="INFO")
     return p
 

@@ -10,6 +10,7 @@ SeqStart = Literal["zero", "time_ns"]
 EventEncoding = Literal["compact", "int64"]
 EventDialect = Literal["trtllm", "vllm", "vllm-array", "sglang"]
 ErrorShape = Literal["current", "legacy"]
+RenderDialect = Literal["trtllm", "vllm"]
 Scheduler = Literal["independent", "iteration"]
 
 # Step-time constants fitted to TensorRT-LLM's published throughput of Llama-3.1-8B-Instruct-FP8 on one H100
@@ -23,6 +24,14 @@ LLAMA_8B_H100: dict[str, float] = {
     "step_decode_ms_per_token": 0.0155,
     "step_kv_read_ms_per_token": 2.55e-5,
 }
+
+# Vision encoder time per 14x14 patch: Qwen2.5-VL's ViT has 675M parameters (Qwen2.5-VL technical report, Table 1:
+# 32 layers, hidden 1280; vLLM's Qwen2.5-VL recipe quotes "ViT 675M, LM 72B"), run in BF16. The same H100 that the
+# text timing is fitted to computes ~70k prefill tokens/s of the 8B FP8 model (0.0142 ms/token above); a patch costs
+# 675M/8B of a token's matrix work at half the FP8 rate (BF16): 0.0142 * 0.0844 * 2 = 0.0024 ms. A 980x980 image
+# (4,900 patches, 1,225 LLM tokens) then encodes in ~12 ms, ~0.7x the ~17 ms its 1,225 tokens cost to prefill.
+# Derived, not measured: docs/mock-vision.md says so.
+ENCODER_MS_PER_PATCH = 0.0024
 
 
 @dataclass
@@ -65,6 +74,16 @@ class MockConfig:
     replay_hwm: int = 0  # send HWM of the replay ROUTER (0: ZeroMQ's 1000); small values drop replay frames
     tail_block_size: int = 0  # > 0: also publish each prompt's partial tail in blocks of this size (vLLM hybrid)
     bigram_pages: bool = False  # SGLang EAGLE: token_ids published as [t, next] pairs
+
+    # Vision mode (docs/mock-vision.md): image_url parts are expanded Qwen2/2.5-VL style, keyed per item in the KV
+    # cache and its events, and charged encoder time when not cached. Off: a text-only model (images are 400s).
+    multimodal: bool = False
+    url_image_size: str = "640x480"  # http(s) images are never fetched: they stand in as an image of this size
+    encoder_ms_per_patch: float = ENCODER_MS_PER_PATCH
+    encoder_cache_tokens: int = 8192  # vLLM: encoder_cache_size = max_num_batched_tokens embeddings
+    # Render answers: trtllm (TensorRT-LLM's render objects; media refused) or vllm (vLLM's GenerateRequest, with
+    # multimodal features when --multimodal).
+    render_dialect: RenderDialect = "trtllm"
 
     # Timing model.
     prefill_ms_per_token: float = 0.01
@@ -138,5 +157,12 @@ class MockConfig:
         if min(self.step_base_ms, self.step_prefill_ms_per_token, self.step_decode_ms_per_token,
                self.step_kv_read_ms_per_token) < 0:
             raise ValueError("step times must be >= 0")
+        if self.render_dialect not in ("trtllm", "vllm"):
+            raise ValueError("render_dialect must be trtllm or vllm")
+        if self.encoder_ms_per_patch < 0 or self.encoder_cache_tokens < 0:
+            raise ValueError("encoder_ms_per_patch and encoder_cache_tokens must be >= 0")
+        from .vision import parse_image_size
+
+        parse_image_size(self.url_image_size)
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")

@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .config import MockConfig
 from .events import KvEventPublisher
 from .kvcache import Allocation, KVCache
 from .tokenizer import output_token_ids
+from .vision import EncoderCache, VisionPrompt
 
 
 @dataclass
@@ -42,6 +44,7 @@ class _Waiter:
     prompt: list[int]
     salt: str | None
     total_tokens: int
+    mm_blocks: Sequence[Sequence[Any]] | None = None
     future: asyncio.Future[Allocation] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -58,6 +61,7 @@ class EngineStats:
     completion_tokens_total: int = 0
     steps: int = 0
     step_ms_total: float = 0.0
+    encoder_ms_total: float = 0.0  # vision mode: simulated encoder time charged for uncached images
 
 
 @dataclass(eq=False)
@@ -68,6 +72,7 @@ class _Seq:
     prompt_len: int
     tokens: list[int]
     prefill_left: int
+    encoder_ms: float = 0.0  # vision mode: added to the first step that computes part of this prompt
     produced: int = 0
     out: asyncio.Queue[Prefilled | int | None] = field(default_factory=asyncio.Queue)
 
@@ -98,6 +103,7 @@ class Engine:
         self._active: dict[_Seq, None] = {}  # iteration scheduler: running requests in admission order
         self._loop: asyncio.Task[None] | None = None
         self.clock_ms = 0.0  # simulated engine time: the summed duration of every step run so far
+        self.encoder = EncoderCache(config.encoder_cache_tokens) if config.multimodal else None
 
     def _publish(self, events: list[dict]) -> None:
         if events and self.publisher is not None:
@@ -117,7 +123,7 @@ class Engine:
             if head.future.done():  # cancelled while waiting
                 self.waiting.popleft()
                 continue
-            admitted = self.cache.admit(head.prompt, head.salt, head.total_tokens)
+            admitted = self.cache.admit(head.prompt, head.salt, head.total_tokens, head.mm_blocks)
             if admitted is None:
                 return  # head-of-line blocking on KV capacity, as a FIFO scheduler does
             alloc, events = admitted
@@ -131,8 +137,9 @@ class Engine:
         self.running -= 1
         self._schedule()
 
-    async def _admit(self, prompt: list[int], salt: str | None, total_tokens: int) -> Allocation:
-        waiter = _Waiter(prompt, salt, total_tokens)
+    async def _admit(self, prompt: list[int], salt: str | None, total_tokens: int,
+                     mm_blocks: Sequence[Sequence[Any]] | None = None) -> Allocation:
+        waiter = _Waiter(prompt, salt, total_tokens, mm_blocks)
         self.waiting.append(waiter)
         self._schedule()
         try:
@@ -190,6 +197,9 @@ class Engine:
             while self._active:
                 plan = self.plan_step()
                 ms = self.step_ms(plan.prefill_tokens, len(plan.decode), plan.context_tokens)
+                for seq, _ in plan.prefill:  # an uncached image is encoded before its first prefill chunk
+                    ms += seq.encoder_ms
+                    seq.encoder_ms = 0.0
                 self.stats.steps += 1
                 self.stats.step_ms_total += ms
                 # steps end on a deadline chain, so the loop's own work does not lengthen every step
@@ -218,9 +228,10 @@ class Engine:
             self._active.pop(seq, None)
 
     async def _generate_iteration(
-        self, prompt: list[int], alloc: Allocation, max_tokens: int
+        self, prompt: list[int], alloc: Allocation, max_tokens: int, encoder_ms: float = 0.0
     ) -> AsyncIterator[Prefilled | int]:
-        seq = _Seq(alloc, len(prompt), output_token_ids(prompt, max_tokens), len(prompt) - alloc.cached_tokens)
+        seq = _Seq(alloc, len(prompt), output_token_ids(prompt, max_tokens), len(prompt) - alloc.cached_tokens,
+                   encoder_ms)
         self._active[seq] = None
         if self._loop is None:
             self._loop = asyncio.get_running_loop().create_task(self._run_steps())
@@ -235,19 +246,34 @@ class Engine:
         finally:
             self._active.pop(seq, None)
 
+    def _encoder_ms(self, vision: VisionPrompt | None, cached_tokens: int) -> float:
+        """Encoder time for the request's images that neither the prefix cache nor the encoder cache holds."""
+        if self.encoder is None or vision is None or not vision.spans:
+            return 0.0
+        ms = self.encoder.charge(vision.spans, cached_tokens) * self.config.encoder_ms_per_patch
+        self.stats.encoder_ms_total += ms
+        return ms
+
     async def generate(
-        self, prompt: list[int], salt: str | None, max_tokens: int
+        self, prompt: list[int], salt: str | None, max_tokens: int, vision: VisionPrompt | None = None
     ) -> AsyncIterator[Prefilled | int]:
-        """Yield :class:`Prefilled` once, then each output token id; releases everything when closed."""
-        alloc = await self._admit(prompt, salt, len(prompt) + max_tokens)
+        """Yield :class:`Prefilled` once, then each output token id; releases everything when closed.
+
+        ``vision`` (vision mode): the prompt's image spans, which key its blocks and cost encoder time."""
+        if vision is None and self.encoder is not None:
+            vision = VisionPrompt(prompt)  # a multimodal model keys (and publishes) text blocks with no items
+        mm_blocks = vision.block_keys(self.cache.tokens_per_block) if vision is not None else None
+        alloc = await self._admit(prompt, salt, len(prompt) + max_tokens, mm_blocks)
         self.stats.requests_started += 1
         try:
+            encoder_ms = self._encoder_ms(vision, alloc.cached_tokens)
             if self.config.scheduler == "iteration":
-                async for item in self._generate_iteration(prompt, alloc, max_tokens):
+                async for item in self._generate_iteration(prompt, alloc, max_tokens, encoder_ms):
                     yield item
                 self.stats.requests_served += 1
                 return
-            await self._sleep_ms((len(prompt) - alloc.cached_tokens) * self.config.prefill_ms_per_token)
+            await self._sleep_ms((len(prompt) - alloc.cached_tokens) * self.config.prefill_ms_per_token
+                                 + encoder_ms)
             self._publish(self.cache.commit_prefill(alloc))
             self.stats.prompt_tokens_total += len(prompt)
             self.stats.cached_tokens_total += alloc.cached_tokens

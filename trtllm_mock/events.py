@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from .config import MockConfig
+from .mm_events import annotate_stored
 
 log = logging.getLogger(__name__)
 
@@ -245,10 +246,13 @@ class KvEventPublisher:
             ev = dict(raw)
             salt = ev.pop("_salt", None)
             tail = ev.pop("_tail", None)
+            mm = ev.pop("_mm", None)
             kind = ev["type"]
             if kind == "BlockStored":
                 root = ev["parent_block_hash"] is None
-                if dialect in ("vllm", "vllm-array") and salt is not None and root:
+                if mm is not None:  # vision mode: the blocks' multimodal keys in this dialect (mm_events.py)
+                    annotate_stored(ev, mm, dialect, salt if root else None)
+                if mm is None and dialect in ("vllm", "vllm-array") and salt is not None and root:
                     # vLLM: the salt is an extra key of the chain's first block only (generate_block_hash_extra_keys)
                     ev["extra_keys"] = [[salt]] + [None] * (len(ev["block_hashes"]) - 1)
                 elif dialect == "sglang":

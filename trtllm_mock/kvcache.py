@@ -30,12 +30,21 @@ def wire_hash(h: int) -> int:
     return h - U64 if h >= 1 << 63 else h
 
 
-def engine_block_hash(parent: int | None, tokens: Sequence[int], salt: str | None) -> int:
-    """64-bit engine hash of one block; chaining the parent makes equal blocks at different prefixes differ."""
+def engine_block_hash(
+    parent: int | None, tokens: Sequence[int], salt: str | None, extra: Sequence[Any] = ()
+) -> int:
+    """64-bit engine hash of one block; chaining the parent makes equal blocks at different prefixes differ.
+
+    ``extra`` are the block's multimodal keys (objects with ``hash_key() -> bytes``, vision.MmKey): an image
+    block's tokens are all the same placeholder id, so, as in the engines, the item's identity and its offset
+    relative to the block are what tell two image blocks apart.
+    """
     h = hashlib.blake2b(digest_size=8)
     h.update(b"root" if parent is None else parent.to_bytes(8, "little"))
     if salt is not None:
         h.update(b"\x01salt:" + salt.encode("utf-8") + b"\x00")
+    for key in extra:
+        h.update(b"\x02mm:" + key.hash_key() + b"\x00")
     h.update(b"".join((t & 0xFFFFFFFF).to_bytes(4, "little") for t in tokens))
     return int.from_bytes(h.digest(), "little")
 
@@ -63,6 +72,7 @@ class Allocation:
     salt: str | None
     hashes: list[int]
     held: list[Block] = field(default_factory=list)
+    mm_blocks: Sequence[Sequence[Any]] | None = None  # per full block, its multimodal keys (vision mode)
     private: int = 0
     reused_blocks: int = 0
     cached_tokens: int = 0
@@ -96,21 +106,26 @@ class KVCache:
         """Blocks a request of ``total_tokens`` (prompt + max output) occupies while it runs."""
         return -(-total_tokens // self.tokens_per_block)
 
-    def chain_hashes(self, prompt: Sequence[int], salt: str | None) -> list[int]:
+    def chain_hashes(
+        self, prompt: Sequence[int], salt: str | None, mm_blocks: Sequence[Sequence[Any]] | None = None
+    ) -> list[int]:
         """Engine hashes of every FULL block of ``prompt``, chained from the root."""
         tpb = self.tokens_per_block
         out: list[int] = []
         parent: int | None = None
         for i in range(len(prompt) // tpb):
-            parent = engine_block_hash(parent, prompt[i * tpb : (i + 1) * tpb], salt)
+            extra = mm_blocks[i] if mm_blocks else ()
+            parent = engine_block_hash(parent, prompt[i * tpb : (i + 1) * tpb], salt, extra)
             out.append(parent)
         return out
 
-    def match(self, prompt: Sequence[int], salt: str | None) -> list[Block]:
+    def match(
+        self, prompt: Sequence[int], salt: str | None, mm_blocks: Sequence[Sequence[Any]] | None = None
+    ) -> list[Block]:
         """Cached blocks a new request may reuse: the longest cached chain within ``prompt[:-1]``."""
         reusable = max(len(prompt) - 1, 0) // self.tokens_per_block
         found: list[Block] = []
-        for h in self.chain_hashes(prompt, salt)[:reusable]:
+        for h in self.chain_hashes(prompt, salt, mm_blocks)[:reusable]:
             b = self.blocks.get(h)
             if b is None:
                 break
@@ -149,13 +164,14 @@ class KVCache:
         return None
 
     def admit(
-        self, prompt: list[int], salt: str | None, total_tokens: int
+        self, prompt: list[int], salt: str | None, total_tokens: int,
+        mm_blocks: Sequence[Sequence[Any]] | None = None,
     ) -> tuple[Allocation, list[dict[str, Any]]] | None:
         """Reserve blocks for a request, evicting LRU blocks if needed; None if it must wait for capacity.
 
         Returns the allocation and the events to publish (a ``BlockRemoved`` if anything was evicted).
         """
-        reused = self.match(prompt, salt)
+        reused = self.match(prompt, salt, mm_blocks)
         need_new = self.blocks_needed(total_tokens) - len(reused)
         for b in reused:
             self._pin(b)
@@ -175,8 +191,9 @@ class KVCache:
         alloc = Allocation(
             prompt=prompt,
             salt=salt,
-            hashes=self.chain_hashes(prompt, salt),
+            hashes=self.chain_hashes(prompt, salt, mm_blocks),
             held=list(reused),
+            mm_blocks=mm_blocks,
             private=need_new,
             reused_blocks=len(reused),
             cached_tokens=len(reused) * self.tokens_per_block,
@@ -221,6 +238,8 @@ class KVCache:
                 ev["_salt"] = alloc.salt
             end = (run[-1].position + 1) * tpb
             ev["_tail"] = alloc.prompt[end:]
+            if alloc.mm_blocks is not None:  # vision mode: each block's multimodal keys, for every dialect
+                ev["_mm"] = [tuple(alloc.mm_blocks[b.position]) for b in run]
             events.append(ev)
             run.clear()
 

