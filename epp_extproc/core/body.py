@@ -213,3 +213,130 @@ def replace_string_value(body: ParsedBody, key: str, value: str) -> ParsedBody:
 
 def _member(key: str, value: Any) -> str:
     return json.dumps(key, ensure_ascii=False) + ":" + json.dumps(value, ensure_ascii=False)
+
+
+# ---------------------------------------------------------------------------------------------- nested members
+@dataclass(slots=True)
+class _Span:
+    key: str
+    value_start: int
+    value_end: int
+
+
+def _value_end(text: str, i: int) -> int:
+    try:
+        _, end = _decoder.raw_decode(text, i)
+    except json.JSONDecodeError:
+        raise
+    except ValueError:
+        _, end = _tolerant_decoder.raw_decode(text, i)
+    return end
+
+
+def _object_spans(text: str, i: int) -> tuple[list[_Span], int]:
+    """The members of the JSON object at `text[i]` ('{') with their value spans, and the index past it."""
+    spans: list[_Span] = []
+    i = _skip_ws(text, i + 1)
+    if text[i] == "}":
+        return spans, i + 1
+    while True:
+        key, j = scanstring(text, i + 1, True)
+        j = _skip_ws(text, _skip_ws(text, j) + 1)  # past ':'
+        end = _value_end(text, j)
+        spans.append(_Span(key, j, end))
+        i = _skip_ws(text, end)
+        if text[i] == "}":
+            return spans, i + 1
+        i = _skip_ws(text, i + 1)  # past ','
+
+
+def _array_items(text: str, i: int, wanted: set[int]) -> dict[int, int]:
+    """Start index of each `wanted` item of the JSON array at `text[i]` ('['); others are skipped in C."""
+    found: dict[int, int] = {}
+    i = _skip_ws(text, i + 1)
+    n = 0
+    while i < len(text) and text[i] != "]" and len(found) < len(wanted):
+        if n in wanted:
+            found[n] = i
+        i = _skip_ws(text, _value_end(text, i))
+        if text[i] == ",":
+            i = _skip_ws(text, i + 1)
+        n += 1
+    return found
+
+
+def set_content_part_member(body: ParsedBody, key: str, edits: dict[tuple[int, int], Any]) -> ParsedBody:
+    """`body` with member `key` of content part `messages[m].content[p]` set to `edits[(m, p)]` (a JSON value)
+    for each edit, and nothing else changed: every other byte (whitespace, escapes, number spelling, member
+    order, the rest of each part) is kept. An existing member's value is replaced (every duplicate of it, so
+    first-wins and last-wins parsers agree); a missing one is appended before the part's closing brace. The
+    `messages` edited is the last top-level one and each message's last `content`, as JSON parsers keep.
+    Raises BodyError when the body cannot be walked or an edit's path is not an object in the body."""
+    if not edits:
+        return body
+    text = body.text
+    msgs = [m for m in body.members if m.key == "messages"]
+    if not msgs:
+        raise BodyError("no `messages` to edit")
+    try:
+        _, j = scanstring(text, msgs[-1].start + 1, True)
+        start = _skip_ws(text, _skip_ws(text, j) + 1)
+        if text[start] != "[":
+            raise BodyError("`messages` is not an array")
+        by_message: dict[int, dict[int, Any]] = {}
+        for (mi, pi), v in edits.items():
+            by_message.setdefault(mi, {})[pi] = v
+        splices: list[tuple[int, int, str]] = []  # (start, end, replacement), non-overlapping
+        for mi, m_start in _array_items(text, start, set(by_message)).items():
+            if text[m_start] != "{":
+                raise BodyError(f"messages[{mi}] is not an object")
+            spans, _ = _object_spans(text, m_start)
+            content = [s for s in spans if s.key == "content"]
+            if not content or text[content[-1].value_start] != "[":
+                raise BodyError(f"messages[{mi}].content is not an array")
+            parts = _array_items(text, content[-1].value_start, set(by_message[mi]))
+            for pi, p_start in parts.items():
+                if text[p_start] != "{":
+                    raise BodyError(f"messages[{mi}].content[{pi}] is not an object")
+                encoded = json.dumps(by_message[mi][pi], ensure_ascii=False)
+                pspans, p_end = _object_spans(text, p_start)
+                same = [s for s in pspans if s.key == key]
+                for s in same:
+                    splices.append((s.value_start, s.value_end, encoded))
+                if not same:
+                    close = p_end - 1
+                    sep = "," if pspans else ""
+                    splices.append((close, close, sep + _member(key, by_message[mi][pi])))
+            if len(parts) != len(by_message[mi]):
+                raise BodyError(f"messages[{mi}].content has fewer parts than edited")
+        if len(splices) < len(edits):
+            raise BodyError("an edited content part is not in the body")
+    except (json.JSONDecodeError, IndexError):
+        raise BodyError("malformed JSON inside `messages`") from None
+    except RecursionError:
+        raise BodyError("malformed JSON: nesting too deep") from None
+    splices.sort()
+    out: list[str] = []
+    pos = 0
+    for s, e, r in splices:
+        out += (text[pos:s], r)
+        pos = e
+    out.append(text[pos:])
+    new_text = "".join(out)
+    try:
+        raw = new_text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BodyError(f"cannot write {key!r}: the new value is not valid Unicode") from None
+    return ParsedBody(raw, _with_part_members(body.values, key, edits), new_text)
+
+
+def _with_part_members(values: dict[str, Any], key: str, edits: dict[tuple[int, int], Any]) -> dict[str, Any]:
+    """`values` with the same edits, copying only the containers on each edited path (the rest is shared)."""
+    out = dict(values)
+    messages = list(out["messages"])
+    out["messages"] = messages
+    for (mi, pi), v in edits.items():
+        msg = messages[mi] = dict(messages[mi])
+        content = msg["content"] = list(msg["content"])
+        content[pi] = {**content[pi], key: v}
+    return out
