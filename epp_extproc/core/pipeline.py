@@ -63,6 +63,34 @@ MEDIA_OFF_LOOP_BYTES = 1 << 20  # bodies larger than this have their data URIs h
 Admission = Callable[[RequestContext], Awaitable[Ticket]]
 
 
+def _render_body(parsed: ParsedBody, raw: bytes, set_members: dict[str, Any]) -> bytes:
+    """The body the renderer is sent for a request with media: its values re-encoded in C (the renderer only
+    reads them, and the megabytes of base64 are not walked again); the byte-preserving rewrite only for the
+    rare body orjson cannot encode (values the stdlib parser let through)."""
+    try:
+        return orjson.dumps({**{k: v for k, v in parsed.values.items() if k not in DROP_MEMBERS}, **set_members})
+    except (TypeError, orjson.JSONEncodeError):
+        return rewrite(parsed, raw, drop=DROP_MEMBERS, set_members=set_members)
+
+
+def _media_identities(parsed: ParsedBody, trust: bool, salt: str | None, derive: bool
+                      ) -> tuple[MediaRequest | None, ParsedBody]:
+    """The request's media (None: it has none) and the body with each item's allowed identity; raises
+    PickError (400) for an untrusted uuid-only item reference or a body whose parts cannot be edited."""
+    media = inspect_media(parsed.values, trust_uuids=trust, salt=salt, derive=derive)
+    if not media.parts:
+        return None, parsed
+    if media.refused:
+        raise PickError(Problem.BAD_REQUEST, media.refused)
+    edits = media.edits()
+    if not edits:
+        return media, parsed
+    try:
+        return media, set_content_part_member(parsed, "uuid", edits)
+    except BodyError as e:
+        raise PickError(Problem.BAD_REQUEST, str(e)) from None
+
+
 class LoadView(Bookings):
     """What the decision needs from the load tracker (core/load.LoadTracker): bookings and the loads."""
 
@@ -189,22 +217,15 @@ class Pipeline:
             return ctx, parsed, None
         salt = resolve_salt(ctx.headers, parsed.values)
         derive = self.renderer is not None and self.renderer.protocol == TokenizerProtocol.VLLM
-        args = (parsed.values,)
-        kw = {"trust_uuids": self.config.trust_media_uuids, "salt": salt, "derive": derive}
-        if len(ctx.body or b"") > MEDIA_OFF_LOOP_BYTES:  # megabytes of base64 to decode and hash
-            media = await asyncio.to_thread(inspect_media, *args, **kw)  # type: ignore[arg-type]
+        args = (parsed, self.config.trust_media_uuids, salt, derive)
+        if len(ctx.body or b"") > MEDIA_OFF_LOOP_BYTES:  # megabytes of base64 to decode, hash and skip
+            media, edited = await asyncio.to_thread(_media_identities, *args)
         else:
-            media = inspect_media(*args, **kw)  # type: ignore[arg-type]
-        if not media.parts:
+            media, edited = _media_identities(*args)
+        if media is None:
             return ctx, parsed, None
-        if media.refused:
-            raise PickError(Problem.BAD_REQUEST, media.refused)
-        edits = media.edits()
-        if edits:
-            try:
-                parsed = set_content_part_member(parsed, "uuid", edits)
-            except BodyError as e:
-                raise PickError(Problem.BAD_REQUEST, str(e)) from None
+        if edited is not parsed:
+            parsed = edited
             ctx = replace(ctx, body=parsed.raw)
         return ctx, parsed, media
 
@@ -266,7 +287,7 @@ class Pipeline:
                 set_members: dict[str, Any] = {"mm_payload": "none"}
                 if base:
                     set_members["model"] = base
-                body = rewrite(parsed, ctx.body or b"", drop=DROP_MEMBERS, set_members=set_members)
+                body = _render_body(parsed, ctx.body or b"", set_members)
                 rendered = await self.renderer.render(plan.kind, body, count=count)
                 self._media_spans(plan, media, rendered)
             else:

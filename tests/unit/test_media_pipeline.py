@@ -257,3 +257,13 @@ async def test_a_text_only_request_has_no_media_section() -> None:
     ctx = RequestContext("POST", "/v1/chat/completions", {}, b'{"model":"m","messages":[{"role":"user","content":"hi"}]}')
     p = await pipe.propose(ctx)
     assert pipe.explain(p)["media"] is None and p.plan.media is None
+
+
+async def test_a_large_data_uri_gets_the_same_identity_rules() -> None:
+    pipe, _, kv = make()
+    big = bytes(range(256)) * 8192  # 2 MiB: hashed and spliced off the event loop
+    ctx = chat(image("data:image/png;base64," + base64.b64encode(big).decode()))
+    p = await pipe.propose(ctx)
+    digest = DIGEST_PREFIX + hashlib.sha256(big).hexdigest()
+    assert p.body == ctx.body.replace(b'"}}]}', b'"},"uuid":"' + digest.encode() + b'"}]}')  # type: ignore[union-attr]
+    assert kv.prompts[-1][1].media == (MediaItem(digest, 40, 20),)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from epp_extproc.core.body import BodyError, parse_object, set_content_part_member
+from epp_extproc.core.body import BodyError, parse_object, rewrite, set_content_part_member
 
 RAW = (b'{ "model" : "m",\n "messages": [ {"role":"system","content":"caf\\u00e9 \\ud83d\\ude00"},\n'
        b'  {"role":"user", "content" : [ {"type":"text","text":"1.0e0 \\"q\\""} ,\n'
@@ -62,3 +62,21 @@ def test_an_edit_outside_the_body_is_an_error() -> None:
 def test_no_edit_returns_the_same_body() -> None:
     parsed = parse_object(RAW)
     assert set_content_part_member(parsed, "uuid", {}) is parsed
+
+
+def test_strings_with_escaped_quotes_and_backslashes_are_skipped_exactly() -> None:
+    raw = (b'{"messages":[{"role":"user","content":[{"type":"text","text":"a\\\\\\"]}{\\\\"},'
+           b'{"image_url":"x\\\\","note":"\\"}"}]}],"after":"\\\\"}')
+    assert json.loads(raw)  # valid JSON
+    out = set_content_part_member(parse_object(raw), "uuid", {(0, 1): "U"})
+    assert json.loads(out.raw)["messages"][0]["content"] == [json.loads(raw)["messages"][0]["content"][0],
+                                                            {"image_url": "x\\", "note": '"}', "uuid": "U"}]
+    assert out.raw == raw.replace(b'"\\"}"}', b'"\\"}","uuid":"U"}')
+
+
+def test_a_later_top_level_rewrite_of_the_edited_body_keeps_its_bytes() -> None:
+    raw = b'{"nvext":{"a":[1]}, "messages":[{"role":"user","content":[{"image_url":"a"}]}] ,"top_p" : 1.0}'
+    out = set_content_part_member(parse_object(raw), "uuid", {(0, 0): "A"})
+    fresh = parse_object(out.raw)
+    kw = {"drop": frozenset({"nvext"}), "set_members": {"cache_salt": "t", "top_p": 0.5}}
+    assert rewrite(out, out.raw, **kw) == rewrite(fresh, out.raw, **kw)  # type: ignore[arg-type]
