@@ -301,11 +301,27 @@ def _array_items(text: str, i: int, wanted: set[int]) -> dict[int, int]:
     return found
 
 
+REMOVE = object()  # an edit value: the member is removed
+
+
+def _without(text: str, start: int, end: int, spans: list[_Span], key: str) -> str:
+    """The object `text[start:end]` without its `key` members; the kept members and the separators after them
+    keep their bytes (the top-level `rewrite` rule, one level down)."""
+    kept = [i for i, s in enumerate(spans) if s.key != key]
+    out = [text[start:spans[0].start]]
+    for j, i in enumerate(kept):
+        out.append(text[spans[i].start:spans[i].value_end])
+        if j < len(kept) - 1:
+            out.append(text[spans[i].value_end:spans[i + 1].start])
+    out.append(text[spans[-1].value_end:end])
+    return "".join(out)
+
+
 def set_content_part_member(body: ParsedBody, key: str, edits: dict[tuple[int, int], Any]) -> ParsedBody:
-    """`body` with member `key` of content part `messages[m].content[p]` set to `edits[(m, p)]` (a JSON value)
-    for each edit, and nothing else changed: every other byte (whitespace, escapes, number spelling, member
-    order, the rest of each part) is kept. An existing member's value is replaced (every duplicate of it, so
-    first-wins and last-wins parsers agree); a missing one is appended before the part's closing brace. The
+    """`body` with member `key` of content part `messages[m].content[p]` set to `edits[(m, p)]` (a JSON value,
+    or REMOVE) for each edit, and nothing else changed: every other byte (whitespace, escapes, number spelling,
+    member order, the rest of each part) is kept. An existing member's value is replaced (every duplicate of it,
+    so first-wins and last-wins parsers agree); a missing one is appended before the part's closing brace. The
     `messages` edited is the last top-level one and each message's last `content`, as JSON parsers keep.
     Cost: proportional to the body's structure, not its bytes (base64 is skipped with str.find). Raises
     BodyError when an edit's path is not an object in the body."""
@@ -340,6 +356,10 @@ def set_content_part_member(body: ParsedBody, key: str, edits: dict[tuple[int, i
                 value = by_message[mi][pi]
                 pspans, p_end = _object_spans(text, p_start)
                 same = [s for s in pspans if s.key == key]
+                if value is REMOVE:
+                    if same:
+                        splices.append((p_start, p_end, _without(text, p_start, p_end, pspans, key)))
+                    continue
                 for s in same:
                     splices.append((s.value_start, s.value_end, json.dumps(value, ensure_ascii=False)))
                 if not same:
@@ -373,5 +393,5 @@ def _with_part_members(values: dict[str, Any], key: str, edits: dict[tuple[int, 
     for (mi, pi), v in edits.items():
         msg = messages[mi] = dict(messages[mi])
         content = msg["content"] = list(msg["content"])
-        content[pi] = {**content[pi], key: v}
+        content[pi] = {k: x for k, x in content[pi].items() if k != key} if v is REMOVE else {**content[pi], key: v}
     return out

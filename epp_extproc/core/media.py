@@ -17,8 +17,7 @@ reuses another client's uuid is served the other item's KV, or its embeddings. S
 - else a base64 `data:` URI's identity is the sha256 of its decoded bytes, forwarded as the part's `uuid`
   (the client holds the bytes, so it cannot claim an item it does not have), replacing any caller uuid;
 - an http(s) URL is never turned into an identity (its content can change behind it): a caller uuid is
-  removed (set to null, which vLLM reads as absent) and the engine hashes what it fetches; the picker never
-  fetches it;
+  removed and the engine hashes what it fetches; the picker never fetches it;
 - a part that references an item by an untrusted uuid alone (no data) is refused: 400.
 
 The picker never fetches a URL, decodes no image, and credits image blocks only where the render reported the
@@ -36,6 +35,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from epp_extproc.core.body import REMOVE
 from epp_extproc.core.contract import MediaItem
 
 # Content part kinds, named after vLLM 0.32.0 renderers/chat_utils.py MM_PARSER_MAP and the keys its
@@ -114,9 +114,10 @@ class MediaRequest:
     def first_message(self) -> int:
         return min(p.message for p in self.parts)
 
-    def edits(self) -> dict[tuple[int, int], str | None]:
-        """(message, part) -> the forwarded `uuid` value (None = JSON null), for the parts that change."""
-        return {(p.message, p.part): p.forward_uuid for p in self.parts if p.rewrite}
+    def edits(self) -> dict[tuple[int, int], object]:
+        """(message, part) -> the forwarded `uuid` value (body.REMOVE: no uuid), for the parts that change."""
+        return {(p.message, p.part): REMOVE if p.forward_uuid is None else p.forward_uuid
+                for p in self.parts if p.rewrite}
 
 
 def part_kind(part: Mapping[str, Any]) -> str | None:
@@ -220,7 +221,7 @@ def _decide(mi: int, pi: int, kind: str, part: Mapping[str, Any], trust: bool, s
         if origin == "none":
             out.refused = ("a media content part references an item by `uuid` alone; this gateway does not "
                            "trust caller uuids (the operator's --trust-media-uuids): send the item's data")
-        p.source, p.rewrite = Source.DROPPED_UUID, True  # forwarded as null: the engine hashes the content
+        p.source, p.rewrite = Source.DROPPED_UUID, True  # removed: the engine hashes the content
     return p
 
 

@@ -185,8 +185,16 @@ def test_an_untrusted_caller_uuid_is_not_forwarded(vllm) -> None:
     status, got = vllm.post(raw)
     assert status == 200
     parts = json.loads(got)["messages"][1]["content"]
-    assert (parts[1]["uuid"], parts[2]["uuid"]) == (DIGEST, None)
+    assert parts[1]["uuid"] == DIGEST and "uuid" not in parts[2]
     assert b"someone-elses-image" not in got and b'"dog"' not in got
+
+
+def test_a_tenants_caller_uuid_is_namespaced_by_its_salt(vllm) -> None:
+    raw = image_body(image(DATA, uuid="shared-name"))
+    got = [json.loads(vllm.post(raw, {"x-tenant-id": t})[1]) for t in ("tenant-a", "tenant-b")]
+    uuids = [g["messages"][1]["content"][1]["uuid"] for g in got]
+    assert uuids[0] != uuids[1] and "shared-name" not in uuids and DIGEST not in uuids
+    assert [g["cache_salt"] for g in got] == ["tenant-a", "tenant-b"]
 
 
 def test_an_untrusted_uuid_only_reference_is_answered_400(vllm) -> None:

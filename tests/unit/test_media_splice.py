@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from epp_extproc.core.body import BodyError, parse_object, rewrite, set_content_part_member
+from epp_extproc.core.body import REMOVE, BodyError, parse_object, rewrite, set_content_part_member
 
 RAW = (b'{ "model" : "m",\n "messages": [ {"role":"system","content":"caf\\u00e9 \\ud83d\\ude00"},\n'
        b'  {"role":"user", "content" : [ {"type":"text","text":"1.0e0 \\"q\\""} ,\n'
@@ -21,10 +21,25 @@ def test_a_missing_uuid_is_appended_and_nothing_else_changes() -> None:
     assert out.values["messages"][1]["content"][1]["uuid"] == "sha256-ab"
 
 
-def test_an_existing_uuid_is_replaced_in_place_and_null_removes_it() -> None:
+def test_an_existing_uuid_is_replaced_in_place() -> None:
     raw = b'{"messages":[{"role":"user","content":[{"type":"image_url","uuid" :  "theirs","image_url":{"url":"h"}}]}]}'
-    out = set_content_part_member(parse_object(raw), "uuid", {(0, 0): None})
-    assert out.raw == raw.replace(b'"theirs"', b"null")
+    out = set_content_part_member(parse_object(raw), "uuid", {(0, 0): "ours"})
+    assert out.raw == raw.replace(b'"theirs"', b'"ours"')
+
+
+@pytest.mark.parametrize(("part", "expected"), [
+    (b'{"type":"image_url", "uuid" : "a" ,\n "image_url":"h"}', b'{"type":"image_url", "image_url":"h"}'),
+    (b'{ "uuid":"a", "image_url":"h" }', b'{ "image_url":"h" }'),
+    (b'{"image_url":"h","uuid":"a"}', b'{"image_url":"h"}'),
+    (b'{"uuid":"a","uuid":"b", "image_url":"h","uuid":null}', b'{"image_url":"h"}'),
+    (b'{ "uuid":"a" }', b'{  }'),
+])
+def test_a_removed_uuid_leaves_every_other_member_and_separator_as_sent(part: bytes, expected: bytes) -> None:
+    raw = b'{"messages":[{"role":"user","content":[' + part + b']}], "x":1}'
+    out = set_content_part_member(parse_object(raw), "uuid", {(0, 0): REMOVE})
+    assert out.raw == b'{"messages":[{"role":"user","content":[' + expected + b']}], "x":1}'
+    assert "uuid" not in json.loads(out.raw)["messages"][0]["content"][0]
+    assert "uuid" not in out.values["messages"][0]["content"][0]
 
 
 def test_every_duplicate_uuid_is_replaced() -> None:
