@@ -42,6 +42,7 @@ class FakeRenderer:
     def __init__(self, dialect: str) -> None:
         self.dialect = dialect
         self.bodies: list[dict[str, Any]] = []
+        self.overlapping = False  # hostile: answer overlapping placeholder ranges
         self.runner: web.AppRunner | None = None
         self.url = ""
 
@@ -65,6 +66,8 @@ class FakeRenderer:
             ids.append(2)
         ids.append(3)
         out: dict[str, Any] = {"request_id": "r", "token_ids": ids, "sampling_params": {}, "model": doc.get("model")}
+        if hashes and self.overlapping:
+            places = [{"offset": 0, "length": len(ids)}] * len(hashes)
         if hashes:
             out["features"] = {"mm_hashes": {"image": hashes}, "mm_placeholders": {"image": places},
                                "kwargs_data": None, "mm_metadata": None}
@@ -259,3 +262,14 @@ def test_trtllm_render_routes_an_image_request_by_the_text_before_the_image(trtl
     system = json.loads(raw)["messages"][0]["content"]
     assert doc["prompt_tokens"] == 1 + len(system) + 1  # the system message, certainly before the image
     assert trtllm.images.seen == []
+
+
+def test_a_renderer_answering_impossible_spans_is_not_believed_and_the_request_still_served(vllm) -> None:
+    before = vllm.count("load_only", "invalid_features")
+    vllm.renderer.overlapping = True
+    try:
+        status, got = vllm.post(image_body(image(DATA), image(DATA)))
+    finally:
+        vllm.renderer.overlapping = False
+    assert status == 200 and got
+    assert vllm.count("load_only", "invalid_features") == before + 1
