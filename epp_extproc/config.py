@@ -51,6 +51,13 @@ class PassthroughPolicy(StrEnum):
     AUTO = "auto"
 
 
+class MediaCredit(StrEnum):
+    """How far an image request is credited against the KV index (docs/multimodal.md)."""
+
+    EXACT = "exact"  # image blocks too, keyed by the items' identities and spans from the render
+    TEXT_PREFIX = "text-prefix"  # only the text before the first image (the behaviour before image crediting)
+
+
 TOKENIZER_PROTOCOLS = tuple(p.value for p in TokenizerProtocol)
 
 
@@ -242,6 +249,14 @@ class Config:
         "trtllm-render: `auto` forwards the rendered prompt (chat: top-level prompt_token_ids; completions: "
         "prompt as ids) so the worker skips templating and tokenizing, whenever the worker's render "
         "fingerprint matches and the render says the ids are safe; `off` always forwards the original body")
+    media_credit: MediaCredit = opt("DYN_EPP_MEDIA_CREDIT", MediaCredit.EXACT, MediaCredit,
+        "image requests: `exact` credits the image blocks too, with the items' identities and placeholder "
+        "spans the render reports (vllm-render); `text-prefix` credits only the text before the first image. "
+        "Renderers that report no spans (trtllm-render, sglang-renderer) always credit the text prefix")
+    trust_media_uuids: bool = opt("DYN_EPP_TRUST_MEDIA_UUIDS", False, _bool,
+        "forward a media content part's caller `uuid` as sent: vLLM then keys the item by it, so a client "
+        "that reuses another's uuid gets the other's cached item. Off: a caller uuid is namespaced by the "
+        "tenant salt, or replaced by the sha256 of a data URI's bytes, or removed (http(s) URLs)")
     render_fingerprint_refresh_ms: int = opt("DYN_EPP_RENDER_FINGERPRINT_REFRESH_MS", 10_000, int,
         "re-read each worker's /server_info render_fingerprint this often (also at admission and when the "
         "prober finds the worker gone)")
@@ -464,7 +479,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("renderer (request -> token ids)",
      ("tokenizer_protocol", "tokenizer_service_url", "tokenization_timeout_ms", "tokenizer_max_response_bytes",
       "render_circuit_failures", "render_circuit_open_ms", "render_failure_policy", "render_reject_policy",
-      "cache_salt_policy", "prompt_passthrough", "render_fingerprint_refresh_ms")),
+      "cache_salt_policy", "prompt_passthrough", "media_credit", "trust_media_uuids",
+      "render_fingerprint_refresh_ms")),
     ("routing (KV overlap against load)",
      ("kv_cache_block_size", "max_index_blocks_per_worker", "kv_overlap_score_credit", "prefill_load_scale",
       "router_temperature", "prediction_ttl_s", "session_affinity_keys_file", "session_affinity_ttl_s",

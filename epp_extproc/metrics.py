@@ -64,6 +64,14 @@ class PickerMetrics:
             "epp_prompt_passthrough", "Inference requests by what the forwarded body carried: `tokens` (the "
             "rendered prompt, the worker skips rendering) or `original`, and why", ["forwarded", "reason"],
             registry=r)
+        self.media_requests = Counter(
+            "epp_media_requests", "Chat requests with media content parts, by how they were scored (`exact`: "
+            "image blocks credited with the render's spans; `text_prefix`: only the text before the first "
+            "item; `load_only`) and why (a closed set, docs/multimodal.md)", ["scored", "reason"], registry=r)
+        self.media_items = Counter(
+            "epp_media_items", "Media items of routed requests, by modality (image, video, audio, embeds) and "
+            "the identity they were forwarded with (trusted_uuid, salted_uuid, digest, engine, dropped_uuid)",
+            ["modality", "identity"], registry=r)
         self.session_affinity = Counter(
             "epp_session_affinity", "Requests that opted in to session affinity (x-session-token), by what their "
             "token came to: honoured, new, unavailable (re-picked), expired, tampered, oversized", ["outcome"],

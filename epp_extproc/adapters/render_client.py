@@ -1,7 +1,8 @@
 """One pooled HTTP client for every renderer protocol (TensorRT-LLM, vLLM, SGLang).
 
 The protocols differ only in the answer's field that carries the token ids (`token_ids` vs `input_ids`), so
-one client serves all three. Failures are reported as facts (`core.render.RenderError`): the pipeline applies
+one client serves all three. A vLLM answer's `features` (the multimodal items' hashes and placeholder ranges)
+are read too, bounded and validated (core/media.spans_from_features). Failures are reported as facts (`core.render.RenderError`): the pipeline applies
 its policy and the edge maps them to the reference statuses.
 
 Redirects are never followed: a 3xx would re-POST the whole prompt to wherever the renderer (or whoever
@@ -26,6 +27,7 @@ from prometheus_client import Counter, Gauge
 
 from epp_extproc.adapters.breaker import STATE_VALUE, CircuitBreaker
 from epp_extproc.adapters.http1 import BodyTooLarge, ConnectFailed, HttpError, Origin, Response
+from epp_extproc.core.media import SpansInvalid, spans_from_features
 from epp_extproc.core.render import Rendered, RenderError, RenderFailure
 from epp_extproc.metrics import PickerMetrics
 
@@ -167,6 +169,11 @@ class RenderClient:
             raise RenderError(RenderFailure.INVALID_ANSWER, f"render answer has no valid `{self.field}` list "
                                                   f"(protocol {self.protocol})")
         out = _facts(first, ids)
+        if self.protocol == "vllm-render" and "features" in first:
+            try:  # a hostile renderer's spans are refused here, bounded; the pipeline routes by load then
+                out.media = spans_from_features(first["features"], len(ids))
+            except SpansInvalid as e:
+                out.media_invalid = str(e)[:200]
         if kind == "completion":
             out.prompts = [ids]
             for obj in objects[1:]:

@@ -12,6 +12,9 @@ and tests can enumerate it. The rules (the seed review thread, TensorRT-LLM's se
   also refuses together with `prompt_token_ids`);
 - the render context is trivial (`resolved_thinking` null, `prompt_tokens_excluded_from_usage` 0): a worker
   handed ids cannot re-derive those decisions;
+- the request carries no media content part (image, video, audio, embeddings): the worker must still expand
+  them into placeholder tokens whose count depends on the item, so ids rendered without them (a text prefix,
+  or a renderer's estimate) are never an executable prompt;
 - the request was not salted under the load-only policy, and the render call succeeded;
 - completions: the render answered every prompt, and `echo` is off (the worker would echo the ids).
 
@@ -31,7 +34,7 @@ from epp_extproc.core.render import Rendered
 POLICIES = ("off", "auto")
 TOKENS = "tokens"
 ORIGINAL = "original"
-REASONS = ("ok", "off", "salted_load_only", "render_failed", "partial_render", "untrusted", "context",
+REASONS = ("ok", "off", "media", "salted_load_only", "render_failed", "partial_render", "untrusted", "context",
            "echo", "fingerprint_mismatch", "too_large")  # too_large: decided by the pipeline after the rewrite
 
 
@@ -88,13 +91,16 @@ def prompt_count(prompt: Any) -> int:
 
 
 def decide(policy: str, kind: str, values: Mapping[str, Any], rendered: Rendered | None, *,
-           salted_load_only: bool, worker: FingerprintId | None) -> Verdict:
+           salted_load_only: bool, worker: FingerprintId | None, has_media: bool = False) -> Verdict:
     """The passthrough verdict for one request routed to one worker (`worker`: its fingerprint, if read).
 
-    `rendered` is None when the render call failed or was skipped (a salted request under load-only).
+    `rendered` is None when the render call failed or was skipped (a salted request under load-only);
+    `has_media`: the request has a media content part (core/media.py).
     """
     if policy == "off":  # PassthroughPolicy.OFF is a StrEnum: equal to its string
         return Verdict(ORIGINAL, "off")
+    if has_media:
+        return Verdict(ORIGINAL, "media")
     if salted_load_only:
         return Verdict(ORIGINAL, "salted_load_only")
     if rendered is None:

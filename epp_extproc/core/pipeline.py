@@ -10,15 +10,25 @@ picker's (core/picker.py); what a lookup and a booking are is written in core/co
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from epp_extproc.config import Config, RenderPolicy, SaltPolicy, TokenizerProtocol
-from epp_extproc.core.body import BodyError, ParsedBody, parse_object, replace_string_value, rewrite
-from epp_extproc.core.contract import Bookings, KvLookup, PromptIdentity, PromptKey
+import orjson
+
+from epp_extproc.config import Config, MediaCredit, RenderPolicy, SaltPolicy, TokenizerProtocol
+from epp_extproc.core.body import (
+    BodyError,
+    ParsedBody,
+    parse_object,
+    replace_string_value,
+    rewrite,
+    set_content_part_member,
+)
+from epp_extproc.core.contract import Bookings, KvLookup, MediaItem, PromptIdentity, PromptKey
 from epp_extproc.core.cost import Candidate, CostParams, choose, eligible, loads_for
 from epp_extproc.core.decision import Decision
 from epp_extproc.core.endpoints import EndpointRegistry
@@ -26,6 +36,8 @@ from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.flow_control import Ticket
 from epp_extproc.core.load import EndpointLoad
 from epp_extproc.core.logs import Throttled
+from epp_extproc.core.media import SENTINELS, MediaRequest, Scored, certain_prefix, truncated_conversation
+from epp_extproc.core.media import inspect as inspect_media
 from epp_extproc.core.model_rewrite import ModelRewriter, Rewrite
 from epp_extproc.core.passthrough import ORIGINAL, FingerprintId, Verdict, decide
 from epp_extproc.core.render import Rendered, Renderer, RenderError, render_kind
@@ -44,10 +56,39 @@ TRTLLM_SALT_MESSAGE = ("cache_salt is not supported with TensorRT-LLM workers: a
                        "load-only routes such requests by load (the worker still isolates the tenant's cache)")
 BYTES_PER_TOKEN_ESTIMATE = 4  # load weight of a request whose prompt could not be rendered
 IDENTITY_ENCODINGS = frozenset({"", "identity"})
+MEDIA_OFF_LOOP_BYTES = 1 << 20  # bodies larger than this have their data URIs hashed off the event loop
 
 # Flow control's admission (core/flow_control.FlowController.admit, keyed by the request's objective): a
 # proposal waits for a ticket while every worker is saturated; None = no flow control.
 Admission = Callable[[RequestContext], Awaitable[Ticket]]
+
+
+def _render_body(parsed: ParsedBody, raw: bytes, set_members: dict[str, Any]) -> bytes:
+    """The body the renderer is sent for a request with media: its values re-encoded in C (the renderer only
+    reads them, and the megabytes of base64 are not walked again); the byte-preserving rewrite only for the
+    rare body orjson cannot encode (values the stdlib parser let through)."""
+    try:
+        return orjson.dumps({**{k: v for k, v in parsed.values.items() if k not in DROP_MEMBERS}, **set_members})
+    except (TypeError, orjson.JSONEncodeError):
+        return rewrite(parsed, raw, drop=DROP_MEMBERS, set_members=set_members)
+
+
+def _media_identities(parsed: ParsedBody, trust: bool, salt: str | None, derive: bool
+                      ) -> tuple[MediaRequest | None, ParsedBody]:
+    """The request's media (None: it has none) and the body with each item's allowed identity; raises
+    PickError (400) for an untrusted uuid-only item reference or a body whose parts cannot be edited."""
+    media = inspect_media(parsed.values, trust_uuids=trust, salt=salt, derive=derive)
+    if not media.parts:
+        return None, parsed
+    if media.refused:
+        raise PickError(Problem.BAD_REQUEST, media.refused)
+    edits = media.edits()
+    if not edits:
+        return media, parsed
+    try:
+        return media, set_content_part_member(parsed, "uuid", edits)
+    except BodyError as e:
+        raise PickError(Problem.BAD_REQUEST, str(e)) from None
 
 
 class LoadView(Bookings):
@@ -69,6 +110,18 @@ class Plan:
     model: object = None  # the body's `model`: a LoRA adapter a worker serves is hashed into its blocks
     kind: str | None = None  # "chat" | "completion" when the renderer was (to be) asked
     rendered: Rendered | None = None  # the render answer (None: not rendered, or the render failed)
+    media: MediaRequest | None = None  # the request's media parts (None: none), core/media.py
+    media_items: tuple[tuple[str, MediaItem], ...] = ()  # (modality, item) credited with their spans
+    media_scored: tuple[Scored, str] | None = None  # how an image request was scored, and why
+    prompt_tokens: int | None = None  # the whole prompt's length when `tokens` is only its text prefix
+
+    def media_outcome(self) -> tuple[Scored, str]:
+        """(scored, reason) of a request with media (metric `epp_media_requests`, `/debug/score`)."""
+        if self.media_scored is not None:
+            return self.media_scored
+        if self.salted_load_only:
+            return Scored.LOAD_ONLY, "salted_load_only"
+        return Scored.LOAD_ONLY, "render_failed" if self.kind is not None else "no_renderer"
 
     @property
     def route(self) -> str:
@@ -155,9 +208,31 @@ class Pipeline:
             raise PickError(Problem.BAD_REQUEST, str(e)) from None
         return replace(ctx, body=parsed.raw), parsed, rw
 
-    async def plan(self, ctx: RequestContext, parsed: ParsedBody | None, *, count: bool = True) -> Plan:
+    async def prepare_media(self, ctx: RequestContext, parsed: ParsedBody | None
+                            ) -> tuple[RequestContext, ParsedBody | None, MediaRequest | None]:
+        """The chat request as it is rendered and forwarded once each media item carries the identity the
+        picker allows (core/media.py): only the parts' `uuid` members change (core/body.set_content_part_member).
+        Raises PickError (400) for an untrusted uuid-only item reference."""
+        if parsed is None or render_kind(ctx.path) != "chat":
+            return ctx, parsed, None
+        salt = resolve_salt(ctx.headers, parsed.values)
+        derive = self.renderer is not None and self.renderer.protocol == TokenizerProtocol.VLLM
+        args = (parsed, self.config.trust_media_uuids, salt, derive)
+        if len(ctx.body or b"") > MEDIA_OFF_LOOP_BYTES:  # megabytes of base64 to decode, hash and skip
+            media, edited = await asyncio.to_thread(_media_identities, *args)
+        else:
+            media, edited = _media_identities(*args)
+        if media is None:
+            return ctx, parsed, None
+        if edited is not parsed:
+            parsed = edited
+            ctx = replace(ctx, body=parsed.raw)
+        return ctx, parsed, media
+
+    async def plan(self, ctx: RequestContext, parsed: ParsedBody | None, *, count: bool = True,
+                   media: MediaRequest | None = None) -> Plan:
         plan = Plan(est_tokens=len(ctx.body or b"") // BYTES_PER_TOKEN_ESTIMATE,
-                    model=parsed.values.get("model") if parsed is not None else None)
+                    model=parsed.values.get("model") if parsed is not None else None, media=media)
         kind = render_kind(ctx.path)
         if self.renderer is None or parsed is None or kind is None:
             return plan
@@ -177,6 +252,9 @@ class Pipeline:
                 plan.inject["cache_salt"] = salt
             plan.hash_salt = salt
         base = self.kv.base_model_for(plan.model) if self.kv is not None else None
+        if media is not None:
+            await self._plan_media(plan, ctx, parsed, media, base, count)
+            return plan
         try:  # a LoRA adapter is rendered under its base model: renderers do not know adapters
             render_body = rewrite(parsed, ctx.body or b"", drop=DROP_MEMBERS,
                                   set_members={"model": base} if base else None)
@@ -192,9 +270,80 @@ class Pipeline:
             plan.prompt = self.kv.prompt(plan.tokens, self._identity(plan))
         return plan
 
+    async def _plan_media(self, plan: Plan, ctx: RequestContext, parsed: ParsedBody, media: MediaRequest,
+                          base: str | None, count: bool) -> None:
+        """Tokens and items of a request with media: the render's spans (vLLM), or the text before the first
+        item (renderers that report no spans), or nothing (video, audio, embeddings: routed by load)."""
+        assert self.renderer is not None and plan.kind is not None
+        reason = media.load_only_reason
+        if reason is not None:
+            plan.media_scored = Scored.LOAD_ONLY, reason
+            return
+        protocol = self.renderer.protocol
+        try:
+            if protocol == TokenizerProtocol.VLLM:
+                # `mm_payload: none`: vLLM's render answers the items' hashes and placeholder ranges without
+                # serialising the processed tensors (vllm 0.32.0 chat_completion/protocol.py `mm_payload`)
+                set_members: dict[str, Any] = {"mm_payload": "none"}
+                if base:
+                    set_members["model"] = base
+                body = _render_body(parsed, ctx.body or b"", set_members)
+                rendered = await self.renderer.render(plan.kind, body, count=count)
+                self._media_spans(plan, media, rendered)
+            else:
+                values = {**parsed.values, "model": base} if base else parsed.values
+                bodies = [orjson.dumps(truncated_conversation(values, media.first_message, s)) for s in SENTINELS]
+                a, b = await self._render_all(plan.kind, bodies, count)
+                prefix = certain_prefix(a.token_ids, b.token_ids)
+                why = "renderer_refuses_media" if protocol == TokenizerProtocol.TRTLLM else "renderer_has_no_spans"
+                self._media_prefix(plan, prefix, None, why)
+        except BodyError as e:
+            raise PickError(Problem.BAD_REQUEST, str(e)) from None
+        except RenderError as e:
+            plan.media_scored = Scored.LOAD_ONLY, "render_failed"
+            self._render_failed(e, ctx)
+        if plan.tokens is not None and self.kv is not None:
+            plan.prompt = self.kv.prompt(plan.tokens, self._identity(plan))
+
+    async def _render_all(self, kind: str, bodies: list[bytes], count: bool) -> list[Rendered]:
+        """Render several bodies at once; the first failure is raised and the other calls are cancelled."""
+        assert self.renderer is not None
+        tasks = [asyncio.create_task(self.renderer.render(kind, b, count=count)) for b in bodies]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()  # no-op for finished calls
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _media_spans(self, plan: Plan, media: MediaRequest, rendered: Rendered) -> None:
+        """Score with the vLLM render's items: exact, or the text before the first one (`--media-credit`)."""
+        items = rendered.media
+        if rendered.media_invalid is not None or items is None or len(items) != len(media.parts):
+            why = ("invalid_features" if rendered.media_invalid is not None else
+                   "no_features" if items is None else "mismatched_items")
+            plan.media_scored = Scored.LOAD_ONLY, why
+            return
+        plan.rendered = rendered
+        if self.config.media_credit is MediaCredit.TEXT_PREFIX:
+            self._media_prefix(plan, rendered.token_ids[:items[0][1].offset], len(rendered.token_ids),
+                               "flag_text_prefix")
+            return
+        plan.tokens, plan.media_items = rendered.token_ids, items
+        plan.media_scored = Scored.EXACT, "spans"
+
+    @staticmethod
+    def _media_prefix(plan: Plan, prefix: list[int], total: int | None, why: str) -> None:
+        if not prefix:
+            plan.media_scored = Scored.LOAD_ONLY, "empty_prefix"
+            return
+        plan.tokens, plan.prompt_tokens = prefix, total
+        plan.media_scored = Scored.TEXT_PREFIX, why
+
     @staticmethod
     def _identity(plan: Plan) -> PromptIdentity:
-        return PromptIdentity(plan.hash_salt, plan.model if isinstance(plan.model, str) else None)
+        return PromptIdentity(plan.hash_salt, plan.model if isinstance(plan.model, str) else None,
+                              tuple(item for _, item in plan.media_items))
 
     def _render_failed(self, e: RenderError, ctx: RequestContext) -> None:
         policy = self.config.render_reject_policy if e.rejected else self.config.render_failure_policy
@@ -210,7 +359,7 @@ class Pipeline:
         if plan.prompt is None:
             plan.prompt = self.kv.prompt(plan.tokens, self._identity(plan))
         overlaps = self.kv.overlap(plan.prompt, addresses)
-        n = len(plan.tokens)
+        n = plan.prompt_tokens or len(plan.tokens)
         for c in cands:
             c.prompt_blocks = n / self.kv.block_size(c.address)
             c.overlap_blocks = overlaps.get(c.address, 0)
@@ -246,8 +395,9 @@ class Pipeline:
         else:
             parsed = self.parse(ctx)
             ctx, parsed, rewritten = self.rewrite_model(ctx, parsed)
+            ctx, parsed, media = await self.prepare_media(ctx, parsed)
             self._eligible(ctx)  # fail fast, before any render call
-            plan = await self.plan(ctx, parsed, count=count)
+            plan = await self.plan(ctx, parsed, count=count, media=media)
         addresses = self._eligible(ctx)  # endpoints may have changed during the render call
         score_started = time.perf_counter()
         cands = self.candidates(addresses, plan)
@@ -341,6 +491,11 @@ class Pipeline:
             self.metrics.session_affinity.labels(p.session.value).inc()
         if p.passthrough is not None:
             self.metrics.prompt_passthrough.labels(p.passthrough.forward, p.passthrough.reason).inc()
+        if p.plan.media is not None:
+            scored, why = p.plan.media_outcome()
+            self.metrics.media_requests.labels(scored.value, why).inc()
+            for part in p.plan.media.parts:
+                self.metrics.media_items.labels(part.modality, part.source.value).inc()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("-> %s via %s (cost %.2f, overlap %d blocks)", p.address, p.plan.route, p.chosen.cost,
                       p.chosen.overlap_blocks)
@@ -355,7 +510,7 @@ class Pipeline:
             return None
         worker = self.fingerprint_of(address) if self.fingerprint_of is not None else None
         return decide(self.config.prompt_passthrough, plan.kind, parsed.values, plan.rendered,
-                      salted_load_only=plan.salted_load_only, worker=worker)
+                      salted_load_only=plan.salted_load_only, worker=worker, has_media=plan.media is not None)
 
     # ---------------------------------------------------------------- debug
     def explain(self, p: Proposal) -> dict[str, Any]:
@@ -391,4 +546,27 @@ class Pipeline:
                 "model_rewrite": None if p.rewrite is None else {"rewrite": p.rewrite.resource,
                                                                  "model": p.rewrite.model,
                                                                  "target": p.rewrite.target},
-                "session": p.session.value if p.session is not None else None}
+                "session": p.session.value if p.session is not None else None,
+                "media": self._explain_media(p)}
+
+    def _explain_media(self, p: Proposal) -> dict[str, Any] | None:
+        """Each item's identity and source, its span and the picked worker's blocks it keys (first..last)."""
+        plan = p.plan
+        if plan.media is None:
+            return None
+        scored, why = plan.media_outcome()
+        bs = self.kv.block_size(p.address) if self.kv is not None else self.config.kv_cache_block_size
+        spans = iter(plan.media_items)
+        items = []
+        for part in plan.media.parts:
+            doc: dict[str, Any] = {"message": part.message, "part": part.part, "modality": part.modality,
+                                   "origin": part.origin, "identity_source": part.source.value,
+                                   "forwarded_uuid": part.forward_uuid}
+            span = next(spans, None) if plan.media_items else None
+            if span is not None:
+                item = span[1]
+                doc.update(identifier=item.identifier, offset=item.offset, length=item.length,
+                           blocks=[item.offset // bs, (item.offset + item.length - 1) // bs], block_size=bs)
+            items.append(doc)
+        return {"scored": scored.value, "reason": why, "credited_tokens": len(plan.tokens or []),
+                "prompt_tokens": plan.prompt_tokens or len(plan.tokens or []), "items": items}

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
 
+from epp_extproc.core.contract import MediaItem
+
 
 class RenderFailure(StrEnum):
     TIMEOUT = "timeout"  # no complete answer within the timeout
@@ -63,6 +65,10 @@ class Rendered:
     prompt_tokens_excluded_from_usage: int = 0
     has_context: bool = False  # the answer carried a `context` object
     prompts: list[list[int]] | None = None  # completions: every prompt's ids; None if one is unusable
+    # vLLM render answers' `features` (core/media.spans_from_features): (modality, item) per multimodal item,
+    # sorted by offset; None when the answer carried none. `media_invalid` says why they were not believed.
+    media: tuple[tuple[str, MediaItem], ...] | None = None
+    media_invalid: str | None = None
 
 
 class Renderer(Protocol):
