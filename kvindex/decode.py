@@ -11,9 +11,11 @@ able to kill a subscriber, so garbage is reported in the returned :class:`Decode
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import msgpack
+import xxhash
 
 from kvindex.events import (
     AllBlocksCleared,
@@ -33,6 +35,7 @@ from kvindex.hashing import (
     pack_tokens,
 )
 
+_xxh3 = xxhash.xxh3_64_intdigest
 MASK64 = 0xFFFFFFFFFFFFFFFF
 MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
 MAX_HASHES_PER_EVENT = 1_000_000
@@ -157,13 +160,14 @@ def _mm_hash(h: object) -> bytes:
     return b
 
 
-def _trtllm_mm(raw: object, n_blocks: int) -> tuple[list[bytes | None], int, int]:
-    """TensorRT-LLM per-block ``mm_keys`` -> (per-block key bytes, V1-tagged blocks, V2 blocks).
+def _trtllm_mm(raw: object, n_blocks: int) -> tuple[list[bytes | None], int]:
+    """TensorRT-LLM per-block ``mm_keys`` -> (per-block key bytes, blocks with keys).
 
-    One entry per block, each a list of that block's keys.  A key is the V1 JSON serializer's
-    ``{"type": "mm_key", "hash": <hex>, "start_offset": n}`` or the native V2 map ``{"hash": <hex digest or
-    bytes>, "start_offset": n}``, with ``uuid`` only where the engine sends one (a ``[hash, start_offset(,
-    uuid)]`` array is read the same).  ``start_offset`` is where the block starts inside the item
+    One entry per block, each a list of that block's keys.  A key is ``{"type": "mm_key", "hash": <hex>,
+    "start_offset": n}`` (the V2 msgspec wire tags it, NVIDIA/TensorRT-LLM 13599e98
+    tensorrt_llm/_torch/pyexecutor/kv_cache_events.py ``MultimodalKey``, as the V1 serializer does) or the same
+    map untagged, with ``uuid`` only where the engine sends one (a ``[hash, start_offset(, uuid)]`` array is
+    read the same).  ``start_offset`` is where the block starts inside the item
     (NVIDIA/TensorRT-LLM cpp/tensorrt_llm/batch_manager/blockKey.cpp ``generateBlockHashExtraKeys``: 0 when the
     item starts inside the block).  The keys are indexed as given: the chain's own token ids plus these keys.
     """
@@ -172,7 +176,7 @@ def _trtllm_mm(raw: object, n_blocks: int) -> tuple[list[bytes | None], int, int
     if len(raw) != n_blocks:  # type: ignore[arg-type]
         raise _Skip("skipped_mm_shape")  # not one entry per block: a shape we do not know, never guessed
     out: list[bytes | None] = []
-    v1 = v2 = 0
+    n = 0
     for entry in raw:  # type: ignore[attr-defined]
         if not entry:
             out.append(None)
@@ -180,13 +184,11 @@ def _trtllm_mm(raw: object, n_blocks: int) -> tuple[list[bytes | None], int, int
         if type(entry) not in _SEQ:
             raise _Skip("skipped_mm_shape")
         keys: list[tuple[bytes, int, str | None]] = []
-        tagged = False
         for k in entry:
             if type(k) is dict:
                 kind = k.get("type")
                 if kind is not None and kind != "mm_key":
                     raise _Skip("skipped_mm_shape")
-                tagged = tagged or kind == "mm_key"
                 h, off, uuid = k.get("hash"), k.get("start_offset"), k.get("uuid")
             elif type(k) in _SEQ and 2 <= len(k) <= 3:
                 h, off, uuid = k[0], k[1], k[2] if len(k) == 3 else None
@@ -198,11 +200,8 @@ def _trtllm_mm(raw: object, n_blocks: int) -> tuple[list[bytes | None], int, int
                 raise _Garbage("mm_keys uuid is not a string")
             keys.append((_mm_hash(h), off, uuid))
         out.append(mm_trtllm_key(keys))
-        if tagged:
-            v1 += 1
-        else:
-            v2 += 1
-    return out, v1, v2
+        n += 1
+    return out, n
 
 
 _Identity = tuple[str | None, str | None, list[bytes | None] | None, str | None]
@@ -234,10 +233,10 @@ def _identity(
     has_lora = lora is not None or lora_id is not None
     mm: list[bytes | None] | None = None
     dialect: str | None = None
-    n_v1 = n_v2 = n_pair = n_bare = 0
+    n_trtllm = n_pair = n_bare = 0
     if mm_keys:
-        mm, n_v1, n_v2 = _trtllm_mm(mm_keys, n_blocks)
-        if n_v1 or n_v2:
+        mm, n_trtllm = _trtllm_mm(mm_keys, n_blocks)
+        if n_trtllm:
             dialect = DIALECT_TRTLLM
         else:
             mm = None
@@ -281,11 +280,10 @@ def _identity(
                 salt = keys[0]
     if has_lora and lora is None:
         raise _Skip("skipped_extra_keys")  # a LoRA block whose adapter name we are not told
-    if n_pair or n_bare or n_v1 or n_v2:
+    if n_pair or n_bare or n_trtllm:
         counters.mm_blocks_vllm += n_pair
         counters.mm_blocks_vllm_bare += n_bare
-        counters.mm_blocks_trtllm_v1 += n_v1
-        counters.mm_blocks_trtllm_v2 += n_v2
+        counters.mm_blocks_trtllm += n_trtllm
     return lora, salt if root else None, mm, dialect
 
 
@@ -300,6 +298,30 @@ def _tokens(tokens: object) -> object:
         except TypeError as exc:
             raise _Garbage("bigram token_ids are not pairs") from exc
     return tokens
+
+
+MAX_TOKEN_TEXT = 256  # a string token id is a digest (64 hex chars for the 32-byte hash): anything longer is garbage
+
+
+def _media_tokens(tokens: list[object]) -> array:
+    """TensorRT-LLM's V2 wire allows string token ids (`EventTokenId = int | str`, NVIDIA/TensorRT-LLM 13599e98
+    tensorrt_llm/_torch/pyexecutor/kv_cache_events.py): with multimodal keys on, the native sink reports a media
+    item's first token as text (its digest). Such a token is packed as the low 32 bits of its xxh3: the block is
+    keyed by its `mm_keys` (the same digest) as well, and no rendered prompt carries that token, so the index
+    stays exact for the engine's own chains and no request is credited through it. Only for blocks whose event
+    carries TensorRT-LLM `mm_keys`; a string token anywhere else is garbage."""
+    out: list[int] = []
+    for t in tokens:
+        if type(t) is str:
+            if len(t) > MAX_TOKEN_TEXT:
+                raise _Garbage("token id text is too long")
+            out.append(_xxh3(t.encode()) & 0xFFFFFFFF)
+        else:
+            out.append(t)  # type: ignore[arg-type]
+    try:
+        return pack_tokens(out)
+    except (TypeError, OverflowError, ValueError) as exc:
+        raise _Garbage("token id is not a u32") from exc
 
 
 def _stored(ev: dict, counters: DecodeCounters) -> BlockStored:
@@ -324,13 +346,14 @@ def _stored(ev: dict, counters: DecodeCounters) -> BlockStored:
     try:
         packed = pack_tokens(tokens)  # type: ignore[arg-type]
     except (TypeError, OverflowError, ValueError) as exc:
-        raise _Garbage("token id is not a u32") from exc
+        if mm is None or dialect != DIALECT_TRTLLM:
+            raise _Garbage("token id is not a u32") from exc
+        packed = _media_tokens(tokens)  # type: ignore[arg-type]
     lora_id = g("lora_id")
     if mm is not None:
         counters.mm_blocks_vllm += probe.mm_blocks_vllm
         counters.mm_blocks_vllm_bare += probe.mm_blocks_vllm_bare
-        counters.mm_blocks_trtllm_v1 += probe.mm_blocks_trtllm_v1
-        counters.mm_blocks_trtllm_v2 += probe.mm_blocks_trtllm_v2
+        counters.mm_blocks_trtllm += probe.mm_blocks_trtllm
     return BlockStored(hs, par, packed, block_size, lora, lora_id, salt, mm, dialect)
 
 

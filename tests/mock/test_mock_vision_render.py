@@ -90,3 +90,21 @@ async def test_vllm_render_refuses_an_extreme_aspect_ratio_with_the_processors_t
     async with render_worker("vllm") as w, aiohttp.ClientSession() as s:
         status, out = await post(s, w.url + RENDER, image_body(image_part(data_uri(png(4000, 10)))))
     assert status == 400 and out["error"]["message"] == "absolute aspect ratio must be smaller than 200, got 400.0"
+
+
+async def test_vllm_render_takes_the_metadata_only_payload_a_cache_aware_router_asks_for():
+    """vLLM 0.32's chat request has `mm_payload` ('tensors' | 'none'); the picker sends 'none'."""
+    body = {**image_body(image_part(data_uri(IMG))), "mm_payload": "none"}
+    async with render_worker("vllm") as w, aiohttp.ClientSession() as s:
+        status, out = await post(s, w.url + RENDER, body)
+        bad, err = await post(s, w.url + RENDER, {**body, "mm_payload": "pixels"})
+    assert status == 200, out
+    assert out["features"]["mm_placeholders"]["image"][0]["length"] == 64
+    assert out["features"]["kwargs_data"] is None
+    assert bad == 400 and "mm_payload" in err["error"]["message"]
+
+
+async def test_trtllm_render_still_refuses_the_vllm_only_member():
+    async with render_worker("trtllm") as w, aiohttp.ClientSession() as s:
+        status, _ = await post(s, w.url + RENDER, {**chat_body("hello there"), "mm_payload": "none"})
+    assert status == 400  # TensorRT-LLM's ChatCompletionRequest forbids members it does not define

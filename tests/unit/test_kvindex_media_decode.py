@@ -72,11 +72,34 @@ def test_trtllm_native_v2_keys_are_decoded_per_block_as_a_media_chain() -> None:
     assert [k is not None for k in ev.mm] == [False, True, True, False]  # the item covers tokens 5..10
 
 
-def test_trtllm_v1_serializer_keys_are_counted_apart_from_v2() -> None:
+def test_trtllm_keys_tagged_as_the_v2_wire_tags_them_or_untagged_count_as_trtllm() -> None:
     b1 = decode_payload(pack_batch([trtllm_event([(IMG_A, 5, 6)], v1=True)]))
     b2 = decode_payload(pack_batch([trtllm_event([(IMG_A, 5, 6)])]))
-    assert (b1.counters.mm_blocks_trtllm_v1, b1.counters.mm_blocks_trtllm_v2) == (2, 0)
-    assert (b2.counters.mm_blocks_trtllm_v1, b2.counters.mm_blocks_trtllm_v2) == (0, 2)
+    assert b1.counters.mm_blocks_trtllm == 2 and b2.counters.mm_blocks_trtllm == 2
+
+
+def test_trtllm_v2_string_token_ids_of_a_media_block_are_indexed_not_thrown_away() -> None:
+    """TensorRT-LLM 13599e98 `EventTokenId = int | str`: the media item's first token comes as its digest."""
+    ev = trtllm_event([(IMG_A, 5, 6)])
+    ev["token_ids"][5] = IMG_A.hex()  # the item's first token, as text
+    batch = decode_payload(pack_batch([ev]))
+    assert batch.counters.garbage_events == 0 and batch.counters.mm_blocks_trtllm == 2
+    idx = KvIndex(BS)
+    idx.apply_batch("w", batch)
+    assert idx.blocks_indexed("w") == 4
+
+
+def test_a_string_token_id_outside_a_media_block_is_still_garbage() -> None:
+    ev = trtllm_event([(IMG_A, 5, 6)])
+    ev["mm_keys"] = None
+    ev["token_ids"][5] = "not-a-token"
+    assert decode_payload(pack_batch([ev])).counters.garbage_events == 1
+
+
+def test_a_string_token_id_longer_than_a_digest_is_garbage() -> None:
+    ev = trtllm_event([(IMG_A, 5, 6)])
+    ev["token_ids"][5] = "f" * 10_000
+    assert decode_payload(pack_batch([ev])).counters.garbage_events == 1
 
 
 def shared_blocks(ev1: dict, ev2: dict) -> int:
@@ -175,7 +198,7 @@ def test_media_blocks_are_counted_per_dialect_in_the_metrics() -> None:
     idx.apply_batch("w", decode_payload(pack_batch([trtllm_event([(IMG_A, 5, 6)])])))
     idx.apply_batch("w", decode_payload(pack_batch([stored_event([1, 2], None, [0] * 8, BS, mm_keys=[[{}]])])))
     get = reg.get_sample_value
-    assert get("epp_kv_mm_blocks_total", {"worker": "w", "dialect": "trtllm-v2"}) == 2
+    assert get("epp_kv_mm_blocks_total", {"worker": "w", "dialect": "trtllm"}) == 2
     assert get("epp_kv_mm_blocks_total", {"worker": "w", "dialect": "vllm"}) == 0
     assert get("epp_kv_events_skipped_total", {"worker": "w", "reason": "mm_shape"}) == 1
 
