@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--step-prefill-ms-per-token", type=float, default=d.step_prefill_ms_per_token)
     a("--step-decode-ms-per-token", type=float, default=d.step_decode_ms_per_token)
     a("--step-kv-read-ms-per-token", type=float, default=d.step_kv_read_ms_per_token)
+    a("--disagg-handoff-timeout-s", type=float, default=d.disagg_handoff_timeout_s,
+      help="seconds a context worker keeps a context-only request's blocks for the generation worker")
+    a("--disagg-transfer-ms-per-block", type=float, default=d.disagg_transfer_ms_per_block,
+      help="simulated KV transfer time per block on a generation-only request")
     a("--log-level", default="INFO")
     return p
 
