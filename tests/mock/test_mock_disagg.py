@@ -209,3 +209,13 @@ async def test_unknown_disaggregated_params_fields_are_refused():
         body["disaggregated_params"]["surprise"] = 1
         st, err = await post(s, cw.url + "/v1/chat/completions", body)
     assert st == 400 and "surprise" in err["message"]
+
+
+async def test_the_context_answer_uses_only_fields_of_trtllm_serves_response_classes():
+    from pathlib import Path
+    fix = json.loads((Path(__file__).parents[1] / "fixtures" / "pd" / "trtllm_chat.json").read_text())
+    async with running_worker(tokens_per_block=TPB) as cw, aiohttp.ClientSession() as s:
+        _, ctx = await post(s, cw.url + "/v1/chat/completions", ctx_body(ids(9), logprobs=True))
+    assert set(ctx) <= set(fix["chat_response_fields"])
+    assert set(ctx["choices"][0]) <= set(fix["chat_choice_fields"])
+    assert set(ctx["choices"][0]["disaggregated_params"]) <= set(fix["disaggregated_params_fields"])
