@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="largest request body accepted (413 beyond) and largest prefill answer read")
     a("--prefill-timeout-s", type=float, default=float(env("DYN_PD_PREFILL_TIMEOUT_S", str(d.prefill_timeout_s))))
     a("--connect-timeout-s", type=float, default=float(env("DYN_PD_CONNECT_TIMEOUT_S", str(d.connect_timeout_s))))
+    a("--trtllm-ctx-usage", action=argparse.BooleanOptionalAction,
+      default=env("DYN_PD_TRTLLM_CTX_USAGE", "1") not in ("0", "false", "False"),
+      help="send ctx_usage on the TensorRT-LLM generation leg (--no-trtllm-ctx-usage for a release whose "
+           "DisaggregatedParams has no ctx_usage field)")
     a("--log-level", default=env("DYN_PD_LOG_LEVEL", "INFO"))
     return p
 
@@ -42,7 +46,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[SidecarConfig, 
     ns = build_parser().parse_args(argv)
     cfg = SidecarConfig(decode_url=ns.decode_url, engine=ns.engine,
                         allowed_prefillers=parse_allowed(ns.allowed_prefillers), max_body_bytes=ns.max_body_bytes,
-                        prefill_timeout_s=ns.prefill_timeout_s, connect_timeout_s=ns.connect_timeout_s)
+                        prefill_timeout_s=ns.prefill_timeout_s, connect_timeout_s=ns.connect_timeout_s,
+                        trtllm_ctx_usage=ns.trtllm_ctx_usage)
     return cfg, ns
 
 

@@ -45,6 +45,7 @@ class SidecarConfig:
     max_body_bytes: int = 32 * 1024 * 1024
     prefill_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
+    trtllm_ctx_usage: bool = True  # send ctx_usage on the generation leg (TensorRT-LLM PR #14177 and later)
 
 
 class PrefillFailed(Exception):
@@ -163,7 +164,7 @@ class Sidecar:
                     sse = answer_as_sse(answer, request.path == "/v1/chat/completions", include)
                     return web.Response(body=sse, content_type="text/event-stream")
                 return web.Response(body=orjson.dumps(answer), content_type="application/json")
-            gen = trtllm.generation_request(doc, request.path, ctx, rid)
+            gen = trtllm.generation_request(doc, request.path, ctx, rid, self.config.trtllm_ctx_usage)
         except trtllm.BadContextAnswer:
             return await self._fallback(request, body, headers, "bad_prefill_answer")
         except PrefillFailed as e:

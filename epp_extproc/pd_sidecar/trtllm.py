@@ -88,15 +88,17 @@ class BadContextAnswer(Exception):
     """The context worker's answer lacks what the generation leg needs."""
 
 
-def generation_request(body: dict[str, Any], path: str, ctx: dict[str, Any], disagg_request_id: int) -> dict[str, Any]:
-    """The generation-only leg (``_get_gen_request``)."""
+def generation_request(body: dict[str, Any], path: str, ctx: dict[str, Any], disagg_request_id: int,
+                       ctx_usage: bool = True) -> dict[str, Any]:
+    """The generation-only leg (``_get_gen_request``). ``ctx_usage=False`` for a release whose
+    ``DisaggregatedParams`` has no such field (it forbids unknown ones: the leg would be a 400)."""
     try:
         dp = dict(ctx["choices"][0]["disaggregated_params"])
     except (KeyError, IndexError, TypeError):
         raise BadContextAnswer("context answer has no choices[0].disaggregated_params") from None
     dp["request_type"] = "generation_only"
     dp["disagg_request_id"] = disagg_request_id
-    if isinstance(ctx.get("usage"), dict):
+    if ctx_usage and isinstance(ctx.get("usage"), dict):
         dp["ctx_usage"] = ctx["usage"]
     out = dict(body)
     out["disaggregated_params"] = dp

@@ -201,3 +201,17 @@ def test_a_final_answer_as_sse_has_role_content_usage_and_done():
 def test_a_final_answer_as_sse_omits_usage_unless_asked():
     text = answer_as_sse(trtllm.final_answer(TRT["final_context_answer"]), chat=True, include_usage=False)
     assert b'"usage"' not in text
+
+
+def test_trtllm_generation_leg_can_leave_out_ctx_usage_for_older_releases():
+    gen = trtllm.generation_request(TRT["client_request"], "/v1/chat/completions", TRT["context_answer"], 5,
+                                    ctx_usage=False)
+    assert "ctx_usage" not in gen["disaggregated_params"]
+
+
+def test_cli_reads_the_allowed_prefillers_from_the_environment(monkeypatch: pytest.MonkeyPatch):
+    from epp_extproc.pd_sidecar.cli import config_from_args
+    monkeypatch.setenv("DYN_PD_ALLOWED_PREFILLERS", "10.1.1.1:8000,10.1.1.2:8000")
+    cfg, ns = config_from_args([])
+    assert cfg.allowed_prefillers == {"10.1.1.1:8000", "10.1.1.2:8000"}
+    assert (ns.host, ns.port, cfg.decode_url, cfg.engine) == ("0.0.0.0", 8000, "http://127.0.0.1:8200", "trtllm")
