@@ -310,6 +310,7 @@ class Sidecar:
                             await resp.write(tail)
                     await resp.write_eof()
                 m.legs.labels(leg, "ok" if up.status < 400 else f"status_{up.status}").inc()
+                log.debug("%s leg: %d in %.1f ms", leg, up.status, (time.perf_counter() - t0) * 1000)
         except asyncio.CancelledError:
             m.legs.labels(leg, "cancelled").inc()
             log.info("%s leg cancelled (client gone)", leg)
