@@ -216,6 +216,11 @@ class Disagg:
             self.pending.pop(h.ctx_request_id, None)
             await _drain(gen)
 
+    def abandon(self, h: Handoff) -> None:
+        """Release a held context at once (its requester is gone)."""
+        if self.pending.get(h.ctx_request_id) is h:
+            h.fetched.set()
+
     def fetch(self, ctx_request_id: Any, session: Any) -> dict[str, Any] | None:
         """The generation worker's pull (``POST /mock/disagg/fetch``): the blocks' contents, once."""
         h = self.pending.get(ctx_request_id) if isinstance(ctx_request_id, int) else None
@@ -370,6 +375,9 @@ async def serve_disaggregated(disagg: Disagg, model: str, request: web.Request, 
         if params["request_type"] == "context_only":
             stops = body.get("stop_token_ids") or []
             h, cached, final = await disagg.context_leg(prompt, salt, params, stops, want_logprobs(kind, body))
+            if request.transport is None or request.transport.is_closing():
+                disagg.abandon(h)  # trtllm-serve aborts a request whose client left: nobody will fetch it
+                return web.Response(status=499)
             opaque = encode_opaque(h, disagg.url)
             return web.json_response(context_answer(kind, model, prompt, h, cached, final, max_tokens, params,
                                                     opaque))

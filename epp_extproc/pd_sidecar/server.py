@@ -72,6 +72,14 @@ def error_response(status: int, code: str, message: str) -> web.Response:
     return web.Response(status=status, body=body, content_type="application/json")
 
 
+def leg_headers(headers: CIMultiDict[str]) -> CIMultiDict[str]:
+    """Headers for a leg whose answer the sidecar reads or rewrites: no ``accept-encoding``, so the answer comes
+    back as JSON / SSE text (the client's own encoding preference applies to the local relay only)."""
+    out = headers.copy()
+    out.popall("accept-encoding", None)
+    return out
+
+
 def forward_headers(headers: Any) -> CIMultiDict[str]:
     """The client's headers minus hop-by-hop ones and the prefiller header (never forwarded, to either leg)."""
     out: CIMultiDict[str] = CIMultiDict()
@@ -196,6 +204,7 @@ class Sidecar:
         assert self.session is not None
         m = self.metrics
         data = orjson.dumps(leg)
+        headers = leg_headers(headers)
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, sock_connect=self.config.connect_timeout_s)
         url = f"http://{target}{path}"
         outcome = "unreachable"
@@ -274,7 +283,7 @@ class Sidecar:
     async def _decode(self, request: web.Request, body: bytes, headers: CIMultiDict[str],
                       cached: int) -> web.StreamResponse:
         """The decode leg, streamed to the client, with ``cached_tokens`` set to the prefill leg's."""
-        return await self._relay(request, "POST", body, headers, "decode", cached)
+        return await self._relay(request, "POST", body, leg_headers(headers), "decode", cached)
 
     async def _relay(self, request: web.Request, method: str, body: bytes, headers: CIMultiDict[str], leg: str,
                      cached: int | None) -> web.StreamResponse:

@@ -184,12 +184,14 @@ async def test_trtllm_cached_tokens_are_the_prefill_workers_hits(pool: Pool):
 
 async def test_trtllm_decode_worker_stores_and_publishes_the_transferred_blocks(pool: Pool):
     prompt = ids(100, 1_000)
-    before = pool.gen.get("/mock/stats")["kv_events"]["batches_published"]
+    before = pool.gen.get("/mock/stats")
     st, _, _ = await send(pool.trt.url, chat(prompt), {HEADER: pool.ctx.address})
-    cache = pool.gen.get("/mock/cache")
+    cache, after = pool.gen.get("/mock/cache"), pool.gen.get("/mock/stats")
     held = {tuple(b["token_ids"]) for b in cache["blocks"]}
     assert st == 200 and all(tuple(prompt[i * 32:(i + 1) * 32]) in held for i in range(3))
-    assert pool.gen.get("/mock/stats")["kv_events"]["batches_published"] > before
+    assert after["kv_events"]["batches_published"] > before["kv_events"]["batches_published"]
+    # the decode engine found the transferred prefix: it recomputed only the 4-token tail
+    assert after["cached_tokens_total"] - before["cached_tokens_total"] == 96
 
 
 async def test_trtllm_two_legs_stream_to_a_streaming_client(pool: Pool):
