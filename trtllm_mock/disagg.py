@@ -209,7 +209,8 @@ class Disagg:
     async def _hold(self, h: Handoff, gen: AsyncIterator[Prefilled | int]) -> None:
         """Keep the context's blocks (the engine request stays open) until fetched or timed out."""
         try:
-            await asyncio.wait_for(h.fetched.wait(), self.handoff_timeout_s)
+            async with asyncio.timeout(self.handoff_timeout_s):
+                await h.fetched.wait()
         except TimeoutError:
             self.stats["expired"] += 1
         finally:
