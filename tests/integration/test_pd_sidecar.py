@@ -166,6 +166,15 @@ async def test_trtllm_two_legs_answer_like_an_aggregated_worker(pool: Pool):
     assert gen_leg["prompt_token_ids"] == prompt and "ctx_usage" in gen_leg["disaggregated_params"]
 
 
+async def test_trtllm_two_legs_serve_completions_with_the_context_token_ids(pool: Pool):
+    body = {"model": "mock-model", "prompt": "a completions prompt " * 20, "max_tokens": 3}
+    st, doc, _ = await send(pool.trt.url, body, {HEADER: pool.ctx.address}, path="/v1/completions")
+    gen_leg = json.loads(_raw(pool.gen, "/mock/last-request"))
+    assert st == 200 and doc["object"] == "text_completion" and doc["usage"]["completion_tokens"] == 3
+    assert gen_leg["disaggregated_params"]["request_type"] == "generation_only"
+    assert isinstance(gen_leg["prompt"], list) and len(gen_leg["prompt"]) == doc["usage"]["prompt_tokens"]
+
+
 async def test_trtllm_usage_covers_both_legs(pool: Pool):
     prompt = ids(100, 20_000)
     st, doc, _ = await send(pool.trt.url, chat(prompt, max_tokens=6), {HEADER: pool.ctx.address})
