@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="encoder cache capacity in embeddings (vLLM: max_num_batched_tokens)")
     a("--render-dialect", choices=["trtllm", "vllm"], default=d.render_dialect,
       help="render answer shape: TensorRT-LLM's render objects or vLLM's GenerateRequest")
+    a("--disagg-handoff-timeout-s", type=float, default=d.disagg_handoff_timeout_s,
+      help="seconds a context worker keeps a context-only request's blocks for the generation worker")
+    a("--disagg-transfer-ms-per-block", type=float, default=d.disagg_transfer_ms_per_block,
+      help="simulated KV transfer time per block on a generation-only request")
     a("--log-level", default="INFO")
     return p
 

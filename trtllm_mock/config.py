@@ -91,6 +91,11 @@ class MockConfig:
     max_batch_size: int = 64
     speedup: float = 1.0
 
+    # Disaggregated serving (trtllm_mock/disagg.py): how long a context worker keeps a finished context's
+    # blocks for the generation worker, and the simulated KV transfer time per block (before ``speedup``).
+    disagg_handoff_timeout_s: float = 30.0
+    disagg_transfer_ms_per_block: float = 0.0
+
     # Prompt rendering (chat template + tokenizer) on the HTTP side, before the scheduler sees the request.
     chat_template: str = "chatml"  # a key of tokenizer.CHAT_TEMPLATES; part of the render fingerprint
     tokenizer_identity_complete: bool = True  # False: fingerprint.compared.tokenizer.complete is false
@@ -164,5 +169,7 @@ class MockConfig:
         from .vision import parse_image_size
 
         parse_image_size(self.url_image_size)
+        if self.disagg_handoff_timeout_s <= 0 or self.disagg_transfer_ms_per_block < 0:
+            raise ValueError("disagg_handoff_timeout_s must be > 0 and disagg_transfer_ms_per_block >= 0")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")

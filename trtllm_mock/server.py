@@ -20,6 +20,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .config import MockConfig
+from .disagg import Disagg, fetch_route, serve_disaggregated
 from .engine import Engine, Prefilled
 from .events import KvEventPublisher
 from .kvcache import KVCache
@@ -149,6 +150,8 @@ class MockWorker:
         if config.role == "worker" and config.kv_events:
             self.publisher = KvEventPublisher(config, on_restart=self._restarted)
         self.engine = Engine(config, self.cache, self.publisher)
+        self.disagg = Disagg(self.engine, self.cache, self.publisher, config.name, config.disagg_handoff_timeout_s,
+                             config.disagg_transfer_ms_per_block, config.speedup)
         self.fingerprint = fingerprint(config.model, config.chat_template, config.tokenizer_identity_complete)
         self.render_cost = RenderCost(config)
         self.registry = CollectorRegistry()
@@ -200,9 +203,11 @@ class MockWorker:
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
         self.port = self._runner.addresses[0][1]
+        self.disagg.url = self.url
 
     async def stop(self) -> None:
         """Stop serving and close sockets; safe to call twice."""
+        await self.disagg.close()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -241,6 +246,7 @@ class MockWorker:
             r.add_post("/mock/cache/clear", self.mock_cache_clear)
             r.add_post("/mock/faults/drop-next-batch", self.mock_drop_next_batch)
             r.add_post("/mock/faults/restart-publisher", self.mock_restart_publisher)
+            r.add_post("/mock/disagg/fetch", self.mock_disagg_fetch)
         return app
 
     async def _tag_response(self, request: web.Request, response: web.StreamResponse) -> None:
@@ -478,6 +484,11 @@ class MockWorker:
             return self._inference_error(str(exc))
         except HandlerRejected as exc:
             return object_error(str(exc))
+        if vision is None or not vision.spans:  # images are not in TensorRT-LLM's disaggregated OpenAI protocol: served aggregated
+            disagg = await serve_disaggregated(self.disagg, self.config.model, request, "chat", body, prompt,
+                                               body.get("cache_salt"), max_tokens)
+            if disagg is not None:  # context-only / generation-only (trtllm_mock/disagg.py)
+                return disagg
         return await self._serve(request, "chat", body, prompt, body.get("cache_salt"), max_tokens, vision)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -492,6 +503,10 @@ class MockWorker:
             return object_error(str(exc))
         if len(ids) > 1:
             return await self._serve_many(request, body, ids, max_tokens)
+        disagg = await serve_disaggregated(self.disagg, self.config.model, request, "completion", body, ids[0],
+                                           None, max_tokens)
+        if disagg is not None:  # context-only / generation-only (trtllm_mock/disagg.py)
+            return disagg
         return await self._serve(request, "completion", body, ids[0], None, max_tokens)
 
     async def _serve_many(
@@ -708,6 +723,10 @@ class MockWorker:
                 },
             }
         )
+
+    async def mock_disagg_fetch(self, request: web.Request) -> web.Response:
+        """POST /mock/disagg/fetch: a generation worker pulls a held context (trtllm_mock/disagg.py)."""
+        return await fetch_route(self.disagg, request)
 
     async def mock_last_request(self, request: web.Request) -> web.Response:
         """GET /mock/last-request: the exact body bytes of the latest inference request this worker got."""
