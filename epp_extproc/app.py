@@ -191,6 +191,8 @@ class PickerApp:
         if added and self.flow is not None:
             self.flow.dispatch()
         self.metrics.endpoints.set(len(self.registry))
+        for role, n in self.registry.role_counts().items():
+            self.metrics.endpoint_roles.labels(role).set(n)
         self._spawn(self.health.set_ready(self.ready()))
 
     def ready(self) -> bool:
@@ -362,7 +364,7 @@ class PickerApp:
 
             d = InferencePoolDiscovery(self.registry, cfg.inference_pool_name, cfg.namespace,
                                        kv_event_port=cfg.kv_event_port, replay_port=replay,
-                                       kubeconfig=cfg.kubeconfig)
+                                       kubeconfig=cfg.kubeconfig, role_label=cfg.role_label)
             self._tasks.append(asyncio.create_task(d.run()))
         else:
             log.warning("no endpoint source configured (--endpoints, --endpoints-file or "
