@@ -380,11 +380,14 @@ class Pipeline:
                         session=p.session is not None, prefill=prefill)
 
     def _decode_keeps_transferred_blocks(self) -> bool:
-        """Does a decode worker's cache hold the prompt blocks a prefill worker sent it, so that the next
-        request sharing the prefix finds them there? vLLM's NIXL connector: yes, the received blocks are
-        cached as they land (the scheduler caches them once the load finishes), so they are predicted on
-        the decode worker too. TensorRT-LLM and SGLang: not predicted; the decode worker's own KV events
-        credit whatever its cache keeps (see docs/pd-pools.md)."""
+        """Does a decode worker's cache hold the prompt blocks a prefill worker sent it as soon as they land, so
+        that the next request sharing the prefix finds them there? vLLM (NIXL connector): yes, the scheduler
+        caches the received blocks once the load finishes (vllm 0.32.0 v1/core/sched/scheduler.py,
+        `_update_waiting_for_remote_kv` -> `kv_cache_manager.cache_blocks`), so they are predicted on the
+        decode worker too. TensorRT-LLM: no; a generation server's blocks enter its reuse tree when the sequence
+        is released at the request's end (cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp @b35ac1b,
+        `BlockManager::releaseBlocks` -> `storeBlocksForReuse`), and its own KV events report them then.
+        SGLang: not predicted (unchecked). See docs/pd-pools.md."""
         return self.renderer is not None and self.renderer.protocol == TokenizerProtocol.VLLM
 
     def passthrough(self, plan: Plan, parsed: ParsedBody | None, address: str) -> Verdict | None:
