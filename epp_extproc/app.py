@@ -152,7 +152,8 @@ class PickerApp:
         self.flow: FlowController | None = None
         if cfg.flow_control:
             flow = self.flow = FlowController(
-                self.detector, lambda: [ep.address for ep in self.registry.routable()],
+                # the destinations only: a disaggregated pool is saturated when its decode workers are
+                self.detector, lambda: [ep.address for ep in self.registry.routable() if ep.decodes],
                 ttl_s=cfg.flow_control_queue_ttl_s, max_queued=cfg.flow_control_max_queued_requests,
                 metrics=PromFlowMetrics(self.metrics))
             self.load.on_release(flow.dispatch)

@@ -6,12 +6,15 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
+
 from epp_extproc.config import Config
 from epp_extproc.core.admission import BodyBudget, InflightGate
 from epp_extproc.core.contract import Credit, PromptIdentity, Role
 from epp_extproc.core.cost import Candidate, CostParams
 from epp_extproc.core.decision import Decision
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
+from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.lean import LeanSignals
 from epp_extproc.core.load import EndpointLoad, LoadTracker
 from epp_extproc.core.pd import PdPath, PdReason, decide_pair
@@ -180,9 +183,6 @@ async def test_aggregated_workers_serve_both_phases_in_a_disaggregated_pool() ->
 
 
 async def test_a_pool_of_prefill_workers_only_has_no_destination() -> None:
-    import pytest
-
-    from epp_extproc.core.errors import PickError, Problem
     pipe, _ = make(pool((P0, Role.PREFILL)))
     with pytest.raises(PickError) as e:
         await decide(pipe)
