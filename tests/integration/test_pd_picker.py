@@ -238,3 +238,15 @@ def test_a_client_reset_while_the_answer_streams_leaves_no_booking_behind(pd: Pd
     time.sleep(0.05)
     for ev in release:
         pd.bg.loop.call_soon_threadsafe(ev.clear)
+
+
+def test_debug_score_shows_the_pair_and_the_decider_s_reason(pd: PdStack) -> None:
+    assert pd.app is not None
+    url = f"http://127.0.0.1:{pd.app.admin_port}"
+    for content, path, reason in ((LONG, "disaggregated", "long_uncached_suffix"),
+                                  (SHORT, "local_prefill", "short_uncached_suffix")):
+        body = json.dumps({"model": "mock-model", "messages": [{"role": "user", "content": content}]}).encode()
+        s = request(url, path="/debug/score", body=body).json()
+        assert (s["pd"]["path"], s["pd"]["reason"], s["pd"]["decode"]) == (path, reason, s["pick"])
+        assert s["pick"] in {u.address for u in pd.decode}
+        assert (s["pd"]["prefill"] in {p.address for p in pd.prefill}) == (path == "disaggregated")
