@@ -280,8 +280,16 @@ class Pipeline:
                      model if isinstance(model, str) else None, started, score_seconds, parsed=parsed,
                      passthrough=verdict, rewrite=rewritten, session=session, pd=pd)
         if plan.prompt is not None and self.kv is not None:
-            p.predicted_cached_tokens = chosen.overlap_blocks * self.kv.block_size(chosen.address)
+            p.predicted_cached_tokens = self._predicted_cached(self.kv, chosen, pd)
         return p
+
+    @staticmethod
+    def _predicted_cached(kv: KvLookup, chosen: Candidate, pd: PdChoice) -> int:
+        """The cached tokens the answer should report: the destination's overlap, or, when a prefill worker
+        computes the prompt, that worker's (the P/D sidecar reports the prefill leg's hits as the answer's
+        cached_tokens, as llm-d's does: epp_extproc/pd_sidecar/usage.py)."""
+        served = pd.prefill if pd.prefill is not None else chosen
+        return served.overlap_blocks * kv.block_size(served.address)
 
     def _pair(self, ctx: RequestContext, plan: Plan, decode: Candidate, params: CostParams) -> PdChoice:
         """Disaggregated pools only (core/pd.py): whether a prefill worker computes the prompt, and which."""
@@ -344,7 +352,7 @@ class Pipeline:
                     booked_blocks=self._booked_blocks(chosen, p.plan), started=p.started + waited_s,
                     score_seconds=time.perf_counter() - score_started)
         if p.plan.prompt is not None and self.kv is not None:
-            q.predicted_cached_tokens = chosen.overlap_blocks * self.kv.block_size(chosen.address)
+            q.predicted_cached_tokens = self._predicted_cached(self.kv, chosen, q.pd)
         return q
 
     # ---------------------------------------------------------------- commit: side effects, cannot fail

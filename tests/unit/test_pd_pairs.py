@@ -260,3 +260,15 @@ async def test_debug_score_shows_both_choices_and_the_reason() -> None:
     assert pd["decode"] == p.address and pd["prefill"] == P1 and pd["uncached_tokens"] == 320
     assert {w["address"] for w in pd["prefill_workers"]} == {P0, P1}
     assert pipe.load.total_inflight() == 0  # explaining books nothing
+
+
+async def test_a_disaggregated_answer_is_expected_to_report_the_prefill_worker_s_cached_tokens() -> None:
+    pipe, _ = make(pd_pool(), overlaps={P1: 5, D0: 1, D1: 1})
+    d = await decide(pipe)
+    assert (d.prefill, d.predicted_cached_tokens) == (P1, 5 * BLOCK)
+
+
+async def test_a_locally_prefilled_answer_is_expected_to_report_the_decode_worker_s_cached_tokens() -> None:
+    pipe, _ = make(pd_pool(), tokens=40, overlaps={P1: 2, D0: 2, D1: 2})
+    d = await decide(pipe)
+    assert (d.prefill, d.predicted_cached_tokens) == (None, 2 * BLOCK)
