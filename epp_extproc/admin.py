@@ -87,7 +87,7 @@ def build_admin_app(registry: EndpointRegistry, load: LoadTracker, metrics: Pick
         out = []
         for ep in registry.all():
             ld = load.load(ep.address)
-            out.append({"name": ep.name, "address": ep.address, "kv_events": ep.kv_events,
+            out.append({"name": ep.name, "address": ep.address, "role": ep.role.value, "kv_events": ep.kv_events,
                         "replay": ep.replay, "healthy": registry.healthy(ep.address), "inflight": ld.inflight,
                         "prefill_blocks": round(ld.prefill_blocks, 3),
                         "decode_blocks": round(ld.decode_blocks, 3)})

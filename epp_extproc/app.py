@@ -152,7 +152,8 @@ class PickerApp:
         self.flow: FlowController | None = None
         if cfg.flow_control:
             flow = self.flow = FlowController(
-                self.detector, lambda: [ep.address for ep in self.registry.routable()],
+                # the destinations only: a disaggregated pool is saturated when its decode workers are
+                self.detector, lambda: [ep.address for ep in self.registry.routable() if ep.decodes],
                 ttl_s=cfg.flow_control_queue_ttl_s, max_queued=cfg.flow_control_max_queued_requests,
                 metrics=PromFlowMetrics(self.metrics))
             self.load.on_release(flow.dispatch)
@@ -191,6 +192,8 @@ class PickerApp:
         if added and self.flow is not None:
             self.flow.dispatch()
         self.metrics.endpoints.set(len(self.registry))
+        for role, n in self.registry.role_counts().items():
+            self.metrics.endpoint_roles.labels(role).set(n)
         self._spawn(self.health.set_ready(self.ready()))
 
     def ready(self) -> bool:
@@ -362,7 +365,7 @@ class PickerApp:
 
             d = InferencePoolDiscovery(self.registry, cfg.inference_pool_name, cfg.namespace,
                                        kv_event_port=cfg.kv_event_port, replay_port=replay,
-                                       kubeconfig=cfg.kubeconfig)
+                                       kubeconfig=cfg.kubeconfig, role_label=cfg.role_label)
             self._tasks.append(asyncio.create_task(d.run()))
         else:
             log.warning("no endpoint source configured (--endpoints, --endpoints-file or "

@@ -204,6 +204,9 @@ class Config:
         "per-worker ZMQ PUB port for KV events (used when an endpoint names none)")
     kv_event_replay_port: int | None = opt("DYN_EPP_KV_EVENT_REPLAY_PORT", None,
         lambda s: int(s) if s else None, "per-worker ZMQ replay (ROUTER) port; unset = no replay")
+    role_label: str = opt("DYN_EPP_ROLE_LABEL", "llm-d.ai/role", str,
+        "pod label naming a worker's role in a disaggregated pool (Kubernetes discovery): prefill, decode, "
+        "both (llm-d's prefill-decode too); an unlabelled pod serves both")
     kv_event_topic: str = opt("DYN_EPP_KV_EVENT_TOPIC", "", str, "ZMQ topic to subscribe to (prefix match)")
     # Request handling
     max_inflight_requests: int = opt("DYN_EPP_MAX_INFLIGHT_REQUESTS", 1024, int,
@@ -274,6 +277,10 @@ class Config:
         "0 = argmin with random ties; > 0 = softmax sampling over normalised costs")
     prediction_ttl_s: float = opt("DYN_EPP_PREDICTION_TTL_S", 2.0, float,
         "how long a pick counts as cached on its worker before its KV events confirm it")
+    pd_min_uncached_tokens: int = opt("DYN_EPP_PD_MIN_UNCACHED_TOKENS", 16, int,
+        "disaggregated pools: a prompt whose uncached suffix on the chosen decode worker is at least this many "
+        "tokens is prefilled on a prefill worker (named in x-prefiller-host-port), a shorter one on the decode "
+        "worker itself; 0 = never disaggregate (llm-d's prefix-based decider: nonCachedTokens)")
     session_affinity_keys_file: str | None = opt("DYN_EPP_SESSION_AFFINITY_KEYS_FILE", None, _opt_str,
         "turns session affinity on: a file of AES-256 keys (one per line, base64 or hex; the first seals, all "
         "open; a Secret the replicas share, reloaded when it changes). A request carrying x-session-token is "
@@ -383,6 +390,9 @@ class Config:
                              f"({self.max_body_bytes}): one largest body must fit; got {self.max_buffered_body_bytes}")
         _positive(self, "request_body_timeout_ms")
         _at_least(self, "router_temperature", 0, "")
+        _at_least(self, "pd_min_uncached_tokens", 0, " (0 = never disaggregate)")
+        if not self.role_label or len(self.role_label) > 317:  # a Kubernetes label key: prefix/name
+            raise ValueError(f"{n('role_label')} must be a label key, got {self.role_label!r}")
         _positive(self, "session_affinity_ttl_s")
         _at_least(self, "worker_metrics_interval_ms", 0, " (0 = off)")
         _at_least(self, "worker_metrics_idle_interval_ms", 0, "")
@@ -475,7 +485,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("discovery (which workers, and their KV events)",
      ("endpoints", "endpoints_file", "inference_pool_name", "namespace", "kubeconfig",
       "endpoint_probe_interval_ms", "endpoint_probe_path", "endpoint_probe_max_rate", "kv_event_port",
-      "kv_event_replay_port", "kv_event_topic")),
+      "kv_event_replay_port", "kv_event_topic", "role_label")),
     ("renderer (request -> token ids)",
      ("tokenizer_protocol", "tokenizer_service_url", "tokenization_timeout_ms", "tokenizer_max_response_bytes",
       "render_circuit_failures", "render_circuit_open_ms", "render_failure_policy", "render_reject_policy",
@@ -483,7 +493,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
       "render_fingerprint_refresh_ms")),
     ("routing (KV overlap against load)",
      ("kv_cache_block_size", "max_index_blocks_per_worker", "kv_overlap_score_credit", "prefill_load_scale",
-      "router_temperature", "prediction_ttl_s", "session_affinity_keys_file", "session_affinity_ttl_s",
+      "router_temperature", "prediction_ttl_s", "pd_min_uncached_tokens", "session_affinity_keys_file", "session_affinity_ttl_s",
       "worker_metrics_interval_ms",
       "worker_metrics_idle_interval_ms", "worker_metrics_staleness_ms", "worker_metrics_path")),
     ("flow control (queue while every worker is saturated)",

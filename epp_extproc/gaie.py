@@ -13,6 +13,9 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"  # key of the hint (and the
 SERVED_KEY = "x-gateway-destination-endpoint-served"  # the endpoint the gateway really served
 OBJECTIVE_HEADERS = ("x-gateway-inference-objective", "x-llm-d-inference-objective")
 FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+# llm-d's P/D contract (llm-d-inference-scheduler pkg/common/routing/common.go @520af47, PrefillEndpointHeader):
+# the prefill worker's `ip:port`, read by the sidecar in front of the decode worker. Set only by the picker.
+PREFILLER_HEADER = "x-prefiller-host-port"
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"  # gRPC service (and health name)
 
 # This picker's own names (not GAIE's): the booking id it puts next to the decision in `envoy.lb` metadata,

@@ -39,6 +39,11 @@ class PickerMetrics:
                                     "right now, across all streams (bounded by --max-buffered-body-bytes)",
                                     registry=r)
         self.endpoints = Gauge("epp_endpoints", "Endpoints currently known", registry=r)
+        self.endpoint_roles = Gauge("epp_endpoints_by_role", "Endpoints currently known, by role (prefill, "
+                                    "decode, both)", ["role"], registry=r)
+        self.pd_decisions = Counter("epp_pd_decisions", "Routing decisions by where the prompt is prefilled "
+                                    "(aggregated: a pool without prefill workers; disaggregated; local_prefill) "
+                                    "and the decider's reason", ["path", "reason"], registry=r)
         self.picks = Counter("epp_picks", "Routing decisions per endpoint", ["endpoint"], registry=r)
         self.render_requests = Counter("epp_render_requests", "Render (tokenize) calls",
                                        ["protocol", "outcome"], registry=r)

@@ -28,17 +28,22 @@ from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from epp_extproc.core.contract import Role
 from epp_extproc.core.endpoints import (
     Endpoint,
     EndpointRegistry,
     clip,
     format_host_port,
+    parse_role,
     split_host_port,
     zmq_tcp,
 )
+from epp_extproc.core.logs import Throttled
 from kvindex.backoff import Backoff
 
 log = logging.getLogger(__name__)
+_throttled = Throttled(log)
+DEFAULT_ROLE_LABEL = "llm-d.ai/role"  # llm-d's RoleLabel (bylabel/roles.go); --role-label names another
 
 POOL_GROUP = "inference.networking.k8s.io"
 POOL_VERSION = "v1"
@@ -94,13 +99,25 @@ def pod_kv_ranks(meta: Mapping[str, Any]) -> int:
     return n if 1 <= n <= 64 else 1
 
 
+def pod_role(meta: Mapping[str, Any], role_label: str) -> Role | None:
+    """The pod's role from its `role_label` label (llm-d's `llm-d.ai/role` by default): none = both
+    (llm-d's decode filter keeps unlabelled pods too); a value this picker cannot serve (encode, a typo) = None."""
+    raw = (meta.get("labels") or {}).get(role_label)
+    return Role.BOTH if raw is None else parse_role(raw)
+
+
 def pod_endpoints(pod: Mapping[str, Any], ports: tuple[int, ...], kv_event_port: int,
-                  replay_port: int | None) -> list[Endpoint]:
+                  replay_port: int | None, role_label: str = DEFAULT_ROLE_LABEL) -> list[Endpoint]:
     """One Endpoint per target port of a serving pod (none for a pod that is not serving)."""
     if not pod_is_serving(pod):
         return []
     meta = pod.get("metadata") or {}
     name = meta.get("name", "?")
+    role = pod_role(meta, role_label)
+    if role is None:
+        _throttled.warning("unknown-role", "pod %s has label %s=%s, not prefill, decode or both; skipping it",
+                           clip(name, 80), role_label, clip((meta.get("labels") or {}).get(role_label), 60))
+        return []
     ip = pod["status"]["podIP"]
     try:
         if not isinstance(ip, str):
@@ -115,7 +132,7 @@ def pod_endpoints(pod: Mapping[str, Any], ports: tuple[int, ...], kv_event_port:
     replay = zmq_tcp(ip, replay_port) if replay_port else None
     return [
         Endpoint(name=name if len(ports) == 1 else f"{name}:{port}", address=format_host_port(ip, port),
-                 kv_events=kv, replay=replay, labels=labels, kv_ranks=pod_kv_ranks(meta))
+                 kv_events=kv, replay=replay, labels=labels, kv_ranks=pod_kv_ranks(meta), role=role)
         for port in ports
     ]
 
@@ -135,6 +152,7 @@ class InferencePoolDiscovery:
 
     def __init__(self, registry: EndpointRegistry, pool_name: str, namespace: str | None, *,
                  kv_event_port: int = 5557, replay_port: int | None = None, kubeconfig: str | None = None,
+                 role_label: str = DEFAULT_ROLE_LABEL,
                  api_client_factory: ApiClientFactory | None = None,
                  watch_timeout_s: float = 300.0, backoff_initial_s: float = 0.5, backoff_max_s: float = 30.0,
                  sleep: Sleep = asyncio.sleep, rng: random.Random | None = None) -> None:
@@ -143,6 +161,7 @@ class InferencePoolDiscovery:
         self.namespace = namespace or default_namespace()
         self.kv_event_port = kv_event_port
         self.replay_port = replay_port
+        self.role_label = role_label
         self.kubeconfig = kubeconfig
         self._factory = api_client_factory
         self._watch_timeout_s = watch_timeout_s
@@ -415,7 +434,7 @@ class InferencePoolDiscovery:
             return []
         out: list[Endpoint] = []
         for pod in self._pods.values():
-            out.extend(pod_endpoints(pod, self._ports, self.kv_event_port, self.replay_port))
+            out.extend(pod_endpoints(pod, self._ports, self.kv_event_port, self.replay_port, self.role_label))
         return sorted(out, key=lambda e: e.name)
 
     def _publish(self) -> None:

@@ -8,9 +8,10 @@ File format (YAML or JSON):
         kv_events: tcp://10.0.0.5:5557   # optional, default tcp://<ip>:<DYN_EPP_KV_EVENT_PORT>
         replay: tcp://10.0.0.5:5558      # optional, default tcp://<ip>:<DYN_EPP_KV_EVENT_REPLAY_PORT> if set
         kv_ranks: 2                      # optional: data-parallel ranks, rank r on both ports + r
+        role: decode                     # optional: prefill | decode | both (default; llm-d's names too)
 
 A bare list of such entries (or of `ip:port` strings) is accepted too. The flag form is
-`name=ip:port;kv=tcp://...;replay=tcp://...;kv_ranks=N` entries separated by commas, or plain `ip:port`.
+`name=ip:port;kv=tcp://...;replay=tcp://...;kv_ranks=N;role=prefill` entries separated by commas, or plain `ip:port`.
 Only `ip:port` literals (IPv6 as `[addr]:port`) are endpoints: that is all Envoy's ORIGINAL_DST cluster
 can route (see `core.endpoints.split_host_port`).
 
@@ -29,7 +30,8 @@ from typing import Any
 import orjson
 import yaml
 
-from epp_extproc.core.endpoints import Endpoint, EndpointRegistry, clip, split_host_port, zmq_tcp
+from epp_extproc.core.contract import Role
+from epp_extproc.core.endpoints import Endpoint, EndpointRegistry, clip, parse_role, split_host_port, zmq_tcp
 from epp_extproc.file_watch import FileWatch
 
 log = logging.getLogger(__name__)
@@ -63,8 +65,19 @@ def parse_kv_ranks(value: object) -> int:
 MAX_KV_RANKS = 64
 
 
+def parse_role_spec(value: object) -> Role:
+    """`role`: prefill, decode or both (llm-d's `prefill-decode` too); absent = both (an aggregated worker)."""
+    if value is None:
+        return Role.BOTH
+    role = parse_role(value)
+    if role is None:
+        raise EndpointSpecError(f"role must be prefill, decode or both, got {clip(value, 60)}")
+    return role
+
+
 def make_endpoint(name: str | None, address: str, kv_events: str | None, replay: str | None, *,
-                  kv_event_port: int | None, replay_port: int | None, kv_ranks: object = 1) -> Endpoint:
+                  kv_event_port: int | None, replay_port: int | None, kv_ranks: object = 1,
+                  role: object = None) -> Endpoint:
     try:
         host, port = split_host_port(address)
     except ValueError as e:
@@ -77,7 +90,7 @@ def make_endpoint(name: str | None, address: str, kv_events: str | None, replay:
     if replay is None and replay_port:
         replay = zmq_tcp(host, replay_port)
     return Endpoint(name or address, address, kv_events or None, replay or None,
-                    kv_ranks=parse_kv_ranks(kv_ranks))
+                    kv_ranks=parse_kv_ranks(kv_ranks), role=parse_role_spec(role))
 
 
 def parse_flag(spec: str, *, kv_event_port: int | None, replay_port: int | None) -> list[Endpoint]:
@@ -91,13 +104,13 @@ def parse_flag(spec: str, *, kv_event_port: int | None, replay_port: int | None)
         opts: dict[str, str] = {}
         for p in parts[1:]:
             k, sep, v = p.partition("=")
-            if not sep or k not in ("kv", "replay", "kv_ranks"):
+            if not sep or k not in ("kv", "replay", "kv_ranks", "role"):
                 raise EndpointSpecError(f"bad endpoint option {clip(p, 60)} in {clip(item, 120)} "
-                                        "(use kv=, replay= or kv_ranks=)")
+                                        "(use kv=, replay=, kv_ranks= or role=)")
             opts[k] = v
         out.append(make_endpoint(name or None, address, opts.get("kv"), opts.get("replay"),
                                  kv_event_port=kv_event_port, replay_port=replay_port,
-                                 kv_ranks=opts.get("kv_ranks", 1)))
+                                 kv_ranks=opts.get("kv_ranks", 1), role=opts.get("role")))
     return out
 
 
@@ -125,7 +138,7 @@ def parse_document(doc: Any, *, kv_event_port: int | None, replay_port: int | No
             raise EndpointSpecError(f"endpoint #{i} needs an `address: ip:port`")
         out.append(make_endpoint(item.get("name"), item["address"], item.get("kv_events"), item.get("replay"),
                                  kv_event_port=kv_event_port, replay_port=replay_port,
-                                 kv_ranks=item.get("kv_ranks", 1)))
+                                 kv_ranks=item.get("kv_ranks", 1), role=item.get("role")))
     return out
 
 

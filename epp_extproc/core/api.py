@@ -16,6 +16,8 @@ from epp_extproc.core.request import RequestContext
 class Routed(Protocol):
     address: str  # `ip:port` the gateway must send the request to
     body: bytes | None  # the body to forward (None: the request has none)
+    # and, optionally, `prefill: str | None`: disaggregated pools' prefill worker `ip:port` (x-prefiller-host-port);
+    # absent or None: the destination prefills itself (read with getattr by the edge)
 
     @property
     def booking_id(self) -> str:

@@ -21,6 +21,7 @@ class Decision:
     model: str | None = None
     predicted_cached_tokens: int | None = None
     session: bool = False  # the client opted in to session affinity: its answer carries a new token
+    prefill: str | None = None  # disaggregated: the prefill worker's `ip:port` (x-prefiller-host-port)
 
     @property
     def booking_id(self) -> str:

@@ -14,6 +14,8 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from epp_extproc.core.contract import Role
+
 log = logging.getLogger(__name__)
 
 
@@ -27,6 +29,12 @@ class Endpoint:
     replay: str | None = None  # ZMQ ROUTER replay endpoint (rank 0's with kv_ranks > 1)
     labels: tuple[tuple[str, str], ...] = ()
     kv_ranks: int = 1  # data-parallel ranks: rank r publishes on kv_events' port + r (replay port + r)
+    role: Role = Role.BOTH  # prefill / decode workers of a disaggregated pool; both = aggregated
+
+    @property
+    def decodes(self) -> bool:
+        """May be a request's destination (decode, or aggregated)."""
+        return self.role is not Role.PREFILL
 
     @property
     def kv_endpoints(self) -> tuple[tuple[int | None, str, str | None], ...]:
@@ -47,6 +55,22 @@ class Endpoint:
 _PORT = re.compile(r"[1-9][0-9]{0,4}")  # ASCII digits only: int() also takes "3_4001", "+80", " 80", "٨٠"
 _BROADCAST = ipaddress.IPv4Address("255.255.255.255")
 MAX_ADDRESS_CHARS = 64  # "[" + 45-char IPv6 text + "]:" + 5 digits fits; anything longer is not an address
+
+
+# Role names as written in endpoint files, flags and pod labels. llm-d's values (llm-d-inference-scheduler
+# pkg/epp/framework/plugins/scheduling/filter/bylabel/roles.go @520af47): `prefill`, `decode`, `prefill-decode`
+# and the deprecated `both` (its decode filter keeps pods without the label); `encode-prefill` and
+# `encode-prefill-decode` pass its prefill (and decode) filters, so they map to prefill and both. A pure
+# `encode` worker serves neither phase and is refused (None) like any unknown value.
+ROLE_NAMES: dict[str, Role] = {"both": Role.BOTH, "prefill-decode": Role.BOTH, "encode-prefill-decode": Role.BOTH,
+                               "prefill": Role.PREFILL, "encode-prefill": Role.PREFILL, "decode": Role.DECODE}
+
+
+def parse_role(value: object) -> Role | None:
+    """A role name (case-insensitive); None for anything else."""
+    if not isinstance(value, str):
+        return None
+    return ROLE_NAMES.get(value.strip().lower())
 
 
 def clip(text: object, limit: int = 120) -> str:
@@ -121,6 +145,7 @@ class EndpointRegistry:
         self._by_address: dict[str, Endpoint] = {}
         self._listeners: list[Listener] = []
         self._down: set[str] = set()
+        self._prefill = 0  # prefill-only workers known: > 0 makes the pool disaggregated
         self.synced = False
 
     def subscribe(self, listener: Listener) -> None:
@@ -144,6 +169,7 @@ class EndpointRegistry:
         removed = [ep for addr, ep in self._by_address.items() if new.get(addr) != ep]
         added = [ep for addr, ep in new.items() if self._by_address.get(addr) != ep]
         self._by_address = new
+        self._prefill = sum(1 for ep in new.values() if ep.role is Role.PREFILL)
         self._down &= new.keys()
         self.synced = True
         if added or removed:
@@ -174,6 +200,17 @@ class EndpointRegistry:
         (Envoy's panic mode: a probe outage must not take the whole pool out of rotation)."""
         up = [ep for addr, ep in self._by_address.items() if addr not in self._down]
         return up or list(self._by_address.values())
+
+    def has_prefill(self) -> bool:
+        """Whether the pool is disaggregated: some known worker serves the prefill role only."""
+        return self._prefill > 0
+
+    def role_counts(self) -> dict[str, int]:
+        """Known endpoints per role (every role named, 0s included: a gauge must drop to 0)."""
+        counts = {r.value: 0 for r in Role}
+        for ep in self._by_address.values():
+            counts[ep.role.value] += 1
+        return counts
 
     def get(self, address: str) -> Endpoint | None:
         return self._by_address.get(address)

@@ -62,7 +62,11 @@ BookingListener = Callable[[BookingChange], None]
 
 
 class Booking:
-    __slots__ = ("id", "address", "prefill_blocks", "decode_blocks", "_tracker", "_prefilling", "_live")
+    """One request's load on one worker. A disaggregated request's booking (on its decode worker) carries
+    its prefill leg (`leg`, on the prefill worker): the leg ends when the context phase ends (`prefill_done`)
+    or with the request (`free`), whichever comes first, so no path can leave it behind."""
+
+    __slots__ = ("id", "address", "prefill_blocks", "decode_blocks", "_tracker", "_prefilling", "_live", "leg")
 
     def __init__(self, tracker: LoadTracker, booking_id: str, address: str, prefill_blocks: float,
                  decode_blocks: float) -> None:
@@ -73,12 +77,20 @@ class Booking:
         self._tracker = tracker
         self._prefilling = True
         self._live = True
+        self.leg: Booking | None = None  # the prefill worker's booking of a disaggregated request
 
     @property
     def prefilling(self) -> bool:
         return self._prefilling
 
+    @property
+    def live(self) -> bool:
+        return self._live
+
     def prefill_done(self) -> None:
+        """The context phase is over: prefill load ends here, and the prefill worker's leg ends whole."""
+        if self.leg is not None:
+            self.leg.free()
         if self._prefilling and self._live:
             self._prefilling = False
             self._tracker._release_prefill(self.address, self.prefill_blocks)
@@ -95,9 +107,12 @@ class Booking:
         t._notify(BookingChange("move", self.id, address))
 
     def free(self) -> None:
+        if self.leg is not None:
+            self.leg.free()
         if self._live:
             self._live = False
             t = self._tracker
+            t._legs.pop(self.id, None)
             t._bookings.pop(self.id, None)
             t._sub(self.address, self.prefill_blocks, self.decode_blocks, self._prefilling)
             self._prefilling = False
@@ -113,6 +128,7 @@ class LoadTracker:
         self._release_listeners: list[Callable[[], None]] = []
         self._listeners: list[BookingListener] = []
         self._remote: dict[str, dict[str, HeldBooking]] = {}
+        self._legs: dict[str, Booking] = {}  # live prefill legs (also in `_bookings`: peers must see them)
         self.max_bookings_per_peer = max_bookings_per_peer
         self.peer_bookings_refused = 0  # over the per-peer cap: a peer cannot grow our memory unbounded
 
@@ -146,15 +162,31 @@ class LoadTracker:
     def book(self, address: str, prompt_blocks: float) -> Booking:
         """Book a request; `prompt_blocks` <= 0 (prompt unknown) counts the request as one block."""
         weight = prompt_blocks if prompt_blocks > 0 else 1.0
-        b = Booking(self, f"epp-{next(self._ids)}", address, weight, weight)
+        return self._book(address, weight, weight)
+
+    def book_pair(self, decode: str, decode_blocks: float, prefill: str, prefill_blocks: float) -> Booking:
+        """Book a disaggregated request, one booking per leg (core/contract.py, Roles): the prefill worker
+        holds only prefill blocks until the context phase ends; the decode worker holds only decode blocks
+        (it computes no prompt) until the request ends. Returns the decode booking, which owns the leg:
+        its id is the one handed to Envoy, so lean mode's first-chunk signal ends the leg too."""
+        leg = self._book(prefill, prefill_blocks if prefill_blocks > 0 else 1.0, 0.0)
+        self._legs[leg.id] = leg
+        b = self._book(decode, 0.0, decode_blocks if decode_blocks > 0 else 1.0)
+        b._prefilling = False  # nothing of its own to prefill: `prefill_done` only ends the leg
+        b.leg = leg
+        return b
+
+    def _book(self, address: str, prefill: float, decode: float) -> Booking:
+        b = Booking(self, f"epp-{next(self._ids)}", address, prefill, decode)
         self._bookings[b.id] = b
-        self._add(address, weight, weight, True)
-        self._notify(BookingChange("book", b.id, address, weight, weight))
+        self._add(address, prefill, decode, True)
+        self._notify(BookingChange("book", b.id, address, prefill, decode))
         return b
 
     def total_inflight(self) -> int:
-        """Requests this replica booked (the picker's own overload limit counts these only)."""
-        return len(self._bookings)
+        """Requests this replica booked (the picker's own overload limit counts these only); a prefill leg
+        is part of its request, not one more."""
+        return len(self._bookings) - len(self._legs)
 
     def bookings(self) -> list[HeldBooking]:
         """This replica's live bookings, for a snapshot to a peer that (re)connects."""

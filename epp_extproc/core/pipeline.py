@@ -28,7 +28,15 @@ from epp_extproc.core.body import (
     rewrite,
     set_content_part_member,
 )
-from epp_extproc.core.contract import Bookings, KvLookup, MediaItem, PromptIdentity, PromptKey
+from epp_extproc.core.contract import (
+    BookingHandle,
+    Bookings,
+    KvLookup,
+    MediaItem,
+    PromptIdentity,
+    PromptKey,
+    Role,
+)
 from epp_extproc.core.cost import Candidate, CostParams, choose, eligible, loads_for
 from epp_extproc.core.decision import Decision
 from epp_extproc.core.endpoints import EndpointRegistry
@@ -40,6 +48,7 @@ from epp_extproc.core.media import SENTINELS, MediaRequest, Scored, certain_pref
 from epp_extproc.core.media import inspect as inspect_media
 from epp_extproc.core.model_rewrite import ModelRewriter, Rewrite
 from epp_extproc.core.passthrough import ORIGINAL, FingerprintId, Verdict, decide
+from epp_extproc.core.pd import AGGREGATED, PdChoice, decide_pair
 from epp_extproc.core.render import Rendered, Renderer, RenderError, render_kind
 from epp_extproc.core.request import RequestContext, clip
 from epp_extproc.core.salt import resolve_salt
@@ -96,6 +105,9 @@ class LoadView(Bookings):
 
     def loads(self) -> dict[str, EndpointLoad]: ...
 
+    def book_pair(self, decode: str, decode_blocks: float, prefill: str,
+                  prefill_blocks: float) -> BookingHandle: ...
+
 
 @dataclass(slots=True)
 class Plan:
@@ -147,6 +159,7 @@ class Proposal:
     passthrough: Verdict | None = None  # whether the forwarded body carries the rendered prompt
     rewrite: Rewrite | None = None  # the model rewrite applied before render and scoring (counted at commit)
     session: SessionOutcome | None = None  # None: the client did not opt in to session affinity
+    pd: PdChoice = AGGREGATED  # disaggregated pools: the decider's verdict and the prefill worker (core/pd.py)
 
 
 class Pipeline:
@@ -374,7 +387,8 @@ class Pipeline:
         return max(chosen.prompt_blocks - chosen.overlap_blocks, 1.0)
 
     def _eligible(self, ctx: RequestContext) -> list[str]:
-        addresses = eligible([ep.address for ep in self.registry.routable()], ctx.subset)
+        # a prefill-only worker is never a destination: it is named in x-prefiller-host-port (core/pd.py)
+        addresses = eligible([ep.address for ep in self.registry.routable() if ep.decodes], ctx.subset)
         if not addresses:
             if ctx.subset is not None:
                 raise PickError(Problem.NO_ENDPOINT, "no endpoint of the gateway's subset hint is available")
@@ -404,6 +418,7 @@ class Pipeline:
         params = self.params if temperature is None else CostParams(self.params.overlap_credit,
                                                                      self.params.prefill_load_scale, temperature)
         chosen, session = self._choose(ctx, cands, params)
+        pd = self._pair(ctx, plan, chosen, params)
         score_seconds = time.perf_counter() - score_started
         body = ctx.body
         verdict = self.passthrough(plan, parsed, chosen.address)
@@ -421,10 +436,34 @@ class Pipeline:
         model = parsed.values.get("model") if parsed is not None else None
         p = Proposal(chosen.address, body, self._booked_blocks(chosen, plan), plan, cands, chosen,
                      model if isinstance(model, str) else None, started, score_seconds, parsed=parsed,
-                     passthrough=verdict, rewrite=rewritten, session=session)
+                     passthrough=verdict, rewrite=rewritten, session=session, pd=pd)
         if plan.prompt is not None and self.kv is not None:
-            p.predicted_cached_tokens = chosen.overlap_blocks * self.kv.block_size(chosen.address)
+            p.predicted_cached_tokens = self._predicted_cached(self.kv, chosen, pd)
         return p
+
+    @staticmethod
+    def _predicted_cached(kv: KvLookup, chosen: Candidate, pd: PdChoice) -> int:
+        """The cached tokens the answer should report: the destination's overlap, or, when a prefill worker
+        computes the prompt, that worker's (the P/D sidecar reports the prefill leg's hits as the answer's
+        cached_tokens, as llm-d's does: epp_extproc/pd_sidecar/usage.py)."""
+        served = pd.prefill if pd.prefill is not None else chosen
+        return served.overlap_blocks * kv.block_size(served.address)
+
+    def _pair(self, ctx: RequestContext, plan: Plan, decode: Candidate, params: CostParams) -> PdChoice:
+        """Disaggregated pools only (core/pd.py): whether a prefill worker computes the prompt, and which."""
+        if not self.registry.has_prefill():
+            return AGGREGATED
+        if plan.tokens is not None:
+            tokens: int | None = len(plan.tokens)
+        else:
+            tokens = plan.est_tokens if ctx.body and render_kind(ctx.path) is not None else None
+        prefill = eligible([ep.address for ep in self.registry.routable() if ep.role is Role.PREFILL],
+                           ctx.subset)
+        return decide_pair(decode, prompt_tokens=tokens,
+                           block_size=self.kv.block_size(decode.address) if self.kv is not None else None,
+                           min_uncached=self.config.pd_min_uncached_tokens, prefill_addresses=prefill,
+                           score=lambda a: self.candidates(a, plan), params=params,
+                           unknown_prompt_blocks=plan.est_tokens / self.config.kv_cache_block_size)
 
     def _choose(self, ctx: RequestContext, cands: list[Candidate],
                 params: CostParams) -> tuple[Candidate, SessionOutcome | None]:
@@ -467,17 +506,26 @@ class Pipeline:
         cands = self.candidates(self._eligible(ctx), p.plan)
         chosen, session = self._choose(ctx, cands, self.params)
         q = replace(p, address=chosen.address, candidates=cands, chosen=chosen, session=session,
+                    pd=self._pair(ctx, p.plan, chosen, self.params),
                     booked_blocks=self._booked_blocks(chosen, p.plan), started=p.started + waited_s,
                     score_seconds=time.perf_counter() - score_started)
         if p.plan.prompt is not None and self.kv is not None:
-            q.predicted_cached_tokens = chosen.overlap_blocks * self.kv.block_size(chosen.address)
+            q.predicted_cached_tokens = self._predicted_cached(self.kv, chosen, q.pd)
         return q
 
     # ---------------------------------------------------------------- commit: side effects, cannot fail
     def commit(self, p: Proposal) -> Decision:
-        booking = self.load.book(p.address, p.booked_blocks)
+        prefill = p.pd.address
+        if prefill is None:
+            booking = self.load.book(p.address, p.booked_blocks)
+        else:  # one booking per leg (core/contract.py, Roles)
+            booking = self.load.book_pair(p.address, p.booked_blocks, prefill, p.pd.prefill_blocks)
         if p.plan.prompt is not None and self.kv is not None:
-            self.kv.predict(p.address, p.plan.prompt)
+            if prefill is not None:
+                self.kv.predict(prefill, p.plan.prompt)
+            if prefill is None or self._decode_keeps_transferred_blocks():
+                self.kv.predict(p.address, p.plan.prompt)
+        self.metrics.pd_decisions.labels(p.pd.path.value, p.pd.reason.value).inc()
         self.metrics.score_seconds.observe(p.score_seconds)
         self.metrics.decision_seconds.observe(time.perf_counter() - p.started)
         self.metrics.picks.labels(p.address).inc()
@@ -500,7 +548,18 @@ class Pipeline:
             log.debug("-> %s via %s (cost %.2f, overlap %d blocks)", p.address, p.plan.route, p.chosen.cost,
                       p.chosen.overlap_blocks)
         return Decision(p.address, p.body, booking, p.model, p.predicted_cached_tokens,
-                        session=p.session is not None)
+                        session=p.session is not None, prefill=prefill)
+
+    def _decode_keeps_transferred_blocks(self) -> bool:
+        """Does a decode worker's cache hold the prompt blocks a prefill worker sent it as soon as they land, so
+        that the next request sharing the prefix finds them there? vLLM (NIXL connector): yes, the scheduler
+        caches the received blocks once the load finishes (vllm 0.32.0 v1/core/sched/scheduler.py,
+        `_update_waiting_for_remote_kv` -> `kv_cache_manager.cache_blocks`), so they are predicted on the
+        decode worker too. TensorRT-LLM: no; a generation server's blocks enter its reuse tree when the sequence
+        is released at the request's end (cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp @b35ac1b,
+        `BlockManager::releaseBlocks` -> `storeBlocksForReuse`), and its own KV events report them then.
+        SGLang: not predicted (unchecked). See docs/pd-pools.md."""
+        return self.renderer is not None and self.renderer.protocol == TokenizerProtocol.VLLM
 
     def passthrough(self, plan: Plan, parsed: ParsedBody | None, address: str) -> Verdict | None:
         """May the body sent to `address` carry the rendered prompt (core/passthrough.py)? None when the
@@ -518,12 +577,15 @@ class Pipeline:
         WOULD book (`would_book_blocks`; `booked_blocks` is the same value under its old, misleading name,
         kept for one release)."""
         names = {ep.address: ep.name for ep in self.registry.all()}
-        workers = [{"name": names.get(c.address), "address": c.address, "overlap_blocks": c.overlap_blocks,
+
+        def row(c: Candidate) -> dict[str, Any]:
+            return {"name": names.get(c.address), "address": c.address, "overlap_blocks": c.overlap_blocks,
                     "block_size": self.kv.block_size(c.address) if self.kv else None,
                     "prompt_blocks": round(c.prompt_blocks, 3), "inflight": c.load.inflight,
                     "prefill_blocks": round(c.load.prefill_blocks, 3),
                     "decode_blocks": round(c.load.decode_blocks, 3), "cost": round(c.cost, 4)}
-                   for c in p.candidates]
+
+        workers = [row(c) for c in p.candidates]
         credit = self.kv.credit(p.plan.prompt, [c.address for c in p.candidates]) \
             if self.kv is not None and p.plan.prompt is not None else None
         for w in workers:
@@ -547,7 +609,8 @@ class Pipeline:
                                                                  "model": p.rewrite.model,
                                                                  "target": p.rewrite.target},
                 "session": p.session.value if p.session is not None else None,
-                "media": self._explain_media(p)}
+                "media": self._explain_media(p),
+                "pd": self._explain_pd(p, row)}
 
     def _explain_media(self, p: Proposal) -> dict[str, Any] | None:
         """Each item's identity and source, its span and the picked worker's blocks it keys (first..last)."""
@@ -570,3 +633,13 @@ class Pipeline:
             items.append(doc)
         return {"scored": scored.value, "reason": why, "credited_tokens": len(plan.tokens or []),
                 "prompt_tokens": plan.prompt_tokens or len(plan.tokens or []), "items": items}
+
+    def _explain_pd(self, p: Proposal, row: Callable[[Candidate], dict[str, Any]]) -> dict[str, Any]:
+        """Both choices of a disaggregated pool and the decider's reason (`workers` above are the decode
+        candidates; `prefill_workers` the prefill ones, scored only when the decider disaggregates)."""
+        pd = p.pd
+        return {"path": pd.path.value, "reason": pd.reason.value, "decode": p.address, "prefill": pd.address,
+                "uncached_tokens": pd.uncached_tokens,
+                "min_uncached_tokens": self.config.pd_min_uncached_tokens,
+                "would_book_prefill_blocks": round(pd.prefill_blocks, 3) if pd.address else None,
+                "prefill_workers": [row(c) for c in pd.prefill_candidates]}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from epp_extproc.gaie import DEST_HEADER
+from epp_extproc.gaie import DEST_HEADER, PREFILLER_HEADER
 
 LOG_CLIP = 200  # characters of a client-controlled value (path, header) that a log line may carry
 
@@ -25,5 +25,6 @@ class RequestContext:
     subset: list[str] | None = None  # the gateway's subset hint, None = no hint
 
     def spoofed_headers(self) -> list[str]:
-        """Client-sent headers in the picker's namespace: always stripped before routing."""
-        return [h for h in self.headers if h.startswith(DEST_HEADER)]
+        """Client-sent headers in the picker's namespace: always stripped before routing. That includes the
+        prefill worker's header: a client naming its own prefiller would steer the decode-side sidecar."""
+        return [h for h in self.headers if h.startswith(DEST_HEADER) or h == PREFILLER_HEADER]

@@ -47,6 +47,7 @@ from envoy_data_plane.envoy.config.cluster.v3 import (
     ClusterLbPolicy,
     ClusterOriginalDstLbConfig,
 )
+from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutation as HeaderMutationRule
 from envoy_data_plane.envoy.config.core.v3 import (
     Address,
     ApiVersion,
@@ -92,6 +93,7 @@ from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
     ProcessingModeBodySendMode,
     ProcessingModeHeaderSendMode,
 )
+from envoy_data_plane.envoy.extensions.filters.http.header_mutation.v3 import HeaderMutation, Mutations
 from envoy_data_plane.envoy.extensions.filters.http.header_to_metadata.v3 import (
     Config as HeaderToMetadata,
 )
@@ -133,6 +135,7 @@ from epp_extproc.gaie import (
     DEST_HEADER,
     EXT_PROC_SERVICE,
     LB_NAMESPACE,
+    PREFILLER_HEADER,
     SUBSET_KEY,
     SUBSET_NAMESPACE,
     USAGE_NAMESPACE,
@@ -234,6 +237,10 @@ class EnvoyOptions:
     # lean mode with the answer's headers sent to the picker all the same: session affinity sets its token
     # there (one more message each way per request)
     lean_response_headers: bool = False
+    # disaggregated pools: strip every client-sent x-prefiller-host-port at the listener, before ext_proc, so
+    # that only the picker's copy can reach the decode-side sidecar even when the picker is bypassed
+    # (--failure-mode-allow) or answers without naming a prefill worker (the picker strips it too)
+    pd: bool = False
 
     def processing_options(self) -> ProcessingOptions:
         if self.processing is not None:
@@ -342,8 +349,16 @@ def _subset_hint_filter(header: str) -> HttpFilter:
     return HttpFilter(name="envoy.filters.http.header_to_metadata", typed_config=AnyPb.pack(cfg))
 
 
+def strip_prefiller_filter() -> HttpFilter:
+    """The P/D overlay: the client's x-prefiller-host-port is removed before the picker sees the request."""
+    cfg = HeaderMutation(mutations=Mutations(request_mutations=[HeaderMutationRule(remove=PREFILLER_HEADER)]))
+    return HttpFilter(name="epp.strip_prefiller_header", typed_config=AnyPb.pack(cfg))
+
+
 def http_filters(opts: EnvoyOptions) -> list[HttpFilter]:
     filters: list[HttpFilter] = []
+    if opts.pd:
+        filters.append(strip_prefiller_filter())
     if opts.subset_hint_header:
         filters.append(_subset_hint_filter(opts.subset_hint_header))
     if opts.with_picker:
@@ -527,6 +542,8 @@ _CLI: tuple[tuple[str, str, type | Any, str], ...] = (
      "the picker's --tokenization-timeout-ms; BUFFERED mode's message timeout is this + the queue TTL + 5 s"),
     ("queue_ttl_s", "--flow-control-queue-ttl-s", float,
      "the picker's --flow-control-queue-ttl-s: how long a BUFFERED body may wait in its queue"),
+    ("pd", "--pd", _bool, "disaggregated pool overlay: strip client-sent x-prefiller-host-port at the "
+                          "listener, before ext_proc (the picker alone names the prefill worker)"),
     ("buffer_limit_bytes", "--buffer-limit-bytes", int, "per-connection buffer limit (listener, workers)"),
     ("upstream_timeout_s", "--upstream-timeout-s", float, "route timeout and stream idle timeout"),
 )

