@@ -4,7 +4,7 @@ Wire format (what the picker must parse): three frames ``[topic, seq (8 bytes bi
 where payload is msgpack ``[ts, events, data_parallel_rank]``. Two encodings exist in the wild and both are
 offered: ``compact`` (smallest msgpack ints, like msgspec) and ``int64`` (every integer as 0xd3 and ``ts`` as
 float64 0xcb, like the C++ serializer), so a picker that only handles one breaks here rather than in production.
-``event_dialect`` switches to the other engines' forms (vLLM 0.32+ maps with salts in ``extra_keys``, vLLM <= 0.31
+``event_dialect`` switches to the other engines' forms (vLLM 0.32+ map events with salts in ``extra_keys``, vLLM <= 0.31
 positional arrays and 3-frame replays, SGLang 0.5 typed ``cache_salt``), and ``replay_hwm``/``tail_block_size``/
 ``bigram_pages``/``dp_rank`` reproduce their replay drops, hybrid tail blocks, EAGLE pages and per-rank ports.
 """
@@ -228,11 +228,9 @@ class KvEventPublisher:
 
     # ---------------------------------------------------------------- publish
     def encode(self, events: list[Any]) -> bytes:
-        """Payload bytes in the configured encoding: ``[ts, events, rank]``, or vLLM 0.32+'s map envelope."""
-        if self.config.event_dialect == "vllm":
-            payload: Any = {"ts": time.time(), "events": events, "data_parallel_rank": self.config.dp_rank}
-        else:
-            payload = [time.time(), events, self.config.dp_rank]
+        """Payload bytes in the configured encoding: ``[ts, events, rank]`` in every dialect (vLLM 0.32.0's
+        ``EventBatch`` is ``array_like=True`` too, vllm/distributed/kv_events.py: only its events are maps)."""
+        payload: Any = [time.time(), events, self.config.dp_rank]
         if self.config.event_encoding == "int64":
             return pack_int64(payload)
         return msgpack.packb(payload, use_bin_type=True)

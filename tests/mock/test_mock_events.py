@@ -319,14 +319,16 @@ async def dialect_worker(dialect: str, **kw):
     return replay_worker(tokens_per_block=TPB, event_dialect=dialect, **kw)
 
 
-async def test_vllm_dialect_puts_the_salt_in_the_first_blocks_extra_keys_in_a_map_envelope():
+async def test_vllm_dialect_puts_the_salt_in_the_first_blocks_extra_keys_in_map_events_of_an_array_batch():
+    """vLLM 0.32.0 kv_events.py: `EventBatch` is msgspec array_like ([ts, events, rank]); its events are tagged
+    maps (`tag=True`, not array_like)."""
     async with await dialect_worker("vllm") as w, aiohttp.ClientSession() as s:
         await infer(s, w.url, ids(2 * TPB + 1), cache_salt="tenant-a")
         replies, ended = await replay_raw(w.replay_endpoint)
     assert ended and len(replies[0]) == 4  # [b"", topic, seq, payload]: vLLM 0.32+ replays carry the topic
     env = msgpack.unpackb(replies[0][-1], raw=False)
-    (ev,) = env["events"]
-    assert set(env) == {"ts", "events", "data_parallel_rank"}
+    assert isinstance(env, list) and len(env) == 3
+    (ev,) = env[1]
     assert ev["type"] == "BlockStored" and ev["extra_keys"] == [["tenant-a"], None]
     assert "_salt" not in ev and "_tail" not in ev
 

@@ -2,7 +2,7 @@
 
 vLLM's ``generate_block_hash_extra_keys`` + ``to_event_extra_keys`` (v1/core/kv_cache_utils.py) are given the
 placeholder ranges and identifiers the mock published and must produce exactly the mock's per-block
-``extra_keys``; vLLM's msgspec ``BlockStored`` must decode the mock's event; vLLM's pydantic ``GenerateRequest``
+``extra_keys``; vLLM's msgspec ``KVEventBatch`` must decode the mock's whole batch (envelope and event); vLLM's pydantic ``GenerateRequest``
 must accept the mock's render answer with the same ``features``. Skipped where no vLLM venv exists
 (``E2E_VLLM_PYTHON``, default ``.venv-vllm/bin/python`` at the repository root).
 """
@@ -31,13 +31,13 @@ pytestmark = pytest.mark.skipif(not Path(VLLM_PYTHON).exists(), reason="no vLLM 
 CHECK = r"""
 import json, sys
 import msgspec
-from vllm.distributed.kv_events import BlockStored
+from vllm.distributed.kv_events import KVEventBatch
 from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
 
 case = json.load(sys.stdin)
-ev = msgspec.msgpack.decode(bytes.fromhex(case["event"]), type=BlockStored)
+(ev,) = msgspec.msgpack.decode(bytes.fromhex(case["payload"]), type=KVEventBatch).events  # the whole batch
 
 class Request:  # the fields generate_block_hash_extra_keys reads
     lora_request = None
@@ -95,9 +95,9 @@ async def _check() -> dict[str, Any]:
         status, doc = await post(s, w.url + "/v1/chat/completions", body)
         assert status == 200, doc
         answers = await replay(w.replay_endpoint or "", 0)
-    (ev,) = msgpack.unpackb(answers[0][-1], raw=False)["events"]
+    (ev,) = msgpack.unpackb(answers[0][-1], raw=False)[1]
     identifiers = list(dict.fromkeys(k[0] for e in ev["extra_keys"] if e for k in e if isinstance(k, list)))
-    case = {"event": msgpack.packb(ev).hex(), "salt": "salt-1", "identifiers": identifiers,
+    case = {"payload": answers[0][-1].hex(), "salt": "salt-1", "identifiers": identifiers,
             "spans": pad_runs(ev["token_ids"]), "render": rendered}
     proc = await asyncio.create_subprocess_exec(VLLM_PYTHON, "-c", CHECK, stdin=asyncio.subprocess.PIPE,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
