@@ -1,0 +1,324 @@
+"""One ingest shard: the ZeroMQ subscriptions, decoding and index of its workers, served to the pickers on its host.
+
+The process that answers Envoy no longer decodes a single KV event: it asks this one "how many leading blocks
+of these hashes does each worker hold?" over a Unix socket (see `wire.py`). Ingest and lookup still share this
+process's one event loop, but the loop does nothing else (no ext_proc streams, no render, no probing), and
+each lookup is one mask walk over the index (O(prompt blocks)), so a lookup waits at most one ingest turn
+(`turn_budget_s`, 5 ms by default) behind a flood, and the decision process never waits behind ingest at all.
+
+Sharding: shard k of K owns the workers whose `wire.shard_of(address, K)` is k; each shard is its own process
+with its own index, so K shards ingest on up to K cores and a flood in one shard costs the others nothing.
+
+Which workers: every picker process on the host (its `--processes` children) sends the set it wants indexed
+(`T_WORKERS`, the shard's part of its registry); the shard indexes the union. A picker that disconnects keeps
+its set for `CLIENT_GRACE_S`, so a picker restarting does not drop the index it will want back.
+
+Budgets: the index's own bounds (per-worker block cap, rank cap) and the subscriber's (batch bytes and events,
+replay caps, the turn budget) are unchanged. On top, `Pacer` gives each worker a CPU budget (a share of one
+core, with a burst): a publisher over it is not read until its budget refills, so its SUB queue fills, ZeroMQ
+drops its batches, and it loses its own freshness (gaps, replay, or a cleared rank), never another worker's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from epp_extproc.ingest import wire
+from epp_extproc.ingest.pacing import LagSamples, Pacer
+from kvindex.aio import cancel_and_wait
+from kvindex.events import DecodedBatch
+from kvindex.index import KvIndex
+from kvindex.subscriber import KvSource, SubscriberManager
+
+log = logging.getLogger(__name__)
+
+CLIENT_GRACE_S = 10.0  # a disconnected picker's worker set is kept this long (a restart comes back sooner)
+META_PERIOD_S = 0.05  # how often the worker table (block sizes, warm flags) is checked for changes
+MAX_PREDICTION_HASHES = 8192  # as replica sync: a longer prediction is cut
+MAX_PREDICTION_TTL_S = 60.0
+PARENT_CHECK_S = 1.0
+
+Sources = tuple[tuple[str, str | None, int | None], ...]
+
+
+class LaggedIndex(KvIndex):
+    """The index, also sampling how old each applied batch is (its publisher's `ts` to now): ingest lag."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batch_lag = LagSamples()
+
+    def apply_batch(self, worker_id: str, batch: DecodedBatch, rank: int | None = None) -> None:
+        super().apply_batch(worker_id, batch, rank)
+        if batch.ts > 1e9:  # a wall-clock stamp (vLLM, the bench); TensorRT-LLM's may be absent or relative
+            self.batch_lag.add(time.time() - batch.ts)
+
+
+class IngestShard:
+    """Subscriptions + index of one shard, with its lookup and control servers."""
+
+    def __init__(self, directory: str, shard: int = 0, shards: int = 1, *, block_size: int = 32,
+                 max_blocks_per_worker: int = 1_000_000, topic: str = "", worker_cpu_share: float = 0.25,
+                 worker_burst_s: float = 0.05, parent_pid: int | None = None) -> None:
+        self.directory = directory
+        self.shard = shard
+        self.shards = shards
+        self.index = LaggedIndex(block_size, max_blocks_per_worker)
+        self.pacer = Pacer(worker_cpu_share, worker_burst_s)
+        self.subscribers = SubscriberManager(self.index, topic=topic, pace=self.pacer.charge)
+        self.prediction_lag = LagSamples()
+        self.parent_pid = parent_pid
+        self._clients: dict[str, dict[str, Sources]] = {}
+        self._client_conns: dict[str, int] = {}  # live control connections per client id
+        self._drop_at: dict[str, float] = {}  # client id -> when its set is dropped (disconnected)
+        self._current: dict[str, Sources] = {}
+        self._rows: list[str] = []  # worker index in answers -> address ("" = a freed row)
+        self._row_of: dict[str, int] = {}
+        self._meta_sig: object = None
+        self._meta = b""
+        self.meta_version = 1
+        self._lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._conn_tasks: set[asyncio.Task[Any]] = set()
+        self._lookup_sock: socket.socket | None = None
+        self._control: asyncio.AbstractServer | None = None
+        self.lookups = 0
+        self.bad_requests = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        path = wire.lookup_socket(self.directory, self.shard)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, wire.SEQPACKET_BUFFER)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, wire.SEQPACKET_BUFFER)
+        s.bind(path)
+        s.listen(64)
+        s.setblocking(False)
+        self._lookup_sock = s
+        ctl = wire.control_socket(self.directory, self.shard)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(ctl)
+        self._control = await asyncio.start_unix_server(self._serve_control, ctl)
+        self._refresh_meta()
+        self._tasks += [loop.create_task(self._accept_lookups()), loop.create_task(self._housekeeping())]
+        log.info("kv ingest shard %d/%d serving on %s", self.shard, self.shards, path)
+
+    async def close(self) -> None:
+        await cancel_and_wait([*self._tasks, *self._conn_tasks])
+        if self._control is not None:
+            self._control.close()
+        if self._lookup_sock is not None:
+            self._lookup_sock.close()
+        await self.subscribers.close()
+
+    async def serve_forever(self) -> None:
+        await self.start()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await self.close()
+
+    # ------------------------------------------------------------------ lookups (the request path)
+    async def _accept_lookups(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._lookup_sock is not None
+        while True:
+            conn, _ = await loop.sock_accept(self._lookup_sock)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, wire.SEQPACKET_BUFFER)
+            conn.setblocking(False)
+            t = loop.create_task(self._serve_lookups(conn))
+            self._conn_tasks.add(t)
+            t.add_done_callback(self._conn_tasks.discard)
+
+    async def _serve_lookups(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                buf = await loop.sock_recv(conn, wire.SEQPACKET_BUFFER)
+                if not buf:
+                    return
+                try:
+                    answer = self.answer(buf)
+                except ValueError as e:  # a picker of another version, or garbage: no answer, it times out
+                    self.bad_requests += 1
+                    log.warning("kv ingest: malformed lookup (%s)", e)
+                    continue
+                await loop.sock_sendall(conn, answer)
+        except (ConnectionError, OSError):
+            return
+        finally:
+            conn.close()
+
+    def answer(self, buf: bytes) -> bytes:
+        """Answer one lookup: per worker of this shard, its leading blocks over all the request's block sizes
+        (a worker's figure is its best, as the in-process index's `overlap` takes it over its slots)."""
+        req = wire.unpack_lookup(buf)
+        self.lookups += 1
+        workers = None if req.workers is None else [w for w in req.workers if w in self._row_of]
+        best: dict[str, int] = {}
+        for bs, hashes in req.sections:
+            for w, n in self.index.overlap_hashes(hashes, bs, workers, predicted=req.predicted).items():
+                if n > best.get(w, 0):
+                    best[w] = n
+        entries = array("I")
+        row = self._row_of
+        for w, n in best.items():
+            i = row.get(w)
+            if i is not None:
+                entries.append(i)
+                entries.append(n)
+        meta = self._meta if req.meta_version != self.meta_version else None
+        return wire.pack_answer(req.req_id, self.meta_version, meta, entries)
+
+    # ------------------------------------------------------------------ the worker table
+    def _refresh_meta(self) -> None:
+        """Bump the meta version when a worker, its block size, its warm flag or the set of sizes changed."""
+        idx = self.index
+        rows = [(w, idx.block_size(w) if w else 0, bool(w) and idx.stats(w).batches > 0) for w in self._rows]
+        sizes = sorted(set(idx.block_sizes()) | {r[1] for r in rows if r[0]})
+        sig = (tuple(rows), tuple(sizes))
+        if sig != self._meta_sig:
+            self._meta_sig = sig
+            self._meta = wire.encode_meta(rows, sizes)
+            self.meta_version += 1
+
+    async def _housekeeping(self) -> None:
+        next_parent = 0.0
+        while True:
+            await asyncio.sleep(META_PERIOD_S)
+            self._refresh_meta()
+            now = time.monotonic()
+            due = [c for c, t in self._drop_at.items() if t <= now]
+            if due:
+                for c in due:
+                    del self._drop_at[c]
+                    self._clients.pop(c, None)
+                await self._apply_wanted()
+            if self.parent_pid is not None and now >= next_parent:
+                next_parent = now + PARENT_CHECK_S
+                if os.getppid() != self.parent_pid:
+                    log.warning("kv ingest shard %d: the picker that started it is gone; exiting", self.shard)
+                    os._exit(0)
+
+    async def _apply_wanted(self) -> None:
+        """Index the union of what the connected (or recently connected) pickers want: open what is new,
+        close what nobody wants, re-open a worker whose KV endpoints changed."""
+        async with self._lock:
+            wanted: dict[str, Sources] = {}
+            for ws in self._clients.values():
+                for addr, sources in ws.items():
+                    if addr not in wanted or (sources and not wanted[addr]):
+                        wanted[addr] = sources
+            for addr in [a for a in self._current if a not in wanted]:
+                await self.subscribers.remove(addr)
+                self.index.drop_worker(addr)
+                del self._current[addr]
+                i = self._row_of.pop(addr)
+                self._rows[i] = ""
+            for addr, sources in wanted.items():
+                if self._current.get(addr) == sources:
+                    continue
+                if addr in self._current:
+                    await self.subscribers.remove(addr)
+                self._current[addr] = sources
+                if addr not in self._row_of:
+                    free = self._rows.index("") if "" in self._rows else len(self._rows)
+                    if free == len(self._rows):
+                        self._rows.append(addr)
+                    else:
+                        self._rows[free] = addr
+                    self._row_of[addr] = free
+                self.index.add_worker(addr)
+                if sources:
+                    await self.subscribers.add(addr, [KvSource(pub, replay, rank) for pub, replay, rank in sources])
+            self._refresh_meta()
+
+    # ------------------------------------------------------------------ control
+    async def _serve_control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        client: str | None = None
+        try:
+            while True:
+                try:
+                    head = await reader.readexactly(wire.FRAME_HEADER)
+                    n, kind = wire.frame_header(head)
+                    body = await reader.readexactly(n)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                if kind == wire.T_PREDICT:
+                    self._predict(body)
+                elif kind == wire.T_HELLO:
+                    client = str(orjson.loads(body)["client"])
+                    self._client_conns[client] = self._client_conns.get(client, 0) + 1
+                    self._drop_at.pop(client, None)
+                elif kind == wire.T_WORKERS:
+                    self._clients[client or "?"] = {
+                        str(a): tuple((str(p), r if r is None else str(r), k if k is None else int(k))
+                                      for p, r, k in srcs)
+                        for a, srcs in orjson.loads(body) if wire.shard_of(str(a), self.shards) == self.shard}
+                    await self._apply_wanted()
+                elif kind == wire.T_BLOCK_SIZE:
+                    addr, size = orjson.loads(body)
+                    if addr in self._current and isinstance(size, int) and size > 0:
+                        self.index.set_block_size(addr, size)
+                        self._refresh_meta()
+                elif kind == wire.T_RESYNC:
+                    addr = orjson.loads(body)
+                    if addr in self._current:
+                        log.warning("worker %s is gone: its KV entries are dropped until it publishes again", addr)
+                        self.subscribers.resync(addr)
+                elif kind == wire.T_SNAPSHOT:
+                    req = orjson.loads(body)
+                    writer.write(wire.frame(wire.T_SNAPSHOT_ANSWER,
+                                            orjson.dumps({"id": req.get("id"), "snapshot": self.snapshot()})))
+                    await writer.drain()
+        except Exception:  # a malformed control frame from a local picker: log it and drop that connection
+            log.exception("kv ingest shard %d: bad control message", self.shard)
+        finally:
+            if client is not None:
+                left = self._client_conns.get(client, 1) - 1
+                self._client_conns[client] = left
+                if left <= 0:
+                    self._drop_at[client] = time.monotonic() + CLIENT_GRACE_S
+            writer.close()
+
+    def _predict(self, body: bytes) -> None:
+        address, bs, ttl, sent, hashes = wire.unpack_prediction(body, MAX_PREDICTION_HASHES)
+        self.prediction_lag.add(time.time() - sent)
+        # only for workers indexed here, in the size their prompts are hashed with (as replica sync does)
+        if address in self._current and self.index.block_size(address) == bs and ttl > 0:
+            self.index.predict_hashes(address, hashes, min(ttl, MAX_PREDICTION_TTL_S))
+
+    def snapshot(self) -> dict[str, Any]:
+        """`/debug/kv` for this shard: the index, each worker's subscriber counters and pacing, and the shard's
+        own figures (lookups served, lags)."""
+        snap = self.index.snapshot()
+        for wid, d in self.subscribers.stats_snapshot().items():
+            w = snap["workers"].get(wid)
+            if w is not None:
+                w.update(d)
+        for wid, d in self.pacer.snapshot().items():
+            w = snap["workers"].get(wid)
+            if w is not None:
+                w.update(d)
+        snap["ingest"] = {"shard": self.shard, "shards": self.shards, "pid": os.getpid(), "lookups": self.lookups,
+                          "bad_requests": self.bad_requests, "batch_lag_s": self.index.batch_lag.summary(),
+                          "prediction_lag_s": self.prediction_lag.summary(), "meta_version": self.meta_version}
+        return snap
+
+
+def wanted_rows(workers: Sequence[tuple[str, Sources]]) -> list[list[Any]]:
+    """The `T_WORKERS` body a picker sends: [[address, [[endpoint, replay, rank], ...]], ...]."""
+    return [[a, [list(s) for s in srcs]] for a, srcs in workers]
