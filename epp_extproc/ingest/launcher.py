@@ -87,6 +87,16 @@ class IngestGroup:
             self.poll()
             await asyncio.sleep(POLL_S)
 
+    async def astop(self, timeout_s: float = 5.0) -> None:
+        """`stop` without blocking the event loop: SIGTERM, poll until gone, then kill what is left."""
+        for p in self.procs:
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while any(p is not None and p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        self.stop(0.1)
+
     def stop(self, timeout_s: float = 5.0) -> None:
         """SIGTERM every shard, wait up to `timeout_s`, then kill what is left."""
         for p in self.procs:
