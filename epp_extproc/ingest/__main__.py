@@ -23,7 +23,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--max-blocks-per-worker", type=int, default=1_000_000)
     p.add_argument("--topic", default="")
-    p.add_argument("--worker-cpu-share", type=float, default=0.25)
+    p.add_argument("--worker-cpu-share", type=float, default=0.1)
     p.add_argument("--parent-pid", type=int, default=None)
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)

@@ -5,7 +5,7 @@ bucket refills at `share` seconds per second (a share of one core) up to `burst_
 not read again until the debt is repaid. Its SUB socket's queue then fills and ZeroMQ drops that worker's
 batches (a gap the subscriber recovers by replay, or by clearing the rank), so the flood costs the flooder's
 freshness and nobody else's. A worker at 10 batches/s of 32 blocks spends well under 1% of a core; the
-default share (25%) is far above any honest publisher.
+default share (10%) is far above any honest publisher.
 """
 
 from __future__ import annotations

@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import orjson
+import zmq
+import zmq.asyncio
 
 from epp_extproc.ingest import wire
 from epp_extproc.ingest.pacing import LagSamples, Pacer
@@ -47,6 +49,8 @@ META_PERIOD_S = 0.05  # how often the worker table (block sizes, warm flags) is 
 MAX_PREDICTION_HASHES = 8192  # as replica sync: a longer prediction is cut
 MAX_PREDICTION_TTL_S = 60.0
 PARENT_CHECK_S = 1.0
+MAX_ZMQ_SOCKETS = 16384
+TURN_BUDGET_S = 0.001
 
 Sources = tuple[tuple[str, str | None, int | None], ...]
 
@@ -68,14 +72,21 @@ class IngestShard:
     """Subscriptions + index of one shard, with its lookup and control servers."""
 
     def __init__(self, directory: str, shard: int = 0, shards: int = 1, *, block_size: int = 32,
-                 max_blocks_per_worker: int = 1_000_000, topic: str = "", worker_cpu_share: float = 0.25,
+                 max_blocks_per_worker: int = 1_000_000, topic: str = "", worker_cpu_share: float = 0.1,
                  worker_burst_s: float = 0.05, parent_pid: int | None = None) -> None:
         self.directory = directory
         self.shard = shard
         self.shards = shards
         self.index = LaggedIndex(block_size, max_blocks_per_worker)
         self.pacer = Pacer(worker_cpu_share, worker_burst_s)
-        self.subscribers = SubscriberManager(self.index, topic=topic, pace=self.pacer.charge)
+        # libzmq's default of 1023 sockets per context caps a picker near 500 workers (a SUB and its monitor
+        # each): a shard that owns a 1,000-worker pool needs more
+        self._zmq = zmq.asyncio.Context()
+        self._zmq.set(zmq.MAX_SOCKETS, MAX_ZMQ_SOCKETS)
+        # a lookup waits at most one turn of ingest work: 1 ms here (5 ms in a picker's own loop), since this
+        # loop answers lookups and nothing else is latency-bound in it
+        self.subscribers = SubscriberManager(self.index, topic=topic, zmq_context=self._zmq, pace=self.pacer.charge,
+                                             turn_budget_s=TURN_BUDGET_S)
         self.prediction_lag = LagSamples()
         self.parent_pid = parent_pid
         self._clients: dict[str, dict[str, Sources]] = {}
@@ -123,6 +134,7 @@ class IngestShard:
         if self._lookup_sock is not None:
             self._lookup_sock.close()
         await self.subscribers.close()
+        self._zmq.destroy(linger=0)
 
     async def serve_forever(self) -> None:
         await self.start()
@@ -213,6 +225,12 @@ class IngestShard:
                     log.warning("kv ingest shard %d: the picker that started it is gone; exiting", self.shard)
                     os._exit(0)
 
+    async def want(self, client: str, workers: dict[str, Sources]) -> None:
+        """`client` (a picker process) wants these workers indexed (its whole set: it replaces the last one);
+        workers of other shards are ignored, a worker without sources is known but not subscribed."""
+        self._clients[client] = {a: s for a, s in workers.items() if wire.shard_of(a, self.shards) == self.shard}
+        await self._apply_wanted()
+
     async def _apply_wanted(self) -> None:
         """Index the union of what the connected (or recently connected) pickers want: open what is new,
         close what nobody wants, re-open a worker whose KV endpoints changed."""
@@ -264,11 +282,10 @@ class IngestShard:
                     self._client_conns[client] = self._client_conns.get(client, 0) + 1
                     self._drop_at.pop(client, None)
                 elif kind == wire.T_WORKERS:
-                    self._clients[client or "?"] = {
+                    await self.want(client or "?", {
                         str(a): tuple((str(p), r if r is None else str(r), k if k is None else int(k))
                                       for p, r, k in srcs)
-                        for a, srcs in orjson.loads(body) if wire.shard_of(str(a), self.shards) == self.shard}
-                    await self._apply_wanted()
+                        for a, srcs in orjson.loads(body)})
                 elif kind == wire.T_BLOCK_SIZE:
                     addr, size = orjson.loads(body)
                     if addr in self._current and isinstance(size, int) and size > 0:
