@@ -14,8 +14,9 @@ For each pool size (8, 256, 1,000 workers) and each mode (`inprocess`: `KvRoutin
 render hop (`Pipeline.propose(tokens=...)` + `commit` + free) every 5 ms on a 32k-token prompt sharing the
 document, for `--seconds`, and reports:
 
-* lookup p50/p99 (`KvLookup.overlap` as the pipeline calls it) and decision p50/p99, both from the moment the
-  decision was due (a loop busy with ingest delays it: that wait is what ingest costs the decisions);
+* lookup p50/p99 (`KvLookup.overlap` as the pipeline calls it); decision p50/p99 from the moment the decision
+  was due (a loop busy with ingest delays it: that wait is what ingest costs the decisions; once a loop
+  falls behind the 5 ms schedule the delays add up), and `decision_run` p50/p99 from when it started;
 * ingest lag p99 (the batch's publish `ts` -> applied to the index), batches applied;
 * CPU-seconds per 1,000 batches ingested (the ingesting process: the measuring process in `inprocess`, the
   shard in `apart`) and per decision (the measuring process), RSS per worker (index memory over pool size).
@@ -389,6 +390,7 @@ async def decision_loop(setup: Setup, prompts: list[list[int]], seconds: float, 
                         ) -> dict[str, Any]:
     """Decisions every `period` s (None: back to back); latency counted from when each was due."""
     lat: list[float] = []
+    run: list[float] = []
     setup.lookups.clear()
     cpu0, t0 = cpu_s(), time.perf_counter()
     due = t0
@@ -402,13 +404,17 @@ async def decision_loop(setup: Setup, prompts: list[list[int]], seconds: float, 
         else:
             await asyncio.sleep(0)
             start = time.perf_counter()
+        begun = time.perf_counter()
         await decide(setup, prompts[i % len(prompts)])
-        lat.append(time.perf_counter() - start)
+        end = time.perf_counter()
+        lat.append(end - start)
+        run.append(end - begun)
         i += 1
     el = time.perf_counter() - t0
     cpu = cpu_s() - cpu0
     return {"decisions": i, "per_s": round(i / el, 1), "decision_p50_ms": _ms(pct(lat, 0.5)),
-            "decision_p99_ms": _ms(pct(lat, 0.99)), "lookup_p50_ms": _ms(pct(setup.lookups, 0.5)),
+            "decision_p99_ms": _ms(pct(lat, 0.99)), "decision_run_p50_ms": _ms(pct(run, 0.5)),
+            "decision_run_p99_ms": _ms(pct(run, 0.99)), "lookup_p50_ms": _ms(pct(setup.lookups, 0.5)),
             "lookup_p99_ms": _ms(pct(setup.lookups, 0.99)), "process_cpu_s": round(cpu, 3),
             "elapsed_s": round(el, 2)}
 
@@ -438,7 +444,7 @@ async def run_scale(mode: str, n: int, path: Path, seconds: float, pin: bool) ->
     row: dict[str, Any] = {"mode": mode, "workers": n}
     try:
         await setup.start()
-        await wait_for(lambda: setup.warm_count() == n, 60 + n * 0.1, "subscribers connected")
+        await wait_for(lambda: setup.warm_count() == n, 20 + n * 0.02, "subscribers connected")
         await asyncio.sleep(0.5)  # the last heartbeats in
         expected = len(read_sections(path)[0]) + (await setup.ingest_stats())["batches"]
         rss0 = rss_mb(setup.ingest_pid())  # subscribed, nothing indexed: what follows is the index
@@ -608,6 +614,88 @@ async def run_channel(ns: list[int], lengths: list[int], reps: int) -> list[dict
     return rows
 
 
+# ------------------------------------------------------------------ scraping and probing at scale
+_METRICS_BODY = ("# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine=\"0\"} 0.0\n"
+                 "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\"} 0.0\n"
+                 "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine=\"0\"} 0.1\n"
+                 + "# filler\n" * 200).encode()
+
+
+def fake_workers(port: int) -> None:
+    """A child process: every 127.x.y.z:port is a worker answering GET /metrics and /health (keep-alive)."""
+    served = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                body = _METRICS_BODY if b" /metrics" in head[:64] else b"ok"
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: "
+                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+                served += 1
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+            writer.close()
+
+    async def serve() -> None:
+        server = await asyncio.start_server(handle, "0.0.0.0", port, backlog=4096)
+        print("ready", flush=True)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, sys.stdin.readline)
+        print(json.dumps({"served": served}), flush=True)
+        server.close()
+
+    asyncio.run(serve())
+
+
+async def run_scrape(n: int, seconds: float) -> dict[str, Any]:
+    """The picker's metric scraper and health prober, as `PickerApp` configures them by default, against `n`
+    fake workers: CPU of the picker's process per second and per worker."""
+    from epp_extproc.adapters.endpoint_probe import EndpointProber
+    from epp_extproc.adapters.worker_metrics import WorkerMetricsScraper
+    from epp_extproc.config import Config
+    from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
+    from epp_extproc.core.load import LoadTracker
+    from epp_extproc.core.saturation import SaturationDetector, Thresholds
+    from epp_extproc.metrics import PickerMetrics
+
+    cfg = Config()
+    port = 31000 + random.randrange(1000)
+    proc = subprocess.Popen([sys.executable, "-m", "bench.bench_ingest_apart", "--fake-workers", str(port)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdin is not None
+    proc.stdout.readline()
+    registry = EndpointRegistry()
+    registry.replace([Endpoint(f"w{i}", f"127.0.{i // 250}.{i % 250 + 1}:{port}") for i in range(n)])
+    load = LoadTracker(PickerMetrics().endpoint_inflight)
+    detector = SaturationDetector(Thresholds(queue_depth=cfg.queue_depth_threshold,
+                                             kv_utilization=cfg.kv_cache_util_threshold,
+                                             prefill_tokens=cfg.max_num_batched_tokens,
+                                             staleness_s=cfg.worker_metrics_staleness_ms / 1000),
+                                  load.loads, cfg.kv_cache_block_size)
+    scraper = WorkerMetricsScraper(registry, load, detector, interval_s=cfg.worker_metrics_interval_ms / 1000,
+                                   idle_interval_s=cfg.worker_metrics_idle_interval_ms / 1000)
+    prober = EndpointProber(registry, interval_s=cfg.endpoint_probe_interval_ms / 1000,
+                            max_rate=cfg.endpoint_probe_max_rate)
+    tasks = [asyncio.create_task(scraper.run()), asyncio.create_task(prober.run())]
+    await asyncio.sleep(min(3.0, seconds))  # past the first rounds and into the idle intervals
+    c0, t0 = cpu_s(), time.perf_counter()
+    await asyncio.sleep(seconds)
+    cpu, el = cpu_s() - c0, time.perf_counter() - t0
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    proc.stdin.write(b"stop\n")
+    proc.stdin.flush()
+    served = json.loads(proc.stdout.readline())["served"]
+    proc.wait()
+    return {"workers": n, "seconds": round(el, 1), "picker_cpu_fraction": round(cpu / el, 4),
+            "picker_cpu_us_per_worker_per_s": round(cpu / el / n * 1e6, 1),
+            "requests_served_total": served, "scrape_interval_s": cfg.worker_metrics_interval_ms / 1000,
+            "idle_interval_s": cfg.worker_metrics_idle_interval_ms / 1000,
+            "probe_interval_s": cfg.endpoint_probe_interval_ms / 1000, "probe_max_rate": cfg.endpoint_probe_max_rate}
+
+
 # ------------------------------------------------------------------ main
 async def amain(a: argparse.Namespace) -> dict[str, Any]:
     sizes = [int(x) for x in a.sizes.split(",")]
@@ -640,6 +728,11 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
         row = await run_flood(mode, files[8], seconds / 2, a.pin)
         print(json.dumps(row), flush=True)
         out["flood"].append(row)
+    out["scrape"] = []
+    for n in sizes if "scrape" in parts else []:
+        row = await run_scrape(n, 5.0 if a.quick else 15.0)
+        print(json.dumps(row), flush=True)
+        out["scrape"].append(row)
     out["load_avg_at_end"] = os.getloadavg()
     return out
 
@@ -650,15 +743,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/ingest_apart.json")
     ap.add_argument("--events", default="/tmp/epp-ingest-events", help="recorded event files (made if absent)")
     ap.add_argument("--sizes", default="8,256,1000", help="simulated pool sizes")
-    ap.add_argument("--parts", default="channel,scale,flood", help="which measurements")
+    ap.add_argument("--parts", default="channel,scale,flood,scrape", help="which measurements")
     ap.add_argument("--pin", action="store_true", help="measuring process on CPU 0, ingest and player on CPU 1")
     ap.add_argument("--play", help=argparse.SUPPRESS)
     ap.add_argument("--workers", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--play-dir", help=argparse.SUPPRESS)
     ap.add_argument("--channel-server", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--fake-workers", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.play:
         play(Path(a.play), a.workers, a.play_dir)
+        return 0
+    if a.fake_workers:
+        fake_workers(a.fake_workers)
         return 0
     if a.channel_server:
         channel_server(a.channel_server, a.play_dir)

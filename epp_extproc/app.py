@@ -68,7 +68,7 @@ class PickerApp:
         self.renderer: RenderClient | None = None
         self.kv: KvRouting | RemoteKv | None = None
         self.ingest: IngestGroup | None = None  # --kv-ingest apart, run by this process (not a supervisor)
-        self._ingest_dir: str | None = None
+        self.ingest_dir: str | None = None  # the private socket directory of its own shards (removed at stop)
         if config.tokenizer_protocol != "none":
             assert config.tokenizer_service_url is not None  # validated by Config
             self.renderer = RenderClient(config.tokenizer_protocol, config.tokenizer_service_url,
@@ -77,7 +77,7 @@ class PickerApp:
                                          metrics=self.metrics,
                                          breaker_failures=config.render_circuit_failures,
                                          breaker_open_ms=config.render_circuit_open_ms)
-            self.kv, self.ingest, self._ingest_dir = build_kv(config, self.slot, self.registry,
+            self.kv, self.ingest, self.ingest_dir = build_kv(config, self.slot, self.registry,
                                                               self.metrics.registry)
         self.fingerprints: FingerprintWatcher | None = None
         if config.tokenizer_protocol == "trtllm-render" and config.prompt_passthrough != "off":
@@ -440,7 +440,7 @@ class PickerApp:
             await self.kv.close()
         if self.ingest is not None:
             await self.ingest.astop()
-        if self._ingest_dir is not None:
-            shutil.rmtree(self._ingest_dir, ignore_errors=True)
+        if self.ingest_dir is not None:
+            shutil.rmtree(self.ingest_dir, ignore_errors=True)
         if self.renderer is not None:
             await self.renderer.close()
