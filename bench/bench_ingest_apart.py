@@ -205,7 +205,7 @@ def play(path: Path, n: int, sock_dir: str) -> None:
             elif cmd == "flood":
                 flooding = True
         now = time.monotonic()
-        if heartbeating and now - last_hb > 0.2:
+        if heartbeating and now - last_hb > max(0.2, n / 1000):  # 1,000 workers: 1,000 heartbeats/s
             last_hb = now
             for w in range(n):
                 send(w, 0, _payload([]), stamp=False)
@@ -673,8 +673,10 @@ async def run_scrape(n: int, seconds: float) -> dict[str, Any]:
                                              prefill_tokens=cfg.max_num_batched_tokens,
                                              staleness_s=cfg.worker_metrics_staleness_ms / 1000),
                                   load.loads, cfg.kv_cache_block_size)
+    errors: list[str] = []
     scraper = WorkerMetricsScraper(registry, load, detector, interval_s=cfg.worker_metrics_interval_ms / 1000,
-                                   idle_interval_s=cfg.worker_metrics_idle_interval_ms / 1000)
+                                   idle_interval_s=cfg.worker_metrics_idle_interval_ms / 1000,
+                                   on_error=lambda _address, why: errors.append(why))
     prober = EndpointProber(registry, interval_s=cfg.endpoint_probe_interval_ms / 1000,
                             max_rate=cfg.endpoint_probe_max_rate)
     tasks = [asyncio.create_task(scraper.run()), asyncio.create_task(prober.run())]
@@ -691,7 +693,8 @@ async def run_scrape(n: int, seconds: float) -> dict[str, Any]:
     proc.wait()
     return {"workers": n, "seconds": round(el, 1), "picker_cpu_fraction": round(cpu / el, 4),
             "picker_cpu_us_per_worker_per_s": round(cpu / el / n * 1e6, 1),
-            "requests_served_total": served, "scrape_interval_s": cfg.worker_metrics_interval_ms / 1000,
+            "requests_served_total": served, "scrape_errors": len(errors),
+            "scrape_error_kinds": sorted(set(errors))[:5], "scrape_interval_s": cfg.worker_metrics_interval_ms / 1000,
             "idle_interval_s": cfg.worker_metrics_idle_interval_ms / 1000,
             "probe_interval_s": cfg.endpoint_probe_interval_ms / 1000, "probe_max_rate": cfg.endpoint_probe_max_rate}
 

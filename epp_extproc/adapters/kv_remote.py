@@ -9,8 +9,9 @@ down, restarting or late answers nothing: its workers get no overlap, so the req
 the contract's `overlap` is (it is CPU work in the in-process index, ~0.4 ms at 32k tokens); here the CPU
 work runs on the shard's core and the decision process only waits for its answer, never behind ingest.
 
-Everything else (which workers to index, block sizes learned over HTTP, predictions, resyncs, `/debug/kv`)
-goes over each shard's control stream, asynchronously. Predictions go to the shard, so every picker process
+Everything else (which workers to index, block sizes learned over HTTP, predictions, resyncs, `/debug/kv`,
+and the shard's worker table, pushed whenever it changes) goes over each shard's control stream,
+asynchronously. Predictions go to the shard, so every picker process
 on the host sees every other's within one control round trip (their lag is sampled by the shard and shown
 in `/debug/kv`); across hosts the replica sync still carries them (`predict_listeners`).
 """
@@ -41,7 +42,6 @@ log = logging.getLogger(__name__)
 
 RECONNECT_S = 0.1  # a shard's lookup socket is re-dialled at most this often while it is down
 MAX_CONTROL_BACKLOG = 8 << 20  # bytes queued to a slow shard; predictions beyond it are dropped (counted)
-META_REFRESH_S = 0.5  # the worker table (block sizes, warm flags) is re-read this often when no lookup did
 SNAPSHOT_TIMEOUT_S = 5.0
 
 
@@ -135,7 +135,6 @@ class RemoteKv:
     def start(self) -> None:
         for sh in self.shards:
             self._spawn(self._control(sh))
-        self._spawn(self._refresh_meta())
 
     def _spawn(self, coro: Any) -> None:
         t = asyncio.get_running_loop().create_task(coro)
@@ -336,7 +335,11 @@ class RemoteKv:
                     head = await reader.readexactly(wire.FRAME_HEADER)
                     n, kind = wire.frame_header(head)
                     body = await reader.readexactly(n)
-                    if kind == wire.T_SNAPSHOT_ANSWER:
+                    if kind == wire.T_META:
+                        version = int.from_bytes(body[:4], "little")
+                        if version != sh.meta.version:
+                            sh.meta = wire.Meta.decode(version, body[4:])
+                    elif kind == wire.T_SNAPSHOT_ANSWER:
                         d = orjson.loads(body)
                         fut = sh.snapshots.pop(d.get("id"), None)
                         if fut is not None and not fut.done():
@@ -351,12 +354,6 @@ class RemoteKv:
                         fut.set_exception(ConnectionError("kv ingest shard restarted"))
                 sh.snapshots.clear()
             log.warning("kv ingest shard %d: control stream lost; reconnecting", sh.index)
-
-    async def _refresh_meta(self) -> None:
-        """Keep the worker tables fresh while no request does it (readiness reads the warm flags)."""
-        while True:
-            await asyncio.sleep(META_REFRESH_S / 5 if any(not sh.meta.sizes for sh in self.shards) else META_REFRESH_S)
-            self._ask(self.shards, None, None, True)
 
     async def snapshot(self) -> dict[str, Any]:
         """`/debug/kv`: every shard's snapshot merged (a shard that is down shows as such under `ingest`)."""

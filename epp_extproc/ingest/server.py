@@ -26,6 +26,7 @@ import contextlib
 import logging
 import os
 import socket
+import struct
 import time
 from array import array
 from collections.abc import Sequence
@@ -101,6 +102,7 @@ class IngestShard:
         self._lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[Any]] = []
         self._conn_tasks: set[asyncio.Task[Any]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()  # the pickers' control streams: meta is pushed there
         self._lookup_sock: socket.socket | None = None
         self._control: asyncio.AbstractServer | None = None
         self.lookups = 0
@@ -206,6 +208,13 @@ class IngestShard:
             self._meta_sig = sig
             self._meta = wire.encode_meta(rows, sizes)
             self.meta_version += 1
+            for w in self._writers:
+                self._push_meta(w)
+
+    def _push_meta(self, writer: asyncio.StreamWriter) -> None:
+        """Readiness and block sizes must not wait for a request to carry the table: it is pushed."""
+        if not writer.is_closing():
+            writer.write(wire.frame(wire.T_META, struct.pack("<I", self.meta_version) + self._meta))
 
     async def _housekeeping(self) -> None:
         next_parent = 0.0
@@ -267,6 +276,8 @@ class IngestShard:
     # ------------------------------------------------------------------ control
     async def _serve_control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         client: str | None = None
+        self._writers.add(writer)
+        self._push_meta(writer)
         try:
             while True:
                 try:
@@ -304,6 +315,7 @@ class IngestShard:
         except Exception:  # a malformed control frame from a local picker: log it and drop that connection
             log.exception("kv ingest shard %d: bad control message", self.shard)
         finally:
+            self._writers.discard(writer)
             if client is not None:
                 left = self._client_conns.get(client, 1) - 1
                 self._client_conns[client] = left

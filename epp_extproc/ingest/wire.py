@@ -49,6 +49,7 @@ T_RESYNC = ord("R")  # JSON address
 T_PREDICT = ord("P")  # binary: see pack_prediction
 T_SNAPSHOT = ord("S")  # JSON {"id": n} -> T_SNAPSHOT_ANSWER JSON {"id": n, "snapshot": {...}}
 T_SNAPSHOT_ANSWER = ord("s")
+T_META = ord("M")  # shard -> pickers, whenever the worker table changes: u32 version, then the meta JSON
 _PRED = struct.Struct("<HIfdI")  # address length, block size, ttl_s, sender's wall clock, number of hashes
 
 
