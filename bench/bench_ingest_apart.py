@@ -364,8 +364,10 @@ class Setup:
 
     async def ingest_stats(self) -> dict[str, Any]:
         if self.mode == "apart":
-            snap = await self.kv.snapshot()
+            snap = await self.kv.snapshot(timeout_s=60)  # 1,000 workers' counters on a busy machine
             ing = snap["ingest"][0]
+            if not ing.get("up"):
+                raise RuntimeError(f"ingest snapshot failed: {ing}")
             return {"lag": ing.get("batch_lag_s", {}), "batches": sum(w.get("batches", 0)
                                                                       for w in snap["workers"].values()),
                     "blocks": sum(w.get("blocks_indexed", 0) for w in snap["workers"].values())}

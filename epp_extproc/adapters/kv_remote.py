@@ -355,7 +355,7 @@ class RemoteKv:
                 sh.snapshots.clear()
             log.warning("kv ingest shard %d: control stream lost; reconnecting", sh.index)
 
-    async def snapshot(self) -> dict[str, Any]:
+    async def snapshot(self, timeout_s: float = SNAPSHOT_TIMEOUT_S) -> dict[str, Any]:
         """`/debug/kv`: every shard's snapshot merged (a shard that is down shows as such under `ingest`)."""
         out: dict[str, Any] = {"default_block_size": self.default_block_size, "unique_blocks": 0,
                                "predicted_unique_blocks": 0, "workers": {}, "ingest": []}
@@ -371,7 +371,7 @@ class RemoteKv:
             waits.append(fut)
         for sh, fut in zip(self.shards, waits, strict=True):
             try:
-                async with asyncio.timeout(SNAPSHOT_TIMEOUT_S):
+                async with asyncio.timeout(timeout_s):
                     snap = await fut
             except (TimeoutError, ConnectionError) as e:
                 out["ingest"].append({"shard": sh.index, "up": False, "error": str(e) or type(e).__name__})

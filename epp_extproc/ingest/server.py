@@ -252,6 +252,7 @@ class IngestShard:
             for addr in [a for a in self._current if a not in wanted]:
                 await self.subscribers.remove(addr)
                 self.index.drop_worker(addr)
+                self.pacer.forget(addr)
                 del self._current[addr]
                 i = self._row_of.pop(addr)
                 self._rows[i] = ""
@@ -312,6 +313,8 @@ class IngestShard:
                     writer.write(wire.frame(wire.T_SNAPSHOT_ANSWER,
                                             orjson.dumps({"id": req.get("id"), "snapshot": self.snapshot()})))
                     await writer.drain()
+        except ConnectionError:  # the picker went away mid-answer
+            pass
         except Exception:  # a malformed control frame from a local picker: log it and drop that connection
             log.exception("kv ingest shard %d: bad control message", self.shard)
         finally:
