@@ -37,12 +37,14 @@ from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.ingest import wire
 from kvindex.aio import cancel_and_wait
 from kvindex.backoff import Backoff
+from kvindex.metrics import register_index, register_subscribers
 
 log = logging.getLogger(__name__)
 
 RECONNECT_S = 0.1  # a shard's lookup socket is re-dialled at most this often while it is down
 MAX_CONTROL_BACKLOG = 8 << 20  # bytes queued to a slow shard; predictions beyond it are dropped (counted)
 SNAPSHOT_TIMEOUT_S = 5.0
+METRICS_REFRESH_S = 5.0  # the epp_kv_* per-worker metrics are the shards' counters as of this long ago
 
 
 class _Shard:
@@ -95,6 +97,16 @@ class _Shard:
         return True
 
 
+class _Exported:
+    """The last refreshed snapshot, in the shape the epp_kv_* collector reads (`IndexSnapshot`)."""
+
+    def __init__(self, kv: RemoteKv) -> None:
+        self._kv = kv
+
+    def snapshot(self) -> dict[str, Any]:
+        return self._kv.exported_snapshot()
+
+
 class RemoteKv:
     """`KvLookup` over the ingest shards of this host (see the module docstring)."""
 
@@ -117,6 +129,13 @@ class RemoteKv:
         # Called with (worker, block size, hashes, ttl_s) after each local prediction: replica sync shares it.
         self.predict_listeners: list[Callable[[str, int, list[int], float], None]] = []
         reg = metrics_registry or CollectorRegistry()
+        # The per-worker epp_kv_* series live in the shards: exported here from a snapshot refreshed in the
+        # background (a scrape never waits for a shard), only when this picker exports metrics at all.
+        self._exported: dict[str, Any] = {"workers": {}, "unique_blocks": 0}
+        self._export = metrics_registry is not None
+        if self._export:
+            register_index(_Exported(self), reg)
+            register_subscribers(lambda: self._exported["workers"], reg)
         self.m_lookups = Counter("epp_kv_ingest_lookups", "Lookups sent to the KV ingest shards, by result: ok, "
                                  "unavailable (shard down: its workers routed by load), timeout",
                                  ["result"], registry=reg)
@@ -135,6 +154,8 @@ class RemoteKv:
     def start(self) -> None:
         for sh in self.shards:
             self._spawn(self._control(sh))
+        if self._export:
+            self._spawn(self._refresh_exported())
 
     def _spawn(self, coro: Any) -> None:
         t = asyncio.get_running_loop().create_task(coro)
@@ -354,6 +375,17 @@ class RemoteKv:
                         fut.set_exception(ConnectionError("kv ingest shard restarted"))
                 sh.snapshots.clear()
             log.warning("kv ingest shard %d: control stream lost; reconnecting", sh.index)
+
+    async def _refresh_exported(self) -> None:
+        while True:
+            await asyncio.sleep(METRICS_REFRESH_S)
+            snap = await self.snapshot()
+            if all(s.get("up") for s in snap["ingest"]):  # a shard restarting keeps the last figures
+                self._exported = snap
+
+    def exported_snapshot(self) -> dict[str, Any]:
+        """What the epp_kv_* collectors read (kvindex.metrics.IndexSnapshot): the last refreshed snapshot."""
+        return self._exported
 
     async def snapshot(self, timeout_s: float = SNAPSHOT_TIMEOUT_S) -> dict[str, Any]:
         """`/debug/kv`: every shard's snapshot merged (a shard that is down shows as such under `ingest`)."""
