@@ -3,7 +3,8 @@
 Prompts are packed and hashed here, in the decision process, exactly as `KvRouting` does (same `Prompt`);
 only the hashes cross the channel (`epp_extproc/ingest/wire.py`). A lookup is one request per shard that
 owns a candidate, all sent before any answer is read, each answered by one mask walk in that shard; the
-wait is bounded by `lookup_timeout_s` (default 5 ms: a lookup is ~0.1 ms when the shard is up). A shard that is
+wait is bounded by `lookup_timeout_s` (default 5 ms; a lookup measured 0.25-0.7 ms at the median, see
+bench/README.md "Ingest apart"). A shard that is
 down, restarting or late answers nothing: its workers get no overlap, so the request is routed by load, and
 `epp_kv_ingest_lookups_total{result="unavailable"|"timeout"}` counts it. The wait is synchronous because
 the contract's `overlap` is (it is CPU work in the in-process index, ~0.4 ms at 32k tokens); here the CPU
