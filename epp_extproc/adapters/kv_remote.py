@@ -260,8 +260,7 @@ class RemoteKv:
                 by_shard[sh.index] = sh
         return self._ask(list(by_shard.values()), prompt, set(workers), predicted)
 
-    def _ask(self, shards: list[_Shard], prompt: Prompt | None, wanted: set[str] | None,
-             predicted: bool) -> dict[str, int]:
+    def _ask(self, shards: list[_Shard], prompt: Prompt, wanted: set[str], predicted: bool) -> dict[str, int]:
         """Send one lookup to each shard, then read each answer within the deadline; merge."""
         deadline = time.monotonic() + self.lookup_timeout_s
         sent: list[tuple[_Shard, int]] = []
@@ -271,7 +270,7 @@ class RemoteKv:
                 self._count("unavailable")
                 continue
             sizes = sh.meta.sizes or (self.default_block_size,)
-            sections = [(bs, prompt.hashes(bs)) for bs in sizes] if prompt is not None else []
+            sections = [(bs, prompt.hashes(bs)) for bs in sizes]
             req = next(self._ids) & 0xFFFFFFFF
             try:
                 s.send(wire.pack_lookup(req, sh.meta.version, predicted, sections))
@@ -308,7 +307,7 @@ class RemoteKv:
                 k = entries[i]
                 if k < len(names):
                     w = names[k]
-                    if wanted is None or w in wanted:
+                    if w in wanted:
                         out[w] = entries[i + 1]
         return out
 

@@ -29,7 +29,6 @@ import socket
 import struct
 import time
 from array import array
-from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -349,8 +348,3 @@ class IngestShard:
                           "bad_requests": self.bad_requests, "batch_lag_s": self.index.batch_lag.summary(),
                           "prediction_lag_s": self.prediction_lag.summary(), "meta_version": self.meta_version}
         return snap
-
-
-def wanted_rows(workers: Sequence[tuple[str, Sources]]) -> list[list[Any]]:
-    """The `T_WORKERS` body a picker sends: [[address, [[endpoint, replay, rank], ...]], ...]."""
-    return [[a, [list(s) for s in srcs]] for a, srcs in workers]
