@@ -4,7 +4,8 @@ Accepts every variant the engines send: TensorRT-LLM map events in the compact (
 msgpack encodings; vLLM <= 0.31 / SGLang < 0.5 positional-array events and vLLM 0.32+ / SGLang 0.5 tagged-map
 events (one declared field order, :data:`STORED_FIELDS`, serves both); the 2-element, 3-element and map
 envelopes; vLLM's per-block ``extra_keys`` (LoRA name on every block, cache salt on the first, raw tuples or
-typed keys), SGLang's typed ``cache_salt`` and its bigram (EAGLE) pages.  Nothing here raises on bad input: a publisher bug or a hostile peer must not be
+typed keys, multimodal ``(identifier, offset)`` pairs or older bare identifiers), TensorRT-LLM's per-block
+``mm_keys`` (V1 serializer and native V2 shapes), SGLang's typed ``cache_salt`` and its bigram (EAGLE) pages.  Nothing here raises on bad input: a publisher bug or a hostile peer must not be
 able to kill a subscriber, so garbage is reported in the returned :class:`DecodedBatch` and counted upstream.
 """
 
@@ -22,7 +23,15 @@ from kvindex.events import (
     DecodedBatch,
     Event,
 )
-from kvindex.hashing import pack_tokens
+from kvindex.hashing import (
+    DIALECT_TRTLLM,
+    DIALECT_VLLM,
+    DIALECT_VLLM_BARE,
+    mm_bare_key,
+    mm_pair_key,
+    mm_trtllm_key,
+    pack_tokens,
+)
 
 MASK64 = 0xFFFFFFFFFFFFFFFF
 MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
@@ -39,8 +48,9 @@ STORED_FIELDS = (
     "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
 )
 REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
-# keys newer engines add that carry nothing the index needs (vLLM: event_version, locality, ownership, mm_keys,
-# session_id; SGLang 0.5: session_id; cache_salt is read) are known, so they are not counted as unknown
+# keys newer engines add are known, so they are not counted as unknown: those that carry nothing the index needs
+# (vLLM: event_version, locality, ownership, session_id; SGLang 0.5: session_id) and those read outside the
+# declared field order (cache_salt; TensorRT-LLM's per-block mm_keys)
 _KNOWN_STORED = frozenset(
     (*STORED_FIELDS, "type", "mm_keys", "locality", "ownership", "session_id", "event_version", "cache_salt")
 )
@@ -96,46 +106,123 @@ def _check_group(group_idx: object) -> None:
         raise _Skip("skipped_group")
 
 
-def _block_key_strings(entry: object) -> list[str]:
-    """The string identities of one block's ``extra_keys`` entry (LoRA name, cache salt), in order.
+def _block_keys(entry: object) -> tuple[list[str], list[tuple[str, int]]]:
+    """One block's ``extra_keys`` entry -> (its string keys, its multimodal ``(identifier, offset)`` pairs).
 
-    vLLM <= 0.32 sends raw tuples (``("tenant-a",)``, ``("adapter",)``); 0.33+ sends typed tagged maps
-    (``{"type": "lora", "name": ...}``, ``{"type": "cache_salt", "salt": ...}``).  Anything else (multimodal
-    ``(identifier, offset)`` pairs, prompt-embedding bytes, typed ``mm``/``prompt_embeds``/``legacy`` keys)
-    makes the block's identity depend on data the request side does not have: the event is skipped.
+    What vLLM publishes (vllm/v1/core/kv_cache_utils.py ``generate_block_hash_extra_keys`` and
+    ``to_event_extra_keys``, vLLM 0.32.0): per block ``lora + mm + cache_salt + prompt_embeds``, untagged: the
+    LoRA name and the salt as strings, each multimodal item as an ``(identifier, offset)`` pair (older versions:
+    the bare identifier string), prompt embeddings as a bytes digest.  Typed tagged maps
+    (``{"type": "lora", "name": ...}``, ``{"type": "cache_salt", "salt": ...}``) are read as their strings.
+    Anything else (prompt-embedding bytes, other typed keys) is data the request side does not have: skipped.
     """
     if entry is None:
-        return []
+        return [], []
     if type(entry) not in _SEQ:
         raise _Garbage("extra_keys entry is not a list")
-    out: list[str] = []
+    strings: list[str] = []
+    pairs: list[tuple[str, int]] = []
     for item in entry:
         t = type(item)
         if t is str:
-            out.append(item)
+            strings.append(item)
+        elif t in _SEQ and len(item) == 2 and type(item[0]) is str and type(item[1]) is int:  # type: ignore[arg-type, index]
+            pairs.append((item[0], item[1]))  # type: ignore[index]
         elif t is dict:
             kind = item.get("type")
             val = item.get("name") if kind == "lora" else item.get("salt") if kind == "cache_salt" else None
             if type(val) is not str:
                 raise _Skip("skipped_extra_keys")
-            out.append(val)
+            strings.append(val)
         else:
             raise _Skip("skipped_extra_keys")
-    return out
+    return strings, pairs
+
+
+MAX_MM_HASH_BYTES = 256  # TensorRT-LLM's MmKey hash is 32 bytes; anything far larger is not a digest
+
+
+def _mm_hash(h: object) -> bytes:
+    if type(h) is str:
+        try:
+            b = bytes.fromhex(h)
+        except ValueError as exc:
+            raise _Garbage("mm_keys hash is not hex") from exc
+    elif isinstance(h, bytes | bytearray):
+        b = bytes(h)
+    else:
+        raise _Garbage("mm_keys hash is not a hex string or bytes")
+    if not b or len(b) > MAX_MM_HASH_BYTES:
+        raise _Garbage("mm_keys hash has an absurd size")
+    return b
+
+
+def _trtllm_mm(raw: object, n_blocks: int) -> tuple[list[bytes | None], int, int]:
+    """TensorRT-LLM per-block ``mm_keys`` -> (per-block key bytes, V1-tagged blocks, V2 blocks).
+
+    One entry per block, each a list of that block's keys.  A key is the V1 JSON serializer's
+    ``{"type": "mm_key", "hash": <hex>, "start_offset": n}`` or the native V2 map ``{"hash": <hex digest or
+    bytes>, "start_offset": n}``, with ``uuid`` only where the engine sends one (a ``[hash, start_offset(,
+    uuid)]`` array is read the same).  ``start_offset`` is where the block starts inside the item
+    (NVIDIA/TensorRT-LLM cpp/tensorrt_llm/batch_manager/blockKey.cpp ``generateBlockHashExtraKeys``: 0 when the
+    item starts inside the block).  The keys are indexed as given: the chain's own token ids plus these keys.
+    """
+    if type(raw) not in _SEQ:
+        raise _Garbage("mm_keys is not a list")
+    if len(raw) != n_blocks:  # type: ignore[arg-type]
+        raise _Skip("skipped_mm_shape")  # not one entry per block: a shape we do not know, never guessed
+    out: list[bytes | None] = []
+    v1 = v2 = 0
+    for entry in raw:  # type: ignore[attr-defined]
+        if not entry:
+            out.append(None)
+            continue
+        if type(entry) not in _SEQ:
+            raise _Skip("skipped_mm_shape")
+        keys: list[tuple[bytes, int, str | None]] = []
+        tagged = False
+        for k in entry:
+            if type(k) is dict:
+                kind = k.get("type")
+                if kind is not None and kind != "mm_key":
+                    raise _Skip("skipped_mm_shape")
+                tagged = tagged or kind == "mm_key"
+                h, off, uuid = k.get("hash"), k.get("start_offset"), k.get("uuid")
+            elif type(k) in _SEQ and 2 <= len(k) <= 3:
+                h, off, uuid = k[0], k[1], k[2] if len(k) == 3 else None
+            else:
+                raise _Skip("skipped_mm_shape")
+            if type(off) is not int:
+                raise _Garbage("mm_keys start_offset is not an int")
+            if uuid is not None and type(uuid) is not str:
+                raise _Garbage("mm_keys uuid is not a string")
+            keys.append((_mm_hash(h), off, uuid))
+        out.append(mm_trtllm_key(keys))
+        if tagged:
+            v1 += 1
+        else:
+            v2 += 1
+    return out, v1, v2
+
+
+_Identity = tuple[str | None, str | None, list[bytes | None] | None, str | None]
 
 
 def _identity(
     extra_keys: object, n_blocks: int, root: bool, lora_name: object, lora_id: object, cache_salt: object,
-    mm_keys: object,
-) -> tuple[str | None, str | None]:
-    """(LoRA adapter, cache salt) the event's chain is hashed with, the way the engine hashed it.
+    mm_keys: object, counters: DecodeCounters,
+) -> _Identity:
+    """(LoRA adapter, cache salt, per-block media keys, media dialect) the event's chain is hashed with, the way
+    the engine hashed it.
 
     vLLM assembles each block's extra keys as ``lora + mm + salt`` with the LoRA name on every block and the
     salt on the chain's first block only; SGLang 0.5 sends the salt as a typed ``cache_salt`` field.  Only a
     chain that starts at the root needs the salt: a continuation inherits it through its parent's hash.
+    Media keys: vLLM 0.32 ``(identifier, offset)`` pairs, older vLLM bare identifier strings, TensorRT-LLM
+    ``mm_keys``; see kvindex/hashing.py for how a block is keyed with them.  Older vLLM puts a bare identifier
+    and the salt in one list of strings, so on a root chain's first block ONE string is read as the salt and
+    several as that block's keys (the request side applies the same rule: kvindex.hashing.media_chain_hashes).
     """
-    if mm_keys:
-        raise _Skip("skipped_extra_keys")
     if lora_name is not None and type(lora_name) is not str:
         raise _Garbage("lora_name is not a string")
     if lora_id is not None and type(lora_id) is not int:
@@ -145,28 +232,61 @@ def _identity(
     lora = lora_name or None
     salt = cache_salt or None
     has_lora = lora is not None or lora_id is not None
+    mm: list[bytes | None] | None = None
+    dialect: str | None = None
+    n_v1 = n_v2 = n_pair = n_bare = 0
+    if mm_keys:
+        mm, n_v1, n_v2 = _trtllm_mm(mm_keys, n_blocks)
+        if n_v1 or n_v2:
+            dialect = DIALECT_TRTLLM
+        else:
+            mm = None
     if extra_keys is not None:
         if type(extra_keys) not in _SEQ:
             raise _Garbage("extra_keys is not a list")
         if extra_keys and len(extra_keys) != n_blocks:
             raise _Garbage("extra_keys does not have one entry per block")
         for i, entry in enumerate(extra_keys):
-            keys = _block_key_strings(entry)
+            keys, pairs = _block_keys(entry)
             if has_lora and keys:
                 name = keys.pop(0)
                 if lora is None:
                     lora = name
                 elif name != lora:
                     raise _Garbage("extra_keys names another LoRA adapter than lora_name")
-            if keys:
-                if i != 0 or not root or len(keys) > 1:
+            first = i == 0 and root
+            if pairs:
+                if dialect is not None and dialect != DIALECT_VLLM:
+                    raise _Skip("skipped_mm_shape")
+                if keys and (not first or len(keys) > 1):
                     raise _Skip("skipped_extra_keys")  # a string key we cannot place: do not guess
+                dialect = DIALECT_VLLM
+                if mm is None:
+                    mm = [None] * n_blocks
+                mm[i] = mm_pair_key(pairs)
+                n_pair += 1
+            elif keys and not (first and len(keys) == 1):
+                # strings other than the LoRA name and the root's lone salt: older vLLM's bare identifiers
+                if dialect is not None and dialect != DIALECT_VLLM_BARE or (first and salt is not None):
+                    raise _Skip("skipped_mm_shape")
+                dialect = DIALECT_VLLM_BARE
+                if mm is None:
+                    mm = [None] * n_blocks
+                mm[i] = mm_bare_key(keys)
+                n_bare += 1
+                keys = []
+            if keys:
                 if salt is not None and keys[0] != salt:
                     raise _Garbage("extra_keys salt disagrees with cache_salt")
                 salt = keys[0]
     if has_lora and lora is None:
         raise _Skip("skipped_extra_keys")  # a LoRA block whose adapter name we are not told
-    return lora, salt if root else None
+    if n_pair or n_bare or n_v1 or n_v2:
+        counters.mm_blocks_vllm += n_pair
+        counters.mm_blocks_vllm_bare += n_bare
+        counters.mm_blocks_trtllm_v1 += n_v1
+        counters.mm_blocks_trtllm_v2 += n_v2
+    return lora, salt if root else None, mm, dialect
 
 
 def _tokens(tokens: object) -> object:
@@ -182,7 +302,7 @@ def _tokens(tokens: object) -> object:
     return tokens
 
 
-def _stored(ev: dict) -> BlockStored:
+def _stored(ev: dict, counters: DecodeCounters) -> BlockStored:
     g = ev.get
     hs = _norm_hashes(g("block_hashes"))
     block_size = g("block_size")
@@ -198,14 +318,20 @@ def _stored(ev: dict) -> BlockStored:
     _check_group(g("group_idx"))
     if len(tokens) != block_size * len(hs):  # type: ignore[arg-type]
         raise _Skip("skipped_length")
-    lora, salt = _identity(g("extra_keys"), len(hs), par is None, g("lora_name"), g("lora_id"), g("cache_salt"),
-                           g("mm_keys"))
+    probe = DecodeCounters()  # counted only once the whole event decoded
+    lora, salt, mm, dialect = _identity(g("extra_keys"), len(hs), par is None, g("lora_name"), g("lora_id"),
+                                        g("cache_salt"), g("mm_keys"), probe)
     try:
         packed = pack_tokens(tokens)  # type: ignore[arg-type]
     except (TypeError, OverflowError, ValueError) as exc:
         raise _Garbage("token id is not a u32") from exc
     lora_id = g("lora_id")
-    return BlockStored(hs, par, packed, block_size, lora, lora_id, salt)
+    if mm is not None:
+        counters.mm_blocks_vllm += probe.mm_blocks_vllm
+        counters.mm_blocks_vllm_bare += probe.mm_blocks_vllm_bare
+        counters.mm_blocks_trtllm_v1 += probe.mm_blocks_trtllm_v1
+        counters.mm_blocks_trtllm_v2 += probe.mm_blocks_trtllm_v2
+    return BlockStored(hs, par, packed, block_size, lora, lora_id, salt, mm, dialect)
 
 
 def _removed(ev: dict) -> BlockRemoved:
@@ -219,7 +345,7 @@ def _decode_event(tag: object, ev: dict, counters: DecodeCounters) -> Event | No
     if tag == "BlockStored":
         if not ev.keys() <= _KNOWN_STORED:
             counters.unknown_keys += len(ev.keys() - _KNOWN_STORED)
-        return _stored(ev)
+        return _stored(ev, counters)
     if tag == "BlockRemoved":
         if not ev.keys() <= _KNOWN_REMOVED:
             counters.unknown_keys += len(ev.keys() - _KNOWN_REMOVED)

@@ -28,6 +28,10 @@ class BlockStored:
     lora_name: str | None = None
     lora_id: int | None = None
     salt: str | None = None
+    # per block, the canonical bytes of the multimodal keys the engine hashed it with (kvindex.hashing
+    # ``mm_*_key``), None for a text-only block; the whole list is None for a text-only chain (the fast path)
+    mm: list[bytes | None] | None = None
+    mm_dialect: str | None = None  # kvindex.hashing DIALECT_* the keys came in (None: no media block)
 
 
 @dataclass(slots=True)
@@ -52,15 +56,28 @@ class DecodeCounters:
     skipped_length: int = 0  # len(token_ids) != block_size * len(block_hashes)
     skipped_medium: int = 0  # not the GPU tier
     skipped_group: int = 0  # not the main KV-cache group
-    skipped_extra_keys: int = 0  # multimodal / extra keys: token ids alone do not identify the block
+    skipped_extra_keys: int = 0  # extra keys the request side cannot rebuild (prompt embeddings, unknown keys)
+    skipped_mm_shape: int = 0  # multimodal keys in a shape no known engine version sends: never guessed
     garbage_events: int = 0  # an event with wrong types or absurd sizes
     unknown_events: int = 0  # event type we do not know (ignored)
     unknown_keys: int = 0  # keys we do not know inside known events (ignored)
+    # multimodal blocks decoded, per dialect (vLLM (identifier, offset) pairs, older vLLM bare identifiers,
+    # TensorRT-LLM tagged V1-serializer keys / native V2 keys)
+    mm_blocks_vllm: int = 0
+    mm_blocks_vllm_bare: int = 0
+    mm_blocks_trtllm_v1: int = 0
+    mm_blocks_trtllm_v2: int = 0
 
     @property
     def skipped(self) -> int:
         """Valid-looking events deliberately not applied."""
-        return self.skipped_length + self.skipped_medium + self.skipped_group + self.skipped_extra_keys
+        return (self.skipped_length + self.skipped_medium + self.skipped_group + self.skipped_extra_keys
+                + self.skipped_mm_shape)
+
+    @property
+    def mm_blocks(self) -> int:
+        """Multimodal blocks decoded, all dialects together."""
+        return self.mm_blocks_vllm + self.mm_blocks_vllm_bare + self.mm_blocks_trtllm_v1 + self.mm_blocks_trtllm_v2
 
 
 @dataclass(slots=True)

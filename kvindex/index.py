@@ -25,7 +25,7 @@ from typing import Any
 import xxhash
 
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
-from kvindex.hashing import block_hashes, pack_tokens, root_seed
+from kvindex.hashing import block_hashes, chain_hashes_with_keys, pack_tokens, root_seed
 from kvindex.metrics import register_index
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class WorkerStats:
     skipped_medium: int = 0
     skipped_group: int = 0
     skipped_extra_keys: int = 0
+    skipped_mm_shape: int = 0
     skipped_unknown_parent: int = 0
     skipped_rank: int = 0
     skipped_block_size: int = 0
@@ -63,13 +64,17 @@ class WorkerStats:
     block_size_mismatch: int = 0
     predictions_confirmed: int = 0
     predictions_expired: int = 0
+    mm_blocks_vllm: int = 0
+    mm_blocks_vllm_bare: int = 0
+    mm_blocks_trtllm_v1: int = 0
+    mm_blocks_trtllm_v2: int = 0
 
     @property
     def events_skipped(self) -> int:
         """Events deliberately not applied, all reasons together."""
         return (
             self.skipped_length + self.skipped_medium + self.skipped_group + self.skipped_extra_keys
-            + self.skipped_unknown_parent + self.skipped_rank + self.skipped_block_size
+            + self.skipped_mm_shape + self.skipped_unknown_parent + self.skipped_rank + self.skipped_block_size
         )
 
     @property
@@ -102,7 +107,7 @@ class _Slot:
 
 class _Worker:
     __slots__ = ("id", "block_size", "size_source", "cap", "max_ranks", "slots", "stats", "pred", "pred_gen",
-                 "n_blocks", "warned")
+                 "n_blocks", "warned", "dialect")
 
     def __init__(self, worker_id: str, block_size: int, cap: int, max_ranks: int) -> None:
         self.id = worker_id
@@ -116,6 +121,7 @@ class _Worker:
         self.pred_gen = 0
         self.n_blocks = 0  # engine blocks over all slots: the per-worker cap counts the whole worker
         self.warned: set[str] = set()  # one warning per worker and kind, not one per event
+        self.dialect: str | None = None  # how its engine keys media blocks (kvindex.hashing DIALECT_*), once seen
 
 
 MAX_BLOCK_SIZES_PER_WORKER = 4  # a publisher inventing block sizes must not multiply its slots
@@ -339,11 +345,16 @@ class KvIndex:
             return
         st.batches += 1
         c = batch.counters
-        if c.skipped or c.garbage_events or c.unknown_events or c.unknown_keys:
+        if c.skipped or c.garbage_events or c.unknown_events or c.unknown_keys or c.mm_blocks:
             st.skipped_length += c.skipped_length
             st.skipped_medium += c.skipped_medium
             st.skipped_group += c.skipped_group
             st.skipped_extra_keys += c.skipped_extra_keys
+            st.skipped_mm_shape += c.skipped_mm_shape
+            st.mm_blocks_vllm += c.mm_blocks_vllm
+            st.mm_blocks_vllm_bare += c.mm_blocks_vllm_bare
+            st.mm_blocks_trtllm_v1 += c.mm_blocks_trtllm_v1
+            st.mm_blocks_trtllm_v2 += c.mm_blocks_trtllm_v2
             st.garbage_events += c.garbage_events
             st.unknown_events += c.unknown_events
             st.unknown_keys += c.unknown_keys
@@ -408,17 +419,54 @@ class KvIndex:
         bit = slot.bit
         multi = slot.multi
         wpred = w.pred if bs == w.block_size and rank == 0 else None
-        step = bs * 4
-        mv = memoryview(ev.token_ids).cast("B")
-        off = 0
         before = len(eng)
-        for eh in ev.block_hashes:
-            h = _xxh3(mv[off : off + step], h)
-            off += step
-            prev = setdefault(eh, h)
-            if prev is not h:  # engine hash already known (re-stored, or reused for other tokens)
+        if ev.mm is not None:  # a chain with media blocks: keyed with the engine's item keys (rare, not inlined)
+            self._store_keyed(w, slot, ev, h, wpred)
+        else:
+            step = bs * 4
+            mv = memoryview(ev.token_ids).cast("B")
+            off = 0
+            for eh in ev.block_hashes:
+                h = _xxh3(mv[off : off + step], h)
+                off += step
+                prev = setdefault(eh, h)
+                if prev is not h:  # engine hash already known (re-stored, or reused for other tokens)
+                    del eng[eh]
+                    eng[eh] = h  # move to the young end of the eviction order
+                    if prev == h:
+                        continue
+                    self._unref(slot, prev)
+                m = blocks.get(h, 0)
+                if m & bit:
+                    multi[h] = multi.get(h, 1) + 1
+                else:
+                    blocks[h] = m | bit
+                if wpred and h in wpred:
+                    self._confirm(w, h)
+        w.n_blocks += len(eng) - before
+        st.blocks_stored += len(ev.block_hashes)
+        st.events_applied += 1
+        if w.n_blocks > w.cap:
+            self._evict(w, slot)
+
+    def _store_keyed(self, w: _Worker, slot: _Slot, ev: BlockStored, seed: int, wpred: dict[int, float] | None) -> None:
+        """:meth:`_store`'s loop for a chain with media blocks: the same bookkeeping, hashes from
+        :func:`kvindex.hashing.chain_hashes_with_keys`; the worker's media dialect follows its events."""
+        if ev.mm_dialect != w.dialect:
+            if w.dialect is not None:
+                self._warn_once(w, "dialect", "worker %s keys media blocks as %s, then as %s: prompts follow the "
+                                "latest", w.id, w.dialect, ev.mm_dialect)
+            w.dialect = ev.mm_dialect
+        eng = slot.engine
+        blocks = self._blocks
+        bit = slot.bit
+        multi = slot.multi
+        for eh, h in zip(ev.block_hashes, chain_hashes_with_keys(ev.token_ids, ev.block_size, seed, ev.mm or ()),
+                         strict=True):
+            prev = eng.setdefault(eh, h)
+            if prev is not h:
                 del eng[eh]
-                eng[eh] = h  # move to the young end of the eviction order
+                eng[eh] = h
                 if prev == h:
                     continue
                 self._unref(slot, prev)
@@ -429,11 +477,6 @@ class KvIndex:
                 blocks[h] = m | bit
             if wpred and h in wpred:
                 self._confirm(w, h)
-        w.n_blocks += len(eng) - before
-        st.blocks_stored += len(ev.block_hashes)
-        st.events_applied += 1
-        if w.n_blocks > w.cap:
-            self._evict(w, slot)
 
     def _unref(self, slot: _Slot, h: int) -> None:
         multi = slot.multi
@@ -650,6 +693,12 @@ class KvIndex:
         self._record(res, alive, n)
 
     # ------------------------------------------------------------ observability
+    def media_dialect(self, worker_id: str) -> str | None:
+        """How the worker's engine keys media blocks (kvindex.hashing ``DIALECT_*``), learned from its events;
+        None until it published one: prompts with media are then keyed with the default dialect."""
+        w = self._workers.get(worker_id)
+        return w.dialect if w is not None else None
+
     def blocks_indexed(self, worker_id: str) -> int:
         """Engine blocks currently indexed for a worker (all ranks and block sizes)."""
         w = self._workers.get(worker_id)
@@ -690,6 +739,7 @@ class KvIndex:
             d.update(
                 block_size=w.block_size,
                 block_size_source=w.size_source,
+                media_dialect=w.dialect,
                 block_sizes=sorted({s.block_size for s in w.slots.values() if s.engine} | {w.block_size}),
                 max_blocks=w.cap,
                 max_ranks=w.max_ranks,

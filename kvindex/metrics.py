@@ -54,7 +54,9 @@ _WORKER_METRICS = [
     ("subscriber", "gauge", "silent", "worker_silent", "1 if nothing ever came from a worker that is up"),
     ("subscriber", "gauge", "last_seq", "last_seq", "Last applied sequence number"),
 ]
-_SKIP_REASONS = ["length", "medium", "group", "extra_keys", "unknown_parent", "rank", "block_size"]
+_SKIP_REASONS = ["length", "medium", "group", "extra_keys", "mm_shape", "unknown_parent", "rank", "block_size"]
+# media blocks decoded, by the dialect their keys came in (stats key suffix -> label value)
+_MM_DIALECTS = [("vllm", "vllm"), ("vllm_bare", "vllm-bare"), ("trtllm_v1", "trtllm-v1"), ("trtllm_v2", "trtllm-v2")]
 _GARBAGE_KINDS = ["frames", "batches", "events"]
 
 
@@ -94,6 +96,12 @@ class KvIndexCollector(Collector):
             for r in _SKIP_REASONS:
                 sk.add_metric([wid, r], d["skipped_" + r])
         yield sk
+        mm = CounterMetricFamily(PREFIX + "mm_blocks", "Multimodal blocks indexed with their item keys, by the "
+                                 "dialect the engine sent them in", labels=["worker", "dialect"])
+        for wid, d in workers.items():
+            for key, label in _MM_DIALECTS:
+                mm.add_metric([wid, label], d["mm_blocks_" + key])
+        yield mm
         gb = CounterMetricFamily(PREFIX + "garbage", "Unusable input dropped, by kind", labels=["worker", "kind"])
         for wid, d in workers.items():
             for k in _GARBAGE_KINDS:

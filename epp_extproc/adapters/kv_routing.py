@@ -17,10 +17,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from epp_extproc.adapters.server_info import fetch_block_size, fetch_served_adapters
-from epp_extproc.core.contract import NO_IDENTITY, Credit, PromptIdentity
+from epp_extproc.core.contract import NO_IDENTITY, Credit, MediaItem, PromptIdentity
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from kvindex.aio import cancel_and_wait
-from kvindex.hashing import chain_hashes, pack_tokens, root_seed
+from kvindex.hashing import DEFAULT_DIALECT, chain_hashes, media_chain_hashes, pack_tokens, root_seed
 from kvindex.index import KvIndex
 from kvindex.subscriber import KvSource, SubscriberManager
 
@@ -33,25 +33,45 @@ class Prompt:
     The TensorRT-LLM rule applies: the last prompt token is never part of a reusable block, so the hashes
     cover `tokens[:-1]`. `lora` is the LoRA adapter the request targets (see `KvRouting.adapter_for`): the
     engines hash an adapter's blocks with its name, so the chain is seeded with it like the events' chains.
+    `media`: the render's multimodal items (identity and placeholder span); blocks they overlap are keyed with
+    their keys in the worker's engine dialect (kvindex/hashing.py), so the chain depends on the dialect too. A
+    prompt without media takes exactly the text-only path (one chain per block size, dialect ignored).
     """
 
-    __slots__ = ("packed", "salt", "lora", "_hashes", "_seed")
+    __slots__ = ("packed", "salt", "lora", "media", "_hashes", "_media_hashes", "_seed")
 
-    def __init__(self, tokens: Sequence[int], salt: str | None, lora: str | None = None) -> None:
+    def __init__(self, tokens: Sequence[int], salt: str | None, lora: str | None = None,
+                 media: tuple[MediaItem, ...] = ()) -> None:
         self.packed = pack_tokens(tokens)
         self.salt = salt
         self.lora = lora or None
+        self.media = media
         self._seed = root_seed(self.lora, salt)
         self._hashes: dict[int, list[int]] = {}
+        self._media_hashes: dict[tuple[int, str], list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.packed)
 
-    def hashes(self, block_size: int) -> list[int]:
+    def hashes(self, block_size: int, dialect: str | None = None) -> list[int]:
+        """Chained hashes of the prompt's reusable full blocks in `block_size`; with media, as an engine of
+        `dialect` keys them (None: the default dialect, vLLM's)."""
+        if self.media:
+            return self._keyed(block_size, dialect or DEFAULT_DIALECT)
         h = self._hashes.get(block_size)
         if h is None:
             h = self._hashes[block_size] = chain_hashes(self.packed, max(len(self.packed) - 1, 0), block_size,
                                                         self._seed)
+        return h
+
+    def _keyed(self, block_size: int, dialect: str) -> list[int]:
+        cache = self._media_hashes
+        if cache is None:
+            cache = self._media_hashes = {}
+        h = cache.get((block_size, dialect))
+        if h is None:
+            h = cache[(block_size, dialect)] = media_chain_hashes(
+                self.packed, max(len(self.packed) - 1, 0), block_size, self.lora, self.salt, self.media, dialect)
         return h
 
 
@@ -153,16 +173,37 @@ class KvRouting:
 
     def prompt(self, tokens: Sequence[int], identity: PromptIdentity = NO_IDENTITY) -> Prompt:
         """The request's prompt as the engines hash it: with its salt and, when its `model` names a LoRA
-        adapter a worker serves, with that adapter (see `adapter_for`). Media items are not keyed yet: a
-        prompt that carries them is scored as its text (the render path does not report them today)."""
-        return Prompt(tokens, identity.salt, self.adapter_for(identity.model))
+        adapter a worker serves, with that adapter (see `adapter_for`); with its media items (the render's
+        identities and spans), the blocks they cover are keyed the way each worker's engine keys them."""
+        return Prompt(tokens, identity.salt, self.adapter_for(identity.model), identity.media)
+
+    def dialect(self, address: str) -> str:
+        """How the worker's engine keys media blocks: learned from its events, else the default (vLLM's)."""
+        return self.index.media_dialect(address) or DEFAULT_DIALECT
 
     def overlap(self, prompt: Prompt, workers: Sequence[str], *, predicted: bool = True) -> dict[str, int]:
+        if prompt.media:
+            return self._media_overlap(prompt, workers, predicted)
         sizes = self.index.block_sizes()
         if len(sizes) == 1:  # the usual pool: hash once, reuse the hashes for the prediction
             return self.index.overlap_hashes(prompt.hashes(sizes[0]), sizes[0], workers, predicted=predicted)
         return self.index.overlap(prompt.packed, workers=workers, lora_name=prompt.lora, salt=prompt.salt,
                                   exclude_last_token=True, predicted=predicted)
+
+    def _media_overlap(self, prompt: Prompt, workers: Sequence[str], predicted: bool) -> dict[str, int]:
+        """Per (block size, engine dialect) group of candidates, one chain and one mask walk: a pool of one
+        engine version and one block size (the usual case) costs one chain, like a text-only prompt."""
+        by_dialect: dict[str, list[str]] = {}
+        for w in workers:
+            by_dialect.setdefault(self.dialect(w), []).append(w)
+        res: dict[str, int] = {}
+        for size in self.index.block_sizes():
+            for dialect, ws in by_dialect.items():
+                for w, n in self.index.overlap_hashes(prompt.hashes(size, dialect), size, ws,
+                                                      predicted=predicted).items():
+                    if n > res.get(w, 0):
+                        res[w] = n
+        return res
 
     def credit(self, prompt: Prompt, workers: Sequence[str]) -> dict[str, Credit]:
         """`overlap` split into what the workers' events confirmed and what only predictions add."""
@@ -173,7 +214,7 @@ class KvRouting:
     def predict(self, address: str, prompt: Prompt) -> None:
         if self.prediction_ttl_s > 0:
             size = self.index.block_size(address)
-            hashes = prompt.hashes(size)
+            hashes = prompt.hashes(size, self.dialect(address)) if prompt.media else prompt.hashes(size)
             self.index.predict_hashes(address, hashes, self.prediction_ttl_s)
             for fn in self.predict_listeners:
                 fn(address, size, hashes, self.prediction_ttl_s)

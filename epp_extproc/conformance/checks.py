@@ -16,7 +16,7 @@ from typing import Literal
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from epp_extproc.conformance.client import Connection
+from epp_extproc.conformance.client import Connection, tls_handshake
 from epp_extproc.conformance.protocol import (
     BUFFERED,
     FULL_DUPLEX,
@@ -37,6 +37,7 @@ OUTSIDE = "192.0.2.1:1"  # RFC 5737 TEST-NET-1: in no pool, so a hint naming onl
 SPOOFED = "192.0.2.66:6666"  # what a client claims as its destination
 LEARN_REQUESTS = 8  # requests without a hint, to see which endpoints the picker routes to
 HINTED_REQUESTS = 3  # requests per hinted endpoint
+HOLD_WAIT_S = 2.0  # how long a held request may take to be routed (a queued one is held all the same)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class Probe:
     model: str = "conformance"
     pool: list[str] = field(default_factory=list)  # --pool: endpoints known to be in the picker's pool
     empty: Connection | None = None  # --no-endpoints-target: a picker with no endpoints
+    shed_headers: tuple[tuple[str, str], ...] = ()  # --shed-header: what makes a request sheddable
+    hold: int = 0  # --hold: requests kept in flight before the sheddable one, to load the pool
     seen: set[str] = field(default_factory=set)
 
     async def request(self, mode: str = FULL_DUPLEX, *, headers: tuple[tuple[str, str], ...] = (),
@@ -226,8 +229,46 @@ async def no_endpoints_503(p: Probe) -> Verdict:
 
 
 async def shedding_429(p: Probe) -> Verdict:
-    return skipped("needs a saturated pool and a sheddable request (an InferenceObjective with priority < 0); "
-                   "the checker cannot load the model servers")
+    """A sheddable request is routed while there is room and gets 429 once `--hold` requests are in flight
+    (held open, as long generations are). Without `--hold` the pool must already be saturated."""
+    if not p.shed_headers:
+        return skipped("needs --shed-header (what makes a request sheddable, e.g. `x-gateway-inference-objective: "
+                       "NAME` of an InferenceObjective with priority < 0) and --hold N or a saturated pool")
+    if p.hold:
+        idle = await p.request(FULL_DUPLEX, headers=p.shed_headers)
+        if idle.immediate is not None or idle.grpc_error or idle.timed_out:
+            return failed(f"shed with no request held ({idle.summary()}): a 429 under load would not show "
+                          "shedding, only refusing")
+    held = []
+    try:
+        for _ in range(p.hold):
+            body = chat_body(p.model, salt=uuid.uuid4().hex)
+            first, rest = request_messages(FULL_DUPLEX, body)
+            held.append(await p.conn.hold(first, rest, wait_s=min(p.conn.timeout_s, HOLD_WAIT_S)))
+        answer = await p.request(FULL_DUPLEX, headers=p.shed_headers)
+    finally:
+        for h in held:
+            h.release()
+    load = f"{len(held)} held" if held else "the pool as it is"
+    if answer.immediate_status == 429:
+        return passed(f"routed while idle, ImmediateResponse 429 with {load}" if held else
+                      f"ImmediateResponse 429 with {load}")
+    return failed(f"with {load}: {answer.summary()}")
+
+
+async def tls_h2(p: Probe) -> Verdict:
+    if p.conn.tls.plaintext:
+        return skipped("--plaintext: the picker is checked over h2c")
+    try:
+        hs = await tls_handshake(p.conn.address, p.conn.tls, p.conn.timeout_s)
+    except (OSError, ValueError) as e:
+        return failed(f"TLS handshake: {type(e).__name__}: {e}")
+    if hs.version not in ("TLSv1.2", "TLSv1.3"):
+        return failed(f"negotiated {hs.version}")
+    if hs.alpn != "h2":
+        return failed(f"ALPN offered h2, the picker selected {hs.alpn or 'nothing'} ({hs.version}): a gRPC client "
+                      "that enforces ALPN (grpc-go since 1.67) refuses the connection")
+    return passed(f"{hs.version}, ALPN h2")
 
 
 _DEST = ("For each HTTP request, the EPP MUST communicate to the data plane one or more selected model server "
@@ -238,6 +279,10 @@ _SUBSET_503 = ("If none of the endpoints in the list is eligible or the list is 
                "ImmediateResponse with 503 (Service Unavailable) HTTP status code.")
 
 CHECKS: tuple[Check, ...] = (
+    Check("tls-h2", "MUST",
+          "(RFC 9113 3.2, 9.2; the picker serves TLS unless started plaintext) A client that makes a request to an "
+          "\"https\" URI uses TLS with the ALPN extension. [...] The \"h2\" string identifies the protocol where "
+          "HTTP/2 uses TLS. [...] Implementations of HTTP/2 MUST use TLS version 1.2 or higher.", tls_h2),
     Check("streamed-destination", "MUST",
           "The EPP MUST support streaming mode for inference requests and responses. " + _DEST,
           streamed_destination),

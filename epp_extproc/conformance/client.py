@@ -9,6 +9,7 @@ picker presents and trusts exactly that one (trust on first use); `--ca` verifie
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epp_extproc.conformance.protocol import BUFFERED, FULL_DUPLEX, Answer
 
-__all__ = ["Connection", "TlsMode", "open_connection"]
+__all__ = ["Connection", "Held", "TlsMode", "open_connection", "tls_handshake"]
 
 
 @dataclass(frozen=True)
@@ -63,10 +64,50 @@ async def _channel(address: str, tls: TlsMode) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca), options=options)
 
 
+@dataclass
+class Held:
+    """A request routed (or still waiting) whose stream is kept open: to the picker it is in flight, booked
+    on its endpoint, as a long generation is. `release()` ends it as a gateway does when the client leaves."""
+
+    answer: Answer
+    call: grpc.aio.StreamStreamCall
+
+    def release(self) -> None:
+        self.call.cancel()
+
+
+@dataclass(frozen=True)
+class Handshake:
+    version: str  # "TLSv1.3", ...
+    alpn: str | None  # the protocol the server selected, None when it selected none
+
+
+def _handshake(address: str, ca_pem: bytes | None, timeout_s: float) -> Handshake:
+    """A TLS handshake offering ALPN h2 (and http/1.1, so a server that only knows that can say so)."""
+    ctx = ssl.create_default_context(cadata=ca_pem.decode()) if ca_pem else ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if ca_pem is None:  # trust on first use, as the channel does: the handshake's facts, not the identity
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    else:
+        ctx.check_hostname = False  # the certificate's name is not the address dialled; the CA still verifies
+    ctx.set_alpn_protocols(["h2", "http/1.1"])
+    host, port = _split(address)
+    with socket.create_connection((host, port), timeout=timeout_s) as raw, \
+            ctx.wrap_socket(raw, server_hostname=host) as tls:
+        return Handshake(str(tls.version()), tls.selected_alpn_protocol())
+
+
+async def tls_handshake(address: str, tls: TlsMode, timeout_s: float) -> Handshake:
+    return await asyncio.to_thread(_handshake, address, tls.ca_pem, timeout_s)
+
+
 class Connection:
     """The picker's ext_proc port (and its health port, which may be the same)."""
 
-    def __init__(self, extproc: grpc.aio.Channel, health: grpc.aio.Channel, timeout_s: float) -> None:
+    def __init__(self, extproc: grpc.aio.Channel, health: grpc.aio.Channel, timeout_s: float, *,
+                 address: str = "", tls: TlsMode | None = None) -> None:
+        self.address = address  # where the ext_proc port is, for checks below gRPC (the TLS handshake)
+        self.tls = tls or TlsMode(plaintext=True)
         self._extproc = extproc
         self._health = health
         self.stub = pb_grpc.ExternalProcessorStub(extproc)
@@ -112,6 +153,27 @@ class Connection:
             call.cancel()
         return answer
 
+    async def hold(self, first: pb.ProcessingRequest, rest: list[pb.ProcessingRequest],
+                   wait_s: float) -> Held:
+        """Send one FULL_DUPLEX_STREAMED request and keep its stream open; the answer is what came within
+        `wait_s` (a picker that queues the request answers nothing yet: it is held all the same)."""
+        answer = Answer()
+        call = self.stub.Process(timeout=self.timeout_s + 60)
+        held = Held(answer, call)
+        try:
+            async with asyncio.timeout(wait_s):
+                await call.write(first)
+                for m in rest:
+                    await call.write(m)
+                while await self._read(call, answer):
+                    if _request_phase_done(answer, _mode(FULL_DUPLEX)):
+                        break
+        except TimeoutError:
+            answer.timed_out = True
+        except grpc.aio.AioRpcError as e:
+            answer.grpc_error = f"{e.code().name}: {e.details()}"
+        return held
+
     @staticmethod
     async def _read(call: grpc.aio.StreamStreamCall, answer: Answer) -> bool:
         r = await call.read()
@@ -150,5 +212,6 @@ async def open_connection(address: str, *, health_address: str | None = None, tl
     """Channels to the picker; health defaults to the ext_proc port itself (GAIE's Envoy checks it there)."""
     extproc = await _channel(address, tls)
     if health_address is None or health_address == address:
-        return Connection(extproc, extproc, timeout_s)
-    return Connection(extproc, await _channel(health_address, health_tls or tls), timeout_s)
+        return Connection(extproc, extproc, timeout_s, address=address, tls=tls)
+    return Connection(extproc, await _channel(health_address, health_tls or tls), timeout_s, address=address,
+                      tls=tls)

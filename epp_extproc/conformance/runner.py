@@ -35,6 +35,12 @@ def parser() -> argparse.ArgumentParser:
                     "in subset hints (default: the endpoints it routes to)")
     ap.add_argument("--no-endpoints-target", metavar="HOST:PORT",
                     help="a picker with no endpoints, for the 503 check (skipped without it)")
+    ap.add_argument("--shed-header", action="append", default=[], metavar="'NAME: VALUE'",
+                    help="a header that makes a request sheddable (repeatable), e.g. 'x-gateway-inference-objective: "
+                    "batch' for an InferenceObjective with priority < 0; the 429 check is skipped without it")
+    ap.add_argument("--hold", type=int, default=0, metavar="N",
+                    help="requests to keep in flight (streams held open) before the sheddable one, to saturate "
+                    "the pool the way long generations do (default 0: the pool is saturated already)")
     ap.add_argument("--only", action="append", default=[], metavar="CHECK", help="run only this check (repeatable)")
     ap.add_argument("--timeout-s", type=float, default=10.0, help="per request (default %(default)s)")
     ap.add_argument("--json", action="store_true", help="machine output")
@@ -54,6 +60,7 @@ async def check_picker(probe: Probe, checks: Sequence[Check] = CHECKS) -> list[R
 
 
 async def _run(args: argparse.Namespace) -> list[Row]:
+    shed = tuple(_header(h) for h in args.shed_header)
     tls = TlsMode(plaintext=args.plaintext, ca_pem=args.ca.read_bytes() if args.ca else None)
     health_plain = args.health_plaintext
     if health_plain is None:
@@ -66,12 +73,19 @@ async def _run(args: argparse.Namespace) -> list[Row]:
         empty = await open_connection(args.no_endpoints_target, tls=tls, timeout_s=args.timeout_s)
     checks = [c for c in CHECKS if not args.only or c.name in args.only]
     try:
-        return await check_picker(Probe(conn, model=args.model, empty=empty,
+        return await check_picker(Probe(conn, model=args.model, empty=empty, shed_headers=shed, hold=args.hold,
                                         pool=[s.strip() for s in args.pool.split(",") if s.strip()]), checks)
     finally:
         await conn.close()
         if empty is not None:
             await empty.close()
+
+
+def _header(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition(":")
+    if not sep or not name.strip():
+        raise SystemExit(f"epp-extproc conformance: --shed-header {text!r} is not 'NAME: VALUE'")
+    return name.strip().lower(), value.strip()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,6 +12,20 @@ Lookup
     serves). `media` carries the multimodal items the render reported (identity and placeholder span), for
     the index to key image blocks the way each engine does; an empty tuple means a text-only prompt.
 
+    Media keying (kvindex/hashing.py; docs/multimodal-kv.md has the per-engine table). A block that media items
+    overlap is keyed by its tokens AND the items' keys exactly as the engine keys it: the same image at the same
+    place in the same prompt is the same block; another image, or the same image elsewhere, is not. Engines and
+    versions key items differently (a "dialect": vLLM 0.32 `(identifier, offset)` pairs, older vLLM the bare
+    identifier, TensorRT-LLM its `mm_keys`), so the request side keys a prompt per worker in that worker's
+    dialect, learned from the worker's own events (`kvindex.index.KvIndex.media_dialect`; the default, vLLM's,
+    until a worker published a media block, which is also when it first holds one). Candidates are grouped by
+    (block size, dialect): one chain per group, O(prompt blocks + items) each, so a pool of one engine version
+    costs one chain as before. The index stores nothing new per entry (a block is still one u64 key and one
+    bitmask; a worker stores its dialect once). A prompt without media takes exactly the text-only path. The
+    TensorRT-LLM dialect cannot be rebuilt from a request (its media blocks' token ids are engine-internal and
+    its render refuses media): such a prompt's chain stops at its first media block, so the text before the
+    image is credited and nothing after it.
+
     `KvLookup.prompt()` packs and hashes once per block size (`PromptKey`); `overlap()` answers, per
     candidate worker, how many leading blocks of that key the worker holds: stored blocks (confirmed by its
     own KV events) and predicted ones alike, because both mean "send it there and the prefix is reused".
@@ -107,7 +121,10 @@ class PromptKey(Protocol):
 
     def __len__(self) -> int: ...
 
-    def hashes(self, block_size: int) -> list[int]: ...
+    def hashes(self, block_size: int, dialect: str | None = None) -> list[int]:
+        """The chained block hashes in `block_size`; `dialect` (kvindex.hashing DIALECT_*, None: the default)
+        only matters for a prompt with media, whose media blocks each engine version keys its own way."""
+        ...
 
 
 class KvLookup(Protocol):

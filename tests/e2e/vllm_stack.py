@@ -20,6 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,25 +66,26 @@ def prom_sum(text: str, name: str, labels: str = "") -> float:
     return sum(float(v) for lab, v in pat.findall(text) if labels in lab)
 
 
-def vllm_worker(name: str, workdir: Path) -> tuple[Proc, int, int]:
+def vllm_worker(name: str, workdir: Path, *, max_model_len: int = 2048,
+                extra: Sequence[str] = ()) -> tuple[Proc, int, int]:
     port, kv, rp = free_port(), free_port(), free_port()
     kv_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv}",
               "replay_endpoint": f"tcp://*:{rp}"}
     argv = [VLLM_PYTHON, "-m", WORKER_MODULE, "--model", MODEL_DIR, "--served-model-name", MODEL_NAME,
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_model_len),
             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--block-size", str(BLOCK_SIZE),
             "--enforce-eager", "--enable-scale-out", "--kv-events-config", json.dumps(kv_cfg),
             "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{LORA_NAME}={MODEL_DIR}/lora",
-            "--disable-uvicorn-access-log"]
+            "--disable-uvicorn-access-log", *extra]
     # dev mode only for POST /reset_prefix_cache, which the suite uses to start a section from an empty cache
     return Proc(name, argv, port, workdir / f"{name}.log", env={**VLLM_ENV, "VLLM_SERVER_DEV_MODE": "1"},
                 cwd=str(ROOT), ready_url=f"http://127.0.0.1:{port}/health"), kv, rp
 
 
-def vllm_renderer(workdir: Path) -> Proc:
+def vllm_renderer(workdir: Path, *, max_model_len: int = 2048) -> Proc:
     port = free_port()
     argv = [VLLM_PYTHON, "-m", RENDER_MODULE, "--model", MODEL_DIR, "--served-model-name", MODEL_NAME,
-            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
+            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
             "--disable-uvicorn-access-log"]
     return Proc("renderer", argv, port, workdir / "renderer.log", env=dict(VLLM_ENV), cwd=str(ROOT),
                 ready_url=f"http://127.0.0.1:{port}/health")

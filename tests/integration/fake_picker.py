@@ -6,9 +6,13 @@ breaking one rule fails exactly that one check.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import itertools
+import ssl
+import tempfile
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -19,6 +23,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from epp_extproc.envoy.tls import ServerCert
 from epp_extproc.gaie import DEST_HEADER, EXT_PROC_SERVICE, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE
 
 BUFFERED = processing_mode_pb2.ProcessingMode.BodySendMode.Value("BUFFERED")
@@ -37,6 +42,13 @@ class Break(enum.Enum):
     NO_OVERALL_HEALTH = "no-overall-health"  # service "" is NOT_SERVING
     NO_ENDPOINTS_500 = "no-endpoints-500"  # with no endpoints: 500 instead of 503
     FAIL_ON_SERVED = "fail-on-served"  # the response headers reporting the served endpoint end the stream in error
+    SHED_503 = "shed-503"  # a sheddable request on a loaded pool gets 503 instead of 429
+    TLS_NO_ALPN = "tls-no-alpn"  # TLS without ALPN (a terminator in front of an h2c server)
+
+
+# The fake's sheddable requests and its load rule: once every endpoint has a request in flight (a stream that
+# was routed and is still open), a request carrying this header is shed.
+SHED_HEADER = ("x-gateway-inference-objective", "batch")
 
 
 def _immediate(code: int) -> pb.ProcessingResponse:
@@ -55,6 +67,12 @@ class FakePicker(pb_grpc.ExternalProcessorServicer):
         self.endpoints = endpoints
         self.brk = brk
         self._turn = itertools.count()
+        self.in_flight = 0  # routed streams still open
+
+    def _shed(self, sheddable: bool) -> int | None:
+        if sheddable and self.endpoints and self.in_flight >= len(self.endpoints):
+            return 503 if self.brk is Break.SHED_503 else 429
+        return None
 
     def _choose(self, subset: list[str] | None, client: str | None) -> str | int:
         """An endpoint, or the status of an ImmediateResponse (0: CONTINUE without a destination)."""
@@ -88,9 +106,26 @@ class FakePicker(pb_grpc.ExternalProcessorServicer):
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],  # noqa: N802
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
+        """Counts the stream in flight from the answer that routes it until the gateway ends the stream."""
+        routed = False
+        try:
+            async for resp in self._process(request_iterator, context):
+                if not routed and (resp.HasField("request_headers") and resp.request_headers.response.header_mutation
+                                   .set_headers or resp.HasField("request_body") and resp.request_body.response
+                                   .header_mutation.set_headers):
+                    routed = True
+                    self.in_flight += 1
+                yield resp
+        finally:
+            if routed:
+                self.in_flight -= 1
+
+    async def _process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
         buffered = False
         subset: list[str] | None = None
         client: str | None = None
+        sheddable = False
         body = b""
         async for req in request_iterator:
             if req.HasField("protocol_config"):
@@ -104,6 +139,8 @@ class FakePicker(pb_grpc.ExternalProcessorServicer):
                 for h in req.request_headers.headers.headers:
                     if h.key == DEST_HEADER:
                         client = h.raw_value.decode()
+                    if (h.key, h.raw_value.decode()) == SHED_HEADER:
+                        sheddable = True
                 if buffered:
                     yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
             elif kind == "response_headers":
@@ -114,7 +151,8 @@ class FakePicker(pb_grpc.ExternalProcessorServicer):
                 body += req.request_body.body
                 if not req.request_body.end_of_stream:
                     continue
-                choice = self._choose(subset, client)
+                shed = self._shed(sheddable)
+                choice = shed if shed is not None else self._choose(subset, client)
                 if choice == 0:
                     yield pb.ProcessingResponse(request_body=pb.BodyResponse())
                     return
@@ -130,8 +168,10 @@ class FakePicker(pb_grpc.ExternalProcessorServicer):
                         body=body, end_of_stream=True)))))
 
 
-async def start_fake(endpoints: list[str], brk: Break = Break.NONE) -> tuple[grpc.aio.Server, int]:
-    """The fake picker and its gRPC health (on the same port), plaintext; (server, port)."""
+async def start_fake(endpoints: list[str], brk: Break = Break.NONE, *, tls: ServerCert | None = None) \
+        -> tuple[grpc.aio.Server, int]:
+    """The fake picker and its gRPC health (on the same port), plaintext or TLS; (server, port). With
+    TLS_NO_ALPN the TLS is a terminator in front of the h2c server that negotiates no ALPN."""
     server = grpc.aio.server()
     pb_grpc.add_ExternalProcessorServicer_to_server(FakePicker(endpoints, brk), server)
     hs = health.aio.HealthServicer()
@@ -140,6 +180,46 @@ async def start_fake(endpoints: list[str], brk: Break = Break.NONE) -> tuple[grp
     for name in ("liveness", "readiness", EXT_PROC_SERVICE, ""):
         await hs.set(name, health_pb2.HealthCheckResponse.NOT_SERVING if name == broken else serving)
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    if tls is not None and brk is not Break.TLS_NO_ALPN:
+        creds = grpc.ssl_server_credentials([(tls.key_pem, tls.cert_pem)])
+        port = server.add_secure_port("127.0.0.1:0", creds)
+    else:
+        port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    if tls is not None and brk is Break.TLS_NO_ALPN:
+        port = await _tls_terminator(tls, port)
     return server, port
+
+
+_TERMINATORS: set[asyncio.Task] = set()
+
+
+async def _tls_terminator(cert: ServerCert, upstream: int) -> int:
+    """TLS 1.2+ without ALPN, piping bytes to the h2c server on `upstream`; its port."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    with tempfile.TemporaryDirectory() as d:
+        crt, key = Path(d) / "c", Path(d) / "k"
+        crt.write_bytes(cert.cert_pem)
+        key.write_bytes(cert.key_pem)
+        ctx.load_cert_chain(crt, key)
+
+    async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while data := await r.read(65536):
+                w.write(data)
+                await w.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            w.close()
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        ur, uw = await asyncio.open_connection("127.0.0.1", upstream)
+        await asyncio.gather(pipe(r, uw), pipe(ur, w))
+
+    srv = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=ctx)
+    task = asyncio.ensure_future(srv.serve_forever())
+    _TERMINATORS.add(task)
+    task.add_done_callback(_TERMINATORS.discard)
+    return srv.sockets[0].getsockname()[1]

@@ -18,13 +18,15 @@ from epp_extproc.conformance.checks import CHECKS, Probe
 from epp_extproc.conformance.client import TlsMode, open_connection
 from epp_extproc.conformance.report import Row, exit_code
 from epp_extproc.conformance.runner import check_picker, main
-from tests.integration.fake_picker import Break, start_fake
+from epp_extproc.envoy.tls import ServerCert, self_signed
+from tests.integration.fake_picker import SHED_HEADER, Break, start_fake
 
 pytestmark = pytest.mark.transport  # also run on --extproc-transport grpcio by `make test`
 
 POOL = ["127.0.0.1:9", "127.0.0.1:10"]
 MUSTS = {c.name for c in CHECKS if c.level == "MUST"}
-CONDITIONAL = {"no-endpoints-503", "shedding-429"}  # skipped unless the checker is given their condition
+CONDITIONAL = {"no-endpoints-503", "shedding-429", "tls-h2"}  # skipped unless the checker is given their condition
+SHED = (SHED_HEADER,)  # what makes a request sheddable, to the fake and (objectives file) to this picker
 
 
 def picker_config(**kw: object) -> Config:
@@ -42,14 +44,15 @@ async def this_picker() -> AsyncIterator[PickerApp]:
 
 
 async def run_checks(port: int, *, empty_port: int | None = None, tls: TlsMode | None = None,
-                     health_port: int | None = None) -> dict[str, Row]:
+                     health_port: int | None = None, shed: tuple[tuple[str, str], ...] = (),
+                     hold: int = 0) -> dict[str, Row]:
     tls = tls or TlsMode(plaintext=True)
     conn = await open_connection(f"127.0.0.1:{port}", tls=tls, timeout_s=5,
                                  health_address=None if health_port is None else f"127.0.0.1:{health_port}",
                                  health_tls=TlsMode(plaintext=True))
     empty = None if empty_port is None else await open_connection(f"127.0.0.1:{empty_port}", tls=tls, timeout_s=5)
     try:
-        rows = await check_picker(Probe(conn, empty=empty))
+        rows = await check_picker(Probe(conn, empty=empty, shed_headers=shed, hold=hold))
     finally:
         await conn.close()
         if empty is not None:
@@ -66,9 +69,26 @@ async def test_this_picker_passes_every_must_the_checker_can_create(this_picker:
     got = results(rows)
     assert all(got[n] == "pass" for n in MUSTS - CONDITIONAL), {n: rows[n].verdict.why for n in rows}
     assert got["health-overall"] == "pass" and got["served-endpoint-accepted"] == "pass"
-    assert got["shedding-429"] == "skip" and got["no-endpoints-503"] == "skip"
+    assert got["shedding-429"] == "skip" and got["no-endpoints-503"] == "skip" and got["tls-h2"] == "skip"
     assert exit_code(list(rows.values())) == 0
     assert await _settles(this_picker)  # every stream the checker opened was ended and its booking freed
+
+
+async def test_this_picker_sheds_a_sheddable_request_with_429_once_its_pool_is_loaded(tmp_path) -> None:  # noqa: ANN001
+    """Flow control on, saturation = prompt tokens booked by this picker, `batch` an objective of priority -1:
+    the checker holds one request per endpoint open and the sheddable one is refused with 429."""
+    objectives = tmp_path / "objectives.yaml"
+    objectives.write_text("batch: -1\n")
+    app = PickerApp(picker_config(flow_control=True, max_num_batched_tokens=1,
+                                  inference_objectives_file=str(objectives)))
+    await app.start()
+    try:
+        rows = await run_checks(app.grpc_port, health_port=app.health_port, shed=SHED, hold=len(POOL))
+        assert rows["shedding-429"].verdict.status == "pass", rows["shedding-429"].verdict.why
+        assert "routed while idle" in rows["shedding-429"].verdict.why
+        assert await _settles(app)  # the held streams' bookings were freed when the checker let them go
+    finally:
+        await app.stop(grace=0.5)
 
 
 async def _settles(app: PickerApp) -> bool:
@@ -98,7 +118,7 @@ async def test_the_command_checks_a_tls_picker_and_one_without_endpoints(tmp_pat
     doc = json.loads(capsys.readouterr().out)
     got = {c["check"]: c["result"] for c in doc["checks"]}
     assert rc == 0 and doc["ok"], doc
-    assert got["no-endpoints-503"] == "pass" and got["shedding-429"] == "skip"
+    assert got["no-endpoints-503"] == "pass" and got["shedding-429"] == "skip" and got["tls-h2"] == "pass"
     assert all(got[n] == "pass" for n in MUSTS - {"shedding-429"}), doc
 
 
@@ -114,6 +134,7 @@ _BROKEN = [  # (the rule a fake picker breaks, the one check that must then fail
     (Break.NOT_READY, "health-services"),
     (Break.NO_OVERALL_HEALTH, "health-overall"),
     (Break.NO_ENDPOINTS_500, "no-endpoints-503"),
+    (Break.SHED_503, "shedding-429"),
 ]
 
 
@@ -122,8 +143,8 @@ async def fake():  # noqa: ANN201
     """Start fake pickers on demand; all stopped at the end."""
     servers = []
 
-    async def start(brk: Break, endpoints: list[str] | None = None) -> int:
-        server, port = await start_fake(POOL if endpoints is None else endpoints, brk)
+    async def start(brk: Break, endpoints: list[str] | None = None, tls: ServerCert | None = None) -> int:
+        server, port = await start_fake(POOL if endpoints is None else endpoints, brk, tls=tls)
         servers.append(server)
         return port
 
@@ -133,22 +154,41 @@ async def fake():  # noqa: ANN201
 
 
 async def test_a_picker_that_follows_the_protocol_passes_every_check(fake) -> None:  # noqa: ANN001
+    cert = self_signed()
+    rows = await run_checks(await fake(Break.NONE, tls=cert), empty_port=await fake(Break.NONE, [], tls=cert),
+                            tls=TlsMode(), shed=SHED, hold=len(POOL))
+    assert {n: s for n, s in results(rows).items() if s != "pass"} == {}
+
+
+async def test_a_plaintext_picker_skips_tls_and_without_shed_headers_skips_429(fake) -> None:  # noqa: ANN001
     rows = await run_checks(await fake(Break.NONE), empty_port=await fake(Break.NONE, []))
-    assert {n: s for n, s in results(rows).items() if s != "pass"} == {"shedding-429": "skip"}
+    assert {n: s for n, s in results(rows).items() if s != "pass"} == {"shedding-429": "skip", "tls-h2": "skip"}
 
 
 @pytest.mark.parametrize(("brk", "check"), _BROKEN, ids=lambda v: v.value if isinstance(v, Break) else v)
 async def test_a_picker_breaking_one_rule_fails_exactly_that_check(fake, brk: Break, check: str) -> None:  # noqa: ANN001
-    rows = await run_checks(await fake(brk), empty_port=await fake(brk, []))
+    cert = self_signed()
+    rows = await run_checks(await fake(brk, tls=cert), empty_port=await fake(brk, [], tls=cert), tls=TlsMode(),
+                            shed=SHED, hold=len(POOL))
     failures = {n for n, s in results(rows).items() if s == "fail"}
     assert failures == {check}, {n: rows[n].verdict.why for n in failures}
     assert exit_code(list(rows.values())) == (1 if rows[check].check.level == "MUST" else 0)
 
 
-def test_every_must_check_but_the_untestable_one_has_a_breaking_picker() -> None:
+async def test_a_picker_whose_tls_selects_no_alpn_fails_tls_h2_naming_the_cause(fake) -> None:  # noqa: ANN001
+    """Not "exactly one check": gRPC's own client (grpc-core, as grpc-go since 1.67) refuses a TLS server that
+    selects no ALPN, so every check that speaks gRPC fails too; tls-h2 is the one that says why."""
+    rows = await run_checks(await fake(Break.TLS_NO_ALPN, tls=self_signed()), tls=TlsMode())
+    assert rows["tls-h2"].verdict.status == "fail"
+    assert "selected nothing" in rows["tls-h2"].verdict.why
+    assert rows["streamed-destination"].verdict.status == "fail"  # the gRPC client refused it as well
+    assert exit_code(list(rows.values())) == 1
+
+
+def test_every_must_check_has_a_breaking_picker() -> None:
     """A MUST check no broken picker fails could be a check that cannot fail."""
-    covered = {c for _, c in _BROKEN}
-    assert MUSTS - covered == {"shedding-429"}
+    covered = {c for _, c in _BROKEN} | {"tls-h2"}  # tls-h2: the test above
+    assert MUSTS - covered == set()
 
 
 async def test_a_picker_refusing_buffered_is_skipped_not_failed(fake) -> None:  # noqa: ANN001

@@ -143,9 +143,11 @@ def test_non_main_group_is_skipped():
     assert batch.events == [] and batch.counters.skipped_group == 1
 
 
-def test_multimodal_blocks_are_skipped_because_tokens_do_not_identify_them():
+def test_multimodal_keys_not_one_entry_per_block_are_skipped_not_guessed():
+    # tokens alone do not identify a media block; keys we cannot place per block must not be indexed either
+    # (decoded media keys: tests/unit/test_kvindex_media_decode.py)
     batch = decode_payload(pack_batch([stored_event([1, 2], None, TOKS, 4, mm_keys=[[b"img", 0]])]))
-    assert batch.events == [] and batch.counters.skipped_extra_keys == 1
+    assert batch.events == [] and batch.counters.skipped_mm_shape == 1
 
 
 def test_one_bad_event_does_not_drop_its_neighbours():
@@ -258,8 +260,8 @@ def test_lora_block_whose_adapter_name_is_unknown_is_skipped_not_indexed_as_the_
     assert batch.events == [] and batch.counters.skipped_extra_keys == 1
 
 
-@pytest.mark.parametrize("keys", [[[["img", 0]], None], [[b"\x01" * 32], None], [[{"type": "mm", "hash": "h"}], None]])
-def test_multimodal_and_prompt_embedding_extra_keys_are_skipped(keys):
+@pytest.mark.parametrize("keys", [[[b"\x01" * 32], None], [[{"type": "mm", "hash": "h"}], None]])
+def test_typed_multimodal_and_prompt_embedding_extra_keys_are_skipped(keys):
     batch = decode_payload(pack_batch([stored_event([1, 2], None, TOKS, 4, extra_keys=keys)]))
     assert batch.events == [] and batch.counters.skipped_extra_keys == 1
 
