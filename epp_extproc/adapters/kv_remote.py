@@ -38,6 +38,7 @@ from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.ingest import wire
 from kvindex.aio import cancel_and_wait
 from kvindex.backoff import Backoff
+from kvindex.hashing import DEFAULT_DIALECT
 from kvindex.metrics import register_index, register_subscribers
 
 log = logging.getLogger(__name__)
@@ -248,32 +249,47 @@ class RemoteKv:
 
     # ------------------------------------------------------------------ the request path
     def prompt(self, tokens: Sequence[int], identity: PromptIdentity = NO_IDENTITY) -> Prompt:
-        return Prompt(tokens, identity.salt, self.adapter_for(identity.model))
+        """As `KvRouting.prompt`: salt, LoRA adapter and media items (keyed per worker's dialect)."""
+        return Prompt(tokens, identity.salt, self.adapter_for(identity.model), identity.media)
+
+    def dialect(self, address: str) -> str:
+        """How the worker's engine keys media blocks, as its shard learned it from its events (else vLLM's)."""
+        d = self._shard(address).meta.dialects
+        return (d.get(address) if d else None) or DEFAULT_DIALECT
 
     def overlap(self, prompt: Prompt, workers: Sequence[str], *, predicted: bool = True) -> dict[str, int]:
-        by_shard: dict[int, _Shard] = {}
-        if len(self.shards) == 1:
-            by_shard[0] = self.shards[0]
+        """One lookup per shard that owns a candidate (a text prompt), or per (shard, media dialect) group of
+        candidates (a prompt with media: its chain depends on how each engine keys media blocks)."""
+        groups: dict[tuple[int, str | None], list[str] | None] = {}
+        if prompt.media:
+            for w in workers:
+                ws = groups.setdefault((wire.shard_of(w, len(self.shards)), self.dialect(w)), [])
+                assert ws is not None
+                ws.append(w)
+        elif len(self.shards) == 1:
+            groups[(0, None)] = None
         else:
             for w in workers:
-                sh = self._shard(w)
-                by_shard[sh.index] = sh
-        return self._ask(list(by_shard.values()), prompt, set(workers), predicted)
+                groups[(wire.shard_of(w, len(self.shards)), None)] = None
+        return self._ask(groups, prompt, set(workers), predicted)
 
-    def _ask(self, shards: list[_Shard], prompt: Prompt, wanted: set[str], predicted: bool) -> dict[str, int]:
-        """Send one lookup to each shard, then read each answer within the deadline; merge."""
+    def _ask(self, groups: dict[tuple[int, str | None], list[str] | None], prompt: Prompt, wanted: set[str],
+             predicted: bool) -> dict[str, int]:
+        """Send every lookup (a shard's workers, or a filtered group of them), then read each answer within the
+        deadline; merge (a worker's best figure)."""
         deadline = time.monotonic() + self.lookup_timeout_s
         sent: list[tuple[_Shard, int]] = []
-        for sh in shards:
+        for (i, dialect), only in groups.items():
+            sh = self.shards[i]
             s = sh.dial()
             if s is None:
                 self._count("unavailable")
                 continue
             sizes = sh.meta.sizes or (self.default_block_size,)
-            sections = [(bs, prompt.hashes(bs)) for bs in sizes]
+            sections = [(bs, prompt.hashes(bs, dialect) if dialect else prompt.hashes(bs)) for bs in sizes]
             req = next(self._ids) & 0xFFFFFFFF
             try:
-                s.send(wire.pack_lookup(req, sh.meta.version, predicted, sections))
+                s.send(wire.pack_lookup(req, sh.meta.version, predicted, sections, only))
             except OSError:
                 sh.hang_up()
                 self._count("unavailable")
@@ -282,7 +298,8 @@ class RemoteKv:
         out: dict[str, int] = {}
         for sh, req in sent:
             s = sh.sock
-            assert s is not None
+            if s is None:  # an earlier answer of this shard failed: the socket (and this answer) are gone
+                continue
             try:
                 s.settimeout(max(deadline - time.monotonic(), 0.0001))
                 buf = s.recv(wire.SEQPACKET_BUFFER)
@@ -308,7 +325,8 @@ class RemoteKv:
                 if k < len(names):
                     w = names[k]
                     if w in wanted:
-                        out[w] = entries[i + 1]
+                        if entries[i + 1] > out.get(w, 0):
+                            out[w] = entries[i + 1]
         return out
 
     def _count(self, result: str) -> None:
@@ -323,7 +341,7 @@ class RemoteKv:
     def predict(self, address: str, prompt: Prompt) -> None:
         if self.prediction_ttl_s > 0:
             size = self.block_size(address)
-            hashes = prompt.hashes(size)
+            hashes = prompt.hashes(size, self.dialect(address)) if prompt.media else prompt.hashes(size)
             self.predict_hashes(address, hashes, self.prediction_ttl_s)
             for fn in self.predict_listeners:
                 fn(address, size, hashes, self.prediction_ttl_s)

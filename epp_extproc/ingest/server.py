@@ -198,9 +198,11 @@ class IngestShard:
 
     # ------------------------------------------------------------------ the worker table
     def _refresh_meta(self) -> None:
-        """Bump the meta version when a worker, its block size, its warm flag or the set of sizes changed."""
+        """Bump the meta version when a worker, its block size, warm flag or media dialect, or the set of sizes
+        changed."""
         idx = self.index
-        rows = [(w, idx.block_size(w) if w else 0, bool(w) and idx.stats(w).batches > 0) for w in self._rows]
+        rows = [(w, idx.block_size(w) if w else 0, bool(w) and idx.stats(w).batches > 0,
+                 idx.media_dialect(w) if w else None) for w in self._rows]
         sizes = sorted(set(idx.block_sizes()) | {r[1] for r in rows if r[0]})
         sig = (tuple(rows), tuple(sizes))
         if sig != self._meta_sig:

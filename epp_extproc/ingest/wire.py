@@ -12,7 +12,7 @@ Two sockets per ingest shard, both Unix sockets in a private directory:
 Only hashes cross the lookup socket: prompts are packed and hashed in the decision process (as today), so the
 ingest never sees a token. Hashes travel as native u64 arrays (``array('Q')``), answers as u32 pairs
 (worker index, blocks). A worker index refers to the shard's *meta* table (worker addresses, their block
-sizes, whether their index is warm, the block sizes present), which changes rarely and is only sent back
+sizes, whether their index is warm, their engine's media-key dialect, the block sizes present), which changes rarely and is only sent back
 when the picker's copy (named by its version in each request) is out of date.
 """
 
@@ -149,16 +149,18 @@ class Meta:
     block_sizes: dict[str, int] | None = None
     warm: frozenset[str] = frozenset()
     sizes: tuple[int, ...] = ()
+    dialects: dict[str, str] | None = None  # how each worker's engine keys media blocks, once learned
 
     @staticmethod
     def decode(version: int, raw: bytes) -> Meta:
         d = orjson.loads(raw)
         rows = d["workers"]
         return Meta(version, tuple(r[0] for r in rows), {r[0]: r[1] for r in rows if r[0]},
-                    frozenset(r[0] for r in rows if r[2]), tuple(d["sizes"]))
+                    frozenset(r[0] for r in rows if r[2]), tuple(d["sizes"]),
+                    {r[0]: r[3] for r in rows if r[0] and len(r) > 3 and r[3]})
 
 
-def encode_meta(rows: Sequence[tuple[str, int, bool]], sizes: Sequence[int]) -> bytes:
+def encode_meta(rows: Sequence[tuple[str, int, bool, str | None]], sizes: Sequence[int]) -> bytes:
     return orjson.dumps({"workers": [list(r) for r in rows], "sizes": list(sizes)})
 
 
