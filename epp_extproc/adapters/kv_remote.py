@@ -289,6 +289,7 @@ class RemoteKv:
             sections = [(bs, prompt.hashes(bs, dialect) if dialect else prompt.hashes(bs)) for bs in sizes]
             req = next(self._ids) & 0xFFFFFFFF
             try:
+                s.settimeout(max(deadline - time.monotonic(), 0.0001))  # a shard that stopped reading: bounded too
                 s.send(wire.pack_lookup(req, sh.meta.version, predicted, sections, only))
             except OSError:
                 sh.hang_up()
@@ -324,9 +325,8 @@ class RemoteKv:
                 k = entries[i]
                 if k < len(names):
                     w = names[k]
-                    if w in wanted:
-                        if entries[i + 1] > out.get(w, 0):
-                            out[w] = entries[i + 1]
+                    if w in wanted and entries[i + 1] > out.get(w, 0):
+                        out[w] = entries[i + 1]
         return out
 
     def _count(self, result: str) -> None:
