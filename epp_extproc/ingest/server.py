@@ -27,8 +27,10 @@ import logging
 import os
 import socket
 import struct
+import threading
 import time
 from array import array
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -56,16 +58,54 @@ Sources = tuple[tuple[str, str | None, int | None], ...]
 
 
 class LaggedIndex(KvIndex):
-    """The index, also sampling how old each applied batch is (its publisher's `ts` to now): ingest lag."""
+    """The index behind a lock, also sampling how old each applied batch is (publisher `ts` to now).
+
+    Lookups are answered on their own thread (see `IngestShard`), so every call that changes the index, from
+    the event loop's subscribers or control messages, holds `lock`, and so does a lookup's walk: the walk never
+    sees a half-applied batch, and it waits at most one batch's apply, never a whole turn of the loop."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.batch_lag = LagSamples()
+        self.lock = threading.RLock()
 
     def apply_batch(self, worker_id: str, batch: DecodedBatch, rank: int | None = None) -> None:
-        super().apply_batch(worker_id, batch, rank)
+        with self.lock:
+            super().apply_batch(worker_id, batch, rank)
         if batch.ts > 1e9:  # a wall-clock stamp (vLLM, the bench); TensorRT-LLM's may be absent or relative
             self.batch_lag.add(time.time() - batch.ts)
+
+    def add_worker(self, worker_id: str) -> None:
+        with self.lock:
+            super().add_worker(worker_id)
+
+    def drop_worker(self, worker_id: str) -> None:
+        with self.lock:
+            super().drop_worker(worker_id)
+
+    def clear_worker(self, worker_id: str, rank: int | None = None) -> None:
+        with self.lock:
+            super().clear_worker(worker_id, rank)
+
+    def set_ranks(self, worker_id: str, n: int) -> None:
+        with self.lock:
+            super().set_ranks(worker_id, n)
+
+    def set_block_size(self, worker_id: str, n: int) -> None:
+        with self.lock:
+            super().set_block_size(worker_id, n)
+
+    def count_garbage_frames(self, worker_id: str, n: int = 1) -> None:
+        with self.lock:
+            super().count_garbage_frames(worker_id, n)
+
+    def predict_hashes(self, worker_id: str, hashes: Sequence[int], ttl_s: float) -> None:
+        with self.lock:
+            super().predict_hashes(worker_id, hashes, ttl_s)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            return super().snapshot()
 
 
 class IngestShard:
@@ -100,7 +140,6 @@ class IngestShard:
         self.meta_version = 1
         self._lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[Any]] = []
-        self._conn_tasks: set[asyncio.Task[Any]] = set()
         self._writers: set[asyncio.StreamWriter] = set()  # the pickers' control streams: meta is pushed there
         self._lookup_sock: socket.socket | None = None
         self._control: asyncio.AbstractServer | None = None
@@ -118,21 +157,23 @@ class IngestShard:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, wire.SEQPACKET_BUFFER)
         s.bind(path)
         s.listen(64)
-        s.setblocking(False)
         self._lookup_sock = s
+        threading.Thread(target=self._accept_lookups, name=f"ingest-{self.shard}-lookups", daemon=True).start()
         ctl = wire.control_socket(self.directory, self.shard)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(ctl)
         self._control = await asyncio.start_unix_server(self._serve_control, ctl)
         self._refresh_meta()
-        self._tasks += [loop.create_task(self._accept_lookups()), loop.create_task(self._housekeeping())]
+        self._tasks.append(loop.create_task(self._housekeeping()))
         log.info("kv ingest shard %d/%d serving on %s", self.shard, self.shards, path)
 
     async def close(self) -> None:
-        await cancel_and_wait([*self._tasks, *self._conn_tasks])
+        await cancel_and_wait(self._tasks)
         if self._control is not None:
             self._control.close()
         if self._lookup_sock is not None:
+            with contextlib.suppress(OSError):
+                self._lookup_sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone does not)
             self._lookup_sock.close()
         await self.subscribers.close()
         self._zmq.destroy(linger=0)
@@ -145,22 +186,27 @@ class IngestShard:
             await self.close()
 
     # ------------------------------------------------------------------ lookups (the request path)
-    async def _accept_lookups(self) -> None:
-        loop = asyncio.get_running_loop()
+    # Lookups are answered on threads, not on the event loop: a loop with hundreds of busy subscriptions runs
+    # each one's turn before it polls again, so a lookup on the loop would wait a whole round of ingest. A
+    # thread waits only for the GIL (the shard sets a 0.5 ms switch interval) and for the index lock (one
+    # batch's apply). One thread per picker process connected: a handful.
+    def _accept_lookups(self) -> None:
         assert self._lookup_sock is not None
         while True:
-            conn, _ = await loop.sock_accept(self._lookup_sock)
+            try:
+                conn, _ = self._lookup_sock.accept()
+            except OSError:  # closed: the shard is stopping
+                return
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, wire.SEQPACKET_BUFFER)
-            conn.setblocking(False)
-            t = loop.create_task(self._serve_lookups(conn))
-            self._conn_tasks.add(t)
-            t.add_done_callback(self._conn_tasks.discard)
+            threading.Thread(target=self._serve_lookups, args=(conn,), daemon=True).start()
 
-    async def _serve_lookups(self, conn: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        try:
+    def _serve_lookups(self, conn: socket.socket) -> None:
+        with conn:
             while True:
-                buf = await loop.sock_recv(conn, wire.SEQPACKET_BUFFER)
+                try:
+                    buf = conn.recv(wire.SEQPACKET_BUFFER)
+                except OSError:
+                    return
                 if not buf:
                     return
                 try:
@@ -169,48 +215,51 @@ class IngestShard:
                     self.bad_requests += 1
                     log.warning("kv ingest: malformed lookup (%s)", e)
                     continue
-                await loop.sock_sendall(conn, answer)
-        except (ConnectionError, OSError):
-            return
-        finally:
-            conn.close()
+                try:
+                    conn.sendall(answer)
+                except OSError:
+                    return
 
     def answer(self, buf: bytes) -> bytes:
         """Answer one lookup: per worker of this shard, its leading blocks over all the request's block sizes
         (a worker's figure is its best, as the in-process index's `overlap` takes it over its slots)."""
         req = wire.unpack_lookup(buf)
-        self.lookups += 1
-        workers = None if req.workers is None else [w for w in req.workers if w in self._row_of]
-        best: dict[str, int] = {}
-        for bs, hashes in req.sections:
-            for w, n in self.index.overlap_hashes(hashes, bs, workers, predicted=req.predicted).items():
-                if n > best.get(w, 0):
-                    best[w] = n
-        entries = array("I")
-        row = self._row_of
-        for w, n in best.items():
-            i = row.get(w)
-            if i is not None:
-                entries.append(i)
-                entries.append(n)
-        meta = self._meta if req.meta_version != self.meta_version else None
-        return wire.pack_answer(req.req_id, self.meta_version, meta, entries)
+        with self.index.lock:  # the index, the worker table and its version, all as of one instant
+            self.lookups += 1
+            workers = None if req.workers is None else [w for w in req.workers if w in self._row_of]
+            best: dict[str, int] = {}
+            for bs, hashes in req.sections:
+                for w, n in self.index.overlap_hashes(hashes, bs, workers, predicted=req.predicted).items():
+                    if n > best.get(w, 0):
+                        best[w] = n
+            entries = array("I")
+            row = self._row_of
+            for w, n in best.items():
+                i = row.get(w)
+                if i is not None:
+                    entries.append(i)
+                    entries.append(n)
+            version = self.meta_version
+            meta = self._meta if req.meta_version != version else None
+        return wire.pack_answer(req.req_id, version, meta, entries)
 
     # ------------------------------------------------------------------ the worker table
     def _refresh_meta(self) -> None:
         """Bump the meta version when a worker, its block size, warm flag or media dialect, or the set of sizes
         changed."""
         idx = self.index
-        rows = [(w, idx.block_size(w) if w else 0, bool(w) and idx.stats(w).batches > 0,
-                 idx.media_dialect(w) if w else None) for w in self._rows]
-        sizes = sorted(set(idx.block_sizes()) | {r[1] for r in rows if r[0]})
-        sig = (tuple(rows), tuple(sizes))
-        if sig != self._meta_sig:
+        with idx.lock:
+            rows = [(w, idx.block_size(w) if w else 0, bool(w) and idx.stats(w).batches > 0,
+                     idx.media_dialect(w) if w else None) for w in self._rows]
+            sizes = sorted(set(idx.block_sizes()) | {r[1] for r in rows if r[0]})
+            sig = (tuple(rows), tuple(sizes))
+            if sig == self._meta_sig:
+                return
             self._meta_sig = sig
             self._meta = wire.encode_meta(rows, sizes)
             self.meta_version += 1
-            for w in self._writers:
-                self._push_meta(w)
+        for w in self._writers:
+            self._push_meta(w)
 
     def _push_meta(self, writer: asyncio.StreamWriter) -> None:
         """Readiness and block sizes must not wait for a request to carry the table: it is pushed."""
@@ -255,8 +304,9 @@ class IngestShard:
                 self.index.drop_worker(addr)
                 self.pacer.forget(addr)
                 del self._current[addr]
-                i = self._row_of.pop(addr)
-                self._rows[i] = ""
+                with self.index.lock:
+                    i = self._row_of.pop(addr)
+                    self._rows[i] = ""
             for addr, sources in wanted.items():
                 if self._current.get(addr) == sources:
                     continue
@@ -264,12 +314,13 @@ class IngestShard:
                     await self.subscribers.remove(addr)
                 self._current[addr] = sources
                 if addr not in self._row_of:
-                    free = self._rows.index("") if "" in self._rows else len(self._rows)
-                    if free == len(self._rows):
-                        self._rows.append(addr)
-                    else:
-                        self._rows[free] = addr
-                    self._row_of[addr] = free
+                    with self.index.lock:
+                        free = self._rows.index("") if "" in self._rows else len(self._rows)
+                        if free == len(self._rows):
+                            self._rows.append(addr)
+                        else:
+                            self._rows[free] = addr
+                        self._row_of[addr] = free
                 self.index.add_worker(addr)
                 if sources:
                     await self.subscribers.add(addr, [KvSource(pub, replay, rank) for pub, replay, rank in sources])
