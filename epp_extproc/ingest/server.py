@@ -1,10 +1,10 @@
 """One ingest shard: the ZeroMQ subscriptions, decoding and index of its workers, served to the pickers on its host.
 
 The process that answers Envoy no longer decodes a single KV event: it asks this one "how many leading blocks
-of these hashes does each worker hold?" over a Unix socket (see `wire.py`). Ingest and lookup still share this
-process's one event loop, but the loop does nothing else (no ext_proc streams, no render, no probing), and
-each lookup is one mask walk over the index (O(prompt blocks)), so a lookup waits at most one ingest turn
-(`turn_budget_s`, 5 ms by default) behind a flood, and the decision process never waits behind ingest at all.
+of these hashes does each worker hold?" over a Unix socket (see `wire.py`). Here the event loop ingests and
+lookups are answered on threads, under the index's lock: a lookup is one mask walk (O(prompt blocks)) and
+waits for the GIL (0.5 ms switch interval in this process) and at most one batch's apply, never for a round
+of the loop's subscriptions; the decision process never waits behind ingest at all.
 
 Sharding: shard k of K owns the workers whose `wire.shard_of(address, K)` is k; each shard is its own process
 with its own index, so K shards ingest on up to K cores and a flood in one shard costs the others nothing.
