@@ -12,6 +12,7 @@ so by default it listens on 127.0.0.1 only (reach it with `kubectl port-forward`
 from __future__ import annotations
 
 import asyncio
+import inspect
 from array import array
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -78,7 +79,7 @@ def build_metrics_app(metrics: PickerMetrics) -> web.Application:
 
 
 def build_admin_app(registry: EndpointRegistry, load: LoadTracker, metrics: PickerMetrics, *,
-                    kv_snapshot: Callable[[], dict[str, Any]] | None = None,
+                    kv_snapshot: Callable[[], Any] | None = None,
                     score: ScoreHandler | None = None,
                     flow_snapshot: Callable[[], dict[str, Any]] | None = None) -> web.Application:
     app = web.Application(client_max_size=MAX_ADMIN_BODY)
@@ -97,7 +98,8 @@ def build_admin_app(registry: EndpointRegistry, load: LoadTracker, metrics: Pick
     async def get_kv(_: web.Request) -> web.Response:
         if kv_snapshot is None:
             return web.json_response({"error": "KV index disabled (no tokenizer protocol)"}, status=404)
-        return web.json_response(kv_snapshot())
+        snap = kv_snapshot()
+        return web.json_response(await snap if inspect.isawaitable(snap) else snap)  # --kv-ingest apart: async
 
     async def post_score(req: web.Request) -> web.Response:
         if score is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 from typing import Any
 
@@ -15,6 +16,7 @@ from aiohttp import web
 
 from epp_extproc.adapters.discovery_static import FileDiscovery, parse_flag
 from epp_extproc.adapters.endpoint_probe import EndpointProber
+from epp_extproc.adapters.kv_remote import RemoteKv
 from epp_extproc.adapters.kv_routing import KvRouting
 from epp_extproc.adapters.model_rewrites import ModelRewriteCrdPoller, ModelRewritesFile
 from epp_extproc.adapters.objectives import ObjectiveCrdPoller, ObjectivesFile
@@ -38,6 +40,8 @@ from epp_extproc.envoy.access_log import AccessLogServicer, als_pb2_grpc
 from epp_extproc.envoy.extproc import ExtProcServicer, pb_grpc
 from epp_extproc.envoy.health import HEALTH_SERVER_OPTIONS, Health
 from epp_extproc.envoy.tls import CertSource, ServerCert
+from epp_extproc.ingest.launcher import IngestGroup
+from epp_extproc.ingest.setup import build_kv
 from epp_extproc.metrics import PickerMetrics, PromFlowMetrics
 from h2grpc import H2GrpcServer
 from kvindex.aio import cancel_and_wait
@@ -62,7 +66,9 @@ class PickerApp:
         self.registry = EndpointRegistry()
         self.load = LoadTracker(self.metrics.endpoint_inflight)
         self.renderer: RenderClient | None = None
-        self.kv: KvRouting | None = None
+        self.kv: KvRouting | RemoteKv | None = None
+        self.ingest: IngestGroup | None = None  # --kv-ingest apart, run by this process (not a supervisor)
+        self.ingest_dir: str | None = None  # the private socket directory of its own shards (removed at stop)
         if config.tokenizer_protocol != "none":
             assert config.tokenizer_service_url is not None  # validated by Config
             self.renderer = RenderClient(config.tokenizer_protocol, config.tokenizer_service_url,
@@ -71,10 +77,8 @@ class PickerApp:
                                          metrics=self.metrics,
                                          breaker_failures=config.render_circuit_failures,
                                          breaker_open_ms=config.render_circuit_open_ms)
-            self.kv = KvRouting(self.registry, block_size=config.kv_cache_block_size,
-                                max_blocks_per_worker=config.max_index_blocks_per_worker,
-                                topic=config.kv_event_topic, prediction_ttl_s=config.prediction_ttl_s,
-                                metrics_registry=self.metrics.registry)
+            self.kv, self.ingest, self.ingest_dir = build_kv(config, self.slot, self.registry,
+                                                              self.metrics.registry)
         self.fingerprints: FingerprintWatcher | None = None
         if config.tokenizer_protocol == "trtllm-render" and config.prompt_passthrough != "off":
             self.fingerprints = FingerprintWatcher(self.registry, self.metrics,
@@ -106,7 +110,7 @@ class PickerApp:
                                     peer_timeout_s=config.peer_timeout_ms / 1000,
                                     expiry_s=config.peer_expiry_ms / 1000, metrics_registry=self.metrics.registry,
                                     tls=tls)
-            if self.kv is not None:
+            if self.kv is not None and self.slot.ingest_dir is None:  # siblings sharing an ingest see them there
                 self.kv.predict_listeners.append(self.sync.on_predict)
         self._started_at = time.monotonic()
         self.draining = False
@@ -204,8 +208,9 @@ class PickerApp:
         if self.sync is not None and not self.sync.settled():
             return False
         if self.kv is not None and time.monotonic() - self._started_at < WARMUP_WAIT_S:
-            idx = self.kv.index
-            if any(ep.kv_events and idx.stats(ep.address).batches == 0 for ep in self.registry.all()):
+            kv = self.kv
+            warm = kv.warm if isinstance(kv, RemoteKv) else lambda a: kv.index.stats(a).batches > 0
+            if any(ep.kv_events and not warm(ep.address) for ep in self.registry.all()):
                 return False
         return True
 
@@ -284,6 +289,11 @@ class PickerApp:
         else:
             self._metrics_http = web.AppRunner(build_metrics_app(self.metrics), access_log=None)
             self.metrics_port = await _serve(self._metrics_http, cfg.bind, cfg.metrics_port)
+        if self.ingest is not None:
+            self.ingest.start()
+            self._tasks.append(asyncio.create_task(self.ingest.run()))
+        if isinstance(self.kv, RemoteKv):
+            self.kv.start()
         await self._start_discovery()
         if self.sync is not None:
             await self._start_sync()
@@ -431,5 +441,9 @@ class PickerApp:
             await self._metrics_http.cleanup()
         if self.kv is not None:
             await self.kv.close()
+        if self.ingest is not None:
+            await self.ingest.astop()
+        if self.ingest_dir is not None:
+            shutil.rmtree(self.ingest_dir, ignore_errors=True)
         if self.renderer is not None:
             await self.renderer.close()

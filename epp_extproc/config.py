@@ -106,6 +106,7 @@ class ProcessSlot:
     index: int = 0
     sync_listen: tuple[str, ...] = ()  # where its replica-sync service listens (instead of bind:replica-sync-port)
     share_port: bool = False  # SO_REUSEPORT on the ext_proc port: its siblings bind it too
+    ingest_dir: str | None = None  # --kv-ingest apart: the supervisor runs the ingest shards there for all
 
 
 @dataclass
@@ -281,6 +282,18 @@ class Config:
         "disaggregated pools: a prompt whose uncached suffix on the chosen decode worker is at least this many "
         "tokens is prefilled on a prefill worker (named in x-prefiller-host-port), a shorter one on the decode "
         "worker itself; 0 = never disaggregate (llm-d's prefix-based decider: nonCachedTokens)")
+    kv_ingest: str = opt("DYN_EPP_KV_INGEST", "inprocess", str,
+        "where KV events are ingested: `inprocess` (this process's event loop, as always) or `apart` (ingest "
+        "processes the picker starts and restarts itself, answering lookups over a Unix socket; one per host "
+        "serves every --processes child); see docs/ingest-apart.md", ("inprocess", "apart"))
+    kv_ingest_shards: int = opt("DYN_EPP_KV_INGEST_SHARDS", 1, int,
+        "with --kv-ingest apart: ingest processes, each owning a share of the workers (by address hash)")
+    kv_ingest_lookup_timeout_ms: float = opt("DYN_EPP_KV_INGEST_LOOKUP_TIMEOUT_MS", 5.0, float,
+        "with --kv-ingest apart: the longest a decision waits for the ingest's answer; late or down = the "
+        "request is routed by load (counted in epp_kv_ingest_lookups_total)")
+    kv_ingest_worker_cpu_share: float = opt("DYN_EPP_KV_INGEST_WORKER_CPU_SHARE", 0.1, float,
+        "with --kv-ingest apart: the share of one core one worker's events may use; a publisher above it is "
+        "read more slowly and loses its own freshness, nobody else's")
     session_affinity_keys_file: str | None = opt("DYN_EPP_SESSION_AFFINITY_KEYS_FILE", None, _opt_str,
         "turns session affinity on: a file of AES-256 keys (one per line, base64 or hex; the first seals, all "
         "open; a Secret the replicas share, reloaded when it changes). A request carrying x-session-token is "
@@ -377,6 +390,9 @@ class Config:
                                  "port")
             seen.setdefault(port, dest)
         _positive(self, "kv_cache_block_size")
+        _positive(self, "kv_ingest_shards")
+        _positive(self, "kv_ingest_lookup_timeout_ms")
+        _positive(self, "kv_ingest_worker_cpu_share")
         _positive(self, "render_fingerprint_refresh_ms")
         _positive(self, "extproc_max_connections")
         _at_least(self, "extproc_keepalive_s", 0, " (0 = off)")
@@ -493,7 +509,9 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
       "render_fingerprint_refresh_ms")),
     ("routing (KV overlap against load)",
      ("kv_cache_block_size", "max_index_blocks_per_worker", "kv_overlap_score_credit", "prefill_load_scale",
-      "router_temperature", "prediction_ttl_s", "pd_min_uncached_tokens", "session_affinity_keys_file", "session_affinity_ttl_s",
+      "router_temperature", "prediction_ttl_s", "pd_min_uncached_tokens", "kv_ingest", "kv_ingest_shards",
+      "kv_ingest_lookup_timeout_ms", "kv_ingest_worker_cpu_share", "session_affinity_keys_file",
+      "session_affinity_ttl_s",
       "worker_metrics_interval_ms",
       "worker_metrics_idle_interval_ms", "worker_metrics_staleness_ms", "worker_metrics_path")),
     ("flow control (queue while every worker is saturated)",

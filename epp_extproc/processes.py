@@ -11,6 +11,11 @@ serves health and /metrics on the configured ports; process i serves its own /me
 crashes in a row of one child the supervisor gives up: it stops every child and exits 1, so a crash loop
 (a bad flag, a port taken) surfaces to the process manager instead of spinning. SIGTERM/SIGINT is passed on
 to every child, which drains, and the supervisor waits for them.
+
+With `--kv-ingest apart` the supervisor also runs the KV ingest shards (epp_extproc/ingest), once for all
+children, in the same private directory: N children share one index instead of building N copies, and see
+each other's predictions there. It restarts a dead shard on the ingest's own, shorter backoff (the children
+route by load meanwhile), and stops the shards after the children.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
 from epp_extproc.config import Config, ProcessSlot
+from epp_extproc.ingest.setup import ingest_group
 from epp_extproc.runner import run_child
 from kvindex.backoff import Backoff
 
@@ -54,7 +60,8 @@ def child_configs(cfg: Config, sock_dir: str) -> list[tuple[Config, ProcessSlot]
                                   "admin_port": metrics if shared else 0}
         child = dataclasses.replace(cfg, processes=1, peers=",".join(s for j, s in enumerate(socks) if j != i),
                                     **side)
-        out.append((child, ProcessSlot(index=i, sync_listen=(socks[i],), share_port=True)))
+        ingest_dir = sock_dir if cfg.kv_ingest == "apart" else None
+        out.append((child, ProcessSlot(index=i, sync_listen=(socks[i],), share_port=True, ingest_dir=ingest_dir)))
     return out
 
 
@@ -89,13 +96,18 @@ def supervise(cfg: Config, target: Callable[[Config, ProcessSlot], None] = run_c
         started[i] = time.monotonic()
         restart_at[i] = None
 
+    ingest = ingest_group(cfg, sock_dir) if cfg.kv_ingest == "apart" else None
     log.info("starting %d picker processes sharing ext_proc port %d (sync over %s)", n, cfg.grpc_port,
              sock_dir)
     try:
+        if ingest is not None:
+            ingest.start()
         for i in range(n):
             spawn(i)
         while not stopping:
             time.sleep(POLL_S)  # never a long sleep: a signal must stop the group within one poll
+            if ingest is not None:
+                ingest.poll()
             now = time.monotonic()
             for i, p in enumerate(children):
                 if stopping:
@@ -129,5 +141,7 @@ def supervise(cfg: Config, target: Callable[[Config, ProcessSlot], None] = run_c
                     log.error("picker process %s did not drain in time; killing it", p.name)
                     p.kill()
                     p.join(5)
+        if ingest is not None:
+            ingest.stop()
         shutil.rmtree(sock_dir, ignore_errors=True)
     return code

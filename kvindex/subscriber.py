@@ -102,6 +102,7 @@ class SubscriberManager:
         silent_after_s: float = 60.0,
         is_healthy: Callable[[str], bool] | None = None,
         registry: Any = None,
+        pace: Callable[[str, float], float] | None = None,
     ) -> None:
         """``replay_timeout_s`` bounds the wait for each replay reply, so a dead replay endpoint costs a
         subscription at most that long per round.  ``silent_after_s``: a subscription that has received
@@ -118,6 +119,9 @@ class SubscriberManager:
         self.turn_budget_s = turn_budget_s
         self.silent_after_s = silent_after_s
         self.is_healthy = is_healthy
+        # pace(worker, seconds its message took) -> seconds to wait before reading its next one (a per-worker
+        # CPU budget, epp_extproc/ingest/pacing.py); None: no budget beyond the turn budget
+        self.pace = pace
         self._own_ctx = zmq_context is None
         if zmq_context is None:
             self._ctx = zmq.asyncio.Context()
@@ -326,7 +330,10 @@ class SubscriberManager:
                 if frames is None:
                     frames = await self._receive(sub)
                 if frames is not None:
+                    started = time.perf_counter()
                     await self._on_message(sub, frames)
+                    if self.pace is not None and (pause := self.pace(sub.worker_id, time.perf_counter() - started)):
+                        await asyncio.sleep(pause)
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as exc:

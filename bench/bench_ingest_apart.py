@@ -1,0 +1,780 @@
+"""KV ingest in the picker's process against ingest apart (issue 32), on pre-recorded event files.
+
+    python -m bench.bench_ingest_apart [--quick] [--out bench/results/ingest_apart.json] [--events DIR]
+
+Events are recorded once per pool size into `--events` (default /tmp/epp-ingest-events; re-used when present:
+the same bytes every run) and replayed by a player process (`--play`, one PUB socket per simulated worker
+over ipc://), so the measured processes never pay for generating them. Each simulated worker first stores
+part of one shared 32k-token document (1,024 blocks of 32: between half and all of it, so the lookup walks up
+to 1,024 blocks), then publishes 10 batches/s: a fresh chain of 1..15 blocks off a random block of the
+document, plus the LRU removals of its oldest fresh blocks past 4,096.
+
+For each pool size (8, 256, 1,000 workers) and each mode (`inprocess`: `KvRouting` in the measuring process;
+`apart`: `RemoteKv` plus one ingest shard process) the measuring process runs the real decision without the
+render hop (`Pipeline.propose(tokens=...)` + `commit` + free) every 5 ms on a 32k-token prompt sharing the
+document, for `--seconds`, and reports:
+
+* lookup p50/p99 (`KvLookup.overlap` as the pipeline calls it); decision p50/p99 from the moment the decision
+  was due (a loop busy with ingest delays it: that wait is what ingest costs the decisions; once a loop
+  falls behind the 5 ms schedule the delays add up), and `decision_run` p50/p99 from when it started;
+* ingest lag p99 (the batch's publish `ts` -> applied to the index), batches applied;
+* CPU-seconds per 1,000 batches ingested (the ingesting process: the measuring process in `inprocess`, the
+  shard in `apart`) and per decision (the measuring process), RSS per worker (index memory over pool size).
+
+The flood: 8 workers, decisions back to back for `--seconds` (throughput and p99), unflooded and while worker
+0 replays a recorded flood as fast as the player can send; ratio flooded / unflooded, per mode.
+
+The channel: the lookup call itself, in the same process, for the same prompt: the in-process index walk,
+the SEQPACKET round trip the adapter uses, and a ZeroMQ REQ/REP over ipc:// to the same index walk; at
+1k and 32k tokens against 8 and 256 workers: where the channel costs more than the walk it replaces.
+
+Pinning: nothing is pinned by default; `--pin` puts the measuring process on CPU 0 and the ingest shard and
+the player on CPU 1 (what helps on a 2-core box: the decision's core is never shared with ingest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+
+BS = 32
+DOC_BLOCKS = 1024  # 32k tokens
+RATE = 10.0
+CAP = 4096
+FLOOD_BATCHES = 20_000
+FLOOD_BLOCKS = 64
+_REC = struct.Struct("<IQI")  # worker, seq, payload length
+_TS_OFFSET = 2  # msgpack [ts, events, rank]: 0x93, 0xcb, then ts as big-endian float64
+
+
+# ------------------------------------------------------------------ recording
+def make_doc(seed: int = 1) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 32000) for _ in range(DOC_BLOCKS * BS + 1)]
+
+
+def _stored(hashes: list[int], parent: int | None, tokens: list[int]) -> dict[str, Any]:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None}
+
+
+def _payload(events: list[Any]) -> bytes:
+    b = msgpack.packb([0.0, events, 0], use_bin_type=True)
+    assert b[1] == 0xCB  # float64 ts at a fixed offset, stamped when sent
+    return b
+
+
+def record(n: int, path: Path, seconds: float, flood: bool) -> None:
+    """warm section (every worker's share of the document), steady section (`seconds` at RATE), flood section."""
+    rng = random.Random(n)
+    doc = make_doc()
+    pool = [rng.randrange(100, 32000) for _ in range(65536)]
+    seq = [0] * n
+    held = [0] * n
+    fresh: list[deque[int]] = [deque() for _ in range(n)]
+    counter = [1 << 30] * n
+    with path.open("wb") as f:
+        def put(w: int, events: list[Any]) -> None:
+            p = _payload(events)
+            f.write(_REC.pack(w, seq[w], len(p)))
+            f.write(p)
+            seq[w] += 1
+
+        for w in range(n):
+            k = DOC_BLOCKS if w == 0 else rng.randint(DOC_BLOCKS // 2, DOC_BLOCKS)
+            held[w] = k
+            parent = None
+            for start in range(0, k, 128):
+                end = min(k, start + 128)
+                hs = [(w << 40) + j for j in range(start, end)]
+                put(w, [_stored(hs, parent, doc[start * BS:end * BS])])
+                parent = hs[-1]
+        f.write(_REC.pack(0xFFFFFFFF, 0, 0))  # end of the warm section
+        for _ in range(int(seconds * RATE)):
+            for w in range(n):
+                k = rng.randint(1, 15)
+                at = rng.randrange(held[w])
+                hs = list(range(counter[w], counter[w] + k))
+                counter[w] += k
+                off = rng.randrange(0, 65536 - k * BS)
+                events: list[Any] = [_stored(hs, (w << 40) + at, pool[off:off + k * BS])]
+                fresh[w].extend(hs)
+                if len(fresh[w]) > CAP:
+                    gone = [fresh[w].popleft() for _ in range(len(fresh[w]) - CAP)]
+                    events.append({"type": "BlockRemoved", "block_hashes": gone, "medium": "GPU"})
+                put(w, events)
+        f.write(_REC.pack(0xFFFFFFFF, 0, 0))  # end of the steady section
+        if flood:
+            for i in range(FLOOD_BATCHES):
+                hs = list(range(counter[0], counter[0] + FLOOD_BLOCKS))
+                counter[0] += FLOOD_BLOCKS
+                off = (i * 977) % (65536 - FLOOD_BLOCKS * BS)
+                put(0, [_stored(hs, None, pool[off:off + FLOOD_BLOCKS * BS])])
+        f.write(_REC.pack(0xFFFFFFFF, 0, 0))
+
+
+def read_sections(path: Path) -> list[list[tuple[int, int, bytes]]]:
+    data = path.read_bytes()
+    out: list[list[tuple[int, int, bytes]]] = [[]]
+    off = 0
+    while off < len(data):
+        w, seq, n = _REC.unpack_from(data, off)
+        off += _REC.size
+        if w == 0xFFFFFFFF:
+            out.append([])
+            continue
+        out[-1].append((w, seq, data[off:off + n]))
+        off += n
+    return [s for s in out[:3]]
+
+
+# ------------------------------------------------------------------ the player (its own process)
+def play(path: Path, n: int, sock_dir: str) -> None:
+    """stdin commands: `warm`, `steady SECONDS`, `flood`, `stop`; heartbeats until `warm`."""
+    warm, steady, flood = read_sections(path)
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 16384)
+    socks = []
+    for w in range(n):
+        s = ctx.socket(zmq.PUB)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 1_000_000)
+        s.bind(f"ipc://{sock_dir}/w{w}")
+        socks.append(s)
+    next_seq = [0] * n  # the player numbers every worker's batches itself: heartbeats, warm, steady, flood
+    print(json.dumps({"endpoints": [f"ipc://{sock_dir}/w{w}" for w in range(n)]}), flush=True)
+    os.set_blocking(sys.stdin.fileno(), False)
+    buf = b""
+
+    def send(w: int, _recorded_seq: int, payload: bytes, stamp: bool = True) -> None:
+        b = bytearray(payload)
+        if stamp:  # the warm section stays unstamped (ts 0): its backlog is not ingest lag
+            struct.pack_into(">d", b, _TS_OFFSET, time.time())
+        socks[w].send_multipart([b"", struct.pack(">Q", next_seq[w]), bytes(b)], copy=False)
+        next_seq[w] += 1
+
+    def commands() -> list[str]:
+        nonlocal buf
+        try:
+            chunk = os.read(sys.stdin.fileno(), 65536)
+        except BlockingIOError:
+            return []
+        if not chunk:
+            return ["stop"]
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        return [x.decode().strip() for x in lines]
+
+    steady_pos = 0
+    steady_end = 0.0
+    steady_t0 = 0.0
+    flooding = False
+    flood_pos = 0
+    last_hb = 0.0
+    heartbeating = True
+    sent = 0
+    while True:
+        for cmd in commands():
+            if cmd == "stop":
+                print(json.dumps({"sent": sent}), flush=True)
+                return
+            if cmd == "warm":
+                heartbeating = False
+                for w, seq, p in warm:
+                    send(w, seq, p, stamp=False)
+                print(json.dumps({"warm": len(warm)}), flush=True)
+            elif cmd.startswith("steady"):
+                steady_t0 = time.monotonic()
+                steady_end = steady_t0 + float(cmd.split()[1])
+                steady_pos = 0
+            elif cmd == "flood":
+                flooding = True
+        now = time.monotonic()
+        if heartbeating and now - last_hb > max(0.2, n / 1000):  # 1,000 workers: 1,000 heartbeats/s
+            last_hb = now
+            for w in range(n):
+                send(w, 0, _payload([]), stamp=False)
+        did = False
+        if steady_end and now < steady_end and steady_pos < len(steady):
+            due = int((now - steady_t0) * RATE * n)
+            while steady_pos < min(due, len(steady)):
+                w, seq, p = steady[steady_pos]
+                send(w, seq, p)
+                steady_pos += 1
+                sent += 1
+                did = True
+        if flooding and flood_pos < len(flood):
+            for _ in range(50):
+                if flood_pos >= len(flood):
+                    break
+                w, seq, p = flood[flood_pos]
+                send(w, seq, p)
+                flood_pos += 1
+                sent += 1
+            did = True
+        if not did:
+            time.sleep(0.001)
+
+
+class Player:
+    def __init__(self, path: Path, n: int, pin: bool) -> None:
+        self.dir = tempfile.mkdtemp(prefix="epp-play-")
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.bench_ingest_apart", "--play", str(path),
+                                      "--workers", str(n), "--play-dir", self.dir],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        if pin:
+            _pin(self.proc.pid, 1)
+        self.endpoints: list[str] = self._line()["endpoints"]
+
+    def _line(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        return json.loads(self.proc.stdout.readline())
+
+    def cmd(self, c: str, answer: bool = False) -> dict[str, Any] | None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((c + "\n").encode())
+        self.proc.stdin.flush()
+        return self._line() if answer else None
+
+    def stop(self) -> None:
+        try:
+            self.cmd("stop", answer=True)
+        except (OSError, ValueError):
+            pass
+        self.proc.kill()
+        self.proc.wait()
+
+
+def _pin(pid: int, cpu: int) -> None:
+    try:
+        if cpu < os.cpu_count():  # type: ignore[operator]
+            os.sched_setaffinity(pid, {cpu})
+    except OSError:
+        pass
+
+
+# ------------------------------------------------------------------ measuring
+def cpu_s(pid: int | None = None) -> float:
+    with open(f"/proc/{pid or os.getpid()}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mb(pid: int | None = None) -> float:
+    with open(f"/proc/{pid or os.getpid()}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(len(s) * q))]
+
+
+class Setup:
+    """A pool of `n` simulated workers, the KV view of `mode` over it, and the real pipeline."""
+
+    def __init__(self, mode: str, player: Player, pin: bool) -> None:
+        from epp_extproc.adapters.kv_remote import RemoteKv
+        from epp_extproc.adapters.kv_routing import KvRouting
+        from epp_extproc.config import Config
+        from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
+        from epp_extproc.core.load import LoadTracker
+        from epp_extproc.core.pipeline import Pipeline
+        from epp_extproc.ingest.launcher import IngestGroup, shard_argv
+        from epp_extproc.ingest.pacing import LagSamples
+        from epp_extproc.metrics import PickerMetrics
+
+        self.mode = mode
+        self.eps = [Endpoint(f"w{i}", f"127.0.0.1:{20000 + i}", e) for i, e in enumerate(player.endpoints)]
+        self.addresses = [e.address for e in self.eps]
+        self.registry = EndpointRegistry()
+        self.group: Any = None
+        self.lag = LagSamples(65536)
+        self.dir = tempfile.mkdtemp(prefix="epp-bench-ingest-")
+        if mode == "apart":
+            self.group = IngestGroup([shard_argv(self.dir, 0, 1, block_size=BS, max_blocks_per_worker=1_000_000,
+                                                 topic="", worker_cpu_share=0.1, log_level="WARNING")])
+            self.group.start()
+            if pin:
+                _pin(self.group.pids()[0], 1)
+            self.kv: Any = RemoteKv(self.registry, directory=self.dir, shards=1, block_size=BS,
+                                    prediction_ttl_s=2.0, lookup_timeout_s=0.05, ask_server_info=False)
+        else:
+            self.kv = KvRouting(self.registry, block_size=BS, max_blocks_per_worker=1_000_000, topic="",
+                                prediction_ttl_s=2.0, metrics_registry=None, ask_server_info=False)
+            idx, lag = self.kv.index, self.lag
+            orig = idx.apply_batch
+
+            def apply_batch(worker_id: str, batch: Any, rank: int | None = None) -> None:  # timing probe
+                orig(worker_id, batch, rank)
+                if batch.ts > 1e9:
+                    lag.add(time.time() - batch.ts)
+            idx.apply_batch = apply_batch
+        metrics = PickerMetrics()
+        self.load = LoadTracker(metrics.endpoint_inflight)
+        self.pipeline = Pipeline(Config(), self.registry, self.load, metrics, kv=self.kv)
+        self.lookups: list[float] = []
+        orig_overlap = self.kv.overlap
+        looks = self.lookups
+
+        def overlap(prompt: Any, workers: Any, **kw: Any) -> Any:  # timing probe
+            t = time.perf_counter()
+            r = orig_overlap(prompt, workers, **kw)
+            looks.append(time.perf_counter() - t)
+            return r
+        self.kv.overlap = overlap
+
+    def ingest_pid(self) -> int:
+        return self.group.pids()[0] if self.group is not None else os.getpid()
+
+    async def start(self) -> None:
+        if self.mode == "apart":
+            self.kv.start()
+        self.registry.replace(self.eps)
+
+    def warm_count(self) -> int:
+        if self.mode == "apart":
+            return sum(1 for a in self.addresses if self.kv.warm(a))
+        return sum(1 for a in self.addresses if self.kv.index.stats(a).batches > 0)
+
+    def blocks(self) -> int:
+        if self.mode == "apart":
+            return -1
+        return sum(self.kv.index.blocks_indexed(a) for a in self.addresses)
+
+    async def ingest_stats(self) -> dict[str, Any]:
+        if self.mode == "apart":
+            snap = await self.kv.snapshot(timeout_s=60)  # 1,000 workers' counters on a busy machine
+            ing = snap["ingest"][0]
+            if not ing.get("up"):
+                raise RuntimeError(f"ingest snapshot failed: {ing}")
+            return {"lag": ing.get("batch_lag_s", {}), "batches": sum(w.get("batches", 0)
+                                                                      for w in snap["workers"].values()),
+                    "blocks": sum(w.get("blocks_indexed", 0) for w in snap["workers"].values())}
+        return {"lag": self.lag.summary(), "batches": sum(self.kv.index.stats(a).batches for a in self.addresses),
+                "blocks": self.blocks()}
+
+    async def close(self) -> None:
+        await self.kv.close()
+        if self.group is not None:
+            await self.group.astop()
+
+
+async def decide(setup: Setup, tokens: list[int]) -> None:
+    from epp_extproc.core.request import RequestContext
+
+    p = await setup.pipeline.propose(RequestContext(method="POST", path="/v1/completions"), tokens=tokens)
+    d = setup.pipeline.commit(p)
+    d.booking.free()
+
+
+async def decision_loop(setup: Setup, prompts: list[list[int]], seconds: float, period: float | None
+                        ) -> dict[str, Any]:
+    """Decisions every `period` s (None: back to back); latency counted from when each was due."""
+    lat: list[float] = []
+    run: list[float] = []
+    setup.lookups.clear()
+    cpu0, t0 = cpu_s(), time.perf_counter()
+    due = t0
+    i = 0
+    while time.perf_counter() - t0 < seconds:
+        if period is not None:
+            due += period
+            delay = due - time.perf_counter()
+            await asyncio.sleep(max(delay, 0))
+            start = due
+        else:
+            await asyncio.sleep(0)
+            start = time.perf_counter()
+        begun = time.perf_counter()
+        await decide(setup, prompts[i % len(prompts)])
+        end = time.perf_counter()
+        lat.append(end - start)
+        run.append(end - begun)
+        i += 1
+    el = time.perf_counter() - t0
+    cpu = cpu_s() - cpu0
+    return {"decisions": i, "per_s": round(i / el, 1), "decision_p50_ms": _ms(pct(lat, 0.5)),
+            "decision_p99_ms": _ms(pct(lat, 0.99)), "decision_run_p50_ms": _ms(pct(run, 0.5)),
+            "decision_run_p99_ms": _ms(pct(run, 0.99)), "lookup_p50_ms": _ms(pct(setup.lookups, 0.5)),
+            "lookup_p99_ms": _ms(pct(setup.lookups, 0.99)), "process_cpu_s": round(cpu, 3),
+            "elapsed_s": round(el, 2)}
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(x * 1000, 3)
+
+
+async def wait_for(pred: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        await asyncio.sleep(0.05)
+
+
+def prompts_for(k: int = 16) -> list[list[int]]:
+    doc = make_doc()
+    rng = random.Random(7)
+    return [doc[: DOC_BLOCKS * BS - rng.randrange(0, 64)] + [rng.randrange(100, 32000) for _ in range(8)]
+            for _ in range(k)]
+
+
+async def run_scale(mode: str, n: int, path: Path, seconds: float, pin: bool) -> dict[str, Any]:
+    player = Player(path, n, pin)
+    setup = Setup(mode, player, pin)
+    row: dict[str, Any] = {"mode": mode, "workers": n}
+    try:
+        await setup.start()
+        await wait_for(lambda: setup.warm_count() == n, 20 + n * 0.02, "subscribers connected")
+        await asyncio.sleep(0.5)  # the last heartbeats in
+        expected = len(read_sections(path)[0]) + (await setup.ingest_stats())["batches"]
+        rss0 = rss_mb(setup.ingest_pid())  # subscribed, nothing indexed: what follows is the index
+        player.cmd("warm", answer=True)
+        t_warm = time.monotonic()
+
+        async def warm_done() -> bool:
+            return (await setup.ingest_stats())["batches"] >= expected
+        while not await warm_done():
+            if time.monotonic() - t_warm > 120:
+                raise TimeoutError("warm section not applied")
+            await asyncio.sleep(0.2)
+        row["warm_s"] = round(time.monotonic() - t_warm, 2)
+        stats0 = await setup.ingest_stats()
+        ipid = setup.ingest_pid()
+        icpu0 = cpu_s(ipid)
+        player.cmd(f"steady {seconds}")
+        res = await decision_loop(setup, prompts_for(), seconds, 0.005)
+        await asyncio.sleep(0.3)  # the tail of the steady section
+        stats1 = await setup.ingest_stats()
+        icpu = cpu_s(ipid) - icpu0
+        batches = stats1["batches"] - stats0["batches"]
+        row.update(res)
+        row["batches_ingested"] = batches
+        row["batches_per_s"] = round(batches / (res["elapsed_s"] + 0.3), 1)
+        row["ingest_lag_p99_ms"] = _ms(stats1["lag"].get("p99"))
+        row["ingest_lag_p50_ms"] = _ms(stats1["lag"].get("p50"))
+        if mode == "apart":
+            row["ingest_cpu_s_per_1000_batches"] = round(icpu / max(batches, 1) * 1000, 3)
+            row["cpu_ms_per_decision"] = round(res["process_cpu_s"] / max(res["decisions"], 1) * 1000, 3)
+            row["index_rss_mb"] = round(rss_mb(ipid) - rss0, 1)
+        else:  # one process does both: ingest CPU is what is left after the decisions (their cost measured apart)
+            row["process_cpu_s_per_1000_batches"] = round(res["process_cpu_s"] / max(batches, 1) * 1000, 3)
+            row["index_rss_mb"] = round(rss_mb() - rss0, 1)
+        row["rss_kb_per_worker"] = round(row["index_rss_mb"] * 1024 / n, 1)
+        row["blocks_indexed"] = stats1["blocks"]
+        if mode == "apart":
+            row["lookups_unanswered"] = setup.kv.counts["unavailable"] + setup.kv.counts["timeout"]
+    except Exception as e:  # a mode that cannot run a size says so in the results rather than aborting all
+        row["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        await setup.close()
+        player.stop()
+    return row
+
+
+async def run_flood(mode: str, path: Path, seconds: float, pin: bool) -> dict[str, Any]:
+    player = Player(path, 8, pin)
+    setup = Setup(mode, player, pin)
+    row: dict[str, Any] = {"mode": mode, "workers": 8}
+    try:
+        await setup.start()
+        await wait_for(lambda: setup.warm_count() == 8, 30, "subscribers connected")
+        player.cmd("warm", answer=True)
+        await asyncio.sleep(1.0)
+        prompts = prompts_for()
+        base = await decision_loop(setup, prompts, seconds, None)
+        ipid = setup.ingest_pid()
+        s0 = await setup.ingest_stats()
+        icpu0 = cpu_s(ipid)
+        player.cmd("flood")
+        await asyncio.sleep(0.3)
+        flooded = await decision_loop(setup, prompts, seconds, None)
+        s1 = await setup.ingest_stats()
+        row["unflooded"] = base
+        row["flooded"] = flooded
+        row["flood_batches_ingested"] = s1["batches"] - s0["batches"]
+        row["flood_ingest_cpu_s"] = round(cpu_s(ipid) - icpu0, 2)
+        row["throughput_ratio"] = round(flooded["per_s"] / base["per_s"], 3)
+        if base["decision_p99_ms"] and flooded["decision_p99_ms"]:
+            row["p99_ratio"] = round(flooded["decision_p99_ms"] / base["decision_p99_ms"], 2)
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        await setup.close()
+        player.stop()
+    return row
+
+
+# ------------------------------------------------------------------ the channel itself
+def channel_server(n: int, sock_dir: str) -> None:
+    """A child process: one index of `n` workers holding the document, answering the same lookup over a
+    SEQPACKET socket (the product's answer code) and over a ZeroMQ REP on ipc://."""
+    from epp_extproc.ingest.server import IngestShard
+    from kvindex.events import BlockStored, DecodedBatch
+    from kvindex.hashing import pack_tokens
+
+    shard = IngestShard(sock_dir, 0, 1, block_size=BS)
+    doc = make_doc()
+
+    async def serve() -> None:
+        addresses = [f"127.0.0.1:{20000 + w}" for w in range(n)]
+        await shard.want("bench", dict.fromkeys(addresses, ()))  # known workers, no subscriptions
+        for w, addr in enumerate(addresses):
+            k = DOC_BLOCKS if w == 0 else random.Random(w).randint(DOC_BLOCKS // 2, DOC_BLOCKS)
+            ev = BlockStored([(w << 40) + j for j in range(k)], None, pack_tokens(doc[:k * BS]), BS)
+            shard.index.apply_batch(addr, DecodedBatch(events=[ev], raw_event_count=1))
+        await shard.start()
+        zctx = zmq.asyncio.Context()
+        rep = zctx.socket(zmq.REP)
+        rep.bind(f"ipc://{sock_dir}/rep")
+        print("ready", flush=True)
+        while True:
+            msg = await rep.recv()
+            await rep.send(shard.answer(msg))
+
+    import zmq.asyncio
+    asyncio.run(serve())
+
+
+async def run_channel(ns: list[int], lengths: list[int], reps: int) -> list[dict[str, Any]]:
+    from epp_extproc.adapters.kv_remote import RemoteKv
+    from epp_extproc.adapters.kv_routing import Prompt
+    from epp_extproc.core.endpoints import EndpointRegistry
+    from epp_extproc.ingest import wire
+    from kvindex.events import BlockStored, DecodedBatch
+    from kvindex.hashing import pack_tokens
+    from kvindex.index import KvIndex
+
+    doc = make_doc()
+    rows = []
+    for n in ns:
+        d = tempfile.mkdtemp(prefix="epp-chan-")
+        proc = subprocess.Popen([sys.executable, "-m", "bench.bench_ingest_apart", "--channel-server", str(n),
+                                 "--play-dir", d], stdout=subprocess.PIPE)
+        assert proc.stdout is not None
+        proc.stdout.readline()
+        local = KvIndex(BS, 1_000_000)
+        for w in range(n):
+            k = DOC_BLOCKS if w == 0 else random.Random(w).randint(DOC_BLOCKS // 2, DOC_BLOCKS)
+            ev = BlockStored([(w << 40) + j for j in range(k)], None, pack_tokens(doc[:k * BS]), BS)
+            local.apply_batch(f"127.0.0.1:{20000 + w}", DecodedBatch(events=[ev], raw_event_count=1))
+        addresses = [f"127.0.0.1:{20000 + w}" for w in range(n)]
+        kv = RemoteKv(EndpointRegistry(), directory=d, shards=1, block_size=BS, prediction_ttl_s=0.0,
+                      lookup_timeout_s=1.0, ask_server_info=False)
+        zctx = zmq.Context()
+        req = zctx.socket(zmq.REQ)
+        req.connect(f"ipc://{d}/rep")
+        for length in lengths:
+            prompt = Prompt(doc[:length], None)
+            hashes = prompt.hashes(BS)
+            want = local.overlap_hashes(hashes, BS, addresses)
+            assert kv.overlap(prompt, addresses) == want  # the same answer over the channel
+            req.send(wire.pack_lookup(1, 0, True, [(BS, hashes)]))
+            version = wire.unpack_answer(req.recv())[1]  # the worker table once, as the adapter holds it
+            t_local, t_seq, t_zmq = [], [], []
+            for _ in range(reps):
+                t = time.perf_counter()
+                local.overlap_hashes(hashes, BS, addresses)
+                t_local.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                kv.overlap(prompt, addresses)
+                t_seq.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                req.send(wire.pack_lookup(1, version, True, [(BS, hashes)]))
+                req.recv()
+                t_zmq.append(time.perf_counter() - t)
+            rows.append({"workers": n, "prompt_tokens": length,
+                         "in_process_walk_p50_ms": _ms(statistics.median(t_local)),
+                         "in_process_walk_p99_ms": _ms(pct(t_local, 0.99)),
+                         "seqpacket_p50_ms": _ms(statistics.median(t_seq)), "seqpacket_p99_ms": _ms(pct(t_seq, 0.99)),
+                         "zmq_ipc_p50_ms": _ms(statistics.median(t_zmq)), "zmq_ipc_p99_ms": _ms(pct(t_zmq, 0.99))})
+        req.close(0)
+        zctx.term()
+        proc.kill()
+        proc.wait()
+    return rows
+
+
+# ------------------------------------------------------------------ scraping and probing at scale
+_METRICS_BODY = ("# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine=\"0\"} 0.0\n"
+                 "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\"} 0.0\n"
+                 "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine=\"0\"} 0.1\n"
+                 + "# filler\n" * 200).encode()
+
+
+def fake_workers(port: int) -> None:
+    """A child process: every 127.x.y.z:port is a worker answering GET /metrics and /health (keep-alive)."""
+    served = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                body = _METRICS_BODY if b" /metrics" in head[:64] else b"ok"
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: "
+                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+                served += 1
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+            writer.close()
+
+    async def serve() -> None:
+        server = await asyncio.start_server(handle, "0.0.0.0", port, backlog=4096)
+        print("ready", flush=True)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, sys.stdin.readline)
+        print(json.dumps({"served": served}), flush=True)
+        server.close()
+
+    asyncio.run(serve())
+
+
+async def run_scrape(n: int, seconds: float) -> dict[str, Any]:
+    """The picker's metric scraper and health prober, as `PickerApp` configures them by default, against `n`
+    fake workers: CPU of the picker's process per second and per worker."""
+    from epp_extproc.adapters.endpoint_probe import EndpointProber
+    from epp_extproc.adapters.worker_metrics import WorkerMetricsScraper
+    from epp_extproc.config import Config
+    from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
+    from epp_extproc.core.load import LoadTracker
+    from epp_extproc.core.saturation import SaturationDetector, Thresholds
+    from epp_extproc.metrics import PickerMetrics
+
+    cfg = Config()
+    port = 31000 + random.randrange(1000)
+    proc = subprocess.Popen([sys.executable, "-m", "bench.bench_ingest_apart", "--fake-workers", str(port)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdin is not None
+    proc.stdout.readline()
+    registry = EndpointRegistry()
+    registry.replace([Endpoint(f"w{i}", f"127.0.{i // 250}.{i % 250 + 1}:{port}") for i in range(n)])
+    load = LoadTracker(PickerMetrics().endpoint_inflight)
+    detector = SaturationDetector(Thresholds(queue_depth=cfg.queue_depth_threshold,
+                                             kv_utilization=cfg.kv_cache_util_threshold,
+                                             prefill_tokens=cfg.max_num_batched_tokens,
+                                             staleness_s=cfg.worker_metrics_staleness_ms / 1000),
+                                  load.loads, cfg.kv_cache_block_size)
+    errors: list[str] = []
+    scraper = WorkerMetricsScraper(registry, load, detector, interval_s=cfg.worker_metrics_interval_ms / 1000,
+                                   idle_interval_s=cfg.worker_metrics_idle_interval_ms / 1000,
+                                   on_error=lambda _address, why: errors.append(why))
+    prober = EndpointProber(registry, interval_s=cfg.endpoint_probe_interval_ms / 1000,
+                            max_rate=cfg.endpoint_probe_max_rate)
+    tasks = [asyncio.create_task(scraper.run()), asyncio.create_task(prober.run())]
+    await asyncio.sleep(min(3.0, seconds))  # past the first rounds and into the idle intervals
+    c0, t0 = cpu_s(), time.perf_counter()
+    await asyncio.sleep(seconds)
+    cpu, el = cpu_s() - c0, time.perf_counter() - t0
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    proc.stdin.write(b"stop\n")
+    proc.stdin.flush()
+    served = json.loads(proc.stdout.readline())["served"]
+    proc.wait()
+    return {"workers": n, "seconds": round(el, 1), "picker_cpu_fraction": round(cpu / el, 4),
+            "picker_cpu_us_per_worker_per_s": round(cpu / el / n * 1e6, 1),
+            "requests_served_total": served, "scrape_errors": len(errors),
+            "scrape_error_kinds": sorted(set(errors))[:5], "scrape_interval_s": cfg.worker_metrics_interval_ms / 1000,
+            "idle_interval_s": cfg.worker_metrics_idle_interval_ms / 1000,
+            "probe_interval_s": cfg.endpoint_probe_interval_ms / 1000, "probe_max_rate": cfg.endpoint_probe_max_rate}
+
+
+# ------------------------------------------------------------------ main
+async def amain(a: argparse.Namespace) -> dict[str, Any]:
+    sizes = [int(x) for x in a.sizes.split(",")]
+    if 8 not in sizes:
+        sizes.insert(0, 8)  # the flood and the baseline run on 8
+    seconds = 4.0 if a.quick else 15.0
+    events = Path(a.events)
+    events.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for n in sizes:
+        f = events / f"ingest-{n}w-{int(seconds)}s.bin"
+        if not f.exists():
+            record(n, f, seconds + 2, flood=(n == 8))
+        files[n] = f
+    out: dict[str, Any] = {"bench": "ingest_apart", "quick": a.quick, "seconds": seconds, "pinned": a.pin,
+                           "cpus": os.cpu_count(), "python": sys.version.split()[0],
+                           "load_avg_at_start": os.getloadavg(), "events": {str(n): str(f) for n, f in files.items()}}
+    parts = a.parts.split(",")
+    if "channel" in parts:
+        out["channel"] = await run_channel([8, 256], [1024, DOC_BLOCKS * BS], 200 if a.quick else 2000)
+        print(json.dumps(out["channel"], indent=1), flush=True)
+    out["scale"] = []
+    for n in sizes if "scale" in parts else []:
+        for mode in ("inprocess", "apart"):
+            row = await run_scale(mode, n, files[n], seconds, a.pin)
+            print(json.dumps(row), flush=True)
+            out["scale"].append(row)
+    out["flood"] = []
+    for mode in ("inprocess", "apart") if "flood" in parts else ():
+        row = await run_flood(mode, files[8], seconds / 2, a.pin)
+        print(json.dumps(row), flush=True)
+        out["flood"].append(row)
+    out["scrape"] = []
+    for n in sizes if "scrape" in parts else []:
+        row = await run_scrape(n, 5.0 if a.quick else 15.0)
+        print(json.dumps(row), flush=True)
+        out["scrape"].append(row)
+    out["load_avg_at_end"] = os.getloadavg()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="4 s per measurement, 200 channel reps (under 3 min)")
+    ap.add_argument("--out", default="bench/results/ingest_apart.json")
+    ap.add_argument("--events", default="/tmp/epp-ingest-events", help="recorded event files (made if absent)")
+    ap.add_argument("--sizes", default="8,256,1000", help="simulated pool sizes")
+    ap.add_argument("--parts", default="channel,scale,flood,scrape", help="which measurements")
+    ap.add_argument("--pin", action="store_true", help="measuring process on CPU 0, ingest and player on CPU 1")
+    ap.add_argument("--play", help=argparse.SUPPRESS)
+    ap.add_argument("--workers", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--play-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--channel-server", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--fake-workers", type=int, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.play:
+        play(Path(a.play), a.workers, a.play_dir)
+        return 0
+    if a.fake_workers:
+        fake_workers(a.fake_workers)
+        return 0
+    if a.channel_server:
+        channel_server(a.channel_server, a.play_dir)
+        return 0
+    if a.pin:
+        _pin(os.getpid(), 0)
+    t = time.monotonic()
+    out = asyncio.run(amain(a))
+    out["wall_s"] = round(time.monotonic() - t, 1)
+    Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {a.out} in {out['wall_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,438 @@
+"""The KV view of `--kv-ingest apart`: the contract's `KvLookup`, answered by this host's ingest shards.
+
+Prompts are packed and hashed here, in the decision process, exactly as `KvRouting` does (same `Prompt`);
+only the hashes cross the channel (`epp_extproc/ingest/wire.py`). A lookup is one request per shard that
+owns a candidate, all sent before any answer is read, each answered by one mask walk in that shard; the
+wait is bounded by `lookup_timeout_s` (default 5 ms; a lookup measured 0.25-0.7 ms at the median, see
+bench/README.md "Ingest apart"). A shard that is
+down, restarting or late answers nothing: its workers get no overlap, so the request is routed by load, and
+`epp_kv_ingest_lookups_total{result="unavailable"|"timeout"}` counts it. The wait is synchronous because
+the contract's `overlap` is (it is CPU work in the in-process index, ~0.4 ms at 32k tokens); here the CPU
+work runs on the shard's core and the decision process only waits for its answer, never behind ingest.
+
+Everything else (which workers to index, block sizes learned over HTTP, predictions, resyncs, `/debug/kv`,
+and the shard's worker table, pushed whenever it changes) goes over each shard's control stream,
+asynchronously. Predictions go to the shard, so every picker process
+on the host sees every other's within one control round trip (their lag is sampled by the shard and shown
+in `/debug/kv`); across hosts the replica sync still carries them (`predict_listeners`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import orjson
+from prometheus_client import CollectorRegistry, Counter
+
+from epp_extproc.adapters.kv_routing import Prompt
+from epp_extproc.adapters.server_info import fetch_block_size, fetch_served_adapters
+from epp_extproc.core.contract import NO_IDENTITY, Credit, PromptIdentity
+from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
+from epp_extproc.ingest import wire
+from kvindex.aio import cancel_and_wait
+from kvindex.backoff import Backoff
+from kvindex.hashing import DEFAULT_DIALECT
+from kvindex.metrics import register_index, register_subscribers
+
+log = logging.getLogger(__name__)
+
+RECONNECT_S = 0.1  # a shard's lookup socket is re-dialled at most this often while it is down
+MAX_CONTROL_BACKLOG = 8 << 20  # bytes queued to a slow shard; predictions beyond it are dropped (counted)
+SNAPSHOT_TIMEOUT_S = 5.0
+METRICS_REFRESH_S = 5.0  # the epp_kv_* per-worker metrics are the shards' counters as of this long ago
+
+
+class _Shard:
+    """One ingest shard as this picker sees it: a lookup socket (synchronous), a control stream (async),
+    and the mirror of its worker table."""
+
+    def __init__(self, directory: str, index: int) -> None:
+        self.index = index
+        self.lookup_path = wire.lookup_socket(directory, index)
+        self.control_path = wire.control_socket(directory, index)
+        self.sock: socket.socket | None = None
+        self.next_dial = 0.0
+        self.meta = wire.Meta()
+        self.writer: asyncio.StreamWriter | None = None
+        self.workers: dict[str, list[list[Any]]] = {}  # what this picker wants the shard to index
+        self.sizes: dict[str, int] = {}  # block sizes this picker learned over HTTP, re-sent on reconnect
+        self.snapshots: dict[int, asyncio.Future[dict[str, Any]]] = {}
+
+    def dial(self) -> socket.socket | None:
+        if self.sock is not None:
+            return self.sock
+        now = time.monotonic()
+        if now < self.next_dial:
+            return None
+        self.next_dial = now + RECONNECT_S
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, wire.SEQPACKET_BUFFER)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, wire.SEQPACKET_BUFFER)
+            s.connect(self.lookup_path)  # a local socket: connects or fails at once
+        except OSError:
+            s.close()
+            return None
+        self.sock = s
+        return s
+
+    def hang_up(self) -> None:
+        """Late answers must never be read as the next request's: a failed exchange closes the socket."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def send(self, kind: int, body: bytes, droppable: bool = False) -> bool:
+        w = self.writer
+        if w is None or w.is_closing():
+            return False
+        if droppable and w.transport.get_write_buffer_size() > MAX_CONTROL_BACKLOG:
+            return False
+        w.write(wire.frame(kind, body))
+        return True
+
+
+class _Exported:
+    """The last refreshed snapshot, in the shape the epp_kv_* collector reads (`IndexSnapshot`)."""
+
+    def __init__(self, kv: RemoteKv) -> None:
+        self._kv = kv
+
+    def snapshot(self) -> dict[str, Any]:
+        return self._kv.exported_snapshot()
+
+
+class RemoteKv:
+    """`KvLookup` over the ingest shards of this host (see the module docstring)."""
+
+    def __init__(self, registry: EndpointRegistry, *, directory: str, shards: int, block_size: int,
+                 prediction_ttl_s: float, lookup_timeout_s: float = 0.005,
+                 metrics_registry: CollectorRegistry | None = None, client_id: str | None = None,
+                 ask_server_info: bool = True) -> None:
+        self.directory = directory
+        self.shards = [_Shard(directory, i) for i in range(shards)]
+        self.default_block_size = block_size
+        self.prediction_ttl_s = prediction_ttl_s
+        self.lookup_timeout_s = lookup_timeout_s
+        self.client_id = client_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.ask_server_info = ask_server_info
+        self._registry = registry
+        self._adapters: dict[str, dict[str, str]] = {}
+        self._ids = itertools.count(1)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        # Called with (worker, block size, hashes, ttl_s) after each local prediction: replica sync shares it.
+        self.predict_listeners: list[Callable[[str, int, list[int], float], None]] = []
+        reg = metrics_registry or CollectorRegistry()
+        # The per-worker epp_kv_* series live in the shards: exported here from a snapshot refreshed in the
+        # background (a scrape never waits for a shard), only when this picker exports metrics at all.
+        self._exported: dict[str, Any] = {"workers": {}, "unique_blocks": 0}
+        self._export = metrics_registry is not None
+        if self._export:
+            register_index(_Exported(self), reg)
+            register_subscribers(lambda: self._exported["workers"], reg)
+        self.m_lookups = Counter("epp_kv_ingest_lookups", "Lookups sent to the KV ingest shards, by result: ok, "
+                                 "unavailable (shard down: its workers routed by load), timeout",
+                                 ["result"], registry=reg)
+        self.m_dropped = Counter("epp_kv_ingest_predictions_dropped", "Predictions not sent: the shard was "
+                                 "down or its control stream backlogged", registry=reg)
+        self._results = {r: self.m_lookups.labels(r) for r in ("ok", "unavailable", "timeout")}
+        self.counts = dict.fromkeys(self._results, 0)  # the same, readable (bench, tests, /debug/kv)
+        registry.subscribe(self._on_change)
+
+    @property
+    def index(self) -> RemoteKv:
+        """What replica sync feeds peers' predictions into (`block_size`, `predict_hashes`): this adapter."""
+        return self
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        for sh in self.shards:
+            self._spawn(self._control(sh))
+        if self._export:
+            self._spawn(self._refresh_exported())
+
+    def _spawn(self, coro: Any) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        self._closed = True
+        await cancel_and_wait(list(self._tasks))
+        for sh in self.shards:
+            sh.hang_up()
+            if sh.writer is not None:
+                sh.writer.close()
+
+    def _shard(self, address: str) -> _Shard:
+        return self.shards[wire.shard_of(address, len(self.shards))]
+
+    # ------------------------------------------------------------------ workers
+    def _on_change(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
+        touched: set[int] = set()
+        for ep in removed:
+            sh = self._shard(ep.address)
+            sh.workers.pop(ep.address, None)
+            sh.sizes.pop(ep.address, None)
+            self._adapters.pop(ep.address, None)
+            touched.add(sh.index)
+        for ep in added:
+            sh = self._shard(ep.address)
+            sh.workers[ep.address] = [[pub, replay, rank] for rank, pub, replay in ep.kv_endpoints]
+            touched.add(sh.index)
+            if not ep.kv_endpoints:
+                log.warning("endpoint %s (%s) has no KV-event endpoint: it gets load-based routing only",
+                            ep.name, ep.address)
+            if self.ask_server_info:
+                self._spawn(self._learn(ep.address))
+        for i in touched:
+            self._send_workers(self.shards[i])
+
+    def _send_workers(self, sh: _Shard) -> None:
+        sh.send(wire.T_WORKERS, orjson.dumps([[a, s] for a, s in sh.workers.items()]))
+
+    async def _learn(self, address: str) -> None:
+        """Block size (told to the shard) and LoRA adapters (kept here: prompts are hashed here)."""
+        n = await fetch_block_size(address)
+        if address not in self._registry:
+            return
+        if n is not None:
+            sh = self._shard(address)
+            sh.sizes[address] = n
+            sh.send(wire.T_BLOCK_SIZE, orjson.dumps([address, n]))
+        adapters = await fetch_served_adapters(address)
+        if adapters and address in self._registry:
+            log.info("worker %s serves LoRA adapters %s", address, sorted(adapters))
+            self._adapters[address] = adapters
+
+    def set_adapters(self, address: str, adapters: Sequence[str] | dict[str, str]) -> None:
+        self._adapters[address] = dict(adapters) if isinstance(adapters, dict) else dict.fromkeys(adapters, "")
+
+    def adapter_for(self, model: object, address: str | None = None) -> str | None:
+        """As `KvRouting.adapter_for`: `model` when it names an adapter a worker serves, else None."""
+        if not isinstance(model, str) or not model:
+            return None
+        if address is not None:
+            return model if model in self._adapters.get(address, ()) else None
+        return model if any(model in a for a in self._adapters.values()) else None
+
+    def base_model_for(self, model: object) -> str | None:
+        if not isinstance(model, str):
+            return None
+        for adapters in self._adapters.values():
+            parent = adapters.get(model)
+            if parent:
+                return parent
+        return None
+
+    def resync(self, address: str) -> None:
+        if address in self._registry:
+            self._shard(address).send(wire.T_RESYNC, orjson.dumps(address))
+
+    def block_size(self, address: str) -> int:
+        sh = self._shard(address)
+        sizes = sh.meta.block_sizes
+        n = sizes.get(address) if sizes else None
+        return n or sh.sizes.get(address) or self.default_block_size
+
+    def warm(self, address: str) -> bool:
+        """The shard has applied the worker's first batch (replay included): readiness waits for it."""
+        return address in self._shard(address).meta.warm
+
+    # ------------------------------------------------------------------ the request path
+    def prompt(self, tokens: Sequence[int], identity: PromptIdentity = NO_IDENTITY) -> Prompt:
+        """As `KvRouting.prompt`: salt, LoRA adapter and media items (keyed per worker's dialect)."""
+        return Prompt(tokens, identity.salt, self.adapter_for(identity.model), identity.media)
+
+    def dialect(self, address: str) -> str:
+        """How the worker's engine keys media blocks, as its shard learned it from its events (else vLLM's)."""
+        d = self._shard(address).meta.dialects
+        return (d.get(address) if d else None) or DEFAULT_DIALECT
+
+    def overlap(self, prompt: Prompt, workers: Sequence[str], *, predicted: bool = True) -> dict[str, int]:
+        """One lookup per shard that owns a candidate (a text prompt), or per (shard, media dialect) group of
+        candidates (a prompt with media: its chain depends on how each engine keys media blocks)."""
+        groups: dict[tuple[int, str | None], list[str] | None] = {}
+        if prompt.media:
+            for w in workers:
+                ws = groups.setdefault((wire.shard_of(w, len(self.shards)), self.dialect(w)), [])
+                assert ws is not None
+                ws.append(w)
+        elif len(self.shards) == 1:
+            groups[(0, None)] = None
+        else:
+            for w in workers:
+                groups[(wire.shard_of(w, len(self.shards)), None)] = None
+        return self._ask(groups, prompt, set(workers), predicted)
+
+    def _ask(self, groups: dict[tuple[int, str | None], list[str] | None], prompt: Prompt, wanted: set[str],
+             predicted: bool) -> dict[str, int]:
+        """Send every lookup (a shard's workers, or a filtered group of them), then read each answer within the
+        deadline; merge (a worker's best figure)."""
+        deadline = time.monotonic() + self.lookup_timeout_s
+        sent: list[tuple[_Shard, int]] = []
+        for (i, dialect), only in groups.items():
+            sh = self.shards[i]
+            s = sh.dial()
+            if s is None:
+                self._count("unavailable")
+                continue
+            sizes = sh.meta.sizes or (self.default_block_size,)
+            sections = [(bs, prompt.hashes(bs, dialect) if dialect else prompt.hashes(bs)) for bs in sizes]
+            req = next(self._ids) & 0xFFFFFFFF
+            try:
+                s.settimeout(max(deadline - time.monotonic(), 0.0001))  # a shard that stopped reading: bounded too
+                s.send(wire.pack_lookup(req, sh.meta.version, predicted, sections, only))
+            except OSError:
+                sh.hang_up()
+                self._count("unavailable")
+                continue
+            sent.append((sh, req))
+        out: dict[str, int] = {}
+        for sh, req in sent:
+            s = sh.sock
+            if s is None:  # an earlier answer of this shard failed: the socket (and this answer) are gone
+                continue
+            try:
+                s.settimeout(max(deadline - time.monotonic(), 0.0001))
+                buf = s.recv(wire.SEQPACKET_BUFFER)
+                if not buf:
+                    raise ConnectionResetError
+                rid, version, meta, entries = wire.unpack_answer(buf)
+                if rid != req:
+                    raise ValueError("answer to another request")
+            except TimeoutError:
+                sh.hang_up()
+                self._count("timeout")
+                continue
+            except (OSError, ValueError):
+                sh.hang_up()
+                self._count("unavailable")
+                continue
+            if meta is not None:
+                sh.meta = wire.Meta.decode(version, meta)
+            self._count("ok")
+            names = sh.meta.workers
+            for i in range(0, len(entries), 2):
+                k = entries[i]
+                if k < len(names):
+                    w = names[k]
+                    if w in wanted and entries[i + 1] > out.get(w, 0):
+                        out[w] = entries[i + 1]
+        return out
+
+    def _count(self, result: str) -> None:
+        self.counts[result] += 1
+        self._results[result].inc()
+
+    def credit(self, prompt: Prompt, workers: Sequence[str]) -> dict[str, Credit]:
+        total = self.overlap(prompt, workers)
+        confirmed = self.overlap(prompt, workers, predicted=False)
+        return {w: Credit(confirmed.get(w, 0), n - confirmed.get(w, 0)) for w, n in total.items()}
+
+    def predict(self, address: str, prompt: Prompt) -> None:
+        if self.prediction_ttl_s > 0:
+            size = self.block_size(address)
+            hashes = prompt.hashes(size, self.dialect(address)) if prompt.media else prompt.hashes(size)
+            self.predict_hashes(address, hashes, self.prediction_ttl_s)
+            for fn in self.predict_listeners:
+                fn(address, size, hashes, self.prediction_ttl_s)
+
+    def predict_hashes(self, address: str, hashes: Sequence[int], ttl_s: float) -> None:
+        """Credit `hashes` to `address` in its shard (a peer's prediction arrives here too, through sync)."""
+        if hashes and not self._shard(address).send(
+                wire.T_PREDICT, wire.pack_prediction(address, self.block_size(address), ttl_s, time.time(), hashes),
+                droppable=True):
+            self.m_dropped.inc()
+
+    # ------------------------------------------------------------------ control streams
+    async def _control(self, sh: _Shard) -> None:
+        """Keep the shard's control stream up; on each (re)connect say who we are and what we want."""
+        backoff = Backoff(0.05, 1.0)
+        while not self._closed:
+            try:
+                reader, writer = await asyncio.open_unix_connection(sh.control_path)
+            except OSError:
+                await asyncio.sleep(backoff.failed())
+                continue
+            backoff.succeeded()
+            sh.writer = writer
+            sh.send(wire.T_HELLO, orjson.dumps({"client": self.client_id}))
+            self._send_workers(sh)
+            for a, n in sh.sizes.items():
+                sh.send(wire.T_BLOCK_SIZE, orjson.dumps([a, n]))
+            try:
+                while True:
+                    head = await reader.readexactly(wire.FRAME_HEADER)
+                    n, kind = wire.frame_header(head)
+                    body = await reader.readexactly(n)
+                    if kind == wire.T_META:
+                        version = int.from_bytes(body[:4], "little")
+                        if version != sh.meta.version:
+                            sh.meta = wire.Meta.decode(version, body[4:])
+                    elif kind == wire.T_SNAPSHOT_ANSWER:
+                        d = orjson.loads(body)
+                        fut = sh.snapshots.pop(d.get("id"), None)
+                        if fut is not None and not fut.done():
+                            fut.set_result(d["snapshot"])
+            except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+                pass
+            finally:
+                sh.writer = None
+                writer.close()
+                for fut in sh.snapshots.values():
+                    if not fut.done():
+                        fut.set_exception(ConnectionError("kv ingest shard restarted"))
+                sh.snapshots.clear()
+            log.warning("kv ingest shard %d: control stream lost; reconnecting", sh.index)
+
+    async def _refresh_exported(self) -> None:
+        while True:
+            await asyncio.sleep(METRICS_REFRESH_S)
+            snap = await self.snapshot()
+            if all(s.get("up") for s in snap["ingest"]):  # a shard restarting keeps the last figures
+                self._exported = snap
+
+    def exported_snapshot(self) -> dict[str, Any]:
+        """What the epp_kv_* collectors read (kvindex.metrics.IndexSnapshot): the last refreshed snapshot."""
+        return self._exported
+
+    async def snapshot(self, timeout_s: float = SNAPSHOT_TIMEOUT_S) -> dict[str, Any]:
+        """`/debug/kv`: every shard's snapshot merged (a shard that is down shows as such under `ingest`)."""
+        out: dict[str, Any] = {"default_block_size": self.default_block_size, "unique_blocks": 0,
+                               "predicted_unique_blocks": 0, "workers": {}, "ingest": []}
+        loop = asyncio.get_running_loop()
+        waits = []
+        for sh in self.shards:
+            rid = next(self._ids)
+            fut: asyncio.Future[dict[str, Any]] = loop.create_future()
+            if sh.send(wire.T_SNAPSHOT, orjson.dumps({"id": rid})):
+                sh.snapshots[rid] = fut
+            else:
+                fut.set_exception(ConnectionError("kv ingest shard down"))
+            waits.append(fut)
+        for sh, fut in zip(self.shards, waits, strict=True):
+            try:
+                async with asyncio.timeout(timeout_s):
+                    snap = await fut
+            except (TimeoutError, ConnectionError) as e:
+                out["ingest"].append({"shard": sh.index, "up": False, "error": str(e) or type(e).__name__})
+                continue
+            out["max_blocks_per_worker"] = snap.get("max_blocks_per_worker")
+            out["unique_blocks"] += snap.get("unique_blocks", 0)
+            out["predicted_unique_blocks"] += snap.get("predicted_unique_blocks", 0)
+            out["workers"].update(snap.get("workers", {}))
+            out["ingest"].append({"up": True, **snap.get("ingest", {})})
+        for wid, adapters in self._adapters.items():
+            if wid in out["workers"]:
+                out["workers"][wid]["lora_adapters"] = sorted(adapters)
+        out["lookups"] = dict(self.counts)
+        return out

@@ -1,0 +1,403 @@
+"""One ingest shard: the ZeroMQ subscriptions, decoding and index of its workers, served to the pickers on its host.
+
+The process that answers Envoy no longer decodes a single KV event: it asks this one "how many leading blocks
+of these hashes does each worker hold?" over a Unix socket (see `wire.py`). Here the event loop ingests and
+lookups are answered on threads, under the index's lock: a lookup is one mask walk (O(prompt blocks)) and
+waits for the GIL (0.5 ms switch interval in this process) and at most one batch's apply, never for a round
+of the loop's subscriptions; the decision process never waits behind ingest at all.
+
+Sharding: shard k of K owns the workers whose `wire.shard_of(address, K)` is k; each shard is its own process
+with its own index, so K shards ingest on up to K cores and a flood in one shard costs the others nothing.
+
+Which workers: every picker process on the host (its `--processes` children) sends the set it wants indexed
+(`T_WORKERS`, the shard's part of its registry); the shard indexes the union. A picker that disconnects keeps
+its set for `CLIENT_GRACE_S`, so a picker restarting does not drop the index it will want back.
+
+Budgets: the index's own bounds (per-worker block cap, rank cap) and the subscriber's (batch bytes and events,
+replay caps, the turn budget) are unchanged. On top, `Pacer` gives each worker a CPU budget (a share of one
+core, with a burst): a publisher over it is not read until its budget refills, so its SUB queue fills, ZeroMQ
+drops its batches, and it loses its own freshness (gaps, replay, or a cleared rank), never another worker's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+import zmq
+import zmq.asyncio
+
+from epp_extproc.ingest import wire
+from epp_extproc.ingest.pacing import LagSamples, Pacer
+from kvindex.aio import cancel_and_wait
+from kvindex.events import DecodedBatch
+from kvindex.index import KvIndex
+from kvindex.subscriber import KvSource, SubscriberManager
+
+log = logging.getLogger(__name__)
+
+CLIENT_GRACE_S = 10.0  # a disconnected picker's worker set is kept this long (a restart comes back sooner)
+META_PERIOD_S = 0.05  # how often the worker table (block sizes, warm flags) is checked for changes
+MAX_PREDICTION_HASHES = 8192  # as replica sync: a longer prediction is cut
+MAX_PREDICTION_TTL_S = 60.0
+PARENT_CHECK_S = 1.0
+MAX_ZMQ_SOCKETS = 16384
+TURN_BUDGET_S = 0.001
+
+Sources = tuple[tuple[str, str | None, int | None], ...]
+
+
+class LaggedIndex(KvIndex):
+    """The index behind a lock, also sampling how old each applied batch is (publisher `ts` to now).
+
+    Lookups are answered on their own thread (see `IngestShard`), so every call that changes the index, from
+    the event loop's subscribers or control messages, holds `lock`, and so does a lookup's walk: the walk never
+    sees a half-applied batch, and it waits at most one batch's apply, never a whole turn of the loop."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batch_lag = LagSamples()
+        self.lock = threading.RLock()
+
+    def apply_batch(self, worker_id: str, batch: DecodedBatch, rank: int | None = None) -> None:
+        with self.lock:
+            super().apply_batch(worker_id, batch, rank)
+        if batch.ts > 1e9:  # a wall-clock stamp (vLLM, the bench); TensorRT-LLM's may be absent or relative
+            self.batch_lag.add(time.time() - batch.ts)
+
+    def add_worker(self, worker_id: str) -> None:
+        with self.lock:
+            super().add_worker(worker_id)
+
+    def drop_worker(self, worker_id: str) -> None:
+        with self.lock:
+            super().drop_worker(worker_id)
+
+    def clear_worker(self, worker_id: str, rank: int | None = None) -> None:
+        with self.lock:
+            super().clear_worker(worker_id, rank)
+
+    def set_ranks(self, worker_id: str, n: int) -> None:
+        with self.lock:
+            super().set_ranks(worker_id, n)
+
+    def set_block_size(self, worker_id: str, n: int) -> None:
+        with self.lock:
+            super().set_block_size(worker_id, n)
+
+    def count_garbage_frames(self, worker_id: str, n: int = 1) -> None:
+        with self.lock:
+            super().count_garbage_frames(worker_id, n)
+
+    def predict_hashes(self, worker_id: str, hashes: Sequence[int], ttl_s: float) -> None:
+        with self.lock:
+            super().predict_hashes(worker_id, hashes, ttl_s)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            return super().snapshot()
+
+
+class IngestShard:
+    """Subscriptions + index of one shard, with its lookup and control servers."""
+
+    def __init__(self, directory: str, shard: int = 0, shards: int = 1, *, block_size: int = 32,
+                 max_blocks_per_worker: int = 1_000_000, topic: str = "", worker_cpu_share: float = 0.1,
+                 worker_burst_s: float = 0.05, parent_pid: int | None = None) -> None:
+        self.directory = directory
+        self.shard = shard
+        self.shards = shards
+        self.index = LaggedIndex(block_size, max_blocks_per_worker)
+        self.pacer = Pacer(worker_cpu_share, worker_burst_s)
+        # libzmq's default of 1023 sockets per context caps a picker near 500 workers (a SUB and its monitor
+        # each): a shard that owns a 1,000-worker pool needs more
+        self._zmq = zmq.asyncio.Context()
+        self._zmq.set(zmq.MAX_SOCKETS, MAX_ZMQ_SOCKETS)
+        # a lookup waits at most one turn of ingest work: 1 ms here (5 ms in a picker's own loop), since this
+        # loop answers lookups and nothing else is latency-bound in it
+        self.subscribers = SubscriberManager(self.index, topic=topic, zmq_context=self._zmq, pace=self.pacer.charge,
+                                             turn_budget_s=TURN_BUDGET_S)
+        self.prediction_lag = LagSamples()
+        self.parent_pid = parent_pid
+        self._clients: dict[str, dict[str, Sources]] = {}
+        self._client_conns: dict[str, int] = {}  # live control connections per client id
+        self._drop_at: dict[str, float] = {}  # client id -> when its set is dropped (disconnected)
+        self._current: dict[str, Sources] = {}
+        self._rows: list[str] = []  # worker index in answers -> address ("" = a freed row)
+        self._row_of: dict[str, int] = {}
+        self._meta_sig: object = None
+        self._meta = b""
+        self.meta_version = 1
+        self._lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._writers: set[asyncio.StreamWriter] = set()  # the pickers' control streams: meta is pushed there
+        self._lookup_sock: socket.socket | None = None
+        self._control: asyncio.AbstractServer | None = None
+        self.lookups = 0
+        self.bad_requests = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        path = wire.lookup_socket(self.directory, self.shard)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, wire.SEQPACKET_BUFFER)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, wire.SEQPACKET_BUFFER)
+        s.bind(path)
+        s.listen(64)
+        self._lookup_sock = s
+        threading.Thread(target=self._accept_lookups, name=f"ingest-{self.shard}-lookups", daemon=True).start()
+        ctl = wire.control_socket(self.directory, self.shard)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(ctl)
+        self._control = await asyncio.start_unix_server(self._serve_control, ctl)
+        self._refresh_meta()
+        self._tasks.append(loop.create_task(self._housekeeping()))
+        log.info("kv ingest shard %d/%d serving on %s", self.shard, self.shards, path)
+
+    async def close(self) -> None:
+        await cancel_and_wait(self._tasks)
+        if self._control is not None:
+            self._control.close()
+        if self._lookup_sock is not None:
+            with contextlib.suppress(OSError):
+                self._lookup_sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone does not)
+            self._lookup_sock.close()
+        await self.subscribers.close()
+        self._zmq.destroy(linger=0)
+
+    async def serve_forever(self) -> None:
+        await self.start()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await self.close()
+
+    # ------------------------------------------------------------------ lookups (the request path)
+    # Lookups are answered on threads, not on the event loop: a loop with hundreds of busy subscriptions runs
+    # each one's turn before it polls again, so a lookup on the loop would wait a whole round of ingest. A
+    # thread waits only for the GIL (the shard sets a 0.5 ms switch interval) and for the index lock (one
+    # batch's apply). One thread per picker process connected: a handful.
+    def _accept_lookups(self) -> None:
+        assert self._lookup_sock is not None
+        while True:
+            try:
+                conn, _ = self._lookup_sock.accept()
+            except OSError:  # closed: the shard is stopping
+                return
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, wire.SEQPACKET_BUFFER)
+            threading.Thread(target=self._serve_lookups, args=(conn,), daemon=True).start()
+
+    def _serve_lookups(self, conn: socket.socket) -> None:
+        with conn:
+            while True:
+                try:
+                    buf = conn.recv(wire.SEQPACKET_BUFFER)
+                except OSError:
+                    return
+                if not buf:
+                    return
+                try:
+                    answer = self.answer(buf)
+                except ValueError as e:  # a picker of another version, or garbage: no answer, it times out
+                    self.bad_requests += 1
+                    log.warning("kv ingest: malformed lookup (%s)", e)
+                    continue
+                try:
+                    conn.sendall(answer)
+                except OSError:
+                    return
+
+    def answer(self, buf: bytes) -> bytes:
+        """Answer one lookup: per worker of this shard, its leading blocks over all the request's block sizes
+        (a worker's figure is its best, as the in-process index's `overlap` takes it over its slots)."""
+        req = wire.unpack_lookup(buf)
+        with self.index.lock:  # the index, the worker table and its version, all as of one instant
+            self.lookups += 1
+            workers = None if req.workers is None else [w for w in req.workers if w in self._row_of]
+            best: dict[str, int] = {}
+            for bs, hashes in req.sections:
+                for w, n in self.index.overlap_hashes(hashes, bs, workers, predicted=req.predicted).items():
+                    if n > best.get(w, 0):
+                        best[w] = n
+            entries = array("I")
+            row = self._row_of
+            for w, n in best.items():
+                i = row.get(w)
+                if i is not None:
+                    entries.append(i)
+                    entries.append(n)
+            version = self.meta_version
+            meta = self._meta if req.meta_version != version else None
+        return wire.pack_answer(req.req_id, version, meta, entries)
+
+    # ------------------------------------------------------------------ the worker table
+    def _refresh_meta(self) -> None:
+        """Bump the meta version when a worker, its block size, warm flag or media dialect, or the set of sizes
+        changed."""
+        idx = self.index
+        with idx.lock:
+            rows = [(w, idx.block_size(w) if w else 0, bool(w) and idx.stats(w).batches > 0,
+                     idx.media_dialect(w) if w else None) for w in self._rows]
+            sizes = sorted(set(idx.block_sizes()) | {r[1] for r in rows if r[0]})
+            sig = (tuple(rows), tuple(sizes))
+            if sig == self._meta_sig:
+                return
+            self._meta_sig = sig
+            self._meta = wire.encode_meta(rows, sizes)
+            self.meta_version += 1
+        for w in self._writers:
+            self._push_meta(w)
+
+    def _push_meta(self, writer: asyncio.StreamWriter) -> None:
+        """Readiness and block sizes must not wait for a request to carry the table: it is pushed."""
+        if not writer.is_closing():
+            writer.write(wire.frame(wire.T_META, struct.pack("<I", self.meta_version) + self._meta))
+
+    async def _housekeeping(self) -> None:
+        next_parent = 0.0
+        while True:
+            await asyncio.sleep(META_PERIOD_S)
+            self._refresh_meta()
+            now = time.monotonic()
+            due = [c for c, t in self._drop_at.items() if t <= now]
+            if due:
+                for c in due:
+                    del self._drop_at[c]
+                    self._clients.pop(c, None)
+                await self._apply_wanted()
+            if self.parent_pid is not None and now >= next_parent:
+                next_parent = now + PARENT_CHECK_S
+                if os.getppid() != self.parent_pid:
+                    log.warning("kv ingest shard %d: the picker that started it is gone; exiting", self.shard)
+                    os._exit(0)
+
+    async def want(self, client: str, workers: dict[str, Sources]) -> None:
+        """`client` (a picker process) wants these workers indexed (its whole set: it replaces the last one);
+        workers of other shards are ignored, a worker without sources is known but not subscribed."""
+        self._clients[client] = {a: s for a, s in workers.items() if wire.shard_of(a, self.shards) == self.shard}
+        await self._apply_wanted()
+
+    async def _apply_wanted(self) -> None:
+        """Index the union of what the connected (or recently connected) pickers want: open what is new,
+        close what nobody wants, re-open a worker whose KV endpoints changed."""
+        async with self._lock:
+            wanted: dict[str, Sources] = {}
+            for ws in self._clients.values():
+                for addr, sources in ws.items():
+                    if addr not in wanted or (sources and not wanted[addr]):
+                        wanted[addr] = sources
+            for addr in [a for a in self._current if a not in wanted]:
+                await self.subscribers.remove(addr)
+                self.index.drop_worker(addr)
+                self.pacer.forget(addr)
+                del self._current[addr]
+                with self.index.lock:
+                    i = self._row_of.pop(addr)
+                    self._rows[i] = ""
+            for addr, sources in wanted.items():
+                if self._current.get(addr) == sources:
+                    continue
+                if addr in self._current:
+                    await self.subscribers.remove(addr)
+                self._current[addr] = sources
+                if addr not in self._row_of:
+                    with self.index.lock:
+                        free = self._rows.index("") if "" in self._rows else len(self._rows)
+                        if free == len(self._rows):
+                            self._rows.append(addr)
+                        else:
+                            self._rows[free] = addr
+                        self._row_of[addr] = free
+                self.index.add_worker(addr)
+                if sources:
+                    await self.subscribers.add(addr, [KvSource(pub, replay, rank) for pub, replay, rank in sources])
+            self._refresh_meta()
+
+    # ------------------------------------------------------------------ control
+    async def _serve_control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        client: str | None = None
+        self._writers.add(writer)
+        self._push_meta(writer)
+        try:
+            while True:
+                try:
+                    head = await reader.readexactly(wire.FRAME_HEADER)
+                    n, kind = wire.frame_header(head)
+                    body = await reader.readexactly(n)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                if kind == wire.T_PREDICT:
+                    self._predict(body)
+                elif kind == wire.T_HELLO:
+                    client = str(orjson.loads(body)["client"])
+                    self._client_conns[client] = self._client_conns.get(client, 0) + 1
+                    self._drop_at.pop(client, None)
+                elif kind == wire.T_WORKERS:
+                    await self.want(client or "?", {
+                        str(a): tuple((str(p), r if r is None else str(r), k if k is None else int(k))
+                                      for p, r, k in srcs)
+                        for a, srcs in orjson.loads(body)})
+                elif kind == wire.T_BLOCK_SIZE:
+                    addr, size = orjson.loads(body)
+                    if addr in self._current and isinstance(size, int) and size > 0:
+                        self.index.set_block_size(addr, size)
+                        self._refresh_meta()
+                elif kind == wire.T_RESYNC:
+                    addr = orjson.loads(body)
+                    if addr in self._current:
+                        log.warning("worker %s is gone: its KV entries are dropped until it publishes again", addr)
+                        self.subscribers.resync(addr)
+                elif kind == wire.T_SNAPSHOT:
+                    req = orjson.loads(body)
+                    writer.write(wire.frame(wire.T_SNAPSHOT_ANSWER,
+                                            orjson.dumps({"id": req.get("id"), "snapshot": self.snapshot()})))
+                    await writer.drain()
+        except ConnectionError:  # the picker went away mid-answer
+            pass
+        except Exception:  # a malformed control frame from a local picker: log it and drop that connection
+            log.exception("kv ingest shard %d: bad control message", self.shard)
+        finally:
+            self._writers.discard(writer)
+            if client is not None:
+                left = self._client_conns.get(client, 1) - 1
+                self._client_conns[client] = left
+                if left <= 0:
+                    self._drop_at[client] = time.monotonic() + CLIENT_GRACE_S
+            writer.close()
+
+    def _predict(self, body: bytes) -> None:
+        address, bs, ttl, sent, hashes = wire.unpack_prediction(body, MAX_PREDICTION_HASHES)
+        self.prediction_lag.add(time.time() - sent)
+        # only for workers indexed here, in the size their prompts are hashed with (as replica sync does)
+        if address in self._current and self.index.block_size(address) == bs and ttl > 0:
+            self.index.predict_hashes(address, hashes, min(ttl, MAX_PREDICTION_TTL_S))
+
+    def snapshot(self) -> dict[str, Any]:
+        """`/debug/kv` for this shard: the index, each worker's subscriber counters and pacing, and the shard's
+        own figures (lookups served, lags)."""
+        snap = self.index.snapshot()
+        for wid, d in self.subscribers.stats_snapshot().items():
+            w = snap["workers"].get(wid)
+            if w is not None:
+                w.update(d)
+        for wid, d in self.pacer.snapshot().items():
+            w = snap["workers"].get(wid)
+            if w is not None:
+                w.update(d)
+        snap["ingest"] = {"shard": self.shard, "shards": self.shards, "pid": os.getpid(), "lookups": self.lookups,
+                          "bad_requests": self.bad_requests, "batch_lag_s": self.index.batch_lag.summary(),
+                          "prediction_lag_s": self.prediction_lag.summary(), "meta_version": self.meta_version}
+        return snap

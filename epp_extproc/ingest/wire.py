@@ -1,0 +1,196 @@
+"""The local channel between a picker process and its host's ingest processes: byte layouts, in one place.
+
+Two sockets per ingest shard, both Unix sockets in a private directory:
+
+* the **lookup** socket (``SOCK_SEQPACKET``: connection-oriented, message boundaries kept by the kernel, so a
+  request is one ``send`` and its answer one ``recv``, no framing to parse) carries only the request path's
+  question, "per worker, how many leading blocks of these hashes?", and its answer;
+* the **control** socket (``SOCK_STREAM``, length-prefixed frames) carries everything that is not on the
+  request path: the worker set a picker wants indexed, block sizes learned over HTTP, predictions, resyncs,
+  and ``/debug/kv`` snapshots.
+
+Only hashes cross the lookup socket: prompts are packed and hashed in the decision process (as today), so the
+ingest never sees a token. Hashes travel as native u64 arrays (``array('Q')``), answers as u32 pairs
+(worker index, blocks). A worker index refers to the shard's *meta* table (worker addresses, their block
+sizes, whether their index is warm, their engine's media-key dialect, the block sizes present), which changes rarely and is only sent back
+when the picker's copy (named by its version in each request) is out of date.
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import orjson
+import xxhash
+
+# lookup request: op, request id, the meta version the picker holds, flags, number of sections, filter length
+_REQ = struct.Struct("<BIIBBI")
+_SECTION = struct.Struct("<II")  # block size, number of hashes (then the hashes as u64)
+# lookup answer: op, request id, meta version, meta length (0: the picker's copy is current), entries
+_ANS = struct.Struct("<BIIII")
+OP_LOOKUP = 1
+OP_ANSWER = 2
+FLAG_PREDICTED = 1  # count predicted blocks too (overlap); without it: confirmed only (credit)
+MAX_SECTIONS = 8  # block sizes per lookup (kvindex allows 4 per worker; a pool rarely has 2)
+MAX_LOOKUP_HASHES = 1 << 17  # per section: 4M tokens at block size 32; more is cut (a lookup stays bounded)
+MAX_FILTER_BYTES = 1 << 20
+SEQPACKET_BUFFER = 4 << 20  # SO_SNDBUF/SO_RCVBUF of both ends: the largest message must fit one datagram
+
+# control frames: length (of type + body), type
+_FRAME = struct.Struct("<IB")
+MAX_FRAME = 64 << 20
+T_HELLO = ord("H")  # JSON {"client": id}: who is talking (a reconnecting picker replaces its own set)
+T_WORKERS = ord("W")  # JSON [[address, [[endpoint, replay | null, rank | null], ...]], ...]: the full set
+T_BLOCK_SIZE = ord("B")  # JSON [address, n]
+T_RESYNC = ord("R")  # JSON address
+T_PREDICT = ord("P")  # binary: see pack_prediction
+T_SNAPSHOT = ord("S")  # JSON {"id": n} -> T_SNAPSHOT_ANSWER JSON {"id": n, "snapshot": {...}}
+T_SNAPSHOT_ANSWER = ord("s")
+T_META = ord("M")  # shard -> pickers, whenever the worker table changes: u32 version, then the meta JSON
+_PRED = struct.Struct("<HIfdI")  # address length, block size, ttl_s, sender's wall clock, number of hashes
+
+
+def shard_of(address: str, shards: int) -> int:
+    """The ingest shard that owns a worker: stable across processes and restarts (not Python's hash)."""
+    return 0 if shards <= 1 else xxhash.xxh3_64_intdigest(address.encode()) % shards
+
+
+def lookup_socket(directory: str, shard: int) -> str:
+    return f"{directory}/ingest-{shard}.lookup"
+
+
+def control_socket(directory: str, shard: int) -> str:
+    return f"{directory}/ingest-{shard}.ctl"
+
+
+@dataclass(slots=True)
+class LookupRequest:
+    req_id: int
+    meta_version: int
+    predicted: bool
+    sections: list[tuple[int, array]]  # (block size, hashes as array('Q'))
+    workers: list[str] | None  # None: every worker of the shard
+
+
+def pack_lookup(req_id: int, meta_version: int, predicted: bool, sections: Sequence[tuple[int, Sequence[int]]],
+                workers: Sequence[str] | None = None) -> bytes:
+    """One lookup request: a header, then per block size its hashes, then the optional worker filter."""
+    filt = "\n".join(workers).encode() if workers is not None else b""
+    parts = [_REQ.pack(OP_LOOKUP, req_id, meta_version, FLAG_PREDICTED if predicted else 0, len(sections),
+                       len(filt) if workers is not None else 0xFFFFFFFF)]
+    for bs, hashes in sections:
+        arr = hashes if isinstance(hashes, array) and hashes.typecode == "Q" else array("Q", hashes)
+        parts.append(_SECTION.pack(bs, len(arr)))
+        parts.append(arr.tobytes())
+    parts.append(filt)
+    return b"".join(parts)
+
+
+def unpack_lookup(buf: bytes) -> LookupRequest:
+    """Parse a lookup; ValueError on anything malformed or over the bounds (the server answers nothing)."""
+    try:
+        op, req_id, version, flags, n_sections, n_filter = _REQ.unpack_from(buf, 0)
+    except struct.error:
+        raise ValueError("short lookup header") from None
+    if op != OP_LOOKUP or n_sections > MAX_SECTIONS:
+        raise ValueError("not a lookup")
+    off = _REQ.size
+    sections = []
+    for _ in range(n_sections):
+        try:
+            bs, n = _SECTION.unpack_from(buf, off)
+        except struct.error:
+            raise ValueError("short section header") from None
+        off += _SECTION.size
+        end = off + 8 * n
+        if bs <= 0 or end > len(buf):
+            raise ValueError("bad section")
+        arr = array("Q")
+        arr.frombytes(buf[off : min(end, off + 8 * MAX_LOOKUP_HASHES)])
+        sections.append((bs, arr))
+        off = end
+    workers = None
+    if n_filter != 0xFFFFFFFF:
+        if n_filter > MAX_FILTER_BYTES or off + n_filter != len(buf):
+            raise ValueError("bad worker filter")
+        workers = buf[off:].decode().split("\n") if n_filter else []
+    return LookupRequest(req_id, version, bool(flags & FLAG_PREDICTED), sections, workers)
+
+
+def pack_answer(req_id: int, meta_version: int, meta: bytes | None, entries: array) -> bytes:
+    """The answer: `entries` is array('I') of (worker index, blocks) pairs; `meta` only when it changed."""
+    m = meta or b""
+    return b"".join((_ANS.pack(OP_ANSWER, req_id, meta_version, len(m), len(entries) // 2), m, entries.tobytes()))
+
+
+def unpack_answer(buf: bytes) -> tuple[int, int, bytes | None, array]:
+    """(request id, meta version, meta JSON or None, array('I') of (worker index, blocks) pairs)."""
+    op, req_id, version, n_meta, n = _ANS.unpack_from(buf, 0)
+    if op != OP_ANSWER:
+        raise ValueError("not an answer")
+    off = _ANS.size
+    meta = bytes(buf[off : off + n_meta]) if n_meta else None
+    off += n_meta
+    entries = array("I")
+    entries.frombytes(buf[off : off + 8 * n])
+    return req_id, version, meta, entries
+
+
+@dataclass(slots=True)
+class Meta:
+    """A shard's worker table as a picker mirrors it: the index of each worker in answers, its block size,
+    whether its index is warm (first batch in), and the block sizes present in the shard's index."""
+
+    version: int = 0
+    workers: tuple[str, ...] = ()
+    block_sizes: dict[str, int] | None = None
+    warm: frozenset[str] = frozenset()
+    sizes: tuple[int, ...] = ()
+    dialects: dict[str, str] | None = None  # how each worker's engine keys media blocks, once learned
+
+    @staticmethod
+    def decode(version: int, raw: bytes) -> Meta:
+        d = orjson.loads(raw)
+        rows = d["workers"]
+        return Meta(version, tuple(r[0] for r in rows), {r[0]: r[1] for r in rows if r[0]},
+                    frozenset(r[0] for r in rows if r[2]), tuple(d["sizes"]),
+                    {r[0]: r[3] for r in rows if r[0] and len(r) > 3 and r[3]})
+
+
+def encode_meta(rows: Sequence[tuple[str, int, bool, str | None]], sizes: Sequence[int]) -> bytes:
+    return orjson.dumps({"workers": [list(r) for r in rows], "sizes": list(sizes)})
+
+
+def frame(kind: int, body: bytes) -> bytes:
+    return _FRAME.pack(len(body) + 1, kind) + body
+
+
+FRAME_HEADER = _FRAME.size
+
+
+def frame_header(buf: bytes) -> tuple[int, int]:
+    """(body length, type) of a control frame header; ValueError when over MAX_FRAME."""
+    n, kind = _FRAME.unpack(buf)
+    if n < 1 or n > MAX_FRAME:
+        raise ValueError(f"control frame of {n} bytes")
+    return n - 1, kind
+
+
+def pack_prediction(address: str, block_size: int, ttl_s: float, sent_wall: float, hashes: Sequence[int]) -> bytes:
+    """A prediction: the worker, the block size its hashes were made in, lifetime, when it was made."""
+    a = address.encode()
+    arr = hashes if isinstance(hashes, array) and hashes.typecode == "Q" else array("Q", hashes)
+    return _PRED.pack(len(a), block_size, ttl_s, sent_wall, len(arr)) + a + arr.tobytes()
+
+
+def unpack_prediction(body: bytes, max_hashes: int) -> tuple[str, int, float, float, array]:
+    n_addr, bs, ttl, sent, n = _PRED.unpack_from(body, 0)
+    off = _PRED.size
+    address = body[off : off + n_addr].decode()
+    off += n_addr
+    arr = array("Q")
+    arr.frombytes(body[off : off + 8 * min(n, max_hashes)])
+    return address, bs, ttl, sent, arr

@@ -1,0 +1,47 @@
+"""Per-worker ingest budgets (epp_extproc/ingest/pacing.py), on an injected clock."""
+
+from __future__ import annotations
+
+from epp_extproc.ingest.pacing import LagSamples, Pacer
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_worker_within_its_share_is_never_paused() -> None:
+    clock = Clock()
+    p = Pacer(0.1, 0.05, clock)
+    for _ in range(1000):
+        clock.t += 0.1
+        assert p.charge("w", 0.005) == 0.0  # 5 ms per 100 ms = 5% of a core, under 10%
+
+
+def test_a_worker_over_its_share_is_paused_until_its_debt_is_repaid() -> None:
+    clock = Clock()
+    p = Pacer(0.1, 0.05, clock)
+    assert p.charge("flood", 0.05) == 0.0  # the burst
+    pause = p.charge("flood", 0.02)
+    assert pause == 0.02 / 0.1  # 20 ms of debt at 10% of a core: 200 ms
+    assert p.snapshot()["flood"]["ingest_throttled"] == 1
+
+
+def test_one_workers_debt_does_not_pause_another() -> None:
+    clock = Clock()
+    p = Pacer(0.1, 0.05, clock)
+    p.charge("flood", 1.0)
+    assert p.charge("quiet", 0.001) == 0.0
+    assert "quiet" not in {w for w, d in p.snapshot().items() if d["ingest_throttled"]}
+
+
+def test_lag_samples_keep_a_bounded_window() -> None:
+    lag = LagSamples(size=10)
+    for i in range(100):
+        lag.add(i / 1000)
+    s = lag.summary()
+    assert s["count"] == 100
+    assert s["max"] == 0.099 and s["p50"] >= 0.09  # only the last 10 samples are kept

@@ -1,0 +1,78 @@
+"""`RemoteKv` against a scripted shard on a real SEQPACKET socket: a late shard costs one bounded wait, its late
+answer is never taken for the next request's, and a missing shard answers nothing at once."""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+import threading
+from array import array
+
+from epp_extproc.adapters.kv_remote import RemoteKv
+from epp_extproc.core.contract import PromptIdentity
+from epp_extproc.core.endpoints import EndpointRegistry
+from epp_extproc.ingest import wire
+
+META = wire.encode_meta([("w:1", 4, True, None), ("v:2", 4, True, None)], [4])
+
+
+def scripted_shard(path: str, answers: list[bool], done: threading.Event) -> threading.Thread:
+    """A shard that takes one connection per entry of `answers`: True answers its request (w:1 holds 2
+    blocks, v:2 holds 1), False reads it and says nothing (a stalled shard)."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    srv.bind(path)
+    srv.listen(4)
+
+    def run() -> None:
+        conns = []
+        for answer in answers:
+            conn, _ = srv.accept()
+            conns.append(conn)
+            req = wire.unpack_lookup(conn.recv(1 << 20))
+            if answer:
+                conn.send(wire.pack_answer(req.req_id, 7, META, array("I", [0, 2, 1, 1])))
+        done.wait(10)
+        for c in conns:
+            c.close()
+        srv.close()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def kv_at(directory: str, timeout_s: float) -> RemoteKv:
+    return RemoteKv(EndpointRegistry(), directory=directory, shards=1, block_size=4, prediction_ttl_s=0.0,
+                    lookup_timeout_s=timeout_s, ask_server_info=False)
+
+
+def test_a_stalled_shard_costs_one_timeout_and_the_next_lookup_gets_its_own_answer() -> None:
+    with tempfile.TemporaryDirectory(prefix="epp-t-") as d:
+        done = threading.Event()
+        t = scripted_shard(wire.lookup_socket(d, 0), [False, True], done)
+        kv = kv_at(d, 0.2)
+        prompt = kv.prompt(list(range(12)), PromptIdentity())
+        assert kv.overlap(prompt, ["w:1", "v:2"]) == {}
+        assert kv.counts["timeout"] == 1
+        assert kv.overlap(prompt, ["w:1", "v:2"]) == {"w:1": 2, "v:2": 1}
+        assert kv.counts["ok"] == 1
+        done.set()
+        t.join(5)
+
+
+def test_the_answer_is_narrowed_to_the_candidates() -> None:
+    with tempfile.TemporaryDirectory(prefix="epp-t-") as d:
+        done = threading.Event()
+        t = scripted_shard(wire.lookup_socket(d, 0), [True], done)
+        kv = kv_at(d, 2.0)
+        assert kv.overlap(kv.prompt(list(range(12)), PromptIdentity()), ["v:2"]) == {"v:2": 1}
+        assert kv.block_size("w:1") == 4 and kv.warm("w:1")  # the worker table came with the answer
+        done.set()
+        t.join(5)
+
+
+def test_no_shard_means_no_overlap_and_a_count() -> None:
+    with tempfile.TemporaryDirectory(prefix="epp-t-") as d:
+        kv = kv_at(d, 2.0)
+        assert kv.overlap(kv.prompt(list(range(12)), PromptIdentity()), ["w:1"]) == {}
+        assert kv.counts == {"ok": 0, "unavailable": 1, "timeout": 0}

@@ -1,0 +1,63 @@
+"""Which KV view a picker gets (`--kv-ingest`), and who runs the ingest shards."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from prometheus_client import CollectorRegistry
+
+from epp_extproc.adapters.kv_remote import RemoteKv
+from epp_extproc.adapters.kv_routing import KvRouting
+from epp_extproc.config import Config, ProcessSlot
+from epp_extproc.core.endpoints import EndpointRegistry
+from epp_extproc.ingest.setup import build_kv
+from epp_extproc.processes import child_configs
+
+
+def test_inprocess_is_the_default_and_runs_no_shard() -> None:
+    kv, group, directory = build_kv(Config(), ProcessSlot(), EndpointRegistry(), CollectorRegistry())
+    assert isinstance(kv, KvRouting) and group is None and directory is None
+
+
+def test_a_lone_picker_with_apart_runs_its_own_shards_in_a_private_directory() -> None:
+    kv, group, directory = build_kv(Config(kv_ingest="apart", kv_ingest_shards=3), ProcessSlot(),
+                                    EndpointRegistry(), CollectorRegistry())
+    try:
+        assert isinstance(kv, RemoteKv) and len(kv.shards) == 3
+        assert group is not None and len(group.argvs) == 3
+        assert directory is not None and os.path.isdir(directory)
+        assert all(directory in argv for argv in group.argvs)
+    finally:
+        shutil.rmtree(directory or "", ignore_errors=True)
+
+
+def test_a_processes_child_uses_the_supervisors_shards() -> None:
+    kv, group, directory = build_kv(Config(kv_ingest="apart"), ProcessSlot(index=1, ingest_dir="/run/x"),
+                                    EndpointRegistry(), CollectorRegistry())
+    assert isinstance(kv, RemoteKv) and kv.directory == "/run/x"
+    assert group is None and directory is None
+
+
+def test_processes_children_share_one_ingest_directory_only_when_apart() -> None:
+    apart = child_configs(Config(processes=3, kv_ingest="apart"), "/tmp/d")
+    assert {slot.ingest_dir for _, slot in apart} == {"/tmp/d"}
+    inproc = child_configs(Config(processes=3), "/tmp/d")
+    assert {slot.ingest_dir for _, slot in inproc} == {None}
+
+
+def test_siblings_sharing_an_ingest_do_not_send_each_other_predictions() -> None:
+    from epp_extproc.app import PickerApp
+
+    def listeners(slot: ProcessSlot) -> int:
+        app = PickerApp(Config(kv_ingest="apart", tokenizer_protocol="trtllm-render",
+                               tokenizer_service_url="http://127.0.0.1:1", peers="unix:/tmp/nowhere.sock"), slot)
+        try:
+            assert app.kv is not None
+            return len(app.kv.predict_listeners)
+        finally:
+            if app.ingest_dir:  # nothing was started: only the directory to clean
+                shutil.rmtree(app.ingest_dir, ignore_errors=True)
+
+    assert listeners(ProcessSlot(index=0, ingest_dir="/tmp/d", sync_listen=("unix:/tmp/a.sock",))) == 0
+    assert listeners(ProcessSlot()) == 1  # cross-host peers still get them
