@@ -65,9 +65,10 @@ from bench import trace_stats as S
 CONFIGS = {"a": "envoy round-robin", "t": "picker, text-prefix image credit", "x": "picker, exact image credit"}
 PICKER_ARGS = {"t": ["--media-credit", "text-prefix"], "x": ["--media-credit", "exact"]}
 BS = 32  # the workers' --tokens-per-block (epp_extproc.dev.procs.mock_worker)
-METRICS = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "cached_ratio", "mock_stats_cached_ratio", "errors",
+METRICS = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "first_turn_ttft_p90_ms", "follow_up_ttft_p90_ms",
+           "follow_up_ttft_p50_ms", "cached_ratio", "mock_stats_cached_ratio", "errors",
            "images_encoded", "loadavg_1m_end")
-LOWER_IS_BETTER = ("ttft_p50_ms", "ttft_p90_ms")
+LOWER_IS_BETTER = ("ttft_p50_ms", "ttft_p90_ms", "follow_up_ttft_p90_ms")
 CLAIMED = (*LOWER_IS_BETTER, "cached_ratio")
 PAIRS = (("x", "t"), ("x", "a"), ("t", "a"))
 # Image sizes (width, height) a user's picture is drawn from: Qwen2-VL placeholder counts 64, 192, 391, 625, 1225.
@@ -80,12 +81,12 @@ class Workload:
     question_words: int = 30
     max_tokens: int = 8
     turns: tuple[int, ...] = (4, 5)  # 1 + 3..4 follow-ups, drawn per conversation
-    rates: tuple[float, ...] = (4.0, 8.0, 12.0)
+    rates: tuple[float, ...] = (4.0, 7.0, 10.0)
     seconds: float = 14.0
     repeats: int = 3
     workers: int = 4
     # mock timing (independent scheduler: each request sleeps per UNCACHED prompt token, then per output token)
-    prefill_ms: float = 1.0
+    prefill_ms: float = 2.0
     decode_ms: float = 10.0
     speedup: float = 1.0
     max_batch: int = 2
@@ -183,7 +184,8 @@ def system_prompt(w: Workload) -> str:
 
 
 # ----------------------------------------------------------------------------- one run
-async def run_rate(url: str, w: Workload, rate: float, seed: int) -> tuple[list[H.Result], float, list[bytes]]:
+async def run_rate(url: str, w: Workload, rate: float,
+                   seed: int) -> tuple[list[H.Result], float, list[bytes], list[Turn]]:
     arrivals, turns, convs = schedule(w, rate, seed)
     system = system_prompt(w)
     loop = asyncio.get_running_loop()
@@ -212,7 +214,7 @@ async def run_rate(url: str, w: Workload, rate: float, seed: int) -> tuple[list[
 
     res, el = await H.open_loop(url, arrivals, make, max_seconds=w.seconds + 3, stream=True, on_done=done,
                                 limit=2000)
-    return res, el, bodies
+    return res, el, bodies, turns
 
 
 def stats(workers: Sequence[H.Proc]) -> dict[str, dict[str, Any]]:
@@ -239,15 +241,38 @@ def media_scored(pk: H.Proc | None) -> dict[str, float] | None:
     return out
 
 
+_SUMS = ("epp_predicted_cached_tokens_sum", "dynamo_epp_cached_tokens_sum", "dynamo_epp_cached_tokens_count")
+
+
+def picker_cached(pk: H.Proc | None) -> dict[str, float] | None:
+    """Sums of the picker's predicted cached tokens and of the cached tokens the workers reported to it."""
+    if pk is None:
+        return None
+    out = dict.fromkeys(_SUMS, 0.0)
+    for line in H.get_text(H.picker_url(pk) + "/metrics").splitlines():
+        name = line.partition("{")[0].partition(" ")[0]
+        if name in out:
+            out[name] += float(line.rpartition(" ")[2])
+    return out
+
+
 def _delta(after: dict[str, float] | None, before: dict[str, float] | None) -> dict[str, float] | None:
     if after is None:
         return None
     return {k: v - (before or {}).get(k, 0.0) for k, v in after.items() if v - (before or {}).get(k, 0.0)}
 
 
-def measure(results: list[H.Result], elapsed: float, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+def measure(results: list[H.Result], elapsed: float, before: dict[str, Any], after: dict[str, Any],
+            turns: Sequence[Turn]) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     out = H.summarize(results, elapsed)
+    # first turns carry an image no worker has seen (no routing can reuse it); follow-ups are what routing decides
+    for name, sel in (("first_turn", lambda t: t == 1), ("follow_up", lambda t: t > 1)):
+        xs = [r.ttft for r in ok if r.ttft is not None and sel(turns[r.tag].turn)]
+        for q in (0.5, 0.9):
+            v = H.pct(xs, q)
+            out[f"{name}_ttft_p{int(q * 100)}_ms"] = None if v is None else v * 1e3
+        out[f"{name}_requests"] = len(xs)
     prompt = sum(r.prompt_tokens for r in ok)
     out["cached_ratio"] = sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0
     out["prompt_tokens"] = prompt
@@ -261,6 +286,17 @@ def measure(results: list[H.Result], elapsed: float, before: dict[str, Any], aft
     for r in ok:
         out["per_worker"][r.worker] = out["per_worker"].get(r.worker, 0) + 1
     return out
+
+
+def prediction(d: dict[str, float] | None) -> dict[str, Any]:
+    """What the picker predicted its picks would reuse against what the workers reported (both summed over the
+    run's requests): under exact credit they should agree closely; under text-prefix the prediction stops at the
+    image, so the workers reuse more than predicted."""
+    if d is None:
+        return {"picker_predicted_cached_tokens": None, "picker_observed_cached_tokens": None}
+    return {"picker_predicted_cached_tokens": int(d.get(_SUMS[0], 0)),
+            "picker_observed_cached_tokens": int(d.get(_SUMS[1], 0)),
+            "picker_usage_reports": int(d.get(_SUMS[2], 0))}
 
 
 # ----------------------------------------------------------------------------- offline bounds
@@ -336,12 +372,15 @@ def run(w: Workload, configs: Sequence[str]) -> dict[str, Any]:
                     for m in workers:
                         H.post_json(m.url + "/mock/cache/clear")
                     time.sleep(0.3)  # the AllBlocksCleared events reach the pickers
-                    before, mb = stats(workers), media_scored(pk)
+                    before, mb, pb = stats(workers), media_scored(pk), picker_cached(pk)
                     load0, t0 = os.getloadavg()[0], time.monotonic()
-                    res, el, bodies = asyncio.run(run_rate(env.url + "/v1/chat/completions", w, rate, seed))
+                    res, el, bodies, turns = asyncio.run(run_rate(env.url + "/v1/chat/completions", w, rate, seed))
                     wait_idle(workers)
-                    row = {"config": cfg, "rate": rate, "seed": seed, **measure(res, el, before, stats(workers)),
-                           "media_scored": _delta(media_scored(pk), mb), "loadavg_1m_start": load0,
+                    time.sleep(0.5)  # the picker reads each answer's usage after its stream ended
+                    row = {"config": cfg, "rate": rate, "seed": seed,
+                           **measure(res, el, before, stats(workers), turns),
+                           "media_scored": _delta(media_scored(pk), mb), **prediction(_delta(picker_cached(pk), pb)),
+                           "loadavg_1m_start": load0,
                            "loadavg_1m_end": os.getloadavg()[0], "wall_s": round(time.monotonic() - t0, 1)}
                     runs.append(row)
                     print(f"  ({cfg}) {rate:g} req/s seed {seed}: TTFT p50/p90 {H.fmt(row.get('ttft_p50_ms'), '.0f')}"
@@ -420,10 +459,11 @@ def print_report(doc: dict[str, Any]) -> None:
     for c in doc["result"]["cells"]:
         s = c["summary"]
         rows.append([c["config"], c["rate"], S.fmt_spread(s["ttft_p50_ms"]), S.fmt_spread(s["ttft_p90_ms"]),
+                     S.fmt_spread(s["first_turn_ttft_p90_ms"]), S.fmt_spread(s["follow_up_ttft_p90_ms"]),
                      S.fmt_spread(s["cached_ratio"], ".3f"), S.fmt_spread(s["images_encoded"]),
                      S.fmt_spread(s["errors"]), S.fmt_spread(s["loadavg_1m_end"], ".1f")])
-    print(H.table(rows, ["cfg", "rate", "TTFT p50 ms", "TTFT p90 ms", "cached ratio", "images encoded", "errors",
-                         "load 1m"]))
+    print(H.table(rows, ["cfg", "rate", "TTFT p50 ms", "TTFT p90 ms", "1st turn p90", "follow-up p90",
+                         "cached ratio", "images encoded", "errors", "load 1m"]))
     for rate in sorted({b["rate"] for b in doc["result"]["bounds"]}):
         print(f"  (d) {rate:g} req/s: infinite {S.fmt_spread(_bound(doc, rate, 'infinite'), '.3f')}, clairvoyant "
               f"{S.fmt_spread(_bound(doc, rate, 'clairvoyant'), '.3f')}")
