@@ -51,6 +51,19 @@ def test_each_picker_scores_image_requests_as_its_media_credit_flag_says(doc: di
 
 
 @pytest.mark.timeout(180)
+def test_exact_credit_predicts_the_image_blocks_the_workers_reuse_and_text_prefix_does_not(doc: dict) -> None:
+    for r in doc["result"]["runs"]:
+        if r["config"] == "a":
+            continue
+        predicted, observed = r["picker_predicted_cached_tokens"], r["picker_observed_cached_tokens"]
+        assert observed > 0
+        if r["config"] == "x":  # text, image and later blocks: what the picked worker then reused
+            assert 0.9 <= predicted / observed <= 1.1, r
+        else:  # credit stops before the image, the worker reuses past it
+            assert predicted < 0.9 * observed, r
+
+
+@pytest.mark.timeout(180)
 def test_exact_credit_reuses_more_than_round_robin_and_stays_under_the_offline_bounds(doc: dict) -> None:
     by = {(r["config"], r["seed"]): r for r in doc["result"]["runs"]}
     for seed in (0, 1):
