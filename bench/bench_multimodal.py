@@ -17,13 +17,16 @@ is the next turn of an open conversation with probability 1 - 1/mean turns, else
       (what the picker did before issue 29; here that is the shared system prompt, the same on every warm worker)
   (x) Envoy + picker, vllm-render, --media-credit exact (the default): text, image and later blocks credited from
       the render's mm_hashes / mm_placeholders and the workers' extra_keys events
-  (d) offline bounds on the cached-token ratio, from the very prompts (x) sent, in send order and at their send
-      times: `infinite` (one cache holding every earlier prompt) and `clairvoyant` (bench/clairvoyant.py: future
-      knowledge, Belady eviction, the workers' real capacity and batch limit), each block keyed by its tokens AND
-      the image items overlapping it, as the mock keys it (``image_chain``). A bound on reuse, not on TTFT.
+  (d) offline figures on the cached-token ratio, from the very prompts (x) sent, in send order and at their send
+      times, each block keyed by its tokens AND the image items overlapping it, as the mock keys it
+      (``image_chain``): `infinite` (one cache holding every earlier prompt: an upper bound on any placement's
+      reuse) and `clairvoyant` (bench/clairvoyant.py: future knowledge, Belady eviction, the workers' real capacity
+      and batch limit; its placement prefers a worker that can admit a request now over one that holds its image,
+      so once the workers' slots are full it is no bound: bench/README.md says so with the figures). On reuse only,
+      not on TTFT.
 
-KV capacity (`--num-blocks` per worker) is set so the conversations' blocks do not all fit: evictions happen under
-every configuration (recorded per run from the workers' KV events... as /mock/stats `evicted_blocks` when present).
+KV capacity (`--num-blocks` per worker) is set so a saturating run's conversations do not all fit in the pool (the
+clairvoyant replay's `clairvoyant_evicted_blocks` shows it must evict even knowing the future).
 
 Method: every (rate, seed) runs the three configurations back to back from empty worker caches (POST
 /mock/cache/clear, which also empties the pickers' indexes through AllBlocksCleared and the encoder caches), on the
@@ -34,9 +37,11 @@ the first SSE data chunk; the cached ratio is the workers' own `usage.prompt_tok
 load average is recorded per run: the machine this was written on is shared.
 
 JSON (`multimodal.json`): common keys, `configs`, `workload`, `mock_args`, and
-    result.runs[]:  {config, rate, seed, requests, errors, ttft_p50_ms, ttft_p90_ms, ttft_p99_ms, cached_ratio,
-                     mock_stats_cached_ratio, images_encoded, encoder_ms_total, per_worker, loadavg_1m_start,
-                     loadavg_1m_end, wall_s, media_scored}
+    result.runs[]:  {config, rate, seed, requests, errors, ttft_p50_ms, ttft_p90_ms, ttft_p99_ms,
+                     first_turn_ttft_p{50,90}_ms, follow_up_ttft_p{50,90}_ms, first_turn_requests, follow_up_requests,
+                     cached_ratio, prompt_tokens, mock_stats_cached_ratio, images_encoded, encoder_ms_total, per_worker,
+                     media_scored (picker: epp_media_requests_total deltas by labels), picker_predicted_cached_tokens,
+                     picker_observed_cached_tokens, picker_usage_reports, loadavg_1m_start, loadavg_1m_end, wall_s}
     result.cells[]: {config, rate, summary: {metric: {median, min, max, n} | null}}
     result.bounds[]: {rate, seed, infinite, clairvoyant, clairvoyant_waited_requests, clairvoyant_evicted_blocks}
     claims[]: {rate, metric, config, baseline, median_ratio, claim}   (> 1 = config better; claim null = overlap)
