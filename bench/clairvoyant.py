@@ -212,14 +212,19 @@ def _choose(ws: Sequence[_Worker], chain: Sequence[int], reusable: int, need: in
 
 
 def route(prompts: Sequence[Sequence[int]], outputs: Sequence[int], arrivals_ms: Sequence[float],
-          m: EngineModel) -> dict[str, Any]:
+          m: EngineModel, chains: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
     """Place every request, in arrival order, and report the cached-token ratio that placement reaches.
 
     ``arrivals_ms`` are in simulated engine time (the trace's timestamps over the load multiplier; the mock's
     ``--speedup`` compresses arrivals and service alike, so it does not enter).
+    ``chains``: each prompt's block hashes when its blocks are keyed by more than their tokens (image blocks
+    keyed by the items over them, bench_multimodal); default: the token-only chain of each prompt.
     """
     bs = m.block_tokens
-    chains = [block_chain(p, bs) for p in prompts]
+    if chains is None:
+        chains = [block_chain(p, bs) for p in prompts]
+    elif len(chains) != len(prompts) or any(len(c) != len(p) // bs for c, p in zip(chains, prompts, strict=True)):
+        raise ValueError("one chain per prompt, one hash per full block")
     reusable = [(len(p) - 1) // bs for p in prompts]
     fut = _future(chains, reusable)
     ws = [_Worker(m.num_blocks) for _ in range(m.workers)]
