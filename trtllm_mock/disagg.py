@@ -251,13 +251,17 @@ class Disagg:
             self.stats["refused"] += 1
             raise
         total = len(prompt) + 1
-        admitted = self.cache.admit(prompt, got["salt"], total)
-        if admitted is None:
+        if not self.engine.fits_at_all(total):
             raise CapacityRejected("No KV cache room for the transferred context")
-        alloc, events = admitted
-        await asyncio.sleep(got["blocks"] * self.transfer_ms_per_block / 1000.0 / self.speedup)
-        events += self.cache.commit_prefill(alloc)
-        self.cache.release(alloc)
+        # A full cache makes the context wait for room, not fail: TensorRT-LLM's scheduler prepares KV for a
+        # generation-init request only once it fits (tensorrt_llm/_torch/pyexecutor/py_executor.py
+        # `_prepare_disagg_gen_init(fitting_disagg_gen_init_requests)` @9521caf), like any other request here.
+        alloc = await self.engine.hold(prompt, got["salt"], total)
+        try:
+            await asyncio.sleep(got["blocks"] * self.transfer_ms_per_block / 1000.0 / self.speedup)
+            events = self.cache.commit_prefill(alloc)
+        finally:
+            self.engine.release(alloc)
         if events and self.publisher is not None:
             self.publisher.publish(events)
         self.stats["blocks_transferred"] += got["blocks"]
