@@ -1,7 +1,7 @@
 """Disaggregated (P/D) against aggregated pools on the Mooncake trace, driven by NVIDIA AIPerf (issue 30).
 
     python -m bench.bench_pd [--quick] [--out DIR] [--rates 10,25] [--capacities 75] [--repeats 3]
-                             [--speedup 2.5] [--transfer-ms-per-block 1.5] [--work DIR]
+                             [--speedup 2.5] [--transfer-ms-per-block 1.5] [--prefill-workers 2] [--work DIR]
 
 The workload, its scaling, the mock timing model, the capacities, the repeats (arrival-jitter seeds) and the
 claim rule are bench_trace's (`bench/bench_trace.py`, imported, not copied). Two pools of four
@@ -429,6 +429,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                          "default 75)")
     ap.add_argument("--transfer-ms-per-block", type=float, help=f"KV transfer per mock block, before the "
                                                                  f"speedup (default {TRANSFER_MS_PER_BLOCK})")
+    ap.add_argument("--prefill-workers", type=int, help="how many of the four workers are prefill workers in (pd) "
+                                                         "(default 2: the issue's 2 + 2; 3 = a 3:1 split)")
     ap.add_argument("--work", help="directory for AIPerf inputs, artifacts and logs (default: a temp dir)")
     a = ap.parse_args(argv)
     plan = quick_plan() if a.quick else default_plan()
@@ -441,6 +443,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         plan.repeats = a.repeats
     if a.capacities:
         plan.capacities = BT.parse_capacities(a.capacities)
+    if a.prefill_workers is not None:
+        if not 1 <= a.prefill_workers < plan.workers:
+            raise SystemExit(f"--prefill-workers must be 1..{plan.workers - 1}")
+        plan.prefill_workers = a.prefill_workers
+        CONFIGS["pd"] = (f"{a.prefill_workers} prefill + {plan.workers - a.prefill_workers} decode (epp-pd-sidecar, "
+                         "trtllm), picker KV-aware (defaults)")
     if a.transfer_ms_per_block is not None:
         plan.transfer_ms_per_block = a.transfer_ms_per_block
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="epp-pd-work-"))
