@@ -20,8 +20,9 @@ Fidelity rules (seed 001, the Dynamo TensorRT-LLM mocker) the mock follows:
 * handoff token ids are whole numbers in the u32 range;
 * a request with no handoff sent to a generation worker is served as an aggregated one;
 * a cache hit is at most prompt length - 1 (the cache's own rule);
-* a capacity rejection is an internal, non-retryable error (500 InternalServerError), as the real server
-  reports a post-acceptance failure.
+* a capacity rejection (a context the cache could never hold) is an internal, non-retryable error (500
+  InternalServerError), as the real server reports a post-acceptance failure; a cache that is only full for
+  now makes the generation leg wait for room, as TensorRT-LLM's scheduler does.
 """
 
 from __future__ import annotations
