@@ -20,8 +20,9 @@ Fidelity rules (seed 001, the Dynamo TensorRT-LLM mocker) the mock follows:
 * handoff token ids are whole numbers in the u32 range;
 * a request with no handoff sent to a generation worker is served as an aggregated one;
 * a cache hit is at most prompt length - 1 (the cache's own rule);
-* a capacity rejection is an internal, non-retryable error (500 InternalServerError), as the real server
-  reports a post-acceptance failure.
+* a capacity rejection (a context the cache could never hold) is an internal, non-retryable error (500
+  InternalServerError), as the real server reports a post-acceptance failure; a cache that is only full for
+  now makes the generation leg wait for room, as TensorRT-LLM's scheduler does.
 """
 
 from __future__ import annotations
@@ -251,13 +252,17 @@ class Disagg:
             self.stats["refused"] += 1
             raise
         total = len(prompt) + 1
-        admitted = self.cache.admit(prompt, got["salt"], total)
-        if admitted is None:
+        if not self.engine.fits_at_all(total):
             raise CapacityRejected("No KV cache room for the transferred context")
-        alloc, events = admitted
-        await asyncio.sleep(got["blocks"] * self.transfer_ms_per_block / 1000.0 / self.speedup)
-        events += self.cache.commit_prefill(alloc)
-        self.cache.release(alloc)
+        # A full cache makes the context wait for room, not fail: TensorRT-LLM's scheduler prepares KV for a
+        # generation-init request only once it fits (tensorrt_llm/_torch/pyexecutor/py_executor.py
+        # `_prepare_disagg_gen_init(fitting_disagg_gen_init_requests)` @9521caf), like any other request here.
+        alloc = await self.engine.hold(prompt, got["salt"], total)
+        try:
+            await asyncio.sleep(got["blocks"] * self.transfer_ms_per_block / 1000.0 / self.speedup)
+            events = self.cache.commit_prefill(alloc)
+        finally:
+            self.engine.release(alloc)
         if events and self.publisher is not None:
             self.publisher.publish(events)
         self.stats["blocks_transferred"] += got["blocks"]

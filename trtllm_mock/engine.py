@@ -152,6 +152,15 @@ class Engine:
                 self._schedule()
             raise
 
+    async def hold(self, prompt: list[int], salt: str | None, total_tokens: int) -> Allocation:
+        """KV room for ``total_tokens`` through the same FIFO waiting queue as every request (a disaggregated
+        generation leg's landing area for the transferred context); give it back with :meth:`release`."""
+        return await self._admit(prompt, salt, total_tokens)
+
+    def release(self, alloc: Allocation) -> None:
+        """Give back what :meth:`hold` admitted (frees the batch slot and lets the queue move)."""
+        self._finish(alloc)
+
     # ------------------------------------------------------------ iteration scheduler
     def step_ms(self, prefill_tokens: int, decode_tokens: int, context_tokens: int) -> float:
         """Simulated duration of one step (before ``speedup``): a fixed cost plus what the step computes.
