@@ -134,8 +134,29 @@ class PdStack:
         """A request straight to one engine (no sidecar, no kv_transfer_params): an aggregated answer."""
         return http_json(self.workers[role].url + "/v1/chat/completions", body, timeout=300)
 
-    def reset_prefix_cache(self, role: str) -> None:
-        http_json(self.workers[role].url + "/reset_prefix_cache", {}, timeout=30)
+    def reset_prefix_cache(self, role: str, probe: dict[str, Any] | None = None, timeout: float = 30) -> None:
+        """Empty one engine's prefix cache and, given a probe payload, wait until the picker's index agrees.
+
+        vLLM publishes the AllBlocksCleared event with its next scheduler step, so a prompt shorter than a
+        block (it stores nothing) is sent right after the reset; until that event arrives the picker still
+        credits the engine with its old blocks (a first run here saw the decider count 30 uncached tokens
+        of a 158-token prompt on a decode worker whose cache was already empty)."""
+        w = self.workers[role]
+        http_json(w.url + "/reset_prefix_cache", {}, timeout=30)
+        http_json(w.url + "/v1/chat/completions", {"model": MODEL_NAME, "max_tokens": 1,
+                                                   "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+        if probe is None:
+            return
+        name = "decode" if role == "decode" else "prefill"
+        deadline = time.monotonic() + timeout
+        while True:
+            doc = self.debug_score(probe)
+            rows = doc["workers"] if name == "decode" else (doc.get("pd") or {}).get("prefill_workers") or []
+            if all(r["overlap_blocks"] == 0 for r in rows if r["name"] == name):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"picker still credits {name} with cached blocks {timeout}s after a reset")
+            time.sleep(0.2)
 
 
 def chat_body(messages: list[dict[str, Any]], max_tokens: int = 8, stream: bool = False) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import FIGURES, ROOT
+from tests.e2e.conftest import FIGURES
 from tests.e2e.pd_stack import NIXL_PATH, PdStack, chat_body
 from tests.e2e.vllm_stack import prom_sum
 
@@ -41,12 +41,28 @@ def by_source(text: str) -> dict[str, float]:
             for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
 
 
+def prom_labeled(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose label set has every given label (in any order)."""
+    total = 0.0
+    for lab, v in re.findall(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", text, re.M):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', lab))
+        if all(have.get(k) == want for k, want in labels.items()):
+            total += float(v)
+    return total
+
+
 def answer_of(doc: dict[str, Any]) -> tuple[str, list[int] | None, list[float] | None]:
     """(text, token ids, token logprobs) of a non-streamed chat answer."""
     ch = doc["choices"][0]
     lp = ch.get("logprobs") or {}
     return (ch["message"]["content"], ch.get("token_ids"),
             [c["logprob"] for c in lp.get("content") or []] or None)
+
+
+def top5(doc: dict[str, Any]) -> list[list[tuple[str, float]]]:
+    """The top-5 alternatives at every generated position, logprobs rounded to 1e-4."""
+    return [[(t["token"], round(t["logprob"], 4)) for t in c["top_logprobs"]]
+            for c in doc["choices"][0]["logprobs"]["content"]]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +92,9 @@ class Seen:
 
 
 PROMPT = messages(1)
-BODY = {**chat_body(PROMPT, max_tokens=12), "logprobs": True, "return_token_ids": True}
+# top-5 logprobs at every step: equal distributions mean the decode worker attended over the same KV
+BODY = {**chat_body(PROMPT, max_tokens=12), "logprobs": True, "top_logprobs": 5, "return_token_ids": True}
+PROBE = {"model": BODY["model"], "messages": PROMPT}
 
 
 def test_aggregated_reference_from_the_decode_worker_alone(pd: PdStack) -> None:
@@ -86,16 +104,19 @@ def test_aggregated_reference_from_the_decode_worker_alone(pd: PdStack) -> None:
     assert ref["usage"]["prompt_tokens"] > 100
     Seen.reference = ref
     Seen.prompt_tokens = ref["usage"]["prompt_tokens"]
-    pd.reset_prefix_cache("decode")
+    pd.reset_prefix_cache("decode", PROBE)
     FIGURES["reference"] = {"text": answer_of(ref)[0], "token_ids": answer_of(ref)[1]}
 
 
 def test_picker_debug_score_chooses_the_pair(pd: PdStack) -> None:
-    doc = pd.debug_score({"model": BODY["model"], "messages": PROMPT})
-    p = doc["pd"]
+    """Decode first (the sidecar's address: the decode worker's front), then the prefill worker, because the
+    whole prompt is uncached on the decode worker."""
+    assert pd.sidecar is not None
+    p = pd.debug_score(PROBE)["pd"]
     FIGURES["debug_score_pd"] = p
     assert (p["path"], p["reason"]) == ("disaggregated", "long_uncached_suffix")
     assert p["decode"] == pd.sidecar.address and p["prefill"] == pd.prefill.address
+    assert p["uncached_tokens"] == Seen.prompt_tokens
 
 
 def test_disaggregated_answer_equals_the_aggregated_answer(pd: PdStack) -> None:
@@ -118,6 +139,7 @@ def test_disaggregated_answer_equals_the_aggregated_answer(pd: PdStack) -> None:
     assert ref_lp and got_lp and len(ref_lp) == len(got_lp)
     FIGURES["max_logprob_diff"] = max(abs(a - b) for a, b in zip(ref_lp, got_lp, strict=True))
     assert FIGURES["max_logprob_diff"] < 1e-3
+    assert top5(Seen.pd_answer) == top5(Seen.reference)
     # the prefill worker computed the prompt (its leg: the whole prompt, max_tokens 1)
     assert prefill_after["local_compute"] - prefill_before["local_compute"] >= Seen.prompt_tokens - 32
 
@@ -149,15 +171,15 @@ def test_sidecar_ran_both_legs(pd: PdStack) -> None:
     m = pd.sidecar_metrics()
     FIGURES["sidecar_requests"] = {lab: v for lab, v in re.findall(
         r'^pd_sidecar_requests_total(\{[^}]*\}) (\S+)$', m, re.M)}
-    assert prom_sum(m, "pd_sidecar_requests_total", 'route="disaggregated",reason="ok"') == 1
-    assert prom_sum(m, "pd_sidecar_legs_total", 'leg="prefill",outcome="ok"') == 1
-    assert prom_sum(m, "pd_sidecar_legs_total", 'leg="decode",outcome="ok"') == 1
+    assert prom_labeled(m, "pd_sidecar_requests_total", route="disaggregated", reason="ok") == 1
+    assert prom_labeled(m, "pd_sidecar_legs_total", leg="prefill", outcome="ok") == 1
+    assert prom_labeled(m, "pd_sidecar_legs_total", leg="decode", outcome="ok") == 1
     assert prom_sum(m, "pd_sidecar_prefill_fallbacks_total") == 0
 
 
 def test_picker_counted_the_disaggregated_decision(pd: PdStack) -> None:
     m = pd.picker_metrics()
-    n = prom_sum(m, "epp_pd_decisions_total", 'path="disaggregated"')
+    n = prom_labeled(m, "epp_pd_decisions_total", path="disaggregated", reason="long_uncached_suffix")
     FIGURES["picker_pd_decisions"] = dict(re.findall(r'^epp_pd_decisions_total(\{[^}]*\}) (\S+)$', m, re.M))
     assert n == 1
 
@@ -174,7 +196,7 @@ def test_streamed_disaggregated_answer_equals_the_aggregated_answer(pd: PdStack)
     """A streamed client through the pair (a new prompt, so the decider disaggregates again)."""
     prompt = messages(2)
     ref = pd.direct("decode", chat_body(prompt, max_tokens=12))
-    pd.reset_prefix_cache("decode")
+    pd.reset_prefix_cache("decode", {"model": BODY["model"], "messages": prompt})
     before = by_source(pd.worker_metrics("decode"))
     r = pd.through_gateway(chat_body(prompt, max_tokens=12, stream=True))
     assert r.status == 200, r.body[:500]
