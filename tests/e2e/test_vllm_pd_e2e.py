@@ -192,6 +192,29 @@ def test_cached_tokens_is_the_prefill_workers_hit(pd: PdStack) -> None:
     assert Seen.pd_answer["usage"]["prompt_tokens"] == Seen.prompt_tokens
 
 
+def test_decode_worker_pulls_only_the_blocks_it_lacks(pd: PdStack) -> None:
+    """Issue 30's decode-side credit, on the real engine: the decode worker now holds the first prompt's full
+    blocks (received over NIXL); a longer prompt that extends it is still disaggregated (its new suffix is long)
+    and the decode engine takes the held blocks from its own cache and pulls only the rest. The picker's
+    uncached suffix is what the engine actually lacked, and cached_tokens is the prefill worker's hit."""
+    held = (Seen.prompt_tokens - 1) // 32 * 32  # vLLM caches full blocks only; the last token is recomputed
+    longer = [{"role": "user", "content": PROMPT[0]["content"] + " " + messages(9, 120)[0]["content"]}]
+    probe = {"model": BODY["model"], "messages": longer}
+    p = pd.debug_score(probe)["pd"]
+    before = by_source(pd.worker_metrics("decode"))
+    r = pd.through_gateway(chat_body(longer, max_tokens=4))
+    assert r.status == 200, r.body[:500]
+    usage = r.json()["usage"]
+    delta = {k: v - before[k] for k, v in by_source(pd.worker_metrics("decode")).items()}
+    FIGURES["extended_prompt"] = {"prompt_tokens": usage["prompt_tokens"], "debug_score_pd": p,
+                                  "decode_prompt_tokens_by_source_delta": delta, "usage": usage}
+    assert p["path"] == "disaggregated"
+    assert p["uncached_tokens"] == usage["prompt_tokens"] - held
+    assert delta == {"local_compute": 0, "local_cache_hit": held,
+                     "external_kv_transfer": usage["prompt_tokens"] - held}
+    assert usage["prompt_tokens_details"]["cached_tokens"] == held  # the prefill worker held them too
+
+
 def test_streamed_disaggregated_answer_equals_the_aggregated_answer(pd: PdStack) -> None:
     """A streamed client through the pair (a new prompt, so the decider disaggregates again)."""
     prompt = messages(2)
@@ -207,3 +230,17 @@ def test_streamed_disaggregated_answer_equals_the_aggregated_answer(pd: PdStack)
     assert text == ref["choices"][0]["message"]["content"]
     assert delta["external_kv_transfer"] >= ref["usage"]["prompt_tokens"] - 1
     assert delta["local_compute"] <= 1
+
+
+def test_no_booking_left_behind(pd: PdStack) -> None:
+    """Once every request has ended, the picker books nothing on either worker (prefill and decode legs)."""
+    probe = {"model": BODY["model"], "messages": messages(77)}  # uncached everywhere: both sides are scored
+    deadline = time.monotonic() + 15
+    while True:
+        p = pd.debug_score(probe)
+        rows = [*p["workers"], *p["pd"]["prefill_workers"]]
+        load = {r["name"]: (r["inflight"], r["prefill_blocks"], r["decode_blocks"]) for r in rows}
+        if all(v == (0, 0, 0) for v in load.values()) and set(load) == {"prefill", "decode"}:
+            break
+        assert time.monotonic() < deadline, f"bookings left: {load}"
+        time.sleep(0.5)
