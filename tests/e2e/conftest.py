@@ -1,4 +1,6 @@
-"""The real-vLLM suite runs only when asked for (`make e2e-vllm` sets E2E_VLLM=1).
+"""The real-vLLM suites run only when asked for: `make e2e-vllm` sets E2E_VLLM=1 (the text suite,
+test_vllm_e2e.py), `make e2e-vllm-pd` sets E2E_VLLM_PD=1 (the P/D pair over NIXL, test_vllm_pd_e2e.py; its
+results go to bench/results/e2e_vllm_pd.json through $E2E_VLLM_RESULTS).
 
 Without it nothing in this directory is collected, so the default `make test` never imports the suite, never
 needs the vLLM venv and never starts an engine. With it, the outcome of every check and the figures the tests
