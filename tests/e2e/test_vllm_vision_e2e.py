@@ -226,3 +226,24 @@ def test_pickers_index_matches_the_engines_image_blocks(fresh: VisionStack) -> N
         assert any(o < 0 for p in t["image_block_pairs"] for _, o in p), "later image blocks carry offsets < 0"
         assert t["picker"] == t["engine"], t
     assert sum(max(t["engine"].values()) > 0 for t in table) == len(table)
+
+
+def test_text_prefix_mode_credits_less_than_the_engine_reuses(fresh: VisionStack) -> None:
+    """Control: with image credit off (`--media-credit text-prefix`, the behaviour before issue 29) the engine
+    still reuses the repeat's blocks past the image, but the picker predicts only the text before it. So the
+    checks above tell exact image credit from text-prefix credit (they fail without it)."""
+    fresh.restart_picker("--media-credit", "text-prefix")
+    try:
+        msgs = image_chat(8, png_data_uri(RED))
+        first = send(fresh, msgs)
+        settle(fresh)
+        media = fresh.score_doc({"messages": msgs})["media"]
+        again = send(fresh, msgs)
+    finally:
+        fresh.restart_picker()
+    FIGURES["text_prefix_control"] = {"first": row(first), "again": row(again), "media": {
+        k: media[k] for k in ("scored", "reason", "credited_tokens", "prompt_tokens")}}
+    assert media["scored"] == "text_prefix", media
+    assert again.worker == first.worker
+    assert again.cached == (again.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE, row(again)
+    assert again.predicted == media["credited_tokens"] // BLOCK_SIZE * BLOCK_SIZE < again.cached, row(again)
