@@ -196,10 +196,12 @@ def test_image_after_a_shared_text_prefix_is_credited_up_to_the_image(fresh: Vis
 
 def test_pickers_index_matches_the_engines_image_blocks(fresh: VisionStack) -> None:
     """The engines' events key the image blocks by (identifier, offset) pairs the picker's render reported;
-    the picker indexes as many blocks as each engine holds and credits each worker, for each image chat sent,
-    exactly the blocks the engine's events say it would reuse (tokens and pairs)."""
+    the picker indexes as many blocks as each engine holds and credits each worker, for each image chat sent
+    and for two never sent (another image; the same image after another lead), exactly the blocks the engine's
+    events say it would reuse (tokens and pairs)."""
     chats = [image_chat(5, png_data_uri(RED)), image_chat(5, png_data_uri(GREEN)),
              image_chat(6, png_data_uri(RED)), image_chat(6, png_data_uri(RED), lead="Another lead, longer.")]
+    unsent = [image_chat(5, png_data_uri(BLUE)), image_chat(6, png_data_uri(RED), lead="Look at this scan, then tell me about the order.")]
     for msgs in chats:
         send(fresh, msgs)
     settle(fresh)
@@ -210,7 +212,7 @@ def test_pickers_index_matches_the_engines_image_blocks(fresh: VisionStack) -> N
     cached = {n: len(st.blocks) for n, st in states.items()}
     keys = {n: media_prefix_keys(st) for n, st in states.items()}
     table = []
-    for msgs in chats:
+    for msgs in chats + unsent:
         doc = fresh.score_doc({"messages": msgs})
         items = media_of(doc)
         toks = fresh.render(msgs)
@@ -218,14 +220,18 @@ def test_pickers_index_matches_the_engines_image_blocks(fresh: VisionStack) -> N
         table.append({"picker": overlaps(doc), "engine": {n: expected_media_overlap(k, toks, items)
                                                            for n, k in keys.items()},
                       "image_block_pairs": [list(map(list, p)) for p in want_pairs],
-                      "pairs_in_events": all(p in pairs_seen for p in want_pairs)})
+                      "pairs_in_events": all(p in pairs_seen for p in want_pairs),
+                      "prompt_blocks": (len(toks) - 1) // BLOCK_SIZE, "image_first_block": items[0].offset // BLOCK_SIZE})
     FIGURES["index_vs_events"] = {"blocks_indexed": indexed, "engine_blocks": cached, "probes": table}
     assert indexed == cached
     for t in table:
-        assert t["image_block_pairs"] and t["pairs_in_events"], t
-        assert any(o < 0 for p in t["image_block_pairs"] for _, o in p), "later image blocks carry offsets < 0"
         assert t["picker"] == t["engine"], t
-    assert sum(max(t["engine"].values()) > 0 for t in table) == len(table)
+        assert any(o < 0 for p in t["image_block_pairs"] for _, o in p), "later image blocks carry offsets < 0"
+    for t in table[:len(chats)]:  # sent: its image blocks are in the events, and it is wholly cached somewhere
+        assert t["pairs_in_events"] and max(t["engine"].values()) == t["prompt_blocks"], t
+    for t in table[len(chats):]:  # never sent: credited its text before the image, never the image
+        assert 0 < max(t["engine"].values()) <= t["image_first_block"], t
+    assert not table[len(chats)]["pairs_in_events"], "an image never sent keys no engine block"
 
 
 def test_text_prefix_mode_credits_less_than_the_engine_reuses(fresh: VisionStack) -> None:
