@@ -21,6 +21,8 @@ if TRANSPORT:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "transport: also run on --extproc-transport grpcio by `make test`")
+    config.addinivalue_line("markers", "slow: a benchmark's smoke run or a CPU measurement (over 15 s each): "
+                            "`make test-slow`, not `make test`")
 
 
 @pytest.fixture(autouse=True)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # over 15 s: `make test-slow`
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

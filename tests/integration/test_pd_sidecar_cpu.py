@@ -10,11 +10,13 @@ import tempfile
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from epp_extproc.dev import procs
 from tests.integration.test_pd_sidecar import HEADER, sidecar_proc
 from tests.stack import MockProc
 
+pytestmark = pytest.mark.slow  # over 15 s: `make test-slow`
 N = 150
 
 
