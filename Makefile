@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-transports lint bench install clean readme proto e2e-vllm e2e-vllm-pd e2e-vllm-vision bench-vllm-crosscheck
+.PHONY: run test test-slow test-transports lint bench install clean readme proto e2e-vllm e2e-vllm-pd e2e-vllm-vision bench-vllm-crosscheck
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,13 @@ run: $(STAMP)
 # The suite runs on the default ext_proc server (h2grpc); the files marked `transport` run again on grpcio's.
 test: $(STAMP)
 	$(BIN)/ruff check epp_extproc kvindex trtllm_mock tests bench h2grpc
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow"
 	EPP_TEST_EXTPROC_TRANSPORT=grpcio $(BIN)/python -m pytest -q -m transport tests/integration
+
+# The tests `make test` leaves out (marked `slow`: the multimodal and P/D benchmarks' smoke runs, the sidecar's
+# CPU measurement; about 2 minutes).
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
 
 # Every integration test on grpcio's ext_proc server (not part of `make test`: it doubles the suite's time).
 test-transports: $(STAMP)
