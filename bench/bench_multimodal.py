@@ -140,10 +140,6 @@ def data_uri(data: bytes) -> str:
 
 
 # ----------------------------------------------------------------------------- schedule
-def words(rng: random.Random, n: int) -> str:
-    return " ".join(f"w{rng.randrange(20000)}" for _ in range(n))  # one mock token per word
-
-
 @dataclass
 class Turn:
     conv: int
@@ -178,14 +174,14 @@ def schedule(w: Workload, rate: float, seed: int) -> tuple[list[float], list[Tur
             done_turns.append(0)
             open_.append(c)
         done_turns[c] += 1
-        turns.append(Turn(c, done_turns[c], words(rng, w.question_words)))
+        turns.append(Turn(c, done_turns[c], H.words(rng, w.question_words)))
         if done_turns[c] >= convs[c].turns:
             open_.remove(c)
     return arrivals, turns, convs
 
 
 def system_prompt(w: Workload) -> str:
-    return "You are a careful visual assistant. " + words(random.Random(4242), w.system_words)
+    return "You are a careful visual assistant. " + H.words(random.Random(4242), w.system_words)
 
 
 # ----------------------------------------------------------------------------- one run

@@ -78,10 +78,6 @@ QUICK = Workload(groups=4, users_per_group=2, system_tokens=600, question_tokens
                  rates=(30,), seconds=1.5, speedup=20.0, num_blocks=120)
 
 
-def words(rng: random.Random, n: int) -> str:
-    return " ".join(f"w{rng.randrange(20000)}" for _ in range(n))  # one mock token per word
-
-
 @dataclass
 class Turn:
     conv: int
@@ -103,7 +99,7 @@ class Conversation:
 def schedule(w: Workload, rate: float, seed: int) -> tuple[list[float], list[Turn], list[str], list[tuple[int, int]]]:
     """Arrival times and, per arrival, which conversation and turn it is. Deterministic per (rate, seed)."""
     rng = random.Random(seed)
-    systems = [words(random.Random(1000 + g), w.system_tokens) for g in range(w.groups)]
+    systems = [H.words(random.Random(1000 + g), w.system_tokens) for g in range(w.groups)]
     n = int(rate * w.seconds)
     arrivals = H.poisson_arrivals(rate, n, rng)
     turns: list[Turn] = []
@@ -116,12 +112,12 @@ def schedule(w: Workload, rate: float, seed: int) -> tuple[list[float], list[Tur
             conv, t = rng.choice(cands)
             open_convs[g].remove((conv, t))
             open_convs[g].append((conv, t + 1))
-            turns.append(Turn(conv, g, t + 1, words(rng, w.question_tokens)))
+            turns.append(Turn(conv, g, t + 1, H.words(rng, w.question_tokens)))
         else:
             conv = len(convs)
             convs.append((g, rng.randrange(w.users_per_group)))
             open_convs[g].append((conv, 1))
-            turns.append(Turn(conv, g, 1, words(rng, w.question_tokens)))
+            turns.append(Turn(conv, g, 1, H.words(rng, w.question_tokens)))
     return arrivals, turns, systems, convs
 
 
@@ -267,7 +263,7 @@ _SYSTEMS: dict[tuple[int, int], dict[str, int]] = {}
 def _group_of(body: dict[str, Any], w: Workload) -> int:
     key = (w.groups, w.system_tokens)
     if key not in _SYSTEMS:
-        _SYSTEMS[key] = {words(random.Random(1000 + g), w.system_tokens): g for g in range(w.groups)}
+        _SYSTEMS[key] = {H.words(random.Random(1000 + g), w.system_tokens): g for g in range(w.groups)}
     return _SYSTEMS[key][body["messages"][0]["content"]]
 
 

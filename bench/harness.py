@@ -14,6 +14,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import signal
 import subprocess
@@ -151,6 +152,11 @@ def publish(doc: dict[str, Any], out: str, name: str, report: Callable[[dict[str
     write_json(Path(out) / f"{name}.json", doc)
     chart(doc, Path(out) / f"{name}.png")
     return doc
+
+
+def words(rng: random.Random, n: int) -> str:
+    """`n` random words `w<k>`, one mock token each: prompt text of a known token length."""
+    return " ".join(f"w{rng.randrange(20000)}" for _ in range(n))
 
 
 def get_json(url: str, timeout: float = 10.0) -> Any:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
+import zmq.asyncio
 
 TRANSPORT = os.environ.get("EPP_TEST_EXTPROC_TRANSPORT") or None
 if TRANSPORT:
@@ -43,3 +44,11 @@ def _extproc_transport(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
     monkeypatch.setattr(PickerApp, "__init__", init)
     yield
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    """A ZeroMQ context for the tests that run real publishers and subscribers (the kv-events suites)."""
+    c = zmq.asyncio.Context()
+    yield c
+    c.destroy(linger=0)  # a socket a failed test left open must not hang the whole run in term()

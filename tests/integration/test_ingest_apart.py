@@ -80,13 +80,6 @@ class Publisher:
 
 
 @pytest.fixture
-async def ctx():
-    c = zmq.asyncio.Context()
-    yield c
-    c.destroy(linger=0)
-
-
-@pytest.fixture
 def sock_dir():
     with tempfile.TemporaryDirectory(prefix="epp-ingest-") as d:
         yield d

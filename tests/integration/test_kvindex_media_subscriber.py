@@ -8,8 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import zmq
-import zmq.asyncio
 
 from epp_extproc.adapters.kv_routing import KvRouting
 from epp_extproc.core.contract import MediaItem, PromptIdentity
@@ -23,13 +21,6 @@ from tests.waiting import until_async
 FIX = json.loads((Path(__file__).parents[1] / "fixtures" / "vllm_mm_events.json").read_text())
 SC = FIX["scenarios"]
 BS = FIX["block_size"]
-
-
-@pytest.fixture
-async def ctx():
-    c = zmq.asyncio.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 @pytest.fixture

@@ -133,13 +133,6 @@ class FakeWorker:
 
 
 @pytest.fixture
-async def ctx():
-    c = zmq.asyncio.Context()
-    yield c
-    c.destroy(linger=0)  # a socket a failed test left open must not hang the whole run in term()
-
-
-@pytest.fixture
 async def env(ctx):
     idx = KvIndex(default_block_size=BS)
     mgr = SubscriberManager(idx, heartbeat_stale_s=0.2, zmq_context=ctx, replay_timeout_s=0.5)
