@@ -169,6 +169,15 @@ def _caller_uuid(part: Mapping[str, Any]) -> str | None:
     return u if isinstance(u, str) else repr(u)  # vLLM does str(uuid); any non-null value is a uuid to it
 
 
+def has_content_parts(values: Mapping[str, Any]) -> bool:
+    """Whether any message's `content` is a list of parts: only then can the request carry media. A text chat
+    (string contents, the common case) stops here, before the salt is resolved or anything is allocated."""
+    messages = values.get("messages")
+    if not isinstance(messages, list):
+        return False
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages)
+
+
 def inspect(values: Mapping[str, Any], *, trust_uuids: bool, salt: str | None, derive: bool = True) -> MediaRequest:
     """The request's media parts in prompt order, each with the identity it is forwarded with.
 

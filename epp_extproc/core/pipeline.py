@@ -44,7 +44,14 @@ from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.flow_control import Ticket
 from epp_extproc.core.load import EndpointLoad
 from epp_extproc.core.logs import Throttled
-from epp_extproc.core.media import SENTINELS, MediaRequest, Scored, certain_prefix, truncated_conversation
+from epp_extproc.core.media import (
+    SENTINELS,
+    MediaRequest,
+    Scored,
+    certain_prefix,
+    has_content_parts,
+    truncated_conversation,
+)
 from epp_extproc.core.media import inspect as inspect_media
 from epp_extproc.core.model_rewrite import ModelRewriter, Rewrite
 from epp_extproc.core.passthrough import ORIGINAL, FingerprintId, Verdict, decide
@@ -226,7 +233,7 @@ class Pipeline:
         """The chat request as it is rendered and forwarded once each media item carries the identity the
         picker allows (core/media.py): only the parts' `uuid` members change (core/body.set_content_part_member).
         Raises PickError (400) for an untrusted uuid-only item reference."""
-        if parsed is None or render_kind(ctx.path) != "chat":
+        if parsed is None or render_kind(ctx.path) != "chat" or not has_content_parts(parsed.values):
             return ctx, parsed, None
         salt = resolve_salt(ctx.headers, parsed.values)
         derive = self.renderer is not None and self.renderer.protocol == TokenizerProtocol.VLLM

@@ -10,6 +10,7 @@ from epp_extproc.core.media import (
     DIGEST_PREFIX,
     Source,
     data_uri_digest,
+    has_content_parts,
     inspect,
     part_kind,
     salted_uuid,
@@ -125,3 +126,10 @@ def test_caller_uuids_on_video_are_held_to_the_same_rule() -> None:
 def test_text_only_requests_have_no_media() -> None:
     assert inspect({"messages": [{"role": "user", "content": "hi"}]}, trust_uuids=False, salt=None).parts == []
     assert inspect({"prompt": "x"}, trust_uuids=False, salt=None).parts == []
+
+
+def test_only_a_chat_with_list_contents_can_carry_media() -> None:
+    assert not has_content_parts({"messages": [{"role": "user", "content": "hi"}]})
+    assert not has_content_parts({"prompt": "hi"})
+    assert has_content_parts({"messages": [{"role": "user", "content": "hi"},
+                                           {"role": "user", "content": [{"type": "text", "text": "x"}]}]})
