@@ -32,6 +32,7 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter
 
 from epp_extproc.adapters.kv_routing import Prompt
+from epp_extproc.adapters.lora_adapters import AdapterTable
 from epp_extproc.adapters.server_info import fetch_block_size, fetch_served_adapters
 from epp_extproc.core.contract import NO_IDENTITY, Credit, PromptIdentity
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
@@ -124,7 +125,7 @@ class RemoteKv:
         self.client_id = client_id or f"{socket.gethostname()}:{os.getpid()}"
         self.ask_server_info = ask_server_info
         self._registry = registry
-        self._adapters: dict[str, dict[str, str]] = {}
+        self._lora = AdapterTable()  # address -> LoRA adapter -> its base model
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
@@ -182,7 +183,7 @@ class RemoteKv:
             sh = self._shard(ep.address)
             sh.workers.pop(ep.address, None)
             sh.sizes.pop(ep.address, None)
-            self._adapters.pop(ep.address, None)
+            self._lora.drop(ep.address)
             touched.add(sh.index)
         for ep in added:
             sh = self._shard(ep.address)
@@ -211,27 +212,17 @@ class RemoteKv:
         adapters = await fetch_served_adapters(address)
         if adapters and address in self._registry:
             log.info("worker %s serves LoRA adapters %s", address, sorted(adapters))
-            self._adapters[address] = adapters
+            self._lora.set(address, adapters)
 
     def set_adapters(self, address: str, adapters: Sequence[str] | dict[str, str]) -> None:
-        self._adapters[address] = dict(adapters) if isinstance(adapters, dict) else dict.fromkeys(adapters, "")
+        self._lora.set(address, adapters)
 
     def adapter_for(self, model: object, address: str | None = None) -> str | None:
         """As `KvRouting.adapter_for`: `model` when it names an adapter a worker serves, else None."""
-        if not isinstance(model, str) or not model:
-            return None
-        if address is not None:
-            return model if model in self._adapters.get(address, ()) else None
-        return model if any(model in a for a in self._adapters.values()) else None
+        return self._lora.adapter_for(model, address)
 
     def base_model_for(self, model: object) -> str | None:
-        if not isinstance(model, str):
-            return None
-        for adapters in self._adapters.values():
-            parent = adapters.get(model)
-            if parent:
-                return parent
-        return None
+        return self._lora.base_model_for(model)
 
     def resync(self, address: str) -> None:
         if address in self._registry:
@@ -431,7 +422,7 @@ class RemoteKv:
             out["predicted_unique_blocks"] += snap.get("predicted_unique_blocks", 0)
             out["workers"].update(snap.get("workers", {}))
             out["ingest"].append({"up": True, **snap.get("ingest", {})})
-        for wid, adapters in self._adapters.items():
+        for wid, adapters in self._lora.items():
             if wid in out["workers"]:
                 out["workers"][wid]["lora_adapters"] = sorted(adapters)
         out["lookups"] = dict(self.counts)

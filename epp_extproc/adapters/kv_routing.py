@@ -16,6 +16,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from epp_extproc.adapters.lora_adapters import AdapterTable
 from epp_extproc.adapters.server_info import fetch_block_size, fetch_served_adapters
 from epp_extproc.core.contract import NO_IDENTITY, Credit, MediaItem, PromptIdentity
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
@@ -85,7 +86,7 @@ class KvRouting:
         self.prediction_ttl_s = prediction_ttl_s
         self.ask_server_info = ask_server_info
         self._registry = registry
-        self._adapters: dict[str, dict[str, str]] = {}  # address -> LoRA adapter -> its base model
+        self._lora = AdapterTable()  # address -> LoRA adapter -> its base model
         self._tasks: set[asyncio.Task[None]] = set()
         self._lock = asyncio.Lock()
         # Called with (worker, block size, hashes, ttl_s) after each local prediction: replica sync shares it.
@@ -105,7 +106,7 @@ class KvRouting:
             for ep in removed:
                 await self.subscribers.remove(ep.address)
                 self.index.drop_worker(ep.address)
-                self._adapters.pop(ep.address, None)
+                self._lora.drop(ep.address)
             for ep in added:
                 self.index.add_worker(ep.address)
                 if ep.kv_endpoints:
@@ -133,34 +134,24 @@ class KvRouting:
         adapters = await fetch_served_adapters(address)
         if adapters and address in self._registry:
             log.info("worker %s serves LoRA adapters %s", address, sorted(adapters))
-            self._adapters[address] = adapters
+            self._lora.set(address, adapters)
 
     def adapter_for(self, model: object, address: str | None = None) -> str | None:
         """The LoRA adapter a request targets: its `model` field when it names an adapter a worker serves (the
         one at `address`, or any), as vLLM and TensorRT-LLM select adapters; None for the base model."""
-        if not isinstance(model, str) or not model:
-            return None
-        if address is not None:
-            return model if model in self._adapters.get(address, ()) else None
-        return model if any(model in a for a in self._adapters.values()) else None
+        return self._lora.adapter_for(model, address)
 
     def set_adapters(self, address: str, adapters: Sequence[str] | dict[str, str]) -> None:
         """Declare the adapters a worker serves, optionally with their base models (tests, or a caller that
         knows them better than /v1/models)."""
-        self._adapters[address] = dict(adapters) if isinstance(adapters, dict) else dict.fromkeys(adapters, "")
+        self._lora.set(address, adapters)
 
     def base_model_for(self, model: object) -> str | None:
         """The base model of the LoRA adapter `model` names, when a worker said (its /v1/models `parent`).
 
         A render-only server knows no adapters (vLLM's answers 404 "model does not exist"), and an adapter
         changes neither template nor tokenizer, so the prompt is rendered under its base model."""
-        if not isinstance(model, str):
-            return None
-        for adapters in self._adapters.values():
-            parent = adapters.get(model)
-            if parent:
-                return parent
-        return None
+        return self._lora.base_model_for(model)
 
     def resync(self, address: str) -> None:
         """The worker at `address` died: forget its blocks, rebuild from its events when it is back."""
@@ -226,7 +217,7 @@ class KvRouting:
             w = snap["workers"].get(wid)
             if w is not None:
                 w.update(d)
-        for wid, adapters in self._adapters.items():
+        for wid, adapters in self._lora.items():
             if wid in snap["workers"]:
                 snap["workers"][wid]["lora_adapters"] = sorted(adapters)
         return snap
