@@ -11,12 +11,7 @@ from typing import Any
 
 import pytest
 
-from epp_extproc.dev.envoy_config import EnvoyOptions
-from epp_extproc.dev.procs import Proc
-from tests.harness import EnvoyProcess
-from tests.integration.test_replicas_processes import EPP, chat, metric, two_free_ports
-from tests.netutil import free_port, wait_port
-from tests.stack import GatewayStack
+from tests.integration.test_replicas_processes import chat, metric, process_group
 from tests.waiting import until
 
 
@@ -40,30 +35,7 @@ def ingest_children(pid: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def group() -> Any:
-    stack = GatewayStack(workers=2)
-    for m in [*stack.mocks, stack.renderer]:
-        m.start()
-    grpc_port, health_port = free_port(), free_port()
-    metrics_port = two_free_ports(avoid={grpc_port, health_port})
-    picker = Proc("picker", [EPP, "--processes", "2", "--kv-ingest", "apart", "--grpc-port", str(grpc_port),
-                             "--health-port", str(health_port), "--metrics-port", str(metrics_port), "--bind",
-                             "127.0.0.1", "--endpoints", stack.endpoints_spec(), "--tokenizer-protocol",
-                             "trtllm-render", "--tokenizer-service-url", stack.renderer.url, "--drain-timeout-s",
-                             "2", "--secure-serving=false"], grpc_port, stack.dir / "picker.log")
-    envoy = None
-    try:
-        picker.start(timeout=None)
-        for port in (grpc_port, metrics_port, metrics_port + 1):
-            wait_port(port, timeout=30, proc=picker.proc)
-        envoy = EnvoyProcess(EnvoyOptions(picker_port=grpc_port, picker_max_requests_per_connection=1,
-                                           picker_tls=False)).start()
-        yield stack, picker.proc, envoy, metrics_port
-    finally:
-        if envoy is not None:
-            envoy.stop()
-        picker.stop(grace=15)
-        for m in [*stack.mocks, stack.renderer]:
-            m.stop()
+    yield from process_group("--kv-ingest", "apart")
 
 
 def test_one_ingest_shard_serves_both_processes(group) -> None:  # noqa: ANN001

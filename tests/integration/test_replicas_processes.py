@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -48,14 +49,15 @@ def metric(port: int, name: str) -> float:
                if line.startswith(name) and not line.startswith("#"))
 
 
-@pytest.fixture(scope="module")
-def group() -> Any:
+def process_group(*extra: str) -> Iterator[tuple[GatewayStack, Any, EnvoyProcess, int]]:
+    """`epp-extproc --processes 2 [extra...]` over two mock workers and a renderer, behind a real Envoy: yields
+    (stack, the supervisor's process, Envoy, the first child's metrics port); everything stops at the end."""
     stack = GatewayStack(workers=2)
     for m in [*stack.mocks, stack.renderer]:
         m.start()
     grpc_port, health_port = free_port(), free_port()
     metrics_port = two_free_ports(avoid={grpc_port, health_port})
-    picker = Proc("picker", [EPP, "--processes", "2", "--grpc-port", str(grpc_port), "--health-port",
+    picker = Proc("picker", [EPP, "--processes", "2", *extra, "--grpc-port", str(grpc_port), "--health-port",
                              str(health_port), "--metrics-port", str(metrics_port), "--bind", "127.0.0.1",
                              "--endpoints", stack.endpoints_spec(), "--tokenizer-protocol", "trtllm-render",
                              "--tokenizer-service-url", stack.renderer.url, "--drain-timeout-s", "2",
@@ -74,6 +76,11 @@ def group() -> Any:
         picker.stop(grace=15)
         for m in [*stack.mocks, stack.renderer]:
             m.stop()
+
+
+@pytest.fixture(scope="module")
+def group() -> Any:
+    yield from process_group()
 
 
 def chat(url: str, i: int) -> int:
