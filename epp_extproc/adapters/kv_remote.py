@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry, Counter
 from epp_extproc.adapters.kv_routing import Prompt
 from epp_extproc.adapters.lora_adapters import AdapterTable
 from epp_extproc.adapters.server_info import fetch_block_size, fetch_served_adapters
-from epp_extproc.core.contract import NO_IDENTITY, Credit, PromptIdentity
+from epp_extproc.core.contract import NO_IDENTITY, Credit, PromptIdentity, split_credit
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.ingest import wire
 from kvindex.aio import cancel_and_wait
@@ -327,7 +327,7 @@ class RemoteKv:
     def credit(self, prompt: Prompt, workers: Sequence[str]) -> dict[str, Credit]:
         total = self.overlap(prompt, workers)
         confirmed = self.overlap(prompt, workers, predicted=False)
-        return {w: Credit(confirmed.get(w, 0), n - confirmed.get(w, 0)) for w, n in total.items()}
+        return split_credit(total, confirmed)
 
     def predict(self, address: str, prompt: Prompt) -> None:
         if self.prediction_ttl_s > 0:

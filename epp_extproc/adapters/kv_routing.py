@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from epp_extproc.adapters.lora_adapters import AdapterTable
 from epp_extproc.adapters.server_info import fetch_block_size, fetch_served_adapters
-from epp_extproc.core.contract import NO_IDENTITY, Credit, MediaItem, PromptIdentity
+from epp_extproc.core.contract import NO_IDENTITY, Credit, MediaItem, PromptIdentity, split_credit
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from kvindex.aio import cancel_and_wait
 from kvindex.hashing import DEFAULT_DIALECT, chain_hashes, media_chain_hashes, pack_tokens, root_seed
@@ -200,7 +200,7 @@ class KvRouting:
         """`overlap` split into what the workers' events confirmed and what only predictions add."""
         total = self.overlap(prompt, workers)
         confirmed = self.overlap(prompt, workers, predicted=False)
-        return {w: Credit(confirmed.get(w, 0), n - confirmed.get(w, 0)) for w, n in total.items()}
+        return split_credit(total, confirmed)
 
     def predict(self, address: str, prompt: Prompt) -> None:
         if self.prediction_ttl_s > 0:

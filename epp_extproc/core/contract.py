@@ -116,6 +116,11 @@ class Credit:
         return self.confirmed + self.predicted
 
 
+def split_credit(total: Mapping[str, int], confirmed: Mapping[str, int]) -> dict[str, Credit]:
+    """`KvLookup.credit` from two overlaps of one prompt: with predictions (`total`) and without (`confirmed`)."""
+    return {w: Credit(confirmed.get(w, 0), n - confirmed.get(w, 0)) for w, n in total.items()}
+
+
 class PromptKey(Protocol):
     """A rendered prompt, packed and hashed the way the engines hash it (once per block size)."""
 
