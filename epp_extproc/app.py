@@ -94,7 +94,8 @@ class PickerApp:
         detector = self.detector
         self.pipeline = Pipeline(config, self.registry, self.load, self.metrics, renderer=self.renderer,
                                  kv=self.kv, fingerprint_of=self.fingerprints.get if self.fingerprints else None,
-                                 admission=admission, rewriter=ModelRewriter(self.rewrites), sessions=self.sessions,
+                                 admission=admission, rewriter=ModelRewriter(
+                                     self.rewrites, session_header=config.model_rewrite_session_header), sessions=self.sessions,
                                  saturated=lambda address: detector.state(address).saturated)
         self.picker = Picker(
             self.pipeline, gate=InflightGate(config.max_inflight_requests, self.metrics.picker_inflight),

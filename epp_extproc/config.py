@@ -332,9 +332,12 @@ class Config:
         "changes; with --inference-pool-name the InferenceObjective CRD is read instead")
     model_rewrites_file: str | None = opt("DYN_EPP_MODEL_REWRITES_FILE", None, _opt_str,
         "YAML/JSON InferenceModelRewrite manifests (GAIE v1alpha2: rewrite a requested `model` to weighted "
-        "targets), reloaded when it changes (a broken edit keeps the rules in service); a request with an "
-        "x-session-id header keeps one target; with --inference-pool-name the InferenceModelRewrite CRD is "
+        "targets), reloaded when it changes (a broken edit keeps the rules in service); a request with a "
+        "--model-rewrite-session-header header keeps one target; with --inference-pool-name the InferenceModelRewrite CRD is "
         "read instead")
+    model_rewrite_session_header: str = opt("DYN_EPP_MODEL_REWRITE_SESSION_HEADER", "x-session-id", str,
+        "the request header naming a conversation for model rewrites: requests carrying the same value get the "
+        "same target of a weighted split (hashed, never logged); without it each request is drawn at random")
 
     def __post_init__(self) -> None:
         for f in fields(self):  # accept plain strings from code and tests; store the enum
@@ -518,7 +521,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
      ("flow_control", "flow_control_queue_ttl_s", "flow_control_max_queued_requests", "queue_depth_threshold",
       "kv_cache_util_threshold", "max_num_batched_tokens", "inference_objectives_file")),
     ("model rewrites (weighted splits of a requested model)",
-     ("model_rewrites_file",)),
+     ("model_rewrites_file", "model_rewrite_session_header")),
     ("replicas (several pickers sharing load)",
      ("processes", "peers", "peer_service", "pod_ip", "replica_sync_port", "peer_timeout_ms",
       "peer_expiry_ms")),

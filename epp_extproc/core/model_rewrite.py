@@ -9,7 +9,7 @@ targets with weights (90/10). The API is GAIE v1.5.0's `InferenceModelRewrite`
 - a target's share is weight / sum of the rule's weights; targets that all leave `weight` out share equally.
 
 The choice is per request (seeded from `random`), except that a request carrying a session key
-(`CONVERSATION_HEADER`) is placed by a stable hash of the key, so a conversation keeps one target and every
+(`CONVERSATION_HEADER` by default, `--model-rewrite-session-header`) is placed by a stable hash of the key, so a conversation keeps one target and every
 replica places it the same way without talking to the others. Buckets are cumulative, so moving weight from
 one target to another (90/10 -> 50/50) moves only the sessions in the slice that changed hands.
 
@@ -137,9 +137,12 @@ def pick(rule: Rule, point: int) -> Target:
 class ModelRewriter:
     """The per-request choice over the table in service; `rng` is injectable so a test can seed it."""
 
-    def __init__(self, table: RewriteTable, rng: random.Random | None = None) -> None:
+    def __init__(self, table: RewriteTable, rng: random.Random | None = None, *,
+                 session_header: str = CONVERSATION_HEADER) -> None:
         self.table = table
         self.rng = rng or random.Random()
+        # the request header naming a conversation (--model-rewrite-session-header); headers arrive lower-cased
+        self.session_header = session_header.strip().lower()
 
     def choose(self, model: object, headers: Mapping[str, list[str]]) -> Rewrite | None:
         """The rewrite of a request whose body names `model`; None when no rule applies (or `model` is not a
@@ -149,12 +152,13 @@ class ModelRewriter:
         rule = self.table.rules.rule_for(model)
         if rule is None:
             return None
-        target = pick(rule, bucket(rule, model, session_key(headers), self.rng))
+        target = pick(rule, bucket(rule, model, session_key(headers, self.session_header), self.rng))
         return Rewrite(rule.resource, model, target.model, model if model in rule.models else ANY_MODEL)
 
 
-def session_key(headers: Mapping[str, list[str]]) -> str | None:
-    values = headers.get(CONVERSATION_HEADER)
+def session_key(headers: Mapping[str, list[str]], name: str = CONVERSATION_HEADER) -> str | None:
+    """The conversation key a request carries in header `name` (its last value), None when absent or blank."""
+    values = headers.get(name)
     if not values:
         return None
     v = values[-1].strip()

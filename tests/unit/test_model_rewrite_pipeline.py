@@ -91,3 +91,19 @@ async def test_a_body_too_deep_to_splice_is_a_400_and_books_nothing() -> None:
         await decide(pipe, chat(body))
     assert e.value.problem is Problem.BAD_REQUEST
     assert pipe.load.total_inflight() == 0 and kv.predicted == []
+
+
+async def test_a_configured_session_header_keeps_a_conversation_on_one_target_and_the_default_no_longer_does() -> None:
+    """--model-rewrite-session-header x-conversation: that header pins the target; x-session-id is then just a
+    header, so requests carrying only it are drawn at random again."""
+    split = Rule("canary", frozenset({"base"}), (Target("base", 50), Target("tenant-lora", 50)))
+    pipe, _, _ = make()
+    pipe.rewriter = ModelRewriter(RewriteTable(RewriteRules((split,))), random.Random(1),
+                                  session_header="X-Conversation")
+    for s in range(20):
+        headers = {"x-conversation": [f"conv-{s}"]}
+        models = {(await pipe.propose(chat(b'{"model":"base","messages":[]}', headers))).model for _ in range(4)}
+        assert len(models) == 1
+    default = {CONVERSATION_HEADER: ["one-conversation"]}
+    drawn = {(await pipe.propose(chat(b'{"model":"base","messages":[]}', default))).model for _ in range(20)}
+    assert drawn == {"base", "tenant-lora"}

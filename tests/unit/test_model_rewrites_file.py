@@ -120,3 +120,20 @@ def test_an_invalid_rewrites_file_stops_start_up_with_one_line_naming_the_flag_f
 def test_a_missing_rewrites_file_from_the_env_stops_start_up_naming_the_variable(tmp_path: Path) -> None:
     msg = one_line_error(epp(*FREE_PORTS, env={"DYN_EPP_MODEL_REWRITES_FILE": str(tmp_path / "nope.yaml")}))
     assert "DYN_EPP_MODEL_REWRITES_FILE" in msg and "nope.yaml" in msg and "No such file" in msg
+
+
+def test_the_session_header_is_a_flag_and_a_dynamo_env_var_defaulting_to_x_session_id() -> None:
+    from epp_extproc.config import load_config
+
+    assert load_config([], {}).model_rewrite_session_header == "x-session-id"
+    env = {"DYN_EPP_MODEL_REWRITE_SESSION_HEADER": "x-conversation"}
+    assert load_config([], env).model_rewrite_session_header == "x-conversation"
+    assert load_config(["--model-rewrite-session-header", "x-chat"], env).model_rewrite_session_header == "x-chat"
+
+
+async def test_the_picker_splits_by_the_configured_session_header() -> None:
+    from epp_extproc.app import PickerApp
+    from epp_extproc.config import Config
+
+    app = PickerApp(Config(endpoints="a=127.0.0.1:9", model_rewrite_session_header="X-Conversation"))
+    assert app.pipeline.rewriter is not None and app.pipeline.rewriter.session_header == "x-conversation"
