@@ -90,6 +90,11 @@ class Check:
     level: Level
     text: str  # the protocol sentence(s) it enforces
     run: Callable[[Probe], Awaitable[Verdict]]
+    via: str = ""  # "Envoy": the same rule checked end to end through a real Envoy (envoy_checks)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} via {self.via}" if self.via else self.name
 
 
 def destination_verdict(answer: Answer) -> Verdict:

@@ -18,7 +18,7 @@ class Row:
     verdict: Verdict
 
     def as_dict(self) -> dict[str, str]:
-        return {"check": self.check.name, "level": self.check.level, "text": self.check.text,
+        return {"check": self.check.name, "via": self.check.via or "ext_proc", "level": self.check.level, "text": self.check.text,
                 "result": self.verdict.status, "why": self.verdict.why}
 
 
@@ -33,19 +33,19 @@ def render_json(target: str, rows: list[Row]) -> str:
 
 def render_table(target: str, rows: list[Row], width: int = 100) -> str:
     """One block per check: the verdict line, then the protocol text it enforces, then why."""
-    name_w = max(len(r.check.name) for r in rows)
+    name_w = max(len(r.check.label) for r in rows)
     out = [f"endpoint-picker protocol conformance: {target}", ""]
     out.append(f"{'result':<6}  {'level':<6}  {'check':<{name_w}}  why")
     out.append("-" * width)
     for r in rows:
-        lead = f"{r.verdict.status.upper():<6}  {r.check.level:<6}  {r.check.name:<{name_w}}  "
+        lead = f"{r.verdict.status.upper():<6}  {r.check.level:<6}  {r.check.label:<{name_w}}  "
         why = textwrap.wrap(r.verdict.why, max(width - len(lead), 30)) or [""]
         out.append(lead + why[0])
         out.extend(" " * len(lead) + w for w in why[1:])
         out.extend(textwrap.wrap(f'"{r.check.text}"', width, initial_indent=" " * len(lead),
                                  subsequent_indent=" " * len(lead)))
     counts = {s: sum(r.verdict.status == s for r in rows) for s in ("pass", "fail", "skip")}
-    failed_must = [r.check.name for r in rows if r.check.level == "MUST" and r.verdict.status == "fail"]
+    failed_must = [r.check.label for r in rows if r.check.level == "MUST" and r.verdict.status == "fail"]
     out.append("-" * width)
     out.append(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped; "
                + (f"MUST failed: {', '.join(failed_must)}" if failed_must else "every MUST checked passed"))

@@ -10,9 +10,13 @@ from pathlib import Path
 
 from epp_extproc.conformance.checks import CHECKS, Check, Probe, failed
 from epp_extproc.conformance.client import Connection, TlsMode, open_connection
+from epp_extproc.conformance.envoy_checks import ENVOY_CHECKS, EnvoyProbe
+from epp_extproc.conformance.gateway import ConformanceGateway
 from epp_extproc.conformance.report import Row, exit_code, render_json, render_table
 
-__all__ = ["check_picker", "main", "parser"]
+__all__ = ["DEFAULT_ENVOY_POOL", "check_picker", "check_through_envoy", "main", "parser"]
+
+DEFAULT_ENVOY_POOL = ("127.0.0.1:18001", "127.0.0.1:18002")  # --envoy without --pool: the workers it serves
 
 
 def parser() -> argparse.ArgumentParser:
@@ -41,10 +45,31 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--hold", type=int, default=0, metavar="N",
                     help="requests to keep in flight (streams held open) before the sheddable one, to saturate "
                     "the pool the way long generations do (default 0: the pool is saturated already)")
+    ap.add_argument("--envoy", action="store_true",
+                    help="also check end to end through a real Envoy the command starts (GAIE's ext_proc "
+                    "configuration, both body modes) with stand-in workers bound to the --pool endpoints (default "
+                    f"{','.join(DEFAULT_ENVOY_POOL)}): start the picker with exactly those endpoints")
     ap.add_argument("--only", action="append", default=[], metavar="CHECK", help="run only this check (repeatable)")
     ap.add_argument("--timeout-s", type=float, default=10.0, help="per request (default %(default)s)")
     ap.add_argument("--json", action="store_true", help="machine output")
     return ap
+
+
+async def check_through_envoy(target: str, pool: Sequence[str], *, plaintext: bool = False,
+                              ca_file: str | None = None, empty_target: str | None = None, model: str = "conformance",
+                              shed_headers: tuple[tuple[str, str], ...] = (), hold: int = 0, timeout_s: float = 10.0,
+                              checks: Sequence[Check] = ENVOY_CHECKS) -> list[Row]:
+    """The "via Envoy" rows: start the workers and Envoy, run the checks, stop everything it started."""
+    import aiohttp
+
+    gw = await ConformanceGateway(target, list(pool), plaintext=plaintext, ca_file=ca_file,
+                                  empty_picker=empty_target).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            probe = EnvoyProbe(gw, session, model=model, shed_headers=shed_headers, hold=hold, timeout_s=timeout_s)
+            return await check_picker(probe, checks)  # type: ignore[arg-type]
+    finally:
+        await gw.stop()
 
 
 async def check_picker(probe: Probe, checks: Sequence[Check] = CHECKS) -> list[Row]:
@@ -72,9 +97,20 @@ async def _run(args: argparse.Namespace) -> list[Row]:
     if args.no_endpoints_target:
         empty = await open_connection(args.no_endpoints_target, tls=tls, timeout_s=args.timeout_s)
     checks = [c for c in CHECKS if not args.only or c.name in args.only]
+    pool = [s.strip() for s in args.pool.split(",") if s.strip()]
+    if args.envoy and not pool:
+        pool = list(DEFAULT_ENVOY_POOL)
     try:
-        return await check_picker(Probe(conn, model=args.model, empty=empty, shed_headers=shed, hold=args.hold,
-                                        pool=[s.strip() for s in args.pool.split(",") if s.strip()]), checks)
+        rows = await check_picker(Probe(conn, model=args.model, empty=empty, shed_headers=shed, hold=args.hold,
+                                        pool=pool), checks)
+        if args.envoy:
+            print(f"epp-extproc conformance: --envoy serves stand-in workers at {','.join(pool)} (the picker must "
+                  "route to exactly these)", file=sys.stderr)
+            rows += await check_through_envoy(
+                args.target, pool, plaintext=args.plaintext, ca_file=str(args.ca) if args.ca else None,
+                empty_target=args.no_endpoints_target, model=args.model, shed_headers=shed, hold=args.hold,
+                timeout_s=args.timeout_s, checks=[c for c in ENVOY_CHECKS if not args.only or c.name in args.only])
+        return rows
     finally:
         await conn.close()
         if empty is not None:

@@ -59,7 +59,10 @@ def _subset(req: pb.ProcessingRequest) -> list[str] | None:
     ns = req.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
     if ns is None or SUBSET_KEY not in ns.fields:
         return None
-    return [v.string_value for v in ns.fields[SUBSET_KEY].list_value.values]
+    v = ns.fields[SUBSET_KEY]
+    if v.WhichOneof("kind") == "string_value":  # Envoy's header_to_metadata writes `ip:port,ip:port`
+        return [s.strip() for s in v.string_value.split(",") if s.strip()]
+    return [x.string_value for x in v.list_value.values]
 
 
 class FakePicker(pb_grpc.ExternalProcessorServicer):
@@ -147,6 +150,16 @@ class FakePicker(pb_grpc.ExternalProcessorServicer):
                 if self.brk is Break.FAIL_ON_SERVED:
                     await context.abort(grpc.StatusCode.INTERNAL, "unexpected response headers")
                 yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+            elif kind == "response_body":  # through a real Envoy (--envoy): the answer passes back whole
+                chunk = req.response_body
+                if buffered:  # STREAMED response bodies: each chunk acknowledged, unchanged
+                    yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+                else:
+                    yield pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
+                        body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                            body=chunk.body, end_of_stream=chunk.end_of_stream)))))
+            elif kind == "response_trailers":
+                yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
             elif kind == "request_body":
                 body += req.request_body.body
                 if not req.request_body.end_of_stream:
