@@ -44,6 +44,7 @@ class Break(enum.Enum):
     FAIL_ON_SERVED = "fail-on-served"  # the response headers reporting the served endpoint end the stream in error
     SHED_503 = "shed-503"  # a sheddable request on a loaded pool gets 503 instead of 429
     TLS_NO_ALPN = "tls-no-alpn"  # TLS without ALPN (a terminator in front of an h2c server)
+    ALTER_BODY = "alter-body"  # the body the worker gets is not the client's (one byte changed, same length)
 
 
 # The fake's sheddable requests and its load rule: once every endpoint has a request in flight (a stream that
@@ -172,8 +173,13 @@ class FakePicker(pb_grpc.ExternalProcessorServicer):
                 if isinstance(choice, int):
                     yield _immediate(choice)
                     return
+                if self.brk is Break.ALTER_BODY:
+                    body = body.replace(b"conformance", b"CONFORMANCE", 1)
                 if buffered:
-                    yield self._routed("request_body", choice, True)
+                    routed = self._routed("request_body", choice, True)
+                    if self.brk is Break.ALTER_BODY:
+                        routed.request_body.response.body_mutation.body = body
+                    yield routed
                     continue
                 yield self._routed("request_headers", choice, False)
                 yield pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(

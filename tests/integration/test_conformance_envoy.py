@@ -91,6 +91,19 @@ async def test_a_picker_breaking_one_rule_fails_that_row_through_envoy(brk: Brea
     assert exit_code(list(rows.values())) == (1 if check else 0)
 
 
+async def test_a_picker_that_changes_the_body_fails_both_destination_rows_through_envoy() -> None:
+    """Invisible to the direct checks (they read the picker's messages, not the worker's bytes)."""
+    pool = a_pool()
+    server, port = await start_fake(pool, Break.ALTER_BODY)
+    try:
+        rows = by_name(await check_through_envoy(f"127.0.0.1:{port}", pool, plaintext=True))
+    finally:
+        await server.stop(0)
+    for name in ("streamed-destination", "buffered-destination"):
+        assert rows[name].verdict.status == "fail" and "body changed" in rows[name].verdict.why, rows[name].verdict
+    assert exit_code(list(rows.values())) == 1
+
+
 async def test_the_command_with_envoy_prints_the_workers_it_serves_and_both_kinds_of_rows(capsys) -> None:  # noqa: ANN001
     import asyncio
 
