@@ -29,12 +29,16 @@ from aiohttp import web
 from epp_extproc.dev import envoy_config, procs
 from epp_extproc.gaie import DEST_HEADER, SUBSET_KEY
 
-__all__ = ["ConformanceGateway", "Received", "Worker", "HOLD_HEADER", "ID_HEADER", "SERVED_BY_HEADER"]
+__all__ = ["ConformanceGateway", "GatewayError", "Received", "Worker", "HOLD_HEADER", "ID_HEADER", "SERVED_BY_HEADER"]
 
 ID_HEADER = "x-conformance-id"  # names one request, so a worker's record can be matched to it
 HOLD_HEADER = "x-conformance-hold"  # the worker answers only once the checker releases held requests
 SERVED_BY_HEADER = "x-conformance-served-by"  # the worker's own address, on its answer
 MAX_BODY = 16 * 1024 * 1024
+
+
+class GatewayError(RuntimeError):
+    """The checker could not set up its gateway (a --pool address it cannot bind, Envoy missing or failing)."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,11 @@ class ConformanceGateway:
         try:
             for address in self.pool:
                 self.workers[address] = Worker(address)
-                await self.workers[address].start()
+                try:
+                    await self.workers[address].start()
+                except (OSError, ValueError) as e:
+                    raise GatewayError(f"cannot serve a stand-in worker on {address} ({e}): --pool must name free "
+                                       "local ip:port addresses, which the picker under test routes to") from None
             self.decoy = Worker(f"127.0.0.1:{procs.free_port()}")
             await self.decoy.start()
             self._dir = Path(tempfile.mkdtemp(prefix="epp-conformance-"))
@@ -124,7 +132,10 @@ class ConformanceGateway:
         assert self._dir is not None
         proc = procs.envoy(self._dir, opts, name=f"envoy-{name}")
         self._envoys.append(proc)
-        await asyncio.to_thread(proc.start, 60)
+        try:
+            await asyncio.to_thread(proc.start, 60)
+        except (RuntimeError, envoy_config.EnvoyNotFound) as e:
+            raise GatewayError(f"Envoy ({name}) did not start: {e}") from None
         return f"http://127.0.0.1:{opts.listen_port}"
 
     def release_held(self) -> None:

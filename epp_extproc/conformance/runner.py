@@ -11,7 +11,7 @@ from pathlib import Path
 from epp_extproc.conformance.checks import CHECKS, Check, Probe, failed
 from epp_extproc.conformance.client import Connection, TlsMode, open_connection
 from epp_extproc.conformance.envoy_checks import ENVOY_CHECKS, EnvoyProbe
-from epp_extproc.conformance.gateway import ConformanceGateway
+from epp_extproc.conformance.gateway import ConformanceGateway, GatewayError
 from epp_extproc.conformance.report import Row, exit_code, render_json, render_table
 
 __all__ = ["DEFAULT_ENVOY_POOL", "check_picker", "check_through_envoy", "main", "parser"]
@@ -133,6 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         rows = asyncio.run(_run(args))
+    except GatewayError as e:
+        print(f"epp-extproc conformance --envoy: {e}", file=sys.stderr)
+        return 2
     except OSError as e:  # e.g. the TLS certificate could not be read: the picker is not there
         print(f"epp-extproc conformance: cannot reach {args.target}: {e}", file=sys.stderr)
         return 2

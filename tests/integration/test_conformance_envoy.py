@@ -104,6 +104,39 @@ async def test_a_picker_that_changes_the_body_fails_both_destination_rows_throug
     assert exit_code(list(rows.values())) == 1
 
 
+async def test_a_tls_picker_is_checked_through_an_envoy_speaking_tls_to_it() -> None:
+    from epp_extproc.envoy.tls import self_signed
+
+    pool = a_pool()
+    server, port = await start_fake(pool, tls=self_signed())
+    try:
+        rows = by_name(await check_through_envoy(f"127.0.0.1:{port}", pool,
+                                                 checks=[c for c in ENVOY_CHECKS if c.name == "streamed-destination"]))
+    finally:
+        await server.stop(0)
+    assert rows["streamed-destination"].verdict.status == "pass", rows["streamed-destination"].verdict
+
+
+async def test_a_pool_address_the_checker_cannot_bind_is_a_clear_error_exit_2(capsys) -> None:  # noqa: ANN001
+    import asyncio
+    import socket
+
+    pool = a_pool()
+    server, port = await start_fake(pool)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = f"127.0.0.1:{taken.getsockname()[1]}"
+    try:
+        rc = await asyncio.to_thread(main, [f"127.0.0.1:{port}", "--plaintext", "--envoy", "--pool", busy,
+                                            "--only", "health-services"])
+    finally:
+        taken.close()
+        await server.stop(0)
+    assert rc == 2
+    assert f"cannot serve a stand-in worker on {busy}" in capsys.readouterr().err
+
+
 async def test_the_command_with_envoy_prints_the_workers_it_serves_and_both_kinds_of_rows(capsys) -> None:  # noqa: ANN001
     import asyncio
 
