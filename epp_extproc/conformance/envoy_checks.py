@@ -69,6 +69,16 @@ class EnvoyProbe:
         self._held.append(task)
         return task
 
+    async def wait_held(self, n: int) -> None:
+        """Until `n` held requests reached their workers (or HOLD_WAIT_S: a picker that queues them holds them
+        all the same; or one of them was answered already, e.g. refused)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + HOLD_WAIT_S
+        while loop.time() < deadline:
+            if sum(bool(self.gateway.received(rid)) for rid in self.held_ids) >= n or any(t.done() for t in self._held):
+                return
+            await asyncio.sleep(0.02)
+
     async def release(self) -> None:
         self.gateway.release_held()
         held, self._held, self.held_ids = self._held, [], []
@@ -165,22 +175,11 @@ async def shedding_429(p: EnvoyProbe) -> Verdict:
     try:
         for _ in range(p.hold):
             p.hold_one()
-        await _until_held(p, p.hold)
+        await p.wait_held(p.hold)
         reply = await p.request(FULL_DUPLEX, headers=p.shed_headers)
     finally:
         await p.release()
     return await _expect_status(p, 429, reply)
-
-
-async def _until_held(p: EnvoyProbe, n: int) -> None:
-    """Until `n` held requests reached their workers (or HOLD_WAIT_S: a picker that queues them holds them
-    all the same)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + HOLD_WAIT_S
-    while loop.time() < deadline:
-        if sum(bool(p.gateway.received(rid)) for rid in p.held_ids) >= n or any(t.done() for t in p._held):
-            return
-        await asyncio.sleep(0.02)
 
 
 _BY_NAME = {c.name: c for c in CHECKS}
