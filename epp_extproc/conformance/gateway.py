@@ -130,9 +130,9 @@ class ConformanceGateway:
             response_mode="echo", failure_mode_allow=False, forward_metadata=True, subset_hint_header=SUBSET_KEY,
             picker_tls=not self.plaintext, picker_tls_ca=self.ca_file, picker_health_check=False)
         assert self._dir is not None
-        proc = procs.envoy(self._dir, opts, name=f"envoy-{name}")
-        self._envoys.append(proc)
         try:
+            proc = procs.envoy(self._dir, opts, name=f"envoy-{name}")  # names the binary: EnvoyNotFound here
+            self._envoys.append(proc)
             await asyncio.to_thread(proc.start, 60)
         except (RuntimeError, envoy_config.EnvoyNotFound) as e:
             raise GatewayError(f"Envoy ({name}) did not start: {e}") from None

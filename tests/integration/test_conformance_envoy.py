@@ -138,6 +138,19 @@ async def test_a_pool_address_the_checker_cannot_bind_is_a_clear_error_exit_2(ca
     assert f"cannot serve a stand-in worker on {busy}" in capsys.readouterr().err
 
 
+async def test_no_envoy_binary_is_a_clear_error_naming_how_to_get_one(monkeypatch, capsys) -> None:  # noqa: ANN001
+    import asyncio
+
+    monkeypatch.setenv("ENVOY_BIN", "/nonexistent/envoy")
+    server, port = await start_fake(a_pool())
+    try:
+        rc = await asyncio.to_thread(main, [f"127.0.0.1:{port}", "--plaintext", "--envoy", "--pool", ",".join(a_pool()),
+                                            "--only", "health-services"])
+    finally:
+        await server.stop(0)
+    assert rc == 2 and "ENVOY_BIN='/nonexistent/envoy' is not an executable" in capsys.readouterr().err
+
+
 async def test_the_command_with_envoy_prints_the_workers_it_serves_and_both_kinds_of_rows(capsys) -> None:  # noqa: ANN001
     import asyncio
 
