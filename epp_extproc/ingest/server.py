@@ -131,7 +131,8 @@ class IngestShard:
         raise_socket_limit(self._zmq)
         # a lookup waits at most one turn of ingest work: 1 ms here (5 ms in a picker's own loop), since this
         # loop answers lookups and nothing else is latency-bound in it
-        self.subscribers = SubscriberManager(self.index, topic=topic, zmq_context=self._zmq, pace=self.pacer.charge,
+        self._lookup_s = 0.0  # lookups answered inside a batch's handling (lookups="loop"): not that worker's cost
+        self.subscribers = SubscriberManager(self.index, topic=topic, zmq_context=self._zmq, pace=self._charge,
                                              turn_budget_s=TURN_BUDGET_S,
                                              between_batches=self.poll_lookups if lookups == "loop" else None)
         self._conns: list[socket.socket] = []  # lookup connections served on the loop (lookups="loop")
@@ -262,8 +263,15 @@ class IngestShard:
 
     def poll_lookups(self) -> None:
         """Answer every lookup already waiting on any connection (a non-blocking read each)."""
+        started = time.perf_counter()
         for conn in tuple(self._conns):  # (a closed one leaves the list)
             self._drain(conn)
+        self._lookup_s += time.perf_counter() - started
+
+    def _charge(self, worker: str, spent_s: float) -> float:
+        """The pacer's charge for a message, less the lookups answered while it was handled."""
+        spent_s, self._lookup_s = max(0.0, spent_s - self._lookup_s), 0.0
+        return self.pacer.charge(worker, spent_s)
 
     def _drain(self, conn: socket.socket) -> None:
         while True:
