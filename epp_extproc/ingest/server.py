@@ -245,9 +245,7 @@ class IngestShard:
         assert self._lookup_sock is not None
         try:
             conn, _ = self._lookup_sock.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
+        except OSError:  # none waiting (BlockingIOError), or the shard is closing
             return
         conn.setblocking(False)
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, wire.SEQPACKET_BUFFER)
@@ -264,6 +262,10 @@ class IngestShard:
     def poll_lookups(self) -> None:
         """Answer every lookup already waiting on any connection (a non-blocking read each)."""
         started = time.perf_counter()
+        # a new connection too: with hundreds of busy subscriptions the loop reaches its selector only after a
+        # whole round of them, and a picker whose lookup timed out reconnects (its late answers must not reach
+        # it), so waiting for the selector to accept would time out every lookup after the first miss
+        self._accept_on_loop()
         for conn in tuple(self._conns):  # (a closed one leaves the list)
             self._drain(conn)
         self._lookup_s += time.perf_counter() - started
