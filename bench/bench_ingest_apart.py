@@ -328,6 +328,7 @@ class Setup:
             if pin:
                 for pid in self.group.pids():
                     _pin(pid, 1)
+        if self.apart:
             self.kv: Any = RemoteKv(self.registry, directory=self.dir, shards=shards, block_size=BS,
                                     prediction_ttl_s=2.0, lookup_timeout_s=0.05, ask_server_info=False)
         else:
@@ -856,7 +857,7 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
             out["scrape"].append(row)
     out["processes"] = []
     for n in [int(x) for x in a.process_sizes.split(",")] if "processes" in parts else []:
-        for mode in ("inprocess", "apart"):
+        for mode in a.process_modes.split(","):
             for procs in (1, 2):
                 row = await run_processes(mode, n, procs, files[n], seconds, 0.02, a.pin)
                 print(json.dumps(row), flush=True)
@@ -878,6 +879,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scrape-rates", default="default",
                     help="scrape budgets to compare: default, off (none), or scrapes/s, comma-separated")
     ap.add_argument("--pin", action="store_true", help="measuring process on CPU 0, ingest and player on CPU 1")
+    ap.add_argument("--process-modes", default="inprocess,apart", help="modes of the processes part")
     ap.add_argument("--process-sizes", default="256", help="pool sizes of the processes part (must be in --sizes)")
     ap.add_argument("--play", help=argparse.SUPPRESS)
     ap.add_argument("--decider", help=argparse.SUPPRESS)
