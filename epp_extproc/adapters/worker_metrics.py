@@ -33,7 +33,7 @@ scrapes per second over the pool. A round sends every scrape that is due; when t
 `max_rate x interval`, the round stretches to due / max_rate (`round_length`) and the scrapes are spread
 evenly over it in a random order, so each worker is read every due / max_rate seconds instead of every
 interval (1,000 idle workers at the default 500/s: every 2 s, not every 1 s; 1,000 busy ones: every 2 s, not
-every 100 ms) and the picker's CPU for scraping stays about `max_rate` GETs' worth. Below that the round is
+every 100 ms), and the picker never sends more than `max_rate` GETs a second. Below that the round is
 today's: every due scrape at the start of each interval.
 """
 
