@@ -293,7 +293,9 @@ def pct(xs: list[float], q: float) -> float | None:
 class Setup:
     """A pool of `n` simulated workers, the KV view of `mode` over it, and the real pipeline."""
 
-    def __init__(self, mode: str, player: Player, pin: bool) -> None:
+    def __init__(self, mode: str, player: Any, pin: bool, shared_dir: str | None = None) -> None:
+        """`player`: anything with the workers' `endpoints`; `shared_dir`: the sockets of shards another
+        process started (a second picker process of `--processes 2`), instead of starting its own."""
         from epp_extproc.adapters.kv_remote import RemoteKv
         from epp_extproc.adapters.kv_routing import KvRouting
         from epp_extproc.config import Config
@@ -311,13 +313,23 @@ class Setup:
         self.group: Any = None
         self.lag = LagSamples(65536)
         self.dir = tempfile.mkdtemp(prefix="epp-bench-ingest-")
-        if mode == "apart":
-            self.group = IngestGroup([shard_argv(self.dir, 0, 1, block_size=BS, max_blocks_per_worker=1_000_000,
-                                                 topic="", worker_cpu_share=0.1, log_level="WARNING")])
+        self.apart = mode.startswith("apart")
+        # apart variants: "apart-loop" answers lookups on the shard's loop between batches (threads otherwise),
+        # "apart-2shards" runs two shards (both on CPU 1 when pinned: two cores hold no third one)
+        shards = 2 if "2shards" in mode else 1
+        lookups = "loop" if "loop" in mode else "thread"
+        if self.apart and shared_dir is not None:
+            self.dir = shared_dir
+        elif self.apart:
+            self.group = IngestGroup([shard_argv(self.dir, k, shards, block_size=BS, max_blocks_per_worker=1_000_000,
+                                                 topic="", worker_cpu_share=0.1, log_level="WARNING", lookups=lookups)
+                                      for k in range(shards)])
             self.group.start()
             if pin:
-                _pin(self.group.pids()[0], 1)
-            self.kv: Any = RemoteKv(self.registry, directory=self.dir, shards=1, block_size=BS,
+                for pid in self.group.pids():
+                    _pin(pid, 1)
+        if self.apart:
+            self.kv: Any = RemoteKv(self.registry, directory=self.dir, shards=shards, block_size=BS,
                                     prediction_ttl_s=2.0, lookup_timeout_s=0.05, ask_server_info=False)
         else:
             self.kv = KvRouting(self.registry, block_size=BS, max_blocks_per_worker=1_000_000, topic="",
@@ -344,31 +356,36 @@ class Setup:
             return r
         self.kv.overlap = overlap
 
-    def ingest_pid(self) -> int:
-        return self.group.pids()[0] if self.group is not None else os.getpid()
+    def owns_ingest(self) -> bool:
+        return not self.apart or self.group is not None
+
+    def ingest_pids(self) -> list[int]:
+        return self.group.pids() if self.group is not None else [os.getpid()]
 
     async def start(self) -> None:
-        if self.mode == "apart":
+        if self.apart:
             self.kv.start()
         self.registry.replace(self.eps)
 
     def warm_count(self) -> int:
-        if self.mode == "apart":
+        if self.apart:
             return sum(1 for a in self.addresses if self.kv.warm(a))
         return sum(1 for a in self.addresses if self.kv.index.stats(a).batches > 0)
 
     def blocks(self) -> int:
-        if self.mode == "apart":
+        if self.apart:
             return -1
         return sum(self.kv.index.blocks_indexed(a) for a in self.addresses)
 
     async def ingest_stats(self) -> dict[str, Any]:
-        if self.mode == "apart":
+        if self.apart:
             snap = await self.kv.snapshot(timeout_s=60)  # 1,000 workers' counters on a busy machine
-            ing = snap["ingest"][0]
-            if not ing.get("up"):
-                raise RuntimeError(f"ingest snapshot failed: {ing}")
-            return {"lag": ing.get("batch_lag_s", {}), "batches": sum(w.get("batches", 0)
+            for ing in snap["ingest"]:
+                if not ing.get("up"):
+                    raise RuntimeError(f"ingest snapshot failed: {ing}")
+            lags = [ing.get("batch_lag_s", {}) for ing in snap["ingest"]]
+            lag = {q: max((x.get(q) or 0.0) for x in lags) for q in ("p50", "p99")}  # the worse shard's
+            return {"lag": lag, "batches": sum(w.get("batches", 0)
                                                                       for w in snap["workers"].values()),
                     "blocks": sum(w.get("blocks_indexed", 0) for w in snap["workers"].values())}
         return {"lag": self.lag.summary(), "batches": sum(self.kv.index.stats(a).batches for a in self.addresses),
@@ -449,7 +466,7 @@ async def run_scale(mode: str, n: int, path: Path, seconds: float, pin: bool) ->
         await wait_for(lambda: setup.warm_count() == n, 20 + n * 0.02, "subscribers connected")
         await asyncio.sleep(0.5)  # the last heartbeats in
         expected = len(read_sections(path)[0]) + (await setup.ingest_stats())["batches"]
-        rss0 = rss_mb(setup.ingest_pid())  # subscribed, nothing indexed: what follows is the index
+        rss0 = sum(rss_mb(p) for p in setup.ingest_pids())  # subscribed, nothing indexed: what follows is the index
         player.cmd("warm", answer=True)
         t_warm = time.monotonic()
 
@@ -461,29 +478,29 @@ async def run_scale(mode: str, n: int, path: Path, seconds: float, pin: bool) ->
             await asyncio.sleep(0.2)
         row["warm_s"] = round(time.monotonic() - t_warm, 2)
         stats0 = await setup.ingest_stats()
-        ipid = setup.ingest_pid()
-        icpu0 = cpu_s(ipid)
+        ipids = setup.ingest_pids()
+        icpu0 = sum(cpu_s(p) for p in ipids)
         player.cmd(f"steady {seconds}")
         res = await decision_loop(setup, prompts_for(), seconds, 0.005)
         await asyncio.sleep(0.3)  # the tail of the steady section
         stats1 = await setup.ingest_stats()
-        icpu = cpu_s(ipid) - icpu0
+        icpu = sum(cpu_s(p) for p in ipids) - icpu0
         batches = stats1["batches"] - stats0["batches"]
         row.update(res)
         row["batches_ingested"] = batches
         row["batches_per_s"] = round(batches / (res["elapsed_s"] + 0.3), 1)
         row["ingest_lag_p99_ms"] = _ms(stats1["lag"].get("p99"))
         row["ingest_lag_p50_ms"] = _ms(stats1["lag"].get("p50"))
-        if mode == "apart":
+        if setup.apart:
             row["ingest_cpu_s_per_1000_batches"] = round(icpu / max(batches, 1) * 1000, 3)
             row["cpu_ms_per_decision"] = round(res["process_cpu_s"] / max(res["decisions"], 1) * 1000, 3)
-            row["index_rss_mb"] = round(rss_mb(ipid) - rss0, 1)
+            row["index_rss_mb"] = round(sum(rss_mb(p) for p in ipids) - rss0, 1)
         else:  # one process does both: ingest CPU is what is left after the decisions (their cost measured apart)
             row["process_cpu_s_per_1000_batches"] = round(res["process_cpu_s"] / max(batches, 1) * 1000, 3)
             row["index_rss_mb"] = round(rss_mb() - rss0, 1)
         row["rss_kb_per_worker"] = round(row["index_rss_mb"] * 1024 / n, 1)
         row["blocks_indexed"] = stats1["blocks"]
-        if mode == "apart":
+        if setup.apart:
             row["lookups_unanswered"] = setup.kv.counts["unavailable"] + setup.kv.counts["timeout"]
     except Exception as e:  # a mode that cannot run a size says so in the results rather than aborting all
         row["error"] = f"{type(e).__name__}: {e}"
@@ -504,9 +521,9 @@ async def run_flood(mode: str, path: Path, seconds: float, pin: bool) -> dict[st
         await asyncio.sleep(1.0)
         prompts = prompts_for()
         base = await decision_loop(setup, prompts, seconds, None)
-        ipid = setup.ingest_pid()
+        ipids = setup.ingest_pids()
         s0 = await setup.ingest_stats()
-        icpu0 = cpu_s(ipid)
+        icpu0 = sum(cpu_s(p) for p in ipids)
         player.cmd("flood")
         await asyncio.sleep(0.3)
         flooded = await decision_loop(setup, prompts, seconds, None)
@@ -514,13 +531,107 @@ async def run_flood(mode: str, path: Path, seconds: float, pin: bool) -> dict[st
         row["unflooded"] = base
         row["flooded"] = flooded
         row["flood_batches_ingested"] = s1["batches"] - s0["batches"]
-        row["flood_ingest_cpu_s"] = round(cpu_s(ipid) - icpu0, 2)
+        row["flood_ingest_cpu_s"] = round(sum(cpu_s(p) for p in ipids) - icpu0, 2)
         row["throughput_ratio"] = round(flooded["per_s"] / base["per_s"], 3)
         if base["decision_p99_ms"] and flooded["decision_p99_ms"]:
             row["p99_ratio"] = round(flooded["decision_p99_ms"] / base["decision_p99_ms"], 2)
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}"
     finally:
+        await setup.close()
+        player.stop()
+    return row
+
+
+# ------------------------------------------------------------------ --processes N: a second picker process
+def decider(mode: str, endpoints_file: str, shard_dir: str, seconds: float, period: float) -> None:
+    """A child: one more picker process over the same pool (its own KV view in `inprocess`, the parent's
+    shards in `apart`). Prints `ready` once every worker is subscribed/warm, runs its decisions on `go`,
+    prints its row."""
+    class _Pool:
+        endpoints = json.loads(Path(endpoints_file).read_text())
+
+    async def main() -> None:
+        setup = Setup(mode, _Pool, False, shared_dir=shard_dir or None)
+        n = len(_Pool.endpoints)
+        await setup.start()
+        await wait_for(lambda: setup.warm_count() == n, 20 + n * 0.02, "subscribers connected")
+        print(json.dumps({"ready": True}), flush=True)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, sys.stdin.readline)
+        res = await decision_loop(setup, prompts_for(), seconds, period)
+        res["cpu_ms_per_decision"] = round(res["process_cpu_s"] / max(res["decisions"], 1) * 1000, 3)
+        print(json.dumps(res), flush=True)
+        await setup.close()
+
+    asyncio.run(main())
+
+
+async def run_processes(mode: str, n: int, procs: int, path: Path, seconds: float, period: float,
+                        pin: bool) -> dict[str, Any]:
+    """`procs` picker processes deciding over one pool of `n` workers at one decision every `period` s each:
+    CPU per decision in each, and what ingest costs per process (`inprocess`: each ingests every worker;
+    `apart`: one shard for all). On two shared cores the throughput of N processes cannot be measured
+    (they compete with the shard and the player for the same two cores): only CPU is reported."""
+    player = Player(path, n, pin)
+    setup = Setup(mode, player, pin)
+    row: dict[str, Any] = {"mode": mode, "workers": n, "processes": procs, "decisions_per_s_each": round(1 / period)}
+    children: list[subprocess.Popen[bytes]] = []
+    efile = Path(tempfile.mkdtemp(prefix="epp-bench-eps-")) / "endpoints.json"
+    efile.write_text(json.dumps(player.endpoints))
+    try:
+        await setup.start()
+        await wait_for(lambda: setup.warm_count() == n, 20 + n * 0.02, "subscribers connected")
+        for _ in range(procs - 1):
+            c = subprocess.Popen([sys.executable, "-m", "bench.bench_ingest_apart", "--decider", mode,
+                                  "--endpoints-file", str(efile), "--play-dir", setup.dir if setup.apart else "",
+                                  "--decider-seconds", str(seconds), "--decider-period", str(period)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            if pin:
+                _pin(c.pid, 0)
+            children.append(c)
+        for c in children:
+            assert c.stdout is not None
+            line = await asyncio.get_running_loop().run_in_executor(None, c.stdout.readline)
+            if not line:
+                raise RuntimeError("a second picker process failed to start")
+        player.cmd("warm", answer=True)
+        await asyncio.sleep(2.0)  # the warm section applied everywhere
+        ipids = setup.ingest_pids() if setup.apart else []
+        icpu0 = sum(cpu_s(p) for p in ipids)
+        s0 = (await setup.ingest_stats())["batches"]
+        player.cmd(f"steady {seconds}")
+        for c in children:
+            assert c.stdin is not None
+            c.stdin.write(b"go\n")
+            c.stdin.flush()
+        mine = await decision_loop(setup, prompts_for(), seconds, period)
+        mine["cpu_ms_per_decision"] = round(mine["process_cpu_s"] / max(mine["decisions"], 1) * 1000, 3)
+        rows = [mine]
+        for c in children:
+            assert c.stdout is not None
+            line = await asyncio.get_running_loop().run_in_executor(None, c.stdout.readline)
+            rows.append(json.loads(line))
+        await asyncio.sleep(0.3)
+        batches = (await setup.ingest_stats())["batches"] - s0
+        row["batches_ingested"] = batches
+        row["per_process"] = [{k: r[k] for k in ("decisions", "per_s", "decision_run_p50_ms", "decision_run_p99_ms",
+                                                 "lookup_p50_ms", "process_cpu_s", "cpu_ms_per_decision")}
+                              for r in rows]
+        row["picker_cpu_s_total"] = round(sum(r["process_cpu_s"] for r in rows), 2)
+        if setup.apart:
+            icpu = sum(cpu_s(p) for p in ipids) - icpu0
+            row["ingest_cpu_s_shared"] = round(icpu, 2)
+            row["ingest_cpu_s_per_process"] = round(icpu / procs, 2)
+            row["ingest_cpu_s_per_1000_batches"] = round(icpu / max(batches, 1) * 1000, 3)
+        else:  # each process ingests every batch itself: its CPU beyond its decisions is its own ingest
+            row["ingest_cpu_s_per_process"] = "in each process_cpu_s (every process ingests every batch)"
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        for c in children:
+            c.kill()
+            c.wait()
         await setup.close()
         player.stop()
     return row
@@ -650,9 +761,10 @@ def fake_workers(port: int) -> None:
     asyncio.run(serve())
 
 
-async def run_scrape(n: int, seconds: float) -> dict[str, Any]:
-    """The picker's metric scraper and health prober, as `PickerApp` configures them by default, against `n`
-    fake workers: CPU of the picker's process per second and per worker."""
+async def run_scrape(n: int, seconds: float, max_rate: float | None = None) -> dict[str, Any]:
+    """The picker's metric scraper and health prober, as `PickerApp` configures them by default (the scrape
+    budget `max_rate` aside: None = the default, `--worker-metrics-max-rate`), against `n` fake workers: CPU
+    of the picker's process per second and per worker."""
     from epp_extproc.adapters.endpoint_probe import EndpointProber
     from epp_extproc.adapters.worker_metrics import WorkerMetricsScraper
     from epp_extproc.config import Config
@@ -678,7 +790,8 @@ async def run_scrape(n: int, seconds: float) -> dict[str, Any]:
     errors: list[str] = []
     scraper = WorkerMetricsScraper(registry, load, detector, interval_s=cfg.worker_metrics_interval_ms / 1000,
                                    idle_interval_s=cfg.worker_metrics_idle_interval_ms / 1000,
-                                   on_error=lambda _address, why: errors.append(why))
+                                   on_error=lambda _address, why: errors.append(why),
+                                   max_rate=cfg.worker_metrics_max_rate if max_rate is None else max_rate)
     prober = EndpointProber(registry, interval_s=cfg.endpoint_probe_interval_ms / 1000,
                             max_rate=cfg.endpoint_probe_max_rate)
     tasks = [asyncio.create_task(scraper.run()), asyncio.create_task(prober.run())]
@@ -693,7 +806,8 @@ async def run_scrape(n: int, seconds: float) -> dict[str, Any]:
     proc.stdin.flush()
     served = json.loads(proc.stdout.readline())["served"]
     proc.wait()
-    return {"workers": n, "seconds": round(el, 1), "picker_cpu_fraction": round(cpu / el, 4),
+    return {"workers": n, "scrape_max_rate": scraper.max_rate, "scrapes_per_s": round(scraper.scrapes / (el + 3), 1),
+            "scrape_round_s": round(scraper.round_s, 2), "seconds": round(el, 1), "picker_cpu_fraction": round(cpu / el, 4),
             "picker_cpu_us_per_worker_per_s": round(cpu / el / n * 1e6, 1),
             "requests_served_total": served, "scrape_errors": len(errors),
             "scrape_error_kinds": sorted(set(errors))[:5], "scrape_interval_s": cfg.worker_metrics_interval_ms / 1000,
@@ -723,21 +837,31 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
         out["channel"] = await run_channel([8, 256], [1024, DOC_BLOCKS * BS], 200 if a.quick else 2000)
         print(json.dumps(out["channel"], indent=1), flush=True)
     out["scale"] = []
+    modes = a.modes.split(",")
     for n in sizes if "scale" in parts else []:
-        for mode in ("inprocess", "apart"):
+        for mode in modes:
             row = await run_scale(mode, n, files[n], seconds, a.pin)
             print(json.dumps(row), flush=True)
             out["scale"].append(row)
     out["flood"] = []
-    for mode in ("inprocess", "apart") if "flood" in parts else ():
+    for mode in modes if "flood" in parts else ():
         row = await run_flood(mode, files[8], seconds / 2, a.pin)
         print(json.dumps(row), flush=True)
         out["flood"].append(row)
     out["scrape"] = []
     for n in sizes if "scrape" in parts else []:
-        row = await run_scrape(n, 5.0 if a.quick else 15.0)
-        print(json.dumps(row), flush=True)
-        out["scrape"].append(row)
+        for rate in a.scrape_rates.split(","):  # "default" (the flag's default), "off" (no budget) or a rate
+            r = None if rate == "default" else 1e9 if rate == "off" else float(rate)
+            row = await run_scrape(n, 5.0 if a.quick else 15.0, r)
+            print(json.dumps(row), flush=True)
+            out["scrape"].append(row)
+    out["processes"] = []
+    for n in [int(x) for x in a.process_sizes.split(",")] if "processes" in parts else []:
+        for mode in a.process_modes.split(","):
+            for procs in (1, 2):
+                row = await run_processes(mode, n, procs, files[n], seconds, 0.02, a.pin)
+                print(json.dumps(row), flush=True)
+                out["processes"].append(row)
     out["load_avg_at_end"] = os.getloadavg()
     return out
 
@@ -748,9 +872,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/ingest_apart.json")
     ap.add_argument("--events", default="/tmp/epp-ingest-events", help="recorded event files (made if absent)")
     ap.add_argument("--sizes", default="8,256,1000", help="simulated pool sizes")
-    ap.add_argument("--parts", default="channel,scale,flood,scrape", help="which measurements")
+    ap.add_argument("--parts", default="channel,scale,flood,scrape,processes", help="which measurements")
+    ap.add_argument("--modes", default="inprocess,apart",
+                    help="scale/flood variants: inprocess, apart, apart-loop (lookups on the shard's loop), "
+                         "apart-2shards, apart-loop-2shards")
+    ap.add_argument("--scrape-rates", default="default",
+                    help="scrape budgets to compare: default, off (none), or scrapes/s, comma-separated")
     ap.add_argument("--pin", action="store_true", help="measuring process on CPU 0, ingest and player on CPU 1")
+    ap.add_argument("--process-modes", default="inprocess,apart", help="modes of the processes part")
+    ap.add_argument("--process-sizes", default="256", help="pool sizes of the processes part (must be in --sizes)")
     ap.add_argument("--play", help=argparse.SUPPRESS)
+    ap.add_argument("--decider", help=argparse.SUPPRESS)
+    ap.add_argument("--endpoints-file", help=argparse.SUPPRESS)
+    ap.add_argument("--decider-seconds", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--decider-period", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--workers", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--play-dir", help=argparse.SUPPRESS)
     ap.add_argument("--channel-server", type=int, help=argparse.SUPPRESS)
@@ -758,6 +893,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.play:
         play(Path(a.play), a.workers, a.play_dir)
+        return 0
+    if a.decider:
+        decider(a.decider, a.endpoints_file, a.play_dir, a.decider_seconds, a.decider_period)
         return 0
     if a.fake_workers:
         fake_workers(a.fake_workers)

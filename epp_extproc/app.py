@@ -169,7 +169,7 @@ class PickerApp:
                 self.registry, self.load, self.detector, interval_s=cfg.worker_metrics_interval_ms / 1000,
                 path=cfg.worker_metrics_path, on_sample=self.flow.dispatch if self.flow else None,
                 on_error=lambda address, _why: errors.labels(address).inc(),
-                idle_interval_s=cfg.worker_metrics_idle_interval_ms / 1000)
+                idle_interval_s=cfg.worker_metrics_idle_interval_ms / 1000, max_rate=cfg.worker_metrics_max_rate)
         if self.flow is None:
             return None
         flow, objectives = self.flow, self.objectives

@@ -309,6 +309,9 @@ class Config:
         "a worker found idle twice in a row (nothing running or waiting, nothing of this picker's) is "
         "scraped at doubling intervals up to this; a booking on it restores the interval at once; at "
         "or below the interval = every worker at the interval")
+    worker_metrics_max_rate: float = opt("DYN_EPP_WORKER_METRICS_MAX_RATE", 500.0, float,
+        "cap on metric scrapes per second over the whole pool (spread evenly, as the prober's): a pool with "
+        "more scrapes due than rate x interval is read less often, e.g. 1,000 idle workers every 2 s")
     worker_metrics_staleness_ms: int = opt("DYN_EPP_WORKER_METRICS_STALENESS_MS", 300, int,
         "a worker's metrics older than this are ignored (it is judged by this picker's bookings only)")
     worker_metrics_path: str = opt("DYN_EPP_WORKER_METRICS_PATH", "/metrics", str,
@@ -415,6 +418,7 @@ class Config:
         _positive(self, "session_affinity_ttl_s")
         _at_least(self, "worker_metrics_interval_ms", 0, " (0 = off)")
         _at_least(self, "worker_metrics_idle_interval_ms", 0, "")
+        _positive(self, "worker_metrics_max_rate")
         _positive(self, "worker_metrics_staleness_ms")
         if not 0 < self.flow_control_queue_ttl_s < 600:
             raise ValueError(f"{n('flow_control_queue_ttl_s')} must be in (0, 600), got "
@@ -516,7 +520,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
       "kv_ingest_lookup_timeout_ms", "kv_ingest_worker_cpu_share", "session_affinity_keys_file",
       "session_affinity_ttl_s",
       "worker_metrics_interval_ms",
-      "worker_metrics_idle_interval_ms", "worker_metrics_staleness_ms", "worker_metrics_path")),
+      "worker_metrics_idle_interval_ms", "worker_metrics_max_rate", "worker_metrics_staleness_ms", "worker_metrics_path")),
     ("flow control (queue while every worker is saturated)",
      ("flow_control", "flow_control_queue_ttl_s", "flow_control_max_queued_requests", "queue_depth_threshold",
       "kv_cache_util_threshold", "max_num_batched_tokens", "inference_objectives_file")),

@@ -53,6 +53,8 @@ _WORKER_METRICS = [
     ("subscriber", "gauge", "stale", "worker_stale", "1 if a heartbeating worker went silent"),
     ("subscriber", "gauge", "silent", "worker_silent", "1 if nothing ever came from a worker that is up"),
     ("subscriber", "gauge", "last_seq", "last_seq", "Last applied sequence number"),
+    ("subscriber", "gauge", "unsubscribed", "worker_unsubscribed",
+     "1 if its KV events could not be subscribed (no socket left: ZMQ_MAX_SOCKETS or RLIMIT_NOFILE)"),
 ]
 _SKIP_REASONS = ["length", "medium", "group", "extra_keys", "mm_shape", "unknown_parent", "rank", "block_size"]
 # media blocks decoded, by the dialect their keys came in (stats key suffix -> label value)

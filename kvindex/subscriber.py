@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -69,14 +70,43 @@ from kvindex.replay import (
 )
 from kvindex.subscription import GAP_WARN_INTERVAL_S, KvSource, Reset, SubscriberStats, Subscription
 
-__all__ = ["FAR_JUMP", "GAP_WARN_INTERVAL_S", "MAX_REPLAY_CONFIRMS", "MAX_REPLAY_GARBAGE", "MAX_REPLAY_ROUNDS",
-           "REWARM_MAX_S", "REWARM_MIN_S", "STOP_TIMEOUT_S", "KvSource", "SubscriberManager", "SubscriberStats"]
+__all__ = ["DEFAULT_ZMQ_MAX_SOCKETS", "FAR_JUMP", "GAP_WARN_INTERVAL_S", "MAX_REPLAY_CONFIRMS", "MAX_REPLAY_GARBAGE", "MAX_REPLAY_ROUNDS",
+           "REWARM_MAX_S", "REWARM_MIN_S", "STOP_TIMEOUT_S", "KvSource", "SubscriberManager", "SubscriberStats",
+           "raise_socket_limit", "socket_budget"]
 
 log = logging.getLogger(__name__)
 
 FAR_JUMP = 1 << 32  # a seq this far past the last one is another numbering (a time_ns start): a restart
+REFUSED_RETRY_S = 5.0  # a subscription refused for want of a socket is tried again this often
 STOP_TIMEOUT_S = 2.0  # a subscriber task that ignores its cancel this long has its socket closed under it
 # REWARM_MIN_S / REWARM_MAX_S (kvindex/replay.py) are read from this module when a subscription is made
+DEFAULT_ZMQ_MAX_SOCKETS = 1023  # libzmq's ZMQ_MAX_SOCKETS default per context (ZMQ_MAX_SOCKETS_DFLT, zmq.h)
+FDS_PER_SOCKET = 2  # a socket holds its mailbox (an eventfd) and, for a SUB or DEALER, its TCP connection
+
+
+def socket_budget(nofile: int | None = None) -> int:
+    """The most ZeroMQ sockets this process can hold open: ``RLIMIT_NOFILE`` (soft; or ``nofile``) over the
+    file descriptors a socket holds, never below libzmq's own default.
+
+    A subscription holds a SUB, its disconnect monitor and the monitor's inproc peer (three sockets, about
+    four descriptors), plus a DEALER while it replays: libzmq's default of 1,023 sockets per context stops a
+    picker near 340 workers with ``EMFILE`` ("Too many open files") although ``ulimit -n`` allows far more.
+    Past the descriptor limit a larger slot table buys nothing: the OS refuses the socket instead."""
+    if nofile is None:
+        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if nofile == resource.RLIM_INFINITY:
+            nofile = 1 << 20
+    return max(DEFAULT_ZMQ_MAX_SOCKETS, nofile // FDS_PER_SOCKET)
+
+
+def raise_socket_limit(ctx: zmq.Context, nofile: int | None = None) -> int:
+    """Raise ``ctx``'s ZMQ_MAX_SOCKETS to :func:`socket_budget` (within libzmq's ZMQ_SOCKET_LIMIT); returns
+    the value set. libzmq sizes its socket table when the context's first socket is made, so this must run
+    before that (callers create the context and call this at once); later it changes nothing."""
+    want = min(socket_budget(nofile), ctx.get(zmq.SOCKET_LIMIT))
+    if want > ctx.get(zmq.MAX_SOCKETS):
+        ctx.set(zmq.MAX_SOCKETS, want)
+    return int(ctx.get(zmq.MAX_SOCKETS))
 
 
 _SUMMED = ("messages", "gaps", "dropped_batches", "replays", "replay_lost", "replay_failures", "replay_holes",
@@ -103,6 +133,7 @@ class SubscriberManager:
         is_healthy: Callable[[str], bool] | None = None,
         registry: Any = None,
         pace: Callable[[str, float], float] | None = None,
+        between_batches: Callable[[], None] | None = None,
     ) -> None:
         """``replay_timeout_s`` bounds the wait for each replay reply, so a dead replay endpoint costs a
         subscription at most that long per round.  ``silent_after_s``: a subscription that has received
@@ -122,9 +153,13 @@ class SubscriberManager:
         # pace(worker, seconds its message took) -> seconds to wait before reading its next one (a per-worker
         # CPU budget, epp_extproc/ingest/pacing.py); None: no budget beyond the turn budget
         self.pace = pace
+        # called after every applied batch, live or replayed: an ingest shard answers the lookups waiting on
+        # its socket there, so a lookup waits at most one batch's apply (epp_extproc/ingest/server.py)
+        self.between_batches = between_batches
         self._own_ctx = zmq_context is None
         if zmq_context is None:
             self._ctx = zmq.asyncio.Context()
+            raise_socket_limit(self._ctx)  # before its first socket: libzmq sizes the table then
         elif isinstance(zmq_context, zmq.asyncio.Context):
             self._ctx = zmq_context
         else:
@@ -134,6 +169,11 @@ class SubscriberManager:
                                   max_batch_bytes=max_batch_bytes, max_replay_bytes=max_replay_bytes,
                                   turn_budget_s=turn_budget_s)
         self._subs: dict[str, list[Subscription]] = {}
+        # workers whose sockets could not be opened (the socket or descriptor limit): why, and their sources,
+        # retried by the watchdog; they route by load meanwhile
+        self._refused: dict[str, tuple[str, list[KvSource]]] = {}
+        self.refused_total = 0  # subscriptions refused for want of a socket, retries included
+        self._refusal_logged = False
         self._watchdog: asyncio.Task[None] | None = None
         self._closed = False
         if registry is not None:
@@ -152,24 +192,53 @@ class SubscriberManager:
         sources = [KvSource(endpoint, replay_endpoint)] if isinstance(endpoint, str) else list(endpoint)
         if not sources:
             raise ValueError("a worker needs at least one KV-event endpoint")
-        if worker_id in self._subs:
+        if worker_id in self._subs or worker_id in self._refused:
             await self.remove(worker_id)
         self.idx.add_worker(worker_id)
         ranked = [s.rank for s in sources if s.rank is not None]
         if ranked:
             self.idx.set_ranks(worker_id, max(ranked) + 1)
-        subs = []
-        for source in sources:
-            sub = Subscription(worker_id, source, Backoff(REWARM_MIN_S, REWARM_MAX_S))
-            self._open_socket(sub)
-            sub.task = asyncio.create_task(self._run(sub), name=f"kvindex-sub-{sub.label}")
-            subs.append(sub)
-        self._subs[worker_id] = subs
+        self._subscribe(worker_id, sources)
         if self._watchdog is None:
             self._watchdog = asyncio.create_task(self._watch(), name="kvindex-stale-watchdog")
 
+    def _subscribe(self, worker_id: str, sources: list[KvSource]) -> bool:
+        """Open every source's sockets and start their loops, or none: a socket refused (ZeroMQ's socket limit,
+        the descriptor limit) is a fact about this process, not an error of the caller's, so it is counted,
+        logged once, shown in the worker's stats (``subscribe_error``) and retried by the watchdog; the worker
+        routes by load until then."""
+        subs: list[Subscription] = []
+        try:
+            for source in sources:
+                sub = Subscription(worker_id, source, Backoff(REWARM_MIN_S, REWARM_MAX_S))
+                self._open_socket(sub)
+                subs.append(sub)
+        except zmq.ZMQError as exc:
+            for sub in subs:
+                self._close_socket(sub)
+            self._refuse(worker_id, sources, exc)
+            return False
+        self._refused.pop(worker_id, None)
+        for sub in subs:
+            sub.task = asyncio.create_task(self._run(sub), name=f"kvindex-sub-{sub.label}")
+        self._subs[worker_id] = subs
+        return True
+
+    def _refuse(self, worker_id: str, sources: list[KvSource], exc: zmq.ZMQError) -> None:
+        limit = self._ctx.get(zmq.MAX_SOCKETS)
+        why = f"cannot open its ZeroMQ sockets: {exc} (ZMQ_MAX_SOCKETS {limit}, RLIMIT_NOFILE " \
+              f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]})"
+        self._refused[worker_id] = (why, sources)
+        self.refused_total += 1
+        if not self._refusal_logged:
+            self._refusal_logged = True
+            log.error("kv events of %s not subscribed: %s; it routes by load until a socket frees (retried "
+                      "every few seconds; further refusals are counted in /debug/kv, not logged). Raise "
+                      "`ulimit -n`, or use --kv-ingest apart with more --kv-ingest-shards", worker_id, why)
+
     async def remove(self, worker_id: str) -> None:
         """Close a worker's subscriptions and drop its entries from the index."""
+        self._refused.pop(worker_id, None)
         for sub in self._subs.pop(worker_id, []):
             await self._stop(sub)
         self.idx.drop_worker(worker_id)
@@ -177,6 +246,7 @@ class SubscriberManager:
     async def close(self) -> None:
         """Close every subscription (the index keeps its entries) and the context if we created it."""
         self._closed = True
+        self._refused.clear()
         subs, self._subs = [s for ss in self._subs.values() for s in ss], {}
         for sub in subs:
             await self._stop(sub)
@@ -194,10 +264,14 @@ class SubscriberManager:
     def _open_socket(self, sub: Subscription) -> None:
         """A SUB (with its disconnect monitor) connected to the subscription's endpoint."""
         sock = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_batch_bytes + 4096)
-        sock.setsockopt(zmq.SUBSCRIBE, self.topic)
-        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_batch_bytes + 4096)
+            sock.setsockopt(zmq.SUBSCRIBE, self.topic)
+            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        except zmq.ZMQError:  # the monitor's sockets were refused: give the SUB's slot back
+            sock.close(linger=0)
+            raise
         sock.connect(sub.source.endpoint)
         poller = zmq.asyncio.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -251,6 +325,10 @@ class SubscriberManager:
         """Workers with open subscriptions."""
         return list(self._subs)
 
+    def refused(self) -> dict[str, str]:
+        """Workers whose subscription was refused for want of a socket, and why (readiness, /debug/kv)."""
+        return {w: why for w, (why, _) in self._refused.items()}
+
     def stats(self, worker_id: str, rank: int | None = None) -> SubscriberStats:
         """One subscription's counters: the worker's first one, or the one of ``rank``."""
         for sub in self._subs.get(worker_id, []):
@@ -268,7 +346,11 @@ class SubscriberManager:
             for flag in ("heartbeating", "stale", "silent"):
                 d[flag] = any(getattr(s.stats, flag) for s in subs)
             d["kv_endpoints"] = [asdict(s.stats) for s in subs]
+            d["unsubscribed"] = 0
             out[wid] = d
+        for wid, (why, _) in self._refused.items():
+            out[wid] = {**{k: 0 for k in _SUMMED}, "last_seq": None, "heartbeating": False, "stale": False,
+                        "silent": False, "kv_endpoints": [], "unsubscribed": 1, "subscribe_error": why}
         return out
 
     # -------------------------------------------------------------- staleness
@@ -306,9 +388,16 @@ class SubscriberManager:
 
     async def _watch(self) -> None:
         period = max(0.05, min(1.0, self.heartbeat_stale_s / 4))
+        next_retry = 0.0
         while True:
             await asyncio.sleep(period)
             self.check_stale()
+            now = time.monotonic()
+            if self._refused and now >= next_retry:
+                next_retry = now + REFUSED_RETRY_S
+                for wid, (_, sources) in list(self._refused.items()):
+                    if not self._subscribe(wid, sources):
+                        break  # still no socket: the others would be refused too
 
     # -------------------------------------------------------------- the loop
     async def _run(self, sub: Subscription) -> None:
@@ -398,6 +487,8 @@ class SubscriberManager:
         sub.applied = seq
         sub.digest = xxhash.xxh3_64_intdigest(payload)
         sub.stats.last_seq = seq
+        if self.between_batches is not None:
+            self.between_batches()
 
     def _warn_gap(self, sub: Subscription, first: int, last: int) -> None:
         now = time.monotonic()

@@ -32,6 +32,14 @@ DEFAULT_MAX_CONCURRENCY = 32
 PROBE_MAX_BODY = 1 << 20  # a health answer is a few bytes; a larger one is read as unhealthy
 
 
+def round_length(interval_s: float, n: int, max_rate: float) -> float:
+    """How long a round over `n` endpoints lasts so that no more than `max_rate` requests per second go out
+    over the whole pool: the interval, stretched to n / max_rate for a pool too large for it. The prober and
+    the metrics scraper (adapters/worker_metrics.py) both pace their rounds by it, so what a pool costs the
+    picker is bounded by the rate, whatever the pool's size."""
+    return max(interval_s, n / max_rate)
+
+
 class EndpointProber:
     def __init__(self, registry: EndpointRegistry, *, interval_s: float, path: str = "/health",
                  timeout_s: float | None = None, on_lost: Callable[[str], None] | None = None,
@@ -75,7 +83,7 @@ class EndpointProber:
         self._failures = {a: n for a, n in self._failures.items() if a in self.registry}
         self._lost &= {a for a in self._lost if a in self.registry}
         n = len(eps)
-        self.round_s = max(self.interval_s, n / self.max_rate)
+        self.round_s = round_length(self.interval_s, n, self.max_rate)
         started = loop.time()
         self._rng.shuffle(eps)
         slot = self.round_s / n if n else 0.0

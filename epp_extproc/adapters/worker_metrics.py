@@ -27,6 +27,14 @@ picker has nothing booked there, the next scrape waits twice as long each time, 
 next tick. While it is read slowly its sample goes stale and flow control judges it, as it does a worker
 whose metrics are late, by this picker's bookings against its known batch size; traffic from other gateways
 to a worker this picker is not using is seen within `idle_interval_s`.
+
+Total cost is bounded whatever the pool size, as the prober's (adapters/endpoint_probe.py): at most `max_rate`
+scrapes per second over the pool. A round sends every scrape that is due; when they are more than
+`max_rate x interval`, the round stretches to due / max_rate (`round_length`) and the scrapes are spread
+evenly over it in a random order, so each worker is read every due / max_rate seconds instead of every
+interval (1,000 idle workers at the default 500/s: every 2 s, not every 1 s; 1,000 busy ones: every 2 s, not
+every 100 ms), and the picker never sends more than `max_rate` GETs a second. Below that the round is
+today's: every due scrape at the start of each interval.
 """
 
 from __future__ import annotations
@@ -34,11 +42,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from epp_extproc.adapters.endpoint_probe import round_length
 from epp_extproc.adapters.worker_http import BodyTooLarge, HttpError, TimedOut, WorkerHttp
 from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.flow_control import SaturationDetector, WorkerSample
@@ -59,6 +69,8 @@ _KIND = {**{n: "waiting" for n in WAITING}, **{n: "running" for n in RUNNING},
          **{n: "kv" for n in KV_UTIL}, **{n: "max_running" for n in MAX_RUNNING}}
 MAX_BACKOFF_S = 5.0
 IDLE_INTERVAL_S = 1.0
+DEFAULT_MAX_RATE = 500.0  # scrapes per second over the whole pool
+PACE_STEP_S = 0.01  # a paced round wakes at most every 10 ms: one wake-up per scrape cost as much as it saved
 
 
 @dataclass(slots=True)
@@ -165,7 +177,10 @@ class WorkerMetricsScraper:
                  interval_s: float = 0.1, timeout_s: float | None = None, path: str = "/metrics",
                  max_bytes: int = 4 * 1024 * 1024, on_sample: Callable[[], None] | None = None,
                  on_error: Callable[[str, str], None] | None = None,
-                 idle_interval_s: float = IDLE_INTERVAL_S, http: WorkerHttp | None = None) -> None:
+                 idle_interval_s: float = IDLE_INTERVAL_S, http: WorkerHttp | None = None,
+                 max_rate: float = DEFAULT_MAX_RATE, rng: random.Random | None = None) -> None:
+        if max_rate <= 0:
+            raise ValueError("max_rate must be positive")
         self.registry = registry
         self.load = load
         self.detector = detector
@@ -178,6 +193,9 @@ class WorkerMetricsScraper:
         self.on_sample = on_sample
         self.on_error = on_error
         self.idle_interval_s = idle_interval_s  # <= interval_s: idle workers are read like busy ones
+        self.max_rate = max_rate
+        self.round_s = interval_s  # how long the current round lasts: interval, or due / max_rate when longer
+        self._rng = rng or random.Random()
         self._http = http or WorkerHttp(timeout_s=self.timeout_s, max_body=max_bytes)
         self._inflight: set[str] = set()  # one outstanding scrape per worker, whatever its latency
         self._mean_blocks = 1.0  # blocks of an average booking of this picker (weight of unbooked load)
@@ -206,16 +224,24 @@ class WorkerMetricsScraper:
                     self._idle_until.pop(gone, None)
                 await self._http.retain(known)
                 now = time.monotonic()
-                for address in known - self._inflight:
-                    if self._retry_at.get(address, 0.0) > now:
-                        continue  # backing off a worker whose metrics keep failing
-                    if not self._due_while_idle(address, now):
-                        continue
+                due = [a for a in known - self._inflight
+                       if self._retry_at.get(a, 0.0) <= now  # else backing off a worker whose metrics keep failing
+                       and self._due_while_idle(a, now)]
+                self.round_s = round_length(self.interval_s, len(due), self.max_rate)
+                spread = self.round_s > self.interval_s  # over budget: pace the round as the prober does
+                if spread:
+                    self._rng.shuffle(due)
+                slot = self.round_s / len(due) if due else 0.0
+                for i, address in enumerate(due):
+                    if spread and (delay := started + i * slot - time.monotonic()) > PACE_STEP_S:
+                        await asyncio.sleep(delay)  # (the scrapes due within a step leave together: one wake-up)
+                    if address not in self.registry or address in self._inflight:
+                        continue  # gone while the round was paced
                     self._inflight.add(address)
                     t = asyncio.create_task(self._scrape(address))
                     tasks.add(t)
                     t.add_done_callback(tasks.discard)
-                await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+                await asyncio.sleep(max(0.0, self.round_s - (time.monotonic() - started)))
         finally:
             await cancel_and_wait(list(tasks))
             await self.close()

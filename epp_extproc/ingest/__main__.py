@@ -26,6 +26,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--topic", default="")
     p.add_argument("--worker-cpu-share", type=float, default=0.1)
     p.add_argument("--parent-pid", type=int, default=None)
+    p.add_argument("--lookups", choices=("thread", "loop"), default="thread",
+                   help="answer lookups on threads or on the ingest loop between batches")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -33,7 +35,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 async def _main(args: argparse.Namespace) -> None:
     shard = IngestShard(args.dir, args.shard, args.shards, block_size=args.block_size,
                         max_blocks_per_worker=args.max_blocks_per_worker, topic=args.topic,
-                        worker_cpu_share=args.worker_cpu_share, parent_pid=args.parent_pid)
+                        worker_cpu_share=args.worker_cpu_share, parent_pid=args.parent_pid,
+                        lookups=args.lookups)
     # lookups are answered on threads while the loop ingests: a thread waiting for the GIL gets it within
     # half a millisecond instead of Python's default 5 ms
     sys.setswitchinterval(0.0005)

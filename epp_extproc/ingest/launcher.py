@@ -30,11 +30,11 @@ POLL_S = 0.2
 
 
 def shard_argv(directory: str, shard: int, shards: int, *, block_size: int, max_blocks_per_worker: int,
-               topic: str, worker_cpu_share: float, log_level: str = "INFO") -> list[str]:
+               topic: str, worker_cpu_share: float, log_level: str = "INFO", lookups: str = "thread") -> list[str]:
     return [sys.executable, "-m", "epp_extproc.ingest", "--dir", directory, "--shard", str(shard),
             "--shards", str(shards), "--block-size", str(block_size), "--max-blocks-per-worker",
             str(max_blocks_per_worker), "--topic", topic, "--worker-cpu-share", str(worker_cpu_share),
-            "--log-level", log_level, "--parent-pid", str(os.getpid())]
+            "--log-level", log_level, "--parent-pid", str(os.getpid()), "--lookups", lookups]
 
 
 class IngestGroup:

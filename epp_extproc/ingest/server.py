@@ -42,7 +42,7 @@ from epp_extproc.ingest.pacing import LagSamples, Pacer
 from kvindex.aio import cancel_and_wait
 from kvindex.events import DecodedBatch
 from kvindex.index import KvIndex
-from kvindex.subscriber import KvSource, SubscriberManager
+from kvindex.subscriber import KvSource, SubscriberManager, raise_socket_limit
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,8 @@ META_PERIOD_S = 0.05  # how often the worker table (block sizes, warm flags) is 
 MAX_PREDICTION_HASHES = 8192  # as replica sync: a longer prediction is cut
 MAX_PREDICTION_TTL_S = 60.0
 PARENT_CHECK_S = 1.0
-MAX_ZMQ_SOCKETS = 16384
 TURN_BUDGET_S = 0.001
+LOOKUP_MODES = ("thread", "loop")
 
 Sources = tuple[tuple[str, str | None, int | None], ...]
 
@@ -113,20 +113,29 @@ class IngestShard:
 
     def __init__(self, directory: str, shard: int = 0, shards: int = 1, *, block_size: int = 32,
                  max_blocks_per_worker: int = 1_000_000, topic: str = "", worker_cpu_share: float = 0.1,
-                 worker_burst_s: float = 0.05, parent_pid: int | None = None) -> None:
+                 worker_burst_s: float = 0.05, parent_pid: int | None = None, lookups: str = "thread") -> None:
+        """``lookups``: where lookups are answered: ``thread`` (a thread per connected picker, under the GIL
+        and the index lock) or ``loop`` (on the ingest loop itself, between every two applied batches and
+        whenever the loop waits: no GIL hand-off, at most one batch's apply to wait for)."""
+        if lookups not in LOOKUP_MODES:
+            raise ValueError(f"lookups must be one of {LOOKUP_MODES}, got {lookups!r}")
+        self.lookup_mode = lookups
         self.directory = directory
         self.shard = shard
         self.shards = shards
         self.index = LaggedIndex(block_size, max_blocks_per_worker)
         self.pacer = Pacer(worker_cpu_share, worker_burst_s)
-        # libzmq's default of 1023 sockets per context caps a picker near 500 workers (a SUB and its monitor
-        # each): a shard that owns a 1,000-worker pool needs more
+        # libzmq's default of 1023 sockets per context caps a picker near 340 workers (a SUB, its monitor and
+        # the monitor's peer each): a shard that owns a 1,000-worker pool needs more, as far as RLIMIT_NOFILE goes
         self._zmq = zmq.asyncio.Context()
-        self._zmq.set(zmq.MAX_SOCKETS, MAX_ZMQ_SOCKETS)
+        raise_socket_limit(self._zmq)
         # a lookup waits at most one turn of ingest work: 1 ms here (5 ms in a picker's own loop), since this
         # loop answers lookups and nothing else is latency-bound in it
-        self.subscribers = SubscriberManager(self.index, topic=topic, zmq_context=self._zmq, pace=self.pacer.charge,
-                                             turn_budget_s=TURN_BUDGET_S)
+        self._lookup_s = 0.0  # lookups answered inside a batch's handling (lookups="loop"): not that worker's cost
+        self.subscribers = SubscriberManager(self.index, topic=topic, zmq_context=self._zmq, pace=self._charge,
+                                             turn_budget_s=TURN_BUDGET_S,
+                                             between_batches=self.poll_lookups if lookups == "loop" else None)
+        self._conns: list[socket.socket] = []  # lookup connections served on the loop (lookups="loop")
         self.prediction_lag = LagSamples()
         self.parent_pid = parent_pid
         self._clients: dict[str, dict[str, Sources]] = {}
@@ -145,6 +154,7 @@ class IngestShard:
         self._control: asyncio.AbstractServer | None = None
         self.lookups = 0
         self.bad_requests = 0
+        self.answers_dropped = 0
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -158,7 +168,11 @@ class IngestShard:
         s.bind(path)
         s.listen(64)
         self._lookup_sock = s
-        threading.Thread(target=self._accept_lookups, name=f"ingest-{self.shard}-lookups", daemon=True).start()
+        if self.lookup_mode == "loop":
+            s.setblocking(False)
+            loop.add_reader(s.fileno(), self._accept_on_loop)
+        else:
+            threading.Thread(target=self._accept_lookups, name=f"ingest-{self.shard}-lookups", daemon=True).start()
         ctl = wire.control_socket(self.directory, self.shard)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(ctl)
@@ -171,7 +185,11 @@ class IngestShard:
         await cancel_and_wait(self._tasks)
         if self._control is not None:
             self._control.close()
+        for conn in list(self._conns):
+            self._drop_conn(conn)
         if self._lookup_sock is not None:
+            if self.lookup_mode == "loop":
+                asyncio.get_running_loop().remove_reader(self._lookup_sock.fileno())
             with contextlib.suppress(OSError):
                 self._lookup_sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone does not)
             self._lookup_sock.close()
@@ -219,6 +237,69 @@ class IngestShard:
                     conn.sendall(answer)
                 except OSError:
                     return
+
+    # Lookups on the loop (lookups="loop"): the loop answers a connection when it becomes readable (the loop is
+    # idle or between turns) and, through `poll_lookups`, after every batch the subscribers apply, so a
+    # lookup never waits for a whole turn of a busy subscription, and no thread competes for the GIL.
+    def _accept_on_loop(self) -> None:
+        assert self._lookup_sock is not None
+        try:
+            conn, _ = self._lookup_sock.accept()
+        except OSError:  # none waiting (BlockingIOError), or the shard is closing
+            return
+        conn.setblocking(False)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, wire.SEQPACKET_BUFFER)
+        self._conns.append(conn)
+        asyncio.get_running_loop().add_reader(conn.fileno(), self._drain, conn)
+
+    def _drop_conn(self, conn: socket.socket) -> None:
+        if conn in self._conns:
+            self._conns.remove(conn)
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(conn.fileno())
+        conn.close()
+
+    def poll_lookups(self) -> None:
+        """Answer every lookup already waiting on any connection (a non-blocking read each)."""
+        started = time.perf_counter()
+        # a new connection too: with hundreds of busy subscriptions the loop reaches its selector only after a
+        # whole round of them, and a picker whose lookup timed out reconnects (its late answers must not reach
+        # it), so waiting for the selector to accept would time out every lookup after the first miss
+        self._accept_on_loop()
+        for conn in tuple(self._conns):  # (a closed one leaves the list)
+            self._drain(conn)
+        self._lookup_s += time.perf_counter() - started
+
+    def _charge(self, worker: str, spent_s: float) -> float:
+        """The pacer's charge for a message, less the lookups answered while it was handled."""
+        spent_s, self._lookup_s = max(0.0, spent_s - self._lookup_s), 0.0
+        return self.pacer.charge(worker, spent_s)
+
+    def _drain(self, conn: socket.socket) -> None:
+        while True:
+            try:
+                buf = conn.recv(wire.SEQPACKET_BUFFER)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self._drop_conn(conn)
+                return
+            if not buf:
+                self._drop_conn(conn)
+                return
+            try:
+                answer = self.answer(buf)
+            except ValueError as e:
+                self.bad_requests += 1
+                log.warning("kv ingest: malformed lookup (%s)", e)
+                continue
+            try:
+                conn.send(answer)
+            except BlockingIOError:  # the picker stopped reading (its buffer is full): it times out, counted there
+                self.answers_dropped += 1
+            except OSError:
+                self._drop_conn(conn)
+                return
 
     def answer(self, buf: bytes) -> bytes:
         """Answer one lookup: per worker of this shard, its leading blocks over all the request's block sizes
@@ -398,6 +479,7 @@ class IngestShard:
             if w is not None:
                 w.update(d)
         snap["ingest"] = {"shard": self.shard, "shards": self.shards, "pid": os.getpid(), "lookups": self.lookups,
-                          "bad_requests": self.bad_requests, "batch_lag_s": self.index.batch_lag.summary(),
+                          "bad_requests": self.bad_requests,
+                          "lookup_mode": self.lookup_mode, "answers_dropped": self.answers_dropped, "batch_lag_s": self.index.batch_lag.summary(),
                           "prediction_lag_s": self.prediction_lag.summary(), "meta_version": self.meta_version}
         return snap

@@ -85,10 +85,11 @@ def sock_dir():
         yield d
 
 
-@pytest.fixture
-def ingest(sock_dir):
+@pytest.fixture(params=["thread", "loop"])
+def ingest(sock_dir, request):
+    """One shard, answering lookups on threads or on its loop between batches (`--lookups`)."""
     group = IngestGroup([shard_argv(sock_dir, 0, 1, block_size=BS, max_blocks_per_worker=10_000, topic="",
-                                    worker_cpu_share=0.25, log_level="WARNING")])
+                                    worker_cpu_share=0.25, log_level="WARNING", lookups=request.param)])
     group.start()
     yield group
     group.stop()

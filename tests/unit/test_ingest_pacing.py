@@ -45,3 +45,15 @@ def test_lag_samples_keep_a_bounded_window() -> None:
     s = lag.summary()
     assert s["count"] == 100
     assert s["max"] == 0.099 and s["p50"] >= 0.09  # only the last 10 samples are kept
+
+
+def test_lookups_answered_inside_a_batch_on_the_shards_loop_are_not_charged_to_its_worker(tmp_path) -> None:
+    from epp_extproc.ingest.server import IngestShard
+
+    shard = IngestShard(str(tmp_path), worker_cpu_share=0.1, worker_burst_s=0.002, lookups="loop")
+    try:
+        assert shard._charge("flooder", 0.005) > 0  # over its 2 ms burst: paused
+        shard._lookup_s = 0.004  # what poll_lookups spent answering pickers inside the next batch's handling
+        assert shard._charge("honest", 0.005) == 0.0  # charged 1 ms: within its burst
+    finally:
+        shard._zmq.destroy(linger=0)
