@@ -114,6 +114,8 @@ class PickerExchange:
         if self.decision is None or not data:
             return
         self.decision.booking.prefill_done()  # the first non-empty chunk: prefill is over
+        if self.decision.timing is not None:
+            self.decision.timing.first_chunk()
         self._chunks += 1
         if self.observer is not None:
             self.observer.on_chunk(data)
@@ -132,6 +134,9 @@ class PickerExchange:
                     seen = self.observer.finish()
                 except Exception:
                     log.exception("response observer failed")
+            if d.timing is not None and self.observer is not None and self.observer.usage is not None:
+                tokens = self.observer.usage.get("completion_tokens")
+                d.timing.finished(tokens if type(tokens) is int else None)
             if not seen and self._chunks == 0:  # lean mode: the usage comes by the access log
                 self._lean.stream_ended(d.booking.id, self.labels(d.model), d.predicted_cached_tokens)
             else:
