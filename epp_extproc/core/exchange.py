@@ -114,8 +114,6 @@ class PickerExchange:
         if self.decision is None or not data:
             return
         self.decision.booking.prefill_done()  # the first non-empty chunk: prefill is over
-        if self.decision.timing is not None:
-            self.decision.timing.first_chunk()
         self._chunks += 1
         if self.observer is not None:
             self.observer.on_chunk(data)

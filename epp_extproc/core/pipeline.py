@@ -42,7 +42,7 @@ from epp_extproc.core.decision import Decision
 from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.flow_control import Ticket
-from epp_extproc.core.load import EndpointLoad
+from epp_extproc.core.load import BookingChange, EndpointLoad
 from epp_extproc.core.logs import Throttled
 from epp_extproc.core.media import (
     SENTINELS,
@@ -115,6 +115,8 @@ class LoadView(Bookings):
 
     def book_pair(self, decode: str, decode_blocks: float, prefill: str,
                   prefill_blocks: float) -> BookingHandle: ...
+
+    def add_listener(self, fn: Callable[[BookingChange], None]) -> None: ...
 
 
 @dataclass(slots=True)
@@ -197,8 +199,11 @@ class Pipeline:
         self.time_cost: TimeCost | None = None  # --cost-model time (core/time_cost.py)
         if config.cost_model == "time":
             error = metrics.ttft_prediction_error
-            self.time_cost = TimeCost(
+            tc = self.time_cost = TimeCost(
                 on_error=lambda a, seen, predicted: error.labels(a).observe((seen - predicted) * 1000.0))
+            # the booking's first-chunk signal stops the stopwatch, whichever way it came (response chunk or
+            # lean mode's observer stream)
+            load.add_listener(lambda ch: tc.on_booking(ch.kind, ch.id, ch.address))
 
     # ---------------------------------------------------------------- propose: no side effects
     def parse(self, ctx: RequestContext) -> ParsedBody | None:
@@ -560,7 +565,8 @@ class Pipeline:
         self.metrics.pd_decisions.labels(p.pd.path.value, p.pd.reason.value).inc()
         timing = None
         if self.time_cost is not None:
-            timing = self.time_cost.observe(p.address, p.chosen, self.params, self._block_size(p.address))
+            timing = self.time_cost.observe(p.address, p.chosen, self.params, self._block_size(p.address),
+                                            booking.id)
             if p.slo is not None:
                 self.metrics.slo_decisions.labels(p.slo).inc()
         self.metrics.score_seconds.observe(p.score_seconds)

@@ -238,6 +238,7 @@ class TimeCost:
     def __init__(self, *, on_error: Callable[[str, float, float], None] | None = None,
                  max_workers: int = MAX_WORKERS) -> None:
         self._models: OrderedDict[str, WorkerModel] = OrderedDict()
+        self._waiting: dict[str, Observation] = {}  # booking id -> its stopwatch, until the first chunk or the end
         self._on_error = on_error  # (address, observed s, predicted s) for the prediction error metric
         self.max_workers = max_workers
 
@@ -293,10 +294,36 @@ class TimeCost:
         ties = [c for c in pool if c.cost == best]
         return (ties[0] if len(ties) == 1 else rng.choice(ties)), outcome
 
-    def observe(self, address: str, c: Candidate, params: CostParams, block_size: float) -> Observation:
+    def observe(self, address: str, c: Candidate, params: CostParams, block_size: float,
+                booking_id: str | None = None) -> Observation:
+        """Start the stopwatch of a committed pick. With `booking_id`, the booking's own `prefill_done`
+        (seen through `on_booking`) stops it: that works in lean mode too, where no response chunk crosses
+        the picker and only the first-chunk signal does."""
         f = self.features(c, params, block_size)
         predicted = c.ttft_s if c.ttft_s is not None else self.model(address).predict_ttft(f)
-        return Observation(self, address, f, predicted, time.monotonic())
+        o = Observation(self, address, f, predicted, time.monotonic())
+        if booking_id is not None:
+            self._waiting[booking_id] = o
+        return o
+
+    def on_booking(self, kind: str, booking_id: str, address: str) -> None:
+        """A local booking changed (core/load.LoadTracker listener): `prefill_done` is the first chunk;
+        `free` ends the wait (a request that failed before its first chunk teaches nothing); `move` means the
+        gateway served it elsewhere, so the sample is that worker's."""
+        if kind == "prefill_done":
+            o = self._waiting.pop(booking_id, None)
+            if o is not None:
+                o.first_chunk()
+        elif kind == "free":
+            self._waiting.pop(booking_id, None)
+        elif kind == "move":
+            o = self._waiting.get(booking_id)
+            if o is not None:
+                o.address = address
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
 
     def observe_ttft(self, o: Observation, seconds: float) -> None:
         if seconds < 0:
