@@ -13,7 +13,7 @@ from epp_extproc.core.cost import Candidate, CostParams, choose
 from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.exchange import PickerExchange
 from epp_extproc.core.lean import LeanSignals
-from epp_extproc.core.load import EndpointLoad
+from epp_extproc.core.load import EndpointLoad, LoadTracker
 from epp_extproc.core.picker import Picker
 from epp_extproc.core.pipeline import Pipeline
 from epp_extproc.core.request import RequestContext
@@ -26,6 +26,7 @@ from epp_extproc.core.time_cost import (
     parse_slo,
 )
 from epp_extproc.envoy.errors import http_error
+from epp_extproc.metrics import PickerMetrics
 from tests.unit.test_propose_commit import ADDRS, decide, make
 
 PARAMS = CostParams(overlap_credit=2.0, prefill_load_scale=1.0, temperature=0.0)
@@ -245,3 +246,37 @@ async def test_debug_score_shows_each_candidates_predicted_ttft_and_tpot() -> No
     doc = pipe.explain(await pipe.propose(ctx(), count=False))
     assert doc["cost_model"] == "time"
     assert all(w["predicted_ttft_ms"] > 0 and w["predicted_tpot_ms"] > 0 for w in doc["workers"])
+
+
+# ------------------------------------------------------------------ the booking's signals (lean mode too)
+
+
+def tracked() -> tuple[TimeCost, LoadTracker]:
+    tc, load = TimeCost(), LoadTracker()
+    load.add_listener(lambda ch: tc.on_booking(ch.kind, ch.id, ch.address))
+    return tc, load
+
+
+def test_lean_first_chunk_signal_teaches_the_booked_worker() -> None:
+    tc, load = tracked()
+    b = load.book("w", 3.0)
+    tc.observe("w", cand("w", prompt=3.0), PARAMS, 32.0, b.id)
+    LeanSignals(load, PickerMetrics()).first_chunk(b.id)  # what Envoy's observer stream reports
+    assert tc.model("w").ttft.n == 1.0 and tc.waiting == 0
+
+
+def test_request_that_ends_before_its_first_chunk_teaches_nothing_and_is_forgotten() -> None:
+    tc, load = tracked()
+    b = load.book("w", 3.0)
+    tc.observe("w", cand("w", prompt=3.0), PARAMS, 32.0, b.id)
+    b.free()
+    assert tc.model("w").ttft.n == 0.0 and tc.waiting == 0
+
+
+def test_request_the_gateway_served_elsewhere_teaches_that_worker() -> None:
+    tc, load = tracked()
+    b = load.book("w", 3.0)
+    tc.observe("w", cand("w", prompt=3.0), PARAMS, 32.0, b.id)
+    b.move("v")
+    b.prefill_done()
+    assert (tc.model("v").ttft.n, tc.model("w").ttft.n) == (1.0, 0.0)
