@@ -16,7 +16,8 @@ The model, per worker, in plain numbers (no sample is kept, so memory is a few f
     TPOT = d0 + d1 * batch       (batch = requests in flight on the worker, this one included)
 
 Each is an exponentially weighted least-squares fit (`Fit`) pulled towards a prior worth `PRIOR_SAMPLES`
-samples. Before a worker has samples its TTFT prediction is `overhead + k * block_size * block cost`, an
+samples. Before a worker has samples its TTFT prediction, the prior with a = b, is
+`overhead + k * block_size * block cost` (the features are the block cost's own terms), an
 increasing affine map of the block cost with the same constants on every worker, so a cold pool picks
 exactly what the block cost picks (ties included); the decode term joins the cost only in proportion to what
 was learned (`Fit.confidence`), for the same reason. A sample is the picker's own stopwatch: commit -> first
@@ -34,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from epp_extproc.core.cost import Candidate, CostParams, compute_cost
+from epp_extproc.core.cost import Candidate, CostParams
 
 TTFT_HEADER = "x-slo-ttft-ms"  # llm-d-inference-scheduler @520af47: predictedlatency/plugin.go TTFTSLOHeaderKey
 TPOT_HEADER = "x-slo-tpot-ms"  # same file, TPOTSLOHeaderKey; also admitter/latencyslo/plugin.go
@@ -178,8 +179,6 @@ class Features:
     prefill_tokens: float
     decode_tokens: float
     batch: float
-    block_cost: float
-    block_size: float
 
     def ttft_x(self) -> tuple[float, float, float]:
         return 1.0, self.prefill_tokens, self.decode_tokens
@@ -195,8 +194,8 @@ class WorkerModel:
         self.tpot = Fit((PRIOR_TPOT_S, PRIOR_TPOT_PER_REQUEST_S))
 
     def predict_ttft(self, f: Features) -> float:
-        if self.ttft.n <= 0:  # cold: an affine map of the block cost, the same on every worker
-            return PRIOR_OVERHEAD_S + PRIOR_S_PER_TOKEN * f.block_size * f.block_cost
+        """Cold (the prior, same rate for both token kinds): overhead + rate * block size * block cost, an
+        increasing affine map of the block cost, the same on every worker of one block size."""
         return self.ttft.predict(f.ttft_x())
 
     def predict_tpot(self, f: Features) -> float:
@@ -261,7 +260,7 @@ class TimeCost:
         prefill = max(ld.prefill_blocks + c.prompt_blocks - params.overlap_credit * c.overlap_blocks, 0.0)
         return Features(prefill_tokens=block_size * params.prefill_load_scale * prefill,
                         decode_tokens=block_size * (ld.decode_blocks + ld.unbooked_blocks),
-                        batch=ld.inflight + 1.0, block_cost=compute_cost(c, params), block_size=block_size)
+                        batch=ld.inflight + 1.0)
 
     def score(self, c: Candidate, params: CostParams, block_size: float) -> None:
         """Fill in the candidate's predicted TTFT/TPOT (seconds) and its time cost."""

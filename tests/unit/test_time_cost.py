@@ -39,7 +39,7 @@ def cand(address: str, *, inflight: int = 0, prefill: float = 0.0, decode: float
 
 
 def feats(prefill: float, decode: float, batch: float = 1.0) -> Features:
-    return Features(prefill, decode, batch, 0.0, 32.0)
+    return Features(prefill, decode, batch)
 
 
 # ------------------------------------------------------------------ the model
