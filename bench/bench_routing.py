@@ -141,8 +141,8 @@ def oracle(prompts: list[tuple[int, list[int]]], workers: int, capacity: int) ->
 
 
 # ----------------------------------------------------------------------------- one run
-async def run_rate(url: str, w: Workload, rate: float, seed: int,
-                   affinity: bool = False) -> tuple[list[H.Result], float, list[bytes]]:
+async def run_rate(url: str, w: Workload, rate: float, seed: int, affinity: bool = False,
+                   headers: dict[str, str] | None = None) -> tuple[list[H.Result], float, list[bytes]]:
     arrivals, turns, systems, conv_meta = schedule(w, rate, seed)
     loop = asyncio.get_running_loop()
     convs = [Conversation(g, u, systems[g]) for g, u in conv_meta]
@@ -162,7 +162,7 @@ async def run_rate(url: str, w: Workload, rate: float, seed: int,
         body = json.dumps({"model": "mock-model", "messages": msgs, "max_tokens": w.max_tokens, "stream": True,
                            "stream_options": {"include_usage": True}}).encode()
         bodies[i] = body
-        return body, ({"x-session-token": c.token or "new"} if affinity else {})
+        return body, {**(headers or {}), **({"x-session-token": c.token or "new"} if affinity else {})}
 
     def done(i: int, r: H.Result | None) -> None:
         t = turns[i]
@@ -177,9 +177,17 @@ async def run_rate(url: str, w: Workload, rate: float, seed: int,
     return res, el, bodies
 
 
-def measure(results: list[H.Result], elapsed: float) -> dict[str, Any]:
+def measure(results: list[H.Result], elapsed: float, slo_ttft_ms: float | None = None) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     out = H.summarize(results, elapsed)
+    # inter-token latency per request: the time after the first chunk over the tokens after the first
+    itl = [(r.done - r.sent - r.ttft) / (r.completion_tokens - 1) for r in ok
+           if r.ttft is not None and r.completion_tokens > 1]
+    out.update({f"itl_{k}": v for k, v in H.pcts_ms(itl).items()} if itl else {})
+    if slo_ttft_ms is not None:  # every request sent counts: an error or a 429 misses the objective
+        met = sum(1 for r in ok if r.ttft is not None and r.ttft * 1000.0 <= slo_ttft_ms)
+        out["slo_ttft_ms"] = slo_ttft_ms
+        out["slo_ttft_attainment"] = met / len(results) if results else 0.0
     prompt = sum(r.prompt_tokens for r in ok)
     out["cached_ratio"] = sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0
     span = (max(r.done for r in ok) - min(r.sent for r in ok)) if ok else 0.0
@@ -205,7 +213,7 @@ def wait_idle(workers: list[H.Proc], timeout: float = 60) -> None:
         time.sleep(0.1)
 
 
-def run(w: Workload, quick: bool) -> dict[str, Any]:
+def run(w: Workload, quick: bool, repeats: int = 1, slo_ttft_ms: float | None = None) -> dict[str, Any]:
     from trtllm_mock.tokenizer import prompt_ids_for_chat
 
     rows: list[dict[str, Any]] = []
@@ -230,20 +238,24 @@ def run(w: Workload, quick: bool) -> dict[str, Any]:
                         H.wait_subscribed(pk, [m.address for m in workers])
                     env = H.envoy(st, picker_proc=pk, lean_response_headers=cfg == AFFINITY)
                 url = env.url + "/v1/chat/completions"
-                for rate in w.rates:
+                slo = {"x-slo-ttft-ms": f"{slo_ttft_ms:g}"} if slo_ttft_ms is not None else None
+                for rate, repeat in [(r, k) for r in w.rates for k in range(repeats)]:
                     wait_idle(workers)
                     before = clear_all(workers)
                     time.sleep(0.3)  # let the AllBlocksCleared events reach the picker
-                    res, el, bodies = asyncio.run(run_rate(url, w, rate, seed=int(rate * 100),
-                                                           affinity=cfg == AFFINITY))
+                    # repeat 0 is the schedule every earlier recording used; the others draw new arrivals
+                    seed = int(rate * 100) + 7919 * repeat
+                    res, el, bodies = asyncio.run(run_rate(url, w, rate, seed=seed, affinity=cfg == AFFINITY,
+                                                           headers=slo))
                     wait_idle(workers)
                     after = {m.name: H.get_json(m.url + "/mock/stats") for m in workers}
-                    row = {"config": cfg, "rate": rate, **measure(res, el)}
+                    row = {"config": cfg, "rate": rate, "repeat": repeat, "seed": seed,
+                           **measure(res, el, slo_ttft_ms)}
                     dp = sum(after[k]["prompt_tokens_total"] - before[k]["prompt_tokens_total"] for k in after)
                     dc = sum(after[k]["cached_tokens_total"] - before[k]["cached_tokens_total"] for k in after)
                     row["mock_stats_cached_ratio"] = dc / dp if dp else 0.0
                     rows.append(row)
-                    if cfg == "c":  # the oracle replays exactly what (c) sent
+                    if cfg == "c" and repeat == 0:  # the oracle replays exactly what (c) sent
                         sent = sorted((r.sent, r.tag) for r in res)
                         prompts = []
                         for _, i in sent:
@@ -347,6 +359,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="extra KV-aware picker configuration, e.g. 'c2=--prefill-load-scale 4'")
     ap.add_argument("--only", help="comma-separated subset of configurations to run (calibration)")
     ap.add_argument("--rates", help="comma-separated offered loads (req/s) instead of the default ladder")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs per (config, rate), each with its own arrival seed (repeat 0 = the usual one)")
+    ap.add_argument("--slo-ttft-ms", type=float, default=None,
+                    help="send llm-d's x-slo-ttft-ms header with every request and report the share of requests "
+                         "whose TTFT met it (slo_ttft_attainment); only --cost-model time reads the header")
     a = ap.parse_args(argv)
     w = QUICK if a.quick else Workload()
     if not a.quick:
@@ -362,7 +379,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.rates:
         w.rates = tuple(float(x) for x in a.rates.split(","))
     print("routing: shared-prefix workload", flush=True)
-    result = run(w, a.quick)
+    result = run(w, a.quick, max(a.repeats, 1), a.slo_ttft_ms)
     doc = {"bench": "routing", **H.meta(a.quick), "configs": CONFIGS, "workload": w.__dict__,
            "mock_args": w.mock_args(), "result": result}
     doc["targets"] = targets(doc)

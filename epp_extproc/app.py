@@ -91,12 +91,13 @@ class PickerApp:
             self.sessions = SessionTokens(read_keys_file(config.session_affinity_keys_file),
                                           config.session_affinity_ttl_s)
             self.session_keys = SessionKeysFile(self.sessions, config.session_affinity_keys_file)
-        detector = self.detector
+        detector, objectives = self.detector, self.objectives
         self.pipeline = Pipeline(config, self.registry, self.load, self.metrics, renderer=self.renderer,
                                  kv=self.kv, fingerprint_of=self.fingerprints.get if self.fingerprints else None,
                                  admission=admission, rewriter=ModelRewriter(
                                      self.rewrites, session_header=config.model_rewrite_session_header), sessions=self.sessions,
-                                 saturated=lambda address: detector.state(address).saturated)
+                                 saturated=lambda address: detector.state(address).saturated,
+                                 sheddable=lambda ctx: objectives.flow_key(ctx.headers).priority < 0)
         self.picker = Picker(
             self.pipeline, gate=InflightGate(config.max_inflight_requests, self.metrics.picker_inflight),
             arriving=InflightGate(config.max_incomplete_requests, self.metrics.incomplete_requests),
@@ -194,6 +195,8 @@ class PickerApp:
             if self.registry.get(ep.address) is None:
                 self.load.forget(ep.address)
                 self.detector.forget(ep.address)
+                if self.pipeline.time_cost is not None:
+                    self.pipeline.time_cost.forget(ep.address)
         if added and self.flow is not None:
             self.flow.dispatch()
         self.metrics.endpoints.set(len(self.registry))

@@ -276,6 +276,10 @@ class Config:
     prefill_load_scale: float = opt("DYN_ROUTER_PREFILL_LOAD_SCALE", 1.0, float, "weight of prefill load")
     router_temperature: float = opt("DYN_ROUTER_TEMPERATURE", 0.0, float,
         "0 = argmin with random ties; > 0 = softmax sampling over normalised costs")
+    cost_model: str = opt("DYN_EPP_COST_MODEL", "blocks", str,
+        "`blocks`: the KV-router block cost (load and overlap in blocks); `time`: each worker's predicted TTFT "
+        "(+ a TPOT term) learned online from its answers, honouring x-slo-ttft-ms / x-slo-tpot-ms (a sheddable "
+        "request no worker is predicted to meet gets 429); see docs/time-cost.md", ("blocks", "time"))
     prediction_ttl_s: float = opt("DYN_EPP_PREDICTION_TTL_S", 2.0, float,
         "how long a pick counts as cached on its worker before its KV events confirm it")
     pd_min_uncached_tokens: int = opt("DYN_EPP_PD_MIN_UNCACHED_TOKENS", 16, int,
@@ -516,7 +520,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
       "render_fingerprint_refresh_ms")),
     ("routing (KV overlap against load)",
      ("kv_cache_block_size", "max_index_blocks_per_worker", "kv_overlap_score_credit", "prefill_load_scale",
-      "router_temperature", "prediction_ttl_s", "pd_min_uncached_tokens", "kv_ingest", "kv_ingest_shards",
+      "router_temperature", "cost_model", "prediction_ttl_s", "pd_min_uncached_tokens", "kv_ingest", "kv_ingest_shards",
       "kv_ingest_lookup_timeout_ms", "kv_ingest_worker_cpu_share", "session_affinity_keys_file",
       "session_affinity_ttl_s",
       "worker_metrics_interval_ms",

@@ -58,6 +58,18 @@ class PickerMetrics:
         self.cache_prediction_error = Histogram(
             "epp_cached_tokens_prediction_error", "observed minus predicted cached tokens per request",
             buckets=(-65536, -8192, -1024, -128, -32, -1, 0, 1, 32, 128, 1024, 8192, 65536), registry=r)
+        # --cost-model time (core/time_cost.py)
+        self.slo_decisions = Counter(
+            "epp_slo_decisions", "Requests with x-slo-ttft-ms / x-slo-tpot-ms under --cost-model time, by outcome: "
+            "met (a worker predicted to meet it was picked), best_effort (none was, the request is not sheddable), "
+            "rejected (none was, the request is sheddable: 429)", ["outcome"], registry=r)
+        self.slo_headers_malformed = Counter(
+            "epp_slo_headers_malformed", "SLO headers whose value is not a number (ignored, as llm-d does)",
+            ["header"], registry=r)
+        self.ttft_prediction_error = Histogram(
+            "epp_ttft_prediction_error_ms", "--cost-model time: observed minus predicted time to first token per "
+            "worker (ms; the picker's stopwatch from the decision to the first response chunk)", ["endpoint"],
+            buckets=(-5000, -1000, -300, -100, -30, -10, 0, 10, 30, 100, 300, 1000, 5000), registry=r)
         self.prompt_tokens = Counter("epp_prompt_tokens", "Prompt tokens reported by workers", ["model"],
                                      registry=r)
         self.lean_signals = Counter("epp_lean_signals", "Lean response mode: first-chunk signals and access-log "

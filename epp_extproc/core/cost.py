@@ -38,6 +38,8 @@ class Candidate:
     prompt_blocks: float = 0.0  # this prompt in the candidate's block size
     overlap_blocks: int = 0
     cost: float = 0.0
+    ttft_s: float | None = None  # --cost-model time: predicted seconds to first token (core/time_cost.py)
+    tpot_s: float | None = None  # --cost-model time: predicted seconds per output token
 
 
 def compute_cost(c: Candidate, p: CostParams) -> float:

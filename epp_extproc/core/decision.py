@@ -7,8 +7,17 @@ it (the pipeline), which is what kept `exchange` <-> `pipeline` <-> `usage` in a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from epp_extproc.core.contract import BookingHandle
+
+
+class Stopwatch(Protocol):
+    """What the exchange reports of a response's timing (core/time_cost.Observation learns from it)."""
+
+    def first_chunk(self) -> None: ...
+
+    def finished(self, completion_tokens: int | None) -> None: ...
 
 
 @dataclass(slots=True)
@@ -22,6 +31,7 @@ class Decision:
     predicted_cached_tokens: int | None = None
     session: bool = False  # the client opted in to session affinity: its answer carries a new token
     prefill: str | None = None  # disaggregated: the prefill worker's `ip:port` (x-prefiller-host-port)
+    timing: Stopwatch | None = None  # --cost-model time: the first chunk and the end teach the worker's model
 
     @property
     def booking_id(self) -> str:

@@ -24,6 +24,7 @@ class Problem(StrEnum):
     OVERLOADED = "overloaded"  # above --max-inflight-requests
     FLOW_SATURATED = "flow_saturated"  # flow control: sheddable while saturated, or the queue full (429)
     FLOW_TTL_EXPIRED = "flow_ttl_expired"  # flow control: waited past --flow-control-queue-ttl-s (429)
+    SLO_UNMET = "slo_unmet"  # --cost-model time: no worker predicted to meet a sheddable request's SLO (429)
     FLOW_SHUTDOWN = "flow_shutting_down"  # flow control: the picker stopped while the request was queued
     RENDER_FAILED = "render_failed"  # the renderer failed and the policy says fail (see `render`)
     UNSUPPORTED_MODE = "unsupported_mode"  # Envoy announced a body mode this picker does not serve

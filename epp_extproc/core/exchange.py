@@ -132,6 +132,9 @@ class PickerExchange:
                     seen = self.observer.finish()
                 except Exception:
                     log.exception("response observer failed")
+            if d.timing is not None and self.observer is not None and self.observer.usage is not None:
+                tokens = self.observer.usage.get("completion_tokens")
+                d.timing.finished(tokens if type(tokens) is int else None)
             if not seen and self._chunks == 0:  # lean mode: the usage comes by the access log
                 self._lean.stream_ended(d.booking.id, self.labels(d.model), d.predicted_cached_tokens)
             else:

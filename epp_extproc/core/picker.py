@@ -15,7 +15,7 @@ import logging
 
 from epp_extproc.core.admission import BodyBudget, InflightGate
 from epp_extproc.core.decision import Decision
-from epp_extproc.core.errors import PickError
+from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.exchange import PickerExchange
 from epp_extproc.core.lean import LeanSignals
 from epp_extproc.core.pipeline import Pipeline
@@ -54,6 +54,8 @@ class Picker:
         """Propose, wait for admission, commit; the flow ticket is released once the load is booked (or on any
         failure). Raises PickError, and then nothing is booked."""
         pipe = self.pipeline
+        for header in request.slo_malformed:  # ignored as llm-d ignores them, but counted
+            self.metrics.slo_headers_malformed.labels(header).inc()
         p, ticket = await pipe.admit(await pipe.propose(request), request)
         try:
             return pipe.commit(p)
@@ -63,6 +65,8 @@ class Picker:
 
     def count_rejection(self, err: PickError) -> None:
         label = f"render_{err.render.label}" if err.render is not None else err.problem.value
+        if err.problem is Problem.SLO_UNMET:
+            self.metrics.slo_decisions.labels("rejected").inc()
         self.metrics.requests.labels(label).inc()
 
     def first_chunk(self, booking_id: str) -> None:

@@ -42,7 +42,7 @@ from epp_extproc.core.decision import Decision
 from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.flow_control import Ticket
-from epp_extproc.core.load import EndpointLoad
+from epp_extproc.core.load import BookingChange, EndpointLoad
 from epp_extproc.core.logs import Throttled
 from epp_extproc.core.media import (
     SENTINELS,
@@ -60,6 +60,7 @@ from epp_extproc.core.render import Rendered, Renderer, RenderError, render_kind
 from epp_extproc.core.request import RequestContext, clip
 from epp_extproc.core.salt import resolve_salt
 from epp_extproc.core.session import SESSION_HEADER, SessionOutcome, SessionTokens
+from epp_extproc.core.time_cost import SloUnmet, TimeCost
 from epp_extproc.metrics import PickerMetrics
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,8 @@ class LoadView(Bookings):
     def book_pair(self, decode: str, decode_blocks: float, prefill: str,
                   prefill_blocks: float) -> BookingHandle: ...
 
+    def add_listener(self, fn: Callable[[BookingChange], None]) -> None: ...
+
 
 @dataclass(slots=True)
 class Plan:
@@ -167,6 +170,7 @@ class Proposal:
     rewrite: Rewrite | None = None  # the model rewrite applied before render and scoring (counted at commit)
     session: SessionOutcome | None = None  # None: the client did not opt in to session affinity
     pd: PdChoice = AGGREGATED  # disaggregated pools: the decider's verdict and the prefill worker (core/pd.py)
+    slo: str | None = None  # --cost-model time with SLO headers: `met` or `best_effort` (counted at commit)
 
 
 class Pipeline:
@@ -176,7 +180,8 @@ class Pipeline:
                  *, renderer: Renderer | None = None, kv: KvLookup | None = None,
                  fingerprint_of: Callable[[str], FingerprintId | None] | None = None,
                  admission: Admission | None = None, rewriter: ModelRewriter | None = None,
-                 sessions: SessionTokens | None = None, saturated: Callable[[str], bool] | None = None) -> None:
+                 sessions: SessionTokens | None = None, saturated: Callable[[str], bool] | None = None,
+                 sheddable: Callable[[RequestContext], bool] | None = None) -> None:
         self.config = config
         self.registry = registry
         self.load = load
@@ -190,6 +195,15 @@ class Pipeline:
         self.saturated = saturated  # is a worker saturated (flow control's detector)? asked for affinity only
         self.params = CostParams(config.kv_overlap_score_credit, config.prefill_load_scale,
                                  config.router_temperature)
+        self.sheddable = sheddable  # does the request's objective say it may be dropped (priority < 0)?
+        self.time_cost: TimeCost | None = None  # --cost-model time (core/time_cost.py)
+        if config.cost_model == "time":
+            error = metrics.ttft_prediction_error
+            tc = self.time_cost = TimeCost(
+                on_error=lambda a, seen, predicted: error.labels(a).observe((seen - predicted) * 1000.0))
+            # the booking's first-chunk signal stops the stopwatch, whichever way it came (response chunk or
+            # lean mode's observer stream)
+            load.add_listener(lambda ch: tc.on_booking(ch.kind, ch.id, ch.address))
 
     # ---------------------------------------------------------------- propose: no side effects
     def parse(self, ctx: RequestContext) -> ParsedBody | None:
@@ -424,7 +438,7 @@ class Pipeline:
         cands = self.candidates(addresses, plan)
         params = self.params if temperature is None else CostParams(self.params.overlap_credit,
                                                                      self.params.prefill_load_scale, temperature)
-        chosen, session = self._choose(ctx, cands, params)
+        chosen, session, slo = self._choose(ctx, cands, params)
         pd = self._pair(ctx, plan, chosen, params)
         score_seconds = time.perf_counter() - score_started
         body = ctx.body
@@ -443,7 +457,7 @@ class Pipeline:
         model = parsed.values.get("model") if parsed is not None else None
         p = Proposal(chosen.address, body, self._booked_blocks(chosen, plan), plan, cands, chosen,
                      model if isinstance(model, str) else None, started, score_seconds, parsed=parsed,
-                     passthrough=verdict, rewrite=rewritten, session=session, pd=pd)
+                     passthrough=verdict, rewrite=rewritten, session=session, pd=pd, slo=slo)
         if plan.prompt is not None and self.kv is not None:
             p.predicted_cached_tokens = self._predicted_cached(self.kv, chosen, pd)
         return p
@@ -473,22 +487,38 @@ class Pipeline:
                            unknown_prompt_blocks=plan.est_tokens / self.config.kv_cache_block_size)
 
     def _choose(self, ctx: RequestContext, cands: list[Candidate],
-                params: CostParams) -> tuple[Candidate, SessionOutcome | None]:
+                params: CostParams) -> tuple[Candidate, SessionOutcome | None, str | None]:
         """The cost rule's pick, unless the request's session token names a worker among the candidates
-        (healthy, inside the subset) that is not saturated: then that one."""
-        chosen = choose(cands, params)
+        (healthy, inside the subset) that is not saturated: then that one. The third value is the SLO
+        outcome under --cost-model time (None without SLO headers or under the block cost)."""
+        chosen, slo = self._pick(ctx, cands, params)
         if self.sessions is None:
-            return chosen, None
+            return chosen, None, slo
         tokens = ctx.headers.get(SESSION_HEADER)
         if not tokens:
-            return chosen, None
+            return chosen, None, slo
         outcome, address = self.sessions.open(tokens[0])
         if outcome is not SessionOutcome.HONOURED:
-            return chosen, outcome
+            return chosen, outcome, slo
         pinned = next((c for c in cands if c.address == address), None)
         if pinned is None or (self.saturated is not None and self.saturated(pinned.address)):
-            return chosen, SessionOutcome.UNAVAILABLE
-        return pinned, outcome
+            return chosen, SessionOutcome.UNAVAILABLE, slo
+        return pinned, outcome, slo
+
+    def _pick(self, ctx: RequestContext, cands: list[Candidate],
+              params: CostParams) -> tuple[Candidate, str | None]:
+        """The block cost's argmin, or under --cost-model time the least predicted time among the workers
+        predicted to meet the request's SLO; raises PickError(SLO_UNMET) for a sheddable request none meets."""
+        if self.time_cost is None:
+            return choose(cands, params), None
+        sheddable = ctx.slo is not None and self.sheddable is not None and self.sheddable(ctx)
+        try:
+            return self.time_cost.choose(cands, params, self._block_size, ctx.slo, sheddable)
+        except SloUnmet as e:
+            raise PickError(Problem.SLO_UNMET, str(e)) from None
+
+    def _block_size(self, address: str) -> float:
+        return float(self.kv.block_size(address) if self.kv is not None else self.config.kv_cache_block_size)
 
     # ---------------------------------------------------------------- flow control, between the two
     async def admit(self, p: Proposal, ctx: RequestContext) -> tuple[Proposal, Ticket | None]:
@@ -511,8 +541,8 @@ class Pipeline:
     def _rescore(self, p: Proposal, ctx: RequestContext, waited_s: float) -> Proposal:
         score_started = time.perf_counter()
         cands = self.candidates(self._eligible(ctx), p.plan)
-        chosen, session = self._choose(ctx, cands, self.params)
-        q = replace(p, address=chosen.address, candidates=cands, chosen=chosen, session=session,
+        chosen, session, slo = self._choose(ctx, cands, self.params)
+        q = replace(p, address=chosen.address, candidates=cands, chosen=chosen, session=session, slo=slo,
                     pd=self._pair(ctx, p.plan, chosen, self.params),
                     booked_blocks=self._booked_blocks(chosen, p.plan), started=p.started + waited_s,
                     score_seconds=time.perf_counter() - score_started)
@@ -533,6 +563,12 @@ class Pipeline:
             if prefill is None or self._decode_keeps_transferred_blocks():
                 self.kv.predict(p.address, p.plan.prompt)
         self.metrics.pd_decisions.labels(p.pd.path.value, p.pd.reason.value).inc()
+        timing = None
+        if self.time_cost is not None:
+            timing = self.time_cost.observe(p.address, p.chosen, self.params, self._block_size(p.address),
+                                            booking.id)
+            if p.slo is not None:
+                self.metrics.slo_decisions.labels(p.slo).inc()
         self.metrics.score_seconds.observe(p.score_seconds)
         self.metrics.decision_seconds.observe(time.perf_counter() - p.started)
         self.metrics.picks.labels(p.address).inc()
@@ -555,7 +591,7 @@ class Pipeline:
             log.debug("-> %s via %s (cost %.2f, overlap %d blocks)", p.address, p.plan.route, p.chosen.cost,
                       p.chosen.overlap_blocks)
         return Decision(p.address, p.body, booking, p.model, p.predicted_cached_tokens,
-                        session=p.session is not None, prefill=prefill)
+                        session=p.session is not None, prefill=prefill, timing=timing)
 
     def _decode_keeps_transferred_blocks(self) -> bool:
         """Does a decode worker's cache hold the prompt blocks a prefill worker sent it as soon as they land, so
@@ -590,7 +626,9 @@ class Pipeline:
                     "block_size": self.kv.block_size(c.address) if self.kv else None,
                     "prompt_blocks": round(c.prompt_blocks, 3), "inflight": c.load.inflight,
                     "prefill_blocks": round(c.load.prefill_blocks, 3),
-                    "decode_blocks": round(c.load.decode_blocks, 3), "cost": round(c.cost, 4)}
+                    "decode_blocks": round(c.load.decode_blocks, 3), "cost": round(c.cost, 4),
+                    **({} if c.ttft_s is None else {"predicted_ttft_ms": round(c.ttft_s * 1000.0, 3),
+                                                     "predicted_tpot_ms": round((c.tpot_s or 0.0) * 1000.0, 3)})}
 
         workers = [row(c) for c in p.candidates]
         credit = self.kv.credit(p.plan.prompt, [c.address for c in p.candidates]) \
@@ -616,6 +654,7 @@ class Pipeline:
                                                                  "model": p.rewrite.model,
                                                                  "target": p.rewrite.target},
                 "session": p.session.value if p.session is not None else None,
+                "cost_model": self.config.cost_model, "slo": p.slo,
                 "media": self._explain_media(p),
                 "pd": self._explain_pd(p, row)}
 

@@ -27,6 +27,7 @@ _STATUS: dict[Problem, int] = {
     Problem.OVERLOADED: 503,
     Problem.FLOW_SATURATED: 429,  # GAIE: capacity exists but is contended (back-pressure)
     Problem.FLOW_TTL_EXPIRED: 429,
+    Problem.SLO_UNMET: 429,  # llm-d's latency-slo-admitter rejects a sheddable request no endpoint can serve
     Problem.FLOW_SHUTDOWN: 503,
     Problem.RENDER_FAILED: 502,  # only without the renderer's failure attached: `render_status` decides else
     Problem.PROTOCOL: 400,

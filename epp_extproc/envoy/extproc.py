@@ -27,6 +27,7 @@ from google.protobuf import struct_pb2
 from epp_extproc.core.api import Exchange, Picker, Routed
 from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.request import RequestContext
+from epp_extproc.core.time_cost import parse_slo
 from epp_extproc.envoy.errors import http_error
 from epp_extproc.gaie import (
     BOOKING_KEY,
@@ -315,7 +316,8 @@ class _Stream:
 
     async def _on_request_headers(self, req: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingResponse]:
         method, path, headers = _headers(req.request_headers)
-        self.ctx = RequestContext(method, path, headers, None, _subset_hint(req))
+        slo, malformed = parse_slo(headers)  # llm-d's SLO headers become plain numbers here
+        self.ctx = RequestContext(method, path, headers, None, _subset_hint(req), slo, malformed)
         if req.request_headers.end_of_stream:
             self.body_done = True
             async for r in self._decide(None):
