@@ -337,6 +337,12 @@ class Restarter(threading.Thread):
         t0 = time.monotonic()
         self.pk.signal_group(signal.SIGTERM)
         assert self.pk.proc is not None
+        while self.pk.proc.poll() is None and time.monotonic() - t0 < 60:  # its last count, while it drains
+            try:
+                self.info["picks_before_restart"] = sum(picker_picks(self.pk).values())
+            except OSError:
+                break  # its metrics server has closed
+            time.sleep(0.05)
         try:
             self.pk.proc.wait(60)
         except subprocess.TimeoutExpired:
