@@ -277,7 +277,9 @@ def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc,
         pks = BR.pickers_for(st, "sync", H.endpoints_spec(workers), renderer)
         for p in pks:
             H.wait_subscribed(p, addrs)
-        return H.envoy(st, picker_proc=pks[0], more_pickers=pks[1:]), pks
+        env = H.envoy(st, picker_proc=pks[0], more_pickers=pks[1:])
+        wait_pickers_healthy(env, len(pks))
+        return env, pks
     if cfg == "rs":  # as (c), with the replay endpoints a restarted picker re-warms from
         pk = H.picker(st, procs.endpoint_spec(workers, replay=True), "trtllm-render", renderer)
         H.wait_subscribed(pk, addrs)
@@ -293,6 +295,28 @@ def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc,
         pk = H.picker(st, spec, "trtllm-render", renderer,
                       extra=["--kv-event-port", "0", "--prediction-ttl-s", "100000"])
     return H.envoy(st, picker_proc=pk), [pk]
+
+
+def picker_health(env: H.Proc) -> dict[str, str]:
+    """Envoy's health flags of each host of the picker cluster (admin /clusters)."""
+    text = H.get_text(f"http://127.0.0.1:{env.extra['admin_port']}/clusters")
+    pre = f"{envoy_config.PICKER_CLUSTER}::"
+    return {line.split("::")[1]: line.rsplit("::", 1)[1] for line in text.splitlines()
+            if line.startswith(pre) and "::health_flags::" in line}
+
+
+def wait_pickers_healthy(env: H.Proc, n: int, timeout: float = 30.0) -> None:
+    """Until Envoy holds all ``n`` picker replicas healthy. Envoy health-checks the picker cluster (every 5 s;
+    a host that fails its first check waits for the next ones), and an unhealthy replica gets no ext_proc
+    stream: without this wait, on a loaded machine, (r2) ran some repeats with every request on one replica."""
+    deadline = time.monotonic() + timeout
+    flags: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        flags = picker_health(env)
+        if len(flags) == n and all(f == "healthy" for f in flags.values()):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"picker replicas not all healthy in Envoy after {timeout}s: {flags}")
 
 
 def schedule_span_s(input_file: Path) -> float:
