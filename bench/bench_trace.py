@@ -71,11 +71,14 @@ JSON result schema (`trace.json`), besides the common `bench`, `meta` keys, `con
         run: {seed, ttft_{p50,p90,p99,avg}_ms, itl_{p50,p90,p99,avg}_ms, output_tokens_per_s, requests, errors,
               aiperf_cached_ratio, aiperf_prompt_tokens, workers_cached_ratio, workers_prompt_tokens,
               per_worker_served, picker_picks, replay_sched_lag_p99_ms, benchmark_duration_s, aiperf_wall_s,
-              loadavg_1m}
+              loadavg_1m; (r2) picks_per_picker; (r2, rs) routed_without_picker; (rs) restart: {drain_s, down_s,
+              resubscribed_s, picks_before_restart, index_blocks_before, index_blocks_after_replay, error?};
+              (cv) plan_match: {matched, unmatched, plan_entries_left}}
     result.claims[]: {capacity, offered_rps, metric, config, baseline, median_ratio, claim}
         median_ratio: baseline/config for latencies, config/baseline otherwise (> 1 = config is better);
         claim: the same ratio when the two spreads do not overlap, else null
-    targets: {capacity: {target: {...}}}
+    targets: {capacity: {target: {...}}}, with r2_within_spread_of_c, rs_within_spread_of_c and
+             clairvoyant_replayed (offline beside replayed) when those configurations ran
 """
 
 from __future__ import annotations
