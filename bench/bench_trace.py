@@ -21,6 +21,19 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
   (e)  Envoy + picker, trtllm-render, NO KV events: only its own predictions of what it routed where, kept
        for the whole run (the "approximate prefix" routing llm-d compares against). Frozen: its flags do not
        change with the picker's defaults, so it stays the same yardstick across recordings.
+  (r2) two replicas of (c) with replica sync (--peers) behind the same Envoy, which round-robins ext_proc
+       streams across them (bench_replicas' setup): issue 28.9, routing quality of synced replicas
+  (rs) (c) with the workers' KV event replay, SIGTERMed at ~1/3 of the schedule and started again at once
+       with the same flags (same ports): issue 28.9, routing quality across a restart; the new process
+       re-warms its index from the workers' replay. Envoy's ext_proc filter has failure_mode_allow off and
+       the workers' cluster is ORIGINAL_DST on the picker's header, so while no picker answers a request
+       FAILS (AIPerf counts it as an error); nothing is routed around the picker. The run records the
+       restart's timings, the errors, and `routed_without_picker` (worker-served minus picker picks; 0 is
+       the expected figure).
+  (cv) the clairvoyant placement REPLAYED through the same Envoy and mocks: bench/plan_picker.py routes each
+       request to the worker bench/clairvoyant.py planned for it (matched by prompt content), so its TTFT
+       and the mocks' cached ratio are the replayed bound beside the offline one (d) clairvoyant
+       (r2, rs and cv run only when named in --only; the default set is unchanged)
   (d)  offline cached-token ratios of the same prompts in arrival order: `pooled_lru` (one LRU cache with
        the capacity of all four workers together, the figure earlier recordings called "the oracle"),
        `infinite`, and `clairvoyant` (bench/clairvoyant.py: placement and Belady eviction knowing the future
@@ -58,11 +71,14 @@ JSON result schema (`trace.json`), besides the common `bench`, `meta` keys, `con
         run: {seed, ttft_{p50,p90,p99,avg}_ms, itl_{p50,p90,p99,avg}_ms, output_tokens_per_s, requests, errors,
               aiperf_cached_ratio, aiperf_prompt_tokens, workers_cached_ratio, workers_prompt_tokens,
               per_worker_served, picker_picks, replay_sched_lag_p99_ms, benchmark_duration_s, aiperf_wall_s,
-              loadavg_1m}
+              loadavg_1m; (r2) picks_per_picker; (r2, rs) routed_without_picker; (rs) restart: {drain_s, down_s,
+              resubscribed_s, picks_before_restart, index_blocks_before, index_blocks_after_replay, error?};
+              (cv) plan_match: {matched, unmatched, plan_entries_left}}
     result.claims[]: {capacity, offered_rps, metric, config, baseline, median_ratio, claim}
         median_ratio: baseline/config for latencies, config/baseline otherwise (> 1 = config is better);
         claim: the same ratio when the two spreads do not overlap, else null
-    targets: {capacity: {target: {...}}}
+    targets: {capacity: {target: {...}}}, with r2_within_spread_of_c, rs_within_spread_of_c and
+             clairvoyant_replayed (offline beside replayed) when those configurations ran
 """
 
 from __future__ import annotations
@@ -74,21 +90,29 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import bench_replicas as BR
 from bench import clairvoyant as CV
 from bench import harness as H
+from bench import plan_picker as PP
 from bench import trace_stats as S
 from bench import trace_workload as T
+from epp_extproc.dev import envoy_config, procs
 from trtllm_mock.config import LLAMA_8B_H100
 
 AIPERF = str(H.BIN / "aiperf")
 CONFIGS = {"a": "envoy round-robin", "b": "picker, load only", "c": "picker, KV-aware (defaults)",
-           "c1": "picker, KV-aware, overlap credit 1.0", "e": "picker, prediction only (no KV events)"}
+           "c1": "picker, KV-aware, overlap credit 1.0", "e": "picker, prediction only (no KV events)",
+           "r2": "2 picker replicas, replica sync", "rs": "picker restarted at 1/3 of the run",
+           "cv": "clairvoyant plan replayed"}
+OPT_IN = ("r2", "rs", "cv")  # only with --only: the default set (and its cost) stays what it was
 BS = 32
 CAPACITIES = ("ample", "75", "scarce", "h100")
 METRICS = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "output_tokens_per_s",
@@ -219,10 +243,50 @@ def picker_picks(pk: H.Proc) -> dict[str, int]:
     return {ep: int(float(v)) for ep, v in _PICKS.findall(H.get_text(H.picker_url(pk) + "/metrics"))}
 
 
-def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc) -> tuple[H.Proc, H.Proc | None]:
+def start_worker(st: H.Stack, name: str, args: Sequence[str]) -> H.Proc:
+    """A mock worker that also serves KV event replay (only (rs)'s picker is told the replay endpoint: the
+    others start on empty caches, where a replay has nothing to give)."""
+    return st.add(procs.mock_worker(name, st.dir, kv=True, replay=True, args=["--log-level", "WARNING", *args]))
+
+
+def start_plan_picker(st: H.Stack, plan_file: Path) -> tuple[H.Proc, H.Proc]:
+    """bench/plan_picker.py and an Envoy that asks it (BUFFERED request body, response phases skipped, no
+    TLS, no health check: a benchmark tool, not the product's edge)."""
+    port = H.free_port()
+    pk = st.add(H.Proc("plan-picker", [sys.executable, "-m", "bench.plan_picker", "--port", str(port), "--plan",
+                                       str(plan_file), "--stats", str(plan_file.with_suffix(".stats.json"))],
+                       port, st.dir / "plan-picker.log", cwd=str(Path(__file__).resolve().parents[1])))
+    opts = envoy_config.EnvoyOptions(
+        listen_port=H.free_port(), admin_port=H.free_port(), picker_port=port, body_mode="BUFFERED",
+        processing=envoy_config.ProcessingOptions(request_body_mode="BUFFERED", response_header_mode="SKIP",
+                                                  response_body_mode="NONE", request_trailer_mode="SKIP",
+                                                  response_trailer_mode="SKIP"),
+        response_mode="echo", picker_tls=False, picker_health_check=False,
+        picker_max_inflight=H.PICKER_MAX_INFLIGHT)
+    return st.add(procs.envoy(st.dir, opts, name="envoy-plan"), timeout=60), pk
+
+
+def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc,
+                 plan_file: Path | None = None) -> tuple[H.Proc, list[H.Proc]]:
+    """Envoy and the picker processes of one configuration (none for (a); (cv)'s is the plan picker)."""
     addrs = [m.address for m in workers]
     if cfg == "a":
-        return H.envoy(st, upstreams=addrs), None
+        return H.envoy(st, upstreams=addrs), []
+    if cfg == "cv":
+        assert plan_file is not None, "(cv) needs the clairvoyant plan"
+        env, pk = start_plan_picker(st, plan_file)
+        return env, [pk]
+    if cfg == "r2":
+        pks = BR.pickers_for(st, "sync", H.endpoints_spec(workers), renderer)
+        for p in pks:
+            H.wait_subscribed(p, addrs)
+        env = H.envoy(st, picker_proc=pks[0], more_pickers=pks[1:])
+        wait_pickers_healthy(env, len(pks))
+        return env, pks
+    if cfg == "rs":  # as (c), with the replay endpoints a restarted picker re-warms from
+        pk = H.picker(st, procs.endpoint_spec(workers, replay=True), "trtllm-render", renderer)
+        H.wait_subscribed(pk, addrs)
+        return H.envoy(st, picker_proc=pk), [pk]
     if cfg == "b":
         pk = H.picker(st, H.endpoints_spec(workers))
     elif cfg in ("c", "c1") or cfg in VARIANTS:
@@ -233,33 +297,151 @@ def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc)
         spec = ",".join(f"{m.name}={m.address}" for m in workers)
         pk = H.picker(st, spec, "trtllm-render", renderer,
                       extra=["--kv-event-port", "0", "--prediction-ttl-s", "100000"])
-    return H.envoy(st, picker_proc=pk), pk
+    return H.envoy(st, picker_proc=pk), [pk]
+
+
+def picker_health(env: H.Proc) -> dict[str, str]:
+    """Envoy's health flags of each host of the picker cluster (admin /clusters)."""
+    text = H.get_text(f"http://127.0.0.1:{env.extra['admin_port']}/clusters")
+    pre = f"{envoy_config.PICKER_CLUSTER}::"
+    return {line.split("::")[1]: line.rsplit("::", 1)[1] for line in text.splitlines()
+            if line.startswith(pre) and "::health_flags::" in line}
+
+
+def wait_pickers_healthy(env: H.Proc, n: int, timeout: float = 30.0) -> None:
+    """Until Envoy holds all ``n`` picker replicas healthy. Envoy health-checks the picker cluster (every 5 s;
+    a host that fails its first check waits for the next ones), and an unhealthy replica gets no ext_proc
+    stream: without this wait, on a loaded machine, (r2) ran some repeats with every request on one replica."""
+    deadline = time.monotonic() + timeout
+    flags: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        flags = picker_health(env)
+        if len(flags) == n and all(f == "healthy" for f in flags.values()):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"picker replicas not all healthy in Envoy after {timeout}s: {flags}")
+
+
+def schedule_span_s(input_file: Path) -> float:
+    """Wall seconds from the first to the last arrival of an AIPerf fixed-schedule input."""
+    ts = [json.loads(line)["timestamp"] for line in input_file.read_text().splitlines() if line.strip()]
+    return (max(ts) - min(ts)) / 1000 if ts else 0.0
+
+
+class Restarter(threading.Thread):
+    """(rs): once the picker has routed its first request, waits `at_fraction` of the schedule, SIGTERMs the
+    picker, waits for it to exit (its drain: no new streams, the in-flight ones finish), and starts it again
+    with the same argv (same ports, same flags). Records what a restart costs: how long the drain took and how
+    long no picker was serving, and the picks of the first process (its counters die with it)."""
+
+    def __init__(self, pk: H.Proc, addrs: Sequence[str], span_s: float, at_fraction: float = 1 / 3,
+                 timeout_s: float = 120) -> None:
+        super().__init__(daemon=True, name="picker-restarter")
+        self.pk, self.addrs, self.delay, self.timeout_s = pk, list(addrs), span_s * at_fraction, timeout_s
+        self.info: dict[str, Any] = {"at_fraction": at_fraction, "scheduled_after_first_pick_s": self.delay}
+        self._cancel = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except Exception as e:  # noqa: BLE001 - reported in the row: a failed restart must not pass silently
+            self.info["error"] = repr(e)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while sum(picker_picks(self.pk).values()) == 0:
+            if self._cancel.wait(0.2) or time.monotonic() > deadline:
+                self.info["error"] = "no request reached the picker"
+                return
+        if self._cancel.wait(self.delay):
+            self.info["error"] = "the run ended before the restart"
+            return
+        self.info["picks_before_restart"] = sum(picker_picks(self.pk).values())
+        self.info["index_blocks_before"] = index_blocks(self.pk)
+        t0 = time.monotonic()
+        self.pk.signal_group(signal.SIGTERM)
+        assert self.pk.proc is not None
+        while self.pk.proc.poll() is None and time.monotonic() - t0 < 60:  # its last count, while it drains
+            try:
+                self.info["picks_before_restart"] = sum(picker_picks(self.pk).values())
+            except OSError:
+                break  # its metrics server has closed
+            time.sleep(0.05)
+        try:
+            self.pk.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.pk.stop(signal.SIGKILL)
+        self.info["drain_s"] = round(time.monotonic() - t0, 3)
+        self.pk.start(60)
+        self.info["down_s"] = round(time.monotonic() - t0, 3)  # SIGTERM -> the new process ready
+        H.wait_subscribed(self.pk, self.addrs, timeout=30)  # every worker's replay and first batch are in
+        self.info["resubscribed_s"] = round(time.monotonic() - t0, 3)
+        self.info["index_blocks_after_replay"] = index_blocks(self.pk)
+
+
+def index_blocks(pk: H.Proc) -> int:
+    """Blocks the picker's index holds (all workers, deduplicated): how warm it is."""
+    return int(H.get_json(H.picker_url(pk) + "/debug/kv").get("unique_blocks", 0))
+
+
+def all_picks(pks: Sequence[H.Proc]) -> dict[str, int] | None:
+    """Picks per endpoint summed over the configuration's pickers (None for (a) and the plan picker)."""
+    if not pks or pks[0].name == "plan-picker":
+        return None
+    out: dict[str, int] = {}
+    for p in pks:
+        for ep, n in picker_picks(p).items():
+            out[ep] = out.get(ep, 0) + n
+    return out
 
 
 def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], renderer: H.Proc, input_file: Path,
-            tokenizer: Path, work: Path, tag: str) -> dict[str, Any]:
+            tokenizer: Path, work: Path, tag: str, plan_file: Path | None = None) -> dict[str, Any]:
     """One AIPerf replay through one configuration, from empty worker caches; ``tag`` names its artifacts."""
     wait_idle(workers)
     for m in workers:
         H.post_json(m.url + "/mock/cache/clear")
     before = stats(workers)
+    extra: dict[str, Any] = {}
     with H.Stack(prefix=f"epp-trace-{cfg}-") as st:
-        env, pk = start_config(st, cfg, workers, renderer)
+        env, pks = start_config(st, cfg, workers, renderer, plan_file)
+        restarter = Restarter(pks[0], [m.address for m in workers], schedule_span_s(input_file)) if cfg == "rs" else None
+        if restarter is not None:
+            restarter.start()
         art = work / f"aiperf-{tag}"
         shutil.rmtree(art, ignore_errors=True)
         t0 = time.monotonic()
-        run_aiperf(aiperf_command(env.url, input_file, tokenizer, art, plan.aiperf_timeout_s),
-                   plan.aiperf_timeout_s + 120, work / f"aiperf-{tag}.log")
+        try:
+            run_aiperf(aiperf_command(env.url, input_file, tokenizer, art, plan.aiperf_timeout_s),
+                       plan.aiperf_timeout_s + 120, work / f"aiperf-{tag}.log")
+        finally:
+            if restarter is not None:
+                restarter.cancel()
+                restarter.join(90)
         wall = time.monotonic() - t0
         wait_idle(workers)
         after = stats(workers)
-        picks = picker_picks(pk) if pk is not None else None
+        picks = all_picks(pks)
+        if picks is not None and len(pks) > 1:
+            extra["picks_per_picker"] = [sum(picker_picks(p).values()) for p in pks]
+    if restarter is not None:
+        extra["restart"] = restarter.info
+        if picks is not None:  # the first process's picks died with it: add what it had counted
+            picks["<before restart>"] = restarter.info.get("picks_before_restart", 0)
+    if cfg == "cv" and plan_file is not None:
+        sf = plan_file.with_suffix(".stats.json")
+        extra["plan_match"] = json.loads(sf.read_text()) if sf.exists() else None
     served = {k: after[k]["requests_served"] - before[k]["requests_served"] for k in after}
+    if picks is not None:
+        extra["routed_without_picker"] = sum(served.values()) - sum(picks.values())
     dp = sum(after[k]["prompt_tokens_total"] - before[k]["prompt_tokens_total"] for k in after)
     dc = sum(after[k]["cached_tokens_total"] - before[k]["cached_tokens_total"] for k in after)
     row = {"config": cfg, "divisor": divisor, **aiperf_figures(art), "per_worker_served": served,
            "workers_cached_ratio": dc / dp if dp else 0.0, "workers_prompt_tokens": dp, "picker_picks": picks,
-           "aiperf_wall_s": round(wall, 1), "loadavg_1m": os.getloadavg()[0]}
+           "aiperf_wall_s": round(wall, 1), "loadavg_1m": os.getloadavg()[0], **extra}
     return row
 
 
@@ -292,13 +474,17 @@ def workload(plan: Plan) -> Workload:
                     plan.jitter_gap_fraction * T.mean_gap_ms(rows))
 
 
-def clairvoyant_cell(plan: Plan, wl: Workload, blocks: int, rate: float, divisor: float) -> dict[str, Any]:
-    """The clairvoyant router's cached ratio at one capacity and load, once per jitter seed."""
+def clairvoyant_cell(plan: Plan, wl: Workload, blocks: int, rate: float, divisor: float,
+                     placements: dict[int, list[int]] | None = None) -> dict[str, Any]:
+    """The clairvoyant router's cached ratio at one capacity and load, once per jitter seed; each seed's
+    placement (worker index per request) goes into ``placements`` for (cv) to replay."""
     runs = []
     for seed in range(plan.repeats):
         out = CV.route(wl.prompts, wl.outputs, wl.arrivals_ms(seed, divisor), plan.engine_model(blocks))
         runs.append({"seed": seed, **{k: out[k] for k in ("cached_ratio", "waited_requests", "evicted_blocks",
                                                             "per_worker_requests")}})
+        if placements is not None:
+            placements[seed] = out["placement"]
     return {"offered_rps": rate, "divisor": divisor, "cached_ratio": S.summarize(runs, ["cached_ratio"])[
         "cached_ratio"], "runs": runs}
 
@@ -327,17 +513,23 @@ def run_capacity(plan: Plan, configs: Sequence[str], wl: Workload, cap: str, wor
     print(f"capacity {cap}: {blocks} blocks per worker, working set {wl.working_set} = "
           f"{info['working_set_over_pool']:.2f}x the pool", flush=True)
     with H.Stack(prefix=f"epp-trace-{cap}-") as outer:
-        workers = [H.mock_worker(outer, f"worker-{i}", plan.mock_args(blocks)) for i in range(plan.workers)]
+        workers = [start_worker(outer, f"worker-{i}", plan.mock_args(blocks)) for i in range(plan.workers)]
         renderer = H.mock_renderer(outer)
+        texts = [T.prompt_text(r, plan.scale) for r in wl.rows]
         for rate in plan.rates:
             d = rate / base_rate  # the trace replayed d times faster than recorded
-            info["clairvoyant"].append(clairvoyant_cell(plan, wl, blocks, rate, d))
+            placements: dict[int, list[int]] = {}
+            info["clairvoyant"].append(clairvoyant_cell(plan, wl, blocks, rate, d, placements))
             for seed in range(plan.repeats):
                 rows = T.jitter(wl.rows, seed, wl.jitter_ms)
                 tag = f"{cap}-{rate:g}rps-s{seed}"
                 f = T.write_aiperf_input(rows, plan.scale, d * plan.speedup, work / f"trace-{tag}.jsonl")
+                pf = None
+                if "cv" in configs:  # the offline plan of this very seed, replayed
+                    pf = PP.write_plan(work / f"plan-{tag}.json", [m.address for m in workers], texts,
+                                       placements[seed])
                 for cfg in configs:
-                    row = run_one(cfg, d, plan, workers, renderer, f, work / "tokenizer", work, f"{cfg}-{tag}")
+                    row = run_one(cfg, d, plan, workers, renderer, f, work / "tokenizer", work, f"{cfg}-{tag}", pf)
                     row.update(capacity=cap, offered_rps=rate, seed=seed)
                     runs.append(row)
                     print_run(cap, row)
@@ -387,7 +579,8 @@ def compare(x: dict[str, Any], base: dict[str, Any], metric: str) -> dict[str, A
             "claim": S.claim(num, den)}
 
 
-PAIRS = (("b", "a"), ("c", "a"), ("c1", "a"), ("e", "a"), ("c", "b"), ("c", "e"), ("c", "c1"))
+PAIRS = (("b", "a"), ("c", "a"), ("c1", "a"), ("e", "a"), ("c", "b"), ("c", "e"), ("c", "c1"),
+         ("r2", "c"), ("rs", "c"), ("cv", "c"), ("cv", "e"))
 VARIANTS: dict[str, list[str]] = {}  # --variant NAME=FLAGS: more KV-aware pickers, each compared with (c) and (e)
 
 
@@ -455,8 +648,70 @@ def capacity_targets(doc: dict[str, Any], cap: str) -> dict[str, Any]:
     return out
 
 
+WITHIN_METRICS = ("ttft_p50_ms", "ttft_p90_ms", "itl_p90_ms", "aiperf_cached_ratio")
+
+
+def within_spread(x: dict[str, Any], base: dict[str, Any], metric: str) -> dict[str, Any]:
+    """Issue 28.9's test for one metric: is ``x``'s median inside ``base``'s min..max (one warm picker's
+    spread)? ``overlap`` (the spreads overlap: no claim either way) is the weaker reading, kept beside it."""
+    sx, sb = x["summary"].get(metric), base["summary"].get(metric)
+    if not sx or not sb:
+        return {"metric": metric, "median": None, "base_spread": sb, "inside": None, "overlap": None}
+    return {"metric": metric, "median": sx["median"], "base_spread": [sb["min"], sb["max"]],
+            "inside": sb["min"] <= sx["median"] <= sb["max"],
+            "overlap": sx["min"] <= sb["max"] and sb["min"] <= sx["max"]}
+
+
+def replica_restart_targets(doc: dict[str, Any], cap: str) -> dict[str, Any]:
+    """(r2) and (rs) against (c) at each load: the item-9 target, and the restart's own facts."""
+    out: dict[str, Any] = {}
+    for cfg in ("r2", "rs"):
+        per = []
+        for x in (c for c in doc["result"]["cells"] if c["capacity"] == cap and c["config"] == cfg):
+            base = _cell(doc, cap, "c", x["offered_rps"])
+            if base is None:
+                continue
+            ws = [within_spread(x, base, m) for m in WITHIN_METRICS]
+            entry: dict[str, Any] = {"offered_rps": x["offered_rps"], "metrics": ws,
+                                     "met": all(w["inside"] for w in ws)}
+            if cfg == "r2":  # a repeat where Envoy sent one replica nothing did not test two replicas
+                entry["picks_per_picker"] = [r.get("picks_per_picker") for r in x["runs"]]
+            if cfg == "rs":
+                entry["restarts"] = [r.get("restart") for r in x["runs"]]
+                entry["errors"] = [r["errors"] for r in x["runs"]]
+                entry["routed_without_picker"] = [r.get("routed_without_picker") for r in x["runs"]]
+                # AIPerf's latencies and cached ratio cover the requests that succeeded: with failures the
+                # survivors ran on a lighter load, so quality "within the spread" also needs no failure
+                entry["met"] = entry["met"] and not any(entry["errors"])
+            per.append(entry)
+        if per:
+            out[f"{cfg}_within_spread_of_c"] = {"per_load": per, "met": all(p["met"] for p in per)}
+    return out
+
+
+def replayed_clairvoyant(doc: dict[str, Any], cap: str) -> dict[str, Any] | None:
+    """(cv) replayed beside the offline clairvoyant figure at each load."""
+    info = next(i for i in doc["result"]["capacities"] if i["name"] == cap)
+    per = []
+    for x in (c for c in doc["result"]["cells"] if c["capacity"] == cap and c["config"] == "cv"):
+        off = next(v for v in info["clairvoyant"] if v["offered_rps"] == x["offered_rps"])
+        per.append({"offered_rps": x["offered_rps"], "offline_cached": off["cached_ratio"],
+                    "replayed_cached": x["summary"]["aiperf_cached_ratio"],
+                    "replayed_ttft_p90_ms": x["summary"]["ttft_p90_ms"],
+                    "plan_match": [r.get("plan_match") for r in x["runs"]]})
+    return {"per_load": per} if per else None
+
+
 def targets(doc: dict[str, Any]) -> dict[str, Any]:
-    return {i["name"]: capacity_targets(doc, i["name"]) for i in doc["result"]["capacities"]}
+    out = {}
+    for i in doc["result"]["capacities"]:
+        t = capacity_targets(doc, i["name"])
+        t.update(replica_restart_targets(doc, i["name"]))
+        cv = replayed_clairvoyant(doc, i["name"])
+        if cv is not None:
+            t["clairvoyant_replayed"] = cv
+        out[i["name"]] = t
+    return out
 
 
 # ----------------------------------------------------------------------------- report
@@ -549,7 +804,8 @@ def mock_args_template(plan: Plan) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = H.bench_parser(__doc__, "trace")
-    ap.add_argument("--only", help="comma-separated subset of configurations (a,b,c,c1,e)")
+    ap.add_argument("--only", help="comma-separated subset of configurations (a,b,c,c1,e; r2,rs,cv only when "
+                                   "named here)")
     ap.add_argument("--rates", help="comma-separated offered loads (req/s of simulated time)")
     ap.add_argument("--speedup", type=float, help="mock speedup (wall-clock compression)")
     ap.add_argument("--repeats", type=int, help="runs per cell, one per arrival-jitter seed (default 3, quick 2)")
@@ -564,7 +820,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         CONFIGS[name] = f"picker, KV-aware, {flags}"
         VARIANTS[name] = flags.split()
     plan = QUICK if a.quick else Plan()
-    configs = ["c"] if a.quick else list(CONFIGS)  # --quick: does it run at all
+    configs = ["c"] if a.quick else [k for k in CONFIGS if k not in OPT_IN]  # --quick: does it run at all
     if a.only:
         configs = [k for k in CONFIGS if k in a.only.split(",")]
     if a.rates:
