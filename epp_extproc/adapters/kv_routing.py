@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -82,8 +83,8 @@ class Prompt:
 class KvRouting:
     def __init__(self, registry: EndpointRegistry, *, block_size: int, max_blocks_per_worker: int, topic: str,
                  prediction_ttl_s: float, metrics_registry: CollectorRegistry | None,
-                 ask_server_info: bool = True) -> None:
-        self.index = KvIndex(block_size, max_blocks_per_worker, metrics_registry)
+                 ask_server_info: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+        self.index = KvIndex(block_size, max_blocks_per_worker, metrics_registry, clock=clock)
         self.subscribers = SubscriberManager(self.index, topic=topic, is_healthy=registry.healthy,
                                              registry=metrics_registry)
         self.prediction_ttl_s = prediction_ttl_s
