@@ -672,18 +672,18 @@ class KvIndex:
         return len(w.held) if w is not None else 0
 
     def _confirm(self, w: _Worker, h: int) -> None:
-        del w.pred[h]
-        if w.held:
-            w.held.pop(h, None)
-        self._unpredict(w, h)
+        self._end_prediction(w, h)
         w.stats.predictions_confirmed += 1
 
     def _cancel(self, w: _Worker, h: int) -> None:
+        self._end_prediction(w, h)
+        w.stats.predictions_cancelled += 1
+
+    def _end_prediction(self, w: _Worker, h: int) -> None:
         del w.pred[h]
         if w.held:
             w.held.pop(h, None)
         self._unpredict(w, h)
-        w.stats.predictions_cancelled += 1
 
     def _unpredict(self, w: _Worker, h: int) -> None:
         pred = self._pred
