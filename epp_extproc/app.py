@@ -79,6 +79,10 @@ class PickerApp:
                                          breaker_open_ms=config.render_circuit_open_ms)
             self.kv, self.ingest, self.ingest_dir = build_kv(config, self.slot, self.registry,
                                                               self.metrics.registry)
+            if config.prediction_lifetime == "queue" and isinstance(self.kv, KvRouting):
+                # predictions follow their bookings (docs/predictions.md); Config refuses it with ingest apart
+                self.kv.use_queue_lifetime(config.prediction_grace_s, config.prediction_max_lifetime_s)
+                self.load.add_listener(self.kv.on_booking)
         self.fingerprints: FingerprintWatcher | None = None
         if config.tokenizer_protocol == "trtllm-render" and config.prompt_passthrough != "off":
             self.fingerprints = FingerprintWatcher(self.registry, self.metrics,

@@ -281,7 +281,18 @@ class Config:
         "(+ a TPOT term) learned online from its answers, honouring x-slo-ttft-ms / x-slo-tpot-ms (a sheddable "
         "request no worker is predicted to meet gets 429); see docs/time-cost.md", ("blocks", "time"))
     prediction_ttl_s: float = opt("DYN_EPP_PREDICTION_TTL_S", 2.0, float,
-        "how long a pick counts as cached on its worker before its KV events confirm it")
+        "how long a pick counts as cached on its worker before its KV events confirm it (--prediction-lifetime "
+        "fixed; also what replica-sync peers are told in either mode)")
+    prediction_lifetime: str = opt("DYN_EPP_PREDICTION_LIFETIME", "fixed", str,
+        "how long a pick's predicted blocks stay credited unconfirmed: `fixed` = --prediction-ttl-s; `queue` = "
+        "while the request waits for its first response chunk on that worker, plus --prediction-grace-s, at "
+        "most --prediction-max-lifetime-s (see docs/predictions.md)", ("fixed", "queue"))
+    prediction_grace_s: float = opt("DYN_EPP_PREDICTION_GRACE_S", 2.0, float,
+        "with --prediction-lifetime queue: how long predicted blocks stay credited after the request's first "
+        "response chunk, for the worker's KV event to arrive")
+    prediction_max_lifetime_s: float = opt("DYN_EPP_PREDICTION_MAX_LIFETIME_S", 60.0, float,
+        "with --prediction-lifetime queue: the longest a prediction lives unconfirmed, so a lost event or a "
+        "hung request cannot pin credit")
     pd_min_uncached_tokens: int = opt("DYN_EPP_PD_MIN_UNCACHED_TOKENS", 16, int,
         "disaggregated pools: a prompt whose uncached suffix on the chosen decode worker is at least this many "
         "tokens is prefilled on a prefill worker (named in x-prefiller-host-port), a shorter one on the decode "
@@ -437,6 +448,11 @@ class Config:
             raise ValueError(f"{n('flow_control')} needs a saturation signal: worker metrics "
                              f"({n('worker_metrics_interval_ms')} > 0) or {n('max_num_batched_tokens')} > 0")
         _at_least(self, "processes", 1, "")
+        _at_least(self, "prediction_grace_s", 0, "")
+        _positive(self, "prediction_max_lifetime_s")
+        if self.prediction_lifetime == "queue" and self.kv_ingest == "apart":
+            raise ValueError(f"{n('prediction_lifetime')} queue needs the in-process index ({n('kv_ingest')} "
+                             "inprocess): the ingest processes take a fixed ttl per prediction")
         if self.processes > 1 and self.grpc_port == 0:
             raise ValueError(f"{n('processes')} > 1 needs a fixed {n('grpc_port')} (the processes share it); "
                              "got port 0")
@@ -520,7 +536,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
       "render_fingerprint_refresh_ms")),
     ("routing (KV overlap against load)",
      ("kv_cache_block_size", "max_index_blocks_per_worker", "kv_overlap_score_credit", "prefill_load_scale",
-      "router_temperature", "cost_model", "prediction_ttl_s", "pd_min_uncached_tokens", "kv_ingest", "kv_ingest_shards",
+      "router_temperature", "cost_model", "prediction_ttl_s", "prediction_lifetime", "prediction_grace_s",
+      "prediction_max_lifetime_s", "pd_min_uncached_tokens", "kv_ingest", "kv_ingest_shards",
       "kv_ingest_lookup_timeout_ms", "kv_ingest_worker_cpu_share", "session_affinity_keys_file",
       "session_affinity_ttl_s",
       "worker_metrics_interval_ms",

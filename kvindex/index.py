@@ -9,7 +9,11 @@ Layout (chosen for lookup speed and memory, see the bench):
   are only needed to resolve ``parent_block_hash`` and to apply ``BlockRemoved``; the dict order doubles as the
   eviction order for the per-worker cap, so missed removals cannot grow the index forever.
 * predictions (blocks a request was just routed to, not yet confirmed by a ``BlockStored``) live in a second
-  ``hash -> bitmask`` dict, with a heap of expiries processed lazily at the start of each call.
+  ``hash -> bitmask`` dict, with a heap of expiries processed lazily at the start of each call.  A prediction
+  ends confirmed (a ``BlockStored`` of that block by the worker, any rank), cancelled (a ``BlockRemoved`` of it,
+  a clear, the worker dropped) or expired.  A *held* prediction (:meth:`KvIndex.hold_hashes`, the picker's
+  ``--prediction-lifetime queue``) does not expire while the request that made it has not been released
+  (:meth:`KvIndex.release`), except at its hard cap: a per-block count of pending holds, O(prompt blocks).
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class WorkerStats:
     block_size_mismatch: int = 0
     predictions_confirmed: int = 0
     predictions_expired: int = 0
+    predictions_cancelled: int = 0
     mm_blocks_vllm: int = 0
     mm_blocks_vllm_bare: int = 0
     mm_blocks_trtllm: int = 0
@@ -106,7 +111,7 @@ class _Slot:
 
 class _Worker:
     __slots__ = ("id", "block_size", "size_source", "cap", "max_ranks", "slots", "stats", "pred", "pred_gen",
-                 "n_blocks", "warned", "dialect")
+                 "n_blocks", "warned", "dialect", "held")
 
     def __init__(self, worker_id: str, block_size: int, cap: int, max_ranks: int) -> None:
         self.id = worker_id
@@ -118,9 +123,22 @@ class _Worker:
         self.stats = WorkerStats()
         self.pred: dict[int, float] = {}  # our_hash -> expiry (monotonic), on the (rank 0, block_size) bit
         self.pred_gen = 0
+        # our_hash -> holds not yet released (queue lifetime), only for blocks in `pred`: while > 0 the block's
+        # expiry is its hard cap; the last release brings it down to release time + grace
+        self.held: dict[int, int] = {}
         self.n_blocks = 0  # engine blocks over all slots: the per-worker cap counts the whole worker
         self.warned: set[str] = set()  # one warning per worker and kind, not one per event
         self.dialect: str | None = None  # how its engine keys media blocks (kvindex.hashing DIALECT_*), once seen
+
+
+@dataclass(frozen=True, slots=True)
+class PredictionHold:
+    """One held prediction (:meth:`KvIndex.hold_hashes`): the blocks it newly credited, released once."""
+
+    worker: str
+    gen: int  # the worker's prediction generation: a clear in between makes the release a no-op
+    hashes: tuple[int, ...]
+    cap: float  # monotonic time past which the index forgets it whatever the request does
 
 
 MAX_BLOCK_SIZES_PER_WORKER = 4  # a publisher inventing block sizes must not multiply its slots
@@ -250,6 +268,7 @@ class KvIndex:
         s.multi.clear()
 
     def _clear_predictions(self, w: _Worker) -> None:
+        w.stats.predictions_cancelled += len(w.pred)
         pred = self._pred
         keep = ~self._pred_bit(w)
         for h in w.pred:
@@ -259,6 +278,7 @@ class KvIndex:
             else:
                 pred.pop(h, None)
         w.pred.clear()
+        w.held.clear()
         w.pred_gen += 1
 
     def workers(self) -> list[str]:
@@ -416,7 +436,9 @@ class KvIndex:
         blocks = self._blocks
         bit = slot.bit
         multi = slot.multi
-        wpred = w.pred if bs == w.block_size and rank == 0 else None
+        # a prediction is hashed in the worker's block size and confirmed by a store on any of its ranks: the
+        # overlap of a data-parallel worker is its best rank, so the block is credited either way
+        wpred = w.pred if bs == w.block_size else None
         before = len(eng)
         if ev.mm is not None:  # a chain with media blocks: keyed with the engine's item keys (rare, not inlined)
             self._store_keyed(w, slot, ev, h, wpred)
@@ -499,11 +521,14 @@ class KvIndex:
         st = w.stats
         slots = [s for s in w.slots.values() if s.rank == rank and s.engine]
         unknown = 0
+        wpred = w.pred
         for eh in hashes:
             for slot in slots:
                 h = slot.engine.pop(eh, None)
                 if h is not None:
                     self._unref(slot, h)
+                    if wpred and h in wpred:  # predicted there again after it was stored: the worker says gone
+                        self._cancel(w, h)
                     break
             else:
                 unknown += 1
@@ -562,10 +587,12 @@ class KvIndex:
         pred = self._pred
         wpred = w.pred
         new: list[int] = []
+        held = w.held
         for h in hashes:
             if blocks.get(h, 0) & bit:
                 continue
-            wpred[h] = exp
+            if not held or h not in held or wpred[h] < exp:  # a peer's ttl never shortens a held block
+                wpred[h] = exp
             pb = pred.get(h, 0)
             if not pb & bit:
                 pred[h] = pb | bit
@@ -573,10 +600,90 @@ class KvIndex:
         if new:
             heapq.heappush(self._pred_heap, (exp, next(self._counter), w, w.pred_gen, tuple(new)))
 
+    def hold_hashes(self, worker_id: str, hashes: Sequence[int], max_s: float) -> PredictionHold | None:
+        """:meth:`predict_hashes` for a prediction that lives as long as its request waits (the picker's
+        ``--prediction-lifetime queue``): each block stays credited until the hold is released
+        (:meth:`release`, at the request's first response chunk, plus a grace for the event) or until
+        ``max_s`` from now, whichever comes first; confirmation and cancellation end it as for any prediction.
+        Cost O(len(hashes)); None when nothing new was predicted (every block already stored there)."""
+        now = self._clock()
+        if self._pred_heap:
+            self._expire(now)
+        w = self._worker(worker_id)
+        if not hashes:
+            return None
+        cap = now + max_s
+        bit = self._pred_bit(w)
+        blocks = self._blocks
+        pred = self._pred
+        wpred = w.pred
+        held = w.held
+        new: list[int] = []
+        for h in hashes:
+            if blocks.get(h, 0) & bit:
+                continue
+            if wpred.get(h, 0.0) < cap:
+                wpred[h] = cap
+            held[h] = held.get(h, 0) + 1
+            pb = pred.get(h, 0)
+            if not pb & bit:
+                pred[h] = pb | bit
+            new.append(h)
+        if not new:
+            return None
+        hs = tuple(new)
+        heapq.heappush(self._pred_heap, (cap, next(self._counter), w, w.pred_gen, hs))
+        return PredictionHold(worker_id, w.pred_gen, hs, cap)
+
+    def release(self, hold: PredictionHold, grace_s: float) -> None:
+        """The held request finished its prefill (or left the worker): its blocks stay credited ``grace_s``
+        more, for the worker's ``BlockStored`` to arrive, unless another unreleased hold still covers them;
+        never past the hold's cap.  Idempotent per hold only if called once (the caller keeps one per hold)."""
+        w = self._workers.get(hold.worker)
+        if w is None or w.pred_gen != hold.gen:
+            return
+        now = self._clock()
+        exp = now + grace_s
+        wpred = w.pred
+        held = w.held
+        shortened: list[int] = []
+        for h in hold.hashes:
+            n = held.get(h)
+            if n is None:  # confirmed, cancelled or expired meanwhile
+                continue
+            if n > 1:
+                held[h] = n - 1
+                continue
+            del held[h]
+            e = wpred.get(h)
+            if e is not None and exp < e:
+                wpred[h] = exp
+                shortened.append(h)
+        if shortened:
+            heapq.heappush(self._pred_heap, (exp, next(self._counter), w, w.pred_gen, tuple(shortened)))
+        if self._pred_heap:
+            self._expire(now)
+
+    def hold_count(self, worker_id: str) -> int:
+        """Predicted blocks of a worker still held by a request that has not finished its prefill."""
+        if self._pred_heap:
+            self._expire(self._clock())
+        w = self._workers.get(worker_id)
+        return len(w.held) if w is not None else 0
+
     def _confirm(self, w: _Worker, h: int) -> None:
-        del w.pred[h]
-        self._unpredict(w, h)
+        self._end_prediction(w, h)
         w.stats.predictions_confirmed += 1
+
+    def _cancel(self, w: _Worker, h: int) -> None:
+        self._end_prediction(w, h)
+        w.stats.predictions_cancelled += 1
+
+    def _end_prediction(self, w: _Worker, h: int) -> None:
+        del w.pred[h]
+        if w.held:
+            w.held.pop(h, None)
+        self._unpredict(w, h)
 
     def _unpredict(self, w: _Worker, h: int) -> None:
         pred = self._pred
@@ -597,6 +704,8 @@ class KvIndex:
                 e = wpred.get(h)
                 if e is not None and e <= now:
                     del wpred[h]
+                    if w.held:
+                        w.held.pop(h, None)
                     self._unpredict(w, h)
                     w.stats.predictions_expired += 1
 
@@ -743,6 +852,7 @@ class KvIndex:
                 max_ranks=w.max_ranks,
                 blocks_indexed=w.n_blocks,
                 predicted=len(w.pred),
+                predicted_held=len(w.held),
                 events_skipped=w.stats.events_skipped,
                 garbage=w.stats.garbage,
                 ranks=_per_rank(w),

@@ -329,7 +329,12 @@ class RemoteKv:
         confirmed = self.overlap(prompt, workers, predicted=False)
         return split_credit(total, confirmed)
 
-    def predict(self, address: str, prompt: Prompt) -> None:
+    def held(self, address: str) -> int:
+        """Always 0: the ingest processes keep fixed-ttl predictions only."""
+        return 0
+
+    def predict(self, address: str, prompt: Prompt, booking: str | None = None) -> None:
+        # `booking` only matters to --prediction-lifetime queue, which Config refuses with --kv-ingest apart
         if self.prediction_ttl_s > 0:
             size = self.block_size(address)
             hashes = prompt.hashes(size, self.dialect(address)) if prompt.media else prompt.hashes(size)

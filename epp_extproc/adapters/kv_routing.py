@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,12 +21,15 @@ from epp_extproc.adapters.lora_adapters import AdapterTable
 from epp_extproc.adapters.server_info import fetch_block_size, fetch_served_adapters
 from epp_extproc.core.contract import NO_IDENTITY, Credit, MediaItem, PromptIdentity, split_credit
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
+from epp_extproc.core.load import BookingChange
 from kvindex.aio import cancel_and_wait
 from kvindex.hashing import DEFAULT_DIALECT, chain_hashes, media_chain_hashes, pack_tokens, root_seed
-from kvindex.index import KvIndex
+from kvindex.index import KvIndex, PredictionHold
 from kvindex.subscriber import KvSource, SubscriberManager
 
 log = logging.getLogger(__name__)
+
+MAX_HOLDS = 100_000  # live held predictions (one per booking); beyond it the oldest is released early
 
 
 class Prompt:
@@ -79,8 +83,8 @@ class Prompt:
 class KvRouting:
     def __init__(self, registry: EndpointRegistry, *, block_size: int, max_blocks_per_worker: int, topic: str,
                  prediction_ttl_s: float, metrics_registry: CollectorRegistry | None,
-                 ask_server_info: bool = True) -> None:
-        self.index = KvIndex(block_size, max_blocks_per_worker, metrics_registry)
+                 ask_server_info: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+        self.index = KvIndex(block_size, max_blocks_per_worker, metrics_registry, clock=clock)
         self.subscribers = SubscriberManager(self.index, topic=topic, is_healthy=registry.healthy,
                                              registry=metrics_registry)
         self.prediction_ttl_s = prediction_ttl_s
@@ -91,7 +95,28 @@ class KvRouting:
         self._lock = asyncio.Lock()
         # Called with (worker, block size, hashes, ttl_s) after each local prediction: replica sync shares it.
         self.predict_listeners: list[Callable[[str, int, list[int], float], None]] = []
+        # --prediction-lifetime queue (`use_queue_lifetime`): booking id -> its held prediction, released by
+        # the booking's first change after it was made (prefill_done, move, free), in insertion order
+        self.grace_s: float | None = None
+        self.max_lifetime_s = 0.0
+        self._holds: dict[str, PredictionHold] = {}
         registry.subscribe(self._on_change)
+
+    def use_queue_lifetime(self, grace_s: float, max_lifetime_s: float) -> None:
+        """Predictions made for a booking (`predict(..., booking=id)`) stay credited while that booking waits
+        for its prefill, then `grace_s`, at most `max_lifetime_s`; feed `on_booking` the booking changes
+        (`LoadTracker.add_listener`). Predictions without a booking, and peers', keep the fixed ttl."""
+        self.grace_s = grace_s
+        self.max_lifetime_s = max_lifetime_s
+
+    def on_booking(self, change: BookingChange) -> None:
+        """A local booking changed: the first change after `book` (its prefill ended, it moved to another
+        worker, or it ended) releases its held prediction, whose blocks then get the grace to be confirmed."""
+        if change.kind == "book" or not self._holds:
+            return
+        hold = self._holds.pop(change.id, None)
+        if hold is not None and self.grace_s is not None:
+            self.index.release(hold, self.grace_s)
 
     def _on_change(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
         self._spawn(self._apply(added, removed))
@@ -202,13 +227,36 @@ class KvRouting:
         confirmed = self.overlap(prompt, workers, predicted=False)
         return split_credit(total, confirmed)
 
-    def predict(self, address: str, prompt: Prompt) -> None:
-        if self.prediction_ttl_s > 0:
+    def predict(self, address: str, prompt: Prompt, booking: str | None = None) -> None:
+        if self.grace_s is not None and booking is not None:
+            self._hold(address, prompt, booking)
+        elif self.prediction_ttl_s > 0:
             size = self.index.block_size(address)
             hashes = prompt.hashes(size, self.dialect(address)) if prompt.media else prompt.hashes(size)
             self.index.predict_hashes(address, hashes, self.prediction_ttl_s)
             for fn in self.predict_listeners:
                 fn(address, size, hashes, self.prediction_ttl_s)
+
+    def _hold(self, address: str, prompt: Prompt, booking: str) -> None:
+        """Queue lifetime: predict held by the booking; peers are told the fixed ttl (their index cannot see
+        our booking's prefill end), so they credit it as they always did."""
+        size = self.index.block_size(address)
+        hashes = prompt.hashes(size, self.dialect(address)) if prompt.media else prompt.hashes(size)
+        hold = self.index.hold_hashes(address, hashes, self.max_lifetime_s)
+        if hold is not None:
+            old = self._holds.pop(booking, None)  # one hold per booking: a second predict replaces the first
+            if old is not None and self.grace_s is not None:
+                self.index.release(old, self.grace_s)
+            if len(self._holds) >= MAX_HOLDS and self.grace_s is not None:
+                self.index.release(self._holds.pop(next(iter(self._holds))), self.grace_s)
+            self._holds[booking] = hold
+        if self.prediction_ttl_s > 0:
+            for fn in self.predict_listeners:
+                fn(address, size, hashes, self.prediction_ttl_s)
+
+    def held(self, address: str) -> int:
+        """Predicted blocks on `address` still held by a request waiting for its prefill (queue lifetime)."""
+        return self.index.hold_count(address)
 
     def snapshot(self) -> dict[str, Any]:
         """The index's per-worker state with each worker's subscriber counters merged in (`/debug/kv`)."""

@@ -41,8 +41,10 @@ Prediction
         removal event is what ends it;
       - cancelled: the worker's events remove that block, the worker is cleared (restart, replay rebuild) or
         leaves the pool;
-      - expired: not confirmed within its lifetime (today `--prediction-ttl-s`; a lifetime scaled by the
-        worker's queue belongs here, behind the same call).
+      - expired: not confirmed within its lifetime: `--prediction-ttl-s` (`--prediction-lifetime fixed`), or,
+        with `--prediction-lifetime queue`, as long as the booking named in `predict` has not finished its
+        prefill on that worker, plus `--prediction-grace-s`, at most `--prediction-max-lifetime-s`
+        (docs/predictions.md). Peers and predictions without a booking keep the fixed ttl.
     Replica sync shares predictions with the peers (`predict_listeners`), so replicas credit each other's.
 
 Booking
@@ -153,8 +155,14 @@ class KvLookup(Protocol):
         """`overlap` split into confirmed and predicted blocks (explanations and metrics, not the hot path)."""
         ...
 
-    def predict(self, worker: str, prompt: PromptKey) -> None:
-        """The prompt was committed to `worker`: credit its blocks there until events confirm or cancel them."""
+    def held(self, worker: str) -> int:
+        """The worker's predicted blocks kept alive only because a request is still waiting for its prefill
+        there (`--prediction-lifetime queue`; 0 otherwise): why a prediction outlives the fixed ttl."""
+        ...
+
+    def predict(self, worker: str, prompt: PromptKey, booking: str | None = None) -> None:
+        """The prompt was committed to `worker` under `booking` (its id; None: no booking to follow): credit its
+        blocks there until events confirm or cancel them, or their lifetime ends."""
         ...
 
 

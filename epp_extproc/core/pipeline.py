@@ -561,7 +561,9 @@ class Pipeline:
             if prefill is not None:
                 self.kv.predict(prefill, p.plan.prompt)
             if prefill is None or self._decode_keeps_transferred_blocks():
-                self.kv.predict(p.address, p.plan.prompt)
+                # an aggregated request's prediction follows its booking (queue lifetime); a disaggregated
+                # one's decode booking sees no prefill end of its own, so it keeps the fixed ttl
+                self.kv.predict(p.address, p.plan.prompt, booking.id if prefill is None else None)
         self.metrics.pd_decisions.labels(p.pd.path.value, p.pd.reason.value).inc()
         timing = None
         if self.time_cost is not None:
@@ -638,6 +640,8 @@ class Pipeline:
             if credit is not None:  # where each worker's overlap comes from: its events, or predictions
                 c = credit.get(address)
                 w["confirmed_blocks"], w["predicted_blocks"] = (c.confirmed, c.predicted) if c else (0, 0)
+                # queue lifetime: the worker's predicted blocks alive because their request still waits there
+                w["held_prediction_blocks"] = self.kv.held(address) if self.kv is not None else 0
             v = self.passthrough(p.plan, p.parsed, address)
             if v is not None:
                 w["prompt_passthrough"] = {"forwarded": v.forward, "reason": v.reason}

@@ -56,7 +56,10 @@ class Kv:
     def overlap(self, prompt: Any, workers: Sequence[str]) -> dict[str, int]:
         return {w: self.overlaps[w] for w in workers if w in self.overlaps}
 
-    def predict(self, address: str, prompt: Any) -> None:
+    def held(self, address: str) -> int:
+        return 0
+
+    def predict(self, address: str, prompt: Any, booking: str | None = None) -> None:
         self.predicted.append(address)
 
     def credit(self, prompt: Any, workers: Sequence[str]) -> dict[str, Credit]:

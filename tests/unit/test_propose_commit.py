@@ -61,7 +61,10 @@ class FakeKv:
             raise RuntimeError("index exploded")
         return {ADDRS[0]: 2}
 
-    def predict(self, address: str, prompt: Any) -> None:
+    def held(self, address: str) -> int:
+        return 0
+
+    def predict(self, address: str, prompt: Any, booking: str | None = None) -> None:
         self.predicted.append(address)
 
 
