@@ -278,6 +278,10 @@ class Config:
         "0 = argmin with random ties; > 0 = softmax sampling over normalised costs")
     prediction_ttl_s: float = opt("DYN_EPP_PREDICTION_TTL_S", 2.0, float,
         "how long a pick counts as cached on its worker before its KV events confirm it")
+    eviction_aware: bool = opt("DYN_EPP_EVICTION_AWARE", False, _bool,
+        "credit a worker's cached prefix only as far as its cache will likely keep it until the request is "
+        "admitted, and price the other prefixes a long new prompt would flush there (from its KV events' "
+        "removals, its KV usage gauge and the bookings; in-process KV ingest only); see docs/eviction-aware.md")
     pd_min_uncached_tokens: int = opt("DYN_EPP_PD_MIN_UNCACHED_TOKENS", 16, int,
         "disaggregated pools: a prompt whose uncached suffix on the chosen decode worker is at least this many "
         "tokens is prefilled on a prefill worker (named in x-prefiller-host-port), a shorter one on the decode "
@@ -425,6 +429,9 @@ class Config:
         if self.flow_control and self.worker_metrics_interval_ms == 0 and self.max_num_batched_tokens == 0:
             raise ValueError(f"{n('flow_control')} needs a saturation signal: worker metrics "
                              f"({n('worker_metrics_interval_ms')} > 0) or {n('max_num_batched_tokens')} > 0")
+        if self.eviction_aware and self.kv_ingest != "inprocess":
+            raise ValueError(f"{n('eviction_aware')} reads the in-process KV index's removals: it needs "
+                             f"{n('kv_ingest')} inprocess")
         _at_least(self, "processes", 1, "")
         if self.processes > 1 and self.grpc_port == 0:
             raise ValueError(f"{n('processes')} > 1 needs a fixed {n('grpc_port')} (the processes share it); "
@@ -509,7 +516,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
       "render_fingerprint_refresh_ms")),
     ("routing (KV overlap against load)",
      ("kv_cache_block_size", "max_index_blocks_per_worker", "kv_overlap_score_credit", "prefill_load_scale",
-      "router_temperature", "prediction_ttl_s", "pd_min_uncached_tokens", "kv_ingest", "kv_ingest_shards",
+      "router_temperature", "prediction_ttl_s", "eviction_aware", "pd_min_uncached_tokens", "kv_ingest",
+      "kv_ingest_shards",
       "kv_ingest_lookup_timeout_ms", "kv_ingest_worker_cpu_share", "session_affinity_keys_file",
       "session_affinity_ttl_s",
       "worker_metrics_interval_ms",

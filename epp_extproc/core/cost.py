@@ -20,6 +20,7 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from epp_extproc.core.load import EndpointLoad
 
@@ -38,11 +39,17 @@ class Candidate:
     prompt_blocks: float = 0.0  # this prompt in the candidate's block size
     overlap_blocks: int = 0
     cost: float = 0.0
+    # --eviction-aware (core/eviction.py): overlap blocks likely evicted before this request is admitted, and
+    # the price of the other prefixes its new blocks would flush; both 0 when the flag is off
+    overlap_discount: float = 0.0
+    eviction_penalty: float = 0.0
+    eviction: Any = None  # core/eviction.EvictionFigures, for /debug/score
 
 
 def compute_cost(c: Candidate, p: CostParams) -> float:
-    prefill = c.load.prefill_blocks + c.prompt_blocks - p.overlap_credit * c.overlap_blocks
-    return p.prefill_load_scale * max(prefill, 0.0) + c.load.decode_blocks + c.load.unbooked_blocks
+    prefill = c.load.prefill_blocks + c.prompt_blocks - p.overlap_credit * (c.overlap_blocks - c.overlap_discount)
+    return (p.prefill_load_scale * max(prefill, 0.0) + c.load.decode_blocks + c.load.unbooked_blocks
+            + c.eviction_penalty)
 
 
 def choose(candidates: Sequence[Candidate], params: CostParams, rng: random.Random | None = None) -> Candidate:
