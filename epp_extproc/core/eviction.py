@@ -17,7 +17,9 @@ The figures, per candidate worker, all from what the picker really has (docs/evi
      else this picker's decode bookings on it;
   N  blocks it must allocate before this request is admitted: booked prefill blocks (requests booked there
      and not yet past their first token) + this request's own uncached blocks;
-  F  free room = C - max(H, P); L = reusable cached blocks it may evict = max(H - P, 1).
+  F  free room = C - max(H, P) (blocks neither indexed nor pinned); L = blocks an allocation may take,
+     free or reusable = max(C - P, 1) (C = free + reusable + pinned; the split of the pinned blocks between
+     indexed prompt blocks and private output reservations is not published, so L is not taken from H).
 Rule (a): E = max(N - F, 0) blocks will be evicted; a credited block survives with probability
      s = max(0, 1 - E / L) (LRU order of the prefix is unknown to the picker: every reusable block is taken
      as equally at risk), so the overlap credited is overlap x s; the rest is `overlap_discount`.
@@ -67,7 +69,8 @@ class Pressure:
 
     @property
     def reusable(self) -> float:
-        return max(self.held - self.pinned, 1.0)
+        """Blocks an allocation may take (free or reusable): every block no running request pins."""
+        return max((self.capacity or 0) - self.pinned, 1.0)
 
 
 @dataclass(frozen=True, slots=True)
