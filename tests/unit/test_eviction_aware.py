@@ -8,6 +8,8 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
+
 from epp_extproc.config import Config
 from epp_extproc.core.contract import PromptIdentity
 from epp_extproc.core.cost import Candidate, CostParams, choose
@@ -278,3 +280,8 @@ async def test_debug_score_has_no_eviction_figures_with_the_flag_off() -> None:
     r.tokens = list(range(5 * BS))
     doc = pipe.explain(await pipe.propose(chat()))
     assert all("eviction" not in w for w in doc["workers"])
+
+
+def test_the_flag_is_refused_with_ingest_apart() -> None:
+    with pytest.raises(ValueError, match="eviction"):
+        Config(eviction_aware=True, kv_ingest="apart").validate()
