@@ -29,6 +29,7 @@ from epp_extproc.admin import build_admin_app, build_metrics_app, debug_score
 from epp_extproc.config import Config, ProcessSlot
 from epp_extproc.core.admission import BodyBudget, InflightGate
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
+from epp_extproc.core.eviction import EvictionAware
 from epp_extproc.core.flow_control import FlowController, ObjectiveTable, SaturationDetector, Thresholds
 from epp_extproc.core.lean import LeanSignals
 from epp_extproc.core.load import LoadTracker
@@ -45,6 +46,7 @@ from epp_extproc.ingest.setup import build_kv
 from epp_extproc.metrics import PickerMetrics, PromFlowMetrics
 from h2grpc import H2GrpcServer
 from kvindex.aio import cancel_and_wait
+from kvindex.churn import ChurnWindow
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +103,8 @@ class PickerApp:
                                  admission=admission, rewriter=ModelRewriter(
                                      self.rewrites, session_header=config.model_rewrite_session_header), sessions=self.sessions,
                                  saturated=lambda address: detector.state(address).saturated,
-                                 sheddable=lambda ctx: objectives.flow_key(ctx.headers).priority < 0)
+                                 sheddable=lambda ctx: objectives.flow_key(ctx.headers).priority < 0,
+                                 eviction=self._eviction_aware())
         self.picker = Picker(
             self.pipeline, gate=InflightGate(config.max_inflight_requests, self.metrics.picker_inflight),
             arriving=InflightGate(config.max_incomplete_requests, self.metrics.incomplete_requests),
@@ -141,6 +144,19 @@ class PickerApp:
                                          path=config.endpoint_probe_path,
                                          max_rate=config.endpoint_probe_max_rate, on_lost=self._on_lost,
                                          on_change=self.flow.dispatch if self.flow is not None else None)
+
+    def _eviction_aware(self) -> EvictionAware | None:
+        """--eviction-aware: the rule reads the in-process index's removals; with --kv-ingest apart the index
+        lives in another process and the flag is refused at start-up (cli), so None here."""
+        if not self.config.eviction_aware or not isinstance(self.kv, KvRouting):
+            return None
+        detector = self.detector
+
+        def usage(address: str) -> float | None:
+            s = detector.fresh(address)
+            return s.kv_utilization if s is not None else None
+
+        return EvictionAware(ChurnWindow(self.kv.index), usage)
 
     def _on_lost(self, address: str) -> None:
         """A worker's process is gone: its KV cache (and perhaps its rendering configuration) with it."""

@@ -293,6 +293,10 @@ class Config:
     prediction_max_lifetime_s: float = opt("DYN_EPP_PREDICTION_MAX_LIFETIME_S", 60.0, float,
         "with --prediction-lifetime queue: the longest a prediction lives unconfirmed, so a lost event or a "
         "hung request cannot pin credit")
+    eviction_aware: bool = opt("DYN_EPP_EVICTION_AWARE", False, _bool,
+        "credit a worker's cached prefix only as far as its cache will likely keep it until the request is "
+        "admitted, and price the other prefixes a long new prompt would flush there (from its KV events' "
+        "removals, its KV usage gauge and the bookings; in-process KV ingest only); see docs/eviction-aware.md")
     pd_min_uncached_tokens: int = opt("DYN_EPP_PD_MIN_UNCACHED_TOKENS", 16, int,
         "disaggregated pools: a prompt whose uncached suffix on the chosen decode worker is at least this many "
         "tokens is prefilled on a prefill worker (named in x-prefiller-host-port), a shorter one on the decode "
@@ -447,6 +451,9 @@ class Config:
         if self.flow_control and self.worker_metrics_interval_ms == 0 and self.max_num_batched_tokens == 0:
             raise ValueError(f"{n('flow_control')} needs a saturation signal: worker metrics "
                              f"({n('worker_metrics_interval_ms')} > 0) or {n('max_num_batched_tokens')} > 0")
+        if self.eviction_aware and self.kv_ingest != "inprocess":
+            raise ValueError(f"{n('eviction_aware')} reads the in-process KV index's removals: it needs "
+                             f"{n('kv_ingest')} inprocess")
         _at_least(self, "processes", 1, "")
         _at_least(self, "prediction_grace_s", 0, "")
         _positive(self, "prediction_max_lifetime_s")
@@ -537,7 +544,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("routing (KV overlap against load)",
      ("kv_cache_block_size", "max_index_blocks_per_worker", "kv_overlap_score_credit", "prefill_load_scale",
       "router_temperature", "cost_model", "prediction_ttl_s", "prediction_lifetime", "prediction_grace_s",
-      "prediction_max_lifetime_s", "pd_min_uncached_tokens", "kv_ingest", "kv_ingest_shards",
+      "prediction_max_lifetime_s", "eviction_aware", "pd_min_uncached_tokens", "kv_ingest", "kv_ingest_shards",
       "kv_ingest_lookup_timeout_ms", "kv_ingest_worker_cpu_share", "session_affinity_keys_file",
       "session_affinity_ttl_s",
       "worker_metrics_interval_ms",

@@ -20,6 +20,7 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from epp_extproc.core.load import EndpointLoad
 
@@ -40,11 +41,17 @@ class Candidate:
     cost: float = 0.0
     ttft_s: float | None = None  # --cost-model time: predicted seconds to first token (core/time_cost.py)
     tpot_s: float | None = None  # --cost-model time: predicted seconds per output token
+    # --eviction-aware (core/eviction.py): overlap blocks likely evicted before this request is admitted, and
+    # the price of the other prefixes its new blocks would flush; both 0 when the flag is off
+    overlap_discount: float = 0.0
+    eviction_penalty: float = 0.0
+    eviction: Any = None  # core/eviction.EvictionFigures, for /debug/score
 
 
 def compute_cost(c: Candidate, p: CostParams) -> float:
-    prefill = c.load.prefill_blocks + c.prompt_blocks - p.overlap_credit * c.overlap_blocks
-    return p.prefill_load_scale * max(prefill, 0.0) + c.load.decode_blocks + c.load.unbooked_blocks
+    prefill = c.load.prefill_blocks + c.prompt_blocks - p.overlap_credit * (c.overlap_blocks - c.overlap_discount)
+    return (p.prefill_load_scale * max(prefill, 0.0) + c.load.decode_blocks + c.load.unbooked_blocks
+            + c.eviction_penalty)
 
 
 def choose(candidates: Sequence[Candidate], params: CostParams, rng: random.Random | None = None) -> Candidate:
@@ -62,7 +69,6 @@ def choose(candidates: Sequence[Candidate], params: CostParams, rng: random.Rand
         return rng.choice(list(candidates))
     weights = [math.exp(-(c.cost - lo) / ((hi - lo) * params.temperature)) for c in candidates]
     return rng.choices(list(candidates), weights=weights, k=1)[0]
-
 
 
 def eligible(addresses: Sequence[str], subset: Sequence[str] | None) -> list[str]:

@@ -41,6 +41,7 @@ from epp_extproc.core.cost import Candidate, CostParams, choose, eligible, loads
 from epp_extproc.core.decision import Decision
 from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.errors import PickError, Problem
+from epp_extproc.core.eviction import EvictionAware
 from epp_extproc.core.flow_control import Ticket
 from epp_extproc.core.load import BookingChange, EndpointLoad
 from epp_extproc.core.logs import Throttled
@@ -181,7 +182,8 @@ class Pipeline:
                  fingerprint_of: Callable[[str], FingerprintId | None] | None = None,
                  admission: Admission | None = None, rewriter: ModelRewriter | None = None,
                  sessions: SessionTokens | None = None, saturated: Callable[[str], bool] | None = None,
-                 sheddable: Callable[[RequestContext], bool] | None = None) -> None:
+                 sheddable: Callable[[RequestContext], bool] | None = None,
+                 eviction: EvictionAware | None = None) -> None:
         self.config = config
         self.registry = registry
         self.load = load
@@ -193,6 +195,7 @@ class Pipeline:
         self.rewriter = rewriter  # model rewrites and weighted splits (core/model_rewrite.py)
         self.sessions = sessions  # session affinity on: tokens are read and issued
         self.saturated = saturated  # is a worker saturated (flow control's detector)? asked for affinity only
+        self.eviction = eviction  # --eviction-aware: discount overlap likely evicted, price flushes (core/eviction.py)
         self.params = CostParams(config.kv_overlap_score_credit, config.prefill_load_scale,
                                  config.router_temperature)
         self.sheddable = sheddable  # does the request's objective say it may be dropped (priority < 0)?
@@ -397,6 +400,8 @@ class Pipeline:
         for c in cands:
             c.prompt_blocks = n / self.kv.block_size(c.address)
             c.overlap_blocks = overlaps.get(c.address, 0)
+        if self.eviction is not None:
+            self.eviction.apply(cands)
         return cands
 
     def _booked_blocks(self, chosen: Candidate, plan: Plan) -> float:
@@ -635,7 +640,9 @@ class Pipeline:
         workers = [row(c) for c in p.candidates]
         credit = self.kv.credit(p.plan.prompt, [c.address for c in p.candidates]) \
             if self.kv is not None and p.plan.prompt is not None else None
-        for w in workers:
+        for w, c in zip(workers, p.candidates, strict=True):
+            if c.eviction is not None:  # --eviction-aware: the figures behind its discount and penalty
+                w["eviction"] = c.eviction.explain(c)
             address = str(w["address"])
             if credit is not None:  # where each worker's overlap comes from: its events, or predictions
                 c = credit.get(address)
