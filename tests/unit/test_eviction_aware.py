@@ -200,7 +200,10 @@ class FakeKv:
     def credit(self, prompt: Any, workers: Sequence[str]) -> dict[str, Any]:
         return {}
 
-    def predict(self, address: str, prompt: Any) -> None:
+    def held(self, address: str) -> int:
+        return 0
+
+    def predict(self, address: str, prompt: Any, booking: str | None = None) -> None:
         pass
 
 
