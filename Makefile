@@ -24,8 +24,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 	EPP_TEST_EXTPROC_TRANSPORT=grpcio $(BIN)/python -m pytest -q -m transport tests/integration
 
-# The tests `make test` leaves out (marked `slow`: the multimodal and P/D benchmarks' smoke runs, the sidecar's
-# CPU measurement; about 2 minutes).
+# The tests `make test` leaves out (marked `slow`: the quick runs of the overhead, trace, tokens, flow-control,
+# multimodal and P/D benchmarks, bench_trace's r2/rs/cv smoke, the sidecar's CPU measurement; about 7 minutes).
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 

@@ -22,6 +22,7 @@ def run_bench(name: str, out: Path, timeout: float = 110) -> dict:
     return json.loads((out / f"{name}.json").read_text())
 
 
+@pytest.mark.slow  # a benchmark's whole quick run (40-70 s): make test-slow
 @pytest.mark.timeout(120)
 def test_overhead_quick(tmp_path: Path) -> None:
     doc = run_bench("overhead", tmp_path)
@@ -75,6 +76,7 @@ def test_scale_quick(tmp_path: Path) -> None:
     assert "crossed" in doc["first_bottleneck"]
 
 
+@pytest.mark.slow  # a benchmark's whole quick run (40-70 s): make test-slow
 @pytest.mark.timeout(150)
 def test_trace_quick_repeats_each_cell_and_reports_spreads_and_offline_bounds(tmp_path: Path) -> None:
     """The Mooncake replay runs end to end through AIPerf, Envoy, the picker and iteration-scheduled mocks,
@@ -121,6 +123,7 @@ def test_passthrough_quick(tmp_path: Path) -> None:
     assert len(doc["result"]["ratios"]) == 4
 
 
+@pytest.mark.slow  # a benchmark's whole quick run (40-70 s): make test-slow
 @pytest.mark.timeout(150)
 def test_tokens_quick(tmp_path: Path) -> None:
     doc = run_bench("tokens", tmp_path, timeout=140)

@@ -10,6 +10,7 @@ import pytest
 from tests.integration.test_bench_smoke import run_bench
 
 
+@pytest.mark.slow  # the benchmark's whole quick run (~40 s): make test-slow
 @pytest.mark.timeout(90)
 def test_flow_control_quick(tmp_path: Path) -> None:
     doc = run_bench("flow_control", tmp_path, timeout=85)
