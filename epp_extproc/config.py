@@ -280,10 +280,10 @@ class Config:
         "`blocks`: the KV-router block cost (load and overlap in blocks); `time`: each worker's predicted TTFT "
         "(+ a TPOT term) learned online from its answers, honouring x-slo-ttft-ms / x-slo-tpot-ms (a sheddable "
         "request no worker is predicted to meet gets 429); see docs/time-cost.md", ("blocks", "time"))
-    affinity_load_bound: float = opt("DYN_EPP_AFFINITY_LOAD_BOUND", 0.0, float,
-        "0 = the cost alone picks; EPS > 0 = the longest cached prefix wins among the workers whose load is "
-        "within (1 + EPS) x the pool's average (plus the request's blocks), ties by the cost (bounded-load "
-        "affinity, block cost only); see docs/bounded-affinity.md")
+    affinity_load_bound: float = opt("DYN_EPP_AFFINITY_LOAD_BOUND", 0.5, float,
+        "bounded-load affinity: the longest cached prefix wins among the workers whose load is within "
+        "(1 + this) x the pool's average (plus the request's blocks), ties by the block cost; 0 = the block "
+        "cost alone places (the rule before 0.5 became the default); see docs/bounded-affinity.md")
     prediction_ttl_s: float = opt("DYN_EPP_PREDICTION_TTL_S", 2.0, float,
         "how long a pick counts as cached on its worker before its KV events confirm it (--prediction-lifetime "
         "fixed; also what replica-sync peers are told in either mode)")
