@@ -282,8 +282,8 @@ class Config:
         "request no worker is predicted to meet gets 429); see docs/time-cost.md", ("blocks", "time"))
     affinity_load_bound: float = opt("DYN_EPP_AFFINITY_LOAD_BOUND", 0.5, float,
         "bounded-load affinity: the longest cached prefix wins among the workers whose load is within "
-        "(1 + this) x the pool's average (plus the request's blocks), ties by the block cost; 0 = the block "
-        "cost alone places (the rule before 0.5 became the default); see docs/bounded-affinity.md")
+        "(1 + this) x the pool's average (plus the request's blocks), ties by the block cost (--cost-model time ignores it); 0 = "
+        "the block cost alone places (the rule before 0.5 became the default); see docs/bounded-affinity.md")
     prediction_ttl_s: float = opt("DYN_EPP_PREDICTION_TTL_S", 2.0, float,
         "how long a pick counts as cached on its worker before its KV events confirm it (--prediction-lifetime "
         "fixed; also what replica-sync peers are told in either mode)")
@@ -459,9 +459,6 @@ class Config:
             raise ValueError(f"{n('eviction_aware')} reads the in-process KV index's removals: it needs "
                              f"{n('kv_ingest')} inprocess")
         _at_least(self, "affinity_load_bound", 0, " (0 = off)")
-        if self.affinity_load_bound > 0 and self.cost_model != "blocks":
-            raise ValueError(f"{n('affinity_load_bound')} bounds the block cost's load: it needs "
-                             f"{n('cost_model')} blocks")
         _at_least(self, "processes", 1, "")
         _at_least(self, "prediction_grace_s", 0, "")
         _positive(self, "prediction_max_lifetime_s")

@@ -92,8 +92,16 @@ async def test_the_pipeline_leaves_a_worker_above_the_bound() -> None:
     assert (await decide(pipe, chat(b'{"messages":[]}'))).address == ADDRS[1]
 
 
-def test_the_bound_refuses_the_time_cost_and_a_negative_value() -> None:
-    with pytest.raises(ValueError, match="needs --cost-model"):
-        Config(affinity_load_bound=0.25, cost_model="time").validate()
+def test_the_bound_is_on_by_default_and_refuses_a_negative_value() -> None:
+    assert Config().affinity_load_bound == 0.5
     with pytest.raises(ValueError, match="must be >= 0"):
         Config(affinity_load_bound=-1).validate()
+
+
+async def test_the_time_cost_ignores_the_bound() -> None:
+    # the same booking that keeps the cached worker under the bound: the time cost (cold, so the block cost's
+    # argmin) sends the request to the idle worker as it did before the bound existed
+    pipe, _, _ = make(affinity_load_bound=0.25, cost_model="time")
+    pipe.config.validate()
+    pipe.load.book(ADDRS[0], 3)
+    assert (await decide(pipe, chat(b'{"messages":[]}'))).address == ADDRS[1]
