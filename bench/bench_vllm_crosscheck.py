@@ -245,7 +245,8 @@ def start_router(st: H.Stack, pool: Pool, cfg: str) -> Proc:
     extra = ["--tokenization-timeout-ms", "20000"]
     if cfg == "e":
         pk = H.picker(st, pool.endpoints(False), pool.protocol, pool.renderer,
-                      extra=[*extra, "--kv-event-port", "0", "--prediction-ttl-s", "100000"])
+                      extra=[*extra, "--kv-event-port", "0", "--prediction-ttl-s", "100000",
+                             "--affinity-load-bound", "0"])
     else:
         pk = H.picker(st, pool.endpoints(True), pool.protocol, pool.renderer, extra=extra)
         H.wait_subscribed(pk, [w.address for w in pool.workers], timeout=60)

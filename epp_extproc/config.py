@@ -280,6 +280,10 @@ class Config:
         "`blocks`: the KV-router block cost (load and overlap in blocks); `time`: each worker's predicted TTFT "
         "(+ a TPOT term) learned online from its answers, honouring x-slo-ttft-ms / x-slo-tpot-ms (a sheddable "
         "request no worker is predicted to meet gets 429); see docs/time-cost.md", ("blocks", "time"))
+    affinity_load_bound: float = opt("DYN_EPP_AFFINITY_LOAD_BOUND", 0.5, float,
+        "bounded-load affinity: the longest cached prefix wins among the workers whose load is within "
+        "(1 + this) x the pool's average (plus the request's blocks), ties by the block cost (--cost-model time ignores it); 0 = "
+        "the block cost alone places (the rule before 0.5 became the default); see docs/bounded-affinity.md")
     prediction_ttl_s: float = opt("DYN_EPP_PREDICTION_TTL_S", 2.0, float,
         "how long a pick counts as cached on its worker before its KV events confirm it (--prediction-lifetime "
         "fixed; also what replica-sync peers are told in either mode)")
@@ -454,6 +458,7 @@ class Config:
         if self.eviction_aware and self.kv_ingest != "inprocess":
             raise ValueError(f"{n('eviction_aware')} reads the in-process KV index's removals: it needs "
                              f"{n('kv_ingest')} inprocess")
+        _at_least(self, "affinity_load_bound", 0, " (0 = off)")
         _at_least(self, "processes", 1, "")
         _at_least(self, "prediction_grace_s", 0, "")
         _positive(self, "prediction_max_lifetime_s")
@@ -543,7 +548,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
       "render_fingerprint_refresh_ms")),
     ("routing (KV overlap against load)",
      ("kv_cache_block_size", "max_index_blocks_per_worker", "kv_overlap_score_credit", "prefill_load_scale",
-      "router_temperature", "cost_model", "prediction_ttl_s", "prediction_lifetime", "prediction_grace_s",
+      "router_temperature", "cost_model", "affinity_load_bound", "prediction_ttl_s", "prediction_lifetime", "prediction_grace_s",
       "prediction_max_lifetime_s", "eviction_aware", "pd_min_uncached_tokens", "kv_ingest", "kv_ingest_shards",
       "kv_ingest_lookup_timeout_ms", "kv_ingest_worker_cpu_share", "session_affinity_keys_file",
       "session_affinity_ttl_s",

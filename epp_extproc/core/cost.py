@@ -9,6 +9,15 @@ metrics (adapters/worker_metrics.py: requests the engine reports minus the ones 
 it, each weighed like an average booking of this picker) and is priced like decode load, because whether
 those requests are still prefilling is unknown. It is 0 when worker metrics are off or stale.
 
+`--affinity-load-bound EPS` (> 0; `choose_bounded`) puts the cache first within a load bound, after
+consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018): a worker may take the
+request only if its held load is within (1 + EPS) x the pool's average plus the request's own blocks; among
+those the one with the longest cached prefix wins, ties by the cost. Under the cost alone a cached prefix is
+worth at most its own blocks while load differences grow with the load, so at saturation a prefix is copied
+onto whichever worker is momentarily lighter, evicting others there; the bound lets affinity scale with the
+load instead. The clairvoyant bench router (bench/clairvoyant.py) places the same way: the most reusable
+blocks among the workers that can admit now.
+
 Temperature 0 picks the argmin with exact ties broken at random; temperature T > 0 samples from a softmax
 over range-normalised costs. With no prompt information (no render, body-less request) every booking
 weighs one block, so the rule degrades to "fewest requests in flight, random among ties".
@@ -69,6 +78,28 @@ def choose(candidates: Sequence[Candidate], params: CostParams, rng: random.Rand
         return rng.choice(list(candidates))
     weights = [math.exp(-(c.cost - lo) / ((hi - lo) * params.temperature)) for c in candidates]
     return rng.choices(list(candidates), weights=weights, k=1)[0]
+
+
+def held_load(c: Candidate) -> float:
+    """The blocks of work a worker holds, as the load bound weighs it: its bookings and its unbooked load."""
+    return c.load.decode_blocks + c.load.unbooked_blocks
+
+
+def choose_bounded(candidates: Sequence[Candidate], params: CostParams, bound: float,
+                   rng: random.Random | None = None) -> Candidate:
+    """The longest effective cached prefix among the workers whose held load is within (1 + bound) x the pool's
+    average plus this request's own blocks (the slack that lets an idle or lightly loaded pool keep affinity,
+    as the ceiling does in the unit-load rule); ties, and a request no such worker holds any of, by the cost
+    (`choose`). The least-loaded worker is never above the average, so the bound always leaves a choice.
+    Fills in every candidate's cost, as `choose` does, for /debug/score."""
+    for c in candidates:
+        c.cost = compute_cost(c, params)
+    average = sum(held_load(c) for c in candidates) / len(candidates)
+    fits = [c for c in candidates if held_load(c) <= (1.0 + bound) * average + max(c.prompt_blocks, 1.0)]
+    best = max(c.overlap_blocks - c.overlap_discount for c in fits)
+    if best <= 0:
+        return choose(candidates, params, rng)
+    return choose([c for c in fits if c.overlap_blocks - c.overlap_discount == best], params, rng)
 
 
 def eligible(addresses: Sequence[str], subset: Sequence[str] | None) -> list[str]:

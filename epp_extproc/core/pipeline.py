@@ -37,7 +37,7 @@ from epp_extproc.core.contract import (
     PromptKey,
     Role,
 )
-from epp_extproc.core.cost import Candidate, CostParams, choose, eligible, loads_for
+from epp_extproc.core.cost import Candidate, CostParams, choose, choose_bounded, eligible, loads_for
 from epp_extproc.core.decision import Decision
 from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.errors import PickError, Problem
@@ -515,7 +515,8 @@ class Pipeline:
         """The block cost's argmin, or under --cost-model time the least predicted time among the workers
         predicted to meet the request's SLO; raises PickError(SLO_UNMET) for a sheddable request none meets."""
         if self.time_cost is None:
-            return choose(cands, params), None
+            bound = self.config.affinity_load_bound
+            return (choose_bounded(cands, params, bound) if bound > 0 else choose(cands, params)), None
         sheddable = ctx.slo is not None and self.sheddable is not None and self.sheddable(ctx)
         try:
             return self.time_cost.choose(cands, params, self._block_size, ctx.slo, sheddable)

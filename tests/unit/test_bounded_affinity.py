@@ -1,0 +1,107 @@
+"""--affinity-load-bound: the longest cached prefix wins among the workers within the load bound."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from epp_extproc.config import Config
+from epp_extproc.core.cost import Candidate, CostParams, choose, choose_bounded
+from epp_extproc.core.load import EndpointLoad
+from tests.unit.test_propose_commit import ADDRS, chat, decide, make
+
+P = CostParams(overlap_credit=2.0)
+
+
+def cand(address: str, held: float, overlap: int = 0, prompt: float = 40.0, prefill: float = 0.0) -> Candidate:
+    return Candidate(address, EndpointLoad(inflight=1 if held else 0, prefill_blocks=prefill, decode_blocks=held),
+                     prompt_blocks=prompt, overlap_blocks=overlap)
+
+
+def test_the_cached_worker_keeps_the_request_when_a_lighter_one_would_win_on_cost() -> None:
+    # the cost moves a 36-of-40-block prefix to the worker 200 blocks lighter; within 25% of the average it stays
+    cands = [cand("hot", 500, overlap=36), cand("cold", 300), cand("c2", 400), cand("c3", 400)]
+    assert choose(cands, P).address == "cold"
+    assert choose_bounded(cands, P, 0.25).address == "hot"
+
+
+def test_a_cached_worker_above_the_bound_loses_to_the_cost() -> None:
+    cands = [cand("hot", 900, overlap=36), cand("cold", 100), cand("c2", 400), cand("c3", 400)]
+    # average 450: the bound is 1.25 x 450 + 40 = 602.5 blocks, the hot worker holds 900
+    assert choose_bounded(cands, P, 0.25).address == choose(cands, P).address == "cold"
+
+
+def test_the_longest_prefix_among_the_bounded_workers_wins() -> None:
+    cands = [cand("short", 100, overlap=10), cand("long", 150, overlap=30), cand("cold", 0)]
+    assert choose_bounded(cands, P, 0.5).address == "long"
+
+
+def test_equal_prefixes_are_decided_by_the_cost() -> None:
+    cands = [cand("a", 300, overlap=20), cand("b", 100, overlap=20), cand("cold", 0)]
+    assert choose_bounded(cands, P, 1.0).address == "b"
+
+
+def test_a_prompt_nobody_holds_is_placed_by_the_cost_alone() -> None:
+    rng_a, rng_b = random.Random(3), random.Random(3)
+    cands = [cand("a", 120), cand("b", 80), cand("c", 80)]
+    picks_bounded = Counter(choose_bounded(cands, P, 0.25, rng_a).address for _ in range(50))
+    picks_cost = Counter(choose(cands, P, rng_b).address for _ in range(50))
+    assert picks_bounded == picks_cost and set(picks_bounded) == {"b", "c"}
+
+
+def test_an_idle_pool_keeps_affinity() -> None:
+    cands = [cand("hot", 0, overlap=5), cand("cold", 0)]
+    assert choose_bounded(cands, P, 0.01).address == "hot"
+
+
+def test_a_lightly_loaded_cached_worker_keeps_affinity_though_above_the_average() -> None:
+    # one request in flight on the cached worker is 4x the average of four workers: the request's own blocks
+    # are the slack that keeps a lightly loaded pool from copying the prefix elsewhere
+    cands = [cand("hot", 40, overlap=30), cand("b", 0), cand("c", 0), cand("d", 0)]
+    assert choose_bounded(cands, P, 0.25).address == "hot"
+
+
+def test_every_candidate_gets_its_cost_for_debug_score() -> None:
+    cands = [cand("hot", 500, overlap=36), cand("cold", 300)]
+    choose_bounded(cands, P, 0.25)
+    assert [c.cost for c in cands] == [500.0, 340.0]
+
+
+def test_the_eviction_discount_lowers_a_prefix_as_the_cost_sees_it() -> None:
+    hot, warm = cand("hot", 100, overlap=30), cand("warm", 100, overlap=20)
+    hot.overlap_discount = 15
+    assert choose_bounded([hot, warm, cand("cold", 100)], P, 0.25).address == "warm"
+
+
+async def test_the_pipeline_picks_within_the_bound_only_when_the_flag_is_set() -> None:
+    # ADDRS[0] holds 2 blocks of every prompt (the fake index); one booking of 3 blocks on it makes the cost
+    # prefer the idle ADDRS[1]
+    outcomes = {}
+    for bound in (0.0, 0.25):
+        pipe, _, _ = make(affinity_load_bound=bound)
+        pipe.load.book(ADDRS[0], 3)
+        outcomes[bound] = (await decide(pipe, chat(b'{"messages":[]}'))).address
+    assert outcomes == {0.0: ADDRS[1], 0.25: ADDRS[0]}
+
+
+async def test_the_pipeline_leaves_a_worker_above_the_bound() -> None:
+    pipe, _, _ = make(affinity_load_bound=0.25)
+    pipe.load.book(ADDRS[0], 20)  # average 10: bound 12.5 + the prompt's 3.1 blocks
+    assert (await decide(pipe, chat(b'{"messages":[]}'))).address == ADDRS[1]
+
+
+def test_the_bound_is_on_by_default_and_refuses_a_negative_value() -> None:
+    assert Config().affinity_load_bound == 0.5
+    with pytest.raises(ValueError, match="must be >= 0"):
+        Config(affinity_load_bound=-1).validate()
+
+
+async def test_the_time_cost_ignores_the_bound() -> None:
+    # the same booking that keeps the cached worker under the bound: the time cost (cold, so the block cost's
+    # argmin) sends the request to the idle worker as it did before the bound existed
+    pipe, _, _ = make(affinity_load_bound=0.25, cost_model="time")
+    pipe.config.validate()
+    pipe.load.book(ADDRS[0], 3)
+    assert (await decide(pipe, chat(b'{"messages":[]}'))).address == ADDRS[1]
