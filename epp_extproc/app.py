@@ -445,7 +445,7 @@ class PickerApp:
     async def announce_shutdown(self) -> None:
         """First step of a SIGTERM: readiness, the ext_proc service's health and "" say NOT_SERVING now, while
         every listener keeps serving (liveness stays SERVING). A gateway learns a host is unhealthy only from
-        its next health checks (Envoy: interval x unhealthy_threshold) and Kubernetes removes the endpoint a
+        its next health check (Envoy: within one interval) and Kubernetes removes the endpoint a
         moment later: streams it opens meanwhile must still be served, or each is a request lost (Envoy does
         not retry a failed ext_proc stream open). `stop` follows after the grace period."""
         self.draining = True

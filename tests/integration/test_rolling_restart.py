@@ -4,7 +4,7 @@ Envoy learns that a replica is going away only from its gRPC health checks of th
 stream it opens to a replica that has stopped accepting fails the request (500: failure_mode_allow is off,
 and Envoy does not retry an ext_proc stream open). So on SIGTERM the picker reports NOT_SERVING at once but
 keeps serving new streams for its shutdown grace period (--graceful-shutdown-grace-period-s), long enough
-for Envoy's checks (1 s x 2 in the generated config) to move traffic to the other replica; only then does
+for Envoy's checks (every 1 s in the generated config; a NOT_SERVING host is out at the next one) to move traffic to the other replica; only then does
 it drain. Without the grace period the requests Envoy sends in between fail.
 """
 
@@ -146,8 +146,9 @@ def test_a_rolling_restart_of_one_of_two_replicas_loses_no_request(tmp_path: Pat
         until(lambda: picks(a) > 10 and picks(b) > 10, "traffic on both replicas", timeout=30)
         assert a.proc is not None
         a.proc.send_signal(signal.SIGTERM)
+        # at Envoy's next check (every 1 s): well within the grace period, or streams opened after it would fail
         until(lambda: envoy_health(envoy)[f"127.0.0.1:{a.port}"] != "healthy", "Envoy to see replica a go",
-              timeout=DEFAULT_GRACE_S)  # within the grace period, or streams opened after it would fail
+              timeout=3)
         a.proc.wait(DEFAULT_GRACE_S + 30)
         assert a.proc.returncode == 0
         served_by_b = picks(b)
