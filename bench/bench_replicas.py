@@ -25,6 +25,7 @@ import random
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +40,15 @@ LAGS = {"visible": "epp_replica_sync_visible_lag_seconds",  # booked there -> ap
 
 
 # ----------------------------------------------------------------------------- 1. routing quality
-def pickers_for(st: H.Stack, cfg: str, spec: str, renderer: H.Proc) -> list[H.Proc]:
+def pickers_for(st: H.Stack, cfg: str, spec: str, renderer: H.Proc, extra: Sequence[str] = ()) -> list[H.Proc]:
+    """The picker processes of one configuration; `extra`: more flags for each of them."""
     if cfg == "one":
-        return [H.picker(st, spec, "trtllm-render", renderer)]
+        return [H.picker(st, spec, "trtllm-render", renderer, extra=extra)]
     if cfg == "nosync":
-        return [H.picker(st, spec, "trtllm-render", renderer) for _ in range(2)]
+        return [H.picker(st, spec, "trtllm-render", renderer, extra=extra) for _ in range(2)]
     a, b = H.free_port(), H.free_port()
     return [H.picker(st, spec, "trtllm-render", renderer,
-                     extra=["--replica-sync-port", str(me), "--peers", f"127.0.0.1:{other}"])
+                     extra=["--replica-sync-port", str(me), "--peers", f"127.0.0.1:{other}", *extra])
             for me, other in ((a, b), (b, a))]
 
 

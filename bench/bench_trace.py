@@ -33,10 +33,18 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
        FAILS (AIPerf counts it as an error); nothing is routed around the picker. The run records the
        restart's timings, the errors, and `routed_without_picker` (worker-served minus picker picks; 0 is
        the expected figure).
+  (rs2) the rolling restart a user would deploy: (r2)'s two synced replicas with the workers' replay
+       endpoints, each with the product's shutdown grace period (--graceful-shutdown-grace-period-s, 5 s),
+       behind Envoy's gRPC health checks of the picker cluster (every 1 s); replica 0 is SIGTERMed at ~1/3 of
+       the schedule and started again (the same Restarter as (rs)): it reports NOT_SERVING, keeps serving
+       the streams Envoy still opens until Envoy has moved them to replica 1, drains, restarts, re-warms from
+       the replay and its peer, and gets streams again once healthy. Target: 0 errors, quality within (c)'s
+       spread. Records errors, routed_without_picker, picks per picker, the restart's timings and when Envoy
+       saw the replica unhealthy and healthy again.
   (cv) the clairvoyant placement REPLAYED through the same Envoy and mocks: bench/plan_picker.py routes each
        request to the worker bench/clairvoyant.py planned for it (matched by prompt content), so its TTFT
        and the mocks' cached ratio are the replayed bound beside the offline one (d) clairvoyant
-       (r2, rs and cv run only when named in --only; the default set is unchanged)
+       (r2, rs, rs2 and cv run only when named in --only; the default set is unchanged)
   (d)  offline cached-token ratios of the same prompts in arrival order: `pooled_lru` (one LRU cache with
        the capacity of all four workers together, the figure earlier recordings called "the oracle"),
        `infinite`, and `clairvoyant` (bench/clairvoyant.py: placement and Belady eviction knowing the future
@@ -74,13 +82,14 @@ JSON result schema (`trace.json`), besides the common `bench`, `meta` keys, `con
         run: {seed, ttft_{p50,p90,p99,avg}_ms, itl_{p50,p90,p99,avg}_ms, output_tokens_per_s, requests, errors,
               aiperf_cached_ratio, aiperf_prompt_tokens, workers_cached_ratio, workers_prompt_tokens,
               per_worker_served, picker_picks, replay_sched_lag_p99_ms, benchmark_duration_s, aiperf_wall_s,
-              loadavg_1m; (r2) picks_per_picker; (r2, rs) routed_without_picker; (rs) restart: {drain_s, down_s,
-              resubscribed_s, picks_before_restart, index_blocks_before, index_blocks_after_replay, error?};
+              loadavg_1m; (r2, rs2) picks_per_picker; (r2, rs, rs2) routed_without_picker; (rs, rs2) restart: {drain_s,
+              down_s, resubscribed_s, picks_before_restart, index_blocks_before, index_blocks_after_replay,
+              picks_after_restart, error?; (rs2) envoy_unhealthy_s, envoy_healthy_again_s};
               (cv) plan_match: {matched, unmatched, plan_entries_left}}
     result.claims[]: {capacity, offered_rps, metric, config, baseline, median_ratio, claim}
         median_ratio: baseline/config for latencies, config/baseline otherwise (> 1 = config is better);
         claim: the same ratio when the two spreads do not overlap, else null
-    targets: {capacity: {target: {...}}}, with r2_within_spread_of_c, rs_within_spread_of_c and
+    targets: {capacity: {target: {...}}}, with r2_, rs_, rs2_within_spread_of_c and
              clairvoyant_replayed (offline beside replayed) when those configurations ran
 """
 
@@ -107,6 +116,7 @@ from bench import harness as H
 from bench import plan_picker as PP
 from bench import trace_stats as S
 from bench import trace_workload as T
+from epp_extproc.config import Config
 from epp_extproc.dev import envoy_config, procs
 from trtllm_mock.config import LLAMA_8B_H100
 
@@ -114,9 +124,12 @@ AIPERF = str(H.BIN / "aiperf")
 CONFIGS = {"a": "envoy round-robin", "b": "picker, load only", "c": "picker, KV-aware (defaults)",
            "c1": "picker, KV-aware, overlap credit 1.0", "e": "picker, prediction only (no KV events)",
            "r2": "2 picker replicas, replica sync", "rs": "picker restarted at 1/3 of the run",
+           "rs2": "2 synced replicas, one restarted (grace period, health checks)",
            "cv": "clairvoyant plan replayed"}
-OPT_IN = ("r2", "rs", "cv")  # only with --only: the default set (and its cost) stays what it was
+OPT_IN = ("r2", "rs", "rs2", "cv")  # only with --only: the default set (and its cost) stays what it was
 BS = 32
+# (rs2)'s replicas: the product's default shutdown grace period, named so the benchmark follows it
+GRACE_PERIOD_S = Config.__dataclass_fields__["graceful_shutdown_grace_period_s"].default
 CAPACITIES = ("ample", "75", "scarce", "h100")
 METRICS = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "output_tokens_per_s",
            "aiperf_cached_ratio", "workers_cached_ratio", "errors")
@@ -286,6 +299,14 @@ def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc,
         env = H.envoy(st, picker_proc=pks[0], more_pickers=pks[1:])
         wait_pickers_healthy(env, len(pks))
         return env, pks
+    if cfg == "rs2":  # (r2) with the replay endpoints and the product's grace period; replica 0 restarts
+        pks = BR.pickers_for(st, "sync", procs.endpoint_spec(workers, replay=True), renderer,
+                             extra=["--graceful-shutdown-grace-period-s", str(GRACE_PERIOD_S)])
+        for p in pks:
+            H.wait_subscribed(p, addrs)
+        env = H.envoy(st, picker_proc=pks[0], more_pickers=pks[1:])
+        wait_pickers_healthy(env, len(pks))
+        return env, pks
     if cfg == "rs":  # as (c), with the replay endpoints a restarted picker re-warms from
         pk = H.picker(st, procs.endpoint_spec(workers, replay=True), "trtllm-render", renderer)
         H.wait_subscribed(pk, addrs)
@@ -311,7 +332,7 @@ def picker_health(env: H.Proc) -> dict[str, str]:
 
 
 def wait_pickers_healthy(env: H.Proc, n: int, timeout: float = 30.0) -> None:
-    """Until Envoy holds all ``n`` picker replicas healthy. Envoy health-checks the picker cluster (every 5 s;
+    """Until Envoy holds all ``n`` picker replicas healthy. Envoy health-checks the picker cluster (every 1 s;
     a host that fails its first check waits for the next ones), and an unhealthy replica gets no ext_proc
     stream: without this wait, on a loaded machine, (r2) ran some repeats with every request on one replica."""
     deadline = time.monotonic() + timeout
@@ -331,15 +352,19 @@ def schedule_span_s(input_file: Path) -> float:
 
 
 class Restarter(threading.Thread):
-    """(rs): once the picker has routed its first request, waits `at_fraction` of the schedule, SIGTERMs the
-    picker, waits for it to exit (its drain: no new streams, the in-flight ones finish), and starts it again
-    with the same argv (same ports, same flags). Records what a restart costs: how long the drain took and how
-    long no picker was serving, and the picks of the first process (its counters die with it)."""
+    """(rs, rs2): once the picker has routed its first request, waits `at_fraction` of the schedule, SIGTERMs
+    the picker, waits for it to exit (its grace period if it has one, then its drain: no new streams, the
+    in-flight ones finish), and starts it again with the same argv (same ports, same flags). Records what a
+    restart costs: how long the drain took and how long no picker was serving, and the picks of the first
+    process (its counters die with it). With `envoy` (rs2), also when Envoy's health checks saw the replica
+    unhealthy (from the SIGTERM) and healthy again (from the new process being ready)."""
 
     def __init__(self, pk: H.Proc, addrs: Sequence[str], span_s: float, at_fraction: float = 1 / 3,
-                 timeout_s: float = 120) -> None:
+                 timeout_s: float = 120, envoy: H.Proc | None = None) -> None:
         super().__init__(daemon=True, name="picker-restarter")
         self.pk, self.addrs, self.delay, self.timeout_s = pk, list(addrs), span_s * at_fraction, timeout_s
+        self.envoy = envoy
+        self.host = f"127.0.0.1:{pk.port}"
         self.info: dict[str, Any] = {"at_fraction": at_fraction, "scheduled_after_first_pick_s": self.delay}
         self._cancel = threading.Event()
 
@@ -366,11 +391,17 @@ class Restarter(threading.Thread):
         t0 = time.monotonic()
         self.pk.signal_group(signal.SIGTERM)
         assert self.pk.proc is not None
+        metrics_open = True
         while self.pk.proc.poll() is None and time.monotonic() - t0 < 60:  # its last count, while it drains
-            try:
-                self.info["picks_before_restart"] = sum(picker_picks(self.pk).values())
-            except OSError:
-                break  # its metrics server has closed
+            if metrics_open:
+                try:
+                    self.info["picks_before_restart"] = sum(picker_picks(self.pk).values())
+                except OSError:
+                    metrics_open = False  # its metrics server has closed
+            if self.envoy is not None and "envoy_unhealthy_s" not in self.info and not self._healthy():
+                self.info["envoy_unhealthy_s"] = round(time.monotonic() - t0, 3)
+            if not metrics_open and (self.envoy is None or "envoy_unhealthy_s" in self.info):
+                break
             time.sleep(0.05)
         try:
             self.pk.proc.wait(60)
@@ -382,6 +413,16 @@ class Restarter(threading.Thread):
         H.wait_subscribed(self.pk, self.addrs, timeout=30)  # every worker's replay and first batch are in
         self.info["resubscribed_s"] = round(time.monotonic() - t0, 3)
         self.info["index_blocks_after_replay"] = index_blocks(self.pk)
+        while self.envoy is not None and time.monotonic() - t0 < 120 and not self._cancel.is_set():
+            if self._healthy():
+                self.info["envoy_healthy_again_s"] = round(time.monotonic() - t0, 3)
+                break
+            time.sleep(0.05)
+
+    def _healthy(self) -> bool:
+        """Envoy's health flags for this replica say healthy."""
+        assert self.envoy is not None
+        return picker_health(self.envoy).get(self.host) == "healthy"
 
 
 def index_blocks(pk: H.Proc) -> int:
@@ -410,7 +451,8 @@ def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], rendere
     extra: dict[str, Any] = {}
     with H.Stack(prefix=f"epp-trace-{cfg}-") as st:
         env, pks = start_config(st, cfg, workers, renderer, plan_file)
-        restarter = Restarter(pks[0], [m.address for m in workers], schedule_span_s(input_file)) if cfg == "rs" else None
+        restarter = Restarter(pks[0], [m.address for m in workers], schedule_span_s(input_file),
+                              envoy=env if cfg == "rs2" else None) if cfg in ("rs", "rs2") else None
         if restarter is not None:
             restarter.start()
         art = work / f"aiperf-{tag}"
@@ -429,10 +471,14 @@ def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], rendere
         picks = all_picks(pks)
         if picks is not None and len(pks) > 1:
             extra["picks_per_picker"] = [sum(picker_picks(p).values()) for p in pks]
+        if restarter is not None and picks is not None and pks[0].alive():  # the new process's own share
+            restarter.info["picks_after_restart"] = sum(picker_picks(pks[0]).values())
     if restarter is not None:
         extra["restart"] = restarter.info
         if picks is not None:  # the first process's picks died with it: add what it had counted
             picks["<before restart>"] = restarter.info.get("picks_before_restart", 0)
+            if "picks_per_picker" in extra:  # replica 0's total: its first process's and its second's
+                extra["picks_per_picker"][0] += picks["<before restart>"]
     if cfg == "cv" and plan_file is not None:
         sf = plan_file.with_suffix(".stats.json")
         extra["plan_match"] = json.loads(sf.read_text()) if sf.exists() else None
@@ -582,7 +628,7 @@ def compare(x: dict[str, Any], base: dict[str, Any], metric: str) -> dict[str, A
 
 
 PAIRS = (("b", "a"), ("c", "a"), ("c1", "a"), ("e", "a"), ("c", "b"), ("c", "e"), ("c", "c1"),
-         ("r2", "c"), ("rs", "c"), ("cv", "c"), ("cv", "e"))
+         ("r2", "c"), ("rs", "c"), ("rs2", "c"), ("cv", "c"), ("cv", "e"))
 VARIANTS: dict[str, list[str]] = {}  # --variant NAME=FLAGS: more KV-aware pickers, each compared with (c) and (e)
 # (e)'s flags, frozen: no KV events, predictions kept for the run, and the cost alone placing (the placement of
 # the recordings before --affinity-load-bound became the default), so it stays the same yardstick
@@ -720,9 +766,9 @@ def within_spread(x: dict[str, Any], base: dict[str, Any], metric: str) -> dict[
 
 
 def replica_restart_targets(doc: dict[str, Any], cap: str) -> dict[str, Any]:
-    """(r2) and (rs) against (c) at each load: the item-9 target, and the restart's own facts."""
+    """(r2), (rs) and (rs2) against (c) at each load: the item-9 target, and the restart's own facts."""
     out: dict[str, Any] = {}
-    for cfg in ("r2", "rs"):
+    for cfg in ("r2", "rs", "rs2"):
         per = []
         for x in (c for c in doc["result"]["cells"] if c["capacity"] == cap and c["config"] == cfg):
             base = _cell(doc, cap, "c", x["offered_rps"])
@@ -731,9 +777,9 @@ def replica_restart_targets(doc: dict[str, Any], cap: str) -> dict[str, Any]:
             ws = [within_spread(x, base, m) for m in WITHIN_METRICS]
             entry: dict[str, Any] = {"offered_rps": x["offered_rps"], "metrics": ws,
                                      "met": all(w["inside"] for w in ws)}
-            if cfg == "r2":  # a repeat where Envoy sent one replica nothing did not test two replicas
+            if cfg in ("r2", "rs2"):  # a repeat where Envoy sent one replica nothing did not test two replicas
                 entry["picks_per_picker"] = [r.get("picks_per_picker") for r in x["runs"]]
-            if cfg == "rs":
+            if cfg in ("rs", "rs2"):
                 entry["restarts"] = [r.get("restart") for r in x["runs"]]
                 entry["errors"] = [r["errors"] for r in x["runs"]]
                 entry["routed_without_picker"] = [r.get("routed_without_picker") for r in x["runs"]]
@@ -864,7 +910,7 @@ def mock_args_template(plan: Plan) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = H.bench_parser(__doc__, "trace")
-    ap.add_argument("--only", help="comma-separated subset of configurations (a,b,c,c1,e; r2,rs,cv only when "
+    ap.add_argument("--only", help="comma-separated subset of configurations (a,b,c,c1,e; r2,rs,rs2,cv only when "
                                    "named here)")
     ap.add_argument("--rates", help="comma-separated offered loads (req/s of simulated time)")
     ap.add_argument("--speedup", type=float, help="mock speedup (wall-clock compression)")

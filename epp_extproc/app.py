@@ -442,6 +442,15 @@ class PickerApp:
         else:
             self.sync.set_peers(cfg.peer_list())
 
+    async def announce_shutdown(self) -> None:
+        """First step of a SIGTERM: readiness, the ext_proc service's health and "" say NOT_SERVING now, while
+        every listener keeps serving (liveness stays SERVING). A gateway learns a host is unhealthy only from
+        its next health check (Envoy: within one interval) and Kubernetes removes the endpoint a
+        moment later: streams it opens meanwhile must still be served, or each is a request lost (Envoy does
+        not retry a failed ext_proc stream open). `stop` follows after the grace period."""
+        self.draining = True
+        await self.health.set_ready(False)
+
     async def stop(self, grace: float = 1.0) -> None:
         """Drain: not ready, no new ext_proc streams, up to `grace` s for those in flight; then the frees
         they made reach the peers before the sync links close. Streams still open at the deadline are

@@ -157,9 +157,14 @@ class Config:
     cert_path: str | None = opt("DYN_EPP_CERT_PATH", None, _opt_str,
         "directory with tls.crt and tls.key for secure serving, re-read when they change; unset = a "
         "self-signed certificate minted in memory at start-up")
+    graceful_shutdown_grace_period_s: float = opt("DYN_EPP_GRACEFUL_SHUTDOWN_GRACE_PERIOD_S", 5.0, float,
+        "on SIGTERM: NOT_SERVING (readiness, ext_proc health) at once, but new ext_proc streams are still "
+        "served this long, so the gateway's health checks and Kubernetes' endpoint removal move traffic to "
+        "the other replicas before the drain refuses streams (Dynamo's DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS); "
+        "SIGINT or a second signal skips it; 0 = drain at once")
     drain_timeout_s: float = opt("DYN_EPP_DRAIN_TIMEOUT_S", 25.0, float,
-        "on SIGTERM: not ready at once, no new ext_proc streams, up to this long for the ones in flight "
-        "(keep it below the pod's terminationGracePeriodSeconds)")
+        "after the grace period: no new ext_proc streams, up to this long for the ones in flight (keep grace "
+        "period + this below the pod's terminationGracePeriodSeconds)")
     # Replicas
     processes: int = opt("DYN_EPP_PROCESSES", 1, int,
         "picker processes on this host sharing the ext_proc port (SO_REUSEPORT), synced over Unix "
@@ -476,6 +481,7 @@ class Config:
         _positive(self, "peer_timeout_ms")
         _at_least(self, "peer_expiry_ms", 0, "")
         _at_least(self, "drain_timeout_s", 0, "")
+        _at_least(self, "graceful_shutdown_grace_period_s", 0, "")
         modes = self.body_modes()
         bad = [m for m in modes if m not in BODY_MODES]
         if bad or not modes:
@@ -536,7 +542,7 @@ def show_default(value: Any) -> str:
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("serving (the ext_proc port Envoy calls)",
      ("grpc_port", "health_port", "bind", "extproc_transport", "event_loop", "extproc_keepalive_s",
-      "drain_timeout_s")),
+      "graceful_shutdown_grace_period_s", "drain_timeout_s")),
     ("discovery (which workers, and their KV events)",
      ("endpoints", "endpoints_file", "inference_pool_name", "namespace", "kubeconfig",
       "endpoint_probe_interval_ms", "endpoint_probe_path", "endpoint_probe_max_rate", "kv_event_port",

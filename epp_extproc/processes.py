@@ -81,10 +81,12 @@ def supervise(cfg: Config, target: Callable[[Config, ProcessSlot], None] = run_c
     backoffs = [backoff() for _ in range(n)]
     stopping = False
     code = 0
+    # passed on to the children: SIGTERM runs their shutdown grace period, SIGINT (Ctrl-C) skips it
+    forward = signal.SIGTERM
 
     def on_signal(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
+        nonlocal stopping, forward
+        stopping, forward = True, signal.Signals(signum)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -124,7 +126,7 @@ def supervise(cfg: Config, target: Callable[[Config, ProcessSlot], None] = run_c
                 if backoffs[i].failures >= max_crashes:
                     log.error("picker process %d exited with %s, %d times in a row; giving up: stopping "
                               "every process", i, p.exitcode, backoffs[i].failures)
-                    stopping, code = True, 1
+                    stopping, code, forward = True, 1, signal.SIGINT  # nothing to hand over: no grace period
                     break
                 log.error("picker process %d exited with %s (%d in a row); restarting it in %.1fs", i,
                           p.exitcode, backoffs[i].failures, delay)
@@ -132,8 +134,8 @@ def supervise(cfg: Config, target: Callable[[Config, ProcessSlot], None] = run_c
     finally:
         for p in children:
             if p is not None and p.is_alive() and p.pid is not None:
-                os.kill(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + cfg.drain_timeout_s + 5
+                os.kill(p.pid, forward)
+        deadline = time.monotonic() + cfg.graceful_shutdown_grace_period_s + cfg.drain_timeout_s + 5
         for p in children:
             if p is not None:
                 p.join(max(deadline - time.monotonic(), 0.1))

@@ -81,10 +81,10 @@ async def serve(cfg: Config, prepare: Callable[[PickerApp], None] | None = None,
     app = PickerApp(cfg, slot)
     if prepare is not None:
         prepare(app)
-    stop = asyncio.Event()
+    signals: asyncio.Queue[int] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):  # before start: a SIGTERM during start-up still cleans up
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
     try:
         await app.start()
     except (OSError, RuntimeError) as e:
@@ -92,10 +92,29 @@ async def serve(cfg: Config, prepare: Callable[[PickerApp], None] | None = None,
         if reason is None:
             raise
         raise ListenError(reason) from None
-    await stop.wait()
+    first = await signals.get()
+    await shutdown_grace_period(app, first, cfg.graceful_shutdown_grace_period_s, signals)
     logging.getLogger("epp_extproc").info("shutting down: draining for up to %.1fs", cfg.drain_timeout_s)
     await app.stop(cfg.drain_timeout_s)
     return 0
+
+
+async def shutdown_grace_period(app: PickerApp, first: int, period_s: float, signals: asyncio.Queue[int]) -> None:
+    """After a SIGTERM (an orchestrator's stop): NOT_SERVING at once, new ext_proc streams still served for
+    `period_s` or until a second signal, so the gateway moves traffic to other replicas before the drain
+    refuses streams. SIGINT (Ctrl-C: someone at a terminal, `make run`) skips it: nobody is waiting to
+    route elsewhere, and a stop must not take seconds."""
+    if first != signal.SIGTERM or period_s <= 0:
+        return
+    log = logging.getLogger("epp_extproc")
+    log.info("shutting down: NOT_SERVING now, still serving new ext_proc streams for %.1fs (a second signal "
+             "skips this), then draining", period_s)
+    await app.announce_shutdown()
+    try:
+        await asyncio.wait_for(signals.get(), period_s)
+        log.info("second signal: grace period cut short")
+    except TimeoutError:
+        pass
 
 
 def listen_failure(cfg: Config, exc: BaseException) -> str | None:

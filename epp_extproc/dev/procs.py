@@ -406,16 +406,21 @@ def endpoint_spec(workers: Sequence[Proc], *, replay: bool = True) -> str:
 def picker(logdir: Path, *, endpoints: str | None = None, endpoints_file: Path | None = None,
            protocol: str = "none", renderer_url: str | None = None, grpc_port: int | None = None,
            health_port: int | None = None, metrics_port: int | None = None, admin_port: int | None = None,
-           args: Sequence[str] = (), argv0: Sequence[str] | None = None, name: str = "picker") -> Proc:
+           args: Sequence[str] = (), argv0: Sequence[str] | None = None, name: str = "picker",
+           shutdown_grace_s: float = 0.0) -> Proc:
     """The real picker as its own process (the `epp-extproc` console script unless `argv0` says otherwise).
 
     `.port` is the ext_proc port; `.extra` has `health_port`, `metrics_port`, `admin_port` (the admin API
-    shares the metrics port unless told otherwise). Ready when ext_proc listens and /metrics answers."""
+    shares the metrics port unless told otherwise). Ready when ext_proc listens and /metrics answers.
+    `shutdown_grace_s`: its --graceful-shutdown-grace-period-s, 0 here (not the product's 5 s): these stacks
+    have one picker, or stop them all together, so nobody waits to route elsewhere and a SIGTERM (`stop`,
+    `make run`'s Ctrl-C) ends it at once; a rolling-restart test or benchmark passes the period it measures."""
     grpc_port, health_port, metrics_port = _port(grpc_port), _port(health_port), _port(metrics_port)
     admin_port = admin_port or metrics_port
     argv = [*(argv0 or [PICKER]), "--bind", "127.0.0.1", "--grpc-port", str(grpc_port), "--health-port",
             str(health_port), "--metrics-port", str(metrics_port), "--admin-bind", "127.0.0.1", "--admin-port",
-            str(admin_port), "--tokenizer-protocol", protocol]
+            str(admin_port), "--tokenizer-protocol", protocol,
+            "--graceful-shutdown-grace-period-s", str(shutdown_grace_s)]
     if endpoints is not None:
         argv += ["--endpoints", endpoints]
     if endpoints_file is not None:

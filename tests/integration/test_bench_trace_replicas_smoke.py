@@ -1,4 +1,4 @@
-"""bench_trace's issue-28 configurations (r2, rs, cv) run their --quick setting end to end (AIPerf, Envoy, the
+"""bench_trace's issue-28 configurations (r2, rs, rs2, cv) run their --quick setting end to end (AIPerf, Envoy, the
 pickers or the plan picker, four iteration-scheduled mocks) and record what each must have done. Figures are
 not asserted: performance is judged from the printed tables."""
 
@@ -30,6 +30,26 @@ def _run(doc: dict, cfg: str) -> dict:
     (run,) = cell["runs"]
     assert run["errors"] == 0 or cfg == "rs"
     return run
+
+
+@pytest.fixture(scope="module")
+def rs2_doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench-trace-rs2")
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_trace", "--quick", "--only", "rs2", "--repeats", "1",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / "trace.json").read_text())
+
+
+@pytest.mark.timeout(180)
+def test_a_rolling_restart_of_one_of_two_replicas_fails_no_request(rs2_doc: dict) -> None:
+    run = _run(rs2_doc, "rs2")  # errors == 0
+    restart = run["restart"]
+    assert "error" not in restart, restart
+    # Envoy saw the replica go before it stopped taking streams (its grace period), and nothing bypassed a picker
+    assert restart["envoy_unhealthy_s"] < restart["drain_s"]
+    assert run["routed_without_picker"] == 0
+    assert len(run["picks_per_picker"]) == 2 and all(n > 0 for n in run["picks_per_picker"])
 
 
 @pytest.mark.timeout(180)

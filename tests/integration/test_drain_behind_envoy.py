@@ -1,5 +1,6 @@
 """SIGTERM to a picker process behind a real, idle Envoy: the access-log stream and health checks Envoy keeps
-open are not requests, so the picker exits at once (issue: it took the whole drain timeout, 26-28 s)."""
+open are not requests, so the picker exits at once (issue: it took the whole drain timeout, 26-28 s). The
+shutdown grace period before the drain is 0 here (procs.picker's default); test_rolling_restart covers it."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def test_sigterm_behind_an_idle_envoy_exits_in_under_two_seconds(tmp_path: Path)
     envoy = None
     try:
         picker.start()
-        envoy = procs.envoy(tmp_path, EnvoyOptions(picker_port=picker.port, picker_tls=False)).start()
+        envoy = procs.envoy(tmp_path, EnvoyOptions(listen_port=0, admin_port=0, picker_port=picker.port,
+                                                   picker_tls=False)).start()
         body = b'{"model":"mock-model","messages":[{"role":"user","content":"hi"}],"max_tokens":2}'
         assert request(f"http://127.0.0.1:{envoy.port}", body=body).status == 200  # Envoy's streams are open
         time.sleep(1.0)  # idle: no request in flight, the access-log stream flushed and still open

@@ -369,6 +369,17 @@ def test_picker_watches_the_pool_in_its_own_namespace(rendered):
 
 
 @pytest.mark.parametrize("variant", ("base", *VARIANTS))
+def test_the_pod_outlives_the_pickers_grace_period_and_drain(rendered, variant):
+    """A SIGKILL before the picker's stop is over would cut the streams its grace period and drain serve."""
+    objs = rendered[variant]
+    env = {k: v.get("value", "ns-from-downward-api") for k, v in env_of(picker(objs)).items()}
+    cfg = load_config([], env=env)
+    grace = picker_deployment(objs)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert cfg.graceful_shutdown_grace_period_s > 0
+    assert grace > cfg.graceful_shutdown_grace_period_s + cfg.drain_timeout_s
+
+
+@pytest.mark.parametrize("variant", ("base", *VARIANTS))
 def test_renderer_is_a_native_sidecar_whose_readiness_gates_the_pod(rendered, variant):
     r = sidecar(rendered[variant])
     assert r["restartPolicy"] == "Always"
