@@ -111,7 +111,8 @@ async def shutdown_grace_period(app: PickerApp, first: int, period_s: float, sig
              "skips this), then draining", period_s)
     await app.announce_shutdown()
     try:
-        await asyncio.wait_for(signals.get(), period_s)
+        async with asyncio.timeout(period_s):
+            await signals.get()
         log.info("second signal: grace period cut short")
     except TimeoutError:
         pass
