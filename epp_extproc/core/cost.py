@@ -65,9 +65,14 @@ def compute_cost(c: Candidate, p: CostParams) -> float:
 
 def choose(candidates: Sequence[Candidate], params: CostParams, rng: random.Random | None = None) -> Candidate:
     """Fill in each candidate's cost and return the chosen one. `candidates` must not be empty."""
-    rng = rng or random
     for c in candidates:
         c.cost = compute_cost(c, params)
+    return _least_cost(candidates, params, rng)
+
+
+def _least_cost(candidates: Sequence[Candidate], params: CostParams, rng: random.Random | None) -> Candidate:
+    """`choose` on candidates whose cost is already filled in (choose_bounded computes each cost once)."""
+    rng = rng or random
     if params.temperature <= 0 or len(candidates) == 1:
         best = min(c.cost for c in candidates)
         ties = [c for c in candidates if c.cost == best]
@@ -92,14 +97,16 @@ def choose_bounded(candidates: Sequence[Candidate], params: CostParams, bound: f
     as the ceiling does in the unit-load rule); ties, and a request no such worker holds any of, by the cost
     (`choose`). The least-loaded worker is never above the average, so the bound always leaves a choice.
     Fills in every candidate's cost, as `choose` does, for /debug/score."""
+    held = []
     for c in candidates:
         c.cost = compute_cost(c, params)
-    average = sum(held_load(c) for c in candidates) / len(candidates)
-    fits = [c for c in candidates if held_load(c) <= (1.0 + bound) * average + max(c.prompt_blocks, 1.0)]
+        held.append(held_load(c))
+    ceiling = (1.0 + bound) * sum(held) / len(candidates)
+    fits = [c for c, h in zip(candidates, held, strict=True) if h <= ceiling + max(c.prompt_blocks, 1.0)]
     best = max(c.overlap_blocks - c.overlap_discount for c in fits)
     if best <= 0:
-        return choose(candidates, params, rng)
-    return choose([c for c in fits if c.overlap_blocks - c.overlap_discount == best], params, rng)
+        return _least_cost(candidates, params, rng)
+    return _least_cost([c for c in fits if c.overlap_blocks - c.overlap_discount == best], params, rng)
 
 
 def eligible(addresses: Sequence[str], subset: Sequence[str] | None) -> list[str]:
