@@ -308,21 +308,89 @@ class SubscriberManager:
         if sub.monitor is not None:
             sub.monitor.close(linger=0)
 
-    @staticmethod
-    def _wake(sub: Subscription) -> None:
+    def _wake(self, sub: Subscription) -> None:
         """The loop saw a socket's descriptor readable. libzmq's descriptor is a signal that its state may
         have changed, and it stays readable until the socket processes its commands: reading ``EVENTS``
         does that (else the loop would call this again on every turn while the subscription is busy or
-        paced), then a waiting receive is woken to look for itself."""
-        for s in (sub.rx, sub.mon_rx):
-            if s is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    s.get(_EVENTS)
+        paced). A subscription waiting for its next live batch has it applied right here when it is the
+        plain case (`_apply_ready`); anything else wakes the subscription's task to handle it."""
+        rx, mon = sub.rx, sub.mon_rx
+        if rx is None or mon is None:
+            return
+        try:
+            ready = rx.get(_EVENTS) & _POLLIN and not mon.get(_EVENTS) & _POLLIN
+        except zmq.ZMQError:
+            ready = False  # the task finds out why
         w = sub.waiter
-        if w is not None:
-            sub.waiter = None
-            if not w.done():
-                w.set_result(None)
+        if w is None or w.done():
+            return  # the task is busy (it reads the socket itself next) or gone
+        if ready and self._apply_ready(sub):
+            return  # nothing left for the task: it sleeps on, its waiter still set
+        sub.waiter = None
+        w.set_result(None)
+
+    def _apply_ready(self, sub: Subscription) -> bool:
+        """Apply the live batches queued on an idle subscription's SUB here, in the loop's callback, while
+        each is the plain case: the next batch in order, with no warm-up, replay, rebuild, reconnect or
+        pending message in the way. What `_run` would do with them, without resuming its task per batch,
+        which at 10 batches/s per worker (one batch per wake-up) cost about as much as applying it.
+
+        True: the queue is empty and the task may sleep on. False: the task must run: a message it must
+        handle itself is in ``sub.pending``, a pause is due (``sub.pause``), the turn budget is spent with
+        batches still queued, the monitor saw the peer go, or the socket failed."""
+        rx, mon = sub.rx, sub.mon_rx
+        assert rx is not None and mon is not None
+        turn = time.perf_counter()
+        try:
+            while True:
+                if sub.need_warm or sub.verify or sub.rewarm_at is not None or sub.reconnected:
+                    return False
+                try:
+                    frames = rx.recv_multipart(_NOBLOCK)
+                except zmq.Again:
+                    return True
+                parsed = split_live_frames(frames)
+                if parsed is None or not self._in_order(sub, parsed[1]):
+                    sub.pending = frames
+                    return False
+                started = time.perf_counter()
+                try:
+                    self._apply_live(sub, parsed[1], parsed[2])
+                except Exception:  # never let one message kill the subscriber
+                    log.exception("kv events from %s: unexpected failure handling a message", sub.label)
+                    self.idx.count_garbage_frames(sub.worker_id)
+                now = time.perf_counter()
+                if self.pace is not None and (pause := self.pace(sub.worker_id, now - started)):
+                    sub.pause = pause
+                    return False
+                if mon.get(_EVENTS) & _POLLIN:
+                    return False
+                if not rx.get(_EVENTS) & _POLLIN:
+                    return True
+                if now - turn > self.turn_budget_s:
+                    return False  # more is queued: the task drains it, yielding between turns
+        except zmq.ZMQError:
+            return False
+
+    @staticmethod
+    def _in_order(sub: Subscription, seq: int) -> bool:
+        """Whether live batch ``seq`` is the plain case `_on_message` applies straight away (no restart, gap,
+        duplicate, warm-up recheck or rebuild to handle first)."""
+        if sub.recheck and sub.applied is None:
+            return False
+        if sub.last_live is not None and seq <= sub.last_live:
+            return False
+        return sub.applied is None or seq == sub.applied + 1
+
+    def _apply_live(self, sub: Subscription, seq: int, payload: bytes) -> None:
+        """`_on_message` for a batch `_in_order` accepted."""
+        st = sub.stats
+        st.last_message_monotonic = time.monotonic()
+        st.messages += 1
+        st.stale = False
+        st.silent = False
+        sub.last_live = seq
+        self._apply(sub, seq, payload)
 
     async def _reconnect(self, sub: Subscription) -> None:
         """The SUB's peer went away (a restarted engine, or libzmq dropped it for exceeding ZMQ_MAXMSGSIZE,
@@ -493,6 +561,9 @@ class SubscriberManager:
                 return rx.recv_multipart(_NOBLOCK)
         timeout = None if sub.rewarm_at is None else max(0.001, sub.rewarm_at - time.monotonic() + 0.001)
         await self._wait(sub, timeout)
+        if sub.pause:  # a batch `_wake` applied put the worker over its budget
+            pause, sub.pause = sub.pause, 0.0
+            await asyncio.sleep(pause)
         return None
 
     async def _wait(self, sub: Subscription, timeout: float | None) -> None:

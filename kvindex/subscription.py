@@ -61,7 +61,7 @@ class Subscription:
     """One KV-event stream of a worker: its socket and tasks (owned by the manager) and its sequence
     bookkeeping (shared by the live stream and the replay protocol)."""
 
-    __slots__ = ("worker_id", "source", "sock", "task", "monitor", "rx", "mon_rx", "loop", "fds", "waiter", "stats", "last_live", "applied", "digest",
+    __slots__ = ("worker_id", "source", "sock", "task", "monitor", "rx", "mon_rx", "loop", "fds", "waiter", "pause", "stats", "last_live", "applied", "digest",
                  "gen", "need_warm", "recheck", "rewarm_at", "rewarm", "gap_warned_at", "gaps_unwarned", "pending",
                  "reconnected", "verify")
 
@@ -79,6 +79,7 @@ class Subscription:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.fds: tuple[int, ...] = ()
         self.waiter: asyncio.Future[None] | None = None
+        self.pause = 0.0  # seconds to pause before reading again: set where a batch is applied off the task
         self.stats = SubscriberStats(endpoint=source.endpoint, rank=source.rank)
         self.last_live: int | None = None  # last seq seen on the SUB socket (restart detection)
         self.applied: int | None = None  # last seq applied from any source (gap detection, dedup)
