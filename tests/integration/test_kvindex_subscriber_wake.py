@@ -5,6 +5,7 @@ and the pacing budget, without re-registering a descriptor or resuming the subsc
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -96,7 +97,7 @@ async def test_plain_batches_are_applied_without_resuming_the_task_and_a_gap_sti
 
 async def test_a_worker_over_its_pacing_budget_is_paused_even_when_applied_off_its_task(ctx):
     # the pace hook is charged for every batch, wherever it is applied, and a pause it asks for is kept: the
-    # batches queued meanwhile wait for it, then are all applied
+    # batches queued meanwhile wait for it, without the loop spinning on their descriptor, then are all applied
     charged: list[str] = []
     debt = [0.0]  # the next batch charged puts the worker this many seconds in debt
 
@@ -116,7 +117,11 @@ async def test_a_worker_over_its_pacing_budget_is_paused_even_when_applied_off_i
         first = await w.publish([stored_event([1], None, block(0), BS)])
         await until_async(lambda: mgr.stats("w").last_seq == first)
         seq = await _chain(w, 5, first=2)
+        await asyncio.sleep(0.05)
+        cpu0 = time.process_time()
         await asyncio.sleep(0.2)
+        # the SUB's descriptor stays readable while nobody reads the socket: the loop must not spin on it
+        assert time.process_time() - cpu0 < 0.1, "the loop spun while the worker was paused"
         assert mgr.stats("w").last_seq == first, "a paused worker was read before its pause was over"
         await until_async(lambda: mgr.stats("w").last_seq == seq, timeout=5)
         assert idx.engine_hashes("w") == set(range(1, 7))
