@@ -80,8 +80,14 @@ FAR_JUMP = 1 << 32  # a seq this far past the last one is another numbering (a t
 REFUSED_RETRY_S = 5.0  # a subscription refused for want of a socket is tried again this often
 STOP_TIMEOUT_S = 2.0  # a subscriber task that ignores its cancel this long has its socket closed under it
 # REWARM_MIN_S / REWARM_MAX_S (kvindex/replay.py) are read from this module when a subscription is made
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # ints: no enum work per message
 DEFAULT_ZMQ_MAX_SOCKETS = 1023  # libzmq's ZMQ_MAX_SOCKETS default per context (ZMQ_MAX_SOCKETS_DFLT, zmq.h)
 FDS_PER_SOCKET = 2  # a socket holds its mailbox (an eventfd) and, for a SUB or DEALER, its TCP connection
+
+
+def _done(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def socket_budget(nofile: int | None = None) -> int:
@@ -262,7 +268,8 @@ class SubscriberManager:
         self._close_socket(sub)
 
     def _open_socket(self, sub: Subscription) -> None:
-        """A SUB (with its disconnect monitor) connected to the subscription's endpoint."""
+        """A SUB (with its disconnect monitor) connected to the subscription's endpoint, both watched by the
+        event loop directly (see `_wait`)."""
         sock = self._ctx.socket(zmq.SUB)
         try:
             sock.setsockopt(zmq.LINGER, 0)
@@ -273,19 +280,117 @@ class SubscriberManager:
             sock.close(linger=0)
             raise
         sock.connect(sub.source.endpoint)
-        poller = zmq.asyncio.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(mon, zmq.POLLIN)
-        sub.sock, sub.monitor, sub.poller = sock, mon, poller
+        # Both are read through plain (synchronous) shadows, never through their asyncio wrappers: a receive
+        # through zmq.asyncio builds a Future and its bookkeeping for every message, even a non-blocking one,
+        # and its Poller re-registers both descriptors on every wait; at 10 batches/s per worker nearly every
+        # message is such a wait, and that machinery cost more CPU than decoding and applying the batch. The
+        # descriptors are registered with the loop once, here, and unregistered before the sockets close.
+        sub.sock, sub.monitor = sock, mon
+        sub.rx, sub.mon_rx = zmq.Socket.shadow(sock.underlying), zmq.Socket.shadow(mon.underlying)
+        sub.loop = asyncio.get_running_loop()
+        sub.fds = (sub.rx.get(zmq.FD), sub.mon_rx.get(zmq.FD))
+        for fd in sub.fds:
+            sub.loop.add_reader(fd, self._wake, sub)
 
     def _close_socket(self, sub: Subscription) -> None:
+        if sub.loop is not None and not sub.loop.is_closed():
+            for fd in sub.fds:  # before the sockets close: a descriptor number is reused at once
+                sub.loop.remove_reader(fd)
+        sub.fds = ()
+        sub.rx = sub.mon_rx = None
+        if sub.waiter is not None and not sub.waiter.done():
+            sub.waiter.set_result(None)  # the task (if it still runs) finds the socket closed
+        sub.waiter = None
         if sub.sock is not None:
             with contextlib.suppress(zmq.ZMQError):
                 sub.sock.disable_monitor()
             sub.sock.close(linger=0)
         if sub.monitor is not None:
             sub.monitor.close(linger=0)
-        sub.poller = None
+
+    def _wake(self, sub: Subscription) -> None:
+        """The loop saw a socket's descriptor readable. libzmq's descriptor is a signal that its state may
+        have changed, and it stays readable until the socket processes its commands: reading ``EVENTS``
+        does that (else the loop would call this again on every turn while the subscription is busy or
+        paced). A subscription waiting for its next live batch has it applied right here when it is the
+        plain case (`_apply_ready`); anything else wakes the subscription's task to handle it."""
+        rx, mon = sub.rx, sub.mon_rx
+        if rx is None or mon is None:
+            return
+        try:
+            ready = rx.get(_EVENTS) & _POLLIN and not mon.get(_EVENTS) & _POLLIN
+        except zmq.ZMQError:
+            ready = False  # the task finds out why
+        w = sub.waiter
+        if w is None or w.done():
+            return  # the task is busy (it reads the socket itself next) or gone
+        if ready and self._apply_ready(sub):
+            return  # nothing left for the task: it sleeps on, its waiter still set
+        sub.waiter = None
+        w.set_result(None)
+
+    def _apply_ready(self, sub: Subscription) -> bool:
+        """Apply the live batches queued on an idle subscription's SUB here, in the loop's callback, while
+        each is the plain case: the next batch in order, with no warm-up, replay, rebuild, reconnect or
+        pending message in the way. What `_run` would do with them, without resuming its task per batch,
+        which at 10 batches/s per worker (one batch per wake-up) cost about as much as applying it.
+
+        True: the queue is empty and the task may sleep on. False: the task must run: a message it must
+        handle itself is in ``sub.pending``, a pause is due (``sub.pause``), the turn budget is spent with
+        batches still queued, the monitor saw the peer go, or the socket failed."""
+        rx, mon = sub.rx, sub.mon_rx
+        assert rx is not None and mon is not None
+        turn = time.perf_counter()
+        try:
+            while True:
+                if sub.need_warm or sub.verify or sub.rewarm_at is not None or sub.reconnected:
+                    return False
+                try:
+                    frames = rx.recv_multipart(_NOBLOCK)
+                except zmq.Again:
+                    return True
+                parsed = split_live_frames(frames)
+                if parsed is None or not self._in_order(sub, parsed[1]):
+                    sub.pending = frames
+                    return False
+                started = time.perf_counter()
+                try:
+                    self._apply_live(sub, parsed[1], parsed[2])
+                except Exception:  # never let one message kill the subscriber
+                    log.exception("kv events from %s: unexpected failure handling a message", sub.label)
+                    self.idx.count_garbage_frames(sub.worker_id)
+                now = time.perf_counter()
+                if self.pace is not None and (pause := self.pace(sub.worker_id, now - started)):
+                    sub.pause = pause
+                    return False
+                if mon.get(_EVENTS) & _POLLIN:
+                    return False
+                if not rx.get(_EVENTS) & _POLLIN:
+                    return True
+                if now - turn > self.turn_budget_s:
+                    return False  # more is queued: the task drains it, yielding between turns
+        except zmq.ZMQError:
+            return False
+
+    @staticmethod
+    def _in_order(sub: Subscription, seq: int) -> bool:
+        """Whether live batch ``seq`` is the plain case `_on_message` applies straight away (no restart, gap,
+        duplicate, warm-up recheck or rebuild to handle first)."""
+        if sub.recheck and sub.applied is None:
+            return False
+        if sub.last_live is not None and seq <= sub.last_live:
+            return False
+        return sub.applied is None or seq == sub.applied + 1
+
+    def _apply_live(self, sub: Subscription, seq: int, payload: bytes) -> None:
+        """`_on_message` for a batch `_in_order` accepted."""
+        st = sub.stats
+        st.last_message_monotonic = time.monotonic()
+        st.messages += 1
+        st.stale = False
+        st.silent = False
+        sub.last_live = seq
+        self._apply(sub, seq, payload)
 
     async def _reconnect(self, sub: Subscription) -> None:
         """The SUB's peer went away (a restarted engine, or libzmq dropped it for exceeding ZMQ_MAXMSGSIZE,
@@ -444,30 +549,51 @@ class SubscriberManager:
     async def _receive(self, sub: Subscription) -> list[bytes] | None:
         """The next live message, or None when the loop has something else to do first: the SUB's peer went
         away (the socket is recreated here), or the rewarm timer is due.  A queued message is read without
-        waiting; waiting is a poll, so waking for the timer never loses a message."""
-        assert sub.sock is not None and sub.monitor is not None and sub.poller is not None
-        if sub.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        waiting; waiting is on the sockets' descriptors, so waking for the timer never loses a message."""
+        rx, mon = sub.rx, sub.mon_rx
+        if rx is None or mon is None:  # closed under the task (`_stop` after its cancel went unheard)
+            raise zmq.ZMQError(zmq.ENOTSOCK)
+        if mon.get(_EVENTS) & _POLLIN:
             await self._drain_monitor_and_reconnect(sub)
             return None
-        with contextlib.suppress(zmq.Again):
-            return await sub.sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
-        timeout = None if sub.rewarm_at is None else max(1, int((sub.rewarm_at - time.monotonic()) * 1000) + 1)
-        await sub.poller.poll(timeout)
+        if rx.get(_EVENTS) & _POLLIN:
+            with contextlib.suppress(zmq.Again):
+                return rx.recv_multipart(_NOBLOCK)
+        timeout = None if sub.rewarm_at is None else max(0.001, sub.rewarm_at - time.monotonic() + 0.001)
+        await self._wait(sub, timeout)
+        if sub.pause:  # a batch `_wake` applied put the worker over its budget
+            pause, sub.pause = sub.pause, 0.0
+            await asyncio.sleep(pause)
         return None
 
+    async def _wait(self, sub: Subscription, timeout: float | None) -> None:
+        """Until `_wake` sees either socket's descriptor readable (or `timeout` seconds). The caller has just
+        read both sockets' ``EVENTS`` (which consumes libzmq's pending signal), so anything that arrives
+        after that signals the descriptor again: no message is missed between the check and the wait."""
+        assert sub.loop is not None
+        w = sub.waiter = sub.loop.create_future()
+        timer = None if timeout is None else sub.loop.call_later(timeout, _done, w)
+        try:
+            await w
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if sub.waiter is w:
+                sub.waiter = None
+
     async def _drain_monitor_and_reconnect(self, sub: Subscription) -> None:
-        assert sub.monitor is not None
+        assert sub.mon_rx is not None
         with contextlib.suppress(zmq.Again):
             while True:
-                await sub.monitor.recv_multipart(flags=zmq.NOBLOCK)
+                sub.mon_rx.recv_multipart(_NOBLOCK)
         await self._reconnect(sub)
 
     def _peek(self, sub: Subscription) -> int | None:
         """The seq of the next live message, read from the SUB without waiting and kept in ``sub.pending``
         for the receive loop: where a replay in progress may stop (the live stream goes on from there)."""
-        if sub.pending is None and sub.sock is not None and not sub.sock.closed:
+        if sub.pending is None and sub.rx is not None and not sub.rx.closed:
             try:
-                sub.pending = sub.sock.recv_multipart(flags=zmq.NOBLOCK, copy=True).result()
+                sub.pending = sub.rx.recv_multipart(_NOBLOCK)
             except zmq.ZMQError:
                 return None
         parsed = split_live_frames(sub.pending) if sub.pending is not None else None

@@ -61,7 +61,7 @@ class Subscription:
     """One KV-event stream of a worker: its socket and tasks (owned by the manager) and its sequence
     bookkeeping (shared by the live stream and the replay protocol)."""
 
-    __slots__ = ("worker_id", "source", "sock", "task", "monitor", "poller", "stats", "last_live", "applied", "digest",
+    __slots__ = ("worker_id", "source", "sock", "task", "monitor", "rx", "mon_rx", "loop", "fds", "waiter", "pause", "stats", "last_live", "applied", "digest",
                  "gen", "need_warm", "recheck", "rewarm_at", "rewarm", "gap_warned_at", "gaps_unwarned", "pending",
                  "reconnected", "verify")
 
@@ -71,7 +71,15 @@ class Subscription:
         self.sock: zmq.asyncio.Socket | None = None
         self.task: asyncio.Task[None] | None = None
         self.monitor: zmq.asyncio.Socket | None = None  # the SUB's disconnect events (a new socket on each)
-        self.poller: zmq.asyncio.Poller | None = None  # the SUB and its monitor: what the receive loop waits on
+        # synchronous shadows of the SUB and its monitor, what the receive loop reads (kvindex/subscriber.py
+        # `_open_socket` says why), the loop their descriptors `fds` are registered with, and the future a
+        # waiting receive sleeps on until either descriptor is readable
+        self.rx: zmq.Socket | None = None
+        self.mon_rx: zmq.Socket | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.fds: tuple[int, ...] = ()
+        self.waiter: asyncio.Future[None] | None = None
+        self.pause = 0.0  # seconds to pause before reading again: set where a batch is applied off the task
         self.stats = SubscriberStats(endpoint=source.endpoint, rank=source.rank)
         self.last_live: int | None = None  # last seq seen on the SUB socket (restart detection)
         self.applied: int | None = None  # last seq applied from any source (gap detection, dedup)
