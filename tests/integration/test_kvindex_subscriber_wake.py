@@ -5,7 +5,9 @@ and the pacing budget, without re-registering a descriptor or resuming the subsc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -30,6 +32,21 @@ async def _chain(w: FakeWorker, n: int, *, first: int = 1) -> int:
     return seq
 
 
+@contextlib.asynccontextmanager
+async def _subscribed(ctx: Any, **manager_kw: Any) -> AsyncIterator[tuple[KvIndex, SubscriberManager, FakeWorker]]:
+    """An index, its subscriber manager and one fake worker "w", subscribed and in sync; closed after."""
+    idx = KvIndex(default_block_size=BS)
+    mgr = SubscriberManager(idx, zmq_context=ctx, **manager_kw)
+    w = FakeWorker(ctx)
+    try:
+        await mgr.add("w", w.endpoint)
+        await w.sync(mgr, "w")
+        yield idx, mgr, w
+    finally:
+        await mgr.close()
+        w.close()
+
+
 def _reference(w: FakeWorker) -> KvIndex:
     """The index the published batches make when applied directly, in order."""
     ref = KvIndex(default_block_size=BS)
@@ -42,12 +59,7 @@ def _reference(w: FakeWorker) -> KvIndex:
 async def test_a_burst_is_applied_whole_and_in_order_whatever_the_turn_budget(ctx, turn_budget_s):
     # 1e-6: every batch spends the budget, so the loop callback hands each remaining burst to the task, which
     # yields between turns: the two paths alternate and must not drop, repeat or reorder a batch
-    idx = KvIndex(default_block_size=BS)
-    mgr = SubscriberManager(idx, zmq_context=ctx, turn_budget_s=turn_budget_s)
-    w = FakeWorker(ctx)
-    try:
-        await mgr.add("w", w.endpoint)
-        await w.sync(mgr, "w")
+    async with _subscribed(ctx, turn_budget_s=turn_budget_s) as (idx, mgr, w):
         seq = await _chain(w, N)
         await until_async(lambda: mgr.stats("w").last_seq == seq, timeout=20)
         st = mgr.stats("w")
@@ -55,29 +67,21 @@ async def test_a_burst_is_applied_whole_and_in_order_whatever_the_turn_budget(ct
         assert idx.engine_hashes("w") == _reference(w).engine_hashes("w") == set(range(1, N + 1))
         assert idx.stats("w").skipped_unknown_parent == 0
         assert idx.overlap(block(0) + [0]) == {"w": 1}
-    finally:
-        await mgr.close()
-        w.close()
 
 
 async def test_plain_batches_are_applied_without_resuming_the_task_and_a_gap_still_goes_to_it(ctx, monkeypatch):
     # resuming the subscription's task for every batch (a Future, a task step and a second trip through the
     # selector) cost about as much as applying the batch at 10 batches/s per worker; the next batch in order
     # is applied from the loop's callback, anything else (here a gap) is still the task's `_on_message`
-    idx = KvIndex(default_block_size=BS)
-    mgr = SubscriberManager(idx, zmq_context=ctx)
-    w = FakeWorker(ctx)
     on_message: list[int] = []
-    orig = mgr._on_message
+    async with _subscribed(ctx) as (idx, mgr, w):
+        orig = mgr._on_message
 
-    async def counting(sub: Any, frames: Any) -> None:
-        on_message.append(1)
-        await orig(sub, frames)
+        async def counting(sub: Any, frames: Any) -> None:
+            on_message.append(1)
+            await orig(sub, frames)
 
-    monkeypatch.setattr(mgr, "_on_message", counting)
-    try:
-        await mgr.add("w", w.endpoint)
-        await w.sync(mgr, "w")
+        monkeypatch.setattr(mgr, "_on_message", counting)
         before = len(on_message)
         seq = 0
         for i in range(50):  # one at a time: each one a wait and a wake-up
@@ -90,9 +94,6 @@ async def test_plain_batches_are_applied_without_resuming_the_task_and_a_gap_sti
         await until_async(lambda: mgr.stats("w").last_seq == seq)
         assert len(on_message) == before + 1
         assert mgr.stats("w").gaps == 1 and idx.engine_hashes("w") == set()  # no replay endpoint: cleared
-    finally:
-        await mgr.close()
-        w.close()
 
 
 async def test_a_worker_over_its_pacing_budget_is_paused_even_when_applied_off_its_task(ctx):
@@ -106,12 +107,7 @@ async def test_a_worker_over_its_pacing_budget_is_paused_even_when_applied_off_i
         pause, debt[0] = debt[0], 0.0
         return pause
 
-    idx = KvIndex(default_block_size=BS)
-    mgr = SubscriberManager(idx, zmq_context=ctx, pace=pace)
-    w = FakeWorker(ctx)
-    try:
-        await mgr.add("w", w.endpoint)
-        await w.sync(mgr, "w")
+    async with _subscribed(ctx, pace=pace) as (idx, mgr, w):
         n0 = len(charged)
         debt[0] = 0.4
         first = await w.publish([stored_event([1], None, block(0), BS)])
@@ -126,6 +122,3 @@ async def test_a_worker_over_its_pacing_budget_is_paused_even_when_applied_off_i
         await until_async(lambda: mgr.stats("w").last_seq == seq, timeout=5)
         assert idx.engine_hashes("w") == set(range(1, 7))
         assert len(charged) == n0 + 6
-    finally:
-        await mgr.close()
-        w.close()
