@@ -92,7 +92,7 @@ def _norm_hashes(raw: object) -> list[int]:
 
 
 def _check_medium(medium: object) -> None:
-    if medium is None:
+    if medium is None or medium == "GPU":  # the spelling every engine sends: no case fold per event
         return
     if type(medium) is not str:
         raise _Garbage("medium is not a string")
@@ -336,9 +336,7 @@ def _stored(ev: dict, counters: DecodeCounters) -> BlockStored:
         raise _Garbage("bigram token_ids are not pairs")
     parent = g("parent_block_hash")
     par = None if parent is None else _norm_hash(parent)
-    medium = g("medium")
-    if medium != "GPU":  # (the spelling every engine sends, checked without the case fold)
-        _check_medium(medium)
+    _check_medium(g("medium"))
     _check_group(g("group_idx"))
     if len(tokens) != block_size * len(hs):  # type: ignore[arg-type]
         raise _Skip("skipped_length")

@@ -382,13 +382,18 @@ class SubscriberManager:
             return False
         return sub.applied is None or seq == sub.applied + 1
 
-    def _apply_live(self, sub: Subscription, seq: int, payload: bytes) -> None:
-        """`_on_message` for a batch `_in_order` accepted."""
+    @staticmethod
+    def _count_message(sub: Subscription) -> None:
+        """A live message arrived: the stream is fresh again, whatever the message turns out to be."""
         st = sub.stats
         st.last_message_monotonic = time.monotonic()
         st.messages += 1
         st.stale = False
         st.silent = False
+
+    def _apply_live(self, sub: Subscription, seq: int, payload: bytes) -> None:
+        """`_on_message` for a batch `_in_order` accepted."""
+        self._count_message(sub)
         sub.last_live = seq
         self._apply(sub, seq, payload)
 
@@ -627,11 +632,8 @@ class SubscriberManager:
             sub.gaps_unwarned += 1
 
     async def _on_message(self, sub: Subscription, frames: list[bytes]) -> None:
+        self._count_message(sub)
         st = sub.stats
-        st.last_message_monotonic = time.monotonic()
-        st.messages += 1
-        st.stale = False
-        st.silent = False
         reconnected, sub.reconnected = sub.reconnected, False
         parsed = split_live_frames(frames)
         if parsed is None:
