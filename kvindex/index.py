@@ -110,11 +110,12 @@ class _Slot:
 
 
 class _Worker:
-    __slots__ = ("id", "block_size", "size_source", "cap", "max_ranks", "slots", "stats", "pred", "pred_gen",
-                 "n_blocks", "warned", "dialect", "held")
+    __slots__ = ("id", "number", "block_size", "size_source", "cap", "max_ranks", "slots", "stats", "pred",
+                 "pred_gen", "n_blocks", "warned", "dialect", "held")
 
-    def __init__(self, worker_id: str, block_size: int, cap: int, max_ranks: int) -> None:
+    def __init__(self, worker_id: str, block_size: int, cap: int, max_ranks: int, number: int) -> None:
         self.id = worker_id
+        self.number = number  # its place in `KvIndex.worker_numbers()` (a freed number is reused)
         self.block_size = block_size  # the size prompts are hashed with for predictions and block_size()
         self.size_source = "default"  # default | configured (server_info, /metrics) | events
         self.cap = cap
@@ -174,6 +175,10 @@ class KvIndex:
         self._workers: dict[str, _Worker] = {}
         self._slots: list[_Slot | None] = []
         self._free: list[int] = []
+        # per slot index, the number of the worker that owns it (-1: a freed slot); the walk's hot loop reads it
+        self._slot_numbers: list[int] = []
+        self._numbers: list[str] = []  # worker number -> id ("" = a freed number)
+        self._free_numbers: list[int] = []
         self._groups: dict[int, int] | None = None
         if registry is not None:
             register_index(self, registry)
@@ -186,7 +191,14 @@ class KvIndex:
     def _worker(self, worker_id: str) -> _Worker:
         w = self._workers.get(worker_id)
         if w is None:
-            w = _Worker(worker_id, self.default_block_size, self.max_blocks_per_worker, self.max_ranks_per_worker)
+            if self._free_numbers:
+                number = heapq.heappop(self._free_numbers)
+                self._numbers[number] = worker_id
+            else:
+                number = len(self._numbers)
+                self._numbers.append(worker_id)
+            w = _Worker(worker_id, self.default_block_size, self.max_blocks_per_worker, self.max_ranks_per_worker,
+                        number)
             self._workers[worker_id] = w
         return w
 
@@ -199,8 +211,10 @@ class KvIndex:
             else:
                 idx = len(self._slots)
                 self._slots.append(None)
+                self._slot_numbers.append(-1)
             s = _Slot(w, rank, block_size, idx)
             self._slots[idx] = s
+            self._slot_numbers[idx] = w.number
             w.slots[key] = s
             self._groups = None
         return s
@@ -223,8 +237,11 @@ class KvIndex:
         self._clear(w)
         for s in w.slots.values():
             self._slots[s.index] = None
+            self._slot_numbers[s.index] = -1
             heapq.heappush(self._free, s.index)
         w.slots.clear()
+        self._numbers[w.number] = ""
+        heapq.heappush(self._free_numbers, w.number)
         self._groups = None
 
     def clear_worker(self, worker_id: str, rank: int | None = None) -> None:
@@ -284,6 +301,15 @@ class KvIndex:
     def workers(self) -> list[str]:
         """Known worker ids."""
         return list(self._workers)
+
+    def worker_count(self) -> int:
+        """How many worker numbers are in use or free: the length `overlap_numbered` needs."""
+        return len(self._numbers)
+
+    def worker_numbers(self) -> list[str]:
+        """Worker ids by number ("" where a dropped worker's number is free): the places `overlap_numbered`
+        fills. A number stays a worker's until it is dropped; the lowest free one is reused first."""
+        return list(self._numbers)
 
     def stats(self, worker_id: str) -> WorkerStats:
         """The worker's mutable counters (creates the worker)."""
@@ -722,18 +748,18 @@ class KvIndex:
                     allowed |= sl.bit
         return allowed
 
-    def _record(self, res: dict[str, int], dead: int, count: int) -> None:
-        if count <= 0:
-            return
+    def _record(self, res: dict[str, int], drops: list[tuple[int, int]]) -> None:
+        """Per worker id, the best count of the walk's drops (a worker's best slot)."""
         slots = self._slots
-        while dead:
-            low = dead & -dead
-            s = slots[low.bit_length() - 1]
-            dead ^= low
-            if s is not None:
-                wid = s.worker.id
-                if count > res.get(wid, 0):
-                    res[wid] = count
+        for count, dead in drops:
+            while dead:
+                b = dead.bit_length() - 1  # the top bit: one shift, one xor (cheaper than isolating the lowest)
+                dead ^= 1 << b
+                s = slots[b]
+                if s is not None:
+                    wid = s.worker.id
+                    if count > res.get(wid, 0):
+                        res[wid] = count
 
     def overlap(
         self,
@@ -763,7 +789,8 @@ class KvIndex:
         for bs, gmask in self._group_masks().items():
             alive = gmask & allowed
             if alive and n_tok >= bs:
-                self._walk(_chain(token_ids, n_tok // bs, bs, root_seed(lora_name, salt)), alive, res, predicted)
+                self._record(res, self._walk(_chain(token_ids, n_tok // bs, bs, root_seed(lora_name, salt)), alive,
+                                             predicted))
         return res
 
     def overlap_hashes(
@@ -777,27 +804,52 @@ class KvIndex:
         alive = self._group_masks().get(block_size, 0) & self._allowed(workers)
         res: dict[str, int] = {}
         if alive:
-            self._walk(hashes, alive, res, predicted)
+            self._record(res, self._walk(hashes, alive, predicted))
         return res
 
-    def _walk(self, hashes: Iterable[int], alive: int, res: dict[str, int], predicted: bool = True) -> None:
-        """The one mask walk: AND each block's holders (real or predicted) into ``alive`` and record, for the
-        slots that drop out, how many leading blocks they held; stops when no candidate is left."""
+    def overlap_numbered(
+        self, hashes: Sequence[int], block_size: int, out: list[int], workers: Iterable[str] | None = None, *,
+        predicted: bool = True,
+    ) -> None:
+        """:meth:`overlap_hashes` into a dense list: ``out[n]`` is raised to the blocks held by the worker
+        numbered ``n`` (:meth:`worker_numbers`; ``out`` at least that long). Why: a shard answering for a
+        thousand workers then packs ``out`` as it is, instead of building and translating a dict per lookup."""
+        if self._pred_heap:
+            self._expire(self._clock())
+        alive = self._group_masks().get(block_size, 0) & self._allowed(workers)
+        if not alive:
+            return
+        numbers = self._slot_numbers
+        for count, dead in self._walk(hashes, alive, predicted):
+            while dead:
+                b = dead.bit_length() - 1
+                dead ^= 1 << b
+                k = numbers[b]
+                if k >= 0 and count > out[k]:
+                    out[k] = count
+
+    def _walk(self, hashes: Iterable[int], alive: int, predicted: bool = True) -> list[tuple[int, int]]:
+        """The one mask walk: AND each block's holders (real or predicted) into ``alive``; for the slots that
+        drop out, (how many leading blocks they held, their bits), in increasing count, zero counts left out;
+        stops when no candidate is left."""
         blocks_get = self._blocks.get
         pred_get = self._pred.get if predicted and self._pred else None
-        n = 0
-        for i, h in enumerate(hashes):
+        drops: list[tuple[int, int]] = []
+        i = -1
+        for i, h in enumerate(hashes):  # noqa: B007 (i is the walk's length after it)
             m = blocks_get(h, 0)
             if pred_get is not None:
                 m |= pred_get(h, 0)
             m &= alive
             if m != alive:
-                self._record(res, alive ^ m, i)
+                if i:
+                    drops.append((i, alive ^ m))
                 alive = m
                 if not alive:
-                    return
-            n = i + 1
-        self._record(res, alive, n)
+                    return drops
+        if i >= 0:
+            drops.append((i + 1, alive))
+        return drops
 
     # ------------------------------------------------------------ observability
     def media_dialect(self, worker_id: str) -> str | None:

@@ -26,6 +26,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Sequence
+from itertools import compress
 from typing import Any
 
 import orjson
@@ -65,6 +66,21 @@ class _Shard:
         self.workers: dict[str, list[list[Any]]] = {}  # what this picker wants the shard to index
         self.sizes: dict[str, int] = {}  # block sizes this picker learned over HTTP, re-sent on reconnect
         self.snapshots: dict[int, asyncio.Future[dict[str, Any]]] = {}
+
+    def set_meta(self, meta: wire.Meta) -> None:
+        self.meta = meta
+
+    def learn_size(self, address: str, n: int) -> None:
+        self.sizes[address] = n
+
+    def forget(self, address: str) -> None:
+        self.workers.pop(address, None)
+        self.sizes.pop(address, None)
+
+    def block_size(self, address: str, default: int) -> int:
+        """What the shard's table says, else what this picker learned over HTTP, else the default."""
+        sizes = self.meta.block_sizes
+        return (sizes.get(address) if sizes else None) or self.sizes.get(address) or default
 
     def dial(self) -> socket.socket | None:
         if self.sock is not None:
@@ -145,6 +161,7 @@ class RemoteKv:
         self.m_dropped = Counter("epp_kv_ingest_predictions_dropped", "Predictions not sent: the shard was "
                                  "down or its control stream backlogged", registry=reg)
         self._results = {r: self.m_lookups.labels(r) for r in ("ok", "unavailable", "timeout")}
+        self._size_of: dict[str, int] = {}  # block_size's answers until a table or a learned size changes
         self.counts = dict.fromkeys(self._results, 0)  # the same, readable (bench, tests, /debug/kv)
         registry.subscribe(self._on_change)
 
@@ -174,15 +191,16 @@ class RemoteKv:
                 sh.writer.close()
 
     def _shard(self, address: str) -> _Shard:
-        return self.shards[wire.shard_of(address, len(self.shards))]
+        shards = self.shards
+        return shards[0] if len(shards) == 1 else shards[wire.shard_of(address, len(shards))]
 
     # ------------------------------------------------------------------ workers
     def _on_change(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
         touched: set[int] = set()
         for ep in removed:
             sh = self._shard(ep.address)
-            sh.workers.pop(ep.address, None)
-            sh.sizes.pop(ep.address, None)
+            sh.forget(ep.address)
+            self._size_of.pop(ep.address, None)
             self._lora.drop(ep.address)
             touched.add(sh.index)
         for ep in added:
@@ -207,7 +225,8 @@ class RemoteKv:
             return
         if n is not None:
             sh = self._shard(address)
-            sh.sizes[address] = n
+            sh.learn_size(address, n)
+            self._size_of.pop(address, None)
             sh.send(wire.T_BLOCK_SIZE, orjson.dumps([address, n]))
         adapters = await fetch_served_adapters(address)
         if adapters and address in self._registry:
@@ -229,10 +248,10 @@ class RemoteKv:
             self._shard(address).send(wire.T_RESYNC, orjson.dumps(address))
 
     def block_size(self, address: str) -> int:
-        sh = self._shard(address)
-        sizes = sh.meta.block_sizes
-        n = sizes.get(address) if sizes else None
-        return n or sh.sizes.get(address) or self.default_block_size
+        n = self._size_of.get(address)  # a decision asks for each candidate: one dict lookup when known
+        if n is None:
+            n = self._size_of[address] = self._shard(address).block_size(address, self.default_block_size)
+        return n
 
     def warm(self, address: str) -> bool:
         """The shard has applied the worker's first batch (replay included): readiness waits for it."""
@@ -297,7 +316,7 @@ class RemoteKv:
                 buf = s.recv(wire.SEQPACKET_BUFFER)
                 if not buf:
                     raise ConnectionResetError
-                rid, version, meta, entries = wire.unpack_answer(buf)
+                rid, version, meta, counts = wire.unpack_answer(buf)
                 if rid != req:
                     raise ValueError("answer to another request")
             except TimeoutError:
@@ -309,15 +328,18 @@ class RemoteKv:
                 self._count("unavailable")
                 continue
             if meta is not None:
-                sh.meta = wire.Meta.decode(version, meta)
+                sh.set_meta(wire.Meta.decode(version, meta))
+                self._size_of = {}
             self._count("ok")
-            names = sh.meta.workers
-            for i in range(0, len(entries), 2):
-                k = entries[i]
-                if k < len(names):
-                    w = names[k]
-                    if w in wanted and entries[i + 1] > out.get(w, 0):
-                        out[w] = entries[i + 1]
+            # the workers that hold any, in C: a thousand rows cost no Python loop here (rows past the table a
+            # picker holds belong to workers added since its copy: they wait for the next one)
+            got = dict(compress(zip(sh.meta.workers, counts, strict=False), counts))
+            if not out and wanted.issuperset(got):
+                out = got
+            else:
+                for w, n in got.items():
+                    if w in wanted and n > out.get(w, 0):
+                        out[w] = n
         return out
 
     def _count(self, result: str) -> None:
@@ -373,7 +395,8 @@ class RemoteKv:
                     if kind == wire.T_META:
                         version = int.from_bytes(body[:4], "little")
                         if version != sh.meta.version:
-                            sh.meta = wire.Meta.decode(version, body[4:])
+                            sh.set_meta(wire.Meta.decode(version, body[4:]))
+                            self._size_of = {}
                     elif kind == wire.T_SNAPSHOT_ANSWER:
                         d = orjson.loads(body)
                         fut = sh.snapshots.pop(d.get("id"), None)

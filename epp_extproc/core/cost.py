@@ -58,8 +58,9 @@ class Candidate:
 
 
 def compute_cost(c: Candidate, p: CostParams) -> float:
-    prefill = c.load.prefill_blocks + c.prompt_blocks - p.overlap_credit * (c.overlap_blocks - c.overlap_discount)
-    return (p.prefill_load_scale * max(prefill, 0.0) + c.load.decode_blocks + c.load.unbooked_blocks
+    load = c.load
+    prefill = load.prefill_blocks + c.prompt_blocks - p.overlap_credit * (c.overlap_blocks - c.overlap_discount)
+    return (p.prefill_load_scale * (prefill if prefill > 0.0 else 0.0) + load.decode_blocks + load.unbooked_blocks
             + c.eviction_penalty)
 
 
@@ -97,16 +98,25 @@ def choose_bounded(candidates: Sequence[Candidate], params: CostParams, bound: f
     as the ceiling does in the unit-load rule); ties, and a request no such worker holds any of, by the cost
     (`choose`). The least-loaded worker is never above the average, so the bound always leaves a choice.
     Fills in every candidate's cost, as `choose` does, for /debug/score."""
+    # two passes over the candidates and nothing else per candidate: a large pool has a thousand of them
     held = []
     for c in candidates:
         c.cost = compute_cost(c, params)
         held.append(held_load(c))
     ceiling = (1.0 + bound) * sum(held) / len(candidates)
-    fits = [c for c, h in zip(candidates, held, strict=True) if h <= ceiling + max(c.prompt_blocks, 1.0)]
-    best = max(c.overlap_blocks - c.overlap_discount for c in fits)
+    best = 0.0
+    ties: list[Candidate] = []
+    for c, h in zip(candidates, held, strict=True):
+        slack = c.prompt_blocks if c.prompt_blocks > 1.0 else 1.0
+        if h <= ceiling + slack:
+            effective = c.overlap_blocks - c.overlap_discount
+            if effective > best:
+                best, ties = effective, [c]
+            elif effective == best and best > 0:
+                ties.append(c)
     if best <= 0:
         return _least_cost(candidates, params, rng)
-    return _least_cost([c for c in fits if c.overlap_blocks - c.overlap_discount == best], params, rng)
+    return _least_cost(ties, params, rng)
 
 
 def eligible(addresses: Sequence[str], subset: Sequence[str] | None) -> list[str]:

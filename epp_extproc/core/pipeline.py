@@ -397,9 +397,10 @@ class Pipeline:
             plan.prompt = self.kv.prompt(plan.tokens, self._identity(plan))
         overlaps = self.kv.overlap(plan.prompt, addresses)
         n = plan.prompt_tokens or len(plan.tokens)
+        block_size, overlap = self.kv.block_size, overlaps.get  # once per candidate: a thousand in a large pool
         for c in cands:
-            c.prompt_blocks = n / self.kv.block_size(c.address)
-            c.overlap_blocks = overlaps.get(c.address, 0)
+            c.prompt_blocks = n / block_size(c.address)
+            c.overlap_blocks = overlap(c.address, 0)
         if self.eviction is not None:
             self.eviction.apply(cands)
         return cands

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import select
 import socket
 import struct
 import threading
@@ -52,6 +53,7 @@ MAX_PREDICTION_HASHES = 8192  # as replica sync: a longer prediction is cut
 MAX_PREDICTION_TTL_S = 60.0
 PARENT_CHECK_S = 1.0
 TURN_BUDGET_S = 0.001
+POLL_EVERY_S = 0.0002  # lookups="loop": how often, at most, the lookup descriptors are polled between batches
 LOOKUP_MODES = ("thread", "loop")
 
 Sources = tuple[tuple[str, str | None, int | None], ...]
@@ -135,15 +137,15 @@ class IngestShard:
         self.subscribers = SubscriberManager(self.index, topic=topic, zmq_context=self._zmq, pace=self._charge,
                                              turn_budget_s=TURN_BUDGET_S,
                                              between_batches=self.poll_lookups if lookups == "loop" else None)
-        self._conns: list[socket.socket] = []  # lookup connections served on the loop (lookups="loop")
+        self._conns: dict[int, socket.socket] = {}  # lookup connections served on the loop (lookups="loop")
+        self._ready = select.poll()  # the lookup socket and those connections, polled between batches
+        self._polled = 0.0
         self.prediction_lag = LagSamples()
         self.parent_pid = parent_pid
         self._clients: dict[str, dict[str, Sources]] = {}
         self._client_conns: dict[str, int] = {}  # live control connections per client id
         self._drop_at: dict[str, float] = {}  # client id -> when its set is dropped (disconnected)
         self._current: dict[str, Sources] = {}
-        self._rows: list[str] = []  # worker index in answers -> address ("" = a freed row)
-        self._row_of: dict[str, int] = {}
         self._meta_sig: object = None
         self._meta = b""
         self.meta_version = 1
@@ -170,6 +172,7 @@ class IngestShard:
         self._lookup_sock = s
         if self.lookup_mode == "loop":
             s.setblocking(False)
+            self._ready.register(s.fileno(), select.POLLIN)
             loop.add_reader(s.fileno(), self._accept_on_loop)
         else:
             threading.Thread(target=self._accept_lookups, name=f"ingest-{self.shard}-lookups", daemon=True).start()
@@ -185,7 +188,7 @@ class IngestShard:
         await cancel_and_wait(self._tasks)
         if self._control is not None:
             self._control.close()
-        for conn in list(self._conns):
+        for conn in list(self._conns.values()):
             self._drop_conn(conn)
         if self._lookup_sock is not None:
             if self.lookup_mode == "loop":
@@ -239,7 +242,7 @@ class IngestShard:
                     return
 
     # Lookups on the loop (lookups="loop"): the loop answers a connection when it becomes readable (the loop is
-    # idle or between turns) and, through `poll_lookups`, after every batch the subscribers apply, so a
+    # idle or between turns) and, through `poll_lookups`, between the batches the subscribers apply, so a
     # lookup never waits for a whole turn of a busy subscription, and no thread competes for the GIL.
     def _accept_on_loop(self) -> None:
         assert self._lookup_sock is not None
@@ -249,25 +252,36 @@ class IngestShard:
             return
         conn.setblocking(False)
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, wire.SEQPACKET_BUFFER)
-        self._conns.append(conn)
+        self._conns[conn.fileno()] = conn
+        self._ready.register(conn.fileno(), select.POLLIN)
         asyncio.get_running_loop().add_reader(conn.fileno(), self._drain, conn)
 
     def _drop_conn(self, conn: socket.socket) -> None:
-        if conn in self._conns:
-            self._conns.remove(conn)
+        fd = conn.fileno()
+        if self._conns.get(fd) is conn:
+            del self._conns[fd]
+            self._ready.unregister(fd)
             with contextlib.suppress(Exception):
-                asyncio.get_running_loop().remove_reader(conn.fileno())
+                asyncio.get_running_loop().remove_reader(fd)
         conn.close()
 
     def poll_lookups(self) -> None:
-        """Answer every lookup already waiting on any connection (a non-blocking read each)."""
+        """Answer the lookups waiting on any connection, and accept new connections, at most every
+        `POLL_EVERY_S` (one poll(2) of the lookup descriptors; a batch applies in ~50 us, so polling after
+        each would cost a system call per batch for nothing). Why here and not only from the selector: with
+        hundreds of busy subscriptions the loop reaches its selector only after a whole round of them, and a
+        picker whose lookup timed out reconnects (its late answers must not reach it), so waiting for the
+        selector would time out every lookup after the first miss."""
         started = time.perf_counter()
-        # a new connection too: with hundreds of busy subscriptions the loop reaches its selector only after a
-        # whole round of them, and a picker whose lookup timed out reconnects (its late answers must not reach
-        # it), so waiting for the selector to accept would time out every lookup after the first miss
-        self._accept_on_loop()
-        for conn in tuple(self._conns):  # (a closed one leaves the list)
-            self._drain(conn)
+        if started - self._polled < POLL_EVERY_S:
+            return
+        self._polled = started
+        for fd, _ in self._ready.poll(0):
+            conn = self._conns.get(fd)
+            if conn is not None:
+                self._drain(conn)
+            elif self._lookup_sock is not None and fd == self._lookup_sock.fileno():
+                self._accept_on_loop()
         self._lookup_s += time.perf_counter() - started
 
     def _charge(self, worker: str, spent_s: float) -> float:
@@ -305,24 +319,15 @@ class IngestShard:
         """Answer one lookup: per worker of this shard, its leading blocks over all the request's block sizes
         (a worker's figure is its best, as the in-process index's `overlap` takes it over its slots)."""
         req = wire.unpack_lookup(buf)
-        with self.index.lock:  # the index, the worker table and its version, all as of one instant
+        idx = self.index
+        with idx.lock:  # the index, the worker table and its version, all as of one instant
             self.lookups += 1
-            workers = None if req.workers is None else [w for w in req.workers if w in self._row_of]
-            best: dict[str, int] = {}
+            counts = [0] * idx.worker_count()  # the rows of the worker table are the index's worker numbers
             for bs, hashes in req.sections:
-                for w, n in self.index.overlap_hashes(hashes, bs, workers, predicted=req.predicted).items():
-                    if n > best.get(w, 0):
-                        best[w] = n
-            entries = array("I")
-            row = self._row_of
-            for w, n in best.items():
-                i = row.get(w)
-                if i is not None:
-                    entries.append(i)
-                    entries.append(n)
+                idx.overlap_numbered(hashes, bs, counts, req.workers, predicted=req.predicted)
             version = self.meta_version
             meta = self._meta if req.meta_version != version else None
-        return wire.pack_answer(req.req_id, version, meta, entries)
+        return wire.pack_answer(req.req_id, version, meta, array("I", counts))
 
     # ------------------------------------------------------------------ the worker table
     def _refresh_meta(self) -> None:
@@ -331,7 +336,7 @@ class IngestShard:
         idx = self.index
         with idx.lock:
             rows = [(w, idx.block_size(w) if w else 0, bool(w) and idx.stats(w).batches > 0,
-                     idx.media_dialect(w) if w else None) for w in self._rows]
+                     idx.media_dialect(w) if w else None) for w in idx.worker_numbers()]
             sizes = sorted(set(idx.block_sizes()) | {r[1] for r in rows if r[0]})
             sig = (tuple(rows), tuple(sizes))
             if sig == self._meta_sig:
@@ -385,24 +390,13 @@ class IngestShard:
                 self.index.drop_worker(addr)
                 self.pacer.forget(addr)
                 del self._current[addr]
-                with self.index.lock:
-                    i = self._row_of.pop(addr)
-                    self._rows[i] = ""
             for addr, sources in wanted.items():
                 if self._current.get(addr) == sources:
                     continue
                 if addr in self._current:
                     await self.subscribers.remove(addr)
                 self._current[addr] = sources
-                if addr not in self._row_of:
-                    with self.index.lock:
-                        free = self._rows.index("") if "" in self._rows else len(self._rows)
-                        if free == len(self._rows):
-                            self._rows.append(addr)
-                        else:
-                            self._rows[free] = addr
-                        self._row_of[addr] = free
-                self.index.add_worker(addr)
+                self.index.add_worker(addr)  # numbers it: its row in answers and the worker table
                 if sources:
                     await self.subscribers.add(addr, [KvSource(pub, replay, rank) for pub, replay, rank in sources])
             self._refresh_meta()

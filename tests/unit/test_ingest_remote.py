@@ -30,7 +30,7 @@ def scripted_shard(path: str, answers: list[bool], done: threading.Event) -> thr
             conns.append(conn)
             req = wire.unpack_lookup(conn.recv(1 << 20))
             if answer:
-                conn.send(wire.pack_answer(req.req_id, 7, META, array("I", [0, 2, 1, 1])))
+                conn.send(wire.pack_answer(req.req_id, 7, META, array("I", [2, 1])))
         done.wait(10)
         for c in conns:
             c.close()

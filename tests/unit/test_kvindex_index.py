@@ -221,6 +221,42 @@ def test_overlap_hashes_ignores_workers_of_another_block_size(idx):
     assert idx.overlap_hashes(block_hashes(toks(3), 8), 8) == {}
 
 
+def numbered(idx, hashes, bs=BS, workers=None, predicted=True):
+    out = [0] * len(idx.worker_numbers())
+    idx.overlap_numbered(hashes, bs, out, workers, predicted=predicted)
+    return {w: n for w, n in zip(idx.worker_numbers(), out, strict=True) if n}
+
+
+def test_numbered_overlap_is_the_same_figure_as_overlap_hashes_in_a_dense_list(idx):
+    import random
+
+    rng = random.Random(3)
+    for w in range(40):  # prefixes of one chain, holes, a second rank: what the walk has to get right
+        k = rng.randint(0, 12)
+        store(idx, f"w{w}", list(range(1, k + 1)), toks(k))
+        if w % 7 == 0:
+            store(idx, f"w{w}", [90, 91, 92, 93, 94], toks(5), rank=1)
+        if w % 5 == 0 and k > 2:
+            idx.apply_batch(f"w{w}", batch(removed_event([2])))
+    idx.predict("w3", toks(9) + [0], ttl_s=30)
+    hashes = block_hashes(toks(12), BS)
+    for predicted in (True, False):
+        for workers in (None, ["w1", "w3", "w14", "nobody"]):
+            assert numbered(idx, hashes, workers=workers, predicted=predicted) == idx.overlap_hashes(
+                hashes, BS, workers, predicted=predicted)
+
+
+def test_a_dropped_workers_number_is_freed_and_the_lowest_free_one_is_reused(idx):
+    for w in ("a", "b", "c"):
+        store(idx, w, [1], toks(1))
+    idx.drop_worker("b")
+    assert idx.worker_numbers() == ["a", "", "c"]
+    assert numbered(idx, block_hashes(toks(1), BS)) == {"a": 1, "c": 1}
+    store(idx, "d", [1, 2], toks(2))
+    assert idx.worker_numbers() == ["a", "d", "c"]
+    assert numbered(idx, block_hashes(toks(2), BS)) == {"a": 1, "d": 2, "c": 1}
+
+
 def test_each_dp_rank_is_indexed_separately_and_the_worker_gets_its_best_rank(idx):
     store(idx, "w", [1], toks(1), rank=0)
     store(idx, "w", [1, 2, 3], toks(3), rank=1)
