@@ -179,7 +179,7 @@ class PickerApp:
         if cfg.flow_control:
             flow = self.flow = FlowController(
                 # the destinations only: a disaggregated pool is saturated when its decode workers are
-                self.detector, lambda: [ep.address for ep in self.registry.routable() if ep.decodes],
+                self.detector, lambda: list(self.registry.destinations()),
                 ttl_s=cfg.flow_control_queue_ttl_s, max_queued=cfg.flow_control_max_queued_requests,
                 metrics=PromFlowMetrics(self.metrics))
             self.load.on_release(flow.dispatch)

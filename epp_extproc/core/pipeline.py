@@ -415,7 +415,7 @@ class Pipeline:
 
     def _eligible(self, ctx: RequestContext) -> list[str]:
         # a prefill-only worker is never a destination: it is named in x-prefiller-host-port (core/pd.py)
-        addresses = eligible([ep.address for ep in self.registry.routable() if ep.decodes], ctx.subset)
+        addresses = eligible(self.registry.destinations(), ctx.subset)
         if not addresses:
             if ctx.subset is not None:
                 raise PickError(Problem.NO_ENDPOINT, "no endpoint of the gateway's subset hint is available")
