@@ -20,6 +20,7 @@ from typing import Any
 
 from epp_extproc.app import PickerApp
 from epp_extproc.config import Config, ProcessSlot
+from epp_extproc.heap import freeze_startup_heap
 
 # What the three servers say when a bind fails: grpcio "Failed to bind to address 127.0.0.1:9003; ...",
 # h2grpc "cannot listen on 127.0.0.1:9002: ...", aiohttp "... bind on address ('127.0.0.1', 9091): ...".
@@ -92,6 +93,8 @@ async def serve(cfg: Config, prepare: Callable[[PickerApp], None] | None = None,
         if reason is None:
             raise
         raise ListenError(reason) from None
+    frozen = freeze_startup_heap()
+    logging.getLogger("epp_extproc").debug("start-up heap frozen: %d objects out of the collector's walks", frozen)
     first = await signals.get()
     await shutdown_grace_period(app, first, cfg.graceful_shutdown_grace_period_s, signals)
     logging.getLogger("epp_extproc").info("shutting down: draining for up to %.1fs", cfg.drain_timeout_s)

@@ -13,6 +13,8 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from epp_extproc.heap import freeze_startup_heap
+from epp_extproc.ingest.launcher import DEFAULT_LOOKUPS, LOOKUP_MODES
 from epp_extproc.ingest.server import IngestShard
 
 
@@ -26,8 +28,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--topic", default="")
     p.add_argument("--worker-cpu-share", type=float, default=0.1)
     p.add_argument("--parent-pid", type=int, default=None)
-    p.add_argument("--lookups", choices=("thread", "loop"), default="thread",
-                   help="answer lookups on threads or on the ingest loop between batches")
+    p.add_argument("--lookups", choices=LOOKUP_MODES, default=DEFAULT_LOOKUPS,
+                   help="answer lookups on the ingest loop between batches (default) or on threads")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -37,15 +39,20 @@ async def _main(args: argparse.Namespace) -> None:
                         max_blocks_per_worker=args.max_blocks_per_worker, topic=args.topic,
                         worker_cpu_share=args.worker_cpu_share, parent_pid=args.parent_pid,
                         lookups=args.lookups)
-    # lookups are answered on threads while the loop ingests: a thread waiting for the GIL gets it within
-    # half a millisecond instead of Python's default 5 ms
+    # with --lookups thread, lookups are answered on threads while the loop ingests: a thread waiting for the
+    # GIL gets it within half a millisecond instead of Python's default 5 ms
     sys.setswitchinterval(0.0005)
     task = asyncio.current_task()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, task.cancel)  # type: ignore[union-attr]
     with contextlib.suppress(asyncio.CancelledError):
-        await shard.serve_forever()
+        await shard.start()
+        try:
+            freeze_startup_heap()  # its full collections would stall lookups (epp_extproc/heap.py)
+            await asyncio.Event().wait()
+        finally:
+            await shard.close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
