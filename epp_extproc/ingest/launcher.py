@@ -23,6 +23,8 @@ from kvindex.backoff import Backoff
 
 log = logging.getLogger(__name__)
 
+LOOKUP_MODES = ("thread", "loop")  # where a shard answers lookups (`IngestShard`)
+DEFAULT_LOOKUPS = "loop"
 RESTART_INITIAL_S = 0.2
 RESTART_MAX_S = 10.0
 STABLE_S = 30.0
@@ -30,7 +32,7 @@ POLL_S = 0.2
 
 
 def shard_argv(directory: str, shard: int, shards: int, *, block_size: int, max_blocks_per_worker: int,
-               topic: str, worker_cpu_share: float, log_level: str = "INFO", lookups: str = "thread") -> list[str]:
+               topic: str, worker_cpu_share: float, log_level: str = "INFO", lookups: str = DEFAULT_LOOKUPS) -> list[str]:
     return [sys.executable, "-m", "epp_extproc.ingest", "--dir", directory, "--shard", str(shard),
             "--shards", str(shards), "--block-size", str(block_size), "--max-blocks-per-worker",
             str(max_blocks_per_worker), "--topic", topic, "--worker-cpu-share", str(worker_cpu_share),

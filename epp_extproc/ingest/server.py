@@ -1,10 +1,13 @@
 """One ingest shard: the ZeroMQ subscriptions, decoding and index of its workers, served to the pickers on its host.
 
 The process that answers Envoy no longer decodes a single KV event: it asks this one "how many leading blocks
-of these hashes does each worker hold?" over a Unix socket (see `wire.py`). Here the event loop ingests and
-lookups are answered on threads, under the index's lock: a lookup is one mask walk (O(prompt blocks)) and
-waits for the GIL (0.5 ms switch interval in this process) and at most one batch's apply, never for a round
-of the loop's subscriptions; the decision process never waits behind ingest at all.
+of these hashes does each worker hold?" over a Unix socket (see `wire.py`). By default lookups are answered on
+the ingest loop itself (`lookups="loop"`): when the loop waits, from the selector, and while it is busy, by a
+poll of the lookup descriptors between two applied batches (at most every `POLL_EVERY_S`), so a lookup waits
+for at most one batch's apply, with no GIL hand-off; a lookup is one mask walk (O(prompt blocks)). Threads
+(`lookups="thread"`) were the first design: a thread waits for the GIL (0.5 ms switch interval here) behind
+the ingest loop, which at 1,000 workers made the lookup p99 2-5 ms against 1.1-1.5 ms on the loop
+(bench/README.md, "Ingest apart"); they stay an option. The decision process never waits behind ingest.
 
 Sharding: shard k of K owns the workers whose `wire.shard_of(address, K)` is k; each shard is its own process
 with its own index, so K shards ingest on up to K cores and a flood in one shard costs the others nothing.
@@ -39,6 +42,7 @@ import zmq
 import zmq.asyncio
 
 from epp_extproc.ingest import wire
+from epp_extproc.ingest.launcher import DEFAULT_LOOKUPS, LOOKUP_MODES
 from epp_extproc.ingest.pacing import LagSamples, Pacer
 from kvindex.aio import cancel_and_wait
 from kvindex.events import DecodedBatch
@@ -53,8 +57,7 @@ MAX_PREDICTION_HASHES = 8192  # as replica sync: a longer prediction is cut
 MAX_PREDICTION_TTL_S = 60.0
 PARENT_CHECK_S = 1.0
 TURN_BUDGET_S = 0.001
-POLL_EVERY_S = 0.0002  # lookups="loop": how often, at most, the lookup descriptors are polled between batches
-LOOKUP_MODES = ("thread", "loop")
+POLL_EVERY_S = 0.0001  # lookups="loop": how often, at most, the lookup descriptors are polled between batches
 
 Sources = tuple[tuple[str, str | None, int | None], ...]
 
@@ -115,7 +118,7 @@ class IngestShard:
 
     def __init__(self, directory: str, shard: int = 0, shards: int = 1, *, block_size: int = 32,
                  max_blocks_per_worker: int = 1_000_000, topic: str = "", worker_cpu_share: float = 0.1,
-                 worker_burst_s: float = 0.05, parent_pid: int | None = None, lookups: str = "thread") -> None:
+                 worker_burst_s: float = 0.05, parent_pid: int | None = None, lookups: str = DEFAULT_LOOKUPS) -> None:
         """``lookups``: where lookups are answered: ``thread`` (a thread per connected picker, under the GIL
         and the index lock) or ``loop`` (on the ingest loop itself, between every two applied batches and
         whenever the loop waits: no GIL hand-off, at most one batch's apply to wait for)."""
