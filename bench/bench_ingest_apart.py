@@ -412,7 +412,8 @@ class Setup:
                     raise RuntimeError(f"ingest snapshot failed: {ing}")
             lags = [ing.get("batch_lag_s", {}) for ing in snap["ingest"]]
             lag = {q: max((x.get(q) or 0.0) for x in lags) for q in ("p50", "p99")}  # the worse shard's
-            return {"lag": lag, "batches": sum(w.get("batches", 0)
+            answer = {q: max((ing.get("answer_s", {}).get(q) or 0.0) for ing in snap["ingest"]) for q in ("p50", "p99")}
+            return {"lag": lag, "answer": answer, "batches": sum(w.get("batches", 0)
                                                                       for w in snap["workers"].values()),
                     "blocks": sum(w.get("blocks_indexed", 0) for w in snap["workers"].values())}
         return {"lag": self.lag.summary(), "batches": sum(self.kv.index.stats(a).batches for a in self.addresses),
@@ -530,6 +531,9 @@ async def run_scale(mode: str, n: int, path: Path, seconds: float, pin: bool) ->
         row["batches_per_s"] = round(batches / (res["elapsed_s"] + 0.3), 1)
         row["ingest_lag_p99_ms"] = _ms(stats1["lag"].get("p99"))
         row["ingest_lag_p50_ms"] = _ms(stats1["lag"].get("p50"))
+        if "answer" in stats1:  # the shard's own service time per lookup (its last 4,096): the rest is the channel
+            row["shard_answer_p50_ms"] = _ms(stats1["answer"]["p50"])
+            row["shard_answer_p99_ms"] = _ms(stats1["answer"]["p99"])
         if setup.apart:
             row["ingest_cpu_s_per_1000_batches"] = round(icpu / max(batches, 1) * 1000, 3)
             row["cpu_ms_per_decision"] = round(res["process_cpu_s"] / max(res["decisions"], 1) * 1000, 3)

@@ -141,7 +141,7 @@ def build_shared(n_workers: int, n_blocks: int, rng: random.Random) -> tuple[lis
         hs = [(w << 40) + i for i in range(k)]
         idx.apply_batch(f"w{w}", decode_payload(pack_batch([stored_event(hs, None, doc[: k * BS], BS)])))
         naive.workers[f"w{w}"] = dict(zip(base[:k], hs, strict=True))
-    assert len(idx._blocks) == n_blocks and ours
+    assert idx.unique_blocks() == n_blocks and ours
     return doc, idx, naive
 
 

@@ -12,6 +12,8 @@ freeze happens once per process, after a full collection, so no garbage is froze
 from __future__ import annotations
 
 import gc
+import time
+from collections.abc import Callable
 
 
 def freeze_startup_heap() -> int:
@@ -19,3 +21,37 @@ def freeze_startup_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+class Refreezer:
+    """Freezes the heap again once a burst of long-lived objects has settled: a new worker set (a thousand
+    subscriptions, sockets and tasks in an ingest shard) would otherwise be walked by every full collection,
+    20-30 ms each at 1,000 workers, long enough to stall a lookup. The refreeze unfreezes, collects and freezes
+    (so a removed worker's objects are not kept frozen), at most every `min_interval_s` and only once no change
+    came for `quiet_s`: one pause per change of the pool instead of one every few seconds."""
+
+    def __init__(self, *, quiet_s: float = 1.0, min_interval_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.quiet_s = quiet_s
+        self.min_interval_s = min_interval_s
+        self._clock = clock
+        self._changed_at: float | None = None
+        self._last = -min_interval_s
+        self.refreezes = 0
+
+    def changed(self) -> None:
+        """Long-lived objects were made (or dropped): refreeze once things are quiet."""
+        self._changed_at = self._clock()
+
+    def maybe(self) -> bool:
+        """Refreeze when due (call it from a periodic task); True when it did."""
+        now = self._clock()
+        if (self._changed_at is None or now - self._changed_at < self.quiet_s
+                or now - self._last < self.min_interval_s):
+            return False
+        self._changed_at = None
+        self._last = now
+        gc.unfreeze()
+        freeze_startup_heap()
+        self.refreezes += 1
+        return True

@@ -2,14 +2,17 @@
 
 Layout (chosen for lookup speed and memory, see the bench):
 
-* ``_blocks``: one dict ``our_hash -> int bitmask`` shared by all workers; bit ``i`` = worker slot ``i`` holds
-  the block.  ``overlap()`` walks the prompt's chain once, ANDing masks, and stops when no worker is left,
-  so a lookup is O(prompt blocks) whatever the number of workers.
+* ``_blocks``: ``our_hash -> int bitmask`` shared by all workers; bit ``i`` = worker slot ``i`` holds the
+  block.  ``overlap()`` walks the prompt's chain once, ANDing masks, and stops when no worker is left, so a
+  lookup is O(prompt blocks) whatever the number of workers.  It is split into ``PARTS`` dicts by the low bits
+  of the hash (``_blocks[h & PART_MASK]``): a CPython dict resizes (and, under store/remove churn, compacts) by
+  rebuilding its whole table, which at a million blocks stopped ingest for ~50 ms at a time, and every lookup
+  of a shard answering on its loop with it; a part holds 1/64 of the blocks, so does each pause.
 * per (worker, data-parallel rank) slot: an insertion-ordered dict ``engine_hash -> our_hash``.  Engine hashes
   are only needed to resolve ``parent_block_hash`` and to apply ``BlockRemoved``; the dict order doubles as the
   eviction order for the per-worker cap, so missed removals cannot grow the index forever.
 * predictions (blocks a request was just routed to, not yet confirmed by a ``BlockStored``) live in a second
-  ``hash -> bitmask`` dict, with a heap of expiries processed lazily at the start of each call.  A prediction
+  ``hash -> bitmask`` map, split the same way, with a heap of expiries processed lazily at the start of each call.  A prediction
   ends confirmed (a ``BlockStored`` of that block by the worker, any rank), cancelled (a ``BlockRemoved`` of it,
   a clear, the worker dropped) or expired.  A *held* prediction (:meth:`KvIndex.hold_hashes`, the picker's
   ``--prediction-lifetime queue``) does not expire while the request that made it has not been released
@@ -142,6 +145,8 @@ class PredictionHold:
     cap: float  # monotonic time past which the index forgets it whatever the request does
 
 
+PARTS = 64  # the block and prediction maps are split this many ways (see the module docstring)
+PART_MASK = PARTS - 1
 MAX_BLOCK_SIZES_PER_WORKER = 4  # a publisher inventing block sizes must not multiply its slots
 DEFAULT_MAX_RANKS = 64  # data-parallel ranks per worker accepted from the payload's rank field
 
@@ -168,8 +173,9 @@ class KvIndex:
         self.max_blocks_per_worker = max_blocks_per_worker
         self.max_ranks_per_worker = max_ranks_per_worker
         self._clock = clock
-        self._blocks: dict[int, int] = {}
-        self._pred: dict[int, int] = {}
+        self._blocks: list[dict[int, int]] = [{} for _ in range(PARTS)]  # our_hash -> mask, by h & PART_MASK
+        self._pred: list[dict[int, int]] = [{} for _ in range(PARTS)]  # predicted: the same, split the same way
+        self._n_pred = 0  # hashes with a prediction, over the parts (a lookup skips them all when 0)
         self._pred_heap: list[tuple[float, int, _Worker, int, tuple[int, ...]]] = []
         self._counter = itertools.count()
         self._workers: dict[str, _Worker] = {}
@@ -270,9 +276,10 @@ class KvIndex:
                 self._clear_slot(s)
 
     def _clear_slot(self, s: _Slot) -> None:
-        blocks = self._blocks
+        parts = self._blocks
         keep = ~s.bit
         for h in s.engine.values():
+            blocks = parts[h & PART_MASK]
             m = blocks.get(h)
             if m is not None:
                 m &= keep
@@ -286,14 +293,15 @@ class KvIndex:
 
     def _clear_predictions(self, w: _Worker) -> None:
         w.stats.predictions_cancelled += len(w.pred)
-        pred = self._pred
+        parts = self._pred
         keep = ~self._pred_bit(w)
         for h in w.pred:
+            pred = parts[h & PART_MASK]
             m = pred.get(h, 0) & keep
             if m:
                 pred[h] = m
-            else:
-                pred.pop(h, None)
+            elif pred.pop(h, None) is not None:
+                self._n_pred -= 1
         w.pred.clear()
         w.held.clear()
         w.pred_gen += 1
@@ -459,7 +467,7 @@ class KvIndex:
                 # connected): its prefix tokens are unknown, so our hash cannot be computed; never guess
                 st.skipped_unknown_parent += 1
                 return
-        blocks = self._blocks
+        parts = self._blocks
         bit = slot.bit
         multi = slot.multi
         # a prediction is hashed in the worker's block size and confirmed by a store on any of its ranks: the
@@ -482,6 +490,7 @@ class KvIndex:
                     if prev == h:
                         continue
                     self._unref(slot, prev)
+                blocks = parts[h & PART_MASK]
                 m = blocks.get(h, 0)
                 if m & bit:
                     multi[h] = multi.get(h, 1) + 1
@@ -504,7 +513,7 @@ class KvIndex:
                                 "latest", w.id, w.dialect, ev.mm_dialect)
             w.dialect = ev.mm_dialect
         eng = slot.engine
-        blocks = self._blocks
+        parts = self._blocks
         bit = slot.bit
         multi = slot.multi
         for eh, h in zip(ev.block_hashes, chain_hashes_with_keys(ev.token_ids, ev.block_size, seed, ev.mm or ()),
@@ -516,6 +525,7 @@ class KvIndex:
                 if prev == h:
                     continue
                 self._unref(slot, prev)
+            blocks = parts[h & PART_MASK]
             m = blocks.get(h, 0)
             if m & bit:
                 multi[h] = multi.get(h, 1) + 1
@@ -534,7 +544,7 @@ class KvIndex:
                 else:
                     multi[h] = c - 1
                 return
-        blocks = self._blocks
+        blocks = self._blocks[h & PART_MASK]
         m = blocks.get(h)
         if m is not None:
             m &= ~slot.bit
@@ -609,19 +619,22 @@ class KvIndex:
             return
         exp = now + ttl_s
         bit = self._pred_bit(w)
-        blocks = self._blocks
-        pred = self._pred
+        blocks, pred = self._blocks, self._pred
         wpred = w.pred
         new: list[int] = []
         held = w.held
         for h in hashes:
-            if blocks.get(h, 0) & bit:
+            part = h & PART_MASK
+            if blocks[part].get(h, 0) & bit:
                 continue
             if not held or h not in held or wpred[h] < exp:  # a peer's ttl never shortens a held block
                 wpred[h] = exp
-            pb = pred.get(h, 0)
+            p = pred[part]
+            pb = p.get(h, 0)
             if not pb & bit:
-                pred[h] = pb | bit
+                p[h] = pb | bit
+                if not pb:
+                    self._n_pred += 1
             new.append(h)
         if new:
             heapq.heappush(self._pred_heap, (exp, next(self._counter), w, w.pred_gen, tuple(new)))
@@ -640,20 +653,23 @@ class KvIndex:
             return None
         cap = now + max_s
         bit = self._pred_bit(w)
-        blocks = self._blocks
-        pred = self._pred
+        blocks, pred = self._blocks, self._pred
         wpred = w.pred
         held = w.held
         new: list[int] = []
         for h in hashes:
-            if blocks.get(h, 0) & bit:
+            part = h & PART_MASK
+            if blocks[part].get(h, 0) & bit:
                 continue
             if wpred.get(h, 0.0) < cap:
                 wpred[h] = cap
             held[h] = held.get(h, 0) + 1
-            pb = pred.get(h, 0)
+            p = pred[part]
+            pb = p.get(h, 0)
             if not pb & bit:
-                pred[h] = pb | bit
+                p[h] = pb | bit
+                if not pb:
+                    self._n_pred += 1
             new.append(h)
         if not new:
             return None
@@ -712,12 +728,12 @@ class KvIndex:
         self._unpredict(w, h)
 
     def _unpredict(self, w: _Worker, h: int) -> None:
-        pred = self._pred
+        pred = self._pred[h & PART_MASK]
         m = pred.get(h, 0) & ~self._pred_bit(w)
         if m:
             pred[h] = m
-        else:
-            pred.pop(h, None)
+        elif pred.pop(h, None) is not None:
+            self._n_pred -= 1
 
     def _expire(self, now: float) -> None:
         heap = self._pred_heap
@@ -832,14 +848,15 @@ class KvIndex:
         """The one mask walk: AND each block's holders (real or predicted) into ``alive``; for the slots that
         drop out, (how many leading blocks they held, their bits), in increasing count, zero counts left out;
         stops when no candidate is left."""
-        blocks_get = self._blocks.get
-        pred_get = self._pred.get if predicted and self._pred else None
+        blocks = self._blocks
+        pred = self._pred if predicted and self._n_pred else None
         drops: list[tuple[int, int]] = []
         i = -1
         for i, h in enumerate(hashes):  # noqa: B007 (i is the walk's length after it)
-            m = blocks_get(h, 0)
-            if pred_get is not None:
-                m |= pred_get(h, 0)
+            part = h & PART_MASK
+            m = blocks[part].get(h, 0)
+            if pred is not None:
+                m |= pred[part].get(h, 0)
             m &= alive
             if m != alive:
                 if i:
@@ -880,7 +897,7 @@ class KvIndex:
 
     def unique_blocks(self) -> int:
         """Distinct chain hashes held by at least one worker."""
-        return len(self._blocks)
+        return sum(map(len, self._blocks))
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-able state for the picker's ``/debug`` API."""
@@ -889,8 +906,8 @@ class KvIndex:
         out: dict[str, Any] = {
             "default_block_size": self.default_block_size,
             "max_blocks_per_worker": self.max_blocks_per_worker,
-            "unique_blocks": len(self._blocks),
-            "predicted_unique_blocks": len(self._pred),
+            "unique_blocks": self.unique_blocks(),
+            "predicted_unique_blocks": self._n_pred,
             "workers": {},
         }
         for wid, w in self._workers.items():

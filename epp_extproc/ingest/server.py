@@ -41,6 +41,7 @@ import orjson
 import zmq
 import zmq.asyncio
 
+from epp_extproc.heap import Refreezer
 from epp_extproc.ingest import wire
 from epp_extproc.ingest.launcher import DEFAULT_LOOKUPS, LOOKUP_MODES
 from epp_extproc.ingest.pacing import LagSamples, Pacer
@@ -144,6 +145,7 @@ class IngestShard:
         self._ready = select.poll()  # the lookup socket and those connections, polled between batches
         self._polled = 0.0
         self.prediction_lag = LagSamples()
+        self.answer_time = LagSamples()  # a lookup's service time here: the rest of a picker's wait is the channel
         self.parent_pid = parent_pid
         self._clients: dict[str, dict[str, Sources]] = {}
         self._client_conns: dict[str, int] = {}  # live control connections per client id
@@ -157,6 +159,7 @@ class IngestShard:
         self._writers: set[asyncio.StreamWriter] = set()  # the pickers' control streams: meta is pushed there
         self._lookup_sock: socket.socket | None = None
         self._control: asyncio.AbstractServer | None = None
+        self.refreezer = Refreezer()  # a new worker set's subscriptions out of the full collections' walks
         self.lookups = 0
         self.bad_requests = 0
         self.answers_dropped = 0
@@ -321,6 +324,7 @@ class IngestShard:
     def answer(self, buf: bytes) -> bytes:
         """Answer one lookup: per worker of this shard, its leading blocks over all the request's block sizes
         (a worker's figure is its best, as the in-process index's `overlap` takes it over its slots)."""
+        started = time.perf_counter()
         req = wire.unpack_lookup(buf)
         idx = self.index
         with idx.lock:  # the index, the worker table and its version, all as of one instant
@@ -330,7 +334,9 @@ class IngestShard:
                 idx.overlap_numbered(hashes, bs, counts, req.workers, predicted=req.predicted)
             version = self.meta_version
             meta = self._meta if req.meta_version != version else None
-        return wire.pack_answer(req.req_id, version, meta, array("I", counts))
+        answer = wire.pack_answer(req.req_id, version, meta, array("I", counts))
+        self.answer_time.add(time.perf_counter() - started)
+        return answer
 
     # ------------------------------------------------------------------ the worker table
     def _refresh_meta(self) -> None:
@@ -360,6 +366,7 @@ class IngestShard:
         while True:
             await asyncio.sleep(META_PERIOD_S)
             self._refresh_meta()
+            self.refreezer.maybe()
             now = time.monotonic()
             due = [c for c, t in self._drop_at.items() if t <= now]
             if due:
@@ -403,6 +410,7 @@ class IngestShard:
                 if sources:
                     await self.subscribers.add(addr, [KvSource(pub, replay, rank) for pub, replay, rank in sources])
             self._refresh_meta()
+            self.refreezer.changed()
 
     # ------------------------------------------------------------------ control
     async def _serve_control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -478,5 +486,7 @@ class IngestShard:
         snap["ingest"] = {"shard": self.shard, "shards": self.shards, "pid": os.getpid(), "lookups": self.lookups,
                           "bad_requests": self.bad_requests,
                           "lookup_mode": self.lookup_mode, "answers_dropped": self.answers_dropped, "batch_lag_s": self.index.batch_lag.summary(),
-                          "prediction_lag_s": self.prediction_lag.summary(), "meta_version": self.meta_version}
+                          "prediction_lag_s": self.prediction_lag.summary(), "answer_s": self.answer_time.summary(),
+                          "meta_version": self.meta_version,
+                          "heap_refreezes": self.refreezer.refreezes}
         return snap

@@ -332,14 +332,13 @@ def test_decoder_skips_are_accumulated_per_worker(idx):
 def test_lookup_stops_at_the_first_block_no_worker_holds(idx, monkeypatch):
     store(idx, "w", [1], toks(1))
     calls = []
-    real_get = idx._blocks.get
 
     class Spy(dict):
         def get(self, k, d=None):
             calls.append(k)
-            return real_get(k, d)
+            return super().get(k, d)
 
-    monkeypatch.setattr(idx, "_blocks", Spy(idx._blocks))
+    monkeypatch.setattr(idx, "_blocks", [Spy(part) for part in idx._blocks])
     idx.overlap(toks(100) + [0])
     assert len(calls) == 2
 
@@ -384,3 +383,30 @@ def test_salted_event_chains_match_salted_prompts_only(idx):
     store(idx, "w", [1, 2], toks(2), cache_salt="tenant-a")
     assert idx.overlap(toks(2) + [0], salt="tenant-a") == {"w": 2}
     assert idx.overlap(toks(2) + [0]) == {}
+
+
+def test_predicted_unique_blocks_follow_predictions_through_confirm_expiry_and_clear():
+    clock = FakeClock()
+    idx = KvIndex(default_block_size=BS, clock=clock)
+    predicted = lambda: idx.snapshot()["predicted_unique_blocks"]  # noqa: E731
+    idx.predict("a", toks(4) + [0], ttl_s=5)
+    idx.predict("b", toks(2) + [0], ttl_s=10)  # the same first two blocks: still 4 distinct hashes
+    assert predicted() == 4
+    store(idx, "a", [1], toks(1))  # a's first block confirmed; b still predicts it
+    assert predicted() == 4
+    clock.t += 6  # a's other three expire; b's two remain
+    idx.overlap(toks(1))
+    assert predicted() == 2
+    idx.clear_worker("b")
+    assert predicted() == 0
+    assert idx.overlap(toks(4) + [0]) == {"a": 1}
+
+
+def test_blocks_spread_over_the_parts_so_no_resize_moves_the_whole_index():
+    from kvindex.index import PARTS
+
+    idx = KvIndex(default_block_size=BS, max_blocks_per_worker=100_000)
+    store(idx, "w", list(range(1, 6401)), toks(6400))
+    sizes = [len(part) for part in idx._blocks]
+    assert sum(sizes) == idx.unique_blocks() == 6400
+    assert max(sizes) < 3 * 6400 / PARTS  # xxh3 spreads them: no part holds more than a few times its share
