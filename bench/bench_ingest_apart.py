@@ -63,7 +63,8 @@ CAP = 4096
 FLOOD_BATCHES = 20_000
 FLOOD_BLOCKS = 64
 _REC = struct.Struct("<IQI")  # worker, seq, payload length
-PLAYER_NICE = 19  # --pin: the player yields CPU 1 to the shard (see Player)
+PLAYER_NICE = 19  # --pin: the player yields its CPU to the shard or the decisions (see Player)
+PLAYER_CPU = [1]  # --pin: the player's CPU (--player-cpu): with the shard by default
 _TS_OFFSET = 2  # msgpack [ts, events, rank]: 0x93, 0xcb, then ts as big-endian float64
 
 
@@ -243,11 +244,11 @@ class Player:
                                       "--workers", str(n), "--play-dir", self.dir],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         if pin:
-            _pin(self.proc.pid, 1)
+            _pin(self.proc.pid, PLAYER_CPU[0])
         self.endpoints: list[str] = self._line()["endpoints"]
         if pin:  # its threads exist now: pin them all, and let the shard have CPU 1 whenever it wants it (the
             # player stands in for workers on other machines: on a real host it takes nothing from the picker)
-            _pin(self.proc.pid, 1)
+            _pin(self.proc.pid, PLAYER_CPU[0])
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, self.proc.pid, PLAYER_NICE)
                 for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
@@ -872,7 +873,7 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
         if not f.exists():
             record(n, f, seconds + 2, flood=(n == 8))
         files[n] = f
-    out: dict[str, Any] = {"bench": "ingest_apart", "quick": a.quick, "seconds": seconds, "pinned": a.pin,
+    out: dict[str, Any] = {"bench": "ingest_apart", "quick": a.quick, "seconds": seconds, "pinned": a.pin, "player_cpu": a.player_cpu if a.pin else None,
                            "cpus": os.cpu_count(), "python": sys.version.split()[0],
                            "load_avg_at_start": os.getloadavg(), "events": {str(n): str(f) for n, f in files.items()}}
     parts = a.parts.split(",")
@@ -922,6 +923,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scrape-rates", default="default",
                     help="scrape budgets to compare: default, off (none), or scrapes/s, comma-separated")
     ap.add_argument("--pin", action="store_true", help="measuring process on CPU 0, ingest and player on CPU 1")
+    ap.add_argument("--player-cpu", type=int, default=1,
+                    help="with --pin: the player's CPU (0: beside the decisions, leaving CPU 1 to the shard)")
     ap.add_argument("--process-modes", default="inprocess,apart", help="modes of the processes part")
     ap.add_argument("--process-sizes", default="256", help="pool sizes of the processes part (must be in --sizes)")
     ap.add_argument("--play", help=argparse.SUPPRESS)
@@ -948,6 +951,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.pin:
         _pin(os.getpid(), 0)
+        PLAYER_CPU[0] = a.player_cpu
     t = time.monotonic()
     out = asyncio.run(amain(a))
     out["wall_s"] = round(time.monotonic() - t, 1)
