@@ -32,7 +32,7 @@ from typing import Any
 import xxhash
 
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
-from kvindex.hashing import block_hashes, chain_hashes_with_keys, pack_tokens, root_seed
+from kvindex.hashing import block_chunks, block_hashes, chain_hashes_with_keys, pack_tokens, root_seed
 from kvindex.metrics import register_index
 
 log = logging.getLogger(__name__)
@@ -477,12 +477,10 @@ class KvIndex:
         if ev.mm is not None:  # a chain with media blocks: keyed with the engine's item keys (rare, not inlined)
             self._store_keyed(w, slot, ev, h, wpred)
         else:
-            step = bs * 4
-            mv = memoryview(ev.token_ids).cast("B")
-            off = 0
-            for eh in ev.block_hashes:
-                h = _xxh3(mv[off : off + step], h)
-                off += step
+            # the decoder checked that the tokens are exactly the blocks' (block_size x hashes)
+            for eh, (chunk,) in zip(ev.block_hashes, block_chunks(ev.token_ids, len(ev.block_hashes), bs),
+                                    strict=True):
+                h = _xxh3(chunk, h)
                 prev = setdefault(eh, h)
                 if prev is not h:  # engine hash already known (re-stored, or reused for other tokens)
                     del eng[eh]
