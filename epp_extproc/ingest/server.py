@@ -6,7 +6,7 @@ the ingest loop itself (`lookups="loop"`): when the loop waits, from the selecto
 poll of the lookup descriptors between two applied batches (at most every `POLL_EVERY_S`), so a lookup waits
 for at most one batch's apply, with no GIL hand-off; a lookup is one mask walk (O(prompt blocks)). Threads
 (`lookups="thread"`) were the first design: a thread waits for the GIL (0.5 ms switch interval here) behind
-the ingest loop, which at 1,000 workers made the lookup p99 2-5 ms against 1.1-1.5 ms on the loop
+the ingest loop, which at 1,000 workers made the lookup p99 5.0-5.6 ms against 1.9-2.3 ms on the loop
 (bench/README.md, "Ingest apart"); they stay an option. The decision process never waits behind ingest.
 
 Sharding: shard k of K owns the workers whose `wire.shard_of(address, K)` is k; each shard is its own process
