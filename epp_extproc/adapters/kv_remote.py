@@ -67,12 +67,6 @@ class _Shard:
         self.sizes: dict[str, int] = {}  # block sizes this picker learned over HTTP, re-sent on reconnect
         self.snapshots: dict[int, asyncio.Future[dict[str, Any]]] = {}
 
-    def set_meta(self, meta: wire.Meta) -> None:
-        self.meta = meta
-
-    def learn_size(self, address: str, n: int) -> None:
-        self.sizes[address] = n
-
     def forget(self, address: str) -> None:
         self.workers.pop(address, None)
         self.sizes.pop(address, None)
@@ -225,7 +219,7 @@ class RemoteKv:
             return
         if n is not None:
             sh = self._shard(address)
-            sh.learn_size(address, n)
+            sh.sizes[address] = n
             self._size_of.pop(address, None)
             sh.send(wire.T_BLOCK_SIZE, orjson.dumps([address, n]))
         adapters = await fetch_served_adapters(address)
@@ -250,7 +244,9 @@ class RemoteKv:
     def block_size(self, address: str) -> int:
         n = self._size_of.get(address)  # a decision asks for each candidate: one dict lookup when known
         if n is None:
-            n = self._size_of[address] = self._shard(address).block_size(address, self.default_block_size)
+            n = self._shard(address).block_size(address, self.default_block_size)
+            if address in self._registry:  # a peer's prediction may name any address: only the pool is kept
+                self._size_of[address] = n
         return n
 
     def warm(self, address: str) -> bool:
@@ -328,7 +324,7 @@ class RemoteKv:
                 self._count("unavailable")
                 continue
             if meta is not None:
-                sh.set_meta(wire.Meta.decode(version, meta))
+                sh.meta = wire.Meta.decode(version, meta)
                 self._size_of = {}
             self._count("ok")
             # the workers that hold any, in C: a thousand rows cost no Python loop here (rows past the table a
@@ -395,7 +391,7 @@ class RemoteKv:
                     if kind == wire.T_META:
                         version = int.from_bytes(body[:4], "little")
                         if version != sh.meta.version:
-                            sh.set_meta(wire.Meta.decode(version, body[4:]))
+                            sh.meta = wire.Meta.decode(version, body[4:])
                             self._size_of = {}
                     elif kind == wire.T_SNAPSHOT_ANSWER:
                         d = orjson.loads(body)

@@ -10,13 +10,13 @@ from array import array
 
 from epp_extproc.adapters.kv_remote import RemoteKv
 from epp_extproc.core.contract import PromptIdentity
-from epp_extproc.core.endpoints import EndpointRegistry
+from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.ingest import wire
 
 META = wire.encode_meta([("w:1", 4, True, None), ("v:2", 4, True, None)], [4])
 
 
-def scripted_shard(path: str, answers: list[bool], done: threading.Event) -> threading.Thread:
+def scripted_shard(path: str, answers: list[bool], done: threading.Event, meta: bytes = META) -> threading.Thread:
     """A shard that takes one connection per entry of `answers`: True answers its request (w:1 holds 2
     blocks, v:2 holds 1), False reads it and says nothing (a stalled shard)."""
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -30,7 +30,7 @@ def scripted_shard(path: str, answers: list[bool], done: threading.Event) -> thr
             conns.append(conn)
             req = wire.unpack_lookup(conn.recv(1 << 20))
             if answer:
-                conn.send(wire.pack_answer(req.req_id, 7, META, array("I", [2, 1])))
+                conn.send(wire.pack_answer(req.req_id, 7, meta, array("I", [2, 1])))
         done.wait(10)
         for c in conns:
             c.close()
@@ -76,3 +76,25 @@ def test_no_shard_means_no_overlap_and_a_count() -> None:
         kv = kv_at(d, 2.0)
         assert kv.overlap(kv.prompt(list(range(12)), PromptIdentity()), ["w:1"]) == {}
         assert kv.counts == {"ok": 0, "unavailable": 1, "timeout": 0}
+
+
+def test_a_block_size_follows_the_worker_table_that_arrives_after_it_was_asked() -> None:
+    with tempfile.TemporaryDirectory(prefix="epp-t-") as d:
+        done = threading.Event()
+        t = scripted_shard(wire.lookup_socket(d, 0), [True], done,
+                           meta=wire.encode_meta([("w:1", 16, True, None), ("v:2", 4, True, None)], [4, 16]))
+        kv = kv_at(d, 2.0)
+        kv._registry.replace([Endpoint("w", "w:1"), Endpoint("v", "v:2")])
+        assert kv.block_size("w:1") == 4  # nothing known yet: the default, asked by a decision
+        kv.overlap(kv.prompt(list(range(40)), PromptIdentity()), ["w:1", "v:2"])
+        assert kv.block_size("w:1") == 16  # the table the answer carried
+        done.set()
+        t.join(5)
+
+
+def test_addresses_outside_the_pool_get_the_default_block_size_and_are_not_kept() -> None:
+    with tempfile.TemporaryDirectory(prefix="epp-t-") as d:
+        kv = kv_at(d, 2.0)
+        for i in range(10_000):  # a peer's predictions may name any address
+            assert kv.block_size(f"10.9.{i // 250}.{i % 250}:8000") == 4
+        assert kv._size_of == {}
