@@ -939,15 +939,13 @@ def _per_rank(w: _Worker) -> dict[str, dict[str, int]]:
 def _chain(tokens: Sequence[int], nblocks: int, bs: int, seed: int) -> Iterator[int]:
     """Chained hashes of the prompt's first ``nblocks`` blocks, packed lazily in doubling chunks so a walk that
     stops early does not pay for packing the tail."""
-    step = bs * 4
     chunk = max(1, _FIRST_CHUNK_TOKENS // bs)
     h = seed
     i = 0
     while i < nblocks:
         j = min(nblocks, i + chunk)
-        mv = memoryview(pack_tokens(tokens[i * bs : j * bs])).cast("B")
-        for off in range(0, (j - i) * step, step):
-            h = _xxh3(mv[off : off + step], h)
+        for (piece,) in block_chunks(pack_tokens(tokens[i * bs : j * bs]), j - i, bs):
+            h = _xxh3(piece, h)
             yield h
         i = j
         chunk *= 2
