@@ -56,3 +56,40 @@ def test_with_every_endpoint_down_all_of_them_are_destinations_as_envoy_panics()
     reg.set_healthy("10.0.0.1:8000", False)
     reg.set_healthy("10.0.0.2:8000", False)
     assert reg.destinations() == ("10.0.0.1:8000", "10.0.0.2:8000")
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_refreeze_waits_for_the_pool_to_settle_and_comes_at_most_once_per_interval() -> None:
+    from epp_extproc.heap import Refreezer
+
+    clock = _Clock()
+    r = Refreezer(quiet_s=1.0, min_interval_s=30.0, clock=clock)
+    try:
+        assert not r.maybe()  # nothing changed
+        r.changed()
+        clock.t += 0.5
+        assert not r.maybe()  # not quiet yet
+        r.changed()
+        clock.t += 0.9
+        assert not r.maybe()  # the second change restarted the quiet period
+        clock.t += 0.2
+        garbage = _Cycle()
+        gone = weakref.ref(garbage)
+        del garbage
+        assert r.maybe() and r.refreezes == 1
+        assert gone() is None and gc.get_freeze_count() > 1000  # collected, then frozen
+        r.changed()
+        clock.t += 5
+        assert not r.maybe()  # quiet, but 30 s have not passed since the last one
+        clock.t += 30
+        assert r.maybe() and r.refreezes == 2
+        assert not r.maybe()  # done: nothing changed since
+    finally:
+        gc.unfreeze()
