@@ -726,14 +726,40 @@ def test_the_crd_versions_the_picker_asks_for_are_served_by_the_shipped_crds(crd
     assert REWRITE_VERSION in served(crds, REWRITE_GROUP, plural=REWRITE_PLURAL)
 
 
+def _crd(crds: list[dict[str, Any]], group: str, kind: str) -> dict[str, Any]:
+    (crd,) = [c for c in crds if c["spec"]["group"] == group and c["spec"]["names"]["kind"] == kind]
+    return crd
+
+
+@pytest.mark.parametrize("kind", ["InferenceObjective", "InferenceModelRewrite"])
+def test_the_llm_d_and_gaie_crds_of_a_kind_are_one_api_so_one_parser_reads_both(crds, kind):
+    """The picker reads both groups with the same code: same names, scope and versions, and the same schema
+    up to llm-d's one addition (InferenceObjective's `spec.priority` is `format: int32`)."""
+    new, old = _crd(crds, "llm-d.ai", kind), _crd(crds, "inference.networking.x-k8s.io", kind)
+    assert new["spec"]["names"] == old["spec"]["names"] and new["spec"]["scope"] == old["spec"]["scope"]
+    assert [v["name"] for v in new["spec"]["versions"]] == [v["name"] for v in old["spec"]["versions"]]
+    for nv, ov in zip(new["spec"]["versions"], old["spec"]["versions"], strict=True):
+        n_schema, o_schema = nv["schema"]["openAPIV3Schema"], ov["schema"]["openAPIV3Schema"]
+        if kind == "InferenceObjective":
+            prio = n_schema["properties"]["spec"]["properties"]["priority"]
+            assert prio.pop("format") == "int32"
+        assert n_schema == o_schema
+
+
 def test_shipped_crds_are_upstream_releases_named_in_the_crds_readme(crds):
     readme = (CRD_DIR / "README.md").read_text()
     files = sorted(CRD_DIR.glob("*.yaml"))
     assert files
     for path in files:
-        docs = [d for d in yaml.load_all(path.read_text(), Loader=yaml.CSafeLoader) if d]
+        text = path.read_text()
+        docs = [d for d in yaml.load_all(text, Loader=yaml.CSafeLoader) if d]
         (version,) = {v for d in docs for k, v in (d["metadata"].get("annotations") or {}).items()
                       if k.endswith("/bundle-version")}  # one release per file, on every object in it
+        if version == "main-dev":  # llm-d stamps even its releases so: the file's leading comment pins them
+            head = "".join(line for line in text.splitlines(keepends=True)[:3] if line.startswith("#"))
+            pinned = re.search(rf"llm-d/llm-d-router ({RELEASE.pattern}), commit [0-9a-f]{{40}},", head)
+            assert pinned, f"{path.name}: main-dev without a leading comment naming the release and commit"
+            version = pinned.group(1)
         assert RELEASE.fullmatch(version), f"{path.name}: {version} is not a release"
         row = next((line for line in readme.splitlines() if f"`{path.name}`" in line), "")
         assert version in row, f"{path.name} ({version}) is not listed with its version in crds/README.md"
