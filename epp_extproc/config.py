@@ -360,12 +360,13 @@ class Config:
         "a worker with this many prompt tokens booked in prefill by this picker is saturated; 0 = off")
     inference_objectives_file: str | None = opt("DYN_EPP_INFERENCE_OBJECTIVES_FILE", None, _opt_str,
         "YAML/JSON objectives (name -> priority, or InferenceObjective manifests), reloaded when it "
-        "changes; with --inference-pool-name the InferenceObjective CRD is read instead")
+        "changes; with --inference-pool-name the InferenceObjective CRDs (llm-d.ai and the deprecated GAIE group) "
+        "are read instead")
     model_rewrites_file: str | None = opt("DYN_EPP_MODEL_REWRITES_FILE", None, _opt_str,
-        "YAML/JSON InferenceModelRewrite manifests (GAIE v1alpha2: rewrite a requested `model` to weighted "
+        "YAML/JSON InferenceModelRewrite manifests (llm-d.ai or GAIE v1alpha2: rewrite a requested `model` to weighted "
         "targets), reloaded when it changes (a broken edit keeps the rules in service); a request with a "
-        "--model-rewrite-session-header header keeps one target; with --inference-pool-name the InferenceModelRewrite CRD is "
-        "read instead")
+        "--model-rewrite-session-header header keeps one target; with --inference-pool-name the InferenceModelRewrite CRDs "
+        "(both groups) are read instead")
     model_rewrite_session_header: str = opt("DYN_EPP_MODEL_REWRITE_SESSION_HEADER", "x-session-id", str,
         "the request header naming a conversation for model rewrites: requests carrying the same value get the "
         "same target of a weighted split (hashed, never logged); without it each request is drawn at random")

@@ -1,13 +1,14 @@
 """A small fake Kubernetes API server that speaks the real list/watch JSON, for discovery tests.
 
-Only what a pod + InferencePool reflector (and the InferenceObjective and InferenceModelRewrite pollers' lists) touches is implemented, but that part behaves like the real
-apiserver: one cluster-wide resourceVersion counter, list answers carrying `metadata.resourceVersion`, watch
+Only what a pod + InferencePool reflector (and the InferenceObjective and InferenceModelRewrite pollers' lists, in
+both API groups that serve them: llm-d's `llm-d.ai` and GAIE's `inference.networking.x-k8s.io`) touches is
+implemented, but that part behaves like the real apiserver: one cluster-wide resourceVersion counter, list answers carrying `metadata.resourceVersion`, watch
 streams of newline-delimited `{"type", "object"}` events replayed from a history after the requested version,
 label- and field-selector filtering (an object that stops matching is reported as DELETED, one that starts
 matching as ADDED), BOOKMARK events only to watchers that asked for them, `timeoutSeconds`, and 410 Gone for a
 version older than the compacted history (as an ERROR event in a 200 stream, like the real server, or as an
-HTTP 410). Test controls mutate objects, expire or stall watches, compact history, inject HTTP errors and hold
-list answers.
+HTTP 410). Test controls mutate objects, expire or stall watches, compact history, inject HTTP errors, hold
+list answers and uninstall a CRD (its group then answers 404, as an apiserver without it does).
 """
 
 from __future__ import annotations
@@ -27,13 +28,18 @@ POOLS = "inferencepools"
 SLICES = "endpointslices"
 OBJECTIVES = "inferenceobjectives"
 REWRITES = "inferencemodelrewrites"
+LLMD_OBJECTIVES = "inferenceobjectives.llm-d.ai"  # the same kinds in llm-d's group, a resource of their own here
+LLMD_REWRITES = "inferencemodelrewrites.llm-d.ai"
 OBJECTIVE_PREFIX = "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/"
+LLMD_PREFIX = "/apis/llm-d.ai/v1alpha2/namespaces/"
 POOL_PREFIX = "/apis/inference.networking.k8s.io/v1/namespaces/"
 SLICE_PREFIX = "/apis/discovery.k8s.io/v1/namespaces/"
 _KIND = {PODS: ("Pod", "v1"), POOLS: ("InferencePool", "inference.networking.k8s.io/v1"),
          SLICES: ("EndpointSlice", "discovery.k8s.io/v1"),
          OBJECTIVES: ("InferenceObjective", "inference.networking.x-k8s.io/v1alpha2"),
-         REWRITES: ("InferenceModelRewrite", "inference.networking.x-k8s.io/v1alpha2")}
+         REWRITES: ("InferenceModelRewrite", "inference.networking.x-k8s.io/v1alpha2"),
+         LLMD_OBJECTIVES: ("InferenceObjective", "llm-d.ai/v1alpha2"),
+         LLMD_REWRITES: ("InferenceModelRewrite", "llm-d.ai/v1alpha2")}
 
 
 def parse_label_selector(sel: str) -> list[tuple[str, str, str]]:
@@ -128,6 +134,7 @@ class FakeKube:
         self._watches: set[_Watch] = set()
         self._failures: list[tuple[str, int, bool]] = []
         self._holds: dict[str, asyncio.Event] = {}
+        self.uninstalled: set[str] = set()
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -140,6 +147,8 @@ class FakeKube:
         app.router.add_get(SLICE_PREFIX + "{ns}/endpointslices", self._handle_slices)
         app.router.add_get(OBJECTIVE_PREFIX + "{ns}/inferenceobjectives", self._handle_objectives)
         app.router.add_get(OBJECTIVE_PREFIX + "{ns}/inferencemodelrewrites", self._handle_rewrites)
+        app.router.add_get(LLMD_PREFIX + "{ns}/inferenceobjectives", self._handle_llmd_objectives)
+        app.router.add_get(LLMD_PREFIX + "{ns}/inferencemodelrewrites", self._handle_llmd_rewrites)
         app.router.add_route("*", "/{path:.*}", self._handle_unknown)
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1,
                                      handler_cancellation=True)  # a client hang-up ends its watch
@@ -216,6 +225,11 @@ class FakeKube:
         """Answer the next `count` requests for `resource` (or only its watches) with an HTTP error + Status."""
         self._failures.extend([(resource, status, watches_only)] * count)
 
+    def uninstall(self, resource: str) -> None:
+        """Drop `resource`'s CRD: every request for it answers 404 (recorded, so a test can count them), the
+        way an apiserver answers for a group or resource it does not serve."""
+        self.uninstalled.add(resource)
+
     def hold_lists(self, resource: str) -> asyncio.Event:
         """Block list answers for `resource` until the returned event is set."""
         ev = self._holds[resource] = asyncio.Event()
@@ -261,6 +275,12 @@ class FakeKube:
     async def _handle_rewrites(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, REWRITES)
 
+    async def _handle_llmd_objectives(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, LLMD_OBJECTIVES)
+
+    async def _handle_llmd_rewrites(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, LLMD_REWRITES)
+
     async def _handle_unknown(self, request: web.Request) -> web.StreamResponse:
         """Anything else is recorded under its path (so a test sees what a client asked for) and answered 404."""
         self.requests.append(Request(request.path, "", dict(request.query)))
@@ -271,6 +291,8 @@ class FakeKube:
         query = dict(request.query)
         req = Request(resource, ns, query)
         self.requests.append(req)
+        if resource in self.uninstalled:
+            return web.Response(status=404, text="404 page not found\n")  # the real apiserver's plain-text body
         for i, (res, status, watches_only) in enumerate(self._failures):
             if res == resource and (req.watch or not watches_only):
                 del self._failures[i]

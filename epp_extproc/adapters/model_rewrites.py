@@ -1,12 +1,15 @@
-"""Where model rewrites come from: a file (`--model-rewrites-file`), or GAIE's InferenceModelRewrite CRD when
+"""Where model rewrites come from: a file (`--model-rewrites-file`), or the InferenceModelRewrite CRD when
 discovery is Kubernetes. The same two sources, and the same rules for failures, as the objectives
 (adapters/objectives.py): every successful read replaces the whole `RewriteTable` (core/model_rewrite.py), a
 failed one keeps the rules in service, so a bad edit or an API outage never silently sends a rollout's
 traffic back to the old model (or all of it to the new one).
 
-The CRD is `inference.networking.x-k8s.io/v1alpha2`, plural `inferencemodelrewrites`, namespaced (GAIE v1.5.0,
-manifests/crds/). Only resources whose `spec.poolRef` names this pool count. Rewrites are few and change
-rarely, so a periodic list is enough (no watch to keep alive); the ServiceAccount needs `list` on them. One
+The CRD is `v1alpha2`, plural `inferencemodelrewrites`, namespaced, read from both API groups that serve it:
+llm-d's `llm-d.ai` (llm-d router v0.10.0) and GAIE's deprecated `inference.networking.x-k8s.io` (GAIE v1.5.0;
+both in manifests/crds/), merged with `llm-d.ai` winning a name in both (adapters/crd_poll.py says why). A
+resource shadowed that way is dropped before precedence is worked out, so it never competes on age. Only
+resources whose `spec.poolRef` names this pool count. Rewrites are few and change rarely, so a periodic list is
+enough (no watch to keep alive); the ServiceAccount needs `list` on them in both groups. One
 invalid resource is skipped (logged once) and the others stay in service: the apiserver's schema already
 refuses most mistakes, and one team's typo must not undo another team's rollout.
 """
@@ -18,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from epp_extproc.adapters.crd_poll import CrdListPoller
+from epp_extproc.adapters.crd_poll import INFERENCE_API_GROUPS, CrdListPoller
 from epp_extproc.core.model_rewrite import (
     RewriteError,
     RewriteRules,
@@ -32,8 +35,7 @@ from epp_extproc.file_watch import FileWatch
 
 log = logging.getLogger(__name__)
 
-REWRITE_GROUP = "inference.networking.x-k8s.io"
-REWRITE_VERSION = "v1alpha2"
+REWRITE_GROUPS = INFERENCE_API_GROUPS  # (group, version), llm-d.ai first: it wins a name in both
 REWRITE_PLURAL = "inferencemodelrewrites"
 
 
@@ -101,14 +103,15 @@ def rewrites_for_pool(items: list[dict[str, Any]], pool_name: str) -> tuple[Rewr
 
 
 class ModelRewriteCrdPoller(CrdListPoller):
-    """Lists the namespace's InferenceModelRewrites every `interval_s` and keeps those of our pool."""
+    """Lists the namespace's InferenceModelRewrites (both API groups) every `interval_s` and keeps those of
+    our pool."""
 
     def __init__(self, table: RewriteTable, pool_name: str, namespace: str, *, kubeconfig: str | None = None,
                  interval_s: float = 10.0, api_client: Any = None) -> None:
         self.table = table
         self.pool_name = pool_name
         self._refused: list[str] = []
-        super().__init__("InferenceModelRewrite", REWRITE_GROUP, REWRITE_VERSION, REWRITE_PLURAL, namespace,
+        super().__init__("InferenceModelRewrite", REWRITE_GROUPS, REWRITE_PLURAL, namespace,
                          apply=self._keep, in_service=lambda: f"{len(table.rules)} rules", kubeconfig=kubeconfig,
                          interval_s=interval_s, api_client=api_client)
 

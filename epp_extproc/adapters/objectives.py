@@ -1,13 +1,14 @@
-"""Where InferenceObjective priorities come from: a file, or the GAIE CRD when discovery is Kubernetes.
+"""Where InferenceObjective priorities come from: a file, or the CRD when discovery is Kubernetes.
 
 Both sources replace the whole `ObjectiveTable` (core/flow_control.py) on every successful read and keep the
 previous table on a failed one, so a bad edit or an API outage never drops every request to priority 0.
 
-The CRD is GAIE's `InferenceObjective` (`inference.networking.x-k8s.io/v1alpha2`, plural
-`inferenceobjectives`, namespaced): `metadata.name` is what the `x-gateway-inference-objective` header names,
-`spec.priority` the band (unset = 0), `spec.poolRef.name` the pool it applies to. Objectives are few and
-change rarely, so a periodic list is enough (no watch to keep alive); the picker's ServiceAccount needs
-`list` on that resource.
+The CRD is `InferenceObjective` (`v1alpha2`, plural `inferenceobjectives`, namespaced), read from both API groups
+that serve it: llm-d's `llm-d.ai` and GAIE's deprecated `inference.networking.x-k8s.io` (merged, `llm-d.ai` winning
+a name in both: adapters/crd_poll.py says why and cites the llm-d source). `metadata.name` is what the
+`x-gateway-inference-objective` header names, `spec.priority` the band (unset = 0), `spec.poolRef.name` the
+pool it applies to. Objectives are few and change rarely, so a periodic list is enough (no watch to keep
+alive); the picker's ServiceAccount needs `list` on that resource in both groups.
 """
 
 from __future__ import annotations
@@ -17,14 +18,13 @@ from typing import Any
 
 import yaml
 
-from epp_extproc.adapters.crd_poll import CrdListPoller
+from epp_extproc.adapters.crd_poll import INFERENCE_API_GROUPS, CrdListPoller
 from epp_extproc.core.flow_control import ObjectiveTable, parse_objectives
 from epp_extproc.file_watch import FileWatch
 
 log = logging.getLogger(__name__)
 
-OBJECTIVE_GROUP = "inference.networking.x-k8s.io"
-OBJECTIVE_VERSION = "v1alpha2"
+OBJECTIVE_GROUPS = INFERENCE_API_GROUPS  # (group, version), llm-d.ai first: it wins a name in both
 OBJECTIVE_PLURAL = "inferenceobjectives"
 
 
@@ -86,13 +86,14 @@ def objectives_for_pool(items: list[dict[str, Any]], pool_name: str) -> dict[str
 
 
 class ObjectiveCrdPoller(CrdListPoller):
-    """Lists the namespace's InferenceObjectives every `interval_s` and keeps those of our pool."""
+    """Lists the namespace's InferenceObjectives (both API groups) every `interval_s` and keeps those of our
+    pool."""
 
     def __init__(self, table: ObjectiveTable, pool_name: str, namespace: str, *, kubeconfig: str | None = None,
                  interval_s: float = 10.0, api_client: Any = None) -> None:
         self.table = table
         self.pool_name = pool_name
-        super().__init__("InferenceObjective", OBJECTIVE_GROUP, OBJECTIVE_VERSION, OBJECTIVE_PLURAL, namespace,
+        super().__init__("InferenceObjective", OBJECTIVE_GROUPS, OBJECTIVE_PLURAL, namespace,
                          apply=lambda items: table.replace(objectives_for_pool(items, pool_name)),
                          in_service=lambda: f"{len(table.snapshot())} known", kubeconfig=kubeconfig,
                          interval_s=interval_s, api_client=api_client)

@@ -1,8 +1,9 @@
 """Model rewrites and weighted splits: which `model` a request is sent as (GAIE's InferenceModelRewrite).
 
 Operators roll out a fine-tune or a LoRA adapter by rewriting the `model` clients ask for to one or several
-targets with weights (90/10). The API is GAIE v1.5.0's `InferenceModelRewrite`
-(`inference.networking.x-k8s.io/v1alpha2`, manifests/crds/), read with its own precedence rules:
+targets with weights (90/10). The API is `InferenceModelRewrite` `v1alpha2`, the same in llm-d's `llm-d.ai`
+group (llm-d router v0.10.0) and GAIE v1.5.0's deprecated `inference.networking.x-k8s.io` (manifests/crds/), so
+either apiVersion is accepted; it is read with its own precedence rules:
 
 - a rule whose `matches` name the request's model exactly wins over a rule with no `matches` (every model);
 - among several, the resource created first wins (a file: the one written first), then the first rule in it;
@@ -28,7 +29,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-REWRITE_API_VERSION = "inference.networking.x-k8s.io/v1alpha2"
+# llm-d's group first (where llm-d serves the kind now), then GAIE's deprecated one; the fields are the same.
+REWRITE_API_VERSIONS = ("llm-d.ai/v1alpha2", "inference.networking.x-k8s.io/v1alpha2")
 REWRITE_KIND = "InferenceModelRewrite"
 CONVERSATION_HEADER = "x-session-id"  # one conversation -> one target (hashed; never logged, never a label)
 ANY_MODEL = "*"  # the metric's `model` label of a rule without `matches`: client-chosen names stay out
@@ -188,8 +190,9 @@ def parse_resource(item: object, *, where: str = "") -> list[Rule]:
     name = meta.get("name") if isinstance(meta, dict) else None
     label = f"InferenceModelRewrite {name!r}" if isinstance(name, str) else f"InferenceModelRewrite {where}".strip()
     _known(item, _RESOURCE_KEYS, label)
-    if item.get("apiVersion", REWRITE_API_VERSION) != REWRITE_API_VERSION:
-        raise RewriteError(f"{label}: apiVersion must be {REWRITE_API_VERSION}, got {item.get('apiVersion')!r}")
+    if item.get("apiVersion", REWRITE_API_VERSIONS[0]) not in REWRITE_API_VERSIONS:
+        raise RewriteError(f"{label}: apiVersion must be one of {', '.join(REWRITE_API_VERSIONS)}, "
+                           f"got {item.get('apiVersion')!r}")
     if item.get("kind", REWRITE_KIND) != REWRITE_KIND:
         raise RewriteError(f"{label}: kind must be {REWRITE_KIND}, got {item.get('kind')!r}")
     if not isinstance(name, str) or not name:

@@ -1,5 +1,6 @@
 """The InferenceModelRewrite poller against the fake apiserver (tests/fake_k8s.py): the real client, the real
-list JSON, the group/version/plural GAIE v1.5.0's CRD is served under, scoped to this pool by spec.poolRef."""
+list JSON, the group/version/plural the CRD is served under in both groups (llm-d router v0.10.0's `llm-d.ai`
+and GAIE v1.5.0's deprecated `inference.networking.x-k8s.io`), scoped to this pool by spec.poolRef."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from epp_extproc.adapters.model_rewrites import ModelRewriteCrdPoller
 from epp_extproc.core.model_rewrite import RewriteTable
-from tests.fake_k8s import REWRITES, FakeKube
+from tests.fake_k8s import LLMD_REWRITES, REWRITES, FakeKube
 
 
 def rewrite(name: str, model: str, targets: dict[str, Any], pool: str = "llm-pool",
@@ -100,4 +101,42 @@ async def test_the_oldest_resource_wins_two_exact_matches_for_one_model(kube: Fa
     p = poller(kube, table)
     assert await p.poll_once()
     assert split(table, "llama") == {"from-old": 1}
+    await p._api.close()
+
+
+# ---------------------------------------------------------------------------------------------- both API groups
+
+
+async def test_an_llm_d_rewrite_is_honoured(kube: FakeKube) -> None:
+    kube.put(LLMD_REWRITES, rewrite("canary", "llama", {"llama": 90, "llama-ft-v2": 10}))
+    kube.put(LLMD_REWRITES, rewrite("theirs", "mistral", {"x": 1}, pool="other-pool"))
+    table = RewriteTable()
+    p = poller(kube, table)
+    assert await p.poll_once()
+    assert split(table, "llama") == {"llama": 90, "llama-ft-v2": 10} and split(table, "mistral") == {}
+    assert [r.namespace for r in kube.lists(LLMD_REWRITES)] == ["default"]
+    await p._api.close()
+
+
+async def test_rewrites_of_both_groups_serve_and_the_llm_d_copy_of_a_name_replaces_the_legacy_one(
+        kube: FakeKube) -> None:
+    """The legacy copy is older, so if it were kept it would win GAIE's oldest-first precedence: it is dropped
+    before precedence is worked out."""
+    kube.put(REWRITES, rewrite("canary", "llama", {"old": 1}, created="2025-01-01T00:00:00Z"))
+    kube.put(LLMD_REWRITES, rewrite("canary", "llama", {"new": 1}, created="2025-06-01T00:00:00Z"))
+    kube.put(REWRITES, rewrite("alias", "gpt-4o", {"llama": 1}))  # not migrated yet
+    table = RewriteTable()
+    p = poller(kube, table)
+    assert await p.poll_once()
+    assert split(table, "llama") == {"new": 1} and split(table, "gpt-4o") == {"llama": 1}
+    await p._api.close()
+
+
+async def test_a_missing_crd_group_does_not_break_the_other(kube: FakeKube) -> None:
+    kube.uninstall(REWRITES)
+    kube.put(LLMD_REWRITES, rewrite("canary", "llama", {"llama-ft-v2": 1}))
+    table = RewriteTable()
+    p = poller(kube, table)
+    assert await p.poll_once() and await p.poll_once()
+    assert split(table, "llama") == {"llama-ft-v2": 1}
     await p._api.close()

@@ -1,8 +1,10 @@
 """The InferenceObjective poller against the fake apiserver (tests/fake_k8s.py): the real client, the real
-list JSON, the group/version/plural GAIE's CRD is served under."""
+list JSON, the group/version/plural the CRD is served under, in both groups (llm-d's `llm-d.ai` and GAIE's
+deprecated `inference.networking.x-k8s.io`)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -10,7 +12,7 @@ import pytest
 
 from epp_extproc.adapters.objectives import ObjectiveCrdPoller
 from epp_extproc.core.flow_control import ObjectiveTable
-from tests.fake_k8s import OBJECTIVES, FakeKube
+from tests.fake_k8s import LLMD_OBJECTIVES, OBJECTIVES, FakeKube
 
 
 def objective(name: str, priority: Any, pool: str = "llm-pool", kind: str | None = None) -> dict[str, Any]:
@@ -85,4 +87,91 @@ async def test_objectives_with_a_non_integer_priority_or_another_kind_of_pool_ar
     p = poller(kube, table)
     assert await p.poll_once()
     assert table.snapshot() == {"good": 3}
+    await p._api.close()
+
+
+# ---------------------------------------------------------------------------------------------- both API groups
+POLL_LOG = "epp_extproc.adapters.crd_poll"
+
+
+async def test_an_llm_d_objective_is_honoured(kube: FakeKube) -> None:
+    kube.put(LLMD_OBJECTIVES, objective("premium", 10))
+    kube.put(LLMD_OBJECTIVES, objective("theirs", 99, pool="other-pool"))
+    table = ObjectiveTable()
+    p = poller(kube, table)
+    assert await p.poll_once()
+    assert table.snapshot() == {"premium": 10}
+    assert [r.namespace for r in kube.lists(LLMD_OBJECTIVES)] == ["default"]
+    await p._api.close()
+
+
+async def test_objectives_of_both_groups_are_kept_and_llm_d_wins_a_name_in_both_logged_once(
+        kube: FakeKube, caplog: pytest.LogCaptureFixture) -> None:
+    kube.put(LLMD_OBJECTIVES, objective("premium", 10))
+    kube.put(OBJECTIVES, objective("premium", 1))  # the legacy copy of a migrated objective
+    kube.put(OBJECTIVES, objective("batch", -1))  # not migrated yet
+    table = ObjectiveTable()
+    p = poller(kube, table)
+    with caplog.at_level(logging.INFO, logger=POLL_LOG):
+        assert await p.poll_once()
+        assert await p.poll_once()
+    assert table.snapshot() == {"premium": 10, "batch": -1}
+    shadow = [r for r in caplog.records if "more than one API group" in r.getMessage()]
+    assert len(shadow) == 1 and "premium" in shadow[0].getMessage() and "llm-d.ai" in shadow[0].getMessage()
+    await p._api.close()
+
+
+async def test_objectives_of_the_deprecated_group_are_logged_once(
+        kube: FakeKube, caplog: pytest.LogCaptureFixture) -> None:
+    kube.put(OBJECTIVES, objective("premium", 10))
+    table = ObjectiveTable()
+    p = poller(kube, table)
+    with caplog.at_level(logging.INFO, logger=POLL_LOG):
+        for _ in range(3):
+            assert await p.poll_once()
+    assert [r.levelno for r in caplog.records if "deprecated API group" in r.getMessage()] == [logging.INFO]
+    await p._api.close()
+
+
+@pytest.mark.parametrize("missing, present", [(LLMD_OBJECTIVES, OBJECTIVES), (OBJECTIVES, LLMD_OBJECTIVES)])
+async def test_a_group_without_its_crd_is_skipped_after_one_info_log_and_the_other_serves(
+        kube: FakeKube, caplog: pytest.LogCaptureFixture, missing: str, present: str) -> None:
+    kube.uninstall(missing)
+    kube.put(present, objective("premium", 10))
+    table = ObjectiveTable()
+    p = poller(kube, table)
+    with caplog.at_level(logging.INFO, logger=POLL_LOG):
+        for _ in range(3):
+            assert await p.poll_once()  # a CRD not installed is not a failure
+    assert table.snapshot() == {"premium": 10}
+    assert len(kube.lists(missing)) == 3  # still asked at every poll: a CRD installed later is picked up
+    absent = [r for r in caplog.records if "CRD is installed" in r.getMessage()]
+    assert [r.levelno for r in absent] == [logging.INFO]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    await p._api.close()
+
+
+async def test_a_crd_installed_later_is_read_without_a_restart(kube: FakeKube) -> None:
+    kube.uninstall(LLMD_OBJECTIVES)
+    kube.put(OBJECTIVES, objective("batch", -1))
+    table = ObjectiveTable()
+    p = poller(kube, table)
+    assert await p.poll_once()
+    kube.uninstalled.discard(LLMD_OBJECTIVES)
+    kube.put(LLMD_OBJECTIVES, objective("premium", 10))
+    assert await p.poll_once()
+    assert table.snapshot() == {"premium": 10, "batch": -1}
+    await p._api.close()
+
+
+async def test_a_failing_group_keeps_its_objectives_while_the_other_groups_changes_apply(kube: FakeKube) -> None:
+    kube.put(OBJECTIVES, objective("batch", -1))
+    kube.put(LLMD_OBJECTIVES, objective("premium", 10))
+    table = ObjectiveTable()
+    p = poller(kube, table)
+    assert await p.poll_once()
+    kube.fail_next(1, 500, resource=OBJECTIVES)
+    kube.put(LLMD_OBJECTIVES, objective("premium", 20))
+    assert not await p.poll_once()  # one group failed: not a clean poll
+    assert table.snapshot() == {"premium": 20, "batch": -1}
     await p._api.close()

@@ -333,20 +333,22 @@ def test_role_grants_read_and_watch_on_pods_and_inferencepools(rendered):
         assert {(group, resource, v) for v in ("get", "list", "watch")} <= granted
 
 
-def test_role_lets_flow_control_list_the_pools_inference_objectives(rendered):
-    from epp_extproc.adapters.objectives import OBJECTIVE_GROUP
+def test_role_lets_flow_control_list_the_pools_inference_objectives_in_both_groups(rendered):
+    from epp_extproc.adapters.objectives import OBJECTIVE_GROUPS, OBJECTIVE_PLURAL
 
-    rules = find(rendered["base"], "Role")["rules"]
-    assert any(OBJECTIVE_GROUP in r["apiGroups"] and "inferenceobjectives" in r["resources"] and "list" in r["verbs"]
-               for r in rules)
+    assert {g for g, _ in OBJECTIVE_GROUPS} == {"llm-d.ai", "inference.networking.x-k8s.io"}
+    granted = role_grants(rendered["base"])
+    for group, _ in OBJECTIVE_GROUPS:
+        assert (group, OBJECTIVE_PLURAL, "list") in granted, group
 
 
-def test_role_lets_the_picker_list_the_pools_model_rewrites(rendered):
-    from epp_extproc.adapters.model_rewrites import REWRITE_GROUP, REWRITE_PLURAL
+def test_role_lets_the_picker_list_the_pools_model_rewrites_in_both_groups(rendered):
+    from epp_extproc.adapters.model_rewrites import REWRITE_GROUPS, REWRITE_PLURAL
 
-    rules = find(rendered["base"], "Role")["rules"]
-    assert any(REWRITE_GROUP in r["apiGroups"] and REWRITE_PLURAL in r["resources"] and "list" in r["verbs"]
-               for r in rules)
+    assert {g for g, _ in REWRITE_GROUPS} == {"llm-d.ai", "inference.networking.x-k8s.io"}
+    granted = role_grants(rendered["base"])
+    for group, _ in REWRITE_GROUPS:
+        assert (group, REWRITE_PLURAL, "list") in granted, group
 
 
 @pytest.mark.parametrize("variant", ("base", *VARIANTS))
@@ -718,12 +720,34 @@ def test_every_custom_resource_the_role_grants_has_a_shipped_crd(rendered, crds)
 
 def test_the_crd_versions_the_picker_asks_for_are_served_by_the_shipped_crds(crds):
     from epp_extproc.adapters.discovery_k8s import POOL_GROUP, POOL_PLURAL, POOL_VERSION
-    from epp_extproc.adapters.model_rewrites import REWRITE_GROUP, REWRITE_PLURAL, REWRITE_VERSION
-    from epp_extproc.adapters.objectives import OBJECTIVE_GROUP, OBJECTIVE_PLURAL, OBJECTIVE_VERSION
+    from epp_extproc.adapters.model_rewrites import REWRITE_GROUPS, REWRITE_PLURAL
+    from epp_extproc.adapters.objectives import OBJECTIVE_GROUPS, OBJECTIVE_PLURAL
 
     assert POOL_VERSION in served(crds, POOL_GROUP, plural=POOL_PLURAL)
-    assert OBJECTIVE_VERSION in served(crds, OBJECTIVE_GROUP, plural=OBJECTIVE_PLURAL)
-    assert REWRITE_VERSION in served(crds, REWRITE_GROUP, plural=REWRITE_PLURAL)
+    for group, version in OBJECTIVE_GROUPS:
+        assert version in served(crds, group, kind="InferenceObjective", plural=OBJECTIVE_PLURAL), group
+    for group, version in REWRITE_GROUPS:
+        assert version in served(crds, group, kind="InferenceModelRewrite", plural=REWRITE_PLURAL), group
+
+
+def _crd(crds: list[dict[str, Any]], group: str, kind: str) -> dict[str, Any]:
+    (crd,) = [c for c in crds if c["spec"]["group"] == group and c["spec"]["names"]["kind"] == kind]
+    return crd
+
+
+@pytest.mark.parametrize("kind", ["InferenceObjective", "InferenceModelRewrite"])
+def test_the_llm_d_and_gaie_crds_of_a_kind_are_one_api_so_one_parser_reads_both(crds, kind):
+    """The picker reads both groups with the same code: same names, scope and versions, and the same schema
+    up to llm-d's one addition (InferenceObjective's `spec.priority` is `format: int32`)."""
+    new, old = _crd(crds, "llm-d.ai", kind), _crd(crds, "inference.networking.x-k8s.io", kind)
+    assert new["spec"]["names"] == old["spec"]["names"] and new["spec"]["scope"] == old["spec"]["scope"]
+    assert [v["name"] for v in new["spec"]["versions"]] == [v["name"] for v in old["spec"]["versions"]]
+    for nv, ov in zip(new["spec"]["versions"], old["spec"]["versions"], strict=True):
+        n_schema, o_schema = nv["schema"]["openAPIV3Schema"], ov["schema"]["openAPIV3Schema"]
+        if kind == "InferenceObjective":
+            prio = n_schema["properties"]["spec"]["properties"]["priority"]
+            assert prio.pop("format") == "int32"
+        assert n_schema == o_schema
 
 
 def test_shipped_crds_are_upstream_releases_named_in_the_crds_readme(crds):
@@ -731,9 +755,15 @@ def test_shipped_crds_are_upstream_releases_named_in_the_crds_readme(crds):
     files = sorted(CRD_DIR.glob("*.yaml"))
     assert files
     for path in files:
-        docs = [d for d in yaml.load_all(path.read_text(), Loader=yaml.CSafeLoader) if d]
+        text = path.read_text()
+        docs = [d for d in yaml.load_all(text, Loader=yaml.CSafeLoader) if d]
         (version,) = {v for d in docs for k, v in (d["metadata"].get("annotations") or {}).items()
                       if k.endswith("/bundle-version")}  # one release per file, on every object in it
+        if version == "main-dev":  # llm-d stamps even its releases so: the file's leading comment pins them
+            head = "".join(line for line in text.splitlines(keepends=True)[:3] if line.startswith("#"))
+            pinned = re.search(rf"llm-d/llm-d-router ({RELEASE.pattern}), commit [0-9a-f]{{40}},", head)
+            assert pinned, f"{path.name}: main-dev without a leading comment naming the release and commit"
+            version = pinned.group(1)
         assert RELEASE.fullmatch(version), f"{path.name}: {version} is not a release"
         row = next((line for line in readme.splitlines() if f"`{path.name}`" in line), "")
         assert version in row, f"{path.name} ({version}) is not listed with its version in crds/README.md"
@@ -760,11 +790,23 @@ async def test_the_picker_reads_exactly_the_resources_its_role_grants(rendered, 
     """Run the picker as the manifest configures it against a fake API server and compare what it asks for
     (resource, list/watch) with the Role, both ways: nothing it reads is forbidden, nothing granted is unused."""
     from epp_extproc.app import PickerApp
-    from tests.fake_k8s import OBJECTIVES, PODS, POOLS, REWRITES, SLICES, FakeKube, make_pool
+    from tests.fake_k8s import (
+        LLMD_OBJECTIVES,
+        LLMD_REWRITES,
+        OBJECTIVES,
+        PODS,
+        POOLS,
+        REWRITES,
+        SLICES,
+        FakeKube,
+        make_pool,
+    )
     from tests.netutil import free_port
 
-    groups = {PODS: "", POOLS: "inference.networking.k8s.io", SLICES: "discovery.k8s.io",
-              OBJECTIVES: "inference.networking.x-k8s.io", REWRITES: "inference.networking.x-k8s.io"}
+    groups = {PODS: ("", PODS), POOLS: ("inference.networking.k8s.io", POOLS), SLICES: ("discovery.k8s.io", SLICES),
+              OBJECTIVES: ("inference.networking.x-k8s.io", OBJECTIVES),
+              REWRITES: ("inference.networking.x-k8s.io", REWRITES),
+              LLMD_OBJECTIVES: ("llm-d.ai", OBJECTIVES), LLMD_REWRITES: ("llm-d.ai", REWRITES)}
     objs = rendered["cpu-mock"]
     env = {k: v["value"] for k, v in env_of(picker(objs)).items() if "value" in v}
     env.update(POD_NAMESPACE="llm", POD_IP="127.0.0.1", POD_NAME="llm-pool-epp-0")
@@ -780,13 +822,13 @@ async def test_the_picker_reads_exactly_the_resources_its_role_grants(rendered, 
             for _ in range(200):
                 asked = {(r.resource, "watch" if r.watch else "list") for r in kube.requests}
                 if {(PODS, "watch"), (POOLS, "watch"), (SLICES, "watch"), (OBJECTIVES, "list"),
-                        (REWRITES, "list")} <= asked:
+                        (REWRITES, "list"), (LLMD_OBJECTIVES, "list"), (LLMD_REWRITES, "list")} <= asked:
                     break
                 await asyncio.sleep(0.05)
         finally:
             await app.stop(0)
     assert {r.namespace for r in kube.requests} == {"llm"}  # its own namespace only: a Role suffices
-    used = {(groups.get(res, res), res, verb) for res, verb in asked}
+    used = {(*groups.get(res, (res, res)), verb) for res, verb in asked}
     granted = role_grants(objs)
     assert used - granted == set()
     assert {(g, r) for g, r, _ in used} == {(g, r) for g, r, _ in granted}

@@ -164,3 +164,16 @@ def test_shifting_weight_moves_only_the_sessions_in_the_slice_that_changed_hands
 def test_a_blank_session_header_counts_as_none() -> None:
     rw = rewriter(Rule("split", frozenset({"m"}), (Target("a", 1), Target("b", 1))), seed=5)
     assert len({rw.choose("m", {CONVERSATION_HEADER: ["  "]}).target for _ in range(50)}) == 2  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("api_version", ["llm-d.ai/v1alpha2", "inference.networking.x-k8s.io/v1alpha2"])
+def test_both_api_groups_serving_the_kind_are_accepted(api_version: str) -> None:
+    """llm-d moved the kind to llm-d.ai with the same fields; GAIE's group is deprecated but still read."""
+    doc = resource("canary", {"targets": [{"modelRewrite": "llama-ft", "weight": 1}]}) | {"apiVersion": api_version}
+    assert [r.resource for r in parse_resource(doc)] == ["canary"]
+
+
+def test_an_api_version_neither_group_serves_is_refused() -> None:
+    doc = resource("canary", {"targets": [{"modelRewrite": "llama-ft"}]}) | {"apiVersion": "llm-d.ai/v1"}
+    with pytest.raises(RewriteError, match="apiVersion must be one of llm-d.ai/v1alpha2"):
+        parse_resource(doc)
