@@ -19,9 +19,9 @@ import inspect
 import json
 import logging
 import random
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 from kubernetes_asyncio import client as k8s_client
@@ -52,6 +52,14 @@ SERVICE_ACCOUNT_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/
 
 ApiClientFactory = Callable[[], "k8s_client.ApiClient | Awaitable[k8s_client.ApiClient]"]
 Sleep = Callable[[float], Awaitable[None]]
+OnError = Callable[[str, Exception], None]
+
+
+class EndpointSink(Protocol):
+    """What discovery publishes to: the picker's `EndpointRegistry`, or the P/D sidecar's allowlist, which
+    reuses this reflector instead of keeping a second list+watch loop of its own."""
+
+    def replace(self, endpoints: Iterable[Endpoint]) -> object: ...
 
 
 class ResourceExpired(Exception):
@@ -150,13 +158,15 @@ class InferencePoolDiscovery:
     published. A selector edit restarts the pod watch and replaces the whole set once the new list is in.
     """
 
-    def __init__(self, registry: EndpointRegistry, pool_name: str, namespace: str | None, *,
+    def __init__(self, registry: EndpointRegistry | EndpointSink, pool_name: str, namespace: str | None, *,
                  kv_event_port: int = 5557, replay_port: int | None = None, kubeconfig: str | None = None,
                  role_label: str = DEFAULT_ROLE_LABEL,
                  api_client_factory: ApiClientFactory | None = None,
                  watch_timeout_s: float = 300.0, backoff_initial_s: float = 0.5, backoff_max_s: float = 30.0,
-                 sleep: Sleep = asyncio.sleep, rng: random.Random | None = None) -> None:
+                 sleep: Sleep = asyncio.sleep, rng: random.Random | None = None,
+                 on_error: OnError | None = None) -> None:
         self.registry = registry
+        self._on_error = on_error  # told of every failed list/watch (the sidecar counts them); never raises
         self.pool_name = pool_name
         self.namespace = namespace or default_namespace()
         self.kv_event_port = kv_event_port
@@ -257,6 +267,11 @@ class InferencePoolDiscovery:
                 delay = backoff.failed()
                 log.warning("%s list/watch in %s failed (%s: %s); retrying in %.2fs (attempt %d)", what,
                             self.namespace, type(e).__name__, clip(str(e), 300), delay, backoff.failures)
+                if self._on_error is not None:
+                    try:
+                        self._on_error(what, e)
+                    except Exception:  # a broken hook must not end the reflector: the last list stays
+                        log.exception("%s list/watch error hook failed", what)
                 await self._sleep(delay)
 
     async def _watch_once(self, what: str, request: Callable[..., Awaitable[Any]], rv: str,
