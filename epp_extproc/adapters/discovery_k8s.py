@@ -187,6 +187,10 @@ class InferencePoolDiscovery:
         self._match_labels: dict[str, str] | None = None
         self._ports: tuple[int, ...] = ()
         self._pods: dict[str, dict[str, Any]] = {}
+        # Each selected pod's endpoints, computed when the pod (or the pool's ports) changes, not on every
+        # publish: a publish per pod event that rebuilt every pod's endpoints cost O(pods) in IP parsing on the
+        # event loop (about 8 ms per event at 1,000 pods, 40 ms at 4,096, measured for the P/D sidecar).
+        self._pod_eps: dict[str, list[Endpoint]] = {}
         self._pods_synced = False
         self._pod_generation = 0
         self._pod_task: asyncio.Task[None] | None = None
@@ -380,6 +384,7 @@ class InferencePoolDiscovery:
         elif ports != self._ports:
             log.info("InferencePool %s/%s target ports now %s", self.namespace, self.pool_name, list(ports))
             self._ports = ports
+            self._pod_eps = {name: self._endpoints_of(pod) for name, pod in self._pods.items()}
         self._publish()
 
     # ------------------------------------------------------------------ the pods
@@ -393,6 +398,7 @@ class InferencePoolDiscovery:
             self._pod_task = None
         self._pod_generation += 1
         self._pods = {}
+        self._pod_eps = {}
         self._pods_synced = match_labels is None
         if match_labels is None:
             return
@@ -421,6 +427,7 @@ class InferencePoolDiscovery:
         if gen != self._pod_generation:
             return
         self._pods = {p["metadata"]["name"]: p for p in items if self._selected(p)}
+        self._pod_eps = {name: self._endpoints_of(pod) for name, pod in self._pods.items()}
         self._pods_synced = True
         self._publish()
 
@@ -434,8 +441,10 @@ class InferencePoolDiscovery:
             # A relabelled pod leaves the selection; a label-selected watch reports that as DELETED, but an
             # older or non-conforming server may send MODIFIED, so check the labels ourselves too.
             self._pods.pop(name, None)
+            self._pod_eps.pop(name, None)
         else:
             self._pods[name] = pod
+            self._pod_eps[name] = self._endpoints_of(pod)
         self._publish()
 
     def _selected(self, pod: Mapping[str, Any]) -> bool:
@@ -447,10 +456,10 @@ class InferencePoolDiscovery:
         """The endpoint set implied by what has been seen so far (sorted by name, for stable logs)."""
         if self._pool is None or not self._match_labels:
             return []
-        out: list[Endpoint] = []
-        for pod in self._pods.values():
-            out.extend(pod_endpoints(pod, self._ports, self.kv_event_port, self.replay_port, self.role_label))
-        return sorted(out, key=lambda e: e.name)
+        return sorted((ep for eps in self._pod_eps.values() for ep in eps), key=lambda e: e.name)
+
+    def _endpoints_of(self, pod: Mapping[str, Any]) -> list[Endpoint]:
+        return pod_endpoints(pod, self._ports, self.kv_event_port, self.replay_port, self.role_label)
 
     def _publish(self) -> None:
         if not (self._pool_synced and self._pods_synced):

@@ -84,6 +84,9 @@ class Allowlist:
         # than one that joins the pool a moment later).
         self.synced = not from_pool
         self.over_cap = 0
+        # address -> canonical entry, from the previous rebuild: a pod event re-canonicalises only the addresses
+        # it brought (parsing every address on every event was most of a rebuild's cost); holds this pool only
+        self._canonical: dict[str, str | None] = {}
         if metrics is not None:
             metrics.allowed.labels("static").set(len(static))
             metrics.allowed.labels("pool").set(0)
@@ -93,16 +96,18 @@ class Allowlist:
         """The pool's serving endpoints as discovery sees them now: keep the prefill ones, up to the cap."""
         kept: dict[str, None] = {}
         over = 0
+        known, seen = self._canonical, dict[str, str | None]()
         for ep in endpoints:  # discovery hands them sorted by pod name: the cap keeps the same ones each time
             if ep.role is not Role.PREFILL:
                 continue
-            entry = canonical(ep.address)
+            entry = seen[ep.address] = known[ep.address] if ep.address in known else canonical(ep.address)
             if entry is None or entry in kept:
                 continue
             if len(kept) >= self.cap:
                 over += 1
                 continue
             kept[entry] = None
+        self._canonical = seen
         new = frozenset(kept)
         joined, left = new - self.pool, self.pool - new
         first = not self.synced
