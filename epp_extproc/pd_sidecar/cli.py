@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
+from .allowlist import parse_pool_ref
 from .server import Sidecar, SidecarConfig
 from .target import parse_allowed
 
@@ -29,7 +30,18 @@ def build_parser() -> argparse.ArgumentParser:
     a("--engine", choices=["trtllm", "vllm"], default=env("DYN_PD_ENGINE", d.engine))
     a("--allowed-prefillers", default=env("DYN_PD_ALLOWED_PREFILLERS", ""),
       help="ip:port,ip:port of the prefill workers this sidecar may call (also DYN_PD_ALLOWED_PREFILLERS); "
-           "empty: every named prefiller is refused (403) and requests are served locally only if unnamed")
+           "united with --inference-pool's prefill pods when both are given; with neither, every named "
+           "prefiller is refused (403) and requests are served locally only if unnamed")
+    a("--inference-pool", default=env("DYN_PD_INFERENCE_POOL") or None, metavar="[NAMESPACE/]NAME",
+      help="also allow the Ready prefill pods (role label) of this InferencePool on its target ports, kept "
+           "current by a watch (needs get/list/watch on inferencepools and pods); namespace: the pod's own")
+    a("--role-label", default=env("DYN_PD_ROLE_LABEL", d.role_label),
+      help="the pod label whose value says prefill (the picker's --role-label)")
+    a("--kubeconfig", default=env("KUBECONFIG") or None,
+      help="kubeconfig for --inference-pool outside a cluster (default: the pod's service account)")
+    a("--max-allowed-prefillers", type=int,
+      default=int(env("DYN_PD_MAX_ALLOWED_PREFILLERS", str(d.max_allowed_prefillers))),
+      help="at most this many ip:port entries from the pool (past it, by pod name: refused and counted)")
     a("--max-body-bytes", type=int, default=int(env("DYN_PD_MAX_BODY_BYTES", str(d.max_body_bytes))),
       help="largest request body accepted (413 beyond) and largest prefill answer read")
     a("--prefill-timeout-s", type=float, default=float(env("DYN_PD_PREFILL_TIMEOUT_S", str(d.prefill_timeout_s))))
@@ -47,7 +59,13 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[SidecarConfig, 
     cfg = SidecarConfig(decode_url=ns.decode_url, engine=ns.engine,
                         allowed_prefillers=parse_allowed(ns.allowed_prefillers), max_body_bytes=ns.max_body_bytes,
                         prefill_timeout_s=ns.prefill_timeout_s, connect_timeout_s=ns.connect_timeout_s,
-                        trtllm_ctx_usage=ns.trtllm_ctx_usage)
+                        trtllm_ctx_usage=ns.trtllm_ctx_usage, inference_pool=ns.inference_pool,
+                        role_label=ns.role_label, kubeconfig=ns.kubeconfig,
+                        max_allowed_prefillers=ns.max_allowed_prefillers)
+    if cfg.inference_pool is not None:
+        parse_pool_ref(cfg.inference_pool)  # a malformed reference is a start-up error, not a silent 403
+    if cfg.max_allowed_prefillers < 1:
+        raise ValueError(f"--max-allowed-prefillers must be at least 1, got {cfg.max_allowed_prefillers}")
     return cfg, ns
 
 
@@ -65,7 +83,9 @@ async def serve(cfg: SidecarConfig, host: str, port: int) -> None:
     site = web.TCPSite(runner, host, port)
     await site.start()
     print(f"epp-pd-sidecar ({cfg.engine}) listening on {host}:{port}, decode worker {cfg.decode_url}, "
-          f"{len(cfg.allowed_prefillers)} allowed prefill workers", flush=True)
+          f"{len(cfg.allowed_prefillers)} allowed prefill workers"
+          + (f" plus the prefill pods of InferencePool {cfg.inference_pool}" if cfg.inference_pool else ""),
+          flush=True)
     try:
         await stop.wait()
     finally:

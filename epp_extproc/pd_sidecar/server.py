@@ -19,6 +19,7 @@ from multidict import CIMultiDict
 from prometheus_client import generate_latest
 
 from . import trtllm, vllm
+from .allowlist import DEFAULT_MAX_ALLOWED, DEFAULT_ROLE_LABEL, Allowlist, PoolWatch, parse_pool_ref
 from .metrics import SidecarMetrics
 from .sse import answer_as_sse
 from .target import PREFILLER_HEADER, TargetRefused, prefill_target
@@ -46,6 +47,10 @@ class SidecarConfig:
     prefill_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
     trtllm_ctx_usage: bool = True  # send ctx_usage on the generation leg (TensorRT-LLM PR #14177 and later)
+    inference_pool: str | None = None  # [namespace/]name: also allow the pool's prefill pods, kept current
+    role_label: str = DEFAULT_ROLE_LABEL  # the pod label that says prefill (the picker's --role-label)
+    kubeconfig: str | None = None  # outside a cluster; in one, the pod's service account
+    max_allowed_prefillers: int = DEFAULT_MAX_ALLOWED  # cap on the pool's part of the allowlist
 
 
 class PrefillFailed(Exception):
@@ -93,10 +98,21 @@ def forward_headers(headers: Any) -> CIMultiDict[str]:
 class Sidecar:
     """One sidecar: an aiohttp app plus the client session it calls both workers with."""
 
-    def __init__(self, config: SidecarConfig) -> None:
+    def __init__(self, config: SidecarConfig, *, api_client_factory: Callable[[], Any] | None = None,
+                 **watch_kw: Any) -> None:
+        """``api_client_factory`` and ``watch_kw`` reach the pool reflector (tests point it at a fake API
+        server and shorten its backoff); the CLI passes neither."""
         self.config = config
         self.decode_url = config.decode_url.rstrip("/")
         self.metrics = SidecarMetrics()
+        self.allowlist = Allowlist(config.allowed_prefillers, cap=config.max_allowed_prefillers,
+                                   metrics=self.metrics, from_pool=config.inference_pool is not None)
+        self.pool_watch: PoolWatch | None = None
+        if config.inference_pool is not None:
+            namespace, name = parse_pool_ref(config.inference_pool)
+            self.pool_watch = PoolWatch(self.allowlist, name, namespace, role_label=config.role_label,
+                                        kubeconfig=config.kubeconfig, api_client_factory=api_client_factory,
+                                        **watch_kw)
         self.session: aiohttp.ClientSession | None = None
         self.app = web.Application(client_max_size=config.max_body_bytes)
         self.app.router.add_get("/health", self.health)
@@ -109,14 +125,23 @@ class Sidecar:
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None)
         self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False,
                                              timeout=aiohttp.ClientTimeout(total=None))
+        if self.pool_watch is not None:
+            self.pool_watch.start()
 
     async def _close(self, app: web.Application) -> None:
+        if self.pool_watch is not None:
+            await self.pool_watch.stop()
         if self.session is not None:
             await self.session.close()
 
     # ------------------------------------------------------------------------------------------ routes
     async def health(self, request: web.Request) -> web.Response:
-        """The sidecar's own liveness (it does not probe the decode worker: that has its own probe)."""
+        """The sidecar's own readiness (it does not probe the decode worker: that has its own probe). With
+        ``--inference-pool`` it is 503 until the pool has been listed once: a decode pod that joined the pool
+        before its sidecar knew the prefill pods would answer 403 to the picker's first prefill picks."""
+        if not self.allowlist.synced:
+            return web.json_response({"status": "syncing", "engine": self.config.engine,
+                                      "reason": "the InferencePool's prefill pods are not listed yet"}, status=503)
         return web.json_response({"status": "ok", "engine": self.config.engine})
 
     async def metrics_route(self, request: web.Request) -> web.Response:
@@ -127,7 +152,7 @@ class Sidecar:
         """Every other request: local, or the two legs when a prefill worker is named."""
         m = self.metrics
         try:
-            target = prefill_target(request.headers.getall(PREFILLER_HEADER, []), self.config.allowed_prefillers)
+            target = prefill_target(request.headers.getall(PREFILLER_HEADER, []), self.allowlist.current)
         except TargetRefused as e:
             m.requests.labels("refused", e.reason).inc()
             log.warning("refused %s %s: %s (client %s)", request.method, request.path, e, request.remote)

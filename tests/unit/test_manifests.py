@@ -690,9 +690,10 @@ def served(crds: list[dict[str, Any]], group: str, *, kind: str | None = None,
             for v in c["spec"]["versions"] if v.get("served")}
 
 
-def role_grants(objs: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
-    return {(g, r, v) for rule in find(objs, "Role")["rules"] for g in rule["apiGroups"] for r in rule["resources"]
-            for v in rule["verbs"]}
+def role_grants(objs: list[dict[str, Any]], name: str | None = None) -> set[tuple[str, str, str]]:
+    """(group, resource, verb) the Role grants (`name` picks one where a variant ships several)."""
+    return {(g, r, v) for rule in find(objs, "Role", name)["rules"] for g in rule["apiGroups"]
+            for r in rule["resources"] for v in rule["verbs"]}
 
 
 @pytest.mark.parametrize("variant", ("base", *VARIANTS))

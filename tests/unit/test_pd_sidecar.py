@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from epp_extproc.core.endpoints import Endpoint, parse_role
 from epp_extproc.pd_sidecar import trtllm, vllm
+from epp_extproc.pd_sidecar.allowlist import Allowlist, parse_pool_ref
 from epp_extproc.pd_sidecar.sse import answer_as_sse
 from epp_extproc.pd_sidecar.target import TargetRefused, canonical, parse_allowed, prefill_target
 from epp_extproc.pd_sidecar.usage import SseUsageRewriter, cached_tokens, rewrite_json
@@ -215,3 +217,70 @@ def test_cli_reads_the_allowed_prefillers_from_the_environment(monkeypatch: pyte
     cfg, ns = config_from_args([])
     assert cfg.allowed_prefillers == {"10.1.1.1:8000", "10.1.1.2:8000"}
     assert (ns.host, ns.port, cfg.decode_url, cfg.engine) == ("0.0.0.0", 8000, "http://127.0.0.1:8200", "trtllm")
+
+
+# ------------------------------------------------------------------------------------------- the pool allowlist
+def _ep(name: str, address: str, role: str) -> Endpoint:
+    return Endpoint(name=name, address=address, role=parse_role(role))
+
+
+def test_pool_reference_is_name_or_namespace_slash_name():
+    assert parse_pool_ref("llm-pool") == (None, "llm-pool")
+    assert parse_pool_ref("llm/llm-pool") == ("llm", "llm-pool")
+    for bad in ("", "/llm-pool", "llm/", "a/b/c"):
+        with pytest.raises(ValueError):
+            parse_pool_ref(bad)
+
+
+def test_the_pool_allowlist_keeps_only_prefill_endpoints():
+    al = Allowlist(from_pool=True)
+    al.replace([_ep("d", "10.0.0.1:8000", "decode"), _ep("b", "10.0.0.2:8000", "both"),
+                _ep("p", "10.0.0.3:8000", "prefill"), _ep("ep", "10.0.0.4:8000", "encode-prefill")])
+    assert al.current == {"10.0.0.3:8000", "10.0.0.4:8000"}
+
+
+def test_pool_entries_are_canonical_like_the_header_they_are_checked_against():
+    al = Allowlist(from_pool=True)
+    al.replace([_ep("p", "[fd00:0:0::7]:8000", "prefill")])
+    assert prefill_target(["[fd00::7]:8000"], al.current) == "[fd00::7]:8000"
+
+
+def test_the_pool_part_is_capped_in_the_order_discovery_gives_and_counts_the_rest():
+    from epp_extproc.pd_sidecar.metrics import SidecarMetrics
+
+    m = SidecarMetrics()
+    al = Allowlist(frozenset({"10.9.9.9:1"}), cap=2, metrics=m, from_pool=True)
+    al.replace([_ep(f"p{i}", f"10.0.0.{i}:8000", "prefill") for i in range(5)])
+    assert al.current == {"10.9.9.9:1", "10.0.0.0:8000", "10.0.0.1:8000"}  # the static entry is not capped
+    assert m.registry.get_sample_value("pd_sidecar_allowlist_over_cap") == 3
+
+
+def test_without_a_pool_the_allowlist_is_the_static_list_and_ready_at_once():
+    al = Allowlist(ALLOWED)
+    assert al.synced and al.current == ALLOWED
+
+
+def test_with_a_pool_the_allowlist_is_not_synced_until_the_first_publish():
+    al = Allowlist(ALLOWED, from_pool=True)
+    assert not al.synced and al.current == ALLOWED
+    al.replace([])
+    assert al.synced
+
+
+def test_cli_reads_the_pool_options(monkeypatch: pytest.MonkeyPatch):
+    from epp_extproc.pd_sidecar.cli import config_from_args
+
+    monkeypatch.setenv("DYN_PD_INFERENCE_POOL", "llm/llm-pool")
+    monkeypatch.setenv("KUBECONFIG", "/tmp/kc")
+    cfg, _ = config_from_args(["--role-label", "role", "--max-allowed-prefillers", "64"])
+    assert (cfg.inference_pool, cfg.role_label, cfg.kubeconfig, cfg.max_allowed_prefillers) == (
+        "llm/llm-pool", "role", "/tmp/kc", 64)
+    assert config_from_args([])[0].allowed_prefillers == frozenset()
+
+
+@pytest.mark.parametrize("argv", [["--inference-pool", "a/b/c"], ["--max-allowed-prefillers", "0"]])
+def test_cli_refuses_a_bad_pool_option_at_start(argv: list[str], capsys: pytest.CaptureFixture[str]):
+    from epp_extproc.pd_sidecar.cli import main
+
+    assert main(argv) == 2
+    assert "epp-pd-sidecar:" in capsys.readouterr().err
