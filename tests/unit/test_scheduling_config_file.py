@@ -402,3 +402,18 @@ def test_the_module_imports_nothing_heavy() -> None:
             "print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_bad_parameter_is_an_error_even_on_a_plugin_no_profile_uses() -> None:
+    msg = error(doc([{"type": "bounded-load-picker", "parameters": {"bound": 0}}, {"type": "queue-scorer"}],
+                    one_profile("queue-scorer")))
+    assert msg.startswith("plugins[bounded-load-picker].parameters.bound:")
+
+
+def test_text_that_is_not_yaml_is_one_line_naming_where() -> None:
+    msg = error("plugins: [\n")
+    assert msg.startswith("not YAML (line 2, column 1):") and "\n" not in msg
+
+
+def test_flow_control_values_are_checked_even_with_the_gate_off() -> None:
+    assert error(doc([], flowControl={"maxRequests": "lots"})).startswith("flowControl.maxRequests:")

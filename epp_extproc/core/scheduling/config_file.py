@@ -195,6 +195,14 @@ FOLDED_SCORERS: frozenset[str] = frozenset({
 # Every other type llm-d registers (runner.go registerInTreePlugins at LLMD_COMMIT, plus the few older names
 # its samples still use), by kind, with why it is not mapped. Known = reported as ignored, never an error.
 _NO_ENCODE = "we have no encode (multimodal encoder) stage"
+_MULTI = "no multi-cluster pools"
+_SYNC = "replicas share state over replica sync (--peers, --processes)"
+_ORDER = "our flow control's order is fixed: priority bands, round robin between fairness ids, FIFO within one"
+_NO_USAGE = "no usage-limit policy"
+_NO_EVICT = "no eviction of running requests"
+_DCGM = "no GPU (DCGM) metrics"
+_RENDER = "we render prompts ourselves: --tokenizer-protocol and --tokenizer-service-url"
+_OPENAI = "we parse the OpenAI API ourselves; no parser plugins"
 LLMD_KNOWN: Mapping[str, tuple[str, str]] = MappingProxyType({
     # filters
     "encode-filter": ("filter", _NO_ENCODE),
@@ -203,7 +211,7 @@ LLMD_KNOWN: Mapping[str, tuple[str, str]] = MappingProxyType({
     "by-label-selector": ("filter", "no label-selector filter (deprecated llm-d alias of label-selector-filter)"),
     "by-label": ("filter", "no label filter (deprecated llm-d alias of label-selector-filter)"),
     "session-affinity-filter": ("filter", "session affinity is --session-affinity-keys-file (sealed tokens)"),
-    "multicluster-session-affinity-filter": ("filter", "no multi-cluster pools"),
+    "multicluster-session-affinity-filter": ("filter", _MULTI),
     "endpoint-attribute-filter": ("filter", "no endpoint-attribute filter"),
     "topology-affinity-filter": ("filter", "no topology data"),
     "utilization-filter": ("filter", "saturation is flow control's (--flow-control, --queue-depth-threshold)"),
@@ -211,7 +219,8 @@ LLMD_KNOWN: Mapping[str, tuple[str, str]] = MappingProxyType({
     "slo-headroom-tier-filter": ("filter", "SLOs are the predicted-time-scorer's (--cost-model time)"),
     "header-based-testing-filter": ("filter", "llm-d's conformance-test filter"),
     # scorers
-    "lora-affinity-scorer": ("scorer", "no LoRA-affinity scorer: adapters are routed by --model-rewrites-file"),
+    "lora-affinity-scorer": ("scorer", "no LoRA-affinity scorer: an adapter's requests are scored by that "
+                                      "adapter's own KV blocks"),
     "session-affinity-scorer": ("scorer", "session affinity is --session-affinity-keys-file (sealed tokens)"),
     "running-requests-size-scorer": ("scorer", "load is in the kv-block-cost-scorer, counted in blocks"),
     "token-load-scorer": ("scorer", "load is in the kv-block-cost-scorer, counted in blocks"),
@@ -222,9 +231,9 @@ LLMD_KNOWN: Mapping[str, tuple[str, str]] = MappingProxyType({
     "endpoint-attribute-scorer": ("scorer", "no endpoint-attribute scorer"),
     "topology-affinity-scorer": ("scorer", "no topology data"),
     "latency-scorer": ("scorer", "predicted latency is the predicted-time-scorer (--cost-model time)"),
-    "multicluster-queue-scorer": ("scorer", "no multi-cluster pools"),
-    "multicluster-kv-cache-utilization-scorer": ("scorer", "no multi-cluster pools"),
-    "multicluster-prefix-cache-scorer": ("scorer", "no multi-cluster pools"),
+    "multicluster-queue-scorer": ("scorer", _MULTI),
+    "multicluster-kv-cache-utilization-scorer": ("scorer", _MULTI),
+    "multicluster-prefix-cache-scorer": ("scorer", _MULTI),
     # pickers
     "weighted-random-picker": ("picker", "no score-proportional sampling: use softmax-picker"),
     # profile handlers and deciders
@@ -240,10 +249,9 @@ LLMD_KNOWN: Mapping[str, tuple[str, str]] = MappingProxyType({
     "session-id-producer": ("producer", "session affinity is --session-affinity-keys-file"),
     "burst-prefix-cache-producer": ("producer", "our KV index is fed by the workers' KV events"),
     "p2p-source-producer": ("producer", "no peer-to-peer KV source"),
-    "multicluster-approx-prefix-cache-producer": ("producer", "no multi-cluster pools"),
-    "token-producer": ("producer", "we render prompts ourselves: --tokenizer-protocol and "
-                                   "--tokenizer-service-url"),
-    "tokenizer": ("producer", "we render prompts ourselves: --tokenizer-protocol and --tokenizer-service-url"),
+    "multicluster-approx-prefix-cache-producer": ("producer", _MULTI),
+    "token-producer": ("producer", _RENDER),
+    "tokenizer": ("producer", _RENDER),
     # request control
     "latency-slo-admitter": ("admitter", "SLO admission is the time cost's (x-slo-ttft-ms, sheddable -> 429)"),
     "probabilistic-admitter": ("admitter", "admission is flow control's (--flow-control)"),
@@ -260,36 +268,36 @@ LLMD_KNOWN: Mapping[str, tuple[str, str]] = MappingProxyType({
                                                   "--inference-pool-name"),
     "k8s-notification-source": ("datalayer", "workers come from --inference-pool-name"),
     "topology-extractor": ("datalayer", "no topology data"),
-    "dcgm-data-source": ("datalayer", "no GPU (DCGM) metrics"),
-    "dcgm-extractor": ("datalayer", "no GPU (DCGM) metrics"),
-    "multicluster-metrics-data-source": ("datalayer", "no multi-cluster pools"),
-    "multicluster-metrics-extractor": ("datalayer", "no multi-cluster pools"),
+    "dcgm-data-source": ("datalayer", _DCGM),
+    "dcgm-extractor": ("datalayer", _DCGM),
+    "multicluster-metrics-data-source": ("datalayer", _MULTI),
+    "multicluster-metrics-extractor": ("datalayer", _MULTI),
     "file-discovery": ("discovery", "file discovery is --endpoints-file"),
-    "multicluster-file-discovery": ("discovery", "no multi-cluster pools"),
-    "cross-replica-publisher": ("datalayer", "replicas share state over replica sync (--peers, --processes)"),
-    "local-syncer": ("datalayer", "replicas share state over replica sync (--peers, --processes)"),
+    "multicluster-file-discovery": ("discovery", _MULTI),
+    "cross-replica-publisher": ("datalayer", _SYNC),
+    "local-syncer": ("datalayer", _SYNC),
     # flow control policies and saturation detectors
-    "global-strict-fairness-policy": ("flowcontrol", "our flow control has one fairness rule (bands, then FIFO)"),
-    "round-robin-fairness-policy": ("flowcontrol", "our flow control has one fairness rule (bands, then FIFO)"),
-    "program-aware-fairness": ("flowcontrol", "our flow control has one fairness rule (bands, then FIFO)"),
-    "fcfs-ordering-policy": ("flowcontrol", "our flow control orders first come, first served (as this policy)"),
-    "edf-ordering-policy": ("flowcontrol", "our flow control orders first come, first served"),
-    "slo-deadline-ordering-policy": ("flowcontrol", "our flow control orders first come, first served"),
-    "static-usage-limit-policy": ("flowcontrol", "no usage-limit policy"),
-    "priority-holdback-policy": ("flowcontrol", "no usage-limit policy"),
-    "soft-reflective-ceiling-policy": ("flowcontrol", "no usage-limit policy"),
-    "sheddable-eviction-filter": ("flowcontrol", "no eviction of running requests"),
-    "priority-then-time-eviction-order-policy": ("flowcontrol", "no eviction of running requests"),
+    "global-strict-fairness-policy": ("flowcontrol", _ORDER),
+    "round-robin-fairness-policy": ("flowcontrol", _ORDER),
+    "program-aware-fairness": ("flowcontrol", _ORDER),
+    "fcfs-ordering-policy": ("flowcontrol", _ORDER),
+    "edf-ordering-policy": ("flowcontrol", _ORDER),
+    "slo-deadline-ordering-policy": ("flowcontrol", _ORDER),
+    "static-usage-limit-policy": ("flowcontrol", _NO_USAGE),
+    "priority-holdback-policy": ("flowcontrol", _NO_USAGE),
+    "soft-reflective-ceiling-policy": ("flowcontrol", _NO_USAGE),
+    "sheddable-eviction-filter": ("flowcontrol", _NO_EVICT),
+    "priority-then-time-eviction-order-policy": ("flowcontrol", _NO_EVICT),
     "concurrency-detector": ("detector", "saturation is --queue-depth-threshold / --kv-cache-util-threshold / "
                                          "--max-num-batched-tokens"),
     # request parsers
-    "openai-parser": ("parser", "we parse OpenAI requests ourselves"),
+    "openai-parser": ("parser", _OPENAI),
     "anthropic-parser": ("parser", "no Anthropic API parsing"),
-    "vllmhttp-parser": ("parser", "we parse OpenAI requests ourselves"),
+    "vllmhttp-parser": ("parser", _OPENAI),
     "vllmgrpc-parser": ("parser", "no vLLM gRPC parsing"),
-    "sglanghttp-parser": ("parser", "we parse OpenAI requests ourselves"),
+    "sglanghttp-parser": ("parser", _OPENAI),
     "vertexai-parser": ("parser", "no Vertex AI parsing"),
-    "passthrough-parser": ("parser", "--prompt-passthrough covers requests we cannot render"),
+    "passthrough-parser": ("parser", _OPENAI),
 })
 
 # llm-d types we map: their kind and every parameter llm-d's struct accepts (llm-d decodes strictly, so an
@@ -519,7 +527,8 @@ class _Compiler:
             self.entries[name] = _Entry(name, type_, params, self._classify(name, type_, params))
 
     def _classify(self, name: str, type_: str, params: Mapping[str, Any]) -> str:
-        if type_ in OUR_TYPES:
+        if type_ in OUR_TYPES:  # checked here too, so an entry no profile uses cannot hide a typo
+            _check_ours(type_, name, params, _LLMD_EXTRA_PARAMS.get(type_, frozenset()))
             return OUR_TYPES[type_].kind
         if type_ in LLMD_MAPPED:
             kind, allowed = LLMD_MAPPED[type_]
@@ -616,8 +625,10 @@ class _Compiler:
                         f"a second profile handler (after {handlers[0].name!r}); only one is allowed")
         if not handlers:
             if len(declared) != 1:
-                raise _fail("plugins", f"no profile handler, and {len(declared)} profiles (one profile runs "
-                                       "without a handler; more need e.g. disagg-profile-handler)")
+                unsupported = [e.type for e in self.entries.values() if e.kind == "ignored-handler"]
+                why = f" ({', '.join(unsupported)} is not supported here)" if unsupported else ""
+                raise _fail("plugins", f"no profile handler{why}, and {len(declared)} profiles (one profile runs "
+                                       "without a handler; more need disagg-profile-handler)")
             (only,) = declared
             self.note("plugins", "mapped", "no profile handler: single-profile-handler, as llm-d defaults")
             return _plugin("single-profile-handler", "single-profile-handler", {}, "single-profile-handler"), \
@@ -950,17 +961,18 @@ class _Compiler:
         for k in fc:
             if k not in known:
                 raise _fail(f"flowControl.{k}", f"unknown field (known: {', '.join(sorted(known))})")
-        settings = [k for k in fc if k != "saturationDetector"]
-        if settings and not gates.get("flowControl"):
+        # read (and so checked) even when the gate is off: llm-d decodes the section strictly either way
+        limit = _quantity(fc["maxRequests"], "flowControl.maxRequests") if "maxRequests" in fc else None
+        ttl = (_duration_s(fc["defaultRequestTTL"], "flowControl.defaultRequestTTL")
+               if "defaultRequestTTL" in fc else None)
+        if any(k != "saturationDetector" for k in fc) and not gates.get("flowControl"):
             self.note("flowControl", "warning", "the flowControl feature gate is off: its settings (other than "
                                                 "saturationDetector) are ignored, as llm-d does")
             return
-        if "maxRequests" in fc:
-            self.set("flow_control_max_queued_requests", _quantity(fc["maxRequests"], "flowControl.maxRequests"),
-                     "flowControl.maxRequests", "request limit")
-        if "defaultRequestTTL" in fc:
-            self.set("flow_control_queue_ttl_s", _duration_s(fc["defaultRequestTTL"], "flowControl.defaultRequestTTL"),
-                     "flowControl.defaultRequestTTL", "longest wait in the queue")
+        if limit is not None:
+            self.set("flow_control_max_queued_requests", limit, "flowControl.maxRequests", "request limit")
+        if ttl is not None:
+            self.set("flow_control_queue_ttl_s", ttl, "flowControl.defaultRequestTTL", "longest wait in the queue")
         for k, why in (("maxBytes", "our queue is bounded in requests (--flow-control-max-queued-requests)"),
                        ("noEndpointRequestTTL", "one TTL for every queued request (--flow-control-queue-ttl-s)"),
                        ("defaultPriorityBand", "bands come from InferenceObjectives; no per-band limits"),
@@ -1022,8 +1034,8 @@ class _Compiler:
         for k, why in (("injectDefaults", "we always scrape worker metrics unless --worker-metrics-interval-ms 0"),
                        ("discovery", "workers come from --endpoints, --endpoints-file or --inference-pool-name"),
                        ("peerDiscovery", "replicas find each other with --peers / --peer-service"),
-                       ("crossReplicaSyncerPluginRef", "replicas share state over replica sync (--peers)"),
-                       ("crossReplicaSyncInterval", "replica sync pushes as it books, not on an interval")):
+                       ("crossReplicaSyncerPluginRef", _SYNC),
+                       ("crossReplicaSyncInterval", _SYNC)):
             if k in dl:
                 self.note(f"dataLayer.{k}", "ignored", why)
 
@@ -1042,8 +1054,7 @@ class _Compiler:
             if ref not in self.entries and ref not in LLMD_KNOWN:
                 raise _fail(f"requestHandler.parsers[{ref}].pluginRef", f"references undefined plugin {ref!r}")
         if refs:
-            self.note("requestHandler.parsers", "ignored", "we parse OpenAI requests ourselves (and "
-                                                           "--prompt-passthrough the rest)")
+            self.note("requestHandler.parsers", "ignored", _OPENAI)
 
 
 def _check_rules(profile: ProfileSpec) -> None:
@@ -1070,7 +1081,10 @@ def parse_config(doc: str | Mapping[str, Any]) -> SchedulingSpec:
         try:
             data = yaml.safe_load(doc)
         except yaml.YAMLError as e:
-            raise ConfigFileError(f"not YAML: {e}") from None
+            mark = getattr(e, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            what = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigFileError(f"not YAML{where}: {what}") from None
     else:
         data = doc
     if not isinstance(data, Mapping):
