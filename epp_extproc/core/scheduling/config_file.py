@@ -737,9 +737,8 @@ class _Compiler:
                                                               "(llm-d refuses it too)")
             self.note(f"{entry}.parameters.stageOrder", "warning", "prefill-first is not supported: decode is "
                                                                   "chosen first")
-        for k in ("encode",):
-            if deciders.get(k) or p.get("encodeDeciderPluginName"):
-                self.note(f"{entry}.parameters.deciders.encode", "ignored", _NO_ENCODE)
+        if deciders.get("encode") or p.get("encodeDeciderPluginName"):
+            self.note(f"{entry}.parameters.deciders.encode", "ignored", _NO_ENCODE)
         if not pd_ref:
             self.note(entry, "mapped", f"disagg-profile-handler without a prefill decider -> single-profile-handler "
                                        f"on profile {decode!r} (llm-d: P/D off)")
