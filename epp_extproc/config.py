@@ -270,6 +270,10 @@ class Config:
         "re-read each worker's /server_info render_fingerprint this often (also at admission and when the "
         "prober finds the worker gone)")
     # KV scoring
+    config_file: str | None = opt("DYN_EPP_CONFIG_FILE", None, _opt_str,
+        "an llm-d EndpointPickerConfig YAML (plugins, schedulingProfiles, featureGates, flowControl, ...): its "
+        "scheduling profiles compiled to our plugins, start-up reporting what mapped and what was ignored; see "
+        "README \"One config file\"")
     kv_cache_block_size: int = opt("DYN_KV_CACHE_BLOCK_SIZE", 32, int,
         "tokens per KV block, assumed for a worker until its own is known: asked from its /server_info (vLLM: "
         "/metrics), else learned from its events. 32 is TensorRT-LLM's default; vLLM's is 16 on GPU")
@@ -554,7 +558,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
       "cache_salt_policy", "prompt_passthrough", "media_credit", "trust_media_uuids",
       "render_fingerprint_refresh_ms")),
     ("routing (KV overlap against load)",
-     ("kv_cache_block_size", "max_index_blocks_per_worker", "kv_overlap_score_credit", "prefill_load_scale",
+     ("config_file", "kv_cache_block_size", "max_index_blocks_per_worker", "kv_overlap_score_credit", "prefill_load_scale",
       "router_temperature", "cost_model", "affinity_load_bound", "prediction_ttl_s", "prediction_lifetime", "prediction_grace_s",
       "prediction_max_lifetime_s", "eviction_aware", "pd_min_uncached_tokens", "kv_ingest", "kv_ingest_shards",
       "kv_ingest_lookup_timeout_ms", "kv_ingest_worker_cpu_share", "session_affinity_keys_file",
