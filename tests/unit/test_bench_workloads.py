@@ -142,7 +142,8 @@ def test_agents_are_few_sessions_with_long_prefixes_that_grow_slowly() -> None:
 
 def test_the_heterogeneous_pool_runs_one_worker_of_four_at_half_speed() -> None:
     assert W.WORKLOADS["hetero"].worker_speeds == (0.5, 1.0, 1.0, 1.0)
-    assert W.generate("hetero", 3) == W.generate("multi-turn", 3)  # the same records: only the pool differs
+    # the same records (at the same load; its own loads are lower, the pool having 3.5 workers' speed)
+    assert W.generate("hetero", 3, rate=10.0) == W.generate("multi-turn", 3, rate=10.0)
     plan = BT.Plan(worker_speeds=(0.5, 1.0, 1.0, 1.0))
     slow, full = plan.mock_args(100, plan.speed(0)), plan.mock_args(100, plan.speed(1))
     for flag in ("--step-base-ms", "--step-prefill-ms-per-token", "--step-decode-ms-per-token",
