@@ -3,6 +3,15 @@
     python -m bench.bench_trace [--quick] [--out DIR] [--only a,c] [--rates 10,17.5,25] [--speedup 2.5]
                                 [--repeats 3] [--capacities ample,75,scarce] [--work DIR]
                                 [--variant NAME=FLAGS] [--prediction-variant NAME=FLAGS]
+                                [--workload NAME] [--seed N] [--rate R] [--requests N] [--worker-speeds 0.5,1,1,1]
+
+`--workload` replays another workload of issue 42's suite (bench/workloads.py: system-prompt, multi-turn, rag,
+agents, no-reuse, hetero) through exactly this method: its records have the trace's shape, so sampling aside
+everything below applies as written. Without `--rates`/`--rate` each capacity runs at that workload's own
+three loads (below, at and past saturation: workloads.RATES). `--seed` is the workload's CONTENT seed (for
+the trace, which 1-in-10 set of prefix trees; 0 = the sample every recording replayed); repeats still jitter
+the arrivals of the same requests. `--worker-speeds` gives each worker a relative speed (step costs divided
+by it; `hetero` brings 0.5,1,1,1); the clairvoyant figures (d) still model every worker at full speed.
 
 Nobody here shaped this workload: the Mooncake FAST'25 synthetic trace (`bench/traces/`, 3,993 requests,
 multi-turn, 512-token prefix blocks), reduced as `bench/trace_workload.py` says exactly (whole prefix trees

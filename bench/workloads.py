@@ -409,7 +409,8 @@ def rate_table(capacities: Sequence[str] = ("ample", "75", "scarce")) -> dict[st
 
 
 def describe(rows: Sequence[Record]) -> dict[str, Any]:
-    """Summary figures of a workload's records (recorded with each result)."""
+    """Summary figures of a workload's records (recorded with each result). ``rate_rps`` is the load the
+    records were drawn at; bench_trace replays them at each of its loads by rescaling that schedule."""
     n = len(rows)
     seen: set[tuple[int, ...]] = set()
     shared = total = 0
