@@ -165,3 +165,16 @@ def test_a_plan_with_a_workload_judges_each_capacity_at_its_own_loads() -> None:
     plan = BT.Plan(rates_by_capacity={"75": (1.0, 2.0, 3.0)})
     assert plan.rates_for("75") == (1.0, 2.0, 3.0)
     assert plan.rates_for("scarce") == BT.Plan().rates  # no entry: the plan's loads, as before
+
+
+def test_the_suite_runs_each_workload_once_and_resumes_past_those_recorded(tmp_path: Path) -> None:
+    from bench import bench_suite as SU
+
+    (tmp_path / "rag").mkdir()
+    (tmp_path / "rag" / "trace.json").write_text("{}")
+    assert SU.pending(tmp_path, list(W.WORKLOADS), force=False) == [n for n in W.WORKLOADS if n != "rag"]
+    assert SU.pending(tmp_path, ["rag"], force=True) == ["rag"]
+    cmd = SU.command("agents", tmp_path, quick=False, capacities="75,scarce", configs="c,b,e,a", repeats=5, seed=2)
+    assert cmd[1:] == ["-m", "bench.bench_trace", "--workload", "agents", "--seed", "2", "--out",
+                       str(tmp_path / "agents"), "--capacities", "75,scarce", "--only", "c,b,e,a", "--repeats", "5"]
+    assert SU.main(["--out", str(tmp_path), "--dry-run"]) == 0 and not (tmp_path / "suite.jsonl").exists()
