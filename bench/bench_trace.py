@@ -182,9 +182,9 @@ class Plan:
         c = LLAMA_8B_H100
         return ["--scheduler", "iteration", "--speedup", str(self.speedup), "--num-blocks", str(num_blocks),
                 "--max-num-tokens", str(self.max_num_tokens), "--max-batch-size", str(self.max_batch_size),
-                "--step-base-ms", f"{c['step_base_ms'] / speed:.6g}",
+                "--step-base-ms", str(c["step_base_ms"] / speed),  # str(): at speed 1 the flags recorded so far
                 "--step-prefill-ms-per-token", f"{c['step_prefill_ms_per_token'] * k / speed:.6g}",
-                "--step-decode-ms-per-token", f"{c['step_decode_ms_per_token'] / speed:.6g}",
+                "--step-decode-ms-per-token", str(c["step_decode_ms_per_token"] / speed),
                 "--step-kv-read-ms-per-token", f"{c['step_kv_read_ms_per_token'] * k / speed:.6g}",
                 "--max-seq-len", "1000000", "--heartbeat-interval", "1"]
 
