@@ -58,7 +58,9 @@ name              what real traffic it stands for (source)
                   Mixed GPU generations in one pool are common (a pool property, not a record property).
 ================  =====================================================================================
 
-Answers everywhere are log-normal (sigma 0.7) around the medians above, clipped to 16..2,048 tokens.
+Answers are log-normal (sigma 0.7, clipped to 16..2,048 tokens) with median 250 tokens in ``multi-turn`` and
+200 in the single-turn workloads (LMSYS-Chat-1M's 214.5 per response); an agent's are shorter (median 120,
+sigma 0.8, at most 1,024: tool calls).
 
 **Rates.** Every generator draws its schedule at a reference load (:data:`RATES`, "at" for capacity 75)
 and :func:`generate` rescales it so that ``len / span`` is exactly the rate asked for; ``bench_trace``
