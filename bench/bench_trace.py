@@ -3,6 +3,15 @@
     python -m bench.bench_trace [--quick] [--out DIR] [--only a,c] [--rates 10,17.5,25] [--speedup 2.5]
                                 [--repeats 3] [--capacities ample,75,scarce] [--work DIR]
                                 [--variant NAME=FLAGS] [--prediction-variant NAME=FLAGS]
+                                [--workload NAME] [--seed N] [--rate R] [--requests N] [--worker-speeds 0.5,1,1,1]
+
+`--workload` replays another workload of issue 42's suite (bench/workloads.py: system-prompt, multi-turn, rag,
+agents, no-reuse, hetero) through exactly this method: its records have the trace's shape, so sampling aside
+everything below applies as written. Without `--rates`/`--rate` each capacity runs at that workload's own
+three loads (below, at and past saturation: workloads.RATES). `--seed` is the workload's CONTENT seed (for
+the trace, which 1-in-10 set of prefix trees; 0 = the sample every recording replayed); repeats still jitter
+the arrivals of the same requests. `--worker-speeds` gives each worker a relative speed (step costs divided
+by it; `hetero` brings 0.5,1,1,1); the clairvoyant figures (d) still model every worker at full speed.
 
 Nobody here shaped this workload: the Mooncake FAST'25 synthetic trace (`bench/traces/`, 3,993 requests,
 multi-turn, 512-token prefix blocks), reduced as `bench/trace_workload.py` says exactly (whole prefix trees
@@ -116,6 +125,7 @@ from bench import harness as H
 from bench import plan_picker as PP
 from bench import trace_stats as S
 from bench import trace_workload as T
+from bench import workloads as W
 from epp_extproc.config import Config
 from epp_extproc.dev import envoy_config, procs
 from trtllm_mock.config import LLAMA_8B_H100
@@ -149,16 +159,33 @@ class Plan:
     max_num_tokens: int = 512  # 8192 real tokens (TensorRT-LLM default) / 16
     max_batch_size: int = 2048  # trtllm-serve default; KV capacity binds first
     aiperf_timeout_s: float = 240.0
+    # issue 42's suite (bench/workloads.py): which workload, its content seed, how many requests (None: the
+    # workload's default), each worker's relative speed (None: all full speed), and the loads per capacity
+    # (None: ``rates`` at every capacity, as before)
+    workload: str = "mooncake"
+    workload_seed: int = 0
+    requests: int | None = None
+    worker_speeds: tuple[float, ...] | None = None
+    rates_by_capacity: dict[str, tuple[float, ...]] | None = None
 
-    def mock_args(self, num_blocks: int) -> list[str]:
+    def rates_for(self, capacity: str) -> tuple[float, ...]:
+        """The offered loads at one capacity: the workload's own three when the plan has them."""
+        return (self.rates_by_capacity or {}).get(capacity, self.rates)
+
+    def speed(self, worker: int) -> float:
+        return self.worker_speeds[worker] if self.worker_speeds else 1.0
+
+    def mock_args(self, num_blocks: int, speed: float = 1.0) -> list[str]:
+        """A worker's flags; ``speed`` < 1 is a slower GPU: every step cost divided by it (0.5 = twice the
+        time per step), the arrivals and the other workers unchanged."""
         k = self.scale.length_divisor
         c = LLAMA_8B_H100
         return ["--scheduler", "iteration", "--speedup", str(self.speedup), "--num-blocks", str(num_blocks),
                 "--max-num-tokens", str(self.max_num_tokens), "--max-batch-size", str(self.max_batch_size),
-                "--step-base-ms", str(c["step_base_ms"]),
-                "--step-prefill-ms-per-token", f"{c['step_prefill_ms_per_token'] * k:.6g}",
-                "--step-decode-ms-per-token", str(c["step_decode_ms_per_token"]),
-                "--step-kv-read-ms-per-token", f"{c['step_kv_read_ms_per_token'] * k:.6g}",
+                "--step-base-ms", str(c["step_base_ms"] / speed),  # str(): at speed 1 the flags recorded so far
+                "--step-prefill-ms-per-token", f"{c['step_prefill_ms_per_token'] * k / speed:.6g}",
+                "--step-decode-ms-per-token", str(c["step_decode_ms_per_token"] / speed),
+                "--step-kv-read-ms-per-token", f"{c['step_kv_read_ms_per_token'] * k / speed:.6g}",
                 "--max-seq-len", "1000000", "--heartbeat-interval", "1"]
 
     def engine_model(self, num_blocks: int) -> CV.EngineModel:
@@ -513,8 +540,14 @@ class Workload:
 
 
 def workload(plan: Plan) -> Workload:
-    rows_all = T.load(T.find_trace())
-    rows = T.sample(rows_all, plan.scale)
+    """The plan's workload: the Mooncake sample as always (seed 0), or a generated one (bench/workloads.py)."""
+    if plan.workload == "mooncake":
+        rows_all = T.load(T.find_trace())
+        rows = T.sample(rows_all, plan.scale, residue=plan.workload_seed)
+        if plan.requests:
+            rows = rows[:plan.requests]
+    else:  # timestamps at the workload's reference load; each --rates load rescales them as the trace's
+        rows_all = rows = W.generate(plan.workload, plan.workload_seed, plan.requests or plan.scale.max_requests)
     prompts = [T.prompt_ids(T.prompt_text(r, plan.scale)) for r in rows]
     outputs = [T.output_tokens(r, plan.scale) for r in rows]
     largest = max(-(-(len(p) + o) // BS) for p, o in zip(prompts, outputs, strict=True))
@@ -561,10 +594,11 @@ def run_capacity(plan: Plan, configs: Sequence[str], wl: Workload, cap: str, wor
     print(f"capacity {cap}: {blocks} blocks per worker, working set {wl.working_set} = "
           f"{info['working_set_over_pool']:.2f}x the pool", flush=True)
     with H.Stack(prefix=f"epp-trace-{cap}-") as outer:
-        workers = [start_worker(outer, f"worker-{i}", plan.mock_args(blocks)) for i in range(plan.workers)]
+        workers = [start_worker(outer, f"worker-{i}", plan.mock_args(blocks, plan.speed(i)))
+                   for i in range(plan.workers)]
         renderer = H.mock_renderer(outer)
         texts = [T.prompt_text(r, plan.scale) for r in wl.rows]
-        for rate in plan.rates:
+        for rate in plan.rates_for(cap):
             d = rate / base_rate  # the trace replayed d times faster than recorded
             placements: dict[int, list[int]] = {}
             info["clairvoyant"].append(clairvoyant_cell(plan, wl, blocks, rate, d, placements))
@@ -593,6 +627,13 @@ def cells(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
              "summary": S.summarize(rs, METRICS), "runs": rs} for (cap, cfg, rate), rs in keys.items()]
 
 
+def _workload_summary(plan: Plan) -> str:
+    s = W.WORKLOADS[plan.workload].summary
+    if plan.worker_speeds:  # the clairvoyant figures (d) model every worker at full speed
+        s += f"; worker speeds {','.join(f'{x:g}' for x in plan.worker_speeds)} (clairvoyant assumes all 1)"
+    return s
+
+
 def run(plan: Plan, configs: list[str], work: Path) -> dict[str, Any]:
     wl = workload(plan)
     T.build_tokenizer(work / "tokenizer")
@@ -601,7 +642,9 @@ def run(plan: Plan, configs: list[str], work: Path) -> dict[str, Any]:
         info, rs = run_capacity(plan, configs, wl, cap, work)
         caps.append(info)
         runs += rs
-    return {"capacities": caps, "cells": cells(runs), "requests": len(wl.rows), "trace_requests": wl.trace_requests,
+    return {"workload": {"name": plan.workload, "seed": plan.workload_seed, "summary": _workload_summary(plan),
+                         "worker_speeds": plan.worker_speeds, **W.describe(wl.rows)},
+            "capacities": caps, "cells": cells(runs), "requests": len(wl.rows), "trace_requests": wl.trace_requests,
             "trace_rate_rps": T.offered_rate(wl.rows, 1.0), "prompt_tokens": sum(map(len, wl.prompts)),
             "output_tokens": sum(wl.outputs), "working_set_blocks": wl.working_set}
 
@@ -829,7 +872,9 @@ def _ratio_text(k: dict[str, Any] | None) -> str:
 
 def print_report(doc: dict[str, Any]) -> None:
     res = doc["result"]
-    print(f"\nMooncake trace, {res['requests']} of {res['trace_requests']} requests, {res['prompt_tokens']} prompt "
+    wl = res.get("workload", {"name": "mooncake", "seed": 0})
+    print(f"\nWorkload {wl['name']} (seed {wl['seed']}), {res['requests']} of {res['trace_requests']} requests, "
+          f"{res['prompt_tokens']} prompt "
           f"tokens (mock), working set {res['working_set_blocks']} blocks. Each cell: median [min..max] over "
           f"{doc['plan']['repeats']} jitter seeds. vs (a): a/x for TTFT, x/a for tokens/s; a bare figure is a "
           "claim (spreads disjoint), one in brackets is a ratio of medians whose spreads overlap (no claim).")
@@ -889,7 +934,8 @@ def chart(doc: dict[str, Any], path: Path) -> None:
                             "cached-token ratio", "output tokens/s"), "offered load (req/s of simulated time)")
         axes[0].legend(fontsize=7)
         axes[2].legend(fontsize=7)
-    H.save_figure(fig, "Mooncake trace via AIPerf on 4 iteration-scheduled mock workers, per KV capacity", path)
+    name = doc["result"].get("workload", {}).get("name", "mooncake")
+    H.save_figure(fig, f"{name} via AIPerf on 4 iteration-scheduled mock workers, per KV capacity", path)
 
 
 def parse_capacities(text: str) -> tuple[str, ...]:
@@ -912,7 +958,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = H.bench_parser(__doc__, "trace")
     ap.add_argument("--only", help="comma-separated subset of configurations (a,b,c,c1,e; r2,rs,rs2,cv only when "
                                    "named here)")
-    ap.add_argument("--rates", help="comma-separated offered loads (req/s of simulated time)")
+    ap.add_argument("--rates", help="comma-separated offered loads (req/s of simulated time); default 10,17.5,25 "
+                                    "for the trace, the workload's own three per capacity with --workload")
+    ap.add_argument("--rate", type=float, help="one offered load (the same as --rates R)")
+    ap.add_argument("--workload", choices=sorted(W.WORKLOADS), default="mooncake",
+                    help="which workload of bench/workloads.py (default: the Mooncake trace, as before)")
+    ap.add_argument("--seed", type=int, default=0, help="the workload's content seed (repeats still jitter "
+                                                           "arrivals of the same requests; --repeats)")
+    ap.add_argument("--requests", type=int, help="requests per replay (default: the workload's; trace: its sample)")
+    ap.add_argument("--worker-speeds", help="relative speed per worker, e.g. 0.5,1,1,1 (default: the workload's, "
+                                            "else all 1)")
     ap.add_argument("--speedup", type=float, help="mock speedup (wall-clock compression)")
     ap.add_argument("--repeats", type=int, help="runs per cell, one per arrival-jitter seed (default 3, quick 2)")
     ap.add_argument("--capacities", help=f"comma-separated KV capacities per worker ({','.join(CAPACITIES)}; "
@@ -936,8 +991,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     configs = ["c"] if a.quick else [k for k in CONFIGS if k not in OPT_IN]  # --quick: does it run at all
     if a.only:
         configs = [k for k in CONFIGS if k in a.only.split(",")]
+    plan.workload, plan.workload_seed = a.workload, a.seed
+    if a.requests:
+        plan.requests = a.requests
+    speeds = a.worker_speeds or ",".join(map(str, W.WORKLOADS[a.workload].worker_speeds or ()))
+    if speeds:
+        plan.worker_speeds = tuple(float(x) for x in speeds.split(","))
+        if len(plan.worker_speeds) != plan.workers or min(plan.worker_speeds) <= 0:
+            raise SystemExit(f"--worker-speeds: {plan.workers} positive figures, got {speeds!r}")
+    if a.workload != "mooncake" and not (a.rates or a.rate or a.quick):  # its own loads per capacity
+        plan.rates_by_capacity = {c: W.rates(a.workload, c) for c in CAPACITIES}
     if a.rates:
         plan.rates = tuple(float(x) for x in a.rates.split(","))
+    if a.rate:
+        plan.rates = (a.rate,)
     if a.speedup:
         plan.speedup = a.speedup
     if a.repeats:
@@ -948,7 +1015,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="epp-trace-work-"))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"trace: Mooncake via AIPerf, configs {configs}, loads {plan.rates} req/s, capacities {plan.capacities}, "
+    loads = {c: plan.rates_for(c) for c in plan.capacities}
+    print(f"trace: {plan.workload} (seed {plan.workload_seed}) via AIPerf, configs {configs}, loads {loads} req/s, "
+          f"capacities {plan.capacities}, "
           f"{plan.repeats} repeats, work dir {work}", flush=True)
     load_before = os.getloadavg()
     result = run(plan, configs, work)

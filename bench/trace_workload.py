@@ -76,9 +76,12 @@ def _u64(*parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little")
 
 
-def sample(rows: Sequence[dict[str, Any]], s: TraceScale) -> list[dict[str, Any]]:
-    """Whole prefix trees (requests grouped by their first hash id), 1 in ``sample_every``, in trace order."""
-    out = [r for r in rows if r["hash_ids"] and _u64("root", r["hash_ids"][0]) % s.sample_every == 0]
+def sample(rows: Sequence[dict[str, Any]], s: TraceScale, residue: int = 0) -> list[dict[str, Any]]:
+    """Whole prefix trees (requests grouped by their first hash id), 1 in ``sample_every``, in trace order.
+    ``residue`` picks which 1 in ``sample_every`` (0: the sample every recording so far replayed; another
+    residue is another set of whole trees, bench/workloads.py's Mooncake seeds)."""
+    out = [r for r in rows if r["hash_ids"]
+           and _u64("root", r["hash_ids"][0]) % s.sample_every == residue % s.sample_every]
     return out[: s.max_requests] if s.max_requests else out
 
 
