@@ -11,10 +11,10 @@ document, plus the LRU removals of its oldest fresh blocks past 4,096.
 
 For each pool size (8, 256, 1,000 workers) and each mode (`inprocess`: `KvRouting` in the measuring process;
 `apart`: `RemoteKv` plus one ingest shard process) the measuring process runs the real decision without the
-render hop (`Pipeline.propose(tokens=...)` + `commit` + free) every 5 ms on a 32k-token prompt sharing the
+render hop (`Director.propose(tokens=...)` + `commit` + free) every 5 ms on a 32k-token prompt sharing the
 document, for `--seconds`, and reports:
 
-* lookup p50/p99 (`KvLookup.overlap` as the pipeline calls it, with the prompt's block hashes already made:
+* lookup p50/p99 (`KvLookup.overlap` as the decision calls it, with the prompt's block hashes already made:
   hashes in, per-worker overlap out, what Dynamo's `find_matches` p99 times), the hashing apart
   (`hashing_*`: the decision process's own work, the same in both modes) and their sum
   (`lookup_with_hashing_*`, what earlier runs called the lookup); decision p50/p99 from the moment the decision
@@ -310,7 +310,7 @@ def pct(xs: list[float], q: float) -> float | None:
 
 
 class Setup:
-    """A pool of `n` simulated workers, the KV view of `mode` over it, and the real pipeline."""
+    """A pool of `n` simulated workers, the KV view of `mode` over it, and the real decision (core/assemble.py)."""
 
     def __init__(self, mode: str, player: Any, pin: bool, shared_dir: str | None = None) -> None:
         """`player`: anything with the workers' `endpoints`; `shared_dir`: the sockets of shards another
@@ -318,9 +318,9 @@ class Setup:
         from epp_extproc.adapters.kv_remote import RemoteKv
         from epp_extproc.adapters.kv_routing import KvRouting
         from epp_extproc.config import Config
+        from epp_extproc.core.assemble import assemble
         from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
         from epp_extproc.core.load import LoadTracker
-        from epp_extproc.core.pipeline import Pipeline
         from epp_extproc.ingest.launcher import IngestGroup, shard_argv
         from epp_extproc.ingest.pacing import LagSamples
         from epp_extproc.metrics import PickerMetrics
@@ -364,7 +364,7 @@ class Setup:
             idx.apply_batch = apply_batch
         metrics = PickerMetrics()
         self.load = LoadTracker(metrics.endpoint_inflight)
-        self.pipeline = Pipeline(Config(), self.registry, self.load, metrics, kv=self.kv)
+        self.director = assemble(Config(), self.registry, self.load, metrics, kv=self.kv).director
         self.lookups: list[float] = []
         self.hashing: list[float] = []
         orig_overlap = self.kv.overlap
@@ -429,8 +429,8 @@ class Setup:
 async def decide(setup: Setup, tokens: list[int]) -> None:
     from epp_extproc.core.request import RequestContext
 
-    p = await setup.pipeline.propose(RequestContext(method="POST", path="/v1/completions"), tokens=tokens)
-    d = setup.pipeline.commit(p)
+    p = await setup.director.propose(RequestContext(method="POST", path="/v1/completions"), tokens=tokens)
+    d = setup.director.commit(p)
     d.booking.free()
 
 

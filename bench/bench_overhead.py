@@ -138,12 +138,11 @@ async def _inproc(n_workers: int, n_tokens: int, reps: int) -> dict[str, Any]:
     from epp_extproc.adapters.kv_routing import KvRouting
     from epp_extproc.config import Config
     from epp_extproc.core.admission import BodyBudget, InflightGate
-    from epp_extproc.core.cost import choose
+    from epp_extproc.core.assemble import assemble
     from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
     from epp_extproc.core.lean import LeanSignals
     from epp_extproc.core.load import LoadTracker
     from epp_extproc.core.picker import Picker
-    from epp_extproc.core.pipeline import Pipeline
     from epp_extproc.core.render import Rendered
     from epp_extproc.core.request import RequestContext
     from epp_extproc.dev.kvwire import pack_batch, stored_event
@@ -179,8 +178,8 @@ async def _inproc(n_workers: int, n_tokens: int, reps: int) -> dict[str, Any]:
             return Rendered(list(self.tokens))
 
     rend = StubRenderer()
-    pipe = Pipeline(cfg, reg, load, metrics, renderer=rend, kv=kv)  # type: ignore[arg-type]
-    picker = Picker(pipe, gate=InflightGate(cfg.max_inflight_requests),
+    director = assemble(cfg, reg, load, metrics, renderer=rend, kv=kv).director  # type: ignore[arg-type]
+    picker = Picker(director, gate=InflightGate(cfg.max_inflight_requests),
                     bodies=BodyBudget(cfg.max_body_bytes, cfg.max_buffered_body_bytes), lean=LeanSignals(load, metrics))
     words = " ".join(str(t) for t in doc[:n_tokens])  # a body of realistic size (~6 bytes per token)
     decide, score = [], []
@@ -193,10 +192,9 @@ async def _inproc(n_workers: int, n_tokens: int, reps: int) -> dict[str, Any]:
         d = await picker.decide(ctx)
         decide.append(time.perf_counter() - t0)
         d.booking.free()
-        from epp_extproc.core.pipeline import Plan
-
+        req = director.scheduling_request(ctx, await director.planner.plan(ctx, director.parse(ctx)))
         t0 = time.perf_counter()
-        choose(pipe.candidates(addrs, Plan(tokens=rend.tokens)), pipe.params)
+        director.schedule(req)
         score.append(time.perf_counter() - t0)
     await kv.close()
     return {"workers": n_workers, "prompt_tokens": n_tokens, "requests": reps,

@@ -21,10 +21,11 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from epp_extproc.core.debug_view import DebugView
+from epp_extproc.core.director import Director
 from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.errors import PickError
 from epp_extproc.core.load import LoadTracker
-from epp_extproc.core.pipeline import Pipeline
 from epp_extproc.core.request import RequestContext
 from epp_extproc.metrics import PickerMetrics
 
@@ -34,7 +35,7 @@ MAX_DEBUG_TOKENS = 262_144
 _debug_lock = asyncio.Lock()
 
 
-async def debug_score(pipe: Pipeline, payload: dict[str, Any]) -> dict[str, Any]:
+async def debug_score(director: Director, view: DebugView, payload: dict[str, Any]) -> dict[str, Any]:
     """What the picker would do with this request: `propose()` without `commit()`.
 
     The body is a chat/completions request, or `{"token_ids": [...]}` to score ids directly. Raises
@@ -56,12 +57,12 @@ async def debug_score(pipe: Pipeline, payload: dict[str, Any]) -> dict[str, Any]
                 "/v1/chat/completions"
             ctx = RequestContext("POST", path, {}, body)
         try:
-            proposal = await pipe.propose(ctx, tokens=tokens, count=False, temperature=0.0)
+            proposal = await director.propose(ctx, tokens=tokens, count=False, temperature=0.0)
         except PickError as e:
             if e.problem.value == "no_endpoint":
                 return {"route": None, "prompt_tokens": len(tokens or []), "workers": [], "pick": None}
             raise ValueError(str(e)) from None
-        return pipe.explain(proposal)
+        return view.explain(proposal)
 
 
 def _metrics_handler(metrics: PickerMetrics) -> Callable[[web.Request], Awaitable[web.Response]]:

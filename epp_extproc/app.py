@@ -1,4 +1,4 @@
-"""Wiring: one picker instance = discovery + load + pipeline + the three listeners.
+"""Wiring: one picker instance = discovery + load + the decision (core/assemble.py) + the three listeners.
 
 `PickerApp` is what the CLI runs and what tests start in-process; nothing here decides anything.
 """
@@ -28,14 +28,15 @@ from epp_extproc.adapters.worker_metrics import WorkerMetricsScraper
 from epp_extproc.admin import build_admin_app, build_metrics_app, debug_score
 from epp_extproc.config import Config, ProcessSlot
 from epp_extproc.core.admission import BodyBudget, InflightGate
+from epp_extproc.core.assemble import assemble
+from epp_extproc.core.director import Admission
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
-from epp_extproc.core.eviction import EvictionAware
 from epp_extproc.core.flow_control import FlowController, ObjectiveTable, SaturationDetector, Thresholds
 from epp_extproc.core.lean import LeanSignals
 from epp_extproc.core.load import LoadTracker
 from epp_extproc.core.model_rewrite import ModelRewriter, RewriteTable
 from epp_extproc.core.picker import Picker
-from epp_extproc.core.pipeline import Admission, Pipeline
+from epp_extproc.core.scheduling.config_file import SchedulingSpec, load_config_file, report_lines
 from epp_extproc.core.session import SessionTokens
 from epp_extproc.envoy.access_log import AccessLogServicer, als_pb2_grpc
 from epp_extproc.envoy.extproc import ExtProcServicer, pb_grpc
@@ -61,7 +62,9 @@ async def _serve(runner: web.AppRunner, host: str, port: int) -> int:
 
 
 class PickerApp:
-    def __init__(self, config: Config, slot: ProcessSlot | None = None) -> None:
+    def __init__(self, config: Config, slot: ProcessSlot | None = None, spec: SchedulingSpec | None = None) -> None:
+        """`spec`: the scheduler from a config file (--config-file, read and checked by the CLI); None: the
+        flags' default profiles."""
         self.config = config
         self.slot = slot or ProcessSlot()
         self.metrics = PickerMetrics()
@@ -98,15 +101,20 @@ class PickerApp:
                                           config.session_affinity_ttl_s)
             self.session_keys = SessionKeysFile(self.sessions, config.session_affinity_keys_file)
         detector, objectives = self.detector, self.objectives
-        self.pipeline = Pipeline(config, self.registry, self.load, self.metrics, renderer=self.renderer,
-                                 kv=self.kv, fingerprint_of=self.fingerprints.get if self.fingerprints else None,
-                                 admission=admission, rewriter=ModelRewriter(
-                                     self.rewrites, session_header=config.model_rewrite_session_header), sessions=self.sessions,
-                                 saturated=lambda address: detector.state(address).saturated,
-                                 sheddable=lambda ctx: objectives.flow_key(ctx.headers).priority < 0,
-                                 eviction=self._eviction_aware())
+        if spec is None and config.config_file:
+            spec = load_config_file(config.config_file)  # checked at start-up (cli.with_config_file)
+        self.decision = assemble(
+            config, self.registry, self.load, self.metrics, spec=spec, renderer=self.renderer, kv=self.kv,
+            fingerprint_of=self.fingerprints.get if self.fingerprints else None, admission=admission,
+            rewriter=ModelRewriter(self.rewrites, session_header=config.model_rewrite_session_header),
+            sessions=self.sessions, saturated=lambda address: detector.state(address).saturated,
+            sheddable=lambda ctx: objectives.flow_key(ctx.headers).priority < 0,
+            churn=ChurnWindow(self.kv.index) if isinstance(self.kv, KvRouting) else None,
+            usage=self._kv_usage)
+        self.director = self.decision.director
+        self._report_scheduling()
         self.picker = Picker(
-            self.pipeline, gate=InflightGate(config.max_inflight_requests, self.metrics.picker_inflight),
+            self.director, gate=InflightGate(config.max_inflight_requests, self.metrics.picker_inflight),
             arriving=InflightGate(config.max_incomplete_requests, self.metrics.incomplete_requests),
             bodies=BodyBudget(config.max_body_bytes, config.max_buffered_body_bytes, self.metrics.buffered_bytes),
             lean=LeanSignals(self.load, self.metrics))
@@ -145,18 +153,22 @@ class PickerApp:
                                          max_rate=config.endpoint_probe_max_rate, on_lost=self._on_lost,
                                          on_change=self.flow.dispatch if self.flow is not None else None)
 
-    def _eviction_aware(self) -> EvictionAware | None:
-        """--eviction-aware: the rule reads the in-process index's removals; with --kv-ingest apart the index
-        lives in another process and the flag is refused at start-up (cli), so None here."""
-        if not self.config.eviction_aware or not isinstance(self.kv, KvRouting):
-            return None
-        detector = self.detector
+    def _report_scheduling(self) -> None:
+        """Start-up says how the scheduler was built: a config file's whole report (what mapped, what was
+        ignored and why), or the flags' warnings (a setting that does not apply)."""
+        spec = self.decision.spec
+        if self.config.config_file:
+            for line in report_lines(spec):
+                log.info("%s", line)
+            return
+        for n in spec.notes:
+            if n.status == "warning":
+                log.warning("%s: %s", n.entry, n.detail)
 
-        def usage(address: str) -> float | None:
-            s = detector.fresh(address)
-            return s.kv_utilization if s is not None else None
-
-        return EvictionAware(ChurnWindow(self.kv.index), usage)
+    def _kv_usage(self, address: str) -> float | None:
+        """A worker's KV usage gauge from a fresh scrape (the eviction scorer's pinned blocks), else None."""
+        s = self.detector.fresh(address)
+        return s.kv_utilization if s is not None else None
 
     def _on_lost(self, address: str) -> None:
         """A worker's process is gone: its KV cache (and perhaps its rendering configuration) with it."""
@@ -166,8 +178,8 @@ class PickerApp:
             self.fingerprints.lost(address)
 
     def _setup_flow_control(self) -> Admission | None:
-        """Worker metrics feed saturation and the cost; the flow controller admits proposals (Pipeline.admit):
-        its admission call is returned for the pipeline (None: flow control is off)."""
+        """Worker metrics feed saturation and the cost; the flow controller admits proposals (Director.admit):
+        its admission call is returned for the Director (None: flow control is off)."""
         cfg = self.config
         self.objectives = ObjectiveTable()
         self.detector = SaturationDetector(
@@ -215,8 +227,8 @@ class PickerApp:
             if self.registry.get(ep.address) is None:
                 self.load.forget(ep.address)
                 self.detector.forget(ep.address)
-                if self.pipeline.time_cost is not None:
-                    self.pipeline.time_cost.forget(ep.address)
+                if self.decision.time_model is not None:
+                    self.decision.time_model.forget(ep.address)
         if added and self.flow is not None:
             self.flow.dispatch()
         self.metrics.endpoints.set(len(self.registry))
@@ -357,7 +369,7 @@ class PickerApp:
 
     async def debug_score(self, payload: dict[str, Any]) -> dict[str, Any]:
         """`/debug/score`: a proposal that is never committed, and whose render is not counted as traffic."""
-        return await debug_score(self.pipeline, payload)
+        return await debug_score(self.director, self.decision.debug, payload)
 
     async def _drain(self, grace: float) -> None:
         """No new streams; the requests in flight get up to `grace` s; the long-lived service streams (Envoy's

@@ -8,9 +8,11 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 
 from epp_extproc.config import Config, load_config, setting
+from epp_extproc.core.scheduling.config_file import ConfigFileError
 from epp_extproc.runner import ListenError, run, run_child, serve, setup_logging
 
-__all__ = ["SUBCOMMANDS", "check_inputs", "load", "main", "run", "run_child", "serve", "setup_logging"]  # run..: re-exports (bench)
+__all__ = ["SUBCOMMANDS", "check_inputs", "load", "main", "run", "run_child", "serve", "setup_logging",
+           "with_config_file"]  # run..: re-exports (bench)
 
 SUBCOMMANDS = ("envoy-config", "conformance")
 
@@ -35,6 +37,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(serve(cfg), cfg.event_loop)
     except ListenError as e:  # a port in use: one line naming its flag, not a traceback
         print(f"epp-extproc: {e}", file=sys.stderr)
+        return 1
+    except ConfigFileError as e:  # a plugin the file names cannot be built with these settings
+        print(f"epp-extproc: {setting('config_file').split(' ')[0]}: {e}", file=sys.stderr)
         return 1
 
 
@@ -85,9 +90,25 @@ def load(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     cfg = load_config(argv, env)
     try:
         check_inputs(cfg)
+        cfg = with_config_file(cfg)
     except ValueError as e:
         raise SystemExit(f"epp-extproc: {e}") from None
     return cfg
+
+
+def with_config_file(cfg: Config) -> Config:
+    """The settings once `--config-file` is read: the file must compile (one error naming the entry), and
+    what it sets that is a flag here (block size, flow control, saturation thresholds: its `settings`)
+    replaces the flag's value. The scheduler itself is built from the file by the app (each process reads
+    it again: a few KiB)."""
+    if not cfg.config_file:
+        return cfg
+    from dataclasses import replace
+
+    from epp_extproc.core.scheduling.config_file import load_config_file
+
+    spec = load_config_file(cfg.config_file)  # ConfigFileError is a ValueError naming the file and the entry
+    return replace(cfg, **dict(spec.settings)) if spec.settings else cfg
 
 
 if __name__ == "__main__":

@@ -284,14 +284,15 @@ class Config:
         "stable at saturation, see bench/README.md)")
     prefill_load_scale: float = opt("DYN_ROUTER_PREFILL_LOAD_SCALE", 1.0, float, "weight of prefill load")
     router_temperature: float = opt("DYN_ROUTER_TEMPERATURE", 0.0, float,
-        "0 = argmin with random ties; > 0 = softmax sampling over normalised costs")
+        "0 = argmin with random ties; > 0 = softmax sampling over normalised costs (block or time cost alike)")
     cost_model: str = opt("DYN_EPP_COST_MODEL", "blocks", str,
         "`blocks`: the KV-router block cost (load and overlap in blocks); `time`: each worker's predicted TTFT "
         "(+ a TPOT term) learned online from its answers, honouring x-slo-ttft-ms / x-slo-tpot-ms (a sheddable "
         "request no worker is predicted to meet gets 429); see docs/time-cost.md", ("blocks", "time"))
     affinity_load_bound: float = opt("DYN_EPP_AFFINITY_LOAD_BOUND", 0.5, float,
         "bounded-load affinity: the longest cached prefix wins among the workers whose load is within "
-        "(1 + this) x the pool's average (plus the request's blocks), ties by the block cost (--cost-model time ignores it); 0 = "
+        "(1 + this) x the pool's average (plus the request's blocks), ties by the block cost (not applied with "
+        "--cost-model time: a value other than the default is named in a start-up warning); 0 = "
         "the block cost alone places (the rule before 0.5 became the default); see docs/bounded-affinity.md")
     prediction_ttl_s: float = opt("DYN_EPP_PREDICTION_TTL_S", 2.0, float,
         "how long a pick counts as cached on its worker before its KV events confirm it (--prediction-lifetime "
@@ -465,6 +466,9 @@ class Config:
         if self.flow_control and self.worker_metrics_interval_ms == 0 and self.max_num_batched_tokens == 0:
             raise ValueError(f"{n('flow_control')} needs a saturation signal: worker metrics "
                              f"({n('worker_metrics_interval_ms')} > 0) or {n('max_num_batched_tokens')} > 0")
+        if self.eviction_aware and self.cost_model == "time":
+            raise ValueError(f"{n('eviction_aware')} prices flushed prefixes in KV blocks and {n('cost_model')} "
+                             "time prices in seconds: the two cannot be added; use one of them")
         if self.eviction_aware and self.kv_ingest != "inprocess":
             raise ValueError(f"{n('eviction_aware')} reads the in-process KV index's removals: it needs "
                              f"{n('kv_ingest')} inprocess")

@@ -28,7 +28,6 @@ from epp_extproc.config import Config
 from epp_extproc.core.contract import Credit, MediaItem, PromptIdentity, Role
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.core.errors import PickError
-from epp_extproc.core.eviction import EvictionAware
 from epp_extproc.core.load import LoadTracker
 from epp_extproc.core.model_rewrite import ModelRewriter, RewriteRules, RewriteTable, Rule, Target
 from epp_extproc.core.render import Rendered, RenderError
@@ -268,9 +267,9 @@ async def _run(s: Scenario) -> list[dict[str, Any]]:
         table = RewriteTable(RewriteRules([Rule("split", frozenset({"tenant"}),
                                                 (Target("tenant", 1), Target("tenant-lora", 1)))]))
         rewriter = ModelRewriter(table, random.Random(3))
-    eviction = EvictionAware(ScriptChurn(), lambda a: 0.95 if a == ADDRS[0] else 0.2) if s.eviction else None
     decider = build_decider(cfg, reg, load, metrics, renderer=renderer, kv=kv, sessions=sessions,
-                            rewriter=rewriter, eviction=eviction, saturated=s.saturated.__contains__,
+                            rewriter=rewriter, churn=ScriptChurn() if s.eviction else None,
+                            usage=lambda a: 0.95 if a == ADDRS[0] else 0.2, saturated=s.saturated.__contains__,
                             sheddable=lambda ctx: "x-test-sheddable" in ctx.headers)
     bookings: list[Any] = []
     out: list[dict[str, Any]] = []

@@ -5,7 +5,7 @@ signals. A stream is counted from the moment it opens, first as incomplete (`arr
 are still coming) and, once its request is whole, as in flight (`gate`). The caps are separate so that clients
 that open streams and stall (they may take --request-body-timeout-ms) cannot take the slots of requests that
 are ready to be decided: a full `arriving` refuses new streams, a full `gate` refuses whole requests. Each request gets a `PickerExchange` (`open()`),
-which drives the pipeline's three steps through `decide()`: propose -> admit -> commit. Everything is
+which drives the Director's three steps through `decide()`: propose -> admit -> commit. Everything is
 handed in at construction, so a test builds a picker from the same parts the app does.
 """
 
@@ -15,10 +15,10 @@ import logging
 
 from epp_extproc.core.admission import BodyBudget, InflightGate
 from epp_extproc.core.decision import Decision
+from epp_extproc.core.director import Director
 from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.exchange import PickerExchange
 from epp_extproc.core.lean import LeanSignals
-from epp_extproc.core.pipeline import Pipeline
 from epp_extproc.core.request import RequestContext
 
 log = logging.getLogger(__name__)
@@ -27,15 +27,15 @@ log = logging.getLogger(__name__)
 class Picker:
     """Implements `core.api.Picker` for the edge, and `decide()` for callers with a whole request."""
 
-    def __init__(self, pipeline: Pipeline, *, gate: InflightGate, bodies: BodyBudget, lean: LeanSignals,
+    def __init__(self, director: Director, *, gate: InflightGate, bodies: BodyBudget, lean: LeanSignals,
                  arriving: InflightGate | None = None) -> None:
-        self.pipeline = pipeline
+        self.director = director
         self.gate = gate
         self.arriving = arriving if arriving is not None else InflightGate(4 * gate.limit)
         self.bodies = bodies
         self.lean = lean
-        self.metrics = pipeline.metrics
-        sessions = pipeline.sessions  # session affinity: answers name their worker in a sealed token
+        self.metrics = lean.metrics
+        sessions = director.sessions  # session affinity: answers name their worker in a sealed token
         self._seal = sessions.seal if sessions is not None else None
 
     @property
@@ -47,18 +47,18 @@ class Picker:
         """A new request (one ext_proc stream), counted as incomplete from now on, not from its headers."""
         self.arriving.enter()
         return PickerExchange(self.decide, self.bodies, self.arriving, self.gate, self.lean, self.metrics,
-                              knows=self.pipeline.registry.__contains__, count_rejection=self.count_rejection,
+                              knows=self.director.registry.__contains__, count_rejection=self.count_rejection,
                               seal=self._seal)
 
     async def decide(self, request: RequestContext) -> Decision:
         """Propose, wait for admission, commit; the flow ticket is released once the load is booked (or on any
         failure). Raises PickError, and then nothing is booked."""
-        pipe = self.pipeline
+        d = self.director
         for header in request.slo_malformed:  # ignored as llm-d ignores them, but counted
             self.metrics.slo_headers_malformed.labels(header).inc()
-        p, ticket = await pipe.admit(await pipe.propose(request), request)
+        p, ticket = await d.admit(await d.propose(request), request)
         try:
-            return pipe.commit(p)
+            return d.commit(p)
         finally:
             if ticket is not None:
                 ticket.release()  # booked: the worker's load now counts it

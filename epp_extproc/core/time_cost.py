@@ -1,10 +1,11 @@
 """Cost in predicted time: each worker's TTFT and TPOT, learned online from what its answers took.
 
-Beside the block cost (core/cost.py, the default): with `--cost-model time` the pick minimises the predicted
+Beside the block cost (core/scheduling/block_cost_scorer.py, the default): with `--cost-model time` (the
+`predicted-time-scorer`, core/scheduling/predicted_time_scorer.py) the pick minimises the predicted
 time to first token (plus a TPOT term once a worker's decode speed is learned), and, when the request carries
 llm-d's SLO headers (`x-slo-ttft-ms`, `x-slo-tpot-ms`, parsed at the edge into `Slo`), only among the workers
 predicted to meet them. When none can, a sheddable request (its objective's priority < 0, as flow control
-reads it) is refused (`SloUnmet`, a 429 at the edge) and any other is routed best effort.
+reads it) is refused (PickError SLO_UNMET, a 429 at the edge) and any other is routed best effort.
 
 The model, per worker, in plain numbers (no sample is kept, so memory is a few floats per worker):
 
@@ -29,13 +30,12 @@ terms: they land in the fitted overhead and rate (docs/time-cost.md).
 from __future__ import annotations
 
 import math
-import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from epp_extproc.core.cost import Candidate, CostParams
+from epp_extproc.core.load import EndpointLoad
 
 TTFT_HEADER = "x-slo-ttft-ms"  # llm-d-inference-scheduler @520af47: predictedlatency/plugin.go TTFTSLOHeaderKey
 TPOT_HEADER = "x-slo-tpot-ms"  # same file, TPOTSLOHeaderKey; also admitter/latencyslo/plugin.go
@@ -202,10 +202,6 @@ class WorkerModel:
         return self.tpot.predict((1.0, f.batch))
 
 
-class SloUnmet(Exception):
-    """No worker is predicted to meet the request's SLO and the request is sheddable: a fact for the edge."""
-
-
 @dataclass(slots=True)
 class Observation:
     """One routed request's stopwatch: the pipeline makes it at commit, the exchange reports to it."""
@@ -255,52 +251,25 @@ class TimeCost:
         self._models.pop(address, None)
 
     @staticmethod
-    def features(c: Candidate, params: CostParams, block_size: float) -> Features:
-        ld = c.load
-        prefill = max(ld.prefill_blocks + c.prompt_blocks - params.overlap_credit * c.overlap_blocks, 0.0)
-        return Features(prefill_tokens=block_size * params.prefill_load_scale * prefill,
-                        decode_tokens=block_size * (ld.decode_blocks + ld.unbooked_blocks),
-                        batch=ld.inflight + 1.0)
+    def features(load: EndpointLoad, prompt_blocks: float, overlap_blocks: int, block_size: float,
+                 overlap_credit: float, prefill_load_scale: float) -> Features:
+        prefill = max(load.prefill_blocks + prompt_blocks - overlap_credit * overlap_blocks, 0.0)
+        return Features(prefill_tokens=block_size * prefill_load_scale * prefill,
+                        decode_tokens=block_size * (load.decode_blocks + load.unbooked_blocks),
+                        batch=load.inflight + 1.0)
 
-    def score(self, c: Candidate, params: CostParams, block_size: float) -> None:
-        """Fill in the candidate's predicted TTFT/TPOT (seconds) and its time cost."""
-        f = self.features(c, params, block_size)
-        m = self.model(c.address)
-        c.ttft_s = m.predict_ttft(f)
-        c.tpot_s = m.predict_tpot(f)
-        c.cost = c.ttft_s + TPOT_TOKENS * m.tpot.confidence * c.tpot_s
+    def predict(self, address: str, f: Features) -> tuple[float, float, float]:
+        """(TTFT s, TPOT s, time cost) of a request with features `f` on `address`."""
+        m = self.model(address)
+        ttft, tpot = m.predict_ttft(f), m.predict_tpot(f)
+        return ttft, tpot, ttft + TPOT_TOKENS * m.tpot.confidence * tpot
 
-    def choose(self, cands: Sequence[Candidate], params: CostParams, block_size: Callable[[str], float],
-               slo: Slo | None = None, sheddable: bool = False,
-               rng: random.Random | None = None) -> tuple[Candidate, str | None]:
-        """The candidate with the least time cost, among those predicted to meet `slo` when it is given.
-        Returns (chosen, SLO outcome: None without an SLO, `met` or `best_effort`); raises SloUnmet when no
-        worker meets the SLO and the request is sheddable."""
-        rng = rng or random
-        for c in cands:
-            self.score(c, params, block_size(c.address))
-        pool: Sequence[Candidate] = cands
-        outcome: str | None = None
-        if slo is not None:
-            pool = [c for c in cands if meets(c, slo)]
-            if pool:
-                outcome = "met"
-            elif sheddable:
-                raise SloUnmet("no worker is predicted to meet the request's SLO")
-            else:
-                pool, outcome = cands, "best_effort"
-        best = min(c.cost for c in pool)
-        ties = [c for c in pool if c.cost == best]
-        return (ties[0] if len(ties) == 1 else rng.choice(ties)), outcome
-
-    def observe(self, address: str, c: Candidate, params: CostParams, block_size: float,
+    def observe(self, address: str, f: Features, predicted_ttft_s: float,
                 booking_id: str | None = None) -> Observation:
         """Start the stopwatch of a committed pick. With `booking_id`, the booking's own `prefill_done`
         (seen through `on_booking`) stops it: that works in lean mode too, where no response chunk crosses
         the picker and only the first-chunk signal does."""
-        f = self.features(c, params, block_size)
-        predicted = c.ttft_s if c.ttft_s is not None else self.model(address).predict_ttft(f)
-        o = Observation(self, address, f, predicted, time.monotonic())
+        o = Observation(self, address, f, predicted_ttft_s, time.monotonic())
         if booking_id is not None:
             self._waiting[booking_id] = o
         return o
@@ -342,7 +311,7 @@ class TimeCost:
                 for a, m in self._models.items()}
 
 
-def meets(c: Candidate, slo: Slo) -> bool:
-    if slo.ttft_ms is not None and (c.ttft_s is None or c.ttft_s * 1000.0 > slo.ttft_ms):
+def meets(ttft_s: float | None, tpot_s: float | None, slo: Slo) -> bool:
+    if slo.ttft_ms is not None and (ttft_s is None or ttft_s * 1000.0 > slo.ttft_ms):
         return False
-    return not (slo.tpot_ms is not None and (c.tpot_s is None or c.tpot_s * 1000.0 > slo.tpot_ms))
+    return not (slo.tpot_ms is not None and (tpot_s is None or tpot_s * 1000.0 > slo.tpot_ms))

@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from epp_extproc.core.pipeline import TRTLLM_SALT_MESSAGE
+from epp_extproc.core.plan import TRTLLM_SALT_MESSAGE
 from tests.gateway_client import request
 from tests.stack import GatewayStack
 

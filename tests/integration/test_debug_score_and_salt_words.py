@@ -4,7 +4,7 @@ value); the salt 400 tells the client what counted as a salt and the operator wh
 
 from __future__ import annotations
 
-from epp_extproc.core.pipeline import TRTLLM_SALT_MESSAGE
+from epp_extproc.core.plan import TRTLLM_SALT_MESSAGE
 from tests.integration.test_render_and_salt import StubRenderer, picker, stub  # noqa: F401  (fixture)
 
 

@@ -14,7 +14,7 @@ from epp_extproc.adapters.render_client import RenderClient
 from epp_extproc.app import PickerApp
 from epp_extproc.config import Config
 from epp_extproc.core.errors import PickError, Problem
-from epp_extproc.core.pipeline import TRTLLM_SALT_MESSAGE
+from epp_extproc.core.plan import TRTLLM_SALT_MESSAGE
 from epp_extproc.core.render import RenderError, render_kind
 from epp_extproc.core.request import RequestContext
 from epp_extproc.core.salt import resolve_salt

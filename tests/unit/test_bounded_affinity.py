@@ -8,15 +8,15 @@ from collections import Counter
 import pytest
 
 from epp_extproc.config import Config
-from epp_extproc.core.cost import Candidate, CostParams, choose, choose_bounded
 from epp_extproc.core.load import EndpointLoad
+from tests.scheduling_fakes import CostParams, Row, choose, choose_bounded
 from tests.unit.test_propose_commit import ADDRS, chat, decide, make
 
 P = CostParams(overlap_credit=2.0)
 
 
-def cand(address: str, held: float, overlap: int = 0, prompt: float = 40.0, prefill: float = 0.0) -> Candidate:
-    return Candidate(address, EndpointLoad(inflight=1 if held else 0, prefill_blocks=prefill, decode_blocks=held),
+def cand(address: str, held: float, overlap: int = 0, prompt: float = 40.0, prefill: float = 0.0) -> Row:
+    return Row(address, EndpointLoad(inflight=1 if held else 0, prefill_blocks=prefill, decode_blocks=held),
                      prompt_blocks=prompt, overlap_blocks=overlap)
 
 

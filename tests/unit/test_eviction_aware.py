@@ -12,17 +12,16 @@ import pytest
 
 from epp_extproc.config import Config
 from epp_extproc.core.contract import PromptIdentity
-from epp_extproc.core.cost import Candidate, CostParams, choose
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
-from epp_extproc.core.eviction import EvictionAware
 from epp_extproc.core.load import EndpointLoad, LoadTracker
-from epp_extproc.core.pipeline import Pipeline
 from epp_extproc.core.render import Rendered
 from epp_extproc.core.request import RequestContext
+from epp_extproc.core.scheduling.eviction_scorer import EvictionScorer
 from epp_extproc.metrics import PickerMetrics
 from kvindex.churn import ChurnWindow
 from kvindex.events import BlockRemoved, BlockStored, DecodedBatch
 from kvindex.index import KvIndex
+from tests.scheduling_fakes import CostParams, Decider, Row, apply_eviction, build_decider, choose
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 BS = 32
@@ -99,30 +98,30 @@ def test_capacity_is_the_most_blocks_held_once_removals_start() -> None:
 # ------------------------------------------------------------------ the rules
 
 
-def cand(address: str, *, prompt: float, overlap: int, prefill: float = 0.0, decode: float = 0.0) -> Candidate:
-    return Candidate(address, EndpointLoad(inflight=1, prefill_blocks=prefill, decode_blocks=decode),
+def cand(address: str, *, prompt: float, overlap: int, prefill: float = 0.0, decode: float = 0.0) -> Row:
+    return Row(address, EndpointLoad(inflight=1, prefill_blocks=prefill, decode_blocks=decode),
                      prompt_blocks=prompt, overlap_blocks=overlap)
 
 
-def pressured(capacity: int) -> tuple[KvIndex, EvictionAware]:
+def pressured(capacity: int) -> tuple[KvIndex, EvictionScorer]:
     index = KvIndex(BS)
     full_worker(index, A, capacity)
-    return index, EvictionAware(ChurnWindow(index, clock=Clock()), lambda _a: None)
+    return index, EvictionScorer(ChurnWindow(index, clock=Clock()), lambda _a: None)
 
 
 def test_overlap_on_a_full_worker_with_a_long_queue_is_discounted() -> None:
     _, ev = pressured(100)
     c = cand(A, prompt=20, overlap=10, prefill=200)  # 200 booked blocks to allocate before this one: all evicted
-    ev.apply([c])
+    apply_eviction(ev, [c])
     assert c.overlap_discount == 10
 
 
 def test_overlap_on_a_worker_with_free_room_is_not_discounted() -> None:
     index = KvIndex(BS)
     store(index, A, 1, 10)  # never removed a block: not known to be full
-    ev = EvictionAware(ChurnWindow(index, clock=Clock()), lambda _a: None)
+    ev = EvictionScorer(ChurnWindow(index, clock=Clock()), lambda _a: None)
     c = cand(A, prompt=20, overlap=10, prefill=200)
-    ev.apply([c])
+    apply_eviction(ev, [c])
     assert c.overlap_discount == 0
 
 
@@ -131,7 +130,7 @@ def test_discounted_overlap_sends_the_prefix_where_it_survives() -> None:
     store(index, B, 1, 10)  # B holds the same prefix and has room
     a = cand(A, prompt=20, overlap=10, prefill=150)
     b = cand(B, prompt=20, overlap=4, prefill=140)
-    ev.apply([a, b])
+    apply_eviction(ev, [a, b])
     assert choose([a, b], CostParams(overlap_credit=2.0)).address == B
 
 
@@ -146,7 +145,7 @@ def test_a_long_new_prefix_is_not_flushed_into_a_full_worker_when_another_has_ro
     store(index, B, 1, 10)
     a = cand(A, prompt=60, overlap=0, decode=0)
     b = cand(B, prompt=60, overlap=0, decode=30)  # busier, but its cache has room
-    ev.apply([a, b])
+    apply_eviction(ev, [a, b])
     assert a.eviction_penalty > 0 and b.eviction_penalty == 0
     assert choose([a, b], CostParams()).address == B
 
@@ -155,16 +154,16 @@ def test_no_flush_penalty_when_every_worker_would_flush_alike() -> None:
     index, ev = pressured(100)
     full_worker(index, B, 100)
     a, b = cand(A, prompt=60, overlap=0), cand(B, prompt=60, overlap=0)
-    ev.apply([a, b])
+    apply_eviction(ev, [a, b])
     assert a.eviction_penalty == b.eviction_penalty == 0
 
 
 def test_usage_gauge_sets_the_pinned_blocks() -> None:
     index = KvIndex(BS)
     full_worker(index, A, 100)
-    ev = EvictionAware(ChurnWindow(index, clock=Clock()), lambda _a: 0.5)
+    ev = EvictionScorer(ChurnWindow(index, clock=Clock()), lambda _a: 0.5)
     c = cand(A, prompt=10, overlap=0, decode=3)
-    ev.apply([c])
+    apply_eviction(ev, [c])
     assert c.eviction.pressure.pinned == 50 and c.eviction.pressure.pinned_source == "usage_gauge"
 
 
@@ -207,14 +206,16 @@ class FakeKv:
         pass
 
 
-def pipeline(eviction: EvictionAware | None) -> tuple[Pipeline, FakeRenderer, FakeKv]:
+def pipeline(churn: ChurnWindow | None) -> tuple[Decider, FakeRenderer, FakeKv]:
+    """The decision with the flag off (`churn` None) or on, reading `churn` and no usage gauge."""
     reg = EndpointRegistry()
     reg.replace([Endpoint("a", A), Endpoint("b", B)])
     metrics = PickerMetrics()
     r, kv = FakeRenderer(), FakeKv()
-    config = Config(tokenizer_protocol="trtllm-render", tokenizer_service_url="http://127.0.0.1:1")
-    return Pipeline(config, reg, LoadTracker(metrics.endpoint_inflight), metrics, renderer=r, kv=kv,
-                    eviction=eviction), r, kv
+    config = Config(tokenizer_protocol="trtllm-render", tokenizer_service_url="http://127.0.0.1:1",
+                    eviction_aware=churn is not None)
+    return build_decider(config, reg, LoadTracker(metrics.endpoint_inflight), metrics, renderer=r, kv=kv,
+                         churn=churn, usage=lambda _a: None), r, kv
 
 
 def chat() -> RequestContext:
@@ -222,7 +223,7 @@ def chat() -> RequestContext:
                           body=b'{"model":"m","messages":[{"role":"user","content":"hi"}]}')
 
 
-async def scripted_run(pipe: Pipeline, r: FakeRenderer, kv: FakeKv, seed: int) -> list[tuple[str, float]]:
+async def scripted_run(pipe: Decider, r: FakeRenderer, kv: FakeKv, seed: int) -> list[tuple[str, float]]:
     """Forty decisions with varied prompts and overlaps, committed (so bookings pile up): (pick, cost) each."""
     rng = random.Random(seed)
     out = []
@@ -231,7 +232,7 @@ async def scripted_run(pipe: Pipeline, r: FakeRenderer, kv: FakeKv, seed: int) -
         kv.overlaps = {A: rng.randint(0, 20), B: rng.randint(0, 20)}
         p = await pipe.propose(chat())
         pipe.commit(p)
-        out.append((p.address, p.chosen.cost))
+        out.append((p.address, p.primary.table.cost[p.primary.chosen]))
     return out
 
 
@@ -245,7 +246,7 @@ async def test_without_churn_the_flag_on_decides_exactly_as_off() -> None:
     index = KvIndex(BS)
     store(index, A, 1, 50)
     off = pipeline(None)
-    on = pipeline(EvictionAware(ChurnWindow(index, clock=Clock()), lambda _a: None))
+    on = pipeline(ChurnWindow(index, clock=Clock()))
     random.seed(7)  # ties are broken at random
     picks_off = await scripted_run(*off, seed=1)
     random.seed(7)
@@ -260,7 +261,7 @@ async def test_with_churn_the_flag_changes_decisions() -> None:
     random.seed(7)
     picks_off = await scripted_run(*pipeline(None), seed=1)
     random.seed(7)
-    picks_on = await scripted_run(*pipeline(EvictionAware(ChurnWindow(index, clock=Clock()), lambda _a: None)),
+    picks_on = await scripted_run(*pipeline(ChurnWindow(index, clock=Clock())),
                                   seed=1)
     assert picks_on != picks_off
 
@@ -268,7 +269,7 @@ async def test_with_churn_the_flag_changes_decisions() -> None:
 async def test_debug_score_explains_the_discount_and_the_penalty() -> None:
     index = KvIndex(BS)
     full_worker(index, A, 30)
-    pipe, r, kv = pipeline(EvictionAware(ChurnWindow(index, clock=Clock()), lambda _a: None))
+    pipe, r, kv = pipeline(ChurnWindow(index, clock=Clock()))
     r.tokens = list(range(20 * BS))
     kv.overlaps = {A: 10}
     pipe.load.book(A, 40)  # 40 blocks booked ahead on A

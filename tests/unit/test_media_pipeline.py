@@ -17,10 +17,10 @@ from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.load import LoadTracker
 from epp_extproc.core.media import DIGEST_PREFIX, SENTINELS
-from epp_extproc.core.pipeline import Pipeline
 from epp_extproc.core.render import Rendered
 from epp_extproc.core.request import RequestContext
 from epp_extproc.metrics import PickerMetrics
+from tests.scheduling_fakes import Decider, build_decider
 
 ADDRS = ["127.0.0.1:9", "127.0.0.1:10"]
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(64))
@@ -82,13 +82,13 @@ class Kv:
         pass
 
 
-def make(protocol: str = "vllm-render", **cfg: Any) -> tuple[Pipeline, Renderer, Kv]:
+def make(protocol: str = "vllm-render", **cfg: Any) -> tuple[Decider, Renderer, Kv]:
     reg = EndpointRegistry()
     reg.replace([Endpoint(f"w{i}", a) for i, a in enumerate(ADDRS)])
     metrics = PickerMetrics()
     r, kv = Renderer(protocol), Kv()
     config = Config(tokenizer_protocol=protocol, tokenizer_service_url="http://127.0.0.1:1", **cfg)
-    return Pipeline(config, reg, LoadTracker(metrics.endpoint_inflight), metrics, renderer=r, kv=kv), r, kv
+    return build_decider(config, reg, LoadTracker(metrics.endpoint_inflight), metrics, renderer=r, kv=kv), r, kv
 
 
 def chat(*parts: dict[str, Any], headers: dict[str, list[str]] | None = None, **extra: Any) -> RequestContext:
@@ -102,7 +102,7 @@ def image(url: str = DATA, **extra: Any) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": url}, **extra}
 
 
-def media_count(pipe: Pipeline, scored: str, reason: str) -> float:
+def media_count(pipe: Decider, scored: str, reason: str) -> float:
     return pipe.metrics.media_requests.labels(scored, reason)._value.get()
 
 

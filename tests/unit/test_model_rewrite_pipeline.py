@@ -16,11 +16,11 @@ from epp_extproc.core.model_rewrite import (
     Rule,
     Target,
 )
-from epp_extproc.core.pipeline import Pipeline
+from tests.scheduling_fakes import Decider
 from tests.unit.test_propose_commit import FakeKv, FakeRenderer, chat, decide, make
 
 
-def with_rules(*rules: Rule) -> tuple[Pipeline, FakeRenderer, FakeKv]:
+def with_rules(*rules: Rule) -> tuple[Decider, FakeRenderer, FakeKv]:
     pipe, r, kv = make()
     pipe.rewriter = ModelRewriter(RewriteTable(RewriteRules(rules)), random.Random(1))
     return pipe, r, kv
@@ -29,7 +29,7 @@ def with_rules(*rules: Rule) -> tuple[Pipeline, FakeRenderer, FakeKv]:
 TO_LORA = Rule("lora-rollout", frozenset({"base"}), (Target("tenant-lora", 1),))
 
 
-def count(pipe: Pipeline, *labels: str) -> float:
+def count(pipe: Decider, *labels: str) -> float:
     return pipe.metrics.model_rewrites.labels(*labels)._value.get()
 
 
@@ -69,7 +69,6 @@ async def test_a_rewrite_is_counted_by_rule_model_and_target_only_when_committed
     pipe, _, _ = with_rules(TO_LORA)
     p = await pipe.propose(chat(b'{"model":"base","messages":[]}'))
     assert count(pipe, "lora-rollout", "base", "tenant-lora") == 0  # /debug/score proposes, never commits
-    pipe.kv = None  # explain() without the index's credit view (FakeKv has none)
     assert pipe.explain(p)["model_rewrite"] == {"rewrite": "lora-rollout", "model": "base", "target": "tenant-lora"}
     pipe.commit(p).booking.free()
     assert count(pipe, "lora-rollout", "base", "tenant-lora") == 1

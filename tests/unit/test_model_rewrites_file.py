@@ -136,4 +136,4 @@ async def test_the_picker_splits_by_the_configured_session_header() -> None:
     from epp_extproc.config import Config
 
     app = PickerApp(Config(endpoints="a=127.0.0.1:9", model_rewrite_session_header="X-Conversation"))
-    assert app.pipeline.rewriter is not None and app.pipeline.rewriter.session_header == "x-conversation"
+    assert app.director.rewriter is not None and app.director.rewriter.session_header == "x-conversation"

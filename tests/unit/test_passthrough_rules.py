@@ -114,16 +114,16 @@ async def propose_chat(n_ids: int, max_body_bytes: int):  # noqa: ANN201
     from epp_extproc.config import Config
     from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
     from epp_extproc.core.load import LoadTracker
-    from epp_extproc.core.pipeline import Pipeline
     from epp_extproc.core.request import RequestContext
     from epp_extproc.metrics import PickerMetrics
+    from tests.scheduling_fakes import build_decider
 
     reg = EndpointRegistry()
     reg.replace([Endpoint("w0", "127.0.0.1:9")])
     metrics = PickerMetrics()
     cfg = Config(tokenizer_protocol="trtllm-render", tokenizer_service_url="http://127.0.0.1:1",
                  max_body_bytes=max_body_bytes, max_buffered_body_bytes=max_body_bytes)
-    pipe = Pipeline(cfg, reg, LoadTracker(metrics.endpoint_inflight), metrics, renderer=MatchingRenderer(n_ids),
+    pipe = build_decider(cfg, reg, LoadTracker(metrics.endpoint_inflight), metrics, renderer=MatchingRenderer(n_ids),
                     fingerprint_of=lambda _: WORKER)
     body = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
     return await pipe.propose(RequestContext("POST", "/v1/chat/completions", {}, body)), body

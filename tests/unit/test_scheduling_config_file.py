@@ -325,10 +325,16 @@ def test_each_combination_rule_is_refused_naming_both(rule: Any) -> None:
     assert msg.startswith("schedulingProfiles[default]:") and rule.a in msg and rule.b in msg
 
 
-def test_eviction_scorer_works_with_either_cost() -> None:
-    for cost in ("kv-block-cost-scorer", "predicted-time-scorer"):
-        spec = parse_config(doc([{"type": cost}, {"type": "eviction-scorer"}], one_profile(cost, "eviction-scorer")))
-        assert [s.type for s, _ in spec.profiles["default"].scorers] == [cost, "eviction-scorer"]
+def test_eviction_scorer_joins_the_block_cost() -> None:
+    cost = "kv-block-cost-scorer"
+    spec = parse_config(doc([{"type": cost}, {"type": "eviction-scorer"}], one_profile(cost, "eviction-scorer")))
+    assert [s.type for s, _ in spec.profiles["default"].scorers] == [cost, "eviction-scorer"]
+
+
+def test_eviction_scorer_with_the_time_cost_is_refused_naming_both() -> None:
+    cost = "predicted-time-scorer"
+    with pytest.raises(ConfigFileError, match="eviction-scorer.*predicted-time-scorer|predicted-time-scorer.*eviction"):
+        parse_config(doc([{"type": cost}, {"type": "eviction-scorer"}], one_profile(cost, "eviction-scorer")))
 
 
 # --- today's flags, the round trip and the report
@@ -338,7 +344,8 @@ def test_defaults_compile_to_the_expected_profiles() -> None:
     spec = spec_from_config(Config())
     assert spec.handler.type == "pd-profile-handler" and dict(spec.handler.parameters) == {"threshold": 16}
     assert chain(spec, "decode") == ["decode-filter", "kv-block-cost-scorer*1", "bounded-load-picker"]
-    assert chain(spec, "prefill") == ["prefill-filter", "kv-block-cost-scorer*1", "bounded-load-picker"]
+    # the prefill leg picks without the bound: it has no answer whose cache affinity the bound keeps
+    assert chain(spec, "prefill") == ["prefill-filter", "kv-block-cost-scorer*1", "min-cost-picker"]
     assert dict(spec.profiles["decode"].scorers[0][0].parameters) == {"overlapCredit": 2.0, "prefillLoadScale": 1.0}
     assert dict(spec.profiles["decode"].picker.parameters) == {"bound": 0.5, "temperature": 0.0}
 
@@ -362,10 +369,17 @@ def test_flag_combinations_pick_the_picker_the_flags_name() -> None:
     assert picker(cost_model="time") == "min-cost-picker"
 
 
-def test_time_cost_flags_name_the_settings_it_ignores() -> None:
-    spec = spec_from_config(replace(Config(), cost_model="time", router_temperature=0.5))
+def test_time_cost_flags_take_the_temperature_and_name_a_bound_they_ignore() -> None:
+    spec = spec_from_config(replace(Config(), cost_model="time", router_temperature=0.5, affinity_load_bound=0.25))
+    assert chain(spec, "decode") == ["decode-filter", "predicted-time-scorer*1", "softmax-picker"]
+    assert chain(spec, "prefill") == ["prefill-filter", "kv-block-cost-scorer*1", "softmax-picker"]
+    assert set(notes(spec, "warning")) == {"affinity_load_bound"}
+
+
+def test_time_cost_with_the_default_bound_warns_nothing() -> None:
+    spec = spec_from_config(replace(Config(), cost_model="time"))
     assert chain(spec, "decode") == ["decode-filter", "predicted-time-scorer*1", "min-cost-picker"]
-    assert set(notes(spec, "warning")) == {"affinity_load_bound", "router_temperature"}
+    assert notes(spec, "warning") == {}
 
 
 def test_settings_round_trip_through_the_yaml() -> None:
@@ -397,7 +411,7 @@ def test_config_file_flag_and_env_set_config_file() -> None:
 
 def test_the_module_imports_nothing_heavy() -> None:
     code = ("import sys, epp_extproc.core.scheduling.config_file\n"
-            "heavy = [m for m in ('yaml', 'epp_extproc.core.pipeline', 'epp_extproc.config', 'grpc', 'zmq') "
+            "heavy = [m for m in ('yaml', 'epp_extproc.core.director', 'epp_extproc.config', 'grpc', 'zmq') "
             "if m in sys.modules]\n"
             "print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)

@@ -14,23 +14,23 @@ from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.core.lean import LeanSignals
 from epp_extproc.core.load import LoadTracker
 from epp_extproc.core.picker import Picker
-from epp_extproc.core.pipeline import Pipeline
 from epp_extproc.core.request import RequestContext
 from epp_extproc.core.session import SESSION_HEADER, SessionTokens
 from epp_extproc.metrics import PickerMetrics
+from tests.scheduling_fakes import Decider, build_decider
 from tests.unit.test_propose_commit import ADDRS, FakeKv, FakeRenderer
 
 COST_PICK, OTHER = ADDRS  # FakeKv credits ADDRS[0] with 2 cached blocks: the cost rule picks it
 
 
-def make(saturated: set[str] | None = None, sessions: bool = True) -> tuple[Pipeline, SessionTokens]:
+def make(saturated: set[str] | None = None, sessions: bool = True) -> tuple[Decider, SessionTokens]:
     reg = EndpointRegistry()
     reg.replace([Endpoint(f"w{i}", a) for i, a in enumerate(ADDRS)])
     metrics = PickerMetrics()
     tokens = SessionTokens([os.urandom(32)], 60)
     config = Config(tokenizer_protocol="trtllm-render", tokenizer_service_url="http://127.0.0.1:1")
     full = saturated if saturated is not None else set()
-    pipe = Pipeline(config, reg, LoadTracker(metrics.endpoint_inflight), metrics, renderer=FakeRenderer(),
+    pipe = build_decider(config, reg, LoadTracker(metrics.endpoint_inflight), metrics, renderer=FakeRenderer(),
                     kv=FakeKv(), sessions=tokens if sessions else None, saturated=full.__contains__)
     return pipe, tokens
 
@@ -40,7 +40,7 @@ def request(token: str | None, subset: list[str] | None = None) -> RequestContex
     return RequestContext("POST", "/v1/chat/completions", headers, b'{"messages":[]}', subset=subset)
 
 
-def outcomes(pipe: Pipeline) -> dict[str, float]:
+def outcomes(pipe: Decider) -> dict[str, float]:
     out: dict[str, float] = {}
     for metric in pipe.metrics.session_affinity.collect():
         for s in metric.samples:
@@ -49,7 +49,7 @@ def outcomes(pipe: Pipeline) -> dict[str, float]:
     return out
 
 
-async def pick(pipe: Pipeline, ctx: RequestContext) -> Any:
+async def pick(pipe: Decider, ctx: RequestContext) -> Any:
     picker = Picker(pipe, gate=InflightGate(64), bodies=BodyBudget(1 << 20, 1 << 24),
                     lean=LeanSignals(pipe.load, pipe.metrics))
     ex = picker.open()
@@ -98,7 +98,7 @@ async def test_a_token_whose_worker_cannot_take_it_is_re_picked(why: str, setup:
     assert tokens.open(headers[0][1])[1] == COST_PICK  # the fresh token names the new worker
 
 
-def _unhealthy(made: tuple[Pipeline, SessionTokens]) -> tuple[Pipeline, SessionTokens]:
+def _unhealthy(made: tuple[Decider, SessionTokens]) -> tuple[Decider, SessionTokens]:
     made[0].registry.set_healthy(OTHER, False)
     return made
 

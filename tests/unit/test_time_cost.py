@@ -9,24 +9,26 @@ import random
 import pytest
 
 from epp_extproc.core.admission import BodyBudget, InflightGate
-from epp_extproc.core.cost import Candidate, CostParams, choose
 from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.exchange import PickerExchange
 from epp_extproc.core.lean import LeanSignals
 from epp_extproc.core.load import EndpointLoad, LoadTracker
 from epp_extproc.core.picker import Picker
-from epp_extproc.core.pipeline import Pipeline
 from epp_extproc.core.request import RequestContext
+from epp_extproc.core.scheduling.min_cost_picker import MinCostPicker
+from epp_extproc.core.scheduling.predicted_time_scorer import PredictedTimeScorer
+from epp_extproc.core.scheduling.table import SchedulingRequest
 from epp_extproc.core.time_cost import (
     Features,
     Fit,
+    Observation,
     Slo,
-    SloUnmet,
     TimeCost,
     parse_slo,
 )
 from epp_extproc.envoy.errors import http_error
 from epp_extproc.metrics import PickerMetrics
+from tests.scheduling_fakes import CostParams, Decider, Row, choose, table_of
 from tests.unit.test_propose_commit import ADDRS, decide, make
 
 PARAMS = CostParams(overlap_credit=2.0, prefill_load_scale=1.0, temperature=0.0)
@@ -34,8 +36,34 @@ BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
 
 
 def cand(address: str, *, inflight: int = 0, prefill: float = 0.0, decode: float = 0.0, unbooked: float = 0.0,
-         prompt: float = 0.0, overlap: int = 0) -> Candidate:
-    return Candidate(address, EndpointLoad(inflight, prefill, decode, unbooked), prompt, overlap)
+         prompt: float = 0.0, overlap: int = 0) -> Row:
+    return Row(address, EndpointLoad(inflight, prefill, decode, unbooked), prompt, overlap)
+
+
+def features(tc: TimeCost, c: Row) -> Features:
+    return tc.features(c.load, c.prompt_blocks, c.overlap_blocks, 32.0, PARAMS.overlap_credit,
+                       PARAMS.prefill_load_scale)
+
+
+def observe(tc: TimeCost, address: str, c: Row, booking_id: str | None = None) -> Observation:
+    """The commit hook's stopwatch for a pick of `c` on `address` (its predicted TTFT as the scorer saw it)."""
+    f = features(tc, c)
+    return tc.observe(address, f, tc.predict(address, f)[0], booking_id)
+
+
+def time_choose(tc: TimeCost, rows: list[Row], slo: Slo | None = None, sheddable: bool = False,
+                rng: random.Random | None = None) -> tuple[Row, str | None]:
+    """The predicted-time scorer over `rows`, then the argmin among the rows it admits: (chosen, SLO outcome)."""
+    scorer = PredictedTimeScorer(tc, lambda _a: 32.0, overlap_credit=PARAMS.overlap_credit,
+                                 prefill_load_scale=PARAMS.prefill_load_scale)
+    t = table_of(rows)
+    req = SchedulingRequest(RequestContext("POST", "/v1/chat/completions", slo=slo),
+                            sheddable=lambda _c: sheddable)
+    t.cost[:] = scorer.score(req, t)
+    outcome: dict[str, str] = {}
+    pool = scorer.admissible(req, t, outcome)
+    i = MinCostPicker(rng).pick(req, t, range(len(rows)) if pool is None else pool)
+    return rows[i], outcome.get("slo")
 
 
 def feats(prefill: float, decode: float, batch: float = 1.0) -> Features:
@@ -62,7 +90,7 @@ def test_tpot_model_learns_the_slowdown_per_request_in_the_batch() -> None:
     c = cand("w", inflight=0)
     for batch in [0, 3, 7, 1, 5, 2, 6, 4] * 20:
         c.load.inflight = batch
-        o = tc.observe("w", c, PARAMS, 32.0)
+        o = observe(tc, "w", c)
         o.first_chunk(now=o.started + 0.01)
         o.finished(11, now=o.first_at + 10 * (0.02 + 0.004 * (batch + 1)))
     assert tc.model("w").predict_tpot(feats(0, 0, batch=9)) == pytest.approx(0.02 + 0.004 * 9, rel=0.05)
@@ -86,12 +114,12 @@ def test_observed_ttft_teaches_the_picked_worker_and_reports_the_error() -> None
     errors: list[tuple[str, float, float]] = []
     tc = TimeCost(on_error=lambda a, seen, predicted: errors.append((a, seen, predicted)))
     c = cand("w", prompt=10.0)
-    tc.score(c, PARAMS, 32.0)
-    o = tc.observe("w", c, PARAMS, 32.0)
+    predicted = tc.predict("w", features(tc, c))[0]
+    o = observe(tc, "w", c)
     o.first_chunk(now=o.started + 0.5)
     o.first_chunk(now=o.started + 0.9)  # only the first chunk counts
     assert tc.model("w").ttft.n == 1.0
-    assert errors == [("w", pytest.approx(0.5), c.ttft_s)]
+    assert errors == [("w", pytest.approx(0.5), predicted)]
 
 
 # ------------------------------------------------------------------ cold start decides like the block cost
@@ -100,7 +128,7 @@ def test_observed_ttft_teaches_the_picked_worker_and_reports_the_error() -> None
 def test_cold_pool_picks_exactly_what_the_block_cost_picks() -> None:
     rng = random.Random(3)
     for _ in range(300):
-        def pool() -> list[Candidate]:
+        def pool() -> list[Row]:
             return [cand(f"w{i}", inflight=rng.randrange(5), prefill=rng.choice([0.0, 3.0, 10.0, 40.0]),
                          decode=rng.choice([0.0, 5.0, 20.0]), unbooked=rng.choice([0.0, 2.0]),
                          prompt=rng.choice([10.0, 60.0]), overlap=rng.choice([0, 4, 30])) for i in range(4)]
@@ -109,7 +137,7 @@ def test_cold_pool_picks_exactly_what_the_block_cost_picks() -> None:
         rng.setstate(state)
         timed = pool()
         a = choose(blocks, PARAMS, random.Random(11))
-        b, outcome = TimeCost().choose(timed, PARAMS, lambda _a: 32.0, rng=random.Random(11))
+        b, outcome = time_choose(TimeCost(), timed, rng=random.Random(11))
         assert (b.address, outcome) == (a.address, None)
 
 
@@ -120,12 +148,12 @@ def warm_tpot(tc: TimeCost, address: str, per_request_s: float) -> None:
     c = cand(address)
     for batch in list(range(12)) * 20:
         c.load.inflight = batch
-        o = tc.observe(address, c, PARAMS, 32.0)
+        o = observe(tc, address, c)
         o.first_chunk(now=o.started + 0.01)
         o.finished(2, now=o.first_at + 0.001 + per_request_s * (batch + 1))
 
 
-def tpot_pool() -> list[Candidate]:
+def tpot_pool() -> list[Row]:
     # `busy` has the shortest queue but a big batch; `calm` more prefill work and a small batch
     return [cand("busy", inflight=8, prefill=0.0, prompt=10.0), cand("calm", inflight=0, prefill=30.0, prompt=10.0)]
 
@@ -133,24 +161,25 @@ def tpot_pool() -> list[Candidate]:
 def test_without_slo_the_least_predicted_time_wins() -> None:
     tc = TimeCost()
     warm_tpot(tc, "busy", 0.0001), warm_tpot(tc, "calm", 0.0001)
-    chosen, outcome = tc.choose(tpot_pool(), PARAMS, lambda _a: 32.0)
+    chosen, outcome = time_choose(tc, tpot_pool())
     assert (chosen.address, outcome) == ("busy", None)
 
 
 def test_tpot_slo_skips_a_worker_predicted_too_slow_per_token() -> None:
     tc = TimeCost()
     warm_tpot(tc, "busy", 0.0001), warm_tpot(tc, "calm", 0.0001)  # TPOT ~1.9 ms on busy, ~1.1 ms on calm
-    chosen, outcome = tc.choose(tpot_pool(), PARAMS, lambda _a: 32.0, Slo(tpot_ms=1.5))
+    chosen, outcome = time_choose(tc, tpot_pool(), Slo(tpot_ms=1.5))
     assert (chosen.address, outcome) == ("calm", "met")
 
 
 def test_ttft_slo_no_worker_meets_refuses_a_sheddable_request() -> None:
-    with pytest.raises(SloUnmet):
-        TimeCost().choose(tpot_pool(), PARAMS, lambda _a: 32.0, Slo(ttft_ms=0.5), sheddable=True)
+    with pytest.raises(PickError) as e:
+        time_choose(TimeCost(), tpot_pool(), Slo(ttft_ms=0.5), sheddable=True)
+    assert e.value.problem is Problem.SLO_UNMET
 
 
 def test_ttft_slo_no_worker_meets_routes_a_normal_request_best_effort() -> None:
-    chosen, outcome = TimeCost().choose(tpot_pool(), PARAMS, lambda _a: 32.0, Slo(ttft_ms=0.5))
+    chosen, outcome = time_choose(TimeCost(), tpot_pool(), Slo(ttft_ms=0.5))
     assert (chosen.address, outcome) == ("busy", "best_effort")
 
 
@@ -182,12 +211,12 @@ def ctx(slo: Slo | None = None, objective: str | None = None, malformed: tuple[s
     return RequestContext("POST", "/v1/chat/completions", headers, BODY, None, slo, malformed)
 
 
-def picker(pipe: Pipeline) -> Picker:
+def picker(pipe: Decider) -> Picker:
     return Picker(pipe, gate=InflightGate(64), bodies=BodyBudget(1 << 20, 1 << 24),
                   lean=LeanSignals(pipe.load, pipe.metrics))
 
 
-def time_pipe() -> Pipeline:
+def time_pipe() -> Decider:
     pipe, _, _ = make(cost_model="time")
     pipe.sheddable = lambda c: c.headers.get("x-gateway-inference-objective") == ["batch"]
     return pipe
@@ -260,7 +289,7 @@ def tracked() -> tuple[TimeCost, LoadTracker]:
 def test_lean_first_chunk_signal_teaches_the_booked_worker() -> None:
     tc, load = tracked()
     b = load.book("w", 3.0)
-    tc.observe("w", cand("w", prompt=3.0), PARAMS, 32.0, b.id)
+    observe(tc, "w", cand("w", prompt=3.0), b.id)
     LeanSignals(load, PickerMetrics()).first_chunk(b.id)  # what Envoy's observer stream reports
     assert tc.model("w").ttft.n == 1.0 and tc.waiting == 0
 
@@ -268,7 +297,7 @@ def test_lean_first_chunk_signal_teaches_the_booked_worker() -> None:
 def test_request_that_ends_before_its_first_chunk_teaches_nothing_and_is_forgotten() -> None:
     tc, load = tracked()
     b = load.book("w", 3.0)
-    tc.observe("w", cand("w", prompt=3.0), PARAMS, 32.0, b.id)
+    observe(tc, "w", cand("w", prompt=3.0), b.id)
     b.free()
     assert tc.model("w").ttft.n == 0.0 and tc.waiting == 0
 
@@ -276,7 +305,7 @@ def test_request_that_ends_before_its_first_chunk_teaches_nothing_and_is_forgott
 def test_request_the_gateway_served_elsewhere_teaches_that_worker() -> None:
     tc, load = tracked()
     b = load.book("w", 3.0)
-    tc.observe("w", cand("w", prompt=3.0), PARAMS, 32.0, b.id)
+    observe(tc, "w", cand("w", prompt=3.0), b.id)
     b.move("v")
     b.prefill_done()
     assert (tc.model("v").ttft.n, tc.model("w").ttft.n) == (1.0, 0.0)

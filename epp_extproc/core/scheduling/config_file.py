@@ -153,7 +153,10 @@ OUR_TYPES: Mapping[str, _Type] = MappingProxyType({
        "is better)"),
     "eviction-scorer": _Type("scorer", {}, "prices what a long prompt would evict, and credits a cached prefix "
                                          "only as far as it will likely survive"),
-    "predicted-time-scorer": _Type("scorer", {}, "each worker's predicted TTFT (+ TPOT term), in seconds"),
+    "predicted-time-scorer": _Type("scorer", {
+        "overlapCredit": _Param(_float_check(0.0, strict=False), 2.0),
+        "prefillLoadScale": _Param(_float_check(0.0, strict=False), 1.0),
+    }, "each worker's predicted TTFT (+ TPOT term), in seconds; the features are the block cost's terms"),
     "min-cost-picker": _Type("picker", {}, "the lowest cost, random among exact ties"),
     "softmax-picker": _Type("picker", {"temperature": _Param(_float_check(0.0, strict=True), _REQUIRED)},
                             "samples from a softmax over range-normalised costs"),
@@ -178,9 +181,8 @@ class Rule:
 RULES: tuple[Rule, ...] = (
     Rule("kv-block-cost-scorer", "predicted-time-scorer",
          "their costs are in different units (KV blocks vs seconds) and cannot be added"),
-    Rule("bounded-load-picker", "predicted-time-scorer",
-         "the load bound is measured in KV blocks, which the time cost does not hold "
-         "(today --cost-model time ignores --affinity-load-bound)"),
+    Rule("eviction-scorer", "predicted-time-scorer",
+         "the flush penalty is in KV blocks and the time cost in seconds: they cannot be added"),
 )
 
 
@@ -1113,45 +1115,56 @@ def load_config_file(path: str) -> SchedulingSpec:
 
 
 def spec_from_config(config: Any) -> SchedulingSpec:
-    """Today's flags as a spec: the default profile the flags describe, so flags and file run one path.
+    """Today's flags as a spec: the default profiles the flags describe, so flags and file run one path.
 
-    Always a pd-profile-handler with `decode` and `prefill` profiles (the same scorers and picker, each with
-    its role filter): whether the pool has prefill workers is known only at run time, and the Director runs
-    the decode profile alone when it has none, as today. `--cost-model time` keeps today's meaning: the time
-    cost ignores the load bound and the temperature (each named in a warning note when set)."""
+    Always a pd-profile-handler with `decode` and `prefill` profiles, each with its role filter: whether the
+    pool has prefill workers is known only at run time, and the handler answers the decode profile alone when
+    it has none. The decode profile prices with the block cost (or, `--cost-model time`, the predicted time)
+    and picks with the load bound (`--affinity-load-bound`), else the softmax (`--router-temperature`), else
+    the argmin. The prefill profile always prices with the block cost and picks without the bound (the bound
+    keeps a destination's cache affinity; a prefill leg has no answer to keep). `--eviction-aware` adds the
+    eviction scorer to both. Under the time cost the temperature applies (softmax over predicted times) and the
+    load bound does not (a warning names a bound set away from its default)."""
     notes: list[Note] = []
-    scorers: list[tuple[PluginSpec, float]] = []
+    block_params = _check_ours("kv-block-cost-scorer", "kv-block-cost-scorer",
+                               {"overlapCredit": float(config.kv_overlap_score_credit),
+                                "prefillLoadScale": float(config.prefill_load_scale)})
+    block = (_plugin("kv-block-cost-scorer", "kv-block-cost-scorer", block_params, "kv-block-cost-scorer"), 1.0)
+    temperature = float(config.router_temperature)
+    plain = (_plugin("softmax-picker", "softmax-picker", {"temperature": temperature}, "softmax-picker")
+             if temperature > 0 else _plugin("min-cost-picker", "min-cost-picker", {}, "min-cost-picker"))
     if config.cost_model == "time":
-        scorers.append((_plugin("predicted-time-scorer", "predicted-time-scorer", {}, "predicted-time-scorer"), 1.0))
-        picker = _plugin("min-cost-picker", "min-cost-picker", {}, "min-cost-picker")
-        for dest, value in (("affinity_load_bound", config.affinity_load_bound),
-                            ("router_temperature", config.router_temperature)):
-            if value > 0:
-                notes.append(Note(dest, "warning", f"{dest} {value:g} has no effect with cost_model time "
-                                                   "(the time cost picks its argmin, as before)"))
+        decode_scorers = [(_plugin("predicted-time-scorer", "predicted-time-scorer",
+                                   _check_ours("predicted-time-scorer", "predicted-time-scorer", block_params),
+                                   "predicted-time-scorer"), 1.0)]
+        picker = plain
+        default_bound = type(config).__dataclass_fields__["affinity_load_bound"].default
+        if config.affinity_load_bound > 0 and config.affinity_load_bound != default_bound:
+            notes.append(Note("affinity_load_bound", "warning",
+                              f"affinity_load_bound {config.affinity_load_bound:g} does not apply with cost_model "
+                              "time: the predicted time prices the load itself (a config file may combine "
+                              "predicted-time-scorer with bounded-load-picker)"))
     else:
-        params = {"overlapCredit": float(config.kv_overlap_score_credit),
-                  "prefillLoadScale": float(config.prefill_load_scale)}
-        scorers.append((_plugin("kv-block-cost-scorer", "kv-block-cost-scorer",
-                                _check_ours("kv-block-cost-scorer", "kv-block-cost-scorer", params),
-                                "kv-block-cost-scorer"), 1.0))
+        decode_scorers = [block]
         if config.affinity_load_bound > 0:
             picker = _plugin("bounded-load-picker", "bounded-load-picker",
-                             {"bound": float(config.affinity_load_bound),
-                              "temperature": float(config.router_temperature)}, "bounded-load-picker")
-        elif config.router_temperature > 0:
-            picker = _plugin("softmax-picker", "softmax-picker", {"temperature": float(config.router_temperature)},
-                             "softmax-picker")
+                             {"bound": float(config.affinity_load_bound), "temperature": temperature},
+                             "bounded-load-picker")
         else:
-            picker = _plugin("min-cost-picker", "min-cost-picker", {}, "min-cost-picker")
+            picker = plain
+    prefill_scorers = [block]
     if config.eviction_aware:
-        scorers.append((_plugin("eviction-scorer", "eviction-scorer", {}, "eviction-scorer"), 1.0))
+        eviction = (_plugin("eviction-scorer", "eviction-scorer", {}, "eviction-scorer"), 1.0)
+        decode_scorers.append(eviction)
+        prefill_scorers.append(eviction)
     handler = _plugin("pd-profile-handler", "pd-profile-handler",
                       {"threshold": int(config.pd_min_uncached_tokens)}, "pd-profile-handler")
-    profiles = {}
-    for role in ("decode", "prefill"):
-        flt = _plugin(f"{role}-filter", f"{role}-filter", {}, f"{role}-filter")
-        profiles[role] = ProfileSpec(role, (flt,), tuple(scorers), picker)
+    profiles = {
+        "decode": ProfileSpec("decode", (_plugin("decode-filter", "decode-filter", {}, "decode-filter"),),
+                              tuple(decode_scorers), picker),
+        "prefill": ProfileSpec("prefill", (_plugin("prefill-filter", "prefill-filter", {}, "prefill-filter"),),
+                               tuple(prefill_scorers), plain),
+    }
     for p in profiles.values():
         _check_rules(p)
     notes.append(Note("flags", "mapped", "today's flags compiled to the default profiles (decode, prefill)"))

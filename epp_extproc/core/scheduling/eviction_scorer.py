@@ -1,4 +1,4 @@
-"""Eviction-aware choice (`--eviction-aware`): credit only the overlap that will still be there, and do not
+"""Eviction-aware choice (`eviction-scorer` (`--eviction-aware`)): credit only the overlap that will still be there, and do not
 flush a worker's cache with a long new prefix when another worker has room.
 
 Why: the block cost credits a worker's cached prefix as if it were certain to be reused. Under cache
@@ -34,11 +34,15 @@ Cost: O(candidates) per decision, a few float operations each; nothing per block
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from epp_extproc.core.cost import Candidate
+from epp_extproc.core.scheduling.profile import NoScore
+from epp_extproc.core.scheduling.table import CandidateTable, SchedulingRequest
+
+if TYPE_CHECKING:
+    from epp_extproc.core.scheduling.deps import SchedulingDeps
 
 FLUSH_PENALTY = 1.0  # cost of one flushed block of someone else's prefix, in blocks to prefill
 
@@ -82,50 +86,72 @@ class EvictionFigures:
     evict: float  # E
     survival: float  # s
     flush: float
+    discount: float  # overlap blocks likely evicted: overlap x (1 - s)
+    penalty: float = 0.0
 
-    def explain(self, c: Candidate) -> dict[str, Any]:
+    def explain(self) -> dict[str, Any]:
         p = self.pressure
         return {"capacity_blocks": p.capacity, "held_blocks": p.held, "pinned_blocks": round(p.pinned, 3),
                 "pinned_from": p.pinned_source, "free_blocks": round(p.free, 3),
                 "removal_rate_blocks_s": round(p.removal_rate, 3),
                 "lru_lifetime_s": round(p.reusable / p.removal_rate, 3) if p.removal_rate > 0 else None,
                 "allocate_before_admission": round(self.allocate, 3), "would_evict": round(self.evict, 3),
-                "survival": round(self.survival, 4), "overlap_discount": round(c.overlap_discount, 3),
-                "would_flush": round(self.flush, 3), "flush_penalty": round(c.eviction_penalty, 3)}
+                "survival": round(self.survival, 4), "overlap_discount": round(self.discount, 3),
+                "would_flush": round(self.flush, 3), "flush_penalty": round(self.penalty, 3)}
 
 
-class EvictionAware:
-    """Rules (a) and (b) over a decision's candidates; the pipeline calls `apply` once their overlaps are in."""
+class EvictionScorer(NoScore):
+    """Rule (a) in `prepare` (it lowers every row's `credited` overlap, which every pricing plugin reads) and
+    rule (b) in `score` (the flush penalty, in blocks: it adds to the block cost)."""
+
+    name = "eviction-scorer"
 
     def __init__(self, churn: ChurnView, usage: Callable[[str], float | None]) -> None:
         self._churn = churn
         self._usage = usage  # the worker's fresh KV usage gauge (fraction of blocks in use), None if unknown
 
-    def pressure(self, c: Candidate) -> Pressure:
-        cap = self._churn.capacity(c.address)
-        u = self._usage(c.address)
+    def pressure(self, address: str, decode_blocks: float) -> Pressure:
+        cap = self._churn.capacity(address)
+        u = self._usage(address)
         if cap is not None and u is not None:
             pinned, source = u * cap, "usage_gauge"
         else:
-            pinned, source = c.load.decode_blocks, "bookings"
-        return Pressure(cap, self._churn.held(c.address), pinned, source, self._churn.removal_rate(c.address))
+            pinned, source = decode_blocks, "bookings"
+        return Pressure(cap, self._churn.held(address), pinned, source, self._churn.removal_rate(address))
 
-    def apply(self, cands: Sequence[Candidate]) -> None:
-        """Fill in each candidate's `overlap_discount`, `eviction_penalty` and `eviction` figures."""
-        flushes: list[float] = []
-        for c in cands:
-            p = self.pressure(c)
-            own = max(c.prompt_blocks - c.overlap_blocks, 0.0)
-            n = c.load.prefill_blocks + own
+    def prepare(self, req: SchedulingRequest, table: CandidateTable) -> None:
+        if req.prompt is None:  # routed by load: no overlap to discount, no prompt blocks to flush
+            return
+        figures: list[EvictionFigures] = []
+        credited = table.credited
+        for i, (a, load, pb, ov) in enumerate(zip(table.addresses, table.loads, table.prompt_blocks, table.overlap,
+                                                 strict=True)):
+            p = self.pressure(a, load.decode_blocks)
+            own = max(pb - ov, 0.0)
+            n = load.prefill_blocks + own
             if p.capacity is None:
                 e, s = 0.0, 1.0
             else:
                 e = max(n - p.free, 0.0)
                 s = max(0.0, 1.0 - e / p.reusable)
-            c.overlap_discount = c.overlap_blocks * (1.0 - s)
-            flush = min(own + c.overlap_discount, e)
-            flushes.append(flush)
-            c.eviction = EvictionFigures(p, n, e, s, flush)
-        least = min(flushes, default=0.0)
-        for c, f in zip(cands, flushes, strict=True):
-            c.eviction_penalty = FLUSH_PENALTY * (f - least)
+            discount = ov * (1.0 - s)
+            credited[i] = ov - discount
+            figures.append(EvictionFigures(p, n, e, s, min(own + discount, e), discount))
+        table.notes[self.name] = figures
+
+    def score(self, req: SchedulingRequest, table: CandidateTable) -> list[float]:
+        figures: list[EvictionFigures] | None = table.notes.get(self.name)
+        if figures is None:
+            return [0.0] * len(table)
+        least = min((f.flush for f in figures), default=0.0)
+        penalties = [FLUSH_PENALTY * (f.flush - least) for f in figures]
+        table.notes[self.name] = [EvictionFigures(f.pressure, f.allocate, f.evict, f.survival, f.flush, f.discount, pen)
+                                  for f, pen in zip(figures, penalties, strict=True)]
+        return penalties
+
+    @classmethod
+    def create(cls, params: Mapping[str, Any], deps: SchedulingDeps) -> EvictionScorer:
+        if deps.churn is None or deps.usage is None:
+            raise ValueError("eviction-scorer reads the in-process KV index's removals: it needs "
+                             "--kv-ingest inprocess and a KV-aware picker (--tokenizer-protocol)")
+        return cls(deps.churn, deps.usage)

@@ -1,0 +1,79 @@
+"""One picker's decision, assembled from the configuration and its shared parts: the render plan, the
+scheduler (from the config file, or today's flags compiled to the same spec), the body stage, the commit hooks
+and the Director that runs them. The app and the tests build it the same way, so a test decides as the app
+does. Each component is handed its own section of the configuration, never the whole `Config`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from epp_extproc.config import Config
+from epp_extproc.core.contract import KvLookup
+from epp_extproc.core.debug_view import DebugView
+from epp_extproc.core.director import Admission, CommitHook, Director, DirectorSettings
+from epp_extproc.core.endpoints import EndpointRegistry
+from epp_extproc.core.engine import engine_for
+from epp_extproc.core.forward import Forwarder, ForwardSettings
+from epp_extproc.core.load import LoadTracker
+from epp_extproc.core.model_rewrite import ModelRewriter
+from epp_extproc.core.passthrough import FingerprintId
+from epp_extproc.core.plan import Planner, PlanSettings
+from epp_extproc.core.render import Renderer
+from epp_extproc.core.request import RequestContext
+from epp_extproc.core.scheduling.build import build
+from epp_extproc.core.scheduling.config_file import SchedulingSpec, spec_from_config
+from epp_extproc.core.scheduling.decision_metrics_hook import DecisionMetricsHook
+from epp_extproc.core.scheduling.deps import SchedulingDeps
+from epp_extproc.core.scheduling.eviction_scorer import ChurnView
+from epp_extproc.core.scheduling.kv_prediction_hook import KvPredictionHook
+from epp_extproc.core.session import SessionTokens
+from epp_extproc.core.time_cost import TimeCost
+from epp_extproc.metrics import PickerMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Assembled:
+    director: Director
+    debug: DebugView
+    spec: SchedulingSpec
+    deps: SchedulingDeps
+
+    @property
+    def time_model(self) -> TimeCost | None:
+        """The per-worker time model, when a profile prices in time (a removed worker's is forgotten)."""
+        return self.deps.time
+
+
+def assemble(config: Config, registry: EndpointRegistry, load: LoadTracker, metrics: PickerMetrics, *,
+             spec: SchedulingSpec | None = None, renderer: Renderer | None = None, kv: KvLookup | None = None,
+             fingerprint_of: Callable[[str], FingerprintId | None] | None = None,
+             admission: Admission | None = None, rewriter: ModelRewriter | None = None,
+             sessions: SessionTokens | None = None, saturated: Callable[[str], bool] | None = None,
+             sheddable: Callable[[RequestContext], bool] | None = None, churn: ChurnView | None = None,
+             usage: Callable[[str], float | None] | None = None) -> Assembled:
+    """`spec` None: today's flags (`spec_from_config`). Raises ValueError naming the entry a plugin cannot be
+    built for (the CLI reports it at start-up)."""
+    spec = spec if spec is not None else spec_from_config(config)
+    engine = engine_for(renderer.protocol if renderer is not None else None)
+    deps = SchedulingDeps(registry, load, metrics, kv=kv, default_block_size=config.kv_cache_block_size,
+                          churn=churn, usage=usage, saturated=saturated, sheddable=sheddable)
+    built = build(spec, deps, sessions=sessions)
+    planner = Planner(PlanSettings(config.cache_salt_policy, config.media_credit, config.trust_media_uuids,
+                                   config.render_failure_policy, config.render_reject_policy), renderer, engine, kv)
+    forwarder = Forwarder(ForwardSettings(config.prompt_passthrough, config.max_body_bytes), engine, fingerprint_of)
+    hooks: list[CommitHook] = []
+    if kv is not None:
+        hooks.append(KvPredictionHook(kv, engine))
+    hooks.extend(built.hooks)
+    hooks.append(DecisionMetricsHook(metrics))
+    director = Director(DirectorSettings(config.max_body_bytes, config.kv_cache_block_size), registry, load,
+                        planner=planner, scheduler=built.handler, forwarder=forwarder, rewriter=rewriter,
+                        admission=admission, hooks=hooks, kv=kv, sessions=sessions, sheddable=sheddable)
+    threshold = int(spec.handler.parameters.get("threshold", config.pd_min_uncached_tokens))
+    debug = DebugView(registry, kv, forwarder, cost_model=built.cost_model, pd_threshold=threshold,
+                      default_block_size=config.kv_cache_block_size)
+    return Assembled(director, debug, spec, deps)

@@ -1,0 +1,55 @@
+"""`bounded-load-picker` (`--affinity-load-bound EPS`): the cache first, within a load bound.
+
+After consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018): a worker may take
+the request only if its held load is within (1 + EPS) x the pool's average plus the request's own blocks;
+among those the one with the longest credited prefix wins, ties by the cost. Under the cost alone a cached
+prefix is worth at most its own blocks while load differences grow with the load, so at saturation a prefix
+is copied onto whichever worker is momentarily lighter, evicting others there; the bound lets affinity scale
+with the load instead. The clairvoyant bench router (bench/clairvoyant.py) places the same way: the most
+reusable blocks among the workers that can admit now. A request no admissible worker holds any of goes by the
+cost, at the picker's temperature.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from epp_extproc.core.scheduling.least_cost import least_cost
+from epp_extproc.core.scheduling.table import CandidateTable, SchedulingRequest
+
+if TYPE_CHECKING:
+    from epp_extproc.core.scheduling.deps import SchedulingDeps
+
+
+@dataclass(slots=True)
+class BoundedLoadPicker:
+    bound: float
+    temperature: float = 0.0
+    rng: random.Random | None = None  # seeded in tests; None: the module's generator
+    name: str = "bounded-load-picker"
+
+    @classmethod
+    def create(cls, params: Mapping[str, Any], deps: SchedulingDeps) -> BoundedLoadPicker:
+        return cls(float(params["bound"]), float(params.get("temperature", 0.0)))
+
+    def pick(self, req: SchedulingRequest, table: CandidateTable, pool: Sequence[int]) -> int:
+        t = self.temperature if req.temperature is None else req.temperature
+        loads, pb, credited = table.loads, table.prompt_blocks, table.credited
+        # the blocks of work a worker holds, as the bound weighs them: its bookings and its unbooked load
+        held = [loads[i].decode_blocks + loads[i].unbooked_blocks for i in pool]
+        ceiling = (1.0 + self.bound) * sum(held) / len(pool)
+        best = 0.0
+        ties: list[int] = []
+        for i, h in zip(pool, held, strict=True):
+            p = pb[i]
+            slack = p if p > 1.0 else 1.0
+            if h <= ceiling + slack:
+                effective = credited[i]
+                if effective > best:
+                    best, ties = effective, [i]
+                elif effective == best and best > 0:
+                    ties.append(i)
+        return least_cost(table.cost, pool if best <= 0 else ties, t, self.rng)

@@ -1,0 +1,157 @@
+"""A scheduling profile: filters, then scorers over one candidate table, then a picker (and pins).
+
+The plugin interfaces are declared here, where they are consumed (as llm-d's scheduler declares its
+`Filter`, `Scorer` and `Picker`). A profile runs them in a fixed order:
+
+1. filters narrow the addresses (None going in = the whole pool: a filter answers from the registry's cached
+   tuples then, so an unfiltered decision over a thousand workers copies nothing);
+2. the table is filled over the survivors (their load, this prompt's blocks, the index's overlap);
+3. every scorer's `prepare` (a plugin that adjusts `credited` does it here, before anyone prices it), then
+   every scorer's `score`, summed into `cost` with the profile's weights;
+4. scorers that narrow (`admissible`, e.g. a latency objective) say which rows may be picked;
+5. the picker returns a row; pins (session affinity) may send the request elsewhere.
+
+Nothing here changes state: a profile run is part of a proposal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from epp_extproc.core.contract import KvLookup
+from epp_extproc.core.load import EndpointLoad
+from epp_extproc.core.scheduling.table import EMPTY_LOAD, CandidateTable, SchedulingRequest
+
+
+class Filter(Protocol):
+    name: str
+
+    def filter(self, req: SchedulingRequest, addresses: Sequence[str] | None) -> Sequence[str]:
+        """The addresses that may take the request (`addresses` None: the whole routable pool)."""
+        ...
+
+
+class Scorer(Protocol):
+    name: str
+
+    def prepare(self, req: SchedulingRequest, table: CandidateTable) -> None:
+        """Adjust shared columns (`credited`) before any scorer prices them; most scorers do nothing."""
+        ...
+
+    def score(self, req: SchedulingRequest, table: CandidateTable) -> list[float]:
+        """One cost per row, lower is better, in the profile's unit (blocks, or seconds)."""
+        ...
+
+    def admissible(self, req: SchedulingRequest, table: CandidateTable,
+                   outcome: dict[str, Any]) -> list[int] | None:
+        """The rows that may be picked (None: all); may raise PickError; writes its outcome for commit."""
+        ...
+
+
+class Picker(Protocol):
+    name: str
+
+    def pick(self, req: SchedulingRequest, table: CandidateTable, pool: Sequence[int]) -> int: ...
+
+
+class Pin(Protocol):
+    name: str
+
+    def pin(self, req: SchedulingRequest, table: CandidateTable, chosen: int,
+            outcome: dict[str, Any]) -> int:
+        """The row the request goes to after all (`chosen` unless the request is pinned elsewhere)."""
+        ...
+
+
+@dataclass(slots=True)
+class ProfileResult:
+    """A profile's answer: the table it scored, the chosen row, and what plugins said (SLO, session)."""
+
+    table: CandidateTable
+    chosen: int
+    outcome: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        return self.table.addresses[self.chosen]
+
+
+class TableSource:
+    """Fills a table: the load tracker's loads and the index's overlaps (llm-d's prefix-cache producer)."""
+
+    def __init__(self, loads: Callable[[], dict[str, EndpointLoad]], kv: KvLookup | None) -> None:
+        self._loads = loads
+        self.kv = kv
+
+    def table(self, req: SchedulingRequest, addresses: Sequence[str]) -> CandidateTable:
+        loads = self._loads()
+        table = CandidateTable(addresses, [loads.get(a, EMPTY_LOAD) for a in addresses])
+        if req.prompt is None or self.kv is None:
+            return table
+        overlaps = self.kv.overlap(req.prompt, addresses)
+        n = req.prompt_tokens
+        block_size, overlap = self.kv.block_size, overlaps.get  # once per row: a thousand in a large pool
+        pb, ov, cr = table.prompt_blocks, table.overlap, table.credited
+        for i, a in enumerate(addresses):
+            pb[i] = n / block_size(a)
+            o = ov[i] = overlap(a, 0)
+            cr[i] = o - 0.0
+        return table
+
+
+@dataclass(slots=True)
+class Profile:
+    name: str
+    filters: Sequence[Filter]
+    scorers: Sequence[tuple[Scorer, float]]
+    picker: Picker
+    source: TableSource
+    pins: Sequence[Pin] = ()
+
+    def candidates(self, req: SchedulingRequest) -> Sequence[str]:
+        """The addresses this profile may choose from (its filters in order)."""
+        addresses: Sequence[str] | None = None
+        for f in self.filters:
+            addresses = f.filter(req, addresses)
+        return () if addresses is None else addresses
+
+    def run(self, req: SchedulingRequest, addresses: Sequence[str]) -> ProfileResult:
+        """Score `addresses` (not empty: what `candidates` returned) and choose one."""
+        table = self.source.table(req, addresses)
+        for s, _ in self.scorers:
+            s.prepare(req, table)
+        cost = table.cost
+        first = True
+        for s, weight in self.scorers:
+            values = s.score(req, table)
+            if weight != 1.0:
+                values = [weight * v for v in values]
+            if first:
+                cost[:] = values
+                first = False
+            else:
+                for i, v in enumerate(values):
+                    cost[i] += v
+        outcome: dict[str, Any] = {}
+        pool: Sequence[int] | None = None
+        for s, _ in self.scorers:
+            allowed = s.admissible(req, table, outcome)
+            if allowed is not None:
+                pool = allowed if pool is None else [i for i in pool if i in set(allowed)]
+        chosen = self.picker.pick(req, table, range(len(table)) if pool is None else pool)
+        for p in self.pins:
+            chosen = p.pin(req, table, chosen, outcome)
+        return ProfileResult(table, chosen, outcome)
+
+
+class NoScore:
+    """Default `prepare` / `admissible` for scorers that only score (mixin)."""
+
+    def prepare(self, req: SchedulingRequest, table: CandidateTable) -> None:
+        return None
+
+    def admissible(self, req: SchedulingRequest, table: CandidateTable,
+                   outcome: dict[str, Any]) -> list[int] | None:
+        return None
