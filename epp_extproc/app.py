@@ -279,10 +279,16 @@ class PickerApp:
         # refuse streams, so a flood of streams that send nothing cannot grow memory without bound.
         max_calls = 2 * (self.picker.arriving.limit + self.picker.gate.limit)
         if cfg.extproc_transport == "h2":
-            self._grpc = H2GrpcServer(max_concurrent_rpcs=max_calls, max_receive_message_length=msg_limit,
-                                      max_send_message_length=msg_limit, keepalive_time_s=cfg.extproc_keepalive_s,
-                                      max_connections=cfg.extproc_max_connections, max_partial_bytes=msg_limit,
-                                      logger=logging.getLogger("epp_extproc.envoy.h2server"))
+            # One budget for the bytes of request bodies, wherever they are: in messages still arriving (the
+            # transport's count) or taken by the exchanges (BodyBudget's); each bound counts the other's bytes.
+            bodies = self.picker.bodies
+            h2 = H2GrpcServer(max_concurrent_rpcs=max_calls, max_receive_message_length=msg_limit,
+                              max_send_message_length=msg_limit, keepalive_time_s=cfg.extproc_keepalive_s,
+                              max_connections=cfg.extproc_max_connections, max_partial_bytes=msg_limit,
+                              held_elsewhere=lambda: bodies.used,
+                              logger=logging.getLogger("epp_extproc.envoy.h2server"))
+            bodies.in_transit = lambda: h2.partial_bytes
+            self._grpc = h2
         else:
             self._grpc = grpc.aio.server(options=[
                 ("grpc.max_receive_message_length", msg_limit), ("grpc.max_send_message_length", msg_limit),

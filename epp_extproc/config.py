@@ -224,8 +224,10 @@ class Config:
     max_body_bytes: int = opt("DYN_EPP_MAX_BODY_BYTES", 32 * 1024 * 1024, int,
         "request bodies above this size get 413 (in both body modes)")
     max_buffered_body_bytes: int = opt("DYN_EPP_MAX_BUFFERED_BODY_BYTES", 256 * 1024 * 1024, int,
-        "all request bodies being buffered at once may hold at most this much; a body that would exceed "
-        "it gets 503 (retryable), so many slow or unfinished uploads cannot exhaust memory")
+        "all request bodies being buffered at once may hold at most this much, in resident memory, counted "
+        "once whether taken by the picker or still arriving in an unfinished message (the h2 transport; "
+        "grpcio's buffers its own, see Ports and APIs); a body that would exceed it gets 503 (retryable), "
+        "so many slow or unfinished uploads cannot exhaust memory")
     request_body_timeout_ms: int = opt("DYN_EPP_REQUEST_BODY_TIMEOUT_MS", 60_000, int,
         "a request whose headers and body have not fully arrived this long after its ext_proc stream "
         "opened gets 408 and frees its slot (stalled clients cannot hold the picker's capacity)")

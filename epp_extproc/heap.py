@@ -1,4 +1,4 @@
-"""The garbage collector's pauses, kept off the request path.
+"""The process's heap: the garbage collector's pauses kept off the request path, and large blocks returned.
 
 CPython's full (generation 2) collection walks every tracked object. A picker's long-lived heap is mostly
 what its imports made (grpc, protobuf, aiohttp, prometheus: about 58,000 objects), so each full collection
@@ -11,9 +11,34 @@ freeze happens once per process, after a full collection, so no garbage is froze
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import platform
 import time
 from collections.abc import Callable
+
+MAP_LARGE_BLOCKS_FROM = 1 << 20
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+def map_large_blocks(threshold: int = MAP_LARGE_BLOCKS_FROM) -> bool:
+    """Have glibc's malloc serve every block of `threshold` bytes or more from its own mapping, returned to the
+    kernel when it is freed; True when set (False: not glibc, nothing changed).
+
+    Request bodies are the picker's large blocks: a body's buffer, the message it came in, its protobuf and
+    the bytes the decision reads, 1-32 MiB each. glibc maps such a block on its own at first, but each mapped
+    block freed raises its mapping threshold to that block's size (up to 32 MiB): after the first large body,
+    the next ones come from the heap, where a buffer that grows is copied and every freed block leaves a hole
+    that stays resident. Measured on the picker (issue 43), ten unfinished 30 MB bodies sent in 64 KiB chunks
+    held +250 MB the first time and +405-423 MB every time after, against the 240 MB the budget let in.
+    A fixed threshold ends that adjustment; blocks under it (nearly every request's) stay on the heap, whose
+    pages are already resident (a fresh mapping costs a page fault per 4 KiB touched)."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        return bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False
 
 
 def freeze_startup_heap() -> int:

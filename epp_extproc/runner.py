@@ -20,7 +20,7 @@ from typing import Any
 
 from epp_extproc.app import PickerApp
 from epp_extproc.config import Config, ProcessSlot
-from epp_extproc.heap import freeze_startup_heap
+from epp_extproc.heap import freeze_startup_heap, map_large_blocks
 
 # What the three servers say when a bind fails: grpcio "Failed to bind to address 127.0.0.1:9003; ...",
 # h2grpc "cannot listen on 127.0.0.1:9002: ...", aiohttp "... bind on address ('127.0.0.1', 9091): ...".
@@ -79,6 +79,7 @@ def setup_logging(level: str, fmt: str) -> None:
 async def serve(cfg: Config, prepare: Callable[[PickerApp], None] | None = None,
                 slot: ProcessSlot | None = None) -> int:
     """Run one picker until SIGINT/SIGTERM; `prepare` may instrument the app before it starts (benchmarks)."""
+    map_large_blocks()  # before the first body: its blocks must not raise glibc's threshold (heap.py)
     app = PickerApp(cfg, slot)
     if prepare is not None:
         prepare(app)

@@ -177,7 +177,7 @@ class Call:
         by the bytes its frames fill."""
         mapped = size >= MAPPED_MIN
         server = self.conn.server
-        if not mapped and server.partial_bytes - self.partial + 5 + size > server.max_partial_bytes:
+        if not mapped and 5 + size - self.partial > server.partial_room():
             self.finish_now(grpc.StatusCode.RESOURCE_EXHAUSTED, "messages still arriving hold over "
                             f"{server.max_partial_bytes} bytes in this server")
             return False
@@ -204,7 +204,7 @@ class Call:
             server = self.conn.server
             server.partial_bytes += grown
             self.partial = held
-            if grown > 0 and server.partial_bytes > server.max_partial_bytes:
+            if grown > 0 and server.partial_room() < 0:
                 self.finish_now(grpc.StatusCode.RESOURCE_EXHAUSTED, "messages still arriving hold over "
                                 f"{server.max_partial_bytes} bytes in this server")
 

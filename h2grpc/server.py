@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import ssl
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from h2grpc.connection import Connection
@@ -50,8 +50,8 @@ class H2GrpcServer:
                  max_send_message_length: int = 4 << 20,
                  max_streams_per_connection: int | None = None, keepalive_time_s: float | None = None,
                  keepalive_timeout_s: float | None = None, max_connections: int | None = None,
-                 max_partial_bytes: int | None = None, limits: Limits = DEFAULT,
-                 logger: logging.Logger | None = None) -> None:
+                 max_partial_bytes: int | None = None, held_elsewhere: Callable[[], int] | None = None,
+                 limits: Limits = DEFAULT, logger: logging.Logger | None = None) -> None:
         # the keyword bounds are grpcio's names (and the picker's flags); they override `limits`
         given = {k: v for k, v in (("max_streams_per_connection", max_streams_per_connection),
                                    ("keepalive_time_s", keepalive_time_s),
@@ -69,6 +69,9 @@ class H2GrpcServer:
         # bytes of messages still arriving, all calls together: past it the call that grows them ends
         self.max_partial_bytes = max_receive_message_length if max_partial_bytes is None else max_partial_bytes
         self.partial_bytes = 0
+        # bytes the application still holds of messages it was given, counted against the same bound (the
+        # picker's buffered bodies: a body's bytes count once, whether still arriving here or taken)
+        self.held_elsewhere = held_elsewhere
         self.refused_connections = 0
         self.goaways: dict[int, int] = {}  # GOAWAY error code -> connections closed with it (not NO_ERROR)
         self.refusal_log = _Throttled(self.log)
@@ -76,6 +79,11 @@ class H2GrpcServer:
         self.connections: set[Connection] = set()
         self.active = 0
         self._servers: list[asyncio.AbstractServer] = []
+
+    def partial_room(self) -> int:
+        """What messages still arriving may add before they pass `max_partial_bytes` (negative: past it)."""
+        f = self.held_elsewhere
+        return self.max_partial_bytes - self.partial_bytes - (0 if f is None else f())
 
     def add_generic_rpc_handlers(self, handlers: Iterable[Any]) -> None:
         """The generated code registers each service twice; the registered form below is the one used."""

@@ -89,7 +89,11 @@ class PickerExchange:
             self._slot = self._gate
 
     def reject(self, err: PickError, request: RequestContext) -> None:
-        """The edge answers this request itself: count it and say why, once, with a bounded line."""
+        """The edge answers this request itself: count it and say why, once, with a bounded line. Its body is
+        dropped now, not at close(): the answer may wait for the client's window, and meanwhile the bytes of a
+        body refused for the budget would keep refusing the others."""
+        self._buf = bytearray()
+        self._release_body()
         self._count_rejection(err)
         log.info("rejected %s %s: %s", clip(request.method, 16), clip(request.path), clip(str(err), 300))
 

@@ -230,6 +230,9 @@ class _Stream:
                 return
             async for r in self._on_message(req):
                 yield r
+            # the next read waits for the client: a message still named here (a BUFFERED body, whole) would
+            # be held twice while the body is incomplete, in the protobuf and in the exchange's buffer
+            del req
             if self.finished:
                 return
         async for req in it:

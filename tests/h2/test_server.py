@@ -614,6 +614,39 @@ async def test_unfinished_messages_of_all_calls_together_are_held_to_the_servers
         await server.stop(0)
 
 
+async def test_bytes_the_application_holds_count_against_the_same_budget() -> None:
+    """`held_elsewhere`: what the application holds of messages it was given (the picker's buffered bodies)
+    shares the budget of those still arriving; with two budgets a body held half in each made twice the bound."""
+    held = [700_000]
+    server = H2GrpcServer(max_concurrent_rpcs=8, max_receive_message_length=4 << 20, max_partial_bytes=1 << 20,
+                          held_elsewhere=lambda: held[0])
+    svc = Service()
+    server.add_registered_method_handlers("test.Svc", svc.handlers())
+    port = await server.bind("127.0.0.1", 0)
+    await server.start()
+    try:
+        raw = await Raw.open(port)
+        head = b"\x00" + (2 << 20).to_bytes(4, "big")  # a 2 MiB message announced, 400 KB of it sent
+        part = head + b"x" * (400_000 - 5)
+        frames = [part[i:i + 16_384] for i in range(0, len(part), 16_384)]
+        raw.w.write(_frame(h2.HEADERS, h2.END_HEADERS, 1, _request_headers("/test.Svc/Count"))
+                    + b"".join(_frame(h2.DATA, 0, 1, f) for f in frames))
+        kind, flags, sid, payload = await raw.until(h2.HEADERS)
+        assert sid == 1 and flags & h2.END_STREAM  # 700 KB held elsewhere + 400 KB passed 1 MiB
+        assert dict(hpack.Decoder().decode(payload))["grpc-status"] == \
+            str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
+        assert server.partial_bytes == 0
+        held[0] = 0  # the application let its bytes go: the same message now fits
+        raw.w.write(_frame(h2.HEADERS, h2.END_HEADERS, 3, _request_headers("/test.Svc/Count"))
+                    + b"".join(_frame(h2.DATA, 0, 3, f) for f in frames))
+        raw.w.write(_frame(h2.PING, 0, 0, b"12345678"))  # answered once every frame before it is handled
+        await raw.until(h2.PING)
+        assert server.partial_bytes == 400_000 and server.partial_room() == (1 << 20) - 400_000
+        raw.close()
+    finally:
+        await server.stop(0)
+
+
 def test_the_port_is_taken_loudly() -> None:
     async def main() -> None:
         s = socket.socket()
