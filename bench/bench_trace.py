@@ -618,13 +618,13 @@ def run_capacity(plan: Plan, configs: Sequence[str], wl: Workload, cap: str, wor
     return info, runs
 
 
-def cells(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def cells(runs: Sequence[dict[str, Any]], metrics: Sequence[str] = METRICS) -> list[dict[str, Any]]:
     """The runs grouped by (capacity, config, load), each group summarised as median and spread."""
     keys: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
     for r in runs:
         keys.setdefault((r["capacity"], r["config"], r["offered_rps"]), []).append(r)
     return [{"capacity": cap, "config": cfg, "offered_rps": rate, "divisor": rs[0]["divisor"],
-             "summary": S.summarize(rs, METRICS), "runs": rs} for (cap, cfg, rate), rs in keys.items()]
+             "summary": S.summarize(rs, metrics), "runs": rs} for (cap, cfg, rate), rs in keys.items()]
 
 
 def _workload_summary(plan: Plan) -> str:

@@ -28,6 +28,7 @@ from epp_extproc.core.scheduling.decision_metrics_hook import DecisionMetricsHoo
 from epp_extproc.core.scheduling.deps import SchedulingDeps
 from epp_extproc.core.scheduling.eviction_scorer import ChurnView
 from epp_extproc.core.scheduling.kv_prediction_hook import KvPredictionHook
+from epp_extproc.core.scheduling.profile import TableSource
 from epp_extproc.core.session import SessionTokens
 from epp_extproc.core.time_cost import TimeCost
 from epp_extproc.metrics import PickerMetrics
@@ -41,6 +42,7 @@ class Assembled:
     debug: DebugView
     spec: SchedulingSpec
     deps: SchedulingDeps
+    source: TableSource  # the table fill every profile shares (a bench times the lookup there)
 
     @property
     def time_model(self) -> TimeCost | None:
@@ -76,4 +78,4 @@ def assemble(config: Config, registry: EndpointRegistry, load: LoadTracker, metr
     threshold = int(spec.handler.parameters.get("threshold", config.pd_min_uncached_tokens))
     debug = DebugView(registry, kv, forwarder, cost_model=built.cost_model, pd_threshold=threshold,
                       default_block_size=config.kv_cache_block_size)
-    return Assembled(director, debug, spec, deps)
+    return Assembled(director, debug, spec, deps, built.source)

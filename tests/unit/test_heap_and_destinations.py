@@ -9,6 +9,7 @@ import weakref
 from epp_extproc.core.contract import Role
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.heap import freeze_startup_heap
+from tests.clock import Clock
 
 
 class _Cycle:
@@ -58,18 +59,10 @@ def test_with_every_endpoint_down_all_of_them_are_destinations_as_envoy_panics()
     assert reg.destinations() == ("10.0.0.1:8000", "10.0.0.2:8000")
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_a_refreeze_waits_for_the_pool_to_settle_and_comes_at_most_once_per_interval() -> None:
     from epp_extproc.heap import Refreezer
 
-    clock = _Clock()
+    clock = Clock()
     r = Refreezer(quiet_s=1.0, min_interval_s=30.0, clock=clock)
     try:
         assert not r.maybe()  # nothing changed
