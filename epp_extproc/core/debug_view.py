@@ -19,7 +19,9 @@ EVICTION_NOTE = "eviction-scorer"
 
 class DebugView:
     def __init__(self, registry: EndpointRegistry, kv: KvLookup | None, forwarder: Forwarder, *,
-                 cost_model: str, pd_threshold: int, default_block_size: int) -> None:
+                 cost_model: str, pd_threshold: int, default_block_size: int,
+                 scheduling: dict[str, Any] | None = None) -> None:
+        self.scheduling = scheduling or {}  # the handler and each profile's plugins, as the spec named them
         self.registry = registry
         self.kv = kv
         self.forwarder = forwarder
@@ -77,7 +79,7 @@ class DebugView:
                                                                  "model": p.rewrite.model,
                                                                  "target": p.rewrite.target},
                 "session": p.session.value if p.session is not None else None,
-                "cost_model": self.cost_model, "slo": p.slo,
+                "cost_model": self.cost_model, "slo": p.slo, "scheduling": self.scheduling,
                 "media": self._media(p),
                 "pd": self._pd(p)}
 

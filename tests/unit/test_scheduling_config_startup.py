@@ -57,3 +57,15 @@ async def test_the_report_is_logged_and_the_file_s_profile_decides(caplog: pytes
     assert p.address in {"127.0.0.1:9", "127.0.0.1:10"}
     assert [f.name for f in app.director.scheduler.primary.filters] == ["decode-filter", "subset-filter"]
     await asyncio.sleep(0)
+
+
+async def test_debug_score_names_the_handler_and_plugins_that_decided() -> None:
+    cfg = load_config(["--config-file", str(FIXTURES / "pd-epp-config.yaml"),
+                       "--endpoints", "w0=127.0.0.1:9"], env={})
+    app = PickerApp(cfg)
+    app.registry.replace([Endpoint("w0", "127.0.0.1:9")])
+    doc = await app.debug_score({"messages": [{"role": "user", "content": "hi"}]})
+    # the file's own entry names, with our type beside a name that differs from it
+    assert doc["scheduling"]["handler"].endswith("(pd-profile-handler)")
+    assert doc["scheduling"]["profiles"]["prefill"]["filters"] == ["prefill-filter", "subset-filter"]
+    assert doc["scheduling"]["profiles"]["decode"]["picker"] == "max-score-picker (min-cost-picker)"
