@@ -309,3 +309,24 @@ def test_request_the_gateway_served_elsewhere_teaches_that_worker() -> None:
     b.move("v")
     b.prefill_done()
     assert (tc.model("v").ttft.n, tc.model("w").ttft.n) == (1.0, 0.0)
+
+
+def test_time_cost_with_eviction_aware_is_refused_naming_both_flags() -> None:
+    """Blocks and seconds do not add: the flush penalty cannot join the time cost (before issue 41 the time
+    cost overwrote the block cost and --eviction-aware silently did nothing)."""
+    from epp_extproc.config import Config
+
+    with pytest.raises(ValueError) as e:
+        Config(cost_model="time", eviction_aware=True).validate()
+    assert "--eviction-aware" in str(e.value) and "--cost-model" in str(e.value)
+
+
+async def test_the_time_cost_takes_the_router_temperature() -> None:
+    """Before issue 41 the time cost picked its argmin whatever --router-temperature said; now it samples."""
+    pipe, _, _ = make(cost_model="time", router_temperature=5.0, affinity_load_bound=0.0)
+    random.seed(3)
+    picks = set()
+    for _ in range(40):
+        p = await pipe.propose(ctx())
+        picks.add(p.address)
+    assert picks == set(ADDRS)
