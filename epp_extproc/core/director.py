@@ -100,7 +100,7 @@ class Director:
             parsed = self.parse(ctx)
             ctx, parsed, rewritten = self.rewrite_model(ctx, parsed)
             ctx, parsed, media = await self.planner.prepare_media(ctx, parsed)
-            self._addresses(self.scheduling_request(ctx, Plan()))  # fail fast, before any render call
+            self._addresses(SchedulingRequest(ctx))  # fail fast, before any render call (filters read the hint)
             plan = await self.planner.plan(ctx, parsed, count=count, media=media)
         req = self.scheduling_request(ctx, plan, temperature)
         score_started = time.perf_counter()

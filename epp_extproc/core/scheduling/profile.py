@@ -139,7 +139,11 @@ class Profile:
         for s, _ in self.scorers:
             allowed = s.admissible(req, table, outcome)
             if allowed is not None:
-                pool = allowed if pool is None else [i for i in pool if i in set(allowed)]
+                if pool is None:
+                    pool = allowed
+                else:
+                    keep = set(allowed)
+                    pool = [i for i in pool if i in keep]
         chosen = self.picker.pick(req, table, range(len(table)) if pool is None else pool)
         for p in self.pins:
             chosen = p.pin(req, table, chosen, outcome)
