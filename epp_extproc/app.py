@@ -31,11 +31,13 @@ from epp_extproc.core.admission import BodyBudget, InflightGate
 from epp_extproc.core.assemble import assemble
 from epp_extproc.core.director import Admission
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
-from epp_extproc.core.flow_control import FlowController, ObjectiveTable, SaturationDetector, Thresholds
+from epp_extproc.core.flow_objectives import ObjectiveTable
+from epp_extproc.core.flow_queue import FlowController
 from epp_extproc.core.lean import LeanSignals
 from epp_extproc.core.load import LoadTracker
 from epp_extproc.core.model_rewrite import ModelRewriter, RewriteTable
 from epp_extproc.core.picker import Picker
+from epp_extproc.core.saturation import SaturationDetector, Thresholds
 from epp_extproc.core.scheduling.config_file import SchedulingSpec, load_config_file, report_lines
 from epp_extproc.core.session import SessionTokens
 from epp_extproc.envoy.access_log import AccessLogServicer, als_pb2_grpc
