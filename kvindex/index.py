@@ -25,7 +25,7 @@ import heapq
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -926,6 +926,17 @@ class KvIndex:
             )
             out["workers"][wid] = d
         return out
+
+
+def merge_worker_rows(snapshot: dict[str, Any], rows: Mapping[str, Mapping[str, Any]]) -> None:
+    """Merge per-worker figures kept outside the index (subscriber counters, ingest pacing, LoRA adapters)
+    into `snapshot`'s worker rows (``KvIndex.snapshot``), for the workers the index shows only: every
+    ``/debug/kv`` (in-process and each ingest shard) joins its rows by this one rule."""
+    workers = snapshot["workers"]
+    for wid, d in rows.items():
+        w = workers.get(wid)
+        if w is not None:
+            w.update(d)
 
 
 def _per_rank(w: _Worker) -> dict[str, dict[str, int]]:

@@ -14,7 +14,7 @@ from epp_extproc.core.assemble import Assembled, assemble
 from epp_extproc.core.decision import Decision
 from epp_extproc.core.director import Director
 from epp_extproc.core.endpoints import EndpointRegistry
-from epp_extproc.core.flow_control import Ticket
+from epp_extproc.core.flow_queue import Ticket
 from epp_extproc.core.load import EndpointLoad, LoadTracker
 from epp_extproc.core.proposal import Proposal
 from epp_extproc.core.request import RequestContext

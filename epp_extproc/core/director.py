@@ -24,7 +24,7 @@ from epp_extproc.core.contract import BookingHandle, KvLookup
 from epp_extproc.core.decision import Decision, Stopwatch
 from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.errors import PickError, Problem
-from epp_extproc.core.flow_control import Ticket
+from epp_extproc.core.flow_queue import Ticket
 from epp_extproc.core.forward import Forwarder
 from epp_extproc.core.load import LoadTracker
 from epp_extproc.core.model_rewrite import ModelRewriter, Rewrite
@@ -38,7 +38,7 @@ from epp_extproc.core.session import SessionTokens
 
 IDENTITY_ENCODINGS = frozenset({"", "identity"})
 
-# Flow control's admission (core/flow_control.FlowController.admit, keyed by the request's objective): a
+# Flow control's admission (core/flow_queue.FlowController.admit, keyed by the request's objective): a
 # proposal waits for a ticket while every worker is saturated; None = no flow control.
 Admission = Callable[[RequestContext], Awaitable[Ticket]]
 
