@@ -17,7 +17,7 @@ from epp_extproc.core.endpoints import Endpoint
 from epp_extproc.core.request import RequestContext
 from tests.unit.test_startup_errors import FREE_PORTS, epp, one_line_error
 
-FIXTURES = Path(__file__).parent.parent / "fixtures" / "epp_config"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "epp_config"
 
 
 def test_a_file_that_does_not_compile_is_one_line_naming_the_flag_and_the_entry(tmp_path: Path) -> None:

@@ -28,8 +28,7 @@ from epp_extproc.core.time_cost import (
 )
 from epp_extproc.envoy.errors import http_error
 from epp_extproc.metrics import PickerMetrics
-from tests.scheduling_fakes import CostParams, Decider, Row, choose, table_of
-from tests.unit.test_propose_commit import ADDRS, decide, make
+from tests.scheduling_fakes import ADDRS, CostParams, Decider, Row, choose, decide, make, table_of
 
 PARAMS = CostParams(overlap_credit=2.0, prefill_load_scale=1.0, temperature=0.0)
 BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
