@@ -220,15 +220,17 @@ class Director:
 
     # ---------------------------------------------------------------- commit: side effects, cannot fail
     def commit(self, p: Proposal) -> Decision:
-        prefill = p.pd.address
+        pd = p.result.pd
+        prefill = pd.address
+        address = p.result.address
         if prefill is None:
-            booking = self.load.book(p.address, p.booked_blocks)
+            booking = self.load.book(address, p.booked_blocks)
         else:  # one booking per leg (core/contract.py, Roles)
-            booking = self.load.book_pair(p.address, p.booked_blocks, prefill, p.pd.prefill_blocks)
+            booking = self.load.book_pair(address, p.booked_blocks, prefill, pd.prefill_blocks)
         timing = None
         for hook in self.hooks:
             t = hook.committed(p, booking)
             if t is not None:
                 timing = t
-        return Decision(p.address, p.body, booking, p.model, p.predicted_cached_tokens,
+        return Decision(address, p.body, booking, p.model, p.predicted_cached_tokens,
                         session=p.session is not None, prefill=prefill, timing=timing)
