@@ -1,0 +1,54 @@
+"""Where a KV block sits: the tier names the index keeps, and each engine's `medium` spelling mapped to them.
+
+Why tiers at all (issue 44): engines keep far more KV than fits on the GPU (vLLM's OffloadingConnector and
+LMCache to host memory, SGLang's HiCache to host memory and storage, llm-d's file-system connector to shared
+storage); loading a block from there is much cheaper than recomputing it, so a worker holding the prefix off
+the GPU is a better choice than one that holds nothing. The index keeps, per block, every tier holding it; the
+`tiered-credit` scheduling plugin prices each tier (core/scheduling/tiered_credit_scorer.py).
+
+The spellings, as read at the engines' sources (the source wins over the issue's text where they differ):
+  * vLLM: `BlockStored.medium` / `BlockRemoved.medium` are free strings, None or `MEDIUM_GPU = "GPU"` for the
+    GPU prefix cache (vllm-project/vllm 0181ea31 vllm/distributed/kv_events.py). The offloading connector
+    forwards its load/store spec's `medium()`: `"GPU"`, `"CPU"`, and `"Disk"` (mixed case) for the NVMe spec
+    (vllm-project/vllm 0c2bbc47 vllm/v1/kv_offload/mediums.py): the issue's `STORAGE` was not found in vLLM
+    at that commit; Dynamo's KV-router ZMQ ingest accepts "CPU" | "CPU_PINNED" | "STORAGE" | "DISK" (an
+    excerpt of `dynamo_kv_router::zmq_wire` users, commit not pinned here). Both spellings map, case-folded.
+  * SGLang HiCache: `CPU_PINNED` (host), `DISK` (local storage), `EXTERNAL` (a shared pool such as Mooncake),
+    SGLang's `StorageMedium` as Dynamo's router cites it; earlier releases `CPU_TIER1` (host, "L2") and
+    `CPU_TIER2` (storage, "L3"). NOT verified at an SGLang commit here: the stored copies of
+    python/sglang/srt/disaggregation/kv_events.py (sgl-project/sglang 612d5790, 006d053f) predate the field.
+  * llm-d's file-system connector: `SHARED_STORAGE` / `OBJECT_STORE` (issue 44's text; not verified at a
+    commit here).
+  * TensorRT-LLM: its native translator emits only a removal at the old medium when a block moves to host
+    memory, and its streaming sink always says GPU: its stream is credited as GPU exactly as before.
+Anything else is kept as tier `unknown`, counted (`unknown_medium`) and credited by a configurable weight.
+"""
+
+from __future__ import annotations
+
+TIER_GPU = "gpu"
+TIER_CPU = "cpu"  # host memory (vLLM CPU, SGLang CPU_PINNED / CPU_TIER1)
+TIER_DISK = "disk"  # the worker's own storage (vLLM Disk / STORAGE, SGLang DISK / CPU_TIER2)
+TIER_SHARED = "shared"  # storage other workers may mount (SGLang EXTERNAL, llm-d SHARED_STORAGE / OBJECT_STORE)
+TIER_UNKNOWN = "unknown"
+
+TIERS: tuple[str, ...] = (TIER_GPU, TIER_CPU, TIER_DISK, TIER_SHARED, TIER_UNKNOWN)
+OFF_GPU: tuple[str, ...] = TIERS[1:]
+TIER_BIT: dict[str, int] = {t: 1 << i for i, t in enumerate(TIERS)}  # a block position's tiers as one small int
+
+MEDIUM_TIERS: dict[str, str] = {
+    "GPU": TIER_GPU,
+    "CPU": TIER_CPU, "CPU_PINNED": TIER_CPU, "CPU_TIER1": TIER_CPU,
+    "DISK": TIER_DISK, "STORAGE": TIER_DISK, "CPU_TIER2": TIER_DISK,
+    "EXTERNAL": TIER_SHARED, "SHARED_STORAGE": TIER_SHARED, "OBJECT_STORE": TIER_SHARED,
+}
+
+
+def medium_tier(medium: str) -> str:
+    """An event's `medium` (case-folded) as a tier name; an unknown spelling is `unknown`, never dropped."""
+    return MEDIUM_TIERS.get(medium.upper(), TIER_UNKNOWN)
+
+
+def tiers_of(code: int) -> list[str]:
+    """The tier names in a position's code (a bitwise OR of `TIER_BIT`)."""
+    return [t for t in TIERS if code & TIER_BIT[t]]
