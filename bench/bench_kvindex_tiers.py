@@ -1,0 +1,96 @@
+"""Issue 44's budget check: a GPU-only pool's memory per entry, ingest and lookup cost with tiers in the index,
+against the index before tiers (a base commit), in the same run on the same events; plus what an off-GPU
+tier entry costs.
+
+Run ``python -m bench.bench_kvindex_tiers [--base be9a7ee] [--blocks 200000] [--out PATH]``. The base commit's
+``kvindex`` is extracted with ``git archive`` into a temporary directory and measured in a child process with
+that directory first on ``sys.path`` (two versions of one package cannot share a process); this checkout is
+measured the same way, so the two figures differ only by the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from io import BytesIO
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CHILD = r'''
+import gc, json, sys, time, tracemalloc
+from epp_extproc.dev.kvwire import pack_batch, stored_event
+from kvindex.decode import decode_payload
+from kvindex.hashing import block_hashes
+from kvindex.index import KvIndex
+import kvindex.index as ki
+BS, N, W, MEDIUM = 32, int(sys.argv[1]), 8, sys.argv[2]
+CHAIN = 64
+batches = []
+for c in range(N // CHAIN):
+    toks = list(range(c * CHAIN * BS, (c + 1) * CHAIN * BS))
+    hs = [c * CHAIN + i + 1 for i in range(CHAIN)]
+    batches.append((f"w{c % W}", decode_payload(pack_batch([stored_event(hs, None, toks, BS, medium=MEDIUM)]))))
+idx = KvIndex(default_block_size=BS, max_blocks_per_worker=10**9)
+gc.collect(); tracemalloc.start()
+t0 = time.perf_counter()
+for w, b in batches:
+    idx.apply_batch(w, b)
+ingest = time.perf_counter() - t0
+cur, _ = tracemalloc.get_traced_memory(); tracemalloc.stop()
+prompts = [block_hashes(list(range(c * CHAIN * BS, (c + 1) * CHAIN * BS)), BS) for c in range(0, N // CHAIN, 7)]
+t0 = time.perf_counter(); k = 0
+while time.perf_counter() - t0 < 1.0:
+    for p in prompts:
+        idx.overlap_hashes(p, BS); k += 1
+look = (time.perf_counter() - t0) / k
+tiered = None
+if hasattr(idx, "overlap_tiers"):
+    t0 = time.perf_counter(); k = 0
+    while time.perf_counter() - t0 < 1.0:
+        for p in prompts:
+            idx.overlap_tiers(p, BS); k += 1
+    tiered = (time.perf_counter() - t0) / k
+print(json.dumps({"entries": N, "bytes_per_entry": cur / N, "ingest_blocks_per_s": N / ingest,
+                  "lookup_us_64_blocks": look * 1e6,
+                  "tiered_lookup_us_64_blocks": None if tiered is None else tiered * 1e6,
+                  "module": ki.__file__}))
+'''
+
+
+def _measure(path: Path, blocks: int, medium: str) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(path), str(ROOT)])}
+    out = subprocess.run([sys.executable, "-c", CHILD, str(blocks), medium], env=env, check=True,
+                         capture_output=True, text=True, cwd=str(path)).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", default="be9a7ee", help="the commit before tiers")
+    ap.add_argument("--blocks", type=int, default=200_000)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kvindex_tiers.json"))
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tar = subprocess.run(["git", "archive", a.base, "kvindex"], cwd=ROOT, check=True, capture_output=True).stdout
+        with tarfile.open(fileobj=BytesIO(tar)) as tf:
+            tf.extractall(tmp, filter="data")
+        base = _measure(Path(tmp), a.blocks, "GPU")
+    now = _measure(ROOT, a.blocks, "GPU")
+    cpu = _measure(ROOT, a.blocks, "CPU")
+    doc = {"base_commit": a.base, "blocks": a.blocks, "gpu_only_base": base, "gpu_only_now": now,
+           "cpu_tier_now": cpu,
+           "gpu_only_bytes_per_entry_ratio": round(now["bytes_per_entry"] / base["bytes_per_entry"], 4)}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(doc, indent=2) + "\n")
+    print(json.dumps(doc, indent=2))
+
+
+if __name__ == "__main__":
+    main()
