@@ -436,6 +436,11 @@ class KvIndex:
         c = batch.counters
         if c.skipped or c.garbage_events or c.unknown_events or c.unknown_keys or c.mm_blocks or c.unknown_medium:
             st.skipped_placeholder += c.skipped_placeholder
+            if c.skipped_placeholder:
+                self._warn_once(w, "placeholder", "worker %s sends vLLM's placeholder offload events (no tokens, "
+                                "block_size 0): its offloaded blocks cannot be indexed, so they earn no tier "
+                                "credit; set kv_connector_extra_config self_describing_kv_events=true (vLLM >= "
+                                "0.24) on its OffloadingConnector", w.id)
             st.unknown_medium += c.unknown_medium
             st.skipped_length += c.skipped_length
             st.skipped_medium += c.skipped_medium
@@ -586,6 +591,8 @@ class KvIndex:
         tiers = slot.tiers
         if tiers is None:
             tiers = slot.tiers = {}
+            self._warn_once(w, "tiers", "worker %s holds KV blocks off the GPU (%s): they are credited only with "
+                            "--tiered-credit (or a tier weight set); /debug/kv shows its blocks per tier", w.id, tier)
         tm = tiers.get(tier)
         if tm is None:
             tm = tiers[tier] = _TierMap()
@@ -1180,6 +1187,9 @@ class KvIndex:
             )
             if any(s.tiers for s in w.slots.values()):  # only where a tier was seen: GPU-only output unchanged
                 d["blocks_by_tier"] = self.tier_blocks(wid)
+            if w.stats.skipped_placeholder:
+                d["tier_note"] = ("placeholder offload events (vLLM without self_describing_kv_events): offloaded "
+                                  "blocks are not indexed and earn no tier credit; GPU blocks are credited as before")
             out["workers"][wid] = d
         return out
 
