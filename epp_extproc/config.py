@@ -326,6 +326,10 @@ class Config:
         lambda s: float(s) if s else None,
         "credit of a block held on disk or shared storage; unset = 0.25 (Dynamo's disk weight); setting it "
         "turns --tiered-credit on")
+    kv_shared_stores: str | None = opt("DYN_EPP_KV_SHARED_STORES", None, _opt_str,
+        "with --tiered-credit: which workers mount the same shared KV store, `store=addr,addr;other=addr`: a "
+        "block one of them publishes on the shared tier (SGLang EXTERNAL, llm-d SHARED_STORAGE / OBJECT_STORE) "
+        "is credited to all of them at the shared weight, not only to the publisher")
     pd_min_uncached_tokens: int = opt("DYN_EPP_PD_MIN_UNCACHED_TOKENS", 16, int,
         "disaggregated pools: a prompt whose uncached suffix on the chosen decode worker is at least this many "
         "tokens is prefilled on a prefill worker (named in x-prefiller-host-port), a shorter one on the decode "
@@ -484,6 +488,13 @@ class Config:
         if self.eviction_aware and self.cost_model == "time":
             raise ValueError(f"{n('eviction_aware')} prices flushed prefixes in KV blocks and {n('cost_model')} "
                              "time prices in seconds: the two cannot be added; use one of them")
+        if self.kv_shared_stores:
+            from kvindex.tiers import parse_shared_stores
+
+            try:
+                parse_shared_stores(self.kv_shared_stores)
+            except ValueError as e:
+                raise ValueError(f"{n('kv_shared_stores')}: {e}") from None
         for dest in ("router_host_cache_hit_weight", "router_disk_cache_hit_weight"):
             if getattr(self, dest) is not None:
                 _at_least(self, dest, 0, "")
@@ -594,7 +605,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
      ("config_file", "kv_cache_block_size", "max_index_blocks_per_worker", "kv_overlap_score_credit", "prefill_load_scale",
       "router_temperature", "cost_model", "affinity_load_bound", "prediction_ttl_s", "prediction_lifetime", "prediction_grace_s",
       "prediction_max_lifetime_s", "eviction_aware", "tiered_credit", "router_host_cache_hit_weight",
-      "router_disk_cache_hit_weight", "pd_min_uncached_tokens", "kv_ingest", "kv_ingest_shards",
+      "router_disk_cache_hit_weight", "kv_shared_stores", "pd_min_uncached_tokens", "kv_ingest", "kv_ingest_shards",
       "kv_ingest_lookup_timeout_ms", "kv_ingest_worker_cpu_share", "session_affinity_keys_file",
       "session_affinity_ttl_s",
       "worker_metrics_interval_ms",

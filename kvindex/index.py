@@ -34,7 +34,7 @@ import xxhash
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
 from kvindex.hashing import block_chunks, block_hashes, chain_hashes_with_keys, pack_tokens, root_seed
 from kvindex.metrics import register_index
-from kvindex.tiers import TIER_BIT, TIER_GPU
+from kvindex.tiers import TIER_BIT, TIER_GPU, TIER_SHARED
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +220,7 @@ class KvIndex:
         # GPU-only pool's entries, lookups and memory are exactly what they were; `_n_tier` counts the entries
         self._tier_blocks: dict[str, dict[int, int]] = {}
         self._n_tier = 0
+        self._store_of: dict[str, str] = {}  # worker id -> the shared store it mounts (configured)
         if registry is not None:
             register_index(self, registry)
 
@@ -696,6 +697,42 @@ class KvIndex:
                         self._n_tier -= 1
         s.tiers = None
 
+    def set_shared_store(self, worker_id: str, store: str | None) -> None:
+        """The shared store (a name) the worker mounts, None: none. A block on the `shared` tier published by
+        any worker mounting a store is credited to every worker mounting the same store (issue 44: Dynamo's
+        shared-cache credit, llm-d's file-system connector): they can all load it."""
+        if store:
+            self._store_of[worker_id] = store
+            w = self._worker(worker_id)
+            self._slot(w, 0, w.block_size)  # a member that never published must still be a candidate slot
+        else:
+            self._store_of.pop(worker_id, None)
+
+    def _expand_shared(self, mask: int, memo: dict[int, int]) -> int:
+        """A shared-tier block's holders widened to every slot (of the same block size) of the workers that
+        mount the same store as a holder; memoised per mask for one lookup."""
+        out = memo.get(mask)
+        if out is not None:
+            return out
+        out = mask
+        rest = mask
+        slots, store_of = self._slots, self._store_of
+        while rest:
+            b = rest.bit_length() - 1
+            rest ^= 1 << b
+            s = slots[b]
+            store = store_of.get(s.worker.id) if s is not None else None
+            if store is None:
+                continue
+            for wid, st in store_of.items():
+                w = self._workers.get(wid)
+                if st == store and w is not None:
+                    for sl in w.slots.values():
+                        if sl.block_size == s.block_size:  # type: ignore[union-attr]
+                            out |= sl.bit
+        memo[mask] = out
+        return out
+
     def has_tiers(self) -> bool:
         """Whether any worker holds a block off the GPU now (else a tiered lookup equals `overlap`)."""
         return self._n_tier > 0
@@ -730,6 +767,8 @@ class KvIndex:
         blocks = self._blocks
         pred = self._pred if predicted and self._n_pred else None
         tmaps = [(TIER_BIT[t], m) for t, m in self._tier_blocks.items() if m]
+        shared_bit = TIER_BIT[TIER_SHARED] if self._store_of else 0
+        memo: dict[int, int] = {}
         segs: list[tuple[int, tuple[int, ...]]] = []
         prev: tuple[int, ...] | None = None
         run = 0
@@ -741,8 +780,11 @@ class KvIndex:
             g &= alive
             held = g
             sig = [g]
-            for _, m in tmaps:
-                x = m.get(h, 0) & alive
+            for tbit, m in tmaps:
+                x = m.get(h, 0)
+                if x and tbit == shared_bit:
+                    x = self._expand_shared(x, memo)
+                x &= alive
                 sig.append(x)
                 held |= x
             if not held:

@@ -44,6 +44,27 @@ MEDIUM_TIERS: dict[str, str] = {
 }
 
 
+def parse_shared_stores(spec: str | None) -> dict[str, str]:
+    """`--kv-shared-stores` (`store=addr,addr;other=addr`) -> worker address -> the store it mounts. Raises
+    ValueError naming what is wrong (a worker in two stores, an empty name)."""
+    out: dict[str, str] = {}
+    for part in (spec or "").split(";"):
+        part = part.strip()
+        if not part:
+            continue
+        name, sep, members = part.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise ValueError(f"{part!r}: expected store=address[,address...]")
+        for addr in (a.strip() for a in members.split(",")):
+            if not addr:
+                continue
+            if out.get(addr, name) != name:
+                raise ValueError(f"{addr} mounts two shared stores: {out[addr]} and {name}")
+            out[addr] = name
+    return out
+
+
 def medium_tier(medium: str) -> str:
     """An event's `medium` (case-folded) as a tier name; an unknown spelling is `unknown`, never dropped."""
     return MEDIUM_TIERS.get(medium.upper(), TIER_UNKNOWN)

@@ -221,6 +221,12 @@ class KvRouting:
                         res[w] = n
         return res
 
+    def set_shared_stores(self, stores: dict[str, str]) -> None:
+        """Which shared store each worker address mounts (`--kv-shared-stores`): a block one of them publishes
+        on the shared tier is credited to all of them (issue 44)."""
+        for address, store in stores.items():
+            self.index.set_shared_store(address, store)
+
     def has_tiers(self) -> bool:
         """Whether any worker holds a block off the GPU now (issue 44; `tiers` is then worth asking)."""
         return self.index.has_tiers()

@@ -165,3 +165,32 @@ def test_a_tier_map_is_capped_like_the_gpu_map():
     for i in range(6):
         store(idx, "w", [100 + i], toks(1, start=1 + 10 * i), medium="CPU")
     assert idx.tier_blocks("w")["cpu"] <= 4
+
+
+def test_a_shared_tier_block_is_credited_to_every_worker_mounting_the_store(idx):
+    idx.set_shared_store("a", "pool")
+    idx.set_shared_store("b", "pool")
+    store(idx, "a", [11, 12], toks(2), medium="EXTERNAL")
+    store(idx, "c", [99], toks(1, start=500))  # c mounts nothing
+    assert idx.overlap_tiers(chain(2), BS) == {"a": ((SHARED, 2),), "b": ((SHARED, 2),)}
+
+
+def test_without_a_configured_store_a_shared_block_is_the_publishers_alone(idx):
+    store(idx, "a", [11], toks(1), medium="SHARED_STORAGE")
+    store(idx, "b", [99], toks(1, start=500))
+    assert idx.overlap_tiers(chain(1), BS) == {"a": ((SHARED, 1),)}
+
+
+def test_host_blocks_are_never_shared_with_the_store(idx):
+    idx.set_shared_store("a", "pool")
+    idx.set_shared_store("b", "pool")
+    store(idx, "a", [11], toks(1), medium="CPU")
+    assert idx.overlap_tiers(chain(1), BS) == {"a": ((CPU, 1),)}
+
+
+def test_shared_stores_parse_and_refuse_a_worker_in_two():
+    from kvindex.tiers import parse_shared_stores
+
+    assert parse_shared_stores("p=a:1,b:2; q=c:3") == {"a:1": "p", "b:2": "p", "c:3": "q"}
+    with pytest.raises(ValueError, match="two shared stores"):
+        parse_shared_stores("p=a:1;q=a:1")

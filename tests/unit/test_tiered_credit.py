@@ -287,3 +287,14 @@ async def test_a_gpu_only_pool_decides_exactly_as_without_the_flag() -> None:
     random.seed(5)
     on = await scripted(*pipeline(True), seed=2)
     assert on == off
+
+
+def test_start_up_says_vllm_needs_self_describing_events() -> None:
+    spec = spec_from_config(Config(tiered_credit=True))
+    (note,) = [n for n in spec.notes if n.entry == "tiered_credit"]
+    assert "self_describing_kv_events" in note.detail and "hostWeight=0.8" in note.detail
+
+
+def test_a_bad_shared_store_spec_stops_start_up_naming_the_flag() -> None:
+    with pytest.raises(ValueError, match="--kv-shared-stores"):
+        Config(kv_shared_stores="p=a:1;q=a:1").validate()
