@@ -1,6 +1,7 @@
 """Issue 44's budget check: a GPU-only pool's memory per entry, ingest and lookup cost with tiers in the index,
 against the index before tiers (a base commit), in the same run on the same events; plus what an off-GPU
-tier entry costs.
+tier entry costs; and the request path (a whole proposal: render answer, table, plugins, pick) of a GPU-only
+pool with `--tiered-credit` on against off, best of five rounds each.
 
 Run ``python -m bench.bench_kvindex_tiers [--base be9a7ee] [--blocks 200000] [--out PATH]``. The base commit's
 ``kvindex`` is extracted with ``git archive`` into a temporary directory and measured in a child process with
@@ -64,6 +65,69 @@ print(json.dumps({"entries": N, "bytes_per_entry": cur / N, "ingest_blocks_per_s
 '''
 
 
+PATH_CHILD = r'''
+import asyncio, json, random, sys, time
+from epp_extproc.adapters.kv_routing import KvRouting
+from epp_extproc.config import Config
+from epp_extproc.core.assemble import assemble
+from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
+from epp_extproc.core.load import LoadTracker
+from epp_extproc.core.render import Rendered
+from epp_extproc.core.request import RequestContext
+from epp_extproc.dev.kvwire import pack_batch, stored_event
+from epp_extproc.metrics import PickerMetrics
+from kvindex.decode import decode_payload
+BS, W, ROUNDS = 32, 16, int(sys.argv[1])
+class R:
+    protocol = "trtllm-render"
+    tokens: list = []
+    async def render(self, kind, body, *, count=True):
+        return Rendered(list(self.tokens))
+async def run(tiered):
+    reg = EndpointRegistry()
+    reg.replace([Endpoint(f"w{i}", f"10.0.0.{i}:8000") for i in range(W)])
+    m = PickerMetrics()
+    kv = KvRouting(reg, block_size=BS, max_blocks_per_worker=10**6, topic="", prediction_ttl_s=0.0,
+                   metrics_registry=None, ask_server_info=False)
+    rng = random.Random(1)
+    prompts = [list(range(p * 100_000, p * 100_000 + 64 * BS)) for p in range(64)]
+    for p, toks in enumerate(prompts):
+        kv.index.apply_batch(f"10.0.0.{p % W}:8000", decode_payload(pack_batch([stored_event(
+            [p * 1000 + k for k in range(48)], None, toks[:48 * BS], BS)])))
+    r = R()
+    cfg = Config(tokenizer_protocol="trtllm-render", tokenizer_service_url="http://127.0.0.1:1", tiered_credit=tiered)
+    d = assemble(cfg, reg, LoadTracker(m.endpoint_inflight), m, renderer=r, kv=kv).director
+    ctx = lambda: RequestContext(method="POST", path="/v1/chat/completions", headers={},
+                                 body=b'{"model":"m","messages":[{"role":"user","content":"hi"}]}')
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for i in range(ROUNDS):
+            r.tokens = prompts[rng.randrange(64)] + [7]
+            await d.propose(ctx())
+        best = min(best, (time.perf_counter() - t0) / ROUNDS)
+    return best * 1e6
+offs, ons = [], []
+for _ in range(3):  # interleaved, best of each: the machine is shared
+    offs.append(asyncio.run(run(False)))
+    ons.append(asyncio.run(run(True)))
+# the only work the flag adds to a GPU-only pool's decision: the preparer's early return (x2 profiles at most)
+import timeit
+from epp_extproc.core.scheduling.table import CandidateTable, SchedulingRequest
+from epp_extproc.core.scheduling.tiered_credit_scorer import DEFAULT_WEIGHTS, TieredCreditScorer
+reg = EndpointRegistry()
+kv = KvRouting(reg, block_size=BS, max_blocks_per_worker=10, topic="", prediction_ttl_s=0.0, metrics_registry=None,
+               ask_server_info=False)
+sc = TieredCreditScorer(kv, DEFAULT_WEIGHTS)
+req = SchedulingRequest(RequestContext(method="POST", path="/"), prompt=kv.prompt([1, 2, 3]))
+tab = CandidateTable(["a"] * W, [None] * W)
+n = 200_000
+prep = min(timeit.repeat(lambda: sc.prepare(req, tab), number=n, repeat=5)) / n * 1e6
+print(json.dumps({"propose_us_flag_off": min(offs), "propose_us_flag_on_gpu_only": min(ons),
+                  "prepare_us_gpu_only": prep}))
+'''
+
+
 def _measure(path: Path, blocks: int, medium: str) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(path), str(ROOT)])}
     out = subprocess.run([sys.executable, "-c", CHILD, str(blocks), medium], env=env, check=True,
@@ -84,8 +148,13 @@ def main() -> None:
         base = _measure(Path(tmp), a.blocks, "GPU")
     now = _measure(ROOT, a.blocks, "GPU")
     cpu = _measure(ROOT, a.blocks, "CPU")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    path = json.loads(subprocess.run([sys.executable, "-c", PATH_CHILD, "400"], env=env, check=True,
+                                     capture_output=True, text=True, cwd=str(ROOT)).stdout.strip().splitlines()[-1])
+    path["ratio_on_vs_off"] = round(path["propose_us_flag_on_gpu_only"] / path["propose_us_flag_off"], 4)
+    path["prepare_share_of_propose"] = round(2 * path["prepare_us_gpu_only"] / path["propose_us_flag_off"], 5)
     doc = {"base_commit": a.base, "blocks": a.blocks, "gpu_only_base": base, "gpu_only_now": now,
-           "cpu_tier_now": cpu,
+           "cpu_tier_now": cpu, "request_path_gpu_only_pool": path,
            "gpu_only_bytes_per_entry_ratio": round(now["bytes_per_entry"] / base["bytes_per_entry"], 4)}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(doc, indent=2) + "\n")
