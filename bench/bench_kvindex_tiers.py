@@ -83,7 +83,7 @@ class R:
     tokens: list = []
     async def render(self, kind, body, *, count=True):
         return Rendered(list(self.tokens))
-async def run(tiered):
+async def run(tiered, count_calls=False):
     reg = EndpointRegistry()
     reg.replace([Endpoint(f"w{i}", f"10.0.0.{i}:8000") for i in range(W)])
     m = PickerMetrics()
@@ -99,6 +99,19 @@ async def run(tiered):
     d = assemble(cfg, reg, LoadTracker(m.endpoint_inflight), m, renderer=r, kv=kv).director
     ctx = lambda: RequestContext(method="POST", path="/v1/chat/completions", headers={},
                                  body=b'{"model":"m","messages":[{"role":"user","content":"hi"}]}')
+    if count_calls:  # Python-level calls per decision: the work, free of the shared machine's noise
+        calls = [0]
+        def prof(frame, event, arg):
+            if event in ("call", "c_call"):
+                calls[0] += 1
+        r.tokens = prompts[0] + [7]
+        await d.propose(ctx())
+        sys.setprofile(prof)
+        for i in range(50):
+            r.tokens = prompts[i % 64] + [7]
+            await d.propose(ctx())
+        sys.setprofile(None)
+        return calls[0] / 50
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()
@@ -124,7 +137,8 @@ tab = CandidateTable(["a"] * W, [None] * W)
 n = 200_000
 prep = min(timeit.repeat(lambda: sc.prepare(req, tab), number=n, repeat=5)) / n * 1e6
 print(json.dumps({"propose_us_flag_off": min(offs), "propose_us_flag_on_gpu_only": min(ons),
-                  "prepare_us_gpu_only": prep}))
+                  "prepare_us_gpu_only": prep, "calls_per_propose_flag_off": asyncio.run(run(False, True)),
+                  "calls_per_propose_flag_on_gpu_only": asyncio.run(run(True, True))}))
 '''
 
 
@@ -165,6 +179,8 @@ def main() -> None:
                                      capture_output=True, text=True, cwd=str(ROOT)).stdout.strip().splitlines()[-1])
     path["ratio_on_vs_off"] = round(path["propose_us_flag_on_gpu_only"] / path["propose_us_flag_off"], 4)
     path["prepare_share_of_propose"] = round(2 * path["prepare_us_gpu_only"] / path["propose_us_flag_off"], 5)
+    path["calls_ratio_on_vs_off"] = round(path["calls_per_propose_flag_on_gpu_only"]
+                                          / path["calls_per_propose_flag_off"], 4)
     doc = {"base_commit": a.base, "blocks": a.blocks, "gpu_only_base": base, "gpu_only_now": now,
            "cpu_tier_now": cpu, "request_path_gpu_only_pool": path,
            "gpu_only_bytes_per_entry_ratio": round(now["bytes_per_entry"] / base["bytes_per_entry"], 4)}
