@@ -592,8 +592,10 @@ class KvIndex:
         tiers = slot.tiers
         if tiers is None:
             tiers = slot.tiers = {}
-            self._warn_once(w, "tiers", "worker %s holds KV blocks off the GPU (%s): they are credited only with "
-                            "--tiered-credit (or a tier weight set); /debug/kv shows its blocks per tier", w.id, tier)
+            if "tiers" not in w.warned:  # once per worker, informational: tiers are normal, not a fault
+                w.warned.add("tiers")
+                log.info("worker %s holds KV blocks off the GPU (%s): indexed per tier (/debug/kv blocks_by_tier), "
+                         "credited with --tiered-credit", w.id, tier)
         tm = tiers.get(tier)
         if tm is None:
             tm = tiers[tier] = _TierMap()

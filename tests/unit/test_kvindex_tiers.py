@@ -194,3 +194,14 @@ def test_shared_stores_parse_and_refuse_a_worker_in_two():
     assert parse_shared_stores("p=a:1,b:2; q=c:3") == {"a:1": "p", "b:2": "p", "c:3": "q"}
     with pytest.raises(ValueError, match="two shared stores"):
         parse_shared_stores("p=a:1;q=a:1")
+
+
+def test_debug_kv_says_why_placeholder_offload_events_earn_nothing(idx):
+    idx.apply_batch("w", batch(stored_event([99], None, [], 0, medium="CPU")))
+    assert "self_describing_kv_events" in idx.snapshot()["workers"]["w"]["tier_note"]
+
+
+def test_placeholder_offload_events_are_warned_about_once(idx, caplog):
+    for _ in range(3):
+        idx.apply_batch("w", batch(stored_event([99], None, [], 0, medium="CPU")))
+    assert sum("self_describing_kv_events" in r.getMessage() for r in caplog.records) == 1
