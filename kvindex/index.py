@@ -603,10 +603,17 @@ class KvIndex:
         if ev.mm is not None:
             ours = chain_hashes_with_keys(ev.token_ids, bs, seed, ev.mm)
         else:
+            # vLLM's self-describing offload events do not carry `extra_keys` yet ("Deferred", vllm-project/vllm
+            # 896c8e6e .../offloading/events.py `_OffloadEventMetadata`): a salted (or LoRA-by-extra-key) root
+            # chunk would be keyed as unsalted. The engine hash names the same block on every tier, so a block
+            # whose GPU store was seen (with its keys) takes that key, and the chain continues from it.
+            gpu = slot.engine
             ours = []
             h = seed
-            for (chunk,) in block_chunks(ev.token_ids, len(ev.block_hashes), bs):
-                h = _xxh3(chunk, h)
+            for eh, (chunk,) in zip(ev.block_hashes, block_chunks(ev.token_ids, len(ev.block_hashes), bs),
+                                    strict=True):
+                known = gpu.get(eh)
+                h = known if known is not None else _xxh3(chunk, h)
                 ours.append(h)
         engine, refs, mine = tm.engine, tm.refs, tm.ours
         tb = self._tier_blocks.get(tier)

@@ -205,3 +205,12 @@ def test_placeholder_offload_events_are_warned_about_once(idx, caplog):
     for _ in range(3):
         idx.apply_batch("w", batch(stored_event([99], None, [], 0, medium="CPU")))
     assert sum("self_describing_kv_events" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_an_offloaded_salted_block_keeps_the_salt_its_gpu_store_carried(idx):
+    # vLLM's self-describing offload events carry no extra_keys: the salt is only in the GPU event
+    idx.apply_batch("w", batch(stored_event([11, 12], None, toks(2), BS, extra_keys=[["tenant"], None])))
+    store(idx, "w", [11, 12], toks(2), medium="CPU")
+    salted = block_hashes(toks(2), BS, salt="tenant")
+    assert idx.overlap_tiers(salted, BS) == {"w": ((GPU | CPU, 2),)}
+    assert idx.overlap_tiers(chain(2), BS) == {}
