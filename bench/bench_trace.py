@@ -594,6 +594,12 @@ def run_capacity(plan: Plan, configs: Sequence[str], wl: Workload, cap: str, wor
                             "working_set_over_pool": wl.working_set / pool,
                             "oracle": T.oracle(wl.prompts, workers=plan.workers, capacity=blocks, bs=BS),
                             "clairvoyant": []}
+    if plan.host_tier > 0:  # issue 44: the pooled LRU bound over GPU + host blocks (it knows both tiers)
+        host = math.ceil(blocks * plan.host_tier)
+        info["host_blocks_per_worker"] = host
+        info["oracle_gpu_and_host"] = T.oracle(wl.prompts, workers=plan.workers, capacity=blocks + host, bs=BS)
+        print(f"capacity {cap}: + {host} host blocks per worker; pooled LRU of GPU + host "
+              f"{info['oracle_gpu_and_host']['pooled_lru']:.3f}", flush=True)
     base_rate = T.offered_rate(wl.rows, 1.0)
     runs: list[dict[str, Any]] = []
     print(f"capacity {cap}: {blocks} blocks per worker, working set {wl.working_set} = "
