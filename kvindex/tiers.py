@@ -18,8 +18,11 @@ The spellings, as read at the engines' sources (the source wins over the issue's
     SGLang's `StorageMedium` as Dynamo's router cites it; earlier releases `CPU_TIER1` (host, "L2") and
     `CPU_TIER2` (storage, "L3"). NOT verified at an SGLang commit here: the stored copies of
     python/sglang/srt/disaggregation/kv_events.py (sgl-project/sglang 612d5790, 006d053f) predate the field.
-  * llm-d's file-system connector: `SHARED_STORAGE` / `OBJECT_STORE` (issue 44's text; not verified at a
-    commit here).
+  * llm-d's file-system connector: `SHARED_STORAGE` / `OBJECT_STORE` (llm-d/llm-d-kv-cache 7be76e11
+    kv_connectors/llmd_fs_backend/llmd_fs_backend/event_publisher.py `StorageMedium`), on its own PUB socket
+    with topic `kv@<medium>@<model>`. Its events carry hashes only (parent 0, no tokens, block_size 0) and
+    come pre-packed: the batch's events are msgpack bin blobs, each a positional event. Neither is read yet
+    (no second subscription, no hash-only store): the mapping is here for when they are.
   * TensorRT-LLM: its native translator emits only a removal at the old medium when a block moves to host
     memory, and its streaming sink always says GPU: its stream is credited as GPU exactly as before.
 Anything else is kept as tier `unknown`, counted (`unknown_medium`) and credited by a configurable weight.
