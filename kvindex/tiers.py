@@ -20,7 +20,8 @@ The spellings, as read at the engines' sources (the source wins over the issue's
     python/sglang/srt/disaggregation/kv_events.py (sgl-project/sglang 612d5790, 006d053f) predate the field.
   * llm-d's file-system connector: `SHARED_STORAGE` / `OBJECT_STORE` (llm-d/llm-d-kv-cache 7be76e11
     kv_connectors/llmd_fs_backend/llmd_fs_backend/event_publisher.py `StorageMedium`), on its own PUB socket
-    with topic `kv@<medium>@<model>`. Its events carry hashes only (parent 0, no tokens, block_size 0) and
+    with topic `kv@<medium>@<model>`. Its events carry hashes only, one per offload chunk (manager.py
+    `_publish_blocks_stored`: each OffloadKey's hash; parent 0, no tokens, block_size 0) and
     come pre-packed: the batch's events are msgpack bin blobs, each a positional event. Neither is read yet
     (no second subscription, no hash-only store): the mapping is here for when they are.
   * TensorRT-LLM: its native translator emits only a removal at the old medium when a block moves to host
