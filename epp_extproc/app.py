@@ -164,6 +164,8 @@ class PickerApp:
         for n in spec.notes:
             if n.status == "warning":
                 log.warning("%s: %s", n.entry, n.detail)
+            elif n.entry == "tiered_credit":  # what tier credit needs of the engines (issue 44)
+                log.info("%s: %s", n.entry, n.detail)
 
     def _kv_usage(self, address: str) -> float | None:
         """A worker's KV usage gauge from a fresh scrape (the eviction scorer's pinned blocks), else None."""

@@ -144,6 +144,36 @@ class KvRouting:
                         res[w] = n
         return res
 
+    def set_shared_stores(self, stores: dict[str, str]) -> None:
+        """Which shared store each worker address mounts (`--kv-shared-stores`): a block one of them publishes
+        on the shared tier is credited to all of them (issue 44)."""
+        for address, store in stores.items():
+            self.index.set_shared_store(address, store)
+
+    def has_tiers(self) -> bool:
+        """Whether any worker holds a block off the GPU now (issue 44; `tiers` is then worth asking)."""
+        return self.index.has_tiers()
+
+    def tiers(self, prompt: Prompt, workers: Sequence[str], *,
+              predicted: bool = True) -> dict[str, tuple[tuple[int, int], ...]]:
+        """Per candidate, its leading blocks of `prompt` at any tier as runs `(tier code, blocks)`
+        (`KvIndex.overlap_tiers`), grouped by block size and media dialect as `overlap` is; a worker's answer
+        is its longest over the groups."""
+        groups: dict[str | None, list[str]] = {None: list(workers)}
+        if prompt.media:
+            groups = {}
+            for w in workers:
+                groups.setdefault(self.dialect(w), []).append(w)
+        res: dict[str, tuple[tuple[int, int], ...]] = {}
+        for size in self.index.block_sizes():
+            for dialect, ws in groups.items():
+                hashes = prompt.hashes(size, dialect) if prompt.media else prompt.hashes(size)
+                for w, runs in self.index.overlap_tiers(hashes, size, ws, predicted=predicted).items():
+                    old = res.get(w)
+                    if old is None or sum(n for _, n in runs) > sum(n for _, n in old):
+                        res[w] = runs
+        return res
+
     def credit(self, prompt: Prompt, workers: Sequence[str]) -> dict[str, Credit]:
         """`overlap` split into what the workers' events confirmed and what only predictions add."""
         return split_credit(self.overlap(prompt, workers), self.overlap(prompt, workers, predicted=False))

@@ -15,6 +15,7 @@ from epp_extproc.core.scheduling.table import CandidateTable
 
 TIME_NOTE = "predicted-time-scorer"
 EVICTION_NOTE = "eviction-scorer"
+TIER_NOTE = "tiered-credit"
 
 
 class DebugView:
@@ -54,9 +55,13 @@ class DebugView:
         credit = kv.credit(p.plan.prompt, list(table.addresses)) \
             if kv is not None and p.plan.prompt is not None else None
         figures: list[EvictionFigures] | None = table.notes.get(EVICTION_NOTE)
+        tiered = table.notes.get(TIER_NOTE)
         for i, w in enumerate(workers):
             if figures is not None:  # --eviction-aware: the figures behind its discount and penalty
                 w["eviction"] = figures[i].explain()
+            if tiered is not None:  # --tiered-credit, once a tier was seen: blocks credited per tier
+                note = tiered[i]
+                w["tiered_credit"] = note.explain() if note is not None else None
             address = str(w["address"])
             if credit is not None:  # where each worker's overlap comes from: its events, or predictions
                 c = credit.get(address)

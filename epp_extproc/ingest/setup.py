@@ -21,6 +21,7 @@ from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.load import BookingListener
 from epp_extproc.core.scheduling.eviction_scorer import ChurnView
 from epp_extproc.ingest.launcher import IngestGroup, shard_argv
+from kvindex.tiers import parse_shared_stores
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +80,12 @@ def build_kv(config: Config, slot: ProcessSlot, registry: EndpointRegistry,
     Under `--processes` the supervisor runs the shards (`slot.ingest_dir`); a lone picker runs its own in a
     private directory it removes at exit."""
     if config.kv_ingest != "apart":
-        return (KvRouting(registry, block_size=config.kv_cache_block_size,
-                          max_blocks_per_worker=config.max_index_blocks_per_worker, topic=config.kv_event_topic,
-                          prediction_ttl_s=config.prediction_ttl_s, metrics_registry=metrics_registry), None, None)
+        kv = KvRouting(registry, block_size=config.kv_cache_block_size,
+                       max_blocks_per_worker=config.max_index_blocks_per_worker, topic=config.kv_event_topic,
+                       prediction_ttl_s=config.prediction_ttl_s, metrics_registry=metrics_registry)
+        if config.kv_shared_stores:  # issue 44: shared-tier blocks credited to every worker of the store
+            kv.set_shared_stores(parse_shared_stores(config.kv_shared_stores))
+        return kv, None, None
     group = None
     own_dir = None
     directory = slot.ingest_dir

@@ -73,4 +73,5 @@ def build(spec: SchedulingSpec, deps: SchedulingDeps, *, sessions: SessionTokens
     timed = [s for s, _ in primary.scorers if isinstance(s, PredictedTimeScorer)]
     if timed:
         hooks.append(TimeObservationHook(timed[0], deps.metrics))
+    hooks.extend(s for s, _ in primary.scorers if callable(getattr(s, "committed", None)))  # e.g. tiered-credit
     return Built(handler, tuple(hooks), "time" if timed else "blocks", source)
