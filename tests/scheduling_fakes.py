@@ -183,7 +183,7 @@ def apply_eviction(scorer: EvictionScorer, rows: Sequence[Row]) -> None:
     req = SchedulingRequest(RequestContext("POST", "/v1/chat/completions"), prompt=())  # type: ignore[arg-type]
     scorer.prepare(req, t)
     penalties = scorer.score(req, t)
-    for r, f, pen in zip(rows, t.notes[scorer.name], penalties, strict=True):
+    for r, f, pen in zip(rows, t.notes[scorer.note], penalties, strict=True):
         r.overlap_discount, r.eviction_penalty, r.eviction = f.discount, pen, f
 
 

@@ -10,12 +10,9 @@ from epp_extproc.core.contract import KvLookup
 from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.forward import Forwarder
 from epp_extproc.core.proposal import Proposal
-from epp_extproc.core.scheduling.eviction_scorer import EvictionFigures
 from epp_extproc.core.scheduling.table import CandidateTable
 
-TIME_NOTE = "predicted-time-scorer"
-EVICTION_NOTE = "eviction-scorer"
-TIER_NOTE = "tiered-credit"
+TIME_NOTE = "predicted-time-scorer"  # flattened into each row as predicted_ttft_ms / predicted_tpot_ms
 
 
 class DebugView:
@@ -54,14 +51,13 @@ class DebugView:
         kv = self.kv
         credit = kv.credit(p.plan.prompt, list(table.addresses)) \
             if kv is not None and p.plan.prompt is not None else None
-        figures: list[EvictionFigures] | None = table.notes.get(EVICTION_NOTE)
-        tiered = table.notes.get(TIER_NOTE)
+        # each plugin's per-row note under its own key (eviction figures, credit per tier, ...): a new plugin
+        # is explained here without an edit
+        notes = [(key, col) for key, col in table.notes.items() if key != TIME_NOTE]
         for i, w in enumerate(workers):
-            if figures is not None:  # --eviction-aware: the figures behind its discount and penalty
-                w["eviction"] = figures[i].explain()
-            if tiered is not None:  # --tiered-credit, once a tier was seen: blocks credited per tier
-                note = tiered[i]
-                w["tiered_credit"] = note.explain() if note is not None else None
+            for key, col in notes:
+                note = col[i]
+                w[key] = note.explain() if note is not None else None
             address = str(w["address"])
             if credit is not None:  # where each worker's overlap comes from: its events, or predictions
                 c = credit.get(address)

@@ -61,12 +61,12 @@ def test_each_position_is_credited_once_at_its_best_tier() -> None:
     s = TieredCreditScorer(View({A: [(GPU | CPU | DISK, 2), (CPU | DISK, 2)]}), DEFAULT_WEIGHTS)
     t = prepared(s, [Row(A, overlap_blocks=2)])
     assert t.credited[0] == pytest.approx(2 * 1.0 + 2 * 0.8)
-    assert t.notes["tiered-credit"][0].blocks == {"gpu": 2, "cpu": 2}
+    assert t.notes["tiered_credit"][0].blocks == {"gpu": 2, "cpu": 2}
 
 
 def test_the_best_tier_follows_the_weights_not_a_fixed_order() -> None:
     s = TieredCreditScorer(View({A: [(CPU | DISK, 1)]}), {**DEFAULT_WEIGHTS, "disk": 0.9})
-    assert prepared(s, [Row(A)]).notes["tiered-credit"][0].blocks == {"disk": 1}
+    assert prepared(s, [Row(A)]).notes["tiered_credit"][0].blocks == {"disk": 1}
 
 
 def test_a_gpu_only_pool_is_left_untouched() -> None:

@@ -94,6 +94,7 @@ class TieredCreditScorer(NoScore):
     """Adjusts `credited` in `prepare`; scores nothing itself (the block cost prices the column)."""
 
     name = NAME
+    note = "tiered_credit"  # its per-row credit, under this key in the table's notes and each `/debug/score` row
 
     def __init__(self, view: TierView, weights: Mapping[str, float], counter: Counter | None = None) -> None:
         self._view = view
@@ -131,7 +132,7 @@ class TieredCreditScorer(NoScore):
             added = total - overlap[i]
             credited[i] += added
             notes.append(TierCredit(blocks, total, added))
-        table.notes[self.name] = notes
+        table.notes[self.note] = notes
 
     def score(self, req: SchedulingRequest, table: CandidateTable) -> list[float]:
         return [0.0] * len(table)
@@ -139,7 +140,7 @@ class TieredCreditScorer(NoScore):
     def committed(self, p: Proposal, booking: BookingHandle) -> None:
         """Commit hook (build.py adds a scorer that has one): count the chosen worker's blocks per tier."""
         r = p.primary
-        notes = r.table.notes.get(self.name)
+        notes = r.table.notes.get(self.note)
         if notes is None or self._counter is None:
             return None
         note = notes[r.chosen]
