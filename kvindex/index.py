@@ -186,6 +186,10 @@ class KvIndex:
         self._numbers: list[str] = []  # worker number -> id ("" = a freed number)
         self._free_numbers: list[int] = []
         self._groups: dict[int, int] | None = None
+        # changes whenever a worker, a slot or a block size does: what a caller's cached per-worker arrays
+        # (block sizes, worker numbers, the allowed mask of a tuple of workers) are keyed on
+        self.generation = 0
+        self._allowed_memo: tuple[Sequence[str], int, int] | None = None
         if registry is not None:
             register_index(self, registry)
 
@@ -206,6 +210,7 @@ class KvIndex:
             w = _Worker(worker_id, self.default_block_size, self.max_blocks_per_worker, self.max_ranks_per_worker,
                         number)
             self._workers[worker_id] = w
+            self.generation += 1
         return w
 
     def _slot(self, w: _Worker, rank: int, block_size: int) -> _Slot:
@@ -223,6 +228,7 @@ class KvIndex:
             self._slot_numbers[idx] = w.number
             w.slots[key] = s
             self._groups = None
+            self.generation += 1
         return s
 
     def _pred_bit(self, w: _Worker) -> int:
@@ -249,6 +255,7 @@ class KvIndex:
         self._numbers[w.number] = ""
         heapq.heappush(self._free_numbers, w.number)
         self._groups = None
+        self.generation += 1
 
     def clear_worker(self, worker_id: str, rank: int | None = None) -> None:
         """Drop a worker's blocks (all ranks, or one rank's) and, unless only a rank > 0 lost state, its
@@ -357,6 +364,7 @@ class KvIndex:
             w.block_size = n
             self._slot(w, 0, n)
             self._groups = None
+            self.generation += 1
 
     def _event_block_size(self, w: _Worker, slot_count: int, n: int) -> bool:
         """A BlockStored in size ``n`` != the worker's: adopt it while the size is only the default, else index
@@ -751,8 +759,14 @@ class KvIndex:
 
     # ------------------------------------------------------------------- lookup
     def _allowed(self, workers: Iterable[str] | None) -> int:
+        """The slot bits of `workers` (-1: all). A tuple's answer is kept until `generation` changes: every
+        decision over the whole pool passes the registry's same tuple, and a thousand workers cost 0.2 ms to
+        walk again."""
         if workers is None:
             return -1
+        memo = self._allowed_memo
+        if memo is not None and memo[0] is workers and memo[1] == self.generation:
+            return memo[2]
         allowed = 0
         get = self._workers.get
         for wid in workers:
@@ -760,6 +774,8 @@ class KvIndex:
             if w is not None:
                 for sl in w.slots.values():
                     allowed |= sl.bit
+        if isinstance(workers, tuple):
+            self._allowed_memo = (workers, self.generation, allowed)
         return allowed
 
     def _record(self, res: dict[str, int], drops: list[tuple[int, int]]) -> None:

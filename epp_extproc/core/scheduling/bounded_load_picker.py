@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from epp_extproc.core.scheduling.least_cost import least_cost
 from epp_extproc.core.scheduling.table import CandidateTable, SchedulingRequest
 
@@ -37,6 +39,8 @@ class BoundedLoadPicker:
 
     def pick(self, req: SchedulingRequest, table: CandidateTable, pool: Sequence[int]) -> int:
         t = self.temperature if req.temperature is None else req.temperature
+        if table.columnar:
+            return self._vector(table, pool, t)
         loads, pb, credited = table.loads, table.prompt_blocks, table.credited
         # the blocks of work a worker holds, as the bound weighs them: its bookings and its unbooked load
         held = [loads[i].decode_blocks + loads[i].unbooked_blocks for i in pool]
@@ -53,3 +57,21 @@ class BoundedLoadPicker:
                 elif effective == best and best > 0:
                     ties.append(i)
         return least_cost(table.cost, pool if best <= 0 else ties, t, self.rng)
+
+    def _vector(self, table: CandidateTable, pool: Sequence[int], t: float) -> int:
+        """The loop above over a columnar table, in the same order of operations, so the same row is drawn from
+        the same random stream: `held` elementwise; its sum by Python's `sum` over the same floats (NumPy's
+        adds pairwise and may differ in the last bit, and Python 3.12's `sum` compensates: the list path's
+        own function keeps any version's rounding); the ties in pool order."""
+        assert table.decode_load is not None and table.unbooked_load is not None
+        rows = np.asarray(pool, np.intp)
+        held = table.decode_load[rows] + table.unbooked_load[rows]
+        ceiling = (1.0 + self.bound) * sum(held.tolist()) / len(rows)
+        pb = table.prompt_blocks[rows]
+        slack = np.where(pb > 1.0, pb, 1.0)
+        credited = table.credited[rows]
+        effective = np.where(held <= ceiling + slack, credited, 0.0)
+        best = float(effective.max())
+        if best <= 0:
+            return least_cost(table.cost, pool, t, self.rng)
+        return least_cost(table.cost, rows[effective == best], t, self.rng)

@@ -8,11 +8,15 @@ import math
 import random
 from collections.abc import Sequence
 
+import numpy as np
+
 
 def least_cost(cost: Sequence[float], pool: Sequence[int], temperature: float,
                rng: random.Random | None = None) -> int:
     """A row of `pool` (not empty): argmin of `cost` with ties at random, or sampled at `temperature`."""
     rng = rng or random  # type: ignore[assignment]
+    if isinstance(cost, np.ndarray):
+        return _vector(cost, pool, temperature, rng)
     if temperature <= 0 or len(pool) == 1:
         best = min(cost[i] for i in pool)
         ties = [i for i in pool if cost[i] == best]
@@ -23,3 +27,20 @@ def least_cost(cost: Sequence[float], pool: Sequence[int], temperature: float,
         return rng.choice(list(pool))
     weights = [math.exp(-(cost[i] - lo) / ((hi - lo) * temperature)) for i in pool]
     return rng.choices(list(pool), weights=weights, k=1)[0]
+
+
+def _vector(cost: np.ndarray, pool: Sequence[int], temperature: float, rng: random.Random) -> int:
+    """The same draw over a columnar table's cost array (issue 45), consuming the random stream exactly as
+    the loop does: `choice` over the same ties in pool order, `choices` over the same weights, which are
+    `math.exp` of the same elementwise figures (NumPy's `exp` may differ from libm's in the last bit, and the
+    draw compares the weights' running sum with a random number)."""
+    rows = np.asarray(pool, np.intp)
+    c = cost[rows]
+    if temperature <= 0 or len(rows) == 1:
+        ties = rows[c == c.min()]
+        return int(ties[0]) if len(ties) == 1 else int(rng.choice(ties.tolist()))
+    lo, hi = c.min(), c.max()
+    if hi == lo:
+        return rng.choice(rows.tolist())
+    x = -(c - lo) / ((hi - lo) * temperature)
+    return rng.choices(rows.tolist(), weights=list(map(math.exp, x.tolist())), k=1)[0]
