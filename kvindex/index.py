@@ -27,8 +27,11 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from functools import reduce
+from operator import or_
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
@@ -190,6 +193,7 @@ class KvIndex:
         # (block sizes, worker numbers, the allowed mask of a tuple of workers) are keyed on
         self.generation = 0
         self._allowed_memo: tuple[Sequence[str], int, int] | None = None
+        self._where_memo: tuple[Sequence[str], int, np.ndarray] | None = None
         if registry is not None:
             register_index(self, registry)
 
@@ -858,6 +862,48 @@ class KvIndex:
                 if k >= 0 and count > out[k]:
                     out[k] = count
 
+    def overlap_array(
+        self, hashes: Sequence[int], block_size: int, workers: Sequence[str], *, predicted: bool = True,
+    ) -> np.ndarray:
+        """:meth:`overlap_hashes` as one int64 array in the order of ``workers`` (0 for an unknown worker).
+
+        Why (issue 45): a decision over a thousand workers takes the answer as its overlap column. The walk is
+        the same; what it drops is spread onto slots with a few vector operations (:func:`_spread`) instead
+        of one interpreted step per dropped slot (0.1-0.3 ms at a thousand workers), and slots onto workers
+        through an index matrix kept until :attr:`generation` changes (for a tuple: the registry's same
+        tuple decision after decision)."""
+        if self._pred_heap:
+            self._expire(self._clock())
+        where = self._where(workers)
+        n = len(self._slots)
+        alive = self._group_masks().get(block_size, 0) & self._allowed(workers)
+        if not alive:
+            return np.zeros(len(workers), np.int64)
+        per_slot = np.zeros(n + 1, np.int64)  # the last entry: the padding of `where`, always 0
+        per_slot[:n] = _spread(self._walk(hashes, alive, predicted), n)
+        if where.shape[1] == 1:  # one slot per worker (one rank, one block size): a plain gather
+            return per_slot[where[:, 0]]
+        return per_slot[where].max(axis=1)  # a worker's figure is its best slot, as `_record` takes it
+
+    def _where(self, workers: Sequence[str]) -> np.ndarray:
+        """Per entry of ``workers``, its slots' indices, padded with ``len(self._slots)`` (a row of 0s)."""
+        memo = self._where_memo
+        if memo is not None and memo[0] is workers and memo[1] == self.generation:
+            return memo[2]
+        pad = len(self._slots)
+        get = self._workers.get
+        rows = []
+        for wid in workers:
+            w = get(wid)
+            rows.append([s.index for s in w.slots.values()] if w is not None else [])
+        width = max((len(r) for r in rows), default=0) or 1
+        where = np.full((len(rows), width), pad, np.intp)
+        for i, r in enumerate(rows):
+            where[i, :len(r)] = r
+        if isinstance(workers, tuple):
+            self._where_memo = (workers, self.generation, where)
+        return where
+
     def _walk(self, hashes: Iterable[int], alive: int, predicted: bool = True) -> list[tuple[int, int]]:
         """The one mask walk: AND each block's holders (real or predicted) into ``alive``; for the slots that
         drop out, (how many leading blocks they held, their bits), in increasing count, zero counts left out;
@@ -950,6 +996,24 @@ def _per_rank(w: _Worker) -> dict[str, dict[str, int]]:
         d = out.setdefault(str(s.rank), {"blocks_indexed": 0})
         d["blocks_indexed"] += len(s.engine)
     return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
+def _spread(drops: list[tuple[int, int]], n: int) -> np.ndarray:
+    """Per slot index (``n`` of them), the count of the walk's drop its bit is in (0: none), as int64.
+
+    The drops' slot sets are disjoint, so a slot's count is the sum over bit planes: plane ``b`` is the
+    union of the drops whose count has bit ``b`` set. A plane is one OR per drop (Python ints, word-wise),
+    all planes are unpacked to bits in one call and weighed by 2^b in one product (float64: exact, counts
+    are far below 2^53): O(planes x drops) interpreted steps instead of O(slots)."""
+    if not drops:
+        return np.zeros(n, np.int64)
+    planes = drops[-1][0].bit_length()  # drops come in increasing count: the last is the largest
+    nbytes = (n + 7) // 8
+    buf = b"".join(reduce(or_, [d for c, d in drops if c >> b & 1], 0).to_bytes(nbytes, "little")
+                   for b in range(planes))
+    bits = np.unpackbits(np.frombuffer(buf, np.uint8), bitorder="little").reshape(planes, nbytes * 8)
+    weights = np.exp2(np.arange(planes, dtype=np.float64))
+    return (weights @ bits[:, :n].astype(np.float64)).astype(np.int64)
 
 
 def _chain(tokens: Sequence[int], nblocks: int, bs: int, seed: int) -> Iterator[int]:

@@ -234,19 +234,7 @@ class KvRouting:
         sizes = self.index.block_sizes()
         if len(sizes) != 1:
             return None
-        index = self.index
-
-        def numbers() -> np.ndarray:
-            # each worker's number in the index (`worker_numbers`); an unknown worker reads the spare last
-            # entry of the answer, which stays 0
-            known = {w: k for k, w in enumerate(index.worker_numbers()) if w}
-            spare = index.worker_count()
-            return np.fromiter((known.get(w, spare) for w in workers), np.intp, len(workers))
-
-        where = self._per_worker("numbers", workers, numbers)
-        out = [0] * (index.worker_count() + 1)
-        index.overlap_numbered(prompt.hashes(sizes[0]), sizes[0], out, workers)
-        return np.array(out, np.int64)[where]
+        return self.index.overlap_array(prompt.hashes(sizes[0]), sizes[0], workers)
 
     def _media_overlap(self, prompt: Prompt, workers: Sequence[str], predicted: bool) -> dict[str, int]:
         """Per (block size, engine dialect) group of candidates, one chain and one mask walk: a pool of one

@@ -26,6 +26,8 @@ from epp_extproc.core.scheduling.softmax_picker import SoftmaxPicker
 from epp_extproc.core.scheduling.table import EMPTY_LOAD, CandidateTable, SchedulingRequest
 from epp_extproc.dev.kvwire import pack_batch, stored_event
 from kvindex.decode import decode_payload
+from kvindex.hashing import block_hashes
+from kvindex.index import KvIndex, _spread
 from tests.golden_scheduling import GOLDEN, SCENARIOS, run
 
 
@@ -243,3 +245,45 @@ async def test_the_golden_decisions_replay_unchanged_on_columnar_tables(scenario
     recorded = json.loads(GOLDEN.read_text())[scenario.name]
     replayed = json.loads(json.dumps(await run(scenario)))
     assert replayed == recorded
+
+
+def test_spread_puts_each_drops_count_on_its_slots() -> None:
+    rng = random.Random(13)
+    for _ in range(200):
+        n = rng.randint(1, 1100)
+        slots = list(range(n))
+        rng.shuffle(slots)
+        cut = sorted(rng.sample(range(n + 1), min(n + 1, rng.randint(1, 40))))
+        counts = sorted(rng.sample(range(1, 5000), len(cut)))
+        drops, want = [], [0] * n
+        for (lo, hi), c in zip(zip(cut, cut[1:], strict=False), counts, strict=False):
+            mask = 0
+            for s in slots[lo:hi]:
+                mask |= 1 << s
+                want[s] = c
+            if mask:
+                drops.append((c, mask))
+        assert _spread(drops, n).tolist() == want
+
+
+def test_the_index_overlap_array_is_its_dict_with_ranks_and_block_sizes() -> None:
+    rng = random.Random(14)
+    index = KvIndex(32)
+    doc = [rng.randrange(100, 30000) for _ in range(32 * 30 + 1)]
+    workers = [f"w{i}" for i in range(150)]
+    for i, w in enumerate(workers):
+        for rank in range(rng.choice([1, 1, 2, 3])):
+            k = rng.randint(0, 30)
+            if k:
+                index.apply_batch(w, decode_payload(pack_batch([stored_event(
+                    [(i << 24) + (rank << 16) + j for j in range(k)], None, doc[:k * 32], 32)])), rank=rank)
+        if rng.random() < 0.1:
+            index.set_block_size(w, 16)  # a second slot in another size: never alive for the 32-token walk
+    if rng.random() < 0.5:
+        index.drop_worker(workers[3])
+    hashes = block_hashes(doc, 32)
+    assert len(set(index.overlap_hashes(hashes, 32).values())) > 10  # many distinct drops in the walk
+    for ws in (tuple(workers), workers[::3] + ["nobody"], ()):
+        for n_blocks in (0, 1, 7, len(hashes)):
+            d = index.overlap_hashes(hashes[:n_blocks], 32, ws)
+            assert index.overlap_array(hashes[:n_blocks], 32, ws).tolist() == [d.get(w, 0) for w in ws]

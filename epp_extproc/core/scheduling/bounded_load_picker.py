@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from epp_extproc.core.scheduling.least_cost import least_cost
+from epp_extproc.core.scheduling.least_cost import as_rows, least_cost
 from epp_extproc.core.scheduling.table import CandidateTable, SchedulingRequest
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class BoundedLoadPicker:
         adds pairwise and may differ in the last bit, and Python 3.12's `sum` compensates: the list path's
         own function keeps any version's rounding); the ties in pool order."""
         assert table.decode_load is not None and table.unbooked_load is not None
-        rows = np.asarray(pool, np.intp)
+        rows = as_rows(pool)
         held = table.decode_load[rows] + table.unbooked_load[rows]
         ceiling = (1.0 + self.bound) * sum(held.tolist()) / len(rows)
         pb = table.prompt_blocks[rows]

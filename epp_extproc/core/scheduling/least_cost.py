@@ -29,12 +29,19 @@ def least_cost(cost: Sequence[float], pool: Sequence[int], temperature: float,
     return rng.choices(list(pool), weights=weights, k=1)[0]
 
 
+def as_rows(pool: Sequence[int]) -> np.ndarray:
+    """`pool` as an index array (a `range`, the usual pool, without iterating it in Python: 30 us at 1,000)."""
+    if isinstance(pool, range):
+        return np.arange(pool.start, pool.stop, pool.step, dtype=np.intp)
+    return np.asarray(pool, np.intp)
+
+
 def _vector(cost: np.ndarray, pool: Sequence[int], temperature: float, rng: random.Random) -> int:
     """The same draw over a columnar table's cost array (issue 45), consuming the random stream exactly as
     the loop does: `choice` over the same ties in pool order, `choices` over the same weights, which are
     `math.exp` of the same elementwise figures (NumPy's `exp` may differ from libm's in the last bit, and the
     draw compares the weights' running sum with a random number)."""
-    rows = np.asarray(pool, np.intp)
+    rows = as_rows(pool)
     c = cost[rows]
     if temperature <= 0 or len(rows) == 1:
         ties = rows[c == c.min()]
