@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from epp_extproc.core.scheduling.least_cost import as_rows, least_cost
+from epp_extproc.core.scheduling.least_cost import as_rows, is_whole, least_cost
 from epp_extproc.core.scheduling.table import CandidateTable, SchedulingRequest
 
 if TYPE_CHECKING:
@@ -64,14 +64,18 @@ class BoundedLoadPicker:
         adds pairwise and may differ in the last bit, and Python 3.12's `sum` compensates: the list path's
         own function keeps any version's rounding); the ties in pool order."""
         assert table.decode_load is not None and table.unbooked_load is not None
-        rows = as_rows(pool)
-        held = table.decode_load[rows] + table.unbooked_load[rows]
-        ceiling = (1.0 + self.bound) * sum(held.tolist()) / len(rows)
-        pb = table.prompt_blocks[rows]
-        slack = np.where(pb > 1.0, pb, 1.0)
-        credited = table.credited[rows]
+        if is_whole(pool, len(table)):
+            held = table.decode_load + table.unbooked_load
+            pb, credited = table.prompt_blocks, table.credited
+        else:
+            rows = as_rows(pool)
+            held = table.decode_load[rows] + table.unbooked_load[rows]
+            pb, credited = table.prompt_blocks[rows], table.credited[rows]
+        ceiling = (1.0 + self.bound) * sum(held.tolist()) / len(held)
+        slack = np.maximum(pb, 1.0)  # `p if p > 1.0 else 1.0` (no NaN can arise)
         effective = np.where(held <= ceiling + slack, credited, 0.0)
         best = float(effective.max())
         if best <= 0:
             return least_cost(table.cost, pool, t, self.rng)
-        return least_cost(table.cost, rows[effective == best], t, self.rng)
+        ties = np.flatnonzero(effective == best)  # positions in the pool, in its order
+        return least_cost(table.cost, ties if is_whole(pool, len(table)) else as_rows(pool)[ties], t, self.rng)

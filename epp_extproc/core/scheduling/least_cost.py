@@ -41,13 +41,22 @@ def _vector(cost: np.ndarray, pool: Sequence[int], temperature: float, rng: rand
     the loop does: `choice` over the same ties in pool order, `choices` over the same weights, which are
     `math.exp` of the same elementwise figures (NumPy's `exp` may differ from libm's in the last bit, and the
     draw compares the weights' running sum with a random number)."""
-    rows = as_rows(pool)
-    c = cost[rows]
-    if temperature <= 0 or len(rows) == 1:
-        ties = rows[c == c.min()]
+    whole = is_whole(pool, len(cost))
+    c = cost if whole else cost[as_rows(pool)]
+    if temperature <= 0 or len(c) == 1:
+        ties = np.flatnonzero(c == c.min())  # positions in `c`, in pool order
+        if not whole:
+            ties = as_rows(pool)[ties]
         return int(ties[0]) if len(ties) == 1 else int(rng.choice(ties.tolist()))
+    rows = pool.tolist() if isinstance(pool, np.ndarray) else list(pool)  # plain ints, as the list path's
     lo, hi = c.min(), c.max()
     if hi == lo:
-        return rng.choice(rows.tolist())
+        return rng.choice(rows)
     x = -(c - lo) / ((hi - lo) * temperature)
-    return rng.choices(rows.tolist(), weights=list(map(math.exp, x.tolist())), k=1)[0]
+    return rng.choices(rows, weights=list(map(math.exp, x.tolist())), k=1)[0]
+
+
+def is_whole(pool: Sequence[int], n: int) -> bool:
+    """Whether `pool` is every row in order (the usual pool): the columns are then read as they are, with no
+    gather (each NumPy call costs about a microsecond, which is what keeps mid-sized pools on lists)."""
+    return isinstance(pool, range) and pool.start == 0 and pool.step == 1 and pool.stop == n
