@@ -124,8 +124,8 @@ class EvictionScorer(NoScore):
             return
         figures: list[EvictionFigures] = []
         credited = table.credited
-        for i, (a, load, pb, ov) in enumerate(zip(table.addresses, table.loads, *plain(table.prompt_blocks, table.overlap),
-                                                 strict=True)):
+        rows = zip(table.addresses, table.loads, *plain(table.prompt_blocks, table.overlap), strict=True)
+        for i, (a, load, pb, ov) in enumerate(rows):
             p = self.pressure(a, load.decode_blocks)
             own = max(pb - ov, 0.0)
             n = load.prefill_blocks + own

@@ -41,7 +41,8 @@ class PredictedTimeScorer:
         credit, scale = self.overlap_credit, self.prefill_load_scale
         rows: list[tuple[float, float]] = []
         cost: list[float] = []
-        for a, load, pb, ov in zip(table.addresses, table.loads, *plain(table.prompt_blocks, table.overlap), strict=True):
+        pbs, ovs = plain(table.prompt_blocks, table.overlap)
+        for a, load, pb, ov in zip(table.addresses, table.loads, pbs, ovs, strict=True):
             ttft, tpot, c = predict(a, features(load, pb, ov, bs(a), credit, scale))
             rows.append((ttft, tpot))
             cost.append(c)

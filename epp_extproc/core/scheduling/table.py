@@ -5,15 +5,16 @@ this prompt in their block size, their cached prefix) and scorers return one num
 `cost`; a picker returns a row. Columns are indexed by row, so a plugin never holds a per-worker object.
 
 Two representations, one contract (issue 45). A small pool's table (fewer than `COLUMNAR_MIN` rows) keeps
-plain lists: a columnar decision makes some thirty NumPy calls of a microsecond or so each, more than Python loops
-over a few dozen candidates cost. A large pool's table is columnar: `prompt_blocks`, `overlap`, `credited` and `cost` are NumPy
-arrays, and the candidates' load is gathered into three more (`prefill_load`, `decode_load`,
-`unbooked_load`) from the load tracker's columns (core/load.LoadColumns), so the shipped scorer and pickers
-decide with a few vector operations instead of a thousand interpreted iterations. A plugin written against
-the list contract keeps working on either: `table.cost[i]`, `len(table.credited)`, `zip(table.loads, ...)`
-all read the same figures (as NumPy scalars in a columnar table; `tolist()` or `float()` them where a plain
-Python number matters, e.g. for JSON). `table.columnar` says which one a table is; `table.loads` is a
-sequence of `EndpointLoad` either way (built per row only when a plugin reads it).
+plain lists: a columnar decision makes some thirty NumPy calls of a microsecond or so each, more than Python
+loops over a few dozen candidates cost. A large pool's table is columnar: `prompt_blocks`, `overlap`,
+`credited` and `cost` are NumPy arrays, and the candidates' load is gathered into three more (`prefill_load`,
+`decode_load`, `unbooked_load`) from the load tracker's columns (core/load.LoadColumns), so the shipped
+scorer and pickers decide with a few vector operations instead of a thousand interpreted iterations. A plugin
+written against the list contract keeps working on either: `table.cost[i]`, `len(table.credited)`,
+`zip(table.loads, ...)` all read the same figures (as NumPy scalars in a columnar table; `plain()` or
+`float()` them where a plain Python number matters, e.g. for JSON or a per-row Python loop). `table.columnar`
+says which one a table is; `table.loads` is a sequence of `EndpointLoad` either way (looked up per row only
+when a plugin reads it).
 Only what `/debug/score` shows becomes a record (`Candidate`), and only when it is asked for.
 
 `credited` is the overlap a scorer may rely on: the index's leading blocks (`overlap`) less what a preparing
