@@ -909,6 +909,20 @@ class KvIndex:
             return memo[2]
         pad = len(self._slots)
         get = self._workers.get
+        single: list[int] = []  # the usual pool: one slot per worker, one column
+        for wid in workers:
+            w = get(wid)
+            if w is None or not w.slots:
+                single.append(pad)
+            elif len(w.slots) == 1:
+                single.extend(s.index for s in w.slots.values())
+            else:
+                break
+        else:
+            where = np.array(single, np.intp).reshape(len(single), 1)
+            if isinstance(workers, tuple):
+                self._where_memo = (workers, self.generation, where)
+            return where
         rows = []
         for wid in workers:
             w = get(wid)
