@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 from prometheus_client import CollectorRegistry
 
 from epp_extproc.adapters.worker_facts import Prompt, WorkerFacts
@@ -53,6 +54,9 @@ class KvRouting:
         self.grace_s: float | None = None
         self.max_lifetime_s = 0.0
         self._holds: dict[str, PredictionHold] = {}
+        # per-worker arrays of the last tuple of workers asked about (the registry's destinations: the same
+        # object decision after decision), kept until the index's generation changes (`_per_worker`)
+        self._memo: dict[str, tuple[Sequence[str], int, np.ndarray]] = {}
         registry.subscribe(self._on_change)
 
     # ------------------------------------------------------------------ what the app asks of a KV view
@@ -127,6 +131,32 @@ class KvRouting:
             return self.index.overlap_hashes(prompt.hashes(sizes[0]), sizes[0], workers, predicted=predicted)
         return self.index.overlap(prompt.packed, workers=workers, lora_name=prompt.lora, salt=prompt.salt,
                                   exclude_last_token=True, predicted=predicted)
+
+    def _per_worker(self, kind: str, workers: Sequence[str], make: Callable[[], np.ndarray]) -> np.ndarray:
+        memo = self._memo.get(kind)
+        gen = self.index.generation
+        if memo is not None and memo[0] is workers and memo[1] == gen:
+            return memo[2]
+        a = make()
+        if isinstance(workers, tuple):  # a list may change in place: only an immutable tuple is kept
+            self._memo[kind] = (workers, gen, a)
+        return a
+
+    def block_sizes_of(self, workers: Sequence[str]) -> np.ndarray:
+        """`block_size` of each of `workers`, as one array (a columnar table divides the prompt by it)."""
+        size = self.index.block_size
+        return self._per_worker("sizes", workers,
+                                lambda: np.fromiter((size(w) for w in workers), np.int64, len(workers)))
+
+    def overlap_array(self, prompt: Prompt, workers: Sequence[str]) -> np.ndarray | None:
+        """`overlap` as one int64 array in the order of `workers` (issue 45: a columnar table takes it as its
+        column, no dict per worker); None where only the dict path applies (media, several block sizes)."""
+        if prompt.media:
+            return None
+        sizes = self.index.block_sizes()
+        if len(sizes) != 1:
+            return None
+        return self.index.overlap_array(prompt.hashes(sizes[0]), sizes[0], workers)
 
     def _media_overlap(self, prompt: Prompt, workers: Sequence[str], predicted: bool) -> dict[str, int]:
         """Per (block size, engine dialect) group of candidates, one chain and one mask walk: a pool of one

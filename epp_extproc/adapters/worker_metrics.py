@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from epp_extproc.adapters.endpoint_probe import round_length
 from epp_extproc.adapters.worker_http import BodyTooLarge, HttpError, TimedOut, WorkerHttp
 from epp_extproc.core.endpoints import EndpointRegistry
-from epp_extproc.core.load import EndpointLoad, LoadTracker
+from epp_extproc.core.load import LoadTracker
 from epp_extproc.core.saturation import SaturationDetector, WorkerSample
 from kvindex.aio import cancel_and_wait
 from kvindex.backoff import backoff_delay
@@ -312,12 +312,7 @@ class WorkerMetricsScraper:
                               g.max_running)
         self.detector.observe(address, sample)
         self._note_idle(address, not g.waiting and not g.running and ours == 0)
-        live = self.load.loads().get(address)
-        unbooked = self.detector.unbooked_requests(address) * self._mean_blocks
-        if live is not None:
-            live.unbooked_blocks = unbooked
-        elif unbooked > 0:
-            self.load.loads().setdefault(address, EndpointLoad()).unbooked_blocks = unbooked
+        self.load.set_unbooked(address, self.detector.unbooked_requests(address) * self._mean_blocks)
         self._errors_logged.discard(address)
         self._failures.pop(address, None)
         self._retry_at.pop(address, None)
@@ -330,9 +325,8 @@ class WorkerMetricsScraper:
         n = self._failures[address] = self._failures.get(address, 0) + 1
         if backoff and n >= 2:  # a worker without metrics (404, not an engine) costs one GET per MAX_BACKOFF_S
             self._retry_at[address] = time.monotonic() + backoff_delay(n - 1, self.interval_s, MAX_BACKOFF_S)
-        ld = self.load.loads().get(address)
-        if ld is not None:
-            ld.unbooked_blocks = 0.0
+        if address in self.load.loads():
+            self.load.set_unbooked(address, 0.0)
         if address not in self._errors_logged:
             self._errors_logged.add(address)
             log.warning("cannot read engine metrics of %s (%s): it is judged by this picker's bookings only "

@@ -10,7 +10,7 @@ from epp_extproc.core.contract import KvLookup
 from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.forward import Forwarder
 from epp_extproc.core.proposal import Proposal
-from epp_extproc.core.scheduling.table import CandidateTable
+from epp_extproc.core.scheduling.table import CandidateTable, plain
 
 TIME_NOTE = "predicted-time-scorer"  # flattened into each row as predicted_ttft_ms / predicted_tpot_ms
 
@@ -31,13 +31,14 @@ class DebugView:
         names = {ep.address: ep.name for ep in self.registry.all()}
         times = table.notes.get(TIME_NOTE)
         out = []
+        pb, ov, cost = plain(table.prompt_blocks, table.overlap, table.cost)
         for i, a in enumerate(table.addresses):
             load = table.loads[i]
-            row = {"name": names.get(a), "address": a, "overlap_blocks": table.overlap[i],
+            row = {"name": names.get(a), "address": a, "overlap_blocks": ov[i],
                    "block_size": self.kv.block_size(a) if self.kv else None,
-                   "prompt_blocks": round(table.prompt_blocks[i], 3), "inflight": load.inflight,
+                   "prompt_blocks": round(pb[i], 3), "inflight": load.inflight,
                    "prefill_blocks": round(load.prefill_blocks, 3), "decode_blocks": round(load.decode_blocks, 3),
-                   "cost": round(table.cost[i], 4)}
+                   "cost": round(cost[i], 4)}
             if times is not None:
                 ttft, tpot = times[i]
                 row["predicted_ttft_ms"] = round(ttft * 1000.0, 3)

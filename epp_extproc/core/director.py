@@ -180,7 +180,7 @@ class Director:
         if plan.tokens is None:
             return plan.est_tokens / self.settings.kv_cache_block_size
         r = result.primary
-        return max(r.table.prompt_blocks[r.chosen] - r.table.overlap[r.chosen], 1.0)
+        return max(float(r.table.prompt_blocks[r.chosen] - r.table.overlap[r.chosen]), 1.0)
 
     def _predicted_cached(self, result: SchedulingResult, plan: Plan) -> int | None:
         """The cached tokens the answer should report: the destination's overlap, or, when a prefill worker
@@ -189,7 +189,7 @@ class Director:
         if plan.prompt is None or self.kv is None:
             return None
         served = result.pd.prefill if result.pd.prefill is not None else result.primary
-        return served.table.overlap[served.chosen] * self.kv.block_size(served.address)
+        return int(served.table.overlap[served.chosen]) * self.kv.block_size(served.address)
 
     # ---------------------------------------------------------------- flow control, between the two
     async def admit(self, p: Proposal, ctx: RequestContext) -> tuple[Proposal, Ticket | None]:

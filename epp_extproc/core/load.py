@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 from prometheus_client import Gauge
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,71 @@ class HeldBooking:
 
 
 BookingListener = Callable[[BookingChange], None]
+
+
+class LoadColumns:
+    """The per-endpoint totals of `EndpointLoad` as arrays, one row per endpoint, kept current by the tracker.
+
+    Why: a decision over a thousand workers gathers its candidates' load with one fancy index per column
+    (`prefill[rows]`) instead of reading a thousand objects in Python (issue 45). Row 0 is every endpoint
+    that holds no load (all zeros, never written); a row freed by `forget` is zeroed and reused. `generation`
+    changes whenever an address gains or loses its row, so a cached address -> row mapping knows when it is
+    stale (the arrays themselves may be replaced when they grow: read them through this object).
+    """
+
+    __slots__ = ("rows", "inflight", "prefill", "decode", "unbooked", "generation", "_free", "_next")
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.rows: dict[str, int] = {}
+        self.inflight = np.zeros(capacity, np.float64)
+        self.prefill = np.zeros(capacity, np.float64)
+        self.decode = np.zeros(capacity, np.float64)
+        self.unbooked = np.zeros(capacity, np.float64)
+        self.generation = 0
+        self._free: list[int] = []
+        self._next = 1
+
+    def row(self, address: str) -> int:
+        """The address's row, given one if it has none."""
+        r = self.rows.get(address)
+        if r is None:
+            if self._free:
+                r = self._free.pop()
+            else:
+                r = self._next
+                self._next += 1
+                if r >= len(self.prefill):
+                    self._grow(2 * len(self.prefill))
+            self.rows[address] = r
+            self.generation += 1
+        return r
+
+    def _grow(self, n: int) -> None:
+        for name in ("inflight", "prefill", "decode", "unbooked"):
+            old = getattr(self, name)
+            new = np.zeros(n, np.float64)
+            new[:len(old)] = old
+            setattr(self, name, new)
+
+    def write(self, address: str, ld: EndpointLoad) -> None:
+        """Copy one endpoint's totals into its row (after every change the tracker makes to them)."""
+        r = self.row(address)
+        self.inflight[r] = ld.inflight
+        self.prefill[r] = ld.prefill_blocks
+        self.decode[r] = ld.decode_blocks
+        self.unbooked[r] = ld.unbooked_blocks
+
+    def drop(self, address: str) -> None:
+        r = self.rows.pop(address, None)
+        if r is not None:
+            self.inflight[r] = self.prefill[r] = self.decode[r] = self.unbooked[r] = 0.0
+            self._free.append(r)
+            self.generation += 1
+
+    def rows_of(self, addresses: Sequence[str]) -> np.ndarray:
+        """The rows of `addresses`, in order (0, all zeros, for an address that holds no load)."""
+        get = self.rows.get
+        return np.fromiter((get(a, 0) for a in addresses), np.intp, len(addresses))
 
 
 class Booking:
@@ -137,6 +203,8 @@ class LoadTracker:
         self._legs: dict[str, Booking] = {}  # live prefill legs (also in `_bookings`: peers must see them)
         self.max_bookings_per_peer = max_bookings_per_peer
         self.peer_bookings_refused = 0  # over the per-peer cap: a peer cannot grow our memory unbounded
+        # the same totals as arrays (a large pool's decision reads these); every change below writes both
+        self.columns = LoadColumns()
 
     def on_release(self, listener: Callable[[], None]) -> None:
         """Call `listener` whenever load goes down (prefill done or a booking freed): flow control
@@ -162,6 +230,17 @@ class LoadTracker:
     def loads(self) -> dict[str, EndpointLoad]:
         """Per endpoint: this replica's bookings plus every peer's."""
         return self._loads
+
+    def set_unbooked(self, address: str, blocks: float) -> None:
+        """Load on the worker this picker did not book (adapters/worker_metrics.py): the one figure set from
+        outside the bookings. Set it here, never on the `EndpointLoad` itself, so the columns follow."""
+        ld = self._loads.get(address)
+        if ld is None:
+            if blocks <= 0:
+                return
+            ld = self._loads[address] = EndpointLoad()
+        ld.unbooked_blocks = blocks
+        self.columns.write(address, ld)
 
     # ------------------------------------------------------------------ local bookings
 
@@ -278,6 +357,7 @@ class LoadTracker:
         if prefilling:
             ld.prefill_blocks += prefill
         ld.decode_blocks += decode
+        self.columns.write(address, ld)
         if self._gauge is not None:
             self._gauge.labels(address).set(ld.inflight)
 
@@ -285,6 +365,7 @@ class LoadTracker:
         ld = self._loads.get(address)
         if ld is not None:
             ld.prefill_blocks = max(0.0, ld.prefill_blocks - prefill)
+            self.columns.write(address, ld)
         self._released()
 
     def _sub(self, address: str, prefill: float, decode: float, prefilling: bool) -> None:
@@ -298,6 +379,7 @@ class LoadTracker:
         ld.decode_blocks = max(0.0, ld.decode_blocks - decode)
         if ld.inflight <= 0:  # no rounding residue once the endpoint is idle
             ld.inflight, ld.prefill_blocks, ld.decode_blocks = 0, 0.0, 0.0
+        self.columns.write(address, ld)
         if self._gauge is not None:
             self._gauge.labels(address).set(ld.inflight)
         self._released()
@@ -305,6 +387,7 @@ class LoadTracker:
     def forget(self, address: str) -> None:
         """An endpoint left: its live bookings still free cleanly, but it no longer shows up."""
         self._loads.pop(address, None)
+        self.columns.drop(address)
         if self._gauge is not None:
             try:
                 self._gauge.remove(address)

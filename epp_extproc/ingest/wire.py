@@ -24,9 +24,13 @@ import struct
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import orjson
 import xxhash
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # lookup request: op, request id, the meta version the picker holds, flags, number of sections, filter length
 _REQ = struct.Struct("<BIIBBI")
@@ -122,9 +126,9 @@ def unpack_lookup(buf: bytes) -> LookupRequest:
     return LookupRequest(req_id, version, bool(flags & FLAG_PREDICTED), sections, workers)
 
 
-def pack_answer(req_id: int, meta_version: int, meta: bytes | None, counts: array) -> bytes:
-    """The answer: `counts` is array('I'), the blocks held by the worker of each row; `meta` only when it
-    changed."""
+def pack_answer(req_id: int, meta_version: int, meta: bytes | None, counts: array | np.ndarray) -> bytes:
+    """The answer: `counts` is array('I') or a uint32 array, the blocks held by the worker of each row; `meta`
+    only when it changed."""
     m = meta or b""
     return b"".join((_ANS.pack(OP_ANSWER, req_id, meta_version, len(m), len(counts)), m, counts.tobytes()))
 

@@ -98,3 +98,56 @@ def test_addresses_outside_the_pool_get_the_default_block_size_and_are_not_kept(
         for i in range(10_000):  # a peer's predictions may name any address
             assert kv.block_size(f"10.9.{i // 250}.{i % 250}:8000") == 4
         assert kv._size_of == {}
+
+
+def answering_shard(path: str, done: threading.Event, counts: list[int], meta: bytes) -> threading.Thread:
+    """A shard that answers every request of one connection with `counts` (one per row of `meta`)."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    srv.bind(path)
+    srv.listen(1)
+
+    def run() -> None:
+        conn, _ = srv.accept()
+        conn.settimeout(0.05)
+        while not done.is_set():
+            try:
+                buf = conn.recv(1 << 20)
+            except TimeoutError:
+                continue
+            if not buf:
+                break
+            req = wire.unpack_lookup(buf)
+            conn.send(wire.pack_answer(req.req_id, 7, meta, array("I", counts)))
+        conn.close()
+        srv.close()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_the_overlap_array_is_the_overlap_dict_in_the_order_asked() -> None:
+    """Issue 45: a columnar table takes the shard's answer as one array, gathered by each worker's row."""
+    rows = [("w:1", 4, True, None), ("", 0, False, None), ("v:2", 8, True, None), ("u:3", 4, True, None)]
+    with tempfile.TemporaryDirectory(prefix="epp-t-") as d:
+        done = threading.Event()
+        t = answering_shard(wire.lookup_socket(d, 0), done, [2, 0, 1, 0, 9], wire.encode_meta(rows, [4, 8]))
+        kv = kv_at(d, 2.0)
+        prompt = kv.prompt(list(range(40)), PromptIdentity())
+        for workers in (("v:2", "x:9", "w:1", "u:3"), ["w:1"], ("u:3",)):
+            d_ = kv.overlap(prompt, list(workers))
+            for _ in range(2):  # the second time from the kept rows
+                got = kv.overlap_array(prompt, workers)
+                assert got is not None and got.tolist() == [d_.get(w, 0) for w in workers]
+        assert kv.overlap_array(prompt, ("v:2", "x:9", "w:1")).tolist() == [1, 0, 2]  # type: ignore[union-attr]
+        sizes = ("w:1", "v:2", "x:9")
+        assert kv.block_sizes_of(sizes).tolist() == [4, 8, 4] == [kv.block_size(w) for w in sizes]
+        done.set()
+        t.join(5)
+
+
+def test_no_shard_means_an_overlap_array_of_zeros() -> None:
+    with tempfile.TemporaryDirectory(prefix="epp-t-") as d:
+        kv = kv_at(d, 2.0)
+        got = kv.overlap_array(kv.prompt(list(range(12)), PromptIdentity()), ("w:1", "v:2"))
+        assert got is not None and got.tolist() == [0, 0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import tracemalloc
 
+import numpy as np
 import pytest
 
 from epp_extproc.dev.kvwire import cleared_event, pack_batch, removed_event, stored_event
@@ -224,6 +225,10 @@ def test_overlap_hashes_ignores_workers_of_another_block_size(idx):
 def numbered(idx, hashes, bs=BS, workers=None, predicted=True):
     out = [0] * len(idx.worker_numbers())
     idx.overlap_numbered(hashes, bs, out, workers, predicted=predicted)
+    # the shard's vectorised spread (an int64 array, issue 45) must fill the same figures as the loop
+    arr = np.zeros(len(out), np.int64)
+    idx.overlap_numbered(hashes, bs, arr, workers, predicted=predicted)
+    assert arr.tolist() == out
     return {w: n for w, n in zip(idx.worker_numbers(), out, strict=True) if n}
 
 

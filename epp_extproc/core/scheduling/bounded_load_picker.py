@@ -17,7 +17,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from epp_extproc.core.scheduling.least_cost import least_cost
+import numpy as np
+
+from epp_extproc.core.scheduling.least_cost import as_rows, is_whole, least_cost
 from epp_extproc.core.scheduling.table import CandidateTable, SchedulingRequest
 
 if TYPE_CHECKING:
@@ -37,6 +39,8 @@ class BoundedLoadPicker:
 
     def pick(self, req: SchedulingRequest, table: CandidateTable, pool: Sequence[int]) -> int:
         t = self.temperature if req.temperature is None else req.temperature
+        if table.columnar:
+            return self._vector(table, pool, t)
         loads, pb, credited = table.loads, table.prompt_blocks, table.credited
         # the blocks of work a worker holds, as the bound weighs them: its bookings and its unbooked load
         held = [loads[i].decode_blocks + loads[i].unbooked_blocks for i in pool]
@@ -53,3 +57,25 @@ class BoundedLoadPicker:
                 elif effective == best and best > 0:
                     ties.append(i)
         return least_cost(table.cost, pool if best <= 0 else ties, t, self.rng)
+
+    def _vector(self, table: CandidateTable, pool: Sequence[int], t: float) -> int:
+        """The loop above over a columnar table, in the same order of operations, so the same row is drawn from
+        the same random stream: `held` elementwise; its sum by Python's `sum` over the same floats (NumPy's
+        adds pairwise and may differ in the last bit, and Python 3.12's `sum` compensates: the list path's
+        own function keeps any version's rounding); the ties in pool order."""
+        assert table.decode_load is not None and table.unbooked_load is not None
+        if is_whole(pool, len(table)):
+            held = table.decode_load + table.unbooked_load
+            pb, credited = table.prompt_blocks, table.credited
+        else:
+            rows = as_rows(pool)
+            held = table.decode_load[rows] + table.unbooked_load[rows]
+            pb, credited = table.prompt_blocks[rows], table.credited[rows]
+        ceiling = (1.0 + self.bound) * sum(held.tolist()) / len(held)
+        slack = np.maximum(pb, 1.0)  # `p if p > 1.0 else 1.0` (no NaN can arise)
+        effective = np.where(held <= ceiling + slack, credited, 0.0)
+        best = float(effective.max())
+        if best <= 0:
+            return least_cost(table.cost, pool, t, self.rng)
+        ties = np.flatnonzero(effective == best)  # positions in the pool, in its order
+        return least_cost(table.cost, ties if is_whole(pool, len(table)) else as_rows(pool)[ties], t, self.rng)

@@ -51,7 +51,7 @@ def _profile(spec: ProfileSpec, deps: SchedulingDeps, source: TableSource, pins:
 
 
 def build(spec: SchedulingSpec, deps: SchedulingDeps, *, sessions: SessionTokens | None = None) -> Built:
-    source = TableSource(deps.load.loads, deps.kv)
+    source = TableSource(deps.load.loads, deps.kv, getattr(deps.load, "columns", None))
     pins: list[Pin] = [SessionPin(sessions, deps.saturated)] if sessions is not None else []
     handler_type = spec.handler.type
     if handler_type == "single-profile-handler":

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from epp_extproc.core.scheduling.profile import NoScore
-from epp_extproc.core.scheduling.table import CandidateTable, SchedulingRequest
+from epp_extproc.core.scheduling.table import CandidateTable, SchedulingRequest, plain
 
 if TYPE_CHECKING:
     from epp_extproc.core.scheduling.deps import SchedulingDeps
@@ -125,8 +125,8 @@ class EvictionScorer(NoScore):
             return
         figures: list[EvictionFigures] = []
         credited = table.credited
-        for i, (a, load, pb, ov) in enumerate(zip(table.addresses, table.loads, table.prompt_blocks, table.overlap,
-                                                 strict=True)):
+        rows = zip(table.addresses, table.loads, *plain(table.prompt_blocks, table.overlap), strict=True)
+        for i, (a, load, pb, ov) in enumerate(rows):
             p = self.pressure(a, load.decode_blocks)
             own = max(pb - ov, 0.0)
             n = load.prefill_blocks + own

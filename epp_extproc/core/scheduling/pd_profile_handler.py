@@ -64,7 +64,7 @@ class PdProfileHandler:
         if tokens is None:
             return PdChoice(PdPath.LOCAL_PREFILL, PdReason.NOT_INFERENCE)
         bs = self._block_size(decode.address) if self._block_size is not None else None
-        uncached = uncached_suffix(decode.table.overlap[decode.chosen], tokens, bs)
+        uncached = uncached_suffix(int(decode.table.overlap[decode.chosen]), tokens, bs)
         if self.threshold <= 0:
             return PdChoice(PdPath.LOCAL_PREFILL, PdReason.DISABLED, uncached)
         if uncached < self.threshold:
@@ -74,6 +74,8 @@ class PdProfileHandler:
             return PdChoice(PdPath.LOCAL_PREFILL, PdReason.NO_PREFILL_AVAILABLE, uncached)
         chosen = self.prefill.run(req, addresses)
         pb, ov = chosen.table.prompt_blocks[chosen.chosen], chosen.table.overlap[chosen.chosen]
+        if chosen.table.columnar:  # NumPy scalars: the booking and the answer carry plain numbers
+            pb, ov = float(pb), int(ov)
         blocks = max(pb - ov, 1.0) if pb else max(req.est_tokens / self._default_block_size, 1.0)
         return PdChoice(PdPath.DISAGGREGATED, PdReason.LONG_UNCACHED_SUFFIX, uncached, chosen, blocks)
 

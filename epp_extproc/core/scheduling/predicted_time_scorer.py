@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from epp_extproc.core.decision import Stopwatch
 from epp_extproc.core.errors import PickError, Problem
-from epp_extproc.core.scheduling.table import CandidateTable, SchedulingRequest
+from epp_extproc.core.scheduling.table import CandidateTable, SchedulingRequest, plain
 from epp_extproc.core.time_cost import TimeCost, meets
 
 if TYPE_CHECKING:
@@ -41,7 +41,8 @@ class PredictedTimeScorer:
         credit, scale = self.overlap_credit, self.prefill_load_scale
         rows: list[tuple[float, float]] = []
         cost: list[float] = []
-        for a, load, pb, ov in zip(table.addresses, table.loads, table.prompt_blocks, table.overlap, strict=True):
+        pbs, ovs = plain(table.prompt_blocks, table.overlap)
+        for a, load, pb, ov in zip(table.addresses, table.loads, pbs, ovs, strict=True):
             ttft, tpot, c = predict(a, features(load, pb, ov, bs(a), credit, scale))
             rows.append((ttft, tpot))
             cost.append(c)
@@ -66,7 +67,8 @@ class PredictedTimeScorer:
     def observe(self, table: CandidateTable, i: int, booking_id: str) -> Stopwatch:
         """Commit hook: the chosen row's stopwatch, stopped by its booking's first-chunk signal."""
         a = table.addresses[i]
-        f = self.model.features(table.loads[i], table.prompt_blocks[i], table.overlap[i], self._block_size(a),
+        pb, ov = plain(table.prompt_blocks, table.overlap)  # Python numbers, as the list path's
+        f = self.model.features(table.loads[i], pb[i], ov[i], self._block_size(a),
                                 self.overlap_credit, self.prefill_load_scale)
         return self.model.observe(a, f, table.notes[NOTE][i][0], booking_id)
 

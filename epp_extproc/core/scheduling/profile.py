@@ -20,9 +20,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from epp_extproc.core.contract import KvLookup
-from epp_extproc.core.load import EndpointLoad
-from epp_extproc.core.scheduling.table import EMPTY_LOAD, CandidateTable, SchedulingRequest
+from epp_extproc.core.load import EndpointLoad, LoadColumns
+from epp_extproc.core.scheduling.table import COLUMNAR_MIN, EMPTY_LOAD, CandidateTable, SchedulingRequest
 
 
 class Filter(Protocol):
@@ -80,13 +82,35 @@ class ProfileResult:
 
 
 class TableSource:
-    """Fills a table: the load tracker's loads and the index's overlaps (llm-d's prefix-cache producer)."""
+    """Fills a table: the load tracker's loads and the index's overlaps (llm-d's prefix-cache producer).
 
-    def __init__(self, loads: Callable[[], dict[str, EndpointLoad]], kv: KvLookup | None) -> None:
+    With the tracker's `columns` (core/load.LoadColumns), a pool of `COLUMNAR_MIN` candidates or more gets a
+    columnar table (table.py): its load gathered by row numbers, its overlap as one array when the lookup can
+    answer so (`overlap_array`, adapters/kv_routing.py), its block sizes as one array (`block_sizes_of`). The
+    row numbers of the last tuple of addresses are kept until the columns' generation changes: every decision
+    over the whole pool passes the registry's same tuple (`EndpointRegistry.destinations`).
+    """
+
+    def __init__(self, loads: Callable[[], dict[str, EndpointLoad]], kv: KvLookup | None,
+                 columns: LoadColumns | None = None) -> None:
         self._loads = loads
         self.kv = kv
+        self.columns = columns
+        self._rows_memo: tuple[Sequence[str], int, np.ndarray] | None = None
+
+    def _rows(self, columns: LoadColumns, addresses: Sequence[str]) -> np.ndarray:
+        memo = self._rows_memo
+        if memo is not None and memo[0] is addresses and memo[1] == columns.generation:
+            return memo[2]
+        rows = columns.rows_of(addresses)
+        if isinstance(addresses, tuple):
+            self._rows_memo = (addresses, columns.generation, rows)
+        return rows
 
     def table(self, req: SchedulingRequest, addresses: Sequence[str]) -> CandidateTable:
+        columns = self.columns
+        if columns is not None and len(addresses) >= COLUMNAR_MIN:
+            return self._columnar(req, addresses, columns)
         loads = self._loads()
         table = CandidateTable(addresses, [loads.get(a, EMPTY_LOAD) for a in addresses])
         if req.prompt is None or self.kv is None:
@@ -99,6 +123,31 @@ class TableSource:
             pb[i] = n / block_size(a)
             o = ov[i] = overlap(a, 0)
             cr[i] = o - 0.0
+        return table
+
+    def _columnar(self, req: SchedulingRequest, addresses: Sequence[str], columns: LoadColumns) -> CandidateTable:
+        """The same figures as the list path, as arrays (the same operations per row: `n / block size` is one
+        IEEE division either way, so every figure is bit for bit the list path's)."""
+        rows = self._rows(columns, addresses)
+        table = CandidateTable.of_columns(addresses, self._loads(), rows, columns.prefill[rows], columns.decode[rows],
+                                          columns.unbooked[rows])
+        kv = self.kv
+        if req.prompt is None or kv is None:
+            return table
+        sizes_of = getattr(kv, "block_sizes_of", None)
+        if sizes_of is not None:
+            sizes = sizes_of(addresses)
+        else:
+            size = kv.block_size
+            sizes = np.fromiter((size(a) for a in addresses), np.int64, len(addresses))
+        table.prompt_blocks = req.prompt_tokens / sizes
+        overlap_array = getattr(kv, "overlap_array", None)
+        ov = overlap_array(req.prompt, addresses) if overlap_array is not None else None
+        if ov is None:
+            get = kv.overlap(req.prompt, addresses).get
+            ov = np.fromiter((get(a, 0) for a in addresses), np.int64, len(addresses))
+        table.overlap = ov
+        table.credited = ov.astype(np.float64)
         return table
 
 
@@ -124,13 +173,16 @@ class Profile:
         for s, _ in self.scorers:
             s.prepare(req, table)
         first = True
+        columnar = table.columnar
         for s, weight in self.scorers:
             values = s.score(req, table)
             if weight != 1.0:
-                values = [weight * v for v in values]
-            if first:  # the first scorer's answer is the column (a scorer hands over a fresh list)
-                table.cost = values
+                values = weight * np.asarray(values, np.float64) if columnar else [weight * v for v in values]
+            if first:  # the first scorer's answer is the column (a scorer hands over a fresh list or array)
+                table.cost = np.asarray(values, np.float64) if columnar else values
                 first = False
+            elif columnar:
+                table.cost += np.asarray(values, np.float64)  # elementwise cost[i] + v, as the loop below
             else:
                 cost = table.cost
                 for i, v in enumerate(values):
