@@ -32,9 +32,19 @@ def build_kv(config: Config, slot: ProcessSlot, registry: EndpointRegistry,
     Under `--processes` the supervisor runs the shards (`slot.ingest_dir`); a lone picker runs its own in a
     private directory it removes at exit."""
     if config.kv_ingest != "apart":
-        return (KvRouting(registry, block_size=config.kv_cache_block_size,
-                          max_blocks_per_worker=config.max_index_blocks_per_worker, topic=config.kv_event_topic,
-                          prediction_ttl_s=config.prediction_ttl_s, metrics_registry=metrics_registry), None, None)
+        kv = KvRouting(registry, block_size=config.kv_cache_block_size,
+                       max_blocks_per_worker=config.max_index_blocks_per_worker, topic=config.kv_event_topic,
+                       prediction_ttl_s=config.prediction_ttl_s, metrics_registry=metrics_registry)
+        if config.kv_event_plane == "nats":
+            from epp_extproc.kvplane.follower import PlaneSubscribers
+            from epp_extproc.kvplane.wire import Subjects
+
+            # the ZeroMQ subscriber KvRouting made stays, as the fallback of workers the plane cannot serve
+            kv.subscribers = PlaneSubscribers(  # type: ignore[assignment]
+                kv.index, kv.subscribers, [u.strip() for u in config.nats_url.split(",") if u.strip()],
+                Subjects(pool=config.kv_plane_pool), fallback_mode=config.kv_plane_fallback,
+                name=f"epp-picker-{slot.index}", registry=metrics_registry)
+        return kv, None, None
     group = None
     own_dir = None
     directory = slot.ingest_dir
