@@ -16,7 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
-from epp_extproc.dev.procs import free_port
+from epp_extproc.dev.procs import Proc, free_port
 
 
 def nats_server_binary() -> str:
@@ -88,3 +88,21 @@ class NatsServer:
     async def resume(self) -> None:
         if self.proc is not None:
             self.proc.send_signal(signal.SIGCONT)
+
+
+def nats_server_proc(logdir: Path, *, port: int | None = None) -> Proc:
+    """nats-server as a `procs.Proc` child (`make run ARGS=--kv-event-plane nats`), ready when it listens."""
+    port = port or free_port()
+    return Proc("nats", [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)], port, logdir / "nats.log")
+
+
+def relay_proc(logdir: Path, *, nats_url: str, endpoints_file: Path, pool: str = "default",
+               block_size: int = 32, metrics_port: int | None = None, name: str = "kv-relay") -> Proc:
+    """`epp-kv-relay` for the workers of an endpoints file, run as ``python -m`` (so it is this checkout's,
+    whatever console scripts the venv holds); ready when its /metrics answers."""
+    metrics_port = metrics_port or free_port()
+    argv = [sys.executable, "-m", "epp_extproc.kvplane.relay", "--nats-url", nats_url, "--pool", pool,
+            "--endpoints-file", str(endpoints_file), "--kv-cache-block-size", str(block_size),
+            "--metrics-port", str(metrics_port)]
+    return Proc(name, argv, metrics_port, logdir / f"{name}.log",
+                ready_url=f"http://127.0.0.1:{metrics_port}/metrics")
