@@ -108,7 +108,7 @@ class PlaneSubscribers:
     def __init__(self, idx: KvIndex, fallback: SubscriberManager, servers: Sequence[str], subjects: Subjects, *,
                  fallback_mode: str = "zmq", name: str = "epp-picker", max_batch_bytes: int = 16 * 1024 * 1024,
                  max_batch_events: int = 16_384, dump_timeout_s: float = 3.0, relay_stale_s: float = 5.0,
-                 max_buffered: int = 10_000, max_dump_bytes: int = 2 * 1024 * 1024 * 1024,
+                 max_buffered: int = 10_000, max_dump_bytes: int | None = None,
                  dump_concurrency: int = 8, registry: CollectorRegistry | None = None) -> None:
         if fallback_mode not in ("zmq", "load"):
             raise ValueError(f"fallback mode {fallback_mode!r}: zmq or load")
@@ -349,7 +349,9 @@ class PlaneSubscribers:
                         return
                     self._load(st, chunks)  # synchronous from here: nothing is applied in between
                 st.backoff.succeeded()
-                return
+                if s.mode != "dumping":
+                    return
+                continue  # the buffered messages after the dump had a gap: the next dump at once
             self._fall_back(st, "no usable dump")
             await asyncio.sleep(st.backoff.failed())
 
@@ -358,11 +360,16 @@ class PlaneSubscribers:
         if nc is None:
             raise ConnectionError("NATS not connected")
         inbox = nc.new_inbox()
-        got: asyncio.Queue[bytes] = asyncio.Queue(MAX_DUMP_CHUNKS)
+        got: asyncio.Queue[bytes] = asyncio.Queue(MAX_DUMP_CHUNKS + 1)
+        max_chunk = max(nc.max_payload, 1024)
+        budget = self.max_dump_bytes or (self.idx.max_blocks_per_worker * 2 * 16 + max_chunk)
         overflow = False
 
         async def on_chunk(msg: Any) -> None:
             nonlocal overflow
+            if msg.headers and msg.headers.get("Status") == "503":
+                got.put_nowait(b"")  # the server says nobody serves the subject: no relay (yet), not garbage
+                return
             try:
                 got.put_nowait(msg.data)
             except asyncio.QueueFull:
@@ -377,10 +384,12 @@ class PlaneSubscribers:
             total = 0
             while first is None or len(chunks) < first.count:
                 data = await asyncio.wait_for(got.get(), max(0.001, deadline - time.monotonic()))
+                if not data:
+                    raise ConnectionError("no relay serves this worker's dumps")
                 total += len(data)
-                if overflow or total > self.max_dump_bytes:
-                    raise Malformed("dump larger than its budget")
-                c = parse_dump_chunk(data, self.max_batch_bytes)
+                if overflow or total > budget:
+                    raise Malformed(f"dump larger than its budget ({budget} bytes: twice the index's cap)")
+                c = parse_dump_chunk(data, max_chunk)
                 if first is None:
                     first = c
                 if (c.worker_id, c.epoch, c.seq, c.count) != (worker_id, first.epoch, first.seq, first.count):

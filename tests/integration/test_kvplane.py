@@ -306,3 +306,12 @@ async def test_a_malformed_dump_is_refused_and_the_worker_stays_on_the_fallback(
     await p.store()
     await p.until_overlap(1, "the fallback's direct events")
     await nc.close()
+
+
+async def test_no_relay_for_a_worker_is_a_failed_dump_not_a_malformed_one(plane):
+    p = plane()
+    await p.picker.add(W, p.sources)  # no relay serves W: the server answers "no responders"
+    await until_async(lambda: p.stats().dump_failures >= 1 and p.stats().fallback, "the failed dump")
+    assert p.stats().dumps_refused == 0 and p.picker.garbage == 0
+    await p.start_relay()
+    await until_async(lambda: p.stats().mode == "live" and not p.stats().fallback, "the relay's dump", timeout=15)
