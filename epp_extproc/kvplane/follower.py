@@ -109,7 +109,12 @@ class PlaneSubscribers:
                  fallback_mode: str = "zmq", name: str = "epp-picker", max_batch_bytes: int = 16 * 1024 * 1024,
                  max_batch_events: int = 16_384, dump_timeout_s: float = 3.0, relay_stale_s: float = 5.0,
                  max_buffered: int = 10_000, max_dump_bytes: int | None = None,
-                 dump_concurrency: int = 8, registry: CollectorRegistry | None = None) -> None:
+                 dump_concurrency: int = 8, first_connect_grace_s: float = 2.0,
+                 registry: CollectorRegistry | None = None) -> None:
+        """``relay_stale_s``: a worker whose relay said nothing (no batch, no heartbeat) this long falls back;
+        ``first_connect_grace_s``: how long a starting picker waits for its first NATS connect before its
+        workers fall back; ``max_buffered``: live messages kept per worker while its dump is in flight;
+        ``max_dump_bytes``: a dump's budget (None: twice the index's per-worker cap in pairs, 16 bytes each)."""
         if fallback_mode not in ("zmq", "load"):
             raise ValueError(f"fallback mode {fallback_mode!r}: zmq or load")
         self.idx = idx
@@ -122,6 +127,7 @@ class PlaneSubscribers:
         self.relay_stale_s = relay_stale_s
         self.max_buffered = max_buffered
         self.max_dump_bytes = max_dump_bytes
+        self.first_connect_grace_s = first_connect_grace_s
         self.link = NatsLink(servers, name, on_up=self._on_up, on_down=self._on_down)
         self._streams: dict[str, _Stream] = {}
         self._by_token: dict[str, str] = {}
@@ -158,8 +164,10 @@ class PlaneSubscribers:
         self._start()
         if self.link.connected:
             self._dump(st)
-        else:
+        elif self.link.connects:  # the plane was up and is down now: the direct events at once
             self._fall_back(st, "NATS is not connected")
+        # else the first connect is under way: the watchdog falls back after `first_connect_grace_s`, so a
+        # picker starting beside a healthy NATS does not open (and close again) one socket per worker
 
     async def remove(self, worker_id: str) -> None:
         st = self._streams.pop(worker_id, None)
@@ -224,8 +232,11 @@ class PlaneSubscribers:
             self._dump(st)  # whatever was missed while it was down: the dump has it
 
     def _on_down(self) -> None:
+        if self._streams:
+            log.warning("kv plane: NATS link lost: %d workers fall back to %s until it is back", len(self._streams),
+                        "their direct ZeroMQ events" if self.fallback_mode == "zmq" else "load-only routing")
         for st in self._streams.values():
-            self._fall_back(st, "NATS link lost")
+            self._fall_back(st, "NATS link lost", quiet=True)
 
     # ---------------------------------------------------------- live stream
     async def _on_message(self, msg: Any) -> None:
@@ -427,7 +438,7 @@ class PlaneSubscribers:
                 s.messages -= 1  # counted when it arrived
 
     # ------------------------------------------------------------- fallback
-    def _fall_back(self, st: _Stream, why: str) -> None:
+    def _fall_back(self, st: _Stream, why: str, quiet: bool = False) -> None:
         s = st.stats
         if s.fallback:
             return
@@ -435,7 +446,7 @@ class PlaneSubscribers:
         s.fallbacks += 1
         if s.mode == "live":
             s.mode = "wait"
-        log.warning("kv plane: %s falls back to %s: %s", st.worker_id,
+        (log.debug if quiet else log.warning)("kv plane: %s falls back to %s: %s", st.worker_id,
                     "its direct ZeroMQ events" if self.fallback_mode == "zmq" else "load-only routing", why)
         self._spawn(self._engage(st))
 
@@ -462,6 +473,15 @@ class PlaneSubscribers:
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
             now = time.monotonic()
+            if not self.link.connects:  # never connected yet: fall back after the grace, all together
+                late = [st for st in self._streams.values()
+                        if not st.stats.fallback and now - st.last_heard > self.first_connect_grace_s]
+                if late:
+                    log.warning("kv plane: no NATS connection yet: %d workers use %s meanwhile", len(late),
+                                "their direct ZeroMQ events" if self.fallback_mode == "zmq" else "load-only routing")
+                for st in late:
+                    self._fall_back(st, "NATS not reachable", quiet=True)
+                continue
             for st in list(self._streams.values()):
                 if not st.stats.fallback and now - st.last_heard > self.relay_stale_s:
                     self._fall_back(st, f"nothing from its relay for {now - st.last_heard:.1f}s")

@@ -315,3 +315,22 @@ async def test_no_relay_for_a_worker_is_a_failed_dump_not_a_malformed_one(plane)
     assert p.stats().dumps_refused == 0 and p.picker.garbage == 0
     await p.start_relay()
     await until_async(lambda: p.stats().mode == "live" and not p.stats().fallback, "the relay's dump", timeout=15)
+
+
+async def test_a_picker_started_while_nats_is_down_uses_zmq_then_joins_the_plane(plane, nats_server):  # noqa: F811
+    await nats_server.stop()
+    p = plane(first_connect_grace_s=0.5)
+    p.relay = Relay([nats_server.url], p.subjects, {W: p.sources}, block_size=BS, heartbeat_s=0.2)
+    await p.relay.start()  # it keeps trying to connect too, and reads the worker meanwhile
+    await p.picker.add(W, p.sources)
+    await until_async(lambda: p.stats().fallback and W in p.fallback.workers(), "the fallback after the grace")
+    await p.worker.sync(p.fallback, W)
+    await p.worker.sync(p.relay.subs, W)
+    await p.store()
+    await p.until_overlap(1, "the direct events meanwhile")
+    await nats_server.start()
+    await until_async(lambda: p.stats().mode == "live" and not p.stats().fallback, "joining the plane", timeout=20)
+    assert p.fallback.workers() == [] and p.stats().recoveries == 1
+    await p.until_overlap(1, "the dump")
+    await p.store()
+    await p.until_overlap(2, "the plane")
