@@ -176,14 +176,10 @@ async def test_a_lost_plane_message_is_a_gap_answered_by_a_dump(plane):
     await until_async(lambda: p.stats().mode == "live")
     await p.store()
     await p.until_overlap(1)
-    real_link = relay.link
-    connected = type(real_link).connected
-    try:  # the relay's next message is dropped (as when its outbox is full): the sequence jumps
-        type(real_link).connected = property(lambda self: False)  # type: ignore[method-assign]
-        await p.store()
-        await until_async(lambda: relay.dropped == 1)
-    finally:
-        type(real_link).connected = connected  # type: ignore[method-assign]
+    relay.outbox_messages = 0  # the relay's next message is dropped (its outbox full): the sequence jumps
+    await p.store()
+    await until_async(lambda: relay.dropped == 1)
+    relay.outbox_messages = 100
     await p.store()
     await p.until_overlap(3, "recovery from the gap")
     assert p.stats().gaps == 1 and p.stats().dumps == 2
@@ -194,13 +190,10 @@ async def test_a_lost_tail_is_seen_in_the_relays_heartbeat(plane):
     relay = await p.start_relay()
     await p.picker.add(W, p.sources)
     await until_async(lambda: p.stats().mode == "live")
-    connected = type(relay.link).connected
-    try:  # the last message before a quiet time is dropped: only the heartbeat can tell
-        type(relay.link).connected = property(lambda self: False)  # type: ignore[method-assign]
-        await p.store()
-        await until_async(lambda: relay.dropped == 1)
-    finally:
-        type(relay.link).connected = connected  # type: ignore[method-assign]
+    relay.outbox_messages = 0  # the last message before a quiet time is dropped: only the heartbeat can tell
+    await p.store()
+    await until_async(lambda: relay.dropped == 1)
+    relay.outbox_messages = 100
     await p.until_overlap(1, "the heartbeat to show the lost tail")
     assert p.stats().gaps == 1
 
@@ -334,3 +327,21 @@ async def test_a_picker_started_while_nats_is_down_uses_zmq_then_joins_the_plane
     await p.until_overlap(1, "the dump")
     await p.store()
     await p.until_overlap(2, "the plane")
+
+
+async def test_a_restarted_relay_rebuilds_from_the_engines_replay_where_it_has_one(plane, ctx):
+    p = plane()
+    p.worker.close()
+    p.worker = FakeWorker(ctx, replay="trtllm")
+    p.sources = [KvSource(p.worker.endpoint, p.worker.replay_endpoint)]
+    await p.start_relay()
+    await p.picker.add(W, p.sources)
+    for _ in range(3):
+        await p.store()
+    await p.until_overlap(3)
+    await p.stop_relay()
+    await p.start_relay()  # a new relay: its warm-up replays the engine's buffer from 0
+    await until_async(lambda: p.relay.idx.blocks_indexed(W) == 3, "the new relay's replay")
+    await until_async(lambda: p.stats().relay_restarts >= 1 and p.stats().mode == "live", "the new epoch's dump")
+    await p.until_overlap(3, "the dump of the rebuilt relay")
+    assert p.stats().epoch == p.relay.epoch
