@@ -188,6 +188,10 @@ class Config:
         "a peer silent this long (it heartbeats every quarter of it) counts as gone")
     peer_expiry_ms: int = opt("DYN_EPP_PEER_EXPIRY_MS", 5000, int,
         "a gone peer's bookings still count this long (its requests may still run), then are dropped")
+    replica_sync_plane: str = opt("DYN_EPP_REPLICA_SYNC_PLANE", "grpc", str,
+        "how replicas share bookings and predictions: `grpc` (the mesh: a stream to each of --peers or "
+        "--peer-service) or `nats` (one subject per replica on --nats-url, pool --kv-plane-pool; replicas find "
+        "each other there, no peer list); see docs/kv-event-plane.md", ("grpc", "nats"))
     # Endpoints
     endpoints: str | None = opt("DYN_EPP_ENDPOINTS", None, _opt_str,
         "static endpoints, comma separated `name=ip:port` (or just `ip:port`)")
@@ -490,6 +494,9 @@ class Config:
         _at_least(self, "processes", 1, "")
         _at_least(self, "prediction_grace_s", 0, "")
         _positive(self, "prediction_max_lifetime_s")
+        if self.replica_sync_plane == "nats" and (self.processes > 1 or self.sync_enabled()):
+            raise ValueError(f"{n('replica_sync_plane')} nats finds its peers on NATS: it takes neither "
+                             f"{n('peers')}/{n('peer_service')} nor {n('processes')} > 1")
         if self.kv_event_plane == "nats" and self.kv_ingest != "inprocess":
             raise ValueError(f"{n('kv_event_plane')} nats feeds the in-process index: it needs {n('kv_ingest')} "
                              "inprocess")
@@ -593,7 +600,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model rewrites (weighted splits of a requested model)",
      ("model_rewrites_file", "model_rewrite_session_header")),
     ("replicas (several pickers sharing load)",
-     ("processes", "peers", "peer_service", "pod_ip", "replica_sync_port", "peer_timeout_ms",
+     ("processes", "peers", "peer_service", "replica_sync_plane", "pod_ip", "replica_sync_port", "peer_timeout_ms",
       "peer_expiry_ms")),
     ("limits (what one client can hold)",
      ("max_inflight_requests", "max_incomplete_requests", "max_body_bytes", "max_buffered_body_bytes",
