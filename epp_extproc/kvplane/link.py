@@ -44,6 +44,7 @@ class NatsLink:
         self.connect_failures = 0
         self._task: asyncio.Task[None] | None = None
         self._up_tasks: set[asyncio.Task[None]] = set()
+        self._closing = False
 
     @property
     def connected(self) -> bool:
@@ -82,6 +83,8 @@ class NatsLink:
             return
 
     async def _disconnected(self) -> None:
+        if self._closing:
+            return
         self.disconnects += 1
         log.warning("NATS link %s lost", self.name)
         self.on_down()
@@ -98,6 +101,7 @@ class NatsLink:
         log.debug("NATS link %s: %s", self.name, exc)
 
     async def close(self) -> None:
+        self._closing = True
         await cancel_and_wait([self._task, *self._up_tasks])
         nc, self.nc = self.nc, None
         if nc is not None:
