@@ -351,3 +351,36 @@ async def test_a_restarted_relay_rebuilds_from_the_engines_replay_where_it_has_o
     await until_async(lambda: p.stats().relay_restarts >= 1 and p.stats().mode == "live", "the new epoch's dump")
     await p.until_overlap(3, "the dump of the rebuilt relay")
     assert p.stats().epoch == p.relay.epoch
+
+
+async def test_a_gap_inside_the_messages_buffered_during_a_dump_asks_for_the_next_dump(plane, nats_server):  # noqa: F811
+    """A hand-made relay: its first dump answer is late, and the live messages buffered meanwhile have a hole
+    after the dump's position; the picker applies up to the hole and asks again at once."""
+    from epp_extproc.dev.kvwire import pack_batch
+    from epp_extproc.kvplane.wire import DumpChunk, encode_dump_chunk
+
+    p = plane(dump_timeout_s=3.0)
+    nc = await raw_client(nats_server)
+    epoch, asked = 7, []
+    release = asyncio.Event()
+
+    async def relay(msg: Any) -> None:
+        asked.append(1)
+        if len(asked) == 1:
+            await release.wait()  # answer the first request only after the live messages were sent
+        seq = 1 if len(asked) == 1 else 3
+        await nc.publish(msg.reply, encode_dump_chunk(DumpChunk(W, epoch, seq, 0, 1, BS, "events", [])))
+
+    await nc.subscribe(p.subjects.dump(W), cb=relay)
+    await nc.flush()
+    await p.picker.add(W, p.sources)
+    await until_async(lambda: asked, "the first dump request")
+    batch = pack_batch([stored_event([1], None, block(0), BS)])
+    for seq in (2, 4):  # seq 3 is lost
+        await nc.publish(p.subjects.events(W), encode_live(KIND_BATCH, None, epoch, seq, seq, W, batch))
+    await nc.flush()
+    await until_async(lambda: p.stats().messages == 2, "both buffered")
+    release.set()
+    await until_async(lambda: len(asked) == 2 and p.stats().mode == "live", "the second dump")
+    assert p.stats().gaps == 1 and p.stats().dumps == 2 and p.stats().seq == 4
+    await nc.close()
