@@ -175,8 +175,8 @@ class Relay:
         batches (one connection keeps their order): a picker behind on a worker learns it lost the tail."""
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            if not self.link.connected:
-                continue
+            if not self.link.connected or len(self._outbox) >= self.outbox_messages:
+                continue  # (a full outbox: the batches' own sequence shows the loss; the next heartbeat comes)
             self._outbox.append((self.subjects.heartbeat, encode_heartbeat(
                 Heartbeat(self.name, self.epoch, dict(self.seq)))))
             self._outbox_ready.set()
