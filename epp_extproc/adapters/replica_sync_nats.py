@@ -167,7 +167,8 @@ class NatsReplicaSync:
                 await asyncio.sleep(0.01)
             if self.link.nc is not None:
                 try:
-                    await asyncio.wait_for(self.link.nc.flush(), max(0.05, deadline - time.monotonic()))
+                    async with asyncio.timeout(max(0.05, deadline - time.monotonic())):
+                        await self.link.nc.flush()
                 except Exception:
                     pass
         await cancel_and_wait(self._tasks)
@@ -220,7 +221,8 @@ class NatsReplicaSync:
     async def _sender(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), self.heartbeat_s)
+                async with asyncio.timeout(self.heartbeat_s):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
             self._wake.clear()

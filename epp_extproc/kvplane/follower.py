@@ -394,7 +394,8 @@ class PlaneSubscribers:
             first: DumpChunk | None = None
             total = 0
             while first is None or len(chunks) < first.count:
-                data = await asyncio.wait_for(got.get(), max(0.001, deadline - time.monotonic()))
+                async with asyncio.timeout(max(0.001, deadline - time.monotonic())):  # (not wait_for: test_aio)
+                    data = await got.get()
                 if not data:
                     raise ConnectionError("no relay serves this worker's dumps")
                 total += len(data)
