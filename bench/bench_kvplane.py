@@ -114,12 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    res = asyncio.run(run(a))
-    text = json.dumps(res, indent=2)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    emit(asyncio.run(run(a)), a.out)
     return 0
+
+
+def emit(result: Any, out: str | None) -> None:
+    """Print the result as JSON, and write it to ``out`` when given (bench_sync_planes too)."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

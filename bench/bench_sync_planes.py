@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
+from bench.bench_kvplane import emit
 from epp_extproc.app import PickerApp
 from epp_extproc.config import Config, ProcessSlot
 from epp_extproc.dev.nats import NatsServer
@@ -87,11 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bookings", type=int, default=200)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    res = asyncio.run(run(a))
-    text = json.dumps(res, indent=2)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    emit(asyncio.run(run(a)), a.out)
     return 0
 
 

@@ -29,11 +29,9 @@ from prometheus_client import CollectorRegistry, Counter
 
 from epp_extproc.adapters.replica_sync import (
     _KIND_TO_PB,
-    _PB_TO_KIND,
     MAX_BATCH_ITEMS,
-    MAX_PREDICTION_HASHES,
-    MAX_PREDICTION_TTL_S,
     SyncMetrics,
+    apply_batch,
     default_replica_id,
 )
 from epp_extproc.core.endpoints import EndpointRegistry
@@ -282,7 +280,7 @@ class NatsReplicaSync:
                 self.gaps.inc()
                 await self._want(rid)
             p.seq = seq
-            self._apply(rid, req.batch)
+            apply_batch(self.load, self.registry, self.index, rid, req.batch)
             if req.batch.oldest_change_unix > 0:
                 self.metrics.visible_lag.observe(max(time.time() - req.batch.oldest_change_unix, 0.0))
         self.metrics.peer_bookings.labels(rid).set(self.load.peer_inflight(rid))
@@ -294,22 +292,6 @@ class NatsReplicaSync:
                 await nc.publish(self.subject_want, rid.encode())
             except Exception as exc:
                 log.debug("replica sync over NATS: snapshot request failed: %s", exc)
-
-    def _apply(self, peer: str, batch: pb.Batch) -> None:
-        """The mesh's `ReplicaSync._apply`: bookings always, predictions only for workers we route to, in the
-        block size we hash them with."""
-        change = self.load.peer_change
-        for d in batch.deltas:
-            kind = _PB_TO_KIND.get(d.kind)
-            if kind is not None:
-                change(peer, BookingChange(kind, d.id, d.address, d.prefill_blocks, d.decode_blocks))
-        idx = self.index
-        if idx is None:
-            return
-        for pr in batch.predictions:
-            if pr.address in self.registry and idx.block_size(pr.address) == pr.block_size and pr.ttl_ms > 0:
-                idx.predict_hashes(pr.address, pr.hashes[:MAX_PREDICTION_HASHES],
-                                   min(pr.ttl_ms / 1000, MAX_PREDICTION_TTL_S))
 
     async def _watch(self) -> None:
         loop = asyncio.get_running_loop()

@@ -100,6 +100,16 @@ async def plane(ctx, nats_server) -> AsyncIterator[Callable[..., Plane]]:  # noq
         await p.close()
 
 
+async def live_with_one_block(p: Plane) -> Plane:
+    """The relay up, the picker live on the plane, one block stored and seen."""
+    await p.start_relay()
+    await p.picker.add(W, p.sources)
+    await p.store()
+    await p.until_overlap(1)
+    await until_async(lambda: p.stats().mode == "live")
+    return p
+
+
 async def raw_client(server: NatsServer) -> Client:
     nc = Client()
     await nc.connect(server.url)
@@ -221,12 +231,7 @@ async def test_a_relay_restart_is_a_new_epoch_and_a_new_dump(plane):
 
 
 async def test_nats_stopped_falls_back_to_direct_zmq_and_recovers_when_it_returns(plane, nats_server):  # noqa: F811
-    p = plane()
-    await p.start_relay()
-    await p.picker.add(W, p.sources)
-    await p.store()
-    await p.until_overlap(1)
-    await until_async(lambda: p.stats().mode == "live")  # (it starts on ZeroMQ until its first connect)
+    p = await live_with_one_block(plane())  # (a picker starts on ZeroMQ until its first connect)
     fallbacks, recoveries = p.stats().fallbacks, p.stats().recoveries
     await nats_server.stop()
     await until_async(lambda: p.stats().fallback and W in p.fallback.workers(), "the fallback")
@@ -256,12 +261,7 @@ async def test_load_fallback_drops_the_workers_entries_until_the_plane_returns(p
 
 
 async def test_a_partitioned_server_is_noticed_and_the_worker_falls_back(plane, nats_server):  # noqa: F811
-    p = plane()
-    await p.start_relay()
-    await p.picker.add(W, p.sources)
-    await p.store()
-    await p.until_overlap(1)
-    await until_async(lambda: p.stats().mode == "live")
+    p = await live_with_one_block(plane())
     recoveries = p.stats().recoveries
     await nats_server.pause()  # the sockets stay open, nothing is answered: a partition
     await until_async(lambda: p.stats().fallback, "the fallback after a silent server", timeout=15)
