@@ -33,7 +33,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -149,6 +149,8 @@ class PlaneSubscribers:
             self._watchdog = asyncio.create_task(self._watch(), name="kv-plane-watchdog")
 
     async def add(self, worker_id: str, endpoint: str | Sequence[KvSource], replay_endpoint: str | None = None) -> None:
+        """Follow a worker on the plane (`SubscriberManager.add`'s signature); its ZeroMQ sources are kept for
+        the fallback, never opened while the plane serves it."""
         if self._closed:
             raise RuntimeError("PlaneSubscribers is closed")
         sources = [KvSource(endpoint, replay_endpoint)] if isinstance(endpoint, str) else list(endpoint)
@@ -170,6 +172,7 @@ class PlaneSubscribers:
         # picker starting beside a healthy NATS does not open (and close again) one socket per worker
 
     async def remove(self, worker_id: str) -> None:
+        """Stop following a worker (its dump, its fallback sockets) and drop it from the index."""
         st = self._streams.pop(worker_id, None)
         self._by_token.pop(worker_token(worker_id), None)
         if st is not None:
@@ -180,6 +183,7 @@ class PlaneSubscribers:
         self.idx.drop_worker(worker_id)
 
     async def close(self) -> None:
+        """Stop everything, the fallback subscriber included (the index keeps its entries)."""
         self._closed = True
         streams, self._streams = list(self._streams.values()), {}
         await cancel_and_wait([self._watchdog, *self._tasks, *(s.dump_task for s in streams)])
@@ -204,8 +208,8 @@ class PlaneSubscribers:
         return self._streams[worker_id].stats
 
     def stats_snapshot(self) -> dict[str, dict[str, Any]]:
-        from dataclasses import asdict
-
+        """The fallback's per-worker counters (workers on ZeroMQ now), each worker's plane counters under
+        ``kv_plane`` (`/debug/kv`)."""
         out = self.fallback.stats_snapshot()
         for wid, st in self._streams.items():
             out.setdefault(wid, {})["kv_plane"] = asdict(st.stats)
