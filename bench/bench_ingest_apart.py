@@ -714,7 +714,7 @@ def channel_server(n: int, sock_dir: str) -> None:
 
 async def run_channel(ns: list[int], lengths: list[int], reps: int) -> list[dict[str, Any]]:
     from epp_extproc.adapters.kv_remote import RemoteKv
-    from epp_extproc.adapters.kv_routing import Prompt
+    from epp_extproc.adapters.worker_facts import Prompt
     from epp_extproc.core.endpoints import EndpointRegistry
     from epp_extproc.ingest import wire
     from kvindex.events import BlockStored, DecodedBatch

@@ -331,11 +331,8 @@ def run(plan: PdPlan, configs: Sequence[str], work: Path) -> dict[str, Any]:
 
 
 def cells(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    keys: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
-    for r in runs:
-        keys.setdefault((r["capacity"], r["config"], r["offered_rps"]), []).append(r)
-    return [{"capacity": cap, "config": cfg, "offered_rps": rate, "divisor": rs[0]["divisor"],
-             "summary": S.summarize(rs, METRICS), "runs": rs} for (cap, cfg, rate), rs in keys.items()]
+    """bench_trace's grouping, summarised over this benchmark's metrics."""
+    return BT.cells(runs, METRICS)
 
 
 def claims(doc: dict[str, Any]) -> list[dict[str, Any]]:

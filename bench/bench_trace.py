@@ -170,6 +170,9 @@ class Plan:
     requests: int | None = None
     worker_speeds: tuple[float, ...] | None = None
     rates_by_capacity: dict[str, tuple[float, ...]] | None = None
+    # issue 44: each worker also keeps a host-memory tier of this many times its GPU blocks (0: none) and then
+    # publishes vLLM-dialect events (self-describing offload events); the load time is the mock's fixed model
+    host_tier: float = 0.0
 
     def rates_for(self, capacity: str) -> tuple[float, ...]:
         """The offered loads at one capacity: the workload's own three when the plan has them."""
@@ -189,7 +192,9 @@ class Plan:
                 "--step-prefill-ms-per-token", f"{c['step_prefill_ms_per_token'] * k / speed:.6g}",
                 "--step-decode-ms-per-token", str(c["step_decode_ms_per_token"] / speed),
                 "--step-kv-read-ms-per-token", f"{c['step_kv_read_ms_per_token'] * k / speed:.6g}",
-                "--max-seq-len", "1000000", "--heartbeat-interval", "1"]
+                "--max-seq-len", "1000000", "--heartbeat-interval", "1",
+                *(["--host-blocks", str(math.ceil(num_blocks * self.host_tier)), "--event-dialect", "vllm"]
+                  if self.host_tier > 0 else [])]
 
     def engine_model(self, num_blocks: int) -> CV.EngineModel:
         """The same capacity and step costs as `mock_args`, for the clairvoyant router."""
@@ -608,6 +613,12 @@ def run_capacity(plan: Plan, configs: Sequence[str], wl: Workload, cap: str, wor
                             "working_set_over_pool": wl.working_set / pool,
                             "oracle": T.oracle(wl.prompts, workers=plan.workers, capacity=blocks, bs=BS),
                             "clairvoyant": []}
+    if plan.host_tier > 0:  # issue 44: the pooled LRU bound over GPU + host blocks (it knows both tiers)
+        host = math.ceil(blocks * plan.host_tier)
+        info["host_blocks_per_worker"] = host
+        info["oracle_gpu_and_host"] = T.oracle(wl.prompts, workers=plan.workers, capacity=blocks + host, bs=BS)
+        print(f"capacity {cap}: + {host} host blocks per worker; pooled LRU of GPU + host "
+              f"{info['oracle_gpu_and_host']['pooled_lru']:.3f}", flush=True)
     base_rate = T.offered_rate(wl.rows, 1.0)
     runs: list[dict[str, Any]] = []
     print(f"capacity {cap}: {blocks} blocks per worker, working set {wl.working_set} = "
@@ -637,13 +648,13 @@ def run_capacity(plan: Plan, configs: Sequence[str], wl: Workload, cap: str, wor
     return info, runs
 
 
-def cells(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def cells(runs: Sequence[dict[str, Any]], metrics: Sequence[str] = METRICS) -> list[dict[str, Any]]:
     """The runs grouped by (capacity, config, load), each group summarised as median and spread."""
     keys: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
     for r in runs:
         keys.setdefault((r["capacity"], r["config"], r["offered_rps"]), []).append(r)
     return [{"capacity": cap, "config": cfg, "offered_rps": rate, "divisor": rs[0]["divisor"],
-             "summary": S.summarize(rs, METRICS), "runs": rs} for (cap, cfg, rate), rs in keys.items()]
+             "summary": S.summarize(rs, metrics), "runs": rs} for (cap, cfg, rate), rs in keys.items()]
 
 
 def _workload_summary(plan: Plan) -> str:
@@ -992,6 +1003,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--capacities", help=f"comma-separated KV capacities per worker ({','.join(CAPACITIES)}; "
                                          "default ample,75,scarce)")
     ap.add_argument("--work", help="directory for AIPerf inputs, artifacts and logs (default: a temp dir)")
+    ap.add_argument("--host-tier", type=float, default=0.0,
+                    help="issue 44: every worker also keeps host memory of this many times its GPU blocks, "
+                         "published as vLLM's self-describing offload events (e.g. 4, with --variant "
+                         "'t=--tiered-credit')")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="another KV-aware picker, compared with (c) and (e), e.g. 'c30=--prediction-ttl-s 30'")
     ap.add_argument("--prediction-variant", action="append", default=[], metavar="NAME=FLAGS",
@@ -1026,6 +1041,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         plan.rates = (a.rate,)
     if a.speedup:
         plan.speedup = a.speedup
+    plan.host_tier = a.host_tier
     if a.repeats:
         plan.repeats = a.repeats
     if a.capacities:

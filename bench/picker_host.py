@@ -4,9 +4,10 @@
 
 Adds to the picker's own /metrics, with fine log-spaced buckets so percentiles are exact to ~10%:
 
-* ``bench_decision_seconds``: `Pipeline.propose` (parse, render call, score and choose, the forwarded body;
+* ``bench_decision_seconds``: `Director.propose` (parse, render call, schedule, the forwarded body;
   admission and commit follow it);
-* ``bench_lookup_seconds``: `Pipeline.candidates` (KV index overlap for every worker + loads);
+* ``bench_lookup_seconds``: `TableSource.table` (the candidate table's fill: loads and the KV index's overlap
+  for every candidate);
 * ``bench_kv_ingest_lag_seconds``: wall time from the publisher stamping a batch (its msgpack ``ts``, taken
   just before the send) to the batch being applied to the index, i.e. visible to the next lookup;
 * ``bench_kv_apply_seconds``: CPU time of applying one non-empty batch to the index.
@@ -32,12 +33,12 @@ FINE_BUCKETS = tuple(round(10e-6 * 1.2 ** i, 9) for i in range(76))  # 10 us .. 
 
 def instrument(app: PickerApp) -> None:
     reg = app.metrics.registry
-    decision = Histogram("bench_decision_seconds", "Pipeline.propose wall time", buckets=FINE_BUCKETS,
+    decision = Histogram("bench_decision_seconds", "Director.propose wall time", buckets=FINE_BUCKETS,
                          registry=reg)
-    lookup = Histogram("bench_lookup_seconds", "Pipeline.candidates wall time", buckets=FINE_BUCKETS,
+    lookup = Histogram("bench_lookup_seconds", "TableSource.table wall time", buckets=FINE_BUCKETS,
                        registry=reg)
-    pipe = app.pipeline
-    orig_propose, orig_cands = pipe.propose, pipe.candidates
+    director, source = app.director, app.decision.source
+    orig_propose, orig_table = director.propose, source.table
 
     async def propose(ctx, **kw):  # noqa: ANN001, ANN003, ANN202
         t0 = time.perf_counter()
@@ -46,15 +47,15 @@ def instrument(app: PickerApp) -> None:
         finally:
             decision.observe(time.perf_counter() - t0)
 
-    def candidates(addresses, plan):  # noqa: ANN001, ANN202
+    def table(req, addresses):  # noqa: ANN001, ANN202
         t0 = time.perf_counter()
         try:
-            return orig_cands(addresses, plan)
+            return orig_table(req, addresses)
         finally:
             lookup.observe(time.perf_counter() - t0)
 
-    pipe.propose = propose  # type: ignore[method-assign]
-    pipe.candidates = candidates  # type: ignore[method-assign]
+    director.propose = propose  # type: ignore[method-assign]
+    source.table = table  # type: ignore[method-assign]
     if app.kv is None:
         return
     lag = Histogram("bench_kv_ingest_lag_seconds", "KV batch publish (ts) -> applied to the index",

@@ -16,8 +16,6 @@ from aiohttp import web
 
 from epp_extproc.adapters.discovery_static import FileDiscovery, parse_flag
 from epp_extproc.adapters.endpoint_probe import EndpointProber
-from epp_extproc.adapters.kv_remote import RemoteKv
-from epp_extproc.adapters.kv_routing import KvRouting
 from epp_extproc.adapters.model_rewrites import ModelRewriteCrdPoller, ModelRewritesFile
 from epp_extproc.adapters.objectives import ObjectiveCrdPoller, ObjectivesFile
 from epp_extproc.adapters.render_client import RenderClient
@@ -31,11 +29,13 @@ from epp_extproc.core.admission import BodyBudget, InflightGate
 from epp_extproc.core.assemble import assemble
 from epp_extproc.core.director import Admission
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
-from epp_extproc.core.flow_control import FlowController, ObjectiveTable, SaturationDetector, Thresholds
+from epp_extproc.core.flow_objectives import ObjectiveTable
+from epp_extproc.core.flow_queue import FlowController
 from epp_extproc.core.lean import LeanSignals
 from epp_extproc.core.load import LoadTracker
 from epp_extproc.core.model_rewrite import ModelRewriter, RewriteTable
 from epp_extproc.core.picker import Picker
+from epp_extproc.core.saturation import SaturationDetector, Thresholds
 from epp_extproc.core.scheduling.config_file import SchedulingSpec, load_config_file, report_lines
 from epp_extproc.core.session import SessionTokens
 from epp_extproc.envoy.access_log import AccessLogServicer, als_pb2_grpc
@@ -43,11 +43,10 @@ from epp_extproc.envoy.extproc import ExtProcServicer, pb_grpc
 from epp_extproc.envoy.health import HEALTH_SERVER_OPTIONS, Health
 from epp_extproc.envoy.tls import CertSource, ServerCert
 from epp_extproc.ingest.launcher import IngestGroup
-from epp_extproc.ingest.setup import build_kv
+from epp_extproc.ingest.setup import KvBackend, build_kv
 from epp_extproc.metrics import PickerMetrics, PromFlowMetrics
 from h2grpc import H2GrpcServer
 from kvindex.aio import cancel_and_wait
-from kvindex.churn import ChurnWindow
 
 if TYPE_CHECKING:
     from epp_extproc.adapters.replica_sync_nats import NatsReplicaSync
@@ -74,7 +73,7 @@ class PickerApp:
         self.registry = EndpointRegistry()
         self.load = LoadTracker(self.metrics.endpoint_inflight)
         self.renderer: RenderClient | None = None
-        self.kv: KvRouting | RemoteKv | None = None
+        self.kv: KvBackend | None = None
         self.ingest: IngestGroup | None = None  # --kv-ingest apart, run by this process (not a supervisor)
         self.ingest_dir: str | None = None  # the private socket directory of its own shards (removed at stop)
         if config.tokenizer_protocol != "none":
@@ -87,10 +86,11 @@ class PickerApp:
                                          breaker_open_ms=config.render_circuit_open_ms)
             self.kv, self.ingest, self.ingest_dir = build_kv(config, self.slot, self.registry,
                                                               self.metrics.registry)
-            if config.prediction_lifetime == "queue" and isinstance(self.kv, KvRouting):
+            if config.prediction_lifetime == "queue":
                 # predictions follow their bookings (docs/predictions.md); Config refuses it with ingest apart
-                self.kv.use_queue_lifetime(config.prediction_grace_s, config.prediction_max_lifetime_s)
-                self.load.add_listener(self.kv.on_booking)
+                follow = self.kv.use_queue_lifetime(config.prediction_grace_s, config.prediction_max_lifetime_s)
+                if follow is not None:
+                    self.load.add_listener(follow)
         self.fingerprints: FingerprintWatcher | None = None
         if config.tokenizer_protocol == "trtllm-render" and config.prompt_passthrough != "off":
             self.fingerprints = FingerprintWatcher(self.registry, self.metrics,
@@ -112,7 +112,7 @@ class PickerApp:
             rewriter=ModelRewriter(self.rewrites, session_header=config.model_rewrite_session_header),
             sessions=self.sessions, saturated=lambda address: detector.state(address).saturated,
             sheddable=lambda ctx: objectives.flow_key(ctx.headers).priority < 0,
-            churn=ChurnWindow(self.kv.index) if isinstance(self.kv, KvRouting) else None,
+            churn=self.kv.churn_window() if self.kv is not None else None,
             usage=self._kv_usage)
         self.director = self.decision.director
         self._report_scheduling()
@@ -132,7 +132,7 @@ class PickerApp:
                                         expiry_s=config.peer_expiry_ms / 1000,
                                         metrics_registry=self.metrics.registry)
             if self.kv is not None and self.slot.ingest_dir is None:
-                self.kv.predict_listeners.append(self.sync.on_predict)
+                self.kv.facts.predict_listeners.append(self.sync.on_predict)
         elif config.sync_enabled() or self.slot.sync_listen:
             tls = SyncTls.load(config.replica_sync_tls_path, config.replica_sync_server_name) \
                 if config.replica_sync_tls_path else None
@@ -142,7 +142,7 @@ class PickerApp:
                                     expiry_s=config.peer_expiry_ms / 1000, metrics_registry=self.metrics.registry,
                                     tls=tls)
             if self.kv is not None and self.slot.ingest_dir is None:  # siblings sharing an ingest see them there
-                self.kv.predict_listeners.append(self.sync.on_predict)
+                self.kv.facts.predict_listeners.append(self.sync.on_predict)
         self._started_at = time.monotonic()
         self.draining = False
         self.health = Health()
@@ -178,6 +178,8 @@ class PickerApp:
         for n in spec.notes:
             if n.status == "warning":
                 log.warning("%s: %s", n.entry, n.detail)
+            elif n.entry == "tiered_credit":  # what tier credit needs of the engines (issue 44)
+                log.info("%s: %s", n.entry, n.detail)
 
     def _kv_usage(self, address: str) -> float | None:
         """A worker's KV usage gauge from a fresh scrape (the eviction scorer's pinned blocks), else None."""
@@ -258,8 +260,7 @@ class PickerApp:
         if self.sync is not None and not self.sync.settled():
             return False
         if self.kv is not None and time.monotonic() - self._started_at < WARMUP_WAIT_S:
-            kv = self.kv
-            warm = kv.warm if isinstance(kv, RemoteKv) else lambda a: kv.index.stats(a).batches > 0
+            warm = self.kv.warm
             if any(ep.kv_events and not warm(ep.address) for ep in self.registry.all()):
                 return False
         return True
@@ -348,7 +349,7 @@ class PickerApp:
         if self.ingest is not None:
             self.ingest.start()
             self._tasks.append(asyncio.create_task(self.ingest.run()))
-        if isinstance(self.kv, RemoteKv):
+        if self.kv is not None:
             self.kv.start()
         await self._start_discovery()
         if self.sync is not None:

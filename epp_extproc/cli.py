@@ -107,7 +107,10 @@ def with_config_file(cfg: Config) -> Config:
 
     from epp_extproc.core.scheduling.config_file import load_config_file
 
-    spec = load_config_file(cfg.config_file)  # ConfigFileError is a ValueError naming the file and the entry
+    try:
+        spec = load_config_file(cfg.config_file)
+    except ConfigFileError as e:  # it names the file, the entry and the field
+        raise ValueError(f"{setting('config_file').split(' ')[0]}: {e}") from None
     return replace(cfg, **dict(spec.settings)) if spec.settings else cfg
 
 

@@ -329,6 +329,23 @@ class Config:
         "credit a worker's cached prefix only as far as its cache will likely keep it until the request is "
         "admitted, and price the other prefixes a long new prompt would flush there (from its KV events' "
         "removals, its KV usage gauge and the bookings; in-process KV ingest only); see docs/eviction-aware.md")
+    tiered_credit: bool = opt("DYN_EPP_TIERED_CREDIT", False, _bool,
+        "credit a worker's cached prefix block by block at the best tier holding each block (GPU, host memory, "
+        "disk, shared storage) instead of its GPU blocks alone (the `tiered-credit` plugin; in-process KV ingest "
+        "only; vLLM needs its offloading connector's self_describing_kv_events); on by itself when a tier "
+        "weight is set; see README 'Tiered KV credit'")
+    router_host_cache_hit_weight: float | None = opt("DYN_ROUTER_HOST_CACHE_HIT_WEIGHT", None,
+        lambda s: float(s) if s else None,
+        "credit of a block held in host memory against one on the GPU (1.0); unset = 0.8 (llm-d's cpu weight; "
+        "Dynamo's default is 0.75); setting it turns --tiered-credit on")
+    router_disk_cache_hit_weight: float | None = opt("DYN_ROUTER_DISK_CACHE_HIT_WEIGHT", None,
+        lambda s: float(s) if s else None,
+        "credit of a block held on disk or shared storage; unset = 0.25 (Dynamo's disk weight); setting it "
+        "turns --tiered-credit on")
+    kv_shared_stores: str | None = opt("DYN_EPP_KV_SHARED_STORES", None, _opt_str,
+        "with --tiered-credit: which workers mount the same shared KV store, `store=addr,addr;other=addr`: a "
+        "block one of them publishes on the shared tier (SGLang EXTERNAL, llm-d SHARED_STORAGE / OBJECT_STORE) "
+        "is credited to all of them at the shared weight, not only to the publisher")
     pd_min_uncached_tokens: int = opt("DYN_EPP_PD_MIN_UNCACHED_TOKENS", 16, int,
         "disaggregated pools: a prompt whose uncached suffix on the chosen decode worker is at least this many "
         "tokens is prefilled on a prefill worker (named in x-prefiller-host-port), a shorter one on the decode "
@@ -487,6 +504,22 @@ class Config:
         if self.eviction_aware and self.cost_model == "time":
             raise ValueError(f"{n('eviction_aware')} prices flushed prefixes in KV blocks and {n('cost_model')} "
                              "time prices in seconds: the two cannot be added; use one of them")
+        if self.kv_shared_stores:
+            from kvindex.tiers import parse_shared_stores
+
+            try:
+                parse_shared_stores(self.kv_shared_stores)
+            except ValueError as e:
+                raise ValueError(f"{n('kv_shared_stores')}: {e}") from None
+        for dest in ("router_host_cache_hit_weight", "router_disk_cache_hit_weight"):
+            if getattr(self, dest) is not None:
+                _at_least(self, dest, 0, "")
+        if self.tiered_credit_enabled() and self.cost_model == "time":
+            raise ValueError(f"{n('tiered_credit')} adds to the credited overlap, which {n('cost_model')} time "
+                             "does not read: use the block cost with tier weights")
+        if self.tiered_credit_enabled() and self.kv_ingest != "inprocess":
+            raise ValueError(f"{n('tiered_credit')} reads the in-process KV index's tiers: it needs "
+                             f"{n('kv_ingest')} inprocess")
         if self.eviction_aware and self.kv_ingest != "inprocess":
             raise ValueError(f"{n('eviction_aware')} reads the in-process KV index's removals: it needs "
                              f"{n('kv_ingest')} inprocess")
@@ -523,6 +556,11 @@ class Config:
         sources = [d for d in ("endpoints", "endpoints_file", "inference_pool_name") if getattr(self, d)]
         if len(sources) > 1:
             raise ValueError("choose one endpoint source, not " + " and ".join(n(d) for d in sources))
+
+    def tiered_credit_enabled(self) -> bool:
+        """`--tiered-credit`, or a tier weight set (Dynamo's way of turning host/disk credit on)."""
+        return bool(self.tiered_credit or self.router_host_cache_hit_weight is not None
+                    or self.router_disk_cache_hit_weight is not None)
 
     def body_modes(self) -> tuple[str, ...]:
         return tuple(m.strip().upper() for m in self.allowed_body_modes.split(",") if m.strip())
@@ -589,7 +627,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("routing (KV overlap against load)",
      ("config_file", "kv_cache_block_size", "max_index_blocks_per_worker", "kv_overlap_score_credit", "prefill_load_scale",
       "router_temperature", "cost_model", "affinity_load_bound", "prediction_ttl_s", "prediction_lifetime", "prediction_grace_s",
-      "prediction_max_lifetime_s", "eviction_aware", "pd_min_uncached_tokens", "kv_ingest", "kv_ingest_shards",
+      "prediction_max_lifetime_s", "eviction_aware", "tiered_credit", "router_host_cache_hit_weight",
+      "router_disk_cache_hit_weight", "kv_shared_stores", "pd_min_uncached_tokens", "kv_ingest", "kv_ingest_shards",
       "kv_ingest_lookup_timeout_ms", "kv_ingest_worker_cpu_share", "session_affinity_keys_file",
       "session_affinity_ttl_s",
       "worker_metrics_interval_ms",

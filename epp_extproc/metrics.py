@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from epp_extproc.core.flow_control import FlowMetrics
+from epp_extproc.core.flow_queue import FlowMetrics
 
 DECISION_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25,
                     0.5, 1.0, 2.5, 5.0)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
+from typing import Any
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Future | None], timeout: float | None = None) -> set[asyncio.Future]:
@@ -24,3 +25,27 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Future | None], timeout: float
         if t.done() and not t.cancelled():
             t.exception()
     return running
+
+
+class TaskSet:
+    """The background tasks one owner starts and must end at its close.
+
+    Why a class: asyncio holds running tasks only weakly, so each owner kept a set of its own, added each task
+    and discarded it when done, in the same four lines; the KV views and their shared worker facts now spawn
+    into one set, so one ``cancel`` ends them all and a test can wait for ``len() == 0``."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def cancel(self) -> None:
+        """Cancel every task still running and wait for each to end (``cancel_and_wait``)."""
+        await cancel_and_wait(list(self._tasks))

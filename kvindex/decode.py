@@ -34,6 +34,7 @@ from kvindex.hashing import (
     mm_trtllm_key,
     pack_tokens,
 )
+from kvindex.tiers import TIER_GPU, TIER_UNKNOWN, medium_tier
 
 _xxh3 = xxhash.xxh3_64_intdigest
 MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -91,13 +92,17 @@ def _norm_hashes(raw: object) -> list[int]:
         return [_norm_hash(h) for h in raw]
 
 
-def _check_medium(medium: object) -> None:
+def _medium(medium: object, counters: DecodeCounters) -> str:
+    """The event's tier (kvindex/tiers.py). A non-GPU medium is indexed under its tier since issue 44; before,
+    such an event was skipped (`skipped_medium`)."""
     if medium is None or medium == "GPU":  # the spelling every engine sends: no case fold per event
-        return
+        return TIER_GPU
     if type(medium) is not str:
         raise _Garbage("medium is not a string")
-    if medium.upper() != "GPU":
-        raise _Skip("skipped_medium")
+    tier = medium_tier(medium)
+    if tier == TIER_UNKNOWN:
+        counters.unknown_medium += 1
+    return tier
 
 
 def _check_group(group_idx: object) -> None:
@@ -328,15 +333,20 @@ def _stored(ev: dict, counters: DecodeCounters) -> BlockStored:
     g = ev.get
     hs = _norm_hashes(g("block_hashes"))
     block_size = g("block_size")
+    raw_tokens = g("token_ids")
+    tier = _medium(g("medium"), counters)
+    if block_size == 0 and tier != TIER_GPU and not raw_tokens:
+        # vLLM's legacy offload event (vllm-project/vllm 896c8e6e .../kv_connector/v1/offloading/events.py
+        # `_placeholder_stored`: one hash per offload chunk, `token_ids=[]`, no parent, `block_size=0`): the
+        # prefix's tokens are not there, so no key can be computed; vLLM's `self_describing_kv_events` fixes it
+        raise _Skip("skipped_placeholder")
     if type(block_size) is not int or not 0 < block_size <= MAX_BLOCK_SIZE:
         raise _Garbage("bad block_size")
-    raw_tokens = g("token_ids")
     tokens = _tokens(raw_tokens)
     if tokens is not raw_tokens and len(tokens) != len(raw_tokens):  # type: ignore[arg-type]
         raise _Garbage("bigram token_ids are not pairs")
     parent = g("parent_block_hash")
     par = None if parent is None else _norm_hash(parent)
-    _check_medium(g("medium"))
     _check_group(g("group_idx"))
     if len(tokens) != block_size * len(hs):  # type: ignore[arg-type]
         raise _Skip("skipped_length")
@@ -361,14 +371,14 @@ def _stored(ev: dict, counters: DecodeCounters) -> BlockStored:
         counters.mm_blocks_vllm += probe.mm_blocks_vllm
         counters.mm_blocks_vllm_bare += probe.mm_blocks_vllm_bare
         counters.mm_blocks_trtllm += probe.mm_blocks_trtllm
-    return BlockStored(hs, par, packed, block_size, lora, lora_id, salt, mm, dialect)
+    return BlockStored(hs, par, packed, block_size, lora, lora_id, salt, mm, dialect, tier)
 
 
-def _removed(ev: dict) -> BlockRemoved:
+def _removed(ev: dict, counters: DecodeCounters) -> BlockRemoved:
     hs = _norm_hashes(ev.get("block_hashes"))
-    _check_medium(ev.get("medium"))
+    tier = _medium(ev.get("medium"), counters)
     _check_group(ev.get("group_idx"))
-    return BlockRemoved(hs)
+    return BlockRemoved(hs, tier)
 
 
 def _decode_event(tag: object, ev: dict, counters: DecodeCounters) -> Event | None:
@@ -379,7 +389,7 @@ def _decode_event(tag: object, ev: dict, counters: DecodeCounters) -> Event | No
     if tag == "BlockRemoved":
         if not ev.keys() <= _KNOWN_REMOVED:
             counters.unknown_keys += len(ev.keys() - _KNOWN_REMOVED)
-        return _removed(ev)
+        return _removed(ev, counters)
     if tag == "AllBlocksCleared":
         if not ev.keys() <= _KNOWN_CLEARED:
             counters.unknown_keys += len(ev.keys() - _KNOWN_CLEARED)

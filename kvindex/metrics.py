@@ -60,7 +60,8 @@ _WORKER_METRICS = [
     ("subscriber", "gauge", "unsubscribed", "worker_unsubscribed",
      "1 if its KV events could not be subscribed (no socket left: ZMQ_MAX_SOCKETS or RLIMIT_NOFILE)"),
 ]
-_SKIP_REASONS = ["length", "medium", "group", "extra_keys", "mm_shape", "unknown_parent", "rank", "block_size"]
+_SKIP_REASONS = ["length", "medium", "group", "extra_keys", "mm_shape", "unknown_parent", "rank", "block_size",
+                 "placeholder"]
 # media blocks decoded, by the dialect their keys came in (stats key suffix -> label value)
 _MM_DIALECTS = [("vllm", "vllm"), ("vllm_bare", "vllm-bare"), ("trtllm", "trtllm")]
 _GARBAGE_KINDS = ["frames", "batches", "events"]
@@ -100,8 +101,16 @@ class KvIndexCollector(Collector):
         sk = CounterMetricFamily(PREFIX + "events_skipped", "Events not applied, by reason", labels=["worker", "reason"])
         for wid, d in workers.items():
             for r in _SKIP_REASONS:
-                sk.add_metric([wid, r], d["skipped_" + r])
+                sk.add_metric([wid, r], d.get("skipped_" + r, 0))
         yield sk
+        # issue 44: blocks held off the GPU, per tier (only workers where a tier was seen have the key)
+        tiers = GaugeMetricFamily(PREFIX + "tier_blocks", "Blocks indexed per tier (gpu, cpu, disk, shared, "
+                                  "unknown), for workers whose events named a tier besides the GPU",
+                                  labels=["worker", "tier"])
+        for wid, d in workers.items():
+            for tier, n in (d.get("blocks_by_tier") or {}).items():
+                tiers.add_metric([wid, tier], n)
+        yield tiers
         mm = CounterMetricFamily(PREFIX + "mm_blocks", "Multimodal blocks indexed with their item keys, by the "
                                  "dialect the engine sent them in", labels=["worker", "dialect"])
         for wid, d in workers.items():

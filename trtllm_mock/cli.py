@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--error-shape", choices=["current", "legacy"], default=d.error_shape)
     a("--tokens-per-block", type=int, default=d.tokens_per_block)
     a("--num-blocks", type=int, default=d.num_blocks)
+    a("--host-blocks", type=int, default=d.host_blocks,
+      help="off-GPU tier: blocks of host memory that GPU evictions are offloaded to (0 = none; issue 44)")
+    a("--storage-blocks", type=int, default=d.storage_blocks,
+      help="off-GPU tier: blocks of storage that host-memory evictions go to (0 = none)")
     a("--max-seq-len", type=int, default=d.max_seq_len)
     a("--default-max-tokens", type=int, default=d.default_max_tokens)
     a("--no-kv-events", dest="kv_events", action="store_false", help="do not bind a KV-event PUB")

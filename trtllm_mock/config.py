@@ -33,6 +33,22 @@ LLAMA_8B_H100: dict[str, float] = {
 # Derived, not measured: docs/mock-vision.md says so.
 ENCODER_MS_PER_PATCH = 0.0024
 
+# Off-GPU tiers' load time (issue 44), fixed here so that no benchmark can tune it. One token's KV bytes of
+# Llama-3.1-8B in FP8: K and V x 32 layers x 8 KV heads x head_dim 128 x 1 byte = 65,536 B = 64 KiB (the model's
+# config.json: num_hidden_layers 32, num_key_value_heads 8, head_dim 128; read in a derivative's copy,
+# huggingface.co NbAiLab/nb-llama-3.1-8B config.json, "_name_or_path": "meta-llama/Llama-3.1-8B"; the original
+# repository is gated). Host memory -> GPU at an effective 25 GB/s (PCIe Gen5 x16's 64 GB/s at about 40%):
+# 2.62 us per token; storage at 5 GB/s: 13.1 us per token. Scaled as the mock scales its prefill time: as a
+# fraction of the fitted H100 prefill cost per token above (0.0142 ms), so a mock running prefill N x faster
+# or slower loads N x faster or slower too.
+KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 1
+HOST_TO_GPU_BYTES_PER_S = 25e9
+STORAGE_TO_GPU_BYTES_PER_S = 5e9
+LOAD_VS_PREFILL: dict[str, float] = {
+    "CPU": KV_BYTES_PER_TOKEN / HOST_TO_GPU_BYTES_PER_S * 1000.0 / LLAMA_8B_H100["step_prefill_ms_per_token"],
+    "DISK": KV_BYTES_PER_TOKEN / STORAGE_TO_GPU_BYTES_PER_S * 1000.0 / LLAMA_8B_H100["step_prefill_ms_per_token"],
+}
+
 
 @dataclass
 class MockConfig:
@@ -53,6 +69,12 @@ class MockConfig:
     # Simulated paged KV cache.
     tokens_per_block: int = 32
     num_blocks: int = 4096
+    # Off-GPU tiers (issue 44): blocks evicted from the GPU go to host memory, from there to storage, then away;
+    # a prompt continuing into them loads them (LOAD_VS_PREFILL) instead of computing them. Published as vLLM's
+    # self-describing offload events (vllm, vllm-array) or SGLang HiCache's media (sglang); the trtllm dialect
+    # publishes no tier moves, as the engine (its host tier is invisible to a picker). 0 = no such tier.
+    host_blocks: int = 0
+    storage_blocks: int = 0
     max_seq_len: int = 32768
     default_max_tokens: int = 16
 
@@ -171,5 +193,9 @@ class MockConfig:
         parse_image_size(self.url_image_size)
         if self.disagg_handoff_timeout_s <= 0 or self.disagg_transfer_ms_per_block < 0:
             raise ValueError("disagg_handoff_timeout_s must be > 0 and disagg_transfer_ms_per_block >= 0")
+        if self.host_blocks < 0 or self.storage_blocks < 0:
+            raise ValueError("host_blocks and storage_blocks must be >= 0")
+        if (self.host_blocks or self.storage_blocks) and self.multimodal:
+            raise ValueError("host_blocks/storage_blocks: off-GPU tiers are text-only in the mock (no media keys)")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")

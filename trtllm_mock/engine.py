@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import MockConfig
+from .config import LOAD_VS_PREFILL, MockConfig
 from .events import KvEventPublisher
 from .kvcache import Allocation, KVCache
 from .tokenizer import output_token_ids
@@ -62,6 +62,8 @@ class EngineStats:
     steps: int = 0
     step_ms_total: float = 0.0
     encoder_ms_total: float = 0.0  # vision mode: simulated encoder time charged for uncached images
+    loaded_tokens_total: int = 0  # off-GPU tiers: prompt tokens loaded from host memory or storage
+    load_ms_total: float = 0.0  # and the simulated time it took (config.LOAD_VS_PREFILL)
 
 
 @dataclass(eq=False)
@@ -255,6 +257,19 @@ class Engine:
         finally:
             self._active.pop(seq, None)
 
+    def _load_ms(self, alloc: Allocation) -> float:
+        """Time to load the blocks the prompt found off the GPU: per token, the tier's fixed fraction of this
+        mock's prefill cost per token (config.LOAD_VS_PREFILL), so it scales as the prefill does."""
+        if not alloc.loaded:
+            return 0.0
+        c = self.config
+        per_token = c.step_prefill_ms_per_token if c.scheduler == "iteration" else c.prefill_ms_per_token
+        tpb = self.cache.tokens_per_block
+        ms = sum(LOAD_VS_PREFILL[m] for m in alloc.loaded) * tpb * per_token
+        self.stats.loaded_tokens_total += len(alloc.loaded) * tpb
+        self.stats.load_ms_total += ms
+        return ms
+
     def _encoder_ms(self, vision: VisionPrompt | None, cached_tokens: int) -> float:
         """Encoder time for the request's images that neither the prefix cache nor the encoder cache holds."""
         if self.encoder is None or vision is None or not vision.spans:
@@ -275,7 +290,7 @@ class Engine:
         alloc = await self._admit(prompt, salt, len(prompt) + max_tokens, mm_blocks)
         self.stats.requests_started += 1
         try:
-            encoder_ms = self._encoder_ms(vision, alloc.cached_tokens)
+            encoder_ms = self._encoder_ms(vision, alloc.cached_tokens) + self._load_ms(alloc)
             if self.config.scheduler == "iteration":
                 async for item in self._generate_iteration(prompt, alloc, max_tokens, encoder_ms):
                     yield item

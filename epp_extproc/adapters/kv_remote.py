@@ -12,9 +12,13 @@ work runs on the shard's core and the decision process only waits for its answer
 
 Everything else (which workers to index, block sizes learned over HTTP, predictions, resyncs, `/debug/kv`,
 and the shard's worker table, pushed whenever it changes) goes over each shard's control stream,
-asynchronously. Predictions go to the shard, so every picker process
-on the host sees every other's within one control round trip (their lag is sampled by the shard and shown
-in `/debug/kv`); across hosts the replica sync still carries them (`predict_listeners`).
+asynchronously. Predictions go to the shard, so every picker process on the host sees every other's within
+one control round trip (their lag is sampled by the shard and shown in `/debug/kv`); across hosts the replica
+sync still carries them (`WorkerFacts.predict_listeners`).
+
+What the workers say about themselves (block size and LoRA adapters over HTTP; their media-key dialect, as
+their shard learned it from their events) is kept by `self.facts` (adapters/worker_facts.py), the same
+component `KvRouting` holds: prompts are hashed here, so they must be hashed by the same facts.
 """
 
 from __future__ import annotations
@@ -25,22 +29,19 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from itertools import compress
 from typing import Any
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter
 
-from epp_extproc.adapters.kv_routing import Prompt
-from epp_extproc.adapters.lora_adapters import AdapterTable
-from epp_extproc.adapters.server_info import fetch_block_size, fetch_served_adapters
+from epp_extproc.adapters.worker_facts import Prompt, WorkerFacts
 from epp_extproc.core.contract import NO_IDENTITY, Credit, PromptIdentity, split_credit
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.ingest import wire
-from kvindex.aio import cancel_and_wait
+from kvindex.aio import TaskSet
 from kvindex.backoff import Backoff
-from kvindex.hashing import DEFAULT_DIALECT
 from kvindex.metrics import register_index, register_subscribers
 
 log = logging.getLogger(__name__)
@@ -64,17 +65,7 @@ class _Shard:
         self.meta = wire.Meta()
         self.writer: asyncio.StreamWriter | None = None
         self.workers: dict[str, list[list[Any]]] = {}  # what this picker wants the shard to index
-        self.sizes: dict[str, int] = {}  # block sizes this picker learned over HTTP, re-sent on reconnect
         self.snapshots: dict[int, asyncio.Future[dict[str, Any]]] = {}
-
-    def forget(self, address: str) -> None:
-        self.workers.pop(address, None)
-        self.sizes.pop(address, None)
-
-    def block_size(self, address: str, default: int) -> int:
-        """What the shard's table says, else what this picker learned over HTTP, else the default."""
-        sizes = self.meta.block_sizes
-        return (sizes.get(address) if sizes else None) or self.sizes.get(address) or default
 
     def dial(self) -> socket.socket | None:
         if self.sock is not None:
@@ -133,14 +124,13 @@ class RemoteKv:
         self.prediction_ttl_s = prediction_ttl_s
         self.lookup_timeout_s = lookup_timeout_s
         self.client_id = client_id or f"{socket.gethostname()}:{os.getpid()}"
-        self.ask_server_info = ask_server_info
         self._registry = registry
-        self._lora = AdapterTable()  # address -> LoRA adapter -> its base model
         self._ids = itertools.count(1)
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = TaskSet()
+        self.facts = WorkerFacts(registry, self._tasks, events=self, block_size=self.block_size,
+                                 default_block_size=block_size, told_block_size=self._told_block_size,
+                                 ask_server_info=ask_server_info)
         self._closed = False
-        # Called with (worker, block size, hashes, ttl_s) after each local prediction: replica sync shares it.
-        self.predict_listeners: list[Callable[[str, int, list[int], float], None]] = []
         reg = metrics_registry or CollectorRegistry()
         # The per-worker epp_kv_* series live in the shards: exported here from a snapshot refreshed in the
         # background (a scrape never waits for a shard), only when this picker exports metrics at all.
@@ -164,21 +154,28 @@ class RemoteKv:
         """What replica sync feeds peers' predictions into (`block_size`, `predict_hashes`): this adapter."""
         return self
 
-    # ------------------------------------------------------------------ lifecycle
+    # ------------------------------------------------------------------ what the app asks of a KV view
     def start(self) -> None:
+        """Open each shard's control stream (and the metrics refresh): they run until `close`."""
         for sh in self.shards:
-            self._spawn(self._control(sh))
+            self._tasks.spawn(self._control(sh))
         if self._export:
-            self._spawn(self._refresh_exported())
+            self._tasks.spawn(self._refresh_exported())
 
-    def _spawn(self, coro: Any) -> None:
-        t = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+    def use_queue_lifetime(self, grace_s: float, max_lifetime_s: float) -> None:
+        """None: the shards keep fixed-ttl predictions only (Config refuses `--prediction-lifetime queue`
+        with `--kv-ingest apart`)."""
+        return None
+
+    def churn_window(self) -> None:
+        """None: the removals are applied in the shards, whose counters this process does not read per
+        decision, so the eviction scorer has no churn to read (Config refuses `--eviction-aware` with
+        `--kv-ingest apart`)."""
+        return None
 
     async def close(self) -> None:
         self._closed = True
-        await cancel_and_wait(list(self._tasks))
+        await self._tasks.cancel()
         for sh in self.shards:
             sh.hang_up()
             if sh.writer is not None:
@@ -193,49 +190,26 @@ class RemoteKv:
         touched: set[int] = set()
         for ep in removed:
             sh = self._shard(ep.address)
-            sh.forget(ep.address)
+            sh.workers.pop(ep.address, None)
             self._size_of.pop(ep.address, None)
-            self._lora.drop(ep.address)
+            self.facts.left(ep.address)
             touched.add(sh.index)
         for ep in added:
             sh = self._shard(ep.address)
             sh.workers[ep.address] = [[pub, replay, rank] for rank, pub, replay in ep.kv_endpoints]
             touched.add(sh.index)
-            if not ep.kv_endpoints:
-                log.warning("endpoint %s (%s) has no KV-event endpoint: it gets load-based routing only",
-                            ep.name, ep.address)
-            if self.ask_server_info:
-                self._spawn(self._learn(ep.address))
+            self.facts.joined(ep)
         for i in touched:
             self._send_workers(self.shards[i])
 
     def _send_workers(self, sh: _Shard) -> None:
         sh.send(wire.T_WORKERS, orjson.dumps([[a, s] for a, s in sh.workers.items()]))
 
-    async def _learn(self, address: str) -> None:
-        """Block size (told to the shard) and LoRA adapters (kept here: prompts are hashed here)."""
-        n = await fetch_block_size(address)
-        if address not in self._registry:
-            return
-        if n is not None:
-            sh = self._shard(address)
-            sh.sizes[address] = n
-            self._size_of.pop(address, None)
-            sh.send(wire.T_BLOCK_SIZE, orjson.dumps([address, n]))
-        adapters = await fetch_served_adapters(address)
-        if adapters and address in self._registry:
-            log.info("worker %s serves LoRA adapters %s", address, sorted(adapters))
-            self._lora.set(address, adapters)
-
-    def set_adapters(self, address: str, adapters: Sequence[str] | dict[str, str]) -> None:
-        self._lora.set(address, adapters)
-
-    def adapter_for(self, model: object, address: str | None = None) -> str | None:
-        """As `KvRouting.adapter_for`: `model` when it names an adapter a worker serves, else None."""
-        return self._lora.adapter_for(model, address)
-
-    def base_model_for(self, model: object) -> str | None:
-        return self._lora.base_model_for(model)
+    def _told_block_size(self, address: str, n: int) -> None:
+        """A worker reported its block size over HTTP (`WorkerFacts`): its shard is told, and the size is
+        re-sent on every reconnect (a restarted shard knows nothing)."""
+        self._size_of.pop(address, None)
+        self._shard(address).send(wire.T_BLOCK_SIZE, orjson.dumps([address, n]))
 
     def resync(self, address: str) -> None:
         if address in self._registry:
@@ -244,7 +218,11 @@ class RemoteKv:
     def block_size(self, address: str) -> int:
         n = self._size_of.get(address)  # a decision asks for each candidate: one dict lookup when known
         if n is None:
-            n = self._shard(address).block_size(address, self.default_block_size)
+            # what the shard's table says (events or a reported size), else what the worker reported here
+            # (the shard may not have applied it yet), else the default
+            sizes = self._shard(address).meta.block_sizes
+            n = (sizes.get(address) if sizes else None) or self.facts.reported.get(address) \
+                or self.default_block_size
             if address in self._registry:  # a peer's prediction may name any address: only the pool is kept
                 self._size_of[address] = n
         return n
@@ -255,21 +233,27 @@ class RemoteKv:
 
     # ------------------------------------------------------------------ the request path
     def prompt(self, tokens: Sequence[int], identity: PromptIdentity = NO_IDENTITY) -> Prompt:
-        """As `KvRouting.prompt`: salt, LoRA adapter and media items (keyed per worker's dialect)."""
-        return Prompt(tokens, identity.salt, self.adapter_for(identity.model), identity.media)
+        """`WorkerFacts.prompt`: salt, LoRA adapter and media items (keyed per worker's dialect)."""
+        return self.facts.prompt(tokens, identity)
 
-    def dialect(self, address: str) -> str:
-        """How the worker's engine keys media blocks, as its shard learned it from its events (else vLLM's)."""
+    def base_model_for(self, model: object) -> str | None:
+        """`WorkerFacts.base_model_for`: the base model a LoRA adapter is rendered under."""
+        return self.facts.base_model_for(model)
+
+    def media_dialect(self, address: str) -> str | None:
+        """`EventFacts` for `self.facts`: the worker's media-key dialect as its shard learned it from its
+        events (None until it published a media block)."""
         d = self._shard(address).meta.dialects
-        return (d.get(address) if d else None) or DEFAULT_DIALECT
+        return d.get(address) if d else None
 
     def overlap(self, prompt: Prompt, workers: Sequence[str], *, predicted: bool = True) -> dict[str, int]:
         """One lookup per shard that owns a candidate (a text prompt), or per (shard, media dialect) group of
         candidates (a prompt with media: its chain depends on how each engine keys media blocks)."""
         groups: dict[tuple[int, str | None], list[str] | None] = {}
         if prompt.media:
+            dialect = self.facts.dialect
             for w in workers:
-                ws = groups.setdefault((wire.shard_of(w, len(self.shards)), self.dialect(w)), [])
+                ws = groups.setdefault((wire.shard_of(w, len(self.shards)), dialect(w)), [])
                 assert ws is not None
                 ws.append(w)
         elif len(self.shards) == 1:
@@ -343,9 +327,8 @@ class RemoteKv:
         self._results[result].inc()
 
     def credit(self, prompt: Prompt, workers: Sequence[str]) -> dict[str, Credit]:
-        total = self.overlap(prompt, workers)
-        confirmed = self.overlap(prompt, workers, predicted=False)
-        return split_credit(total, confirmed)
+        """`overlap` split into what the workers' events confirmed and what only predictions add."""
+        return split_credit(self.overlap(prompt, workers), self.overlap(prompt, workers, predicted=False))
 
     def held(self, address: str) -> int:
         """Always 0: the ingest processes keep fixed-ttl predictions only."""
@@ -354,11 +337,7 @@ class RemoteKv:
     def predict(self, address: str, prompt: Prompt, booking: str | None = None) -> None:
         # `booking` only matters to --prediction-lifetime queue, which Config refuses with --kv-ingest apart
         if self.prediction_ttl_s > 0:
-            size = self.block_size(address)
-            hashes = prompt.hashes(size, self.dialect(address)) if prompt.media else prompt.hashes(size)
-            self.predict_hashes(address, hashes, self.prediction_ttl_s)
-            for fn in self.predict_listeners:
-                fn(address, size, hashes, self.prediction_ttl_s)
+            self.facts.predict(self, address, prompt, self.prediction_ttl_s)
 
     def predict_hashes(self, address: str, hashes: Sequence[int], ttl_s: float) -> None:
         """Credit `hashes` to `address` in its shard (a peer's prediction arrives here too, through sync)."""
@@ -381,8 +360,9 @@ class RemoteKv:
             sh.writer = writer
             sh.send(wire.T_HELLO, orjson.dumps({"client": self.client_id}))
             self._send_workers(sh)
-            for a, n in sh.sizes.items():
-                sh.send(wire.T_BLOCK_SIZE, orjson.dumps([a, n]))
+            for a, n in self.facts.reported.items():  # a restarted shard knows no reported size
+                if self._shard(a) is sh:
+                    sh.send(wire.T_BLOCK_SIZE, orjson.dumps([a, n]))
             try:
                 while True:
                     head = await reader.readexactly(wire.FRAME_HEADER)
@@ -446,8 +426,6 @@ class RemoteKv:
             out["predicted_unique_blocks"] += snap.get("predicted_unique_blocks", 0)
             out["workers"].update(snap.get("workers", {}))
             out["ingest"].append({"up": True, **snap.get("ingest", {})})
-        for wid, adapters in self._lora.items():
-            if wid in out["workers"]:
-                out["workers"][wid]["lora_adapters"] = sorted(adapters)
+        self.facts.annotate(out)
         out["lookups"] = dict(self.counts)
         return out

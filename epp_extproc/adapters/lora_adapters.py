@@ -1,5 +1,5 @@
-"""Which LoRA adapters each worker serves, and their base models: one table for both KV lookups (in-process
-`kv_routing.KvRouting` and the ingest-apart `kv_remote.RemoteKv`), which must answer alike so either can serve."""
+"""Which LoRA adapters each worker serves, and their base models: the table `worker_facts.WorkerFacts` keeps for
+both KV lookups (in-process `kv_routing.KvRouting` and the ingest-apart `kv_remote.RemoteKv`)."""
 
 from __future__ import annotations
 

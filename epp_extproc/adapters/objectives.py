@@ -1,6 +1,6 @@
 """Where InferenceObjective priorities come from: a file, or the CRD when discovery is Kubernetes.
 
-Both sources replace the whole `ObjectiveTable` (core/flow_control.py) on every successful read and keep the
+Both sources replace the whole `ObjectiveTable` (core/flow_objectives.py) on every successful read and keep the
 previous table on a failed one, so a bad edit or an API outage never drops every request to priority 0.
 
 The CRD is `InferenceObjective` (`v1alpha2`, plural `inferenceobjectives`, namespaced), read from both API groups
@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from epp_extproc.adapters.crd_poll import INFERENCE_API_GROUPS, CrdListPoller
-from epp_extproc.core.flow_control import ObjectiveTable, parse_objectives
+from epp_extproc.core.flow_objectives import ObjectiveTable, parse_objectives
 from epp_extproc.file_watch import FileWatch
 
 log = logging.getLogger(__name__)

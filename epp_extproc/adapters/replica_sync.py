@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from epp_extproc.adapters.worker_facts import PredictionSink
 from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.load import BookingChange, HeldBooking, LoadTracker
 from epp_extproc.file_watch import FileWatch, file_stamp
@@ -40,7 +41,6 @@ from epp_extproc.proto_gen.epp.v1 import replica_sync_pb2_grpc as pb_grpc
 from epp_extproc.tls_files import check_pair
 from kvindex.aio import cancel_and_wait
 from kvindex.backoff import Backoff
-from kvindex.index import KvIndex
 
 log = logging.getLogger(__name__)
 
@@ -383,7 +383,7 @@ class _Inbound:
 class ReplicaSync(pb_grpc.ReplicaSyncServicer):
     """The sync service (inbound) plus the links to the current peers (outbound)."""
 
-    def __init__(self, load: LoadTracker, registry: EndpointRegistry, *, index: KvIndex | None = None,
+    def __init__(self, load: LoadTracker, registry: EndpointRegistry, *, index: PredictionSink | None = None,
                  replica_id: str | None = None, heartbeat_s: float = 0.5, peer_timeout_s: float = 2.0,
                  expiry_s: float = 5.0, max_backlog: int = 100_000,
                  metrics_registry: CollectorRegistry | None = None, tls: SyncTls | None = None) -> None:
@@ -418,7 +418,7 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
             link.offer(d)
 
     def on_predict(self, address: str, block_size: int, hashes: Sequence[int], ttl_s: float) -> None:
-        """A local prediction (KvRouting's predict listener): the peers count it too."""
+        """A local prediction (a `WorkerFacts.predict_listeners` entry): the peers count it too."""
         if not self.links or not hashes:
             return
         p = pb.Prediction(address=address, block_size=block_size, hashes=hashes, ttl_ms=int(ttl_s * 1000))
@@ -570,7 +570,7 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
                           for p, i in self.inbound.items()}}
 
 
-def apply_batch(load: LoadTracker, registry: EndpointRegistry, idx: KvIndex | None, peer: str,
+def apply_batch(load: LoadTracker, registry: EndpointRegistry, idx: PredictionSink | None, peer: str,
                 batch: pb.Batch) -> None:
     """A peer's batch applied here, whichever plane brought it (this mesh, or NATS subjects)."""
     change = load.peer_change

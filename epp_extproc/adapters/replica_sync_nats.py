@@ -34,13 +34,13 @@ from epp_extproc.adapters.replica_sync import (
     apply_batch,
     default_replica_id,
 )
+from epp_extproc.adapters.worker_facts import PredictionSink
 from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.load import BookingChange, HeldBooking, LoadTracker
 from epp_extproc.kvplane.link import NatsLink
 from epp_extproc.kvplane.wire import worker_token
 from epp_extproc.proto_gen.epp.v1 import replica_sync_pb2 as pb
 from kvindex.aio import cancel_and_wait
-from kvindex.index import KvIndex
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class NatsReplicaSync:
     tls = None  # TLS is the NATS connection's (nats:// or tls:// URLs), not this module's
 
     def __init__(self, load: LoadTracker, registry: EndpointRegistry, *, servers: Sequence[str], pool: str = "default",
-                 prefix: str = "epp.sync", index: KvIndex | None = None, replica_id: str | None = None,
+                 prefix: str = "epp.sync", index: PredictionSink | None = None, replica_id: str | None = None,
                  heartbeat_s: float = 0.5, peer_timeout_s: float = 2.0, expiry_s: float = 5.0,
                  max_backlog: int = 100_000, max_message_bytes: int = 8 * 1024 * 1024,
                  metrics_registry: CollectorRegistry | None = None) -> None:

@@ -51,8 +51,8 @@ from dataclasses import dataclass
 from epp_extproc.adapters.endpoint_probe import round_length
 from epp_extproc.adapters.worker_http import BodyTooLarge, HttpError, TimedOut, WorkerHttp
 from epp_extproc.core.endpoints import EndpointRegistry
-from epp_extproc.core.flow_control import SaturationDetector, WorkerSample
 from epp_extproc.core.load import EndpointLoad, LoadTracker
+from epp_extproc.core.saturation import SaturationDetector, WorkerSample
 from kvindex.aio import cancel_and_wait
 from kvindex.backoff import backoff_delay
 

@@ -23,11 +23,12 @@ from epp_extproc.core.plan import Planner, PlanSettings
 from epp_extproc.core.render import Renderer
 from epp_extproc.core.request import RequestContext
 from epp_extproc.core.scheduling.build import build
-from epp_extproc.core.scheduling.config_file import SchedulingSpec, spec_from_config
+from epp_extproc.core.scheduling.config_file import PluginSpec, SchedulingSpec, spec_from_config
 from epp_extproc.core.scheduling.decision_metrics_hook import DecisionMetricsHook
 from epp_extproc.core.scheduling.deps import SchedulingDeps
 from epp_extproc.core.scheduling.eviction_scorer import ChurnView
 from epp_extproc.core.scheduling.kv_prediction_hook import KvPredictionHook
+from epp_extproc.core.scheduling.profile import TableSource
 from epp_extproc.core.session import SessionTokens
 from epp_extproc.core.time_cost import TimeCost
 from epp_extproc.metrics import PickerMetrics
@@ -41,11 +42,24 @@ class Assembled:
     debug: DebugView
     spec: SchedulingSpec
     deps: SchedulingDeps
+    source: TableSource  # the table fill every profile shares (a bench times the lookup there)
 
     @property
     def time_model(self) -> TimeCost | None:
         """The per-worker time model, when a profile prices in time (a removed worker's is forgotten)."""
         return self.deps.time
+
+
+def describe(spec: SchedulingSpec) -> dict[str, object]:
+    """What `/debug/score` says decided: the handler and, per profile, its plugins in order (the subset filter
+    every profile adds is named too)."""
+    def named(p: PluginSpec) -> str:  # the file's name for the entry, and our type when they differ
+        return p.name if p.name == p.type else f"{p.name} ({p.type})"
+
+    return {"handler": named(spec.handler),
+            "profiles": {name: {"filters": [named(f) for f in p.filters] + ["subset-filter"],
+                                "scorers": [[named(s), w] for s, w in p.scorers], "picker": named(p.picker)}
+                         for name, p in spec.profiles.items()}}
 
 
 def assemble(config: Config, registry: EndpointRegistry, load: LoadTracker, metrics: PickerMetrics, *,
@@ -75,5 +89,5 @@ def assemble(config: Config, registry: EndpointRegistry, load: LoadTracker, metr
                         admission=admission, hooks=hooks, kv=kv, sessions=sessions, sheddable=sheddable)
     threshold = int(spec.handler.parameters.get("threshold", config.pd_min_uncached_tokens))
     debug = DebugView(registry, kv, forwarder, cost_model=built.cost_model, pd_threshold=threshold,
-                      default_block_size=config.kv_cache_block_size)
-    return Assembled(director, debug, spec, deps)
+                      default_block_size=config.kv_cache_block_size, scheduling=describe(spec))
+    return Assembled(director, debug, spec, deps, built.source)

@@ -135,7 +135,8 @@ class PromptKey(Protocol):
 
 
 class KvLookup(Protocol):
-    """What the decision asks of the KV index (implemented by adapters/kv_routing.KvRouting)."""
+    """What the decision asks of the KV index (implemented by adapters/kv_routing.KvRouting in this process and
+    adapters/kv_remote.RemoteKv with ingest apart; both hash prompts with adapters/worker_facts.WorkerFacts)."""
 
     def prompt(self, tokens: Sequence[int], identity: PromptIdentity) -> PromptKey:
         """The prompt as the workers hash it: the identity decides the chain's seed and the media blocks."""

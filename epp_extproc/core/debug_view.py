@@ -10,16 +10,16 @@ from epp_extproc.core.contract import KvLookup
 from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.forward import Forwarder
 from epp_extproc.core.proposal import Proposal
-from epp_extproc.core.scheduling.eviction_scorer import EvictionFigures
 from epp_extproc.core.scheduling.table import CandidateTable
 
-TIME_NOTE = "predicted-time-scorer"
-EVICTION_NOTE = "eviction-scorer"
+TIME_NOTE = "predicted-time-scorer"  # flattened into each row as predicted_ttft_ms / predicted_tpot_ms
 
 
 class DebugView:
     def __init__(self, registry: EndpointRegistry, kv: KvLookup | None, forwarder: Forwarder, *,
-                 cost_model: str, pd_threshold: int, default_block_size: int) -> None:
+                 cost_model: str, pd_threshold: int, default_block_size: int,
+                 scheduling: dict[str, Any] | None = None) -> None:
+        self.scheduling = scheduling or {}  # the handler and each profile's plugins, as the spec named them
         self.registry = registry
         self.kv = kv
         self.forwarder = forwarder
@@ -51,10 +51,13 @@ class DebugView:
         kv = self.kv
         credit = kv.credit(p.plan.prompt, list(table.addresses)) \
             if kv is not None and p.plan.prompt is not None else None
-        figures: list[EvictionFigures] | None = table.notes.get(EVICTION_NOTE)
+        # each plugin's per-row note under its own key (eviction figures, credit per tier, ...): a new plugin
+        # is explained here without an edit
+        notes = [(key, col) for key, col in table.notes.items() if key != TIME_NOTE]
         for i, w in enumerate(workers):
-            if figures is not None:  # --eviction-aware: the figures behind its discount and penalty
-                w["eviction"] = figures[i].explain()
+            for key, col in notes:
+                note = col[i]
+                w[key] = note.explain() if note is not None else None
             address = str(w["address"])
             if credit is not None:  # where each worker's overlap comes from: its events, or predictions
                 c = credit.get(address)
@@ -77,7 +80,7 @@ class DebugView:
                                                                  "model": p.rewrite.model,
                                                                  "target": p.rewrite.target},
                 "session": p.session.value if p.session is not None else None,
-                "cost_model": self.cost_model, "slo": p.slo,
+                "cost_model": self.cost_model, "slo": p.slo, "scheduling": self.scheduling,
                 "media": self._media(p),
                 "pd": self._pd(p)}
 

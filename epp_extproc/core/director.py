@@ -24,7 +24,7 @@ from epp_extproc.core.contract import BookingHandle, KvLookup
 from epp_extproc.core.decision import Decision, Stopwatch
 from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.errors import PickError, Problem
-from epp_extproc.core.flow_control import Ticket
+from epp_extproc.core.flow_queue import Ticket
 from epp_extproc.core.forward import Forwarder
 from epp_extproc.core.load import LoadTracker
 from epp_extproc.core.model_rewrite import ModelRewriter, Rewrite
@@ -38,7 +38,7 @@ from epp_extproc.core.session import SessionTokens
 
 IDENTITY_ENCODINGS = frozenset({"", "identity"})
 
-# Flow control's admission (core/flow_control.FlowController.admit, keyed by the request's objective): a
+# Flow control's admission (core/flow_queue.FlowController.admit, keyed by the request's objective): a
 # proposal waits for a ticket while every worker is saturated; None = no flow control.
 Admission = Callable[[RequestContext], Awaitable[Ticket]]
 
@@ -100,7 +100,7 @@ class Director:
             parsed = self.parse(ctx)
             ctx, parsed, rewritten = self.rewrite_model(ctx, parsed)
             ctx, parsed, media = await self.planner.prepare_media(ctx, parsed)
-            self._addresses(self.scheduling_request(ctx, Plan()))  # fail fast, before any render call
+            self._addresses(SchedulingRequest(ctx))  # fail fast, before any render call (filters read the hint)
             plan = await self.planner.plan(ctx, parsed, count=count, media=media)
         req = self.scheduling_request(ctx, plan, temperature)
         score_started = time.perf_counter()
@@ -220,15 +220,17 @@ class Director:
 
     # ---------------------------------------------------------------- commit: side effects, cannot fail
     def commit(self, p: Proposal) -> Decision:
-        prefill = p.pd.address
+        pd = p.result.pd
+        prefill = pd.address
+        address = p.result.address
         if prefill is None:
-            booking = self.load.book(p.address, p.booked_blocks)
+            booking = self.load.book(address, p.booked_blocks)
         else:  # one booking per leg (core/contract.py, Roles)
-            booking = self.load.book_pair(p.address, p.booked_blocks, prefill, p.pd.prefill_blocks)
+            booking = self.load.book_pair(address, p.booked_blocks, prefill, pd.prefill_blocks)
         timing = None
         for hook in self.hooks:
             t = hook.committed(p, booking)
             if t is not None:
                 timing = t
-        return Decision(p.address, p.body, booking, p.model, p.predicted_cached_tokens,
+        return Decision(address, p.body, booking, p.model, p.predicted_cached_tokens,
                         session=p.session is not None, prefill=prefill, timing=timing)

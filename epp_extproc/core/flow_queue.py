@@ -6,6 +6,10 @@ A request waits at most `ttl_s` (then 429, or 503 when the pool has no endpoint 
 (priority < 0) is never queued: 429 at once while saturated. A client that goes away while queued (its task
 is cancelled) leaves nothing behind. Saturation is judged by core/saturation.py, the flow key by
 core/flow_objectives.py.
+
+Why queue in the picker at all: without it, every request goes straight to a worker even when all of them are
+full, and the queue builds inside the engines, where nothing can reorder it by priority or share it fairly
+between tenants. The semantics follow the Gateway API Inference Extension (GAIE) / llm-d flow control.
 """
 
 from __future__ import annotations

@@ -9,6 +9,12 @@ how the replica-sync adapter streams it to the peers. What a peer streams back i
 (`peer_snapshot` / `peer_change` / `drop_peer`) and added into the same per-endpoint totals, so the cost sees
 one load: its own bookings plus every peer's. Nothing here knows about the network: when a peer is gone and
 for how long its bookings are kept is the adapter's decision; `drop_peer` is the one call that ends them.
+
+Two ways to listen, on purpose: `add_listener` streams this replica's own booking changes (replica sync, held
+predictions, the time model key on our booking ids; a peer's ids are minted by the peer and may equal ours),
+while `on_release` wakes flow control whenever any load goes down, a peer's included and in bulk
+(`drop_peer`), where no change of ours exists. Folding them into one stream would make every local listener
+filter out peers' changes to stay correct.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ from epp_extproc.ingest.launcher import DEFAULT_LOOKUPS, LOOKUP_MODES
 from epp_extproc.ingest.pacing import LagSamples, Pacer
 from kvindex.aio import cancel_and_wait
 from kvindex.events import DecodedBatch
-from kvindex.index import KvIndex
+from kvindex.index import KvIndex, merge_worker_rows
 from kvindex.subscriber import KvSource, SubscriberManager, raise_socket_limit
 
 log = logging.getLogger(__name__)
@@ -475,14 +475,8 @@ class IngestShard:
         """`/debug/kv` for this shard: the index, each worker's subscriber counters and pacing, and the shard's
         own figures (lookups served, lags)."""
         snap = self.index.snapshot()
-        for wid, d in self.subscribers.stats_snapshot().items():
-            w = snap["workers"].get(wid)
-            if w is not None:
-                w.update(d)
-        for wid, d in self.pacer.snapshot().items():
-            w = snap["workers"].get(wid)
-            if w is not None:
-                w.update(d)
+        merge_worker_rows(snap, self.subscribers.stats_snapshot())
+        merge_worker_rows(snap, self.pacer.snapshot())
         snap["ingest"] = {"shard": self.shard, "shards": self.shards, "pid": os.getpid(), "lookups": self.lookups,
                           "bad_requests": self.bad_requests,
                           "lookup_mode": self.lookup_mode, "answers_dropped": self.answers_dropped, "batch_lag_s": self.index.batch_lag.summary(),

@@ -1,19 +1,67 @@
-"""Choosing the KV view at start-up (`--kv-ingest`), so `app.py` only asks for one."""
+"""Choosing the KV view at start-up (`--kv-ingest`), so `app.py` only asks for one.
+
+`KvBackend` is what the app asks of either view: every difference between them is a capability the view
+answers (None where it has none), so the app never asks which view it holds."""
 
 from __future__ import annotations
 
 import logging
 import tempfile
+from collections.abc import Awaitable
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 
 from epp_extproc.adapters.kv_remote import RemoteKv
 from epp_extproc.adapters.kv_routing import KvRouting
+from epp_extproc.adapters.worker_facts import PredictionSink, WorkerFacts
 from epp_extproc.config import Config, ProcessSlot
+from epp_extproc.core.contract import KvLookup
 from epp_extproc.core.endpoints import EndpointRegistry
+from epp_extproc.core.load import BookingListener
+from epp_extproc.core.scheduling.eviction_scorer import ChurnView
 from epp_extproc.ingest.launcher import IngestGroup, shard_argv
+from kvindex.tiers import parse_shared_stores
 
 log = logging.getLogger(__name__)
+
+
+class KvBackend(KvLookup, Protocol):
+    """A KV view as the app wires it: `KvRouting` (in-process index) or `RemoteKv` (ingest apart)."""
+
+    facts: WorkerFacts  # what the workers say about themselves; its `predict_listeners` feed replica sync
+
+    @property
+    def index(self) -> PredictionSink:
+        """Where replica sync credits the peers' predictions."""
+        ...
+
+    def start(self) -> None:
+        """Start what runs in the background (called once the event loop runs)."""
+        ...
+
+    async def close(self) -> None: ...
+
+    def resync(self, address: str) -> None:
+        """The worker's process is gone: forget its blocks until its events rebuild them."""
+        ...
+
+    def warm(self, address: str) -> bool:
+        """The worker's first event batch (replay included) is indexed: readiness waits for it."""
+        ...
+
+    def snapshot(self) -> dict[str, Any] | Awaitable[dict[str, Any]]:
+        """`/debug/kv` (awaitable where the index lives in other processes)."""
+        ...
+
+    def use_queue_lifetime(self, grace_s: float, max_lifetime_s: float) -> BookingListener | None:
+        """Hold predictions while their booking waits for its prefill (`--prediction-lifetime queue`): the
+        listener the booking changes must be fed to, or None where the view keeps fixed-ttl ones only."""
+        ...
+
+    def churn_window(self) -> ChurnView | None:
+        """The workers' cache churn from their removals (the eviction scorer), or None where it is not read."""
+        ...
 
 
 def ingest_group(config: Config, directory: str) -> IngestGroup:
@@ -26,7 +74,7 @@ def ingest_group(config: Config, directory: str) -> IngestGroup:
 
 
 def build_kv(config: Config, slot: ProcessSlot, registry: EndpointRegistry,
-             metrics_registry: CollectorRegistry) -> tuple[KvRouting | RemoteKv, IngestGroup | None, str | None]:
+             metrics_registry: CollectorRegistry) -> tuple[KvBackend, IngestGroup | None, str | None]:
     """(the KV view, the shards this process must run itself or None, their socket directory or None).
 
     Under `--processes` the supervisor runs the shards (`slot.ingest_dir`); a lone picker runs its own in a
@@ -35,6 +83,8 @@ def build_kv(config: Config, slot: ProcessSlot, registry: EndpointRegistry,
         kv = KvRouting(registry, block_size=config.kv_cache_block_size,
                        max_blocks_per_worker=config.max_index_blocks_per_worker, topic=config.kv_event_topic,
                        prediction_ttl_s=config.prediction_ttl_s, metrics_registry=metrics_registry)
+        if config.kv_shared_stores:  # issue 44: shared-tier blocks credited to every worker of the store
+            kv.set_shared_stores(parse_shared_stores(config.kv_shared_stores))
         if config.kv_event_plane == "nats":
             from epp_extproc.kvplane.follower import PlaneSubscribers
             from epp_extproc.kvplane.wire import Subjects

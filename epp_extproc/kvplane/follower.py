@@ -429,6 +429,9 @@ class PlaneSubscribers:
                                  [(x.rank, x.block_size, x.engine, x.ours) for x in c.slots], first.dialect)
         s.dumps += 1
         s.dump_blocks = blocks
+        # the dump is this worker's replay: counted as one batch, so readiness (`KvRouting.warm`: a first
+        # batch is in) sees the worker warm at once, as after an engine replay
+        self.idx.stats(wid).batches += 1
         if s.fallback:
             s.fallback = False
             s.recoveries += 1

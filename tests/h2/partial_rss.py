@@ -184,18 +184,23 @@ class Attack:
         """Open `calls` streams and send on each a message announced at `size` bytes, all of it but `short`
         bytes, a frame to each stream in turn (so the server's buffers grow interleaved, as Envoy's streams do).
         Returns the stream ids; a stream the server ends or resets gets no more (without error)."""
+        body = memoryview(b"\x00" + size.to_bytes(4, "big") + b"x" * (size - short))
+        return await self.send_interleaved(_HEADERS, body, calls, timeout)
+
+    async def send_interleaved(self, headers: bytes, body: memoryview, calls: int, timeout: float) -> list[int]:
+        """Open `calls` streams with `headers` and send `body` on each, a DATA frame to each stream in turn,
+        honouring the server's windows; a stream the server ends, answers or resets gets no more."""
         sids = []
         for _ in range(calls):
             sid = self.next_sid
             self.next_sid += 2
             self.windows[sid] = self.initial
-            self.w.write(_frame(h2.HEADERS, h2.END_HEADERS, sid, _HEADERS))
+            self.w.write(_frame(h2.HEADERS, h2.END_HEADERS, sid, headers))
             sids.append(sid)
-        body = memoryview(b"\x00" + size.to_bytes(4, "big") + b"x" * (size - short))
         pos = dict.fromkeys(sids, 0)
         deadline = time.monotonic() + timeout
         while True:
-            todo = [s for s in sids if pos[s] < len(body) and s in self.windows]
+            todo = [s for s in sids if pos[s] < len(body) and s in self.windows and s not in self.statuses]
             if not todo:
                 break
             sent = False

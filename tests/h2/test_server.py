@@ -8,6 +8,7 @@ import contextlib
 import socket
 import struct
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import hpack
@@ -580,19 +581,29 @@ async def test_connections_past_the_cap_are_closed_as_they_arrive_and_a_freed_sl
         await server.stop(0)
 
 
+async def _budget_server(**limits: Any) -> tuple[H2GrpcServer, int]:
+    """A started server with a 1 MiB budget for unfinished messages (4 MiB cap each) and the counting service."""
+    server = H2GrpcServer(max_concurrent_rpcs=8, max_receive_message_length=4 << 20, max_partial_bytes=1 << 20,
+                          **limits)
+    server.add_registered_method_handlers("test.Svc", Service().handlers())
+    port = await server.bind("127.0.0.1", 0)
+    await server.start()
+    return server, port
+
+
+def _announced_part(announced: int, sent: int) -> list[bytes]:
+    """The first `sent` bytes of a gRPC message announced at `announced` bytes, cut in 16 KiB DATA payloads."""
+    part = b"\x00" + announced.to_bytes(4, "big") + b"x" * (sent - 5)
+    return [part[i:i + 16_384] for i in range(0, len(part), 16_384)]
+
+
 async def test_unfinished_messages_of_all_calls_together_are_held_to_the_servers_budget() -> None:
     """Each call may receive a message of up to the message cap; without a shared budget, many calls that
     never finish theirs held a whole cap each. The call that would pass the budget ends; the others go on."""
-    server = H2GrpcServer(max_concurrent_rpcs=8, max_receive_message_length=4 << 20, max_partial_bytes=1 << 20)
-    svc = Service()
-    server.add_registered_method_handlers("test.Svc", svc.handlers())
-    port = await server.bind("127.0.0.1", 0)
-    await server.start()
+    server, port = await _budget_server()
     try:
         raw = await Raw.open(port)
-        head = b"\x00" + (2 << 20).to_bytes(4, "big")  # a 2 MiB message announced, 600 KB of it sent
-        part = head + b"x" * (600_000 - 5)
-        frames = [part[i:i + 16_384] for i in range(0, len(part), 16_384)]
+        frames = _announced_part(2 << 20, 600_000)  # a 2 MiB message announced, 600 KB of it sent
         for sid in (1, 3):
             raw.w.write(_frame(h2.HEADERS, h2.END_HEADERS, sid, _request_headers("/test.Svc/Count"))
                         + b"".join(_frame(h2.DATA, 0, sid, f) for f in frames))
@@ -618,17 +629,10 @@ async def test_bytes_the_application_holds_count_against_the_same_budget() -> No
     """`held_elsewhere`: what the application holds of messages it was given (the picker's buffered bodies)
     shares the budget of those still arriving; with two budgets a body held half in each made twice the bound."""
     held = [700_000]
-    server = H2GrpcServer(max_concurrent_rpcs=8, max_receive_message_length=4 << 20, max_partial_bytes=1 << 20,
-                          held_elsewhere=lambda: held[0])
-    svc = Service()
-    server.add_registered_method_handlers("test.Svc", svc.handlers())
-    port = await server.bind("127.0.0.1", 0)
-    await server.start()
+    server, port = await _budget_server(held_elsewhere=lambda: held[0])
     try:
         raw = await Raw.open(port)
-        head = b"\x00" + (2 << 20).to_bytes(4, "big")  # a 2 MiB message announced, 400 KB of it sent
-        part = head + b"x" * (400_000 - 5)
-        frames = [part[i:i + 16_384] for i in range(0, len(part), 16_384)]
+        frames = _announced_part(2 << 20, 400_000)  # a 2 MiB message announced, 400 KB of it sent
         raw.w.write(_frame(h2.HEADERS, h2.END_HEADERS, 1, _request_headers("/test.Svc/Count"))
                     + b"".join(_frame(h2.DATA, 0, 1, f) for f in frames))
         kind, flags, sid, payload = await raw.until(h2.HEADERS)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import sys
 import tempfile
@@ -36,8 +35,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from epp_extproc.dev import procs
-from h2grpc import codec as h2
-from tests.h2.partial_rss import Attack, _frame
+from tests.h2.partial_rss import Attack
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,41 +80,7 @@ class ExtProcAttack(Attack):
     async def send_streams(self, calls: int, data: bytes, short: int = 0, timeout: float = 180.0) -> list[int]:
         """Open `calls` streams and send `data` on each but its last `short` bytes, a frame to each stream in
         turn, honouring the server's windows. A stream the server ends or resets gets no more."""
-        sids = []
-        for _ in range(calls):
-            sid = self.next_sid
-            self.next_sid += 2
-            self.windows[sid] = self.initial
-            self.w.write(_frame(h2.HEADERS, h2.END_HEADERS, sid, _HEADERS))
-            sids.append(sid)
-        body = memoryview(data)[:len(data) - short]
-        pos = dict.fromkeys(sids, 0)
-        deadline = time.monotonic() + timeout
-        while True:
-            todo = [s for s in sids if pos[s] < len(body) and s in self.windows and s not in self.statuses]
-            if not todo:
-                break
-            sent = False
-            for sid in todo:
-                n = min(16_384, len(body) - pos[sid], self.windows[sid], self.conn_window)
-                if n <= 0:
-                    continue
-                self.w.write(_frame(h2.DATA, 0, sid, body[pos[sid]:pos[sid] + n]))
-                self.windows[sid] -= n
-                self.conn_window -= n
-                pos[sid] += n
-                sent = True
-            if not sent:
-                self.more.clear()
-                await self.w.drain()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.more.wait(), max(0.0, deadline - time.monotonic()))
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no window for {timeout}s")
-            elif self.w.transport.get_write_buffer_size() > 1 << 20:
-                await self.w.drain()
-        await self.w.drain()
-        return sids
+        return await self.send_interleaved(_HEADERS, memoryview(data)[:len(data) - short], calls, timeout)
 
 
 def start_picker(workdir: Path, transport: str, extra: tuple[str, ...] = ()) -> procs.Proc:

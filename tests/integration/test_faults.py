@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -150,14 +151,16 @@ def test_stalled_renderer_times_out_and_the_request_is_routed_by_load(stack: Gat
 
 def test_stalled_renderer_with_fail_policy_is_504_naming_the_tokenizer(stack: GatewayStack) -> None:
     assert stack.app is not None and stack.renderer.proc is not None
-    stack.app.config.render_failure_policy = RenderPolicy.FAIL
+    planner = stack.app.director.planner  # the render plan holds its own section of the settings
+    kept = planner.settings
+    planner.settings = replace(kept, render_failure_policy=RenderPolicy.FAIL)
     before = inference_counts(stack)
     stack.renderer.proc.send_signal(signal.SIGSTOP)
     try:
         r = stack.chat(user("the renderer is frozen and the policy is fail"))
     finally:
         stack.renderer.proc.send_signal(signal.SIGCONT)
-        stack.app.config.render_failure_policy = RenderPolicy.LOAD_ONLY
+        planner.settings = kept
     assert r.status == 504
     assert r.error_message().startswith("tokenizer: no answer from")
     assert inference_counts(stack) == before

@@ -229,7 +229,7 @@ class EchoGateway:
                      tokenizer_protocol="trtllm-render", tokenizer_service_url=self.renderer.url,
                      cache_salt_policy="load-only", endpoint_probe_interval_ms=0)
         self.app = PickerApp(cfg)
-        self.app.kv.ask_server_info = False  # type: ignore[union-attr]  (echo upstreams have no /server_info)
+        self.app.kv.facts.ask_server_info = False  # type: ignore[union-attr]  (echo upstreams have no /server_info)
         self.bg.run(self.app.start())
         self.envoy = EnvoyProcess(envoy_config.EnvoyOptions(picker_port=self.app.grpc_port,
                                                             subset_hint_header="x-test-subset")).start()

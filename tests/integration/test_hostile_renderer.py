@@ -241,7 +241,7 @@ class HungRendererGateway:
                      tokenizer_protocol="trtllm-render", tokenizer_service_url=self.renderer.url,
                      tokenization_timeout_ms=300, render_circuit_failures=3, render_circuit_open_ms=60_000)
         self.app = PickerApp(cfg)
-        self.app.kv.ask_server_info = False  # type: ignore[union-attr]  (echo workers have no /server_info)
+        self.app.kv.facts.ask_server_info = False  # type: ignore[union-attr]  (echo workers have no /server_info)
         self.bg.run(self.app.start())
         self.envoy = EnvoyProcess(envoy_config.EnvoyOptions(picker_port=self.app.grpc_port)).start()
 

@@ -10,8 +10,9 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from epp_extproc.adapters.kv_routing import KvRouting, Prompt
+from epp_extproc.adapters.kv_routing import KvRouting
 from epp_extproc.adapters.server_info import fetch_block_size
+from epp_extproc.adapters.worker_facts import Prompt
 from epp_extproc.core.contract import PromptIdentity
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.dev.kvwire import pack_batch, stored_event
@@ -162,7 +163,7 @@ async def test_a_worker_that_says_nothing_about_its_block_size_is_not_a_warning(
             registry.replace([Endpoint("w", address, f"tcp://127.0.0.1:{free_port()}")])
             for _ in range(100):
                 await asyncio.sleep(0.02)
-                if not kv._tasks:
+                if not len(kv._tasks):
                     break
         assert "WARNING" not in caplog.text and kv.block_size(address) == 32
     finally:
@@ -181,10 +182,10 @@ async def test_lora_adapters_a_worker_serves_are_learned_and_a_request_naming_on
         registry.replace([Endpoint("w", address, f"tcp://127.0.0.1:{free_port()}")])
         for _ in range(100):
             await asyncio.sleep(0.02)
-            if kv.adapter_for("sql-lora"):
+            if kv.facts.adapter_for("sql-lora"):
                 break
-        assert kv.adapter_for("sql-lora") == "sql-lora" and kv.adapter_for("base") is None
-        assert kv.adapter_for("sql-lora", address) == "sql-lora"
+        assert kv.facts.adapter_for("sql-lora") == "sql-lora" and kv.facts.adapter_for("base") is None
+        assert kv.facts.adapter_for("sql-lora", address) == "sql-lora"
         assert kv.base_model_for("sql-lora") == "base" and kv.base_model_for("base") is None  # render under it
         kv.predict(address, Prompt(TOKENS, None, lora="sql-lora"))
         assert kv.overlap(Prompt(TOKENS, None, lora="sql-lora"), [address]) == {address: 8}
@@ -197,6 +198,6 @@ async def test_lora_adapters_a_worker_serves_are_learned_and_a_request_naming_on
 def test_the_prompt_of_a_request_naming_an_adapter_is_hashed_with_it() -> None:
     kv = KvRouting(EndpointRegistry(), block_size=32, max_blocks_per_worker=1000, topic="", prediction_ttl_s=0.0,
                    metrics_registry=None, ask_server_info=False)
-    kv.set_adapters("10.0.0.5:8000", ["sql-lora"])
+    kv.facts.set_adapters("10.0.0.5:8000", ["sql-lora"])
     assert kv.prompt(TOKENS, PromptIdentity(model="sql-lora")).lora == "sql-lora"
     assert kv.prompt(TOKENS, PromptIdentity(model="base")).lora is None and kv.prompt(TOKENS).lora is None

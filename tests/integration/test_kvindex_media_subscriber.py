@@ -65,7 +65,7 @@ async def test_vllm_image_blocks_over_zeromq_credit_the_same_image_only(kv, dial
     a, b = await start("a"), await start("b")
     await publish_raw(routing.subscribers, a, "a", SC["image_a_after_text"]["payloads"][dialect])
     await publish_raw(routing.subscribers, b, "b", SC["image_b_after_text"]["payloads"][dialect])
-    assert routing.dialect("a") == routing.dialect("b") == dialect
+    assert routing.facts.dialect("a") == routing.facts.dialect("b") == dialect
     assert ask(routing, "image_a_after_text", ["a", "b"]) == {"a": 8, "b": 2}  # b: the text before the image
     assert ask(routing, "image_b_after_text", ["a", "b"]) == {"a": 2, "b": 8}
     assert ask(routing, "image_a_after_text", ["a", "b"], media=()) == {"a": 2, "b": 2}  # text-only: no image
@@ -90,7 +90,7 @@ async def test_trtllm_media_blocks_over_zeromq_are_indexed_but_never_credit_a_te
     mm = [None, [{"hash": digest, "start_offset": 0}], [{"hash": digest, "start_offset": BS}]]
     await w.publish([stored_event([11, 12, 13], None, toks, BS, mm_keys=mm)])
     await until_async(lambda: routing.index.stats("t").mm_blocks_trtllm == 2)
-    assert routing.dialect("t") == "trtllm" and routing.index.blocks_indexed("t") == 3
+    assert routing.facts.dialect("t") == "trtllm" and routing.index.blocks_indexed("t") == 3
     text = routing.prompt(toks + [0], PromptIdentity())
     assert routing.overlap(text, ["t"]) == {"t": 1}
     image = routing.prompt(toks + [0], PromptIdentity(media=(MediaItem(digest, BS, 2 * BS),)))

@@ -114,7 +114,7 @@ class MediaGateway:
                         cache_salt_policy="load-only", **cfg)
         self.app = PickerApp(config)
         if self.app.kv is not None:
-            self.app.kv.ask_server_info = False  # echo workers have no /server_info
+            self.app.kv.facts.ask_server_info = False  # echo workers have no /server_info
         self.bg.run(self.app.start())
         self.envoy = EnvoyProcess(envoy_config.EnvoyOptions(picker_port=self.app.grpc_port)).start()
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from epp_extproc.adapters.objectives import ObjectiveCrdPoller
-from epp_extproc.core.flow_control import ObjectiveTable
+from epp_extproc.core.flow_objectives import ObjectiveTable
 from tests.fake_k8s import LLMD_OBJECTIVES, OBJECTIVES, FakeKube
 
 

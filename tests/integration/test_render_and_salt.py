@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from epp_extproc.adapters.kv_routing import Prompt
 from epp_extproc.adapters.render_client import RenderClient
+from epp_extproc.adapters.worker_facts import Prompt
 from epp_extproc.app import PickerApp
 from epp_extproc.config import Config
 from epp_extproc.core.errors import PickError, Problem
@@ -170,7 +170,7 @@ async def picker(url: str, **kw: Any) -> PickerApp:
                  endpoints="a=127.0.0.1:9;kv=tcp://127.0.0.1:1,b=127.0.0.1:10;kv=tcp://127.0.0.1:2",
                  tokenizer_protocol=kw.pop("protocol", "trtllm-render"), tokenizer_service_url=url, **kw)
     app = PickerApp(cfg)
-    app.kv.ask_server_info = False  # type: ignore[union-attr]  (no real workers behind these addresses)
+    app.kv.facts.ask_server_info = False  # type: ignore[union-attr]  (no real workers behind these addresses)
     await app.start()
     return app
 

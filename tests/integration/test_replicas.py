@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from epp_extproc.adapters.kv_routing import Prompt
+from epp_extproc.adapters.worker_facts import Prompt
 from epp_extproc.app import PickerApp
 from epp_extproc.config import Config, ProcessSlot
 from tests.netutil import free_port

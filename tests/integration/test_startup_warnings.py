@@ -19,7 +19,7 @@ async def started(**kw: Any) -> PickerApp:
     app = PickerApp(Config(grpc_port=0, health_port=0, metrics_port=0, admin_port=0, bind="127.0.0.1",
                            endpoints=ENDPOINTS, endpoint_probe_interval_ms=0, **kw))
     if app.kv is not None:
-        app.kv.ask_server_info = False
+        app.kv.facts.ask_server_info = False
     await app.start()
     return app
 

@@ -6,7 +6,7 @@ import asyncio
 import re
 from pathlib import Path
 
-from kvindex.aio import cancel_and_wait
+from kvindex.aio import TaskSet, cancel_and_wait
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,3 +62,14 @@ async def test_a_cancel_of_the_caller_while_it_waits_is_not_swallowed():
     caller.cancel()
     await asyncio.wait({caller})
     assert caller.cancelled() and after == []
+
+
+async def test_a_task_set_forgets_finished_tasks_and_cancels_the_rest_at_close():
+    tasks = TaskSet()
+    done = tasks.spawn(asyncio.sleep(0))
+    sleeper = tasks.spawn(asyncio.sleep(60))
+    await done
+    await asyncio.sleep(0)  # the done callback runs on the next loop turn
+    assert len(tasks) == 1
+    await tasks.cancel()
+    assert sleeper.cancelled() and len(tasks) == 0

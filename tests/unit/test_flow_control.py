@@ -10,21 +10,17 @@ from collections.abc import Sequence
 import pytest
 
 from epp_extproc.core.errors import PickError
-from epp_extproc.core.flow_control import (
+from epp_extproc.core.flow_objectives import FlowKey, ObjectiveTable, parse_objectives
+from epp_extproc.core.flow_queue import (
     DROPPED_REASON_HEADER,
     REASON_NO_ENDPOINTS,
     REASON_SATURATED,
     REASON_TTL,
     FlowController,
-    FlowKey,
-    ObjectiveTable,
-    SaturationDetector,
-    Thresholds,
-    WorkerSample,
-    parse_objectives,
     reason_of,
 )
 from epp_extproc.core.load import LoadTracker
+from epp_extproc.core.saturation import SaturationDetector, Thresholds, WorkerSample
 from epp_extproc.envoy.errors import http_error
 
 

@@ -13,8 +13,8 @@ from aiohttp import web
 
 from epp_extproc.adapters.worker_metrics import WorkerMetricsScraper, parse_gauges
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
-from epp_extproc.core.flow_control import SaturationDetector, Thresholds
 from epp_extproc.core.load import LoadTracker
+from epp_extproc.core.saturation import SaturationDetector, Thresholds
 from tests.mock.test_mock_support import chat_body, running_worker
 
 TRTLLM = """# HELP trtllm_num_requests_waiting Requests waiting for admission

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from epp_extproc.adapters.objectives import ObjectivesFile, objectives_for_pool
-from epp_extproc.core.flow_control import ObjectiveTable
+from epp_extproc.core.flow_objectives import ObjectiveTable
 
 
 def crd(name: str, pool: str, priority: object = None) -> dict:

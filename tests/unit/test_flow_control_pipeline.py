@@ -9,9 +9,10 @@ import json
 import pytest
 
 from epp_extproc.core.errors import PickError, Problem
-from epp_extproc.core.flow_control import FlowController, FlowKey
+from epp_extproc.core.flow_objectives import FlowKey
+from epp_extproc.core.flow_queue import FlowController
 from epp_extproc.core.request import RequestContext
-from tests.unit.test_propose_commit import ADDRS, decide, make
+from tests.scheduling_fakes import ADDRS, decide, make
 
 
 class Room:

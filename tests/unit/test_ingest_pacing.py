@@ -3,14 +3,7 @@
 from __future__ import annotations
 
 from epp_extproc.ingest.pacing import LagSamples, Pacer
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.clock import Clock
 
 
 def test_a_worker_within_its_share_is_never_paused() -> None:

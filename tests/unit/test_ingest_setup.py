@@ -54,10 +54,36 @@ def test_siblings_sharing_an_ingest_do_not_send_each_other_predictions() -> None
                                tokenizer_service_url="http://127.0.0.1:1", peers="unix:/tmp/nowhere.sock"), slot)
         try:
             assert app.kv is not None
-            return len(app.kv.predict_listeners)
+            return len(app.kv.facts.predict_listeners)
         finally:
             if app.ingest_dir:  # nothing was started: only the directory to clean
                 shutil.rmtree(app.ingest_dir, ignore_errors=True)
 
     assert listeners(ProcessSlot(index=0, ingest_dir="/tmp/d", sync_listen=("unix:/tmp/a.sock",))) == 0
     assert listeners(ProcessSlot()) == 1  # cross-host peers still get them
+
+
+def test_each_view_answers_the_capabilities_the_app_asks_for_without_the_app_knowing_which_it_has() -> None:
+    """What differs between the views is answered by the view (None where it has none), so app.py has no
+    isinstance switch: the in-process index follows bookings and reads churn; the shards keep neither."""
+    inproc, _, _ = build_kv(Config(), ProcessSlot(), EndpointRegistry(), CollectorRegistry())
+    follow = inproc.use_queue_lifetime(0.5, 30.0)
+    assert follow is not None and inproc.churn_window() is not None
+    assert not inproc.warm("w:1") and inproc.index is not None
+    apart, _, directory = build_kv(Config(kv_ingest="apart"), ProcessSlot(), EndpointRegistry(),
+                                   CollectorRegistry())
+    try:
+        assert apart.use_queue_lifetime(0.5, 30.0) is None and apart.churn_window() is None
+        assert not apart.warm("w:1") and apart.index is apart
+    finally:
+        shutil.rmtree(directory or "", ignore_errors=True)
+
+
+def test_the_app_feeds_booking_changes_to_the_view_that_holds_predictions_for_them() -> None:
+    from epp_extproc.app import PickerApp
+
+    cfg = Config(tokenizer_protocol="trtllm-render", tokenizer_service_url="http://127.0.0.1:1",
+                 prediction_lifetime="queue")
+    app = PickerApp(cfg)
+    assert isinstance(app.kv, KvRouting) and app.kv.grace_s == cfg.prediction_grace_s
+    assert app.kv.on_booking in app.load._listeners  # booking changes release the held predictions

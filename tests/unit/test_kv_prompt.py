@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from epp_extproc.adapters.kv_routing import KvRouting, Prompt
+from epp_extproc.adapters.kv_routing import KvRouting
+from epp_extproc.adapters.worker_facts import Prompt
 from epp_extproc.core.endpoints import EndpointRegistry
 from kvindex.index import KvIndex
 

@@ -103,7 +103,7 @@ def test_empty_event_list_is_a_heartbeat():
 
 
 def test_batch_with_only_skipped_events_is_not_a_heartbeat():
-    batch = decode_payload(pack_batch([removed_event([1], medium="CPU")]))
+    batch = decode_payload(pack_batch([stored_event([1], None, [], 0, medium="CPU")]))  # a vLLM placeholder
     assert not batch.heartbeat and batch.events == []
 
 
@@ -128,10 +128,22 @@ def test_token_count_not_matching_block_size_times_hashes_is_skipped():
     assert batch.events == [] and batch.counters.skipped_length == 1
 
 
-@pytest.mark.parametrize("medium", ["CPU", "DISK"])
-def test_non_gpu_medium_is_skipped(medium):
-    batch = decode_payload(pack_batch([stored_event([1, 2], None, TOKS, 4, medium=medium)]))
-    assert batch.events == [] and batch.counters.skipped_medium == 1
+@pytest.mark.parametrize(("medium", "tier"), [("CPU", "cpu"), ("DISK", "disk"), ("Disk", "disk")])
+def test_non_gpu_medium_is_decoded_with_its_tier(medium, tier):
+    # issue 44: non-GPU stores were skipped (`skipped_medium`); they are indexed under their tier now
+    batch = decode_payload(pack_batch([stored_event([1, 2], None, TOKS, 4, medium=medium),
+                                       removed_event([1], medium=medium)]))
+    assert [ev.tier for ev in batch.events] == [tier, tier] and batch.counters.skipped_medium == 0
+
+
+def test_vllm_placeholder_offload_event_is_skipped_as_placeholder_not_garbage():
+    batch = decode_payload(pack_batch([stored_event([7], None, [], 0, medium="CPU")]))
+    assert batch.events == [] and (batch.counters.skipped_placeholder, batch.counters.garbage_events) == (1, 0)
+
+
+def test_gpu_event_with_block_size_zero_is_still_garbage():
+    batch = decode_payload(pack_batch([stored_event([7], None, [], 0)]))
+    assert batch.counters.garbage_events == 1
 
 
 def test_nil_medium_counts_as_gpu():

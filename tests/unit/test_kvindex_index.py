@@ -324,9 +324,9 @@ def test_garbage_batch_is_counted(idx):
 
 
 def test_decoder_skips_are_accumulated_per_worker(idx):
-    idx.apply_batch("w", batch(removed_event([1], medium="CPU"), {"type": "Nope"}))
+    idx.apply_batch("w", batch(stored_event([1], None, [], 0, medium="CPU"), {"type": "Nope"}))
     st = idx.stats("w")
-    assert (st.skipped_medium, st.unknown_events) == (1, 1)
+    assert (st.skipped_placeholder, st.unknown_events) == (1, 1)
 
 
 def test_lookup_stops_at_the_first_block_no_worker_holds(idx, monkeypatch):

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from epp_extproc.adapters.kv_routing import KvRouting, Prompt
+from epp_extproc.adapters.kv_routing import KvRouting
+from epp_extproc.adapters.worker_facts import Prompt
 from epp_extproc.core.contract import MediaItem, PromptIdentity
 from epp_extproc.core.endpoints import EndpointRegistry
 from kvindex.decode import decode_payload
@@ -133,9 +134,9 @@ def test_two_images_swapped_are_not_credited_past_the_first_one(dialect: str) ->
 def test_the_workers_dialect_is_learned_from_its_events(dialect: str) -> None:
     kv = routing()
     kv.index.add_worker("w")
-    assert kv.dialect("w") == DIALECT_VLLM  # the default before any media block
+    assert kv.facts.dialect("w") == DIALECT_VLLM  # the default before any media block
     store(kv, "w", "image_a_after_text", dialect)
-    assert kv.dialect("w") == dialect and kv.index.snapshot()["workers"]["w"]["media_dialect"] == dialect
+    assert kv.facts.dialect("w") == dialect and kv.index.snapshot()["workers"]["w"]["media_dialect"] == dialect
 
 
 def test_a_predicted_image_prompt_is_confirmed_by_the_engines_own_events(dialect: str) -> None:

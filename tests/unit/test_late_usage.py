@@ -3,14 +3,7 @@
 from __future__ import annotations
 
 from epp_extproc.core.late_usage import LateUsage
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clock import Clock
 
 
 def test_a_parked_request_is_taken_once_by_its_entry() -> None:
@@ -43,7 +36,7 @@ def test_early_entries_are_bounded_in_count_oldest_first() -> None:
 
 
 def test_early_entries_expire_like_parked_requests() -> None:
-    clock = Clock()
+    clock = Clock(0.0)
     lu = LateUsage(ttl_s=60, clock=clock)
     lu.hold_early("b1", None)
     lu.park("b2", "m", None)

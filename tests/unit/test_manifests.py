@@ -815,6 +815,10 @@ async def test_the_picker_reads_exactly_the_resources_its_role_grants(rendered, 
         kube.put(POOLS, make_pool(env["DYN_EPP_INFERENCE_POOL_NAME"],
                                   find(objs, "InferencePool")["spec"]["selector"]["matchLabels"]), namespace="llm")
         env["KUBECONFIG"] = str(_kubeconfig(tmp_path, kube.url))
+        if "DYN_EPP_CONFIG_FILE" in env:  # the ConfigMap's file, where the pod mounts it
+            config = tmp_path / "config.yaml"
+            config.write_text(find(objs, "ConfigMap", "llm-pool-epp-config")["data"]["config.yaml"])
+            env["DYN_EPP_CONFIG_FILE"] = str(config)
         args = ["--grpc-port", "0", "--health-port", "0", "--metrics-port", "0", "--admin-port", "0",
                 "--bind", "127.0.0.1", "--replica-sync-port", str(free_port())]
         app = PickerApp(load_config(args, env=env))
@@ -884,3 +888,15 @@ def test_manifests_readme_states_the_replica_count_the_base_ships(rendered):
     replicas = picker_deployment(rendered["base"])["spec"]["replicas"]
     (said,) = re.findall(r"ships `replicas: (\d+)`", README.read_text())
     assert int(said) == replicas
+
+
+def test_the_scheduling_config_map_is_what_the_picker_s_defaults_compile_to(rendered):
+    """The base ships its scheduling as an EndpointPickerConfig file (issue 41): it loads, and it decides as
+    the flags the Deployment sets would without it."""
+    from epp_extproc.core.scheduling.config_file import parse_config, spec_from_config
+
+    objs = rendered["base"]
+    env = {k: v.get("value", "ns") for k, v in env_of(picker(objs)).items()}
+    assert env["DYN_EPP_CONFIG_FILE"] == "/etc/epp/config/config.yaml"
+    text = find(objs, "ConfigMap", "llm-pool-epp-config")["data"]["config.yaml"]
+    assert parse_config(text) == spec_from_config(load_config([], env=env))

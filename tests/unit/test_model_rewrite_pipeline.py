@@ -16,8 +16,7 @@ from epp_extproc.core.model_rewrite import (
     Rule,
     Target,
 )
-from tests.scheduling_fakes import Decider
-from tests.unit.test_propose_commit import FakeKv, FakeRenderer, chat, decide, make
+from tests.scheduling_fakes import Decider, FakeKv, FakeRenderer, chat, decide, make
 
 
 def with_rules(*rules: Rule) -> tuple[Decider, FakeRenderer, FakeKv]:

@@ -11,7 +11,7 @@ from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.core.lean import LeanSignals
 from epp_extproc.core.picker import Picker
 from epp_extproc.core.request import RequestContext
-from tests.unit.test_propose_commit import make
+from tests.scheduling_fakes import make
 
 USAGE = {"prompt_tokens": 100, "completion_tokens": 2, "total_tokens": 102,
          "prompt_tokens_details": {"cached_tokens": 64}}

@@ -15,16 +15,9 @@ from epp_extproc.core.session import (
     SessionTokens,
     parse_keys,
 )
+from tests.clock import Clock
 
 K1, K2 = os.urandom(32), os.urandom(32)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_800_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_sealed_token_opens_to_the_worker_it_names() -> None:
@@ -63,7 +56,7 @@ def test_a_token_sealed_with_another_deployments_key_is_tampered() -> None:
 
 
 def test_a_token_expires_after_the_ttl() -> None:
-    clock = Clock()
+    clock = Clock(1_800_000_000.0)
     t = SessionTokens([K1], 60, clock=clock)
     token = t.seal("10.0.0.7:8000")
     clock.now += 59

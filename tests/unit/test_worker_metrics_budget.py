@@ -11,8 +11,8 @@ from aiohttp import web
 from epp_extproc.adapters.endpoint_probe import round_length
 from epp_extproc.adapters.worker_metrics import PACE_STEP_S, WorkerMetricsScraper
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
-from epp_extproc.core.flow_control import SaturationDetector, Thresholds
 from epp_extproc.core.load import LoadTracker
+from epp_extproc.core.saturation import SaturationDetector, Thresholds
 from tests.unit.test_flow_control_metrics import gauges_text
 
 POOL = 40

@@ -29,7 +29,8 @@ from epp_extproc.core.session import SessionTokens
 class Built:
     handler: ProfileHandler
     hooks: tuple[CommitHook, ...]
-    cost_model: str  # `/debug/score`'s label: "time" when the destination is priced in seconds, else "blocks"
+    cost_model: str
+    source: TableSource  # fills every profile's table (loads, the index's overlaps): what a lookup costs  # `/debug/score`'s label: "time" when the destination is priced in seconds, else "blocks"
 
 
 def _plugin(spec: PluginSpec, deps: SchedulingDeps) -> object:
@@ -72,4 +73,5 @@ def build(spec: SchedulingSpec, deps: SchedulingDeps, *, sessions: SessionTokens
     timed = [s for s, _ in primary.scorers if isinstance(s, PredictedTimeScorer)]
     if timed:
         hooks.append(TimeObservationHook(timed[0], deps.metrics))
-    return Built(handler, tuple(hooks), "time" if timed else "blocks")
+    hooks.extend(s for s, _ in primary.scorers if callable(getattr(s, "committed", None)))  # e.g. tiered-credit
+    return Built(handler, tuple(hooks), "time" if timed else "blocks", source)

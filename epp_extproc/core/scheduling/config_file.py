@@ -165,6 +165,15 @@ OUR_TYPES: Mapping[str, _Type] = MappingProxyType({
         "temperature": _Param(_float_check(0.0, strict=False), 0.0),
     }, "the longest cached prefix among workers whose load is within (1 + bound) x the average"),
     "random-picker": _Type("picker", {}, "uniform over the candidates"),
+    "tiered-credit": _Type("scorer", {
+        "gpuWeight": _Param(_float_check(0.0, strict=False), 1.0),
+        "hostWeight": _Param(_float_check(0.0, strict=False), 0.8),
+        "diskWeight": _Param(_float_check(0.0, strict=False), 0.25),
+        "sharedWeight": _Param(_float_check(0.0, strict=False), 0.25),
+        "unknownWeight": _Param(_float_check(0.0, strict=False), 0.25),
+    }, "credits a cached prefix block by block at the best tier holding each block (GPU, host memory, disk, "
+       "shared storage; issue 44): adds to the credited overlap every pricing plugin reads; place it after "
+       "eviction-scorer"),
 })
 
 
@@ -183,6 +192,8 @@ RULES: tuple[Rule, ...] = (
          "their costs are in different units (KV blocks vs seconds) and cannot be added"),
     Rule("eviction-scorer", "predicted-time-scorer",
          "the flush penalty is in KV blocks and the time cost in seconds: they cannot be added"),
+    Rule("tiered-credit", "predicted-time-scorer",
+         "tiered credit adds to the credited overlap, which the time cost does not read"),
 )
 
 
@@ -1157,6 +1168,22 @@ def spec_from_config(config: Any) -> SchedulingSpec:
         eviction = (_plugin("eviction-scorer", "eviction-scorer", {}, "eviction-scorer"), 1.0)
         decode_scorers.append(eviction)
         prefill_scorers.append(eviction)
+    if config.tiered_credit_enabled():
+        # last: it adds to `credited`, which the eviction scorer sets outright (tiered_credit_scorer.py); a
+        # GPU-only pool's default spec is unchanged (the plugin is compiled only when tier credit is asked for)
+        weights: dict[str, float] = {}
+        if config.router_host_cache_hit_weight is not None:
+            weights["hostWeight"] = float(config.router_host_cache_hit_weight)
+        if config.router_disk_cache_hit_weight is not None:
+            weights["diskWeight"] = weights["sharedWeight"] = float(config.router_disk_cache_hit_weight)
+        tiered = (_plugin("tiered-credit", "tiered-credit", _check_ours("tiered-credit", "tiered-credit", weights),
+                          "tiered-credit"), 1.0)
+        decode_scorers.append(tiered)
+        prefill_scorers.append(tiered)
+        notes.append(Note("tiered_credit", "mapped", "blocks off the GPU are credited per tier (" + ", ".join(
+            f"{k}={_show(v)}" for k, v in tiered[0].parameters.items()) + "); vLLM workers need "
+            "self_describing_kv_events=true on their OffloadingConnector (vLLM 0.32.0 has it): without it they publish "
+            "placeholder offload events, which earn nothing (counted as skipped_placeholder in /debug/kv)"))
     handler = _plugin("pd-profile-handler", "pd-profile-handler",
                       {"threshold": int(config.pd_min_uncached_tokens)}, "pd-profile-handler")
     profiles = {

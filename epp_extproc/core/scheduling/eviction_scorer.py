@@ -105,6 +105,7 @@ class EvictionScorer(NoScore):
     rule (b) in `score` (the flush penalty, in blocks: it adds to the block cost)."""
 
     name = "eviction-scorer"
+    note = "eviction"  # its per-row figures, under this key in the table's notes and each `/debug/score` row
 
     def __init__(self, churn: ChurnView, usage: Callable[[str], float | None]) -> None:
         self._churn = churn
@@ -137,15 +138,15 @@ class EvictionScorer(NoScore):
             discount = ov * (1.0 - s)
             credited[i] = ov - discount
             figures.append(EvictionFigures(p, n, e, s, min(own + discount, e), discount))
-        table.notes[self.name] = figures
+        table.notes[self.note] = figures
 
     def score(self, req: SchedulingRequest, table: CandidateTable) -> list[float]:
-        figures: list[EvictionFigures] | None = table.notes.get(self.name)
+        figures: list[EvictionFigures] | None = table.notes.get(self.note)
         if figures is None:
             return [0.0] * len(table)
         least = min((f.flush for f in figures), default=0.0)
         penalties = [FLUSH_PENALTY * (f.flush - least) for f in figures]
-        table.notes[self.name] = [EvictionFigures(f.pressure, f.allocate, f.evict, f.survival, f.flush, f.discount, pen)
+        table.notes[self.note] = [EvictionFigures(f.pressure, f.allocate, f.evict, f.survival, f.flush, f.discount, pen)
                                   for f, pen in zip(figures, penalties, strict=True)]
         return penalties
 

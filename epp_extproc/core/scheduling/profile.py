@@ -41,7 +41,8 @@ class Scorer(Protocol):
         ...
 
     def score(self, req: SchedulingRequest, table: CandidateTable) -> list[float]:
-        """One cost per row, lower is better, in the profile's unit (blocks, or seconds)."""
+        """One cost per row, lower is better, in the profile's unit (blocks, or seconds); a new list the
+        profile may keep as the table's cost column."""
         ...
 
     def admissible(self, req: SchedulingRequest, table: CandidateTable,
@@ -122,16 +123,16 @@ class Profile:
         table = self.source.table(req, addresses)
         for s, _ in self.scorers:
             s.prepare(req, table)
-        cost = table.cost
         first = True
         for s, weight in self.scorers:
             values = s.score(req, table)
             if weight != 1.0:
                 values = [weight * v for v in values]
-            if first:
-                cost[:] = values
+            if first:  # the first scorer's answer is the column (a scorer hands over a fresh list)
+                table.cost = values
                 first = False
             else:
+                cost = table.cost
                 for i, v in enumerate(values):
                     cost[i] += v
         outcome: dict[str, Any] = {}
@@ -139,7 +140,11 @@ class Profile:
         for s, _ in self.scorers:
             allowed = s.admissible(req, table, outcome)
             if allowed is not None:
-                pool = allowed if pool is None else [i for i in pool if i in set(allowed)]
+                if pool is None:
+                    pool = allowed
+                else:
+                    keep = set(allowed)
+                    pool = [i for i in pool if i in keep]
         chosen = self.picker.pick(req, table, range(len(table)) if pool is None else pool)
         for p in self.pins:
             chosen = p.pin(req, table, chosen, outcome)

@@ -16,6 +16,7 @@ from epp_extproc.core.scheduling.predicted_time_scorer import PredictedTimeScore
 from epp_extproc.core.scheduling.prefill_filter import PrefillFilter
 from epp_extproc.core.scheduling.random_picker import RandomPicker
 from epp_extproc.core.scheduling.softmax_picker import SoftmaxPicker
+from epp_extproc.core.scheduling.tiered_credit_scorer import TieredCreditScorer
 
 
 class PluginType(Protocol):
@@ -32,4 +33,5 @@ PLUGINS: dict[str, PluginType] = {
     "softmax-picker": SoftmaxPicker,
     "bounded-load-picker": BoundedLoadPicker,
     "random-picker": RandomPicker,
+    "tiered-credit": TieredCreditScorer,
 }

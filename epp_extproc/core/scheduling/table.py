@@ -63,8 +63,9 @@ class CandidateTable:
         self.overlap: list[int] = [0] * n
         self.credited: list[float] = [0.0] * n
         self.cost: list[float] = [0.0] * n
-        # per plugin (by name), one value per row, for `/debug/score` and commit hooks (predicted times,
-        # eviction figures); absent when the plugin did not run
+        # per plugin, under the key it shows as in `/debug/score` rows, one value per row: None or an object
+        # with `explain() -> dict` (eviction figures, credit per tier); the predicted-time scorer's (ttft, tpot)
+        # pairs are flattened into the rows instead. Absent when the plugin did not run.
         self.notes: dict[str, list[Any]] = {}
 
     def __len__(self) -> int:

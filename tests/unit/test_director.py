@@ -3,94 +3,14 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
-from epp_extproc.config import Config
-from epp_extproc.core.admission import BodyBudget, InflightGate
-from epp_extproc.core.contract import Credit, PromptIdentity
-from epp_extproc.core.decision import Decision
-from epp_extproc.core.director import Admission
-from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.core.errors import PickError, Problem
-from epp_extproc.core.lean import LeanSignals
-from epp_extproc.core.load import LoadTracker
-from epp_extproc.core.picker import Picker
-from epp_extproc.core.render import Rendered, RenderError, RenderFailure
+from epp_extproc.core.render import RenderError, RenderFailure
 from epp_extproc.core.request import RequestContext
-from epp_extproc.metrics import PickerMetrics
-from tests.scheduling_fakes import Decider, build_decider
-
-ADDRS = ["127.0.0.1:9", "127.0.0.1:10"]
-
-
-class FakeRenderer:
-    def __init__(self, protocol: str = "trtllm-render") -> None:
-        self.protocol = protocol
-        self.fail: RenderError | None = None
-        self.calls: list[bool] = []
-        self.bodies: list[bytes] = []
-
-    async def render(self, kind: str, body: bytes, *, count: bool = True) -> Rendered:
-        self.calls.append(count)
-        self.bodies.append(body)
-        if self.fail is not None:
-            raise self.fail
-        return Rendered(list(range(100)))
-
-
-class FakeKv:
-    def __init__(self) -> None:
-        self.predicted: list[str] = []
-        self.models: list[object] = []
-        self.fail_overlap = False
-
-    def prompt(self, tokens: Sequence[int], identity: PromptIdentity) -> list[int]:
-        self.models.append(identity.model)
-        return list(tokens)
-
-    def block_size(self, address: str) -> int:
-        return 32
-
-    def base_model_for(self, model: object) -> str | None:
-        return "base-model" if model == "tenant-lora" else None
-
-    def overlap(self, prompt: Any, workers: Sequence[str]) -> dict[str, int]:
-        if self.fail_overlap:
-            raise RuntimeError("index exploded")
-        return {ADDRS[0]: 2}
-
-    def held(self, address: str) -> int:
-        return 0
-
-    def credit(self, prompt: Any, workers: Sequence[str]) -> dict[str, Credit]:
-        return {w: Credit(n, 0) for w, n in self.overlap(prompt, workers).items()}
-
-    def predict(self, address: str, prompt: Any, booking: str | None = None) -> None:
-        self.predicted.append(address)
-
-
-def make(admission: Admission | None = None, **cfg: Any) -> tuple[Decider, FakeRenderer, FakeKv]:
-    reg = EndpointRegistry()
-    reg.replace([Endpoint(f"w{i}", a) for i, a in enumerate(ADDRS)])
-    metrics = PickerMetrics()
-    r, kv = FakeRenderer(), FakeKv()
-    config = Config(tokenizer_protocol="trtllm-render", tokenizer_service_url="http://127.0.0.1:1", **cfg)
-    return build_decider(config, reg, LoadTracker(metrics.endpoint_inflight), metrics, renderer=r, kv=kv,
-                    admission=admission), r, kv
-
-
-async def decide(pipe: Decider, ctx: RequestContext) -> Decision:
-    """The whole decision as the edge's exchange runs it (`Picker.decide`: propose -> admit -> commit)."""
-    picker = Picker(pipe, gate=InflightGate(64), bodies=BodyBudget(1 << 20, 1 << 24),
-                    lean=LeanSignals(pipe.load, pipe.metrics))
-    return await picker.decide(ctx)
-
-
-def chat(body: bytes, headers: dict[str, list[str]] | None = None) -> RequestContext:
-    return RequestContext("POST", "/v1/chat/completions", headers or {}, body)
+from tests.scheduling_fakes import chat, decide, make
 
 
 def deep_nvext_body(depth: int = 1000) -> bytes:

@@ -9,8 +9,7 @@ import pytest
 
 from epp_extproc.config import Config
 from epp_extproc.core.load import EndpointLoad
-from tests.scheduling_fakes import CostParams, Row, choose, choose_bounded
-from tests.unit.test_propose_commit import ADDRS, chat, decide, make
+from tests.scheduling_fakes import ADDRS, CostParams, Row, chat, choose, choose_bounded, decide, make
 
 P = CostParams(overlap_credit=2.0)
 

@@ -17,8 +17,7 @@ from epp_extproc.core.picker import Picker
 from epp_extproc.core.request import RequestContext
 from epp_extproc.core.session import SESSION_HEADER, SessionTokens
 from epp_extproc.metrics import PickerMetrics
-from tests.scheduling_fakes import Decider, build_decider
-from tests.unit.test_propose_commit import ADDRS, FakeKv, FakeRenderer
+from tests.scheduling_fakes import ADDRS, Decider, FakeKv, FakeRenderer, build_decider
 
 COST_PICK, OTHER = ADDRS  # FakeKv credits ADDRS[0] with 2 cached blocks: the cost rule picks it
 

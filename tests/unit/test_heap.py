@@ -1,14 +1,13 @@
-"""Two things a decision at a thousand workers must not pay for on every request: a full collection of the
-start-up heap, and filtering the pool again for its destinations."""
+"""What a decision at a thousand workers must not pay for on every request: a full collection of the start-up
+heap (frozen once, refrozen only after the pool settles)."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 
-from epp_extproc.core.contract import Role
-from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.heap import freeze_startup_heap
+from tests.clock import Clock
 
 
 class _Cycle:
@@ -28,48 +27,10 @@ def test_freezing_the_start_up_heap_takes_it_out_of_collections_but_freezes_no_g
         gc.unfreeze()
 
 
-def ep(i: int, role: Role = Role.BOTH) -> Endpoint:
-    return Endpoint(f"w{i}", f"10.0.0.{i}:8000", role=role)
-
-
-def test_destinations_are_the_healthy_endpoints_that_decode() -> None:
-    reg = EndpointRegistry()
-    reg.replace([ep(1), ep(2, Role.PREFILL), ep(3, Role.DECODE)])
-    assert reg.destinations() == ("10.0.0.1:8000", "10.0.0.3:8000")
-
-
-def test_destinations_follow_a_probe_verdict_and_a_new_pool() -> None:
-    reg = EndpointRegistry()
-    reg.replace([ep(1), ep(2)])
-    assert reg.destinations() == ("10.0.0.1:8000", "10.0.0.2:8000")
-    reg.set_healthy("10.0.0.1:8000", False)
-    assert reg.destinations() == ("10.0.0.2:8000",)
-    reg.replace([ep(1), ep(2), ep(3)])
-    assert reg.destinations() == ("10.0.0.2:8000", "10.0.0.3:8000")
-    reg.set_healthy("10.0.0.1:8000", True)
-    assert reg.destinations() == ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")
-
-
-def test_with_every_endpoint_down_all_of_them_are_destinations_as_envoy_panics() -> None:
-    reg = EndpointRegistry()
-    reg.replace([ep(1), ep(2)])
-    reg.set_healthy("10.0.0.1:8000", False)
-    reg.set_healthy("10.0.0.2:8000", False)
-    assert reg.destinations() == ("10.0.0.1:8000", "10.0.0.2:8000")
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_a_refreeze_waits_for_the_pool_to_settle_and_comes_at_most_once_per_interval() -> None:
     from epp_extproc.heap import Refreezer
 
-    clock = _Clock()
+    clock = Clock()
     r = Refreezer(quiet_s=1.0, min_interval_s=30.0, clock=clock)
     try:
         assert not r.maybe()  # nothing changed

@@ -28,8 +28,7 @@ from epp_extproc.core.time_cost import (
 )
 from epp_extproc.envoy.errors import http_error
 from epp_extproc.metrics import PickerMetrics
-from tests.scheduling_fakes import CostParams, Decider, Row, choose, table_of
-from tests.unit.test_propose_commit import ADDRS, decide, make
+from tests.scheduling_fakes import ADDRS, CostParams, Decider, Row, choose, decide, make, table_of
 
 PARAMS = CostParams(overlap_credit=2.0, prefill_load_scale=1.0, temperature=0.0)
 BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
@@ -309,3 +308,24 @@ def test_request_the_gateway_served_elsewhere_teaches_that_worker() -> None:
     b.move("v")
     b.prefill_done()
     assert (tc.model("v").ttft.n, tc.model("w").ttft.n) == (1.0, 0.0)
+
+
+def test_time_cost_with_eviction_aware_is_refused_naming_both_flags() -> None:
+    """Blocks and seconds do not add: the flush penalty cannot join the time cost (before issue 41 the time
+    cost overwrote the block cost and --eviction-aware silently did nothing)."""
+    from epp_extproc.config import Config
+
+    with pytest.raises(ValueError) as e:
+        Config(cost_model="time", eviction_aware=True).validate()
+    assert "--eviction-aware" in str(e.value) and "--cost-model" in str(e.value)
+
+
+async def test_the_time_cost_takes_the_router_temperature() -> None:
+    """Before issue 41 the time cost picked its argmin whatever --router-temperature said; now it samples."""
+    pipe, _, _ = make(cost_model="time", router_temperature=5.0, affinity_load_bound=0.0)
+    random.seed(3)
+    picks = set()
+    for _ in range(40):
+        p = await pipe.propose(ctx())
+        picks.add(p.address)
+    assert picks == set(ADDRS)

@@ -25,7 +25,7 @@ from epp_extproc.core.scheduling.config_file import (
     spec_to_yaml,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FIXTURES = ROOT / "tests" / "fixtures" / "epp_config"
 
 

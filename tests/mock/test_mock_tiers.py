@@ -1,0 +1,127 @@
+"""The mock's off-GPU tiers (issue 44): GPU evictions offloaded to host memory, host evictions to storage, then
+away; prompts continuing into them load instead of computing; tier moves published per engine dialect; the
+picker's index following them."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from kvindex.decode import decode_payload
+from kvindex.index import KvIndex
+from trtllm_mock.config import LOAD_VS_PREFILL, MockConfig
+from trtllm_mock.engine import Engine
+from trtllm_mock.events import KvEventPublisher
+from trtllm_mock.kvcache import KVCache, wire_hash
+
+TPB = 4
+
+
+def ids(n_blocks: int, start: int = 1000) -> list[int]:
+    return list(range(start, start + n_blocks * TPB))
+
+
+def run(cache: KVCache, prompt: list[int]) -> tuple[int, list[str], list[dict]]:
+    """Admit, prefill and release one request: (cached tokens, loaded media, events)."""
+    admitted = cache.admit(prompt, None, len(prompt) + 1)
+    assert admitted is not None
+    alloc, events = admitted
+    events = events + cache.commit_prefill(alloc)
+    cache.release(alloc)
+    return alloc.cached_tokens, alloc.loaded, events
+
+
+def fill(cache: KVCache, n: int) -> None:
+    """`n` one-request chains of 2 blocks each (plus the unreusable last token)."""
+    for i in range(n):
+        run(cache, ids(2, start=10_000 * (i + 1)) + [1])
+
+
+def test_a_gpu_eviction_offloads_the_block_to_host_memory_and_says_so():
+    cache = KVCache(TPB, 5, host_blocks=8)
+    run(cache, ids(2) + [1])
+    first = [wire_hash(h) for h in cache.chain_hashes(ids(2), None)]
+    _, _, events = run(cache, ids(3, start=50_000) + [1])  # needs 4 blocks: 2 of the first chain evicted
+    removed = [e for e in events if e["type"] == "BlockRemoved" and e["medium"] == "GPU"]
+    stored = [e for e in events if e["type"] == "BlockStored" and e["medium"] == "CPU"]
+    assert removed and sorted(h for e in stored for h in e["block_hashes"]) == sorted(removed[0]["block_hashes"])
+    assert set(cache.snapshot()["tiers"]["CPU"]) <= set(first) and cache.snapshot()["tiers"]["CPU"]
+
+
+def test_a_host_eviction_goes_to_storage_then_away():
+    cache = KVCache(TPB, 3, host_blocks=2, storage_blocks=2)
+    fill(cache, 6)
+    snap = cache.snapshot()["tiers"]
+    assert len(snap["CPU"]) == 2 and len(snap["DISK"]) == 2
+
+
+def test_a_prompt_continuing_into_host_memory_loads_those_blocks():
+    cache = KVCache(TPB, 4, host_blocks=16)
+    run(cache, ids(3) + [1])
+    fill(cache, 3)  # pushes the first chain off the GPU
+    cached, loaded, events = run(cache, ids(3) + [1])
+    assert cached == 3 * TPB and loaded == ["CPU"] * 3
+    # loaded blocks are GPU blocks again once the prefill commits
+    assert any(e["type"] == "BlockStored" and e["medium"] == "GPU" for e in events)
+
+
+def test_without_tiers_the_cache_is_gpu_only():
+    cache = KVCache(TPB, 4)
+    run(cache, ids(3) + [1])
+    fill(cache, 3)
+    cached, loaded, _ = run(cache, ids(3) + [1])
+    assert (cached, loaded) == (0, []) and cache.snapshot()["tiers"] == {}
+
+
+def test_load_time_is_the_tiers_fixed_fraction_of_the_prefill_per_token():
+    cfg = MockConfig(tokens_per_block=TPB, num_blocks=4, host_blocks=16, kv_events=False,
+                     prefill_ms_per_token=0.5)
+    engine = Engine(cfg, KVCache(TPB, 4, host_blocks=16), None)
+    alloc = engine.cache.admit(ids(2) + [1], None, 10)[0]
+    alloc.loaded = ["CPU", "DISK"]
+    assert engine._load_ms(alloc) == pytest.approx(TPB * 0.5 * (LOAD_VS_PREFILL["CPU"] + LOAD_VS_PREFILL["DISK"]))
+
+
+def test_the_load_time_model_is_64_kib_per_token_over_25_and_5_gb_per_s():
+    assert LOAD_VS_PREFILL["CPU"] * 0.0142 == pytest.approx(65536 / 25e9 * 1000)
+    assert LOAD_VS_PREFILL["DISK"] == pytest.approx(5 * LOAD_VS_PREFILL["CPU"])
+
+
+def offload_events(dialect: str) -> list:
+    cache = KVCache(TPB, 4, host_blocks=16, storage_blocks=0)
+    run(cache, ids(3) + [1])
+    events: list[dict] = []
+    for i in range(3):
+        events += run(cache, ids(2, start=10_000 * (i + 1)) + [1])[2]
+    pub = KvEventPublisher(MockConfig(event_dialect=dialect, kv_events=False))
+    return pub.to_dialect(events)
+
+
+@pytest.mark.parametrize(("dialect", "medium"), [("vllm", "CPU"), ("sglang", "CPU_PINNED")])
+def test_each_engine_dialect_spells_the_host_medium_its_way(dialect, medium):
+    media = {e["medium"] for e in offload_events(dialect)}
+    assert medium in media
+
+
+def test_the_trtllm_dialect_publishes_no_tier_moves():
+    assert {e["medium"] for e in offload_events("trtllm")} == {"GPU"}
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+def test_the_pickers_index_holds_exactly_the_mocks_tiers(dialect):
+    cache = KVCache(TPB, 5, host_blocks=6, storage_blocks=4)
+    pub = KvEventPublisher(MockConfig(event_dialect=dialect, kv_events=False, tokens_per_block=TPB))
+    idx = KvIndex(default_block_size=TPB)
+    for i in range(12):
+        prompt = ids(2 + i % 2, start=1000 * (1 + i % 5)) + [1]
+        admitted = cache.admit(prompt, None, len(prompt) + 1)
+        assert admitted is not None
+        alloc, events = admitted
+        events = events + cache.commit_prefill(alloc)
+        cache.release(alloc)
+        idx.apply_batch("w", decode_payload(msgpack.packb([0.0, pub.to_dialect(events), 0])))
+    snap = cache.snapshot()
+    held = idx.tier_blocks("w")
+    assert held["gpu"] == snap["cached_blocks"]
+    assert held.get("cpu", 0) == len(snap["tiers"]["CPU"]) and held.get("disk", 0) == len(snap["tiers"]["DISK"])
+    assert idx.stats("w").garbage == 0 and idx.stats("w").skipped_unknown_parent == 0

@@ -1,0 +1,81 @@
+"""One set of worker facts for both KV views: what a worker says about itself is learned and kept once
+(adapters/worker_facts.py), and the in-process and the ingest-apart views hash prompts by it alike."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from epp_extproc.adapters import worker_facts
+from epp_extproc.adapters.kv_remote import RemoteKv
+from epp_extproc.adapters.kv_routing import KvRouting
+from epp_extproc.core.contract import MediaItem, PromptIdentity
+from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
+
+TOKENS = list(range(100))
+
+
+W = "10.0.0.1:8000"
+
+
+def views(ask_server_info: bool = False) -> tuple[EndpointRegistry, KvRouting, EndpointRegistry, RemoteKv]:
+    inproc, apart = EndpointRegistry(), EndpointRegistry()
+    return (inproc, KvRouting(inproc, block_size=16, max_blocks_per_worker=1000, topic="", prediction_ttl_s=60.0,
+                              metrics_registry=None, ask_server_info=ask_server_info),
+            apart, RemoteKv(apart, directory="/nonexistent", shards=2, block_size=16, prediction_ttl_s=60.0,
+                            ask_server_info=ask_server_info))
+
+
+def test_both_views_hash_a_request_naming_an_adapter_with_it_and_the_same_way() -> None:
+    _, local, _, remote = views()
+    for kv in (local, remote):
+        kv.facts.set_adapters(W, {"sql-lora": "base"})
+    ident = PromptIdentity(salt="t", model="sql-lora")
+    a, b = local.prompt(TOKENS, ident), remote.prompt(TOKENS, ident)
+    assert a.lora == b.lora == "sql-lora" and a.hashes(16) == b.hashes(16)
+    assert local.base_model_for("sql-lora") == remote.base_model_for("sql-lora") == "base"
+    assert local.prompt(TOKENS, PromptIdentity(model="base")).lora is None
+
+
+def test_a_media_prompt_is_keyed_in_the_default_dialect_until_the_events_say_otherwise() -> None:
+    _, local, _, remote = views()
+    media = PromptIdentity(media=(MediaItem("img", 10, 20),))
+    for kv in (local, remote):
+        p = kv.prompt(TOKENS, media)
+        assert kv.facts.dialect(W) == "vllm"
+        assert kv.facts.hashes(p, W, 16) == p.hashes(16, "vllm")
+
+
+async def test_a_reported_block_size_and_adapters_are_learned_once_and_leave_with_the_worker(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async def block_size(_address: str) -> int:
+        return 8
+
+    async def adapters(_address: str) -> dict[str, str]:
+        return {"sql-lora": "base"}
+
+    monkeypatch.setattr(worker_facts, "fetch_block_size", block_size)
+    monkeypatch.setattr(worker_facts, "fetch_served_adapters", adapters)
+    inproc, local, apart, remote = views(ask_server_info=True)
+    heard: list[tuple[Any, ...]] = []
+    try:
+        for registry, kv in ((inproc, local), (apart, remote)):
+            kv.facts.predict_listeners.append(lambda *a: heard.append(a))
+            registry.replace([Endpoint("w", W)])
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if not len(kv._tasks) and kv.facts.adapter_for("sql-lora"):
+                    break
+            assert kv.facts.reported == {W: 8} and kv.block_size(W) == 8
+            assert kv.facts.adapter_for("sql-lora", W) == "sql-lora"
+            kv.predict(W, kv.prompt(TOKENS, PromptIdentity()))
+            registry.replace([])
+            await asyncio.sleep(0.05)
+            assert kv.facts.reported == {} and kv.facts.adapter_for("sql-lora") is None
+        # each view told the listeners (replica sync) of its prediction in the size the worker reported
+        assert [(a, size, len(h)) for a, size, h, _ in heard] == [(W, 8, 12), (W, 8, 12)]
+    finally:
+        await local.close()
+        await remote.close()
