@@ -135,8 +135,11 @@ CONFIGS = {"a": "envoy round-robin", "b": "picker, load only", "c": "picker, KV-
            "c1": "picker, KV-aware, overlap credit 1.0", "e": "picker, prediction only (no KV events)",
            "r2": "2 picker replicas, replica sync", "rs": "picker restarted at 1/3 of the run",
            "rs2": "2 synced replicas, one restarted (grace period, health checks)",
-           "cv": "clairvoyant plan replayed"}
-OPT_IN = ("r2", "rs", "rs2", "cv")  # only with --only: the default set (and its cost) stays what it was
+           "cv": "clairvoyant plan replayed",
+           "rsz": "picker restarted at 1/3 of the run, workers without engine replay (ZeroMQ plane)",
+           "rsn": "picker restarted at 1/3 of the run, workers without engine replay, KV events through "
+                  "epp-kv-relay on NATS (the restarted picker loads the relay's dumps; issue 47)"}
+OPT_IN = ("r2", "rs", "rs2", "cv", "rsz", "rsn")  # only with --only: the default set (and its cost) stays what it was
 BS = 32
 # (rs2)'s replicas: the product's default shutdown grace period, named so the benchmark follows it
 GRACE_PERIOD_S = Config.__dataclass_fields__["graceful_shutdown_grace_period_s"].default
@@ -339,6 +342,22 @@ def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc,
         env = H.envoy(st, picker_proc=pks[0], more_pickers=pks[1:])
         wait_pickers_healthy(env, len(pks))
         return env, pks
+    if cfg in ("rsz", "rsn"):  # issue 47: restarted in front of workers with no replay, on ZeroMQ or the plane
+        extra: list[str] = []
+        if cfg == "rsn":
+            from epp_extproc.dev.nats import nats_server_proc, relay_proc
+
+            nats = st.add(nats_server_proc(st.dir))
+            eps = st.dir / "relay-endpoints.json"
+            eps.write_text(json.dumps({"endpoints": [{"address": m.address,
+                                                      "kv_events": f"tcp://127.0.0.1:{m.extra['kv_port']}"}
+                                                     for m in workers]}))
+            url = f"nats://127.0.0.1:{nats.port}"
+            st.add(relay_proc(st.dir, nats_url=url, endpoints_file=eps, pool="trace", block_size=BS))
+            extra = ["--kv-event-plane", "nats", "--nats-url", url, "--kv-plane-pool", "trace"]
+        pk = H.picker(st, procs.endpoint_spec(workers, replay=False), "trtllm-render", renderer, extra=extra)
+        H.wait_subscribed(pk, addrs)
+        return H.envoy(st, picker_proc=pk), [pk]
     if cfg == "rs":  # as (c), with the replay endpoints a restarted picker re-warms from
         pk = H.picker(st, procs.endpoint_spec(workers, replay=True), "trtllm-render", renderer)
         H.wait_subscribed(pk, addrs)
@@ -484,7 +503,7 @@ def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], rendere
     with H.Stack(prefix=f"epp-trace-{cfg}-") as st:
         env, pks = start_config(st, cfg, workers, renderer, plan_file)
         restarter = Restarter(pks[0], [m.address for m in workers], schedule_span_s(input_file),
-                              envoy=env if cfg == "rs2" else None) if cfg in ("rs", "rs2") else None
+                              envoy=env if cfg == "rs2" else None) if cfg in ("rs", "rs2", "rsz", "rsn") else None
         if restarter is not None:
             restarter.start()
         art = work / f"aiperf-{tag}"

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import shutil
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from aiohttp import web
@@ -47,6 +47,9 @@ from epp_extproc.ingest.setup import KvBackend, build_kv
 from epp_extproc.metrics import PickerMetrics, PromFlowMetrics
 from h2grpc import H2GrpcServer
 from kvindex.aio import cancel_and_wait
+
+if TYPE_CHECKING:
+    from epp_extproc.adapters.replica_sync_nats import NatsReplicaSync
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +121,19 @@ class PickerApp:
             arriving=InflightGate(config.max_incomplete_requests, self.metrics.incomplete_requests),
             bodies=BodyBudget(config.max_body_bytes, config.max_buffered_body_bytes, self.metrics.buffered_bytes),
             lean=LeanSignals(self.load, self.metrics))
-        self.sync: ReplicaSync | None = None
-        if config.sync_enabled() or self.slot.sync_listen:
+        self.sync: ReplicaSync | NatsReplicaSync | None = None
+        if config.replica_sync_plane == "nats":  # issue 47: replicas meet on NATS subjects, no peer list
+            from epp_extproc.adapters.replica_sync_nats import NatsReplicaSync  # nats-py only when used
+
+            self.sync = NatsReplicaSync(self.load, self.registry, index=self.kv.index if self.kv else None,
+                                        servers=[u.strip() for u in config.nats_url.split(",") if u.strip()],
+                                        pool=config.kv_plane_pool, heartbeat_s=config.peer_timeout_ms / 4000,
+                                        peer_timeout_s=config.peer_timeout_ms / 1000,
+                                        expiry_s=config.peer_expiry_ms / 1000,
+                                        metrics_registry=self.metrics.registry)
+            if self.kv is not None and self.slot.ingest_dir is None:
+                self.kv.facts.predict_listeners.append(self.sync.on_predict)
+        elif config.sync_enabled() or self.slot.sync_listen:
             tls = SyncTls.load(config.replica_sync_tls_path, config.replica_sync_server_name) \
                 if config.replica_sync_tls_path else None
             self.sync = ReplicaSync(self.load, self.registry, index=self.kv.index if self.kv else None,
@@ -449,6 +463,9 @@ class PickerApp:
     async def _start_sync(self) -> None:
         cfg = self.config
         assert self.sync is not None
+        if cfg.replica_sync_plane == "nats":
+            await self.sync.start([])
+            return
         await self.sync.start(self.slot.sync_listen or [f"{cfg.bind}:{cfg.replica_sync_port}"])
         if self.sync.tls is not None:
             self._tasks.append(asyncio.create_task(self.sync.tls.run()))

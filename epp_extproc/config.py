@@ -188,6 +188,10 @@ class Config:
         "a peer silent this long (it heartbeats every quarter of it) counts as gone")
     peer_expiry_ms: int = opt("DYN_EPP_PEER_EXPIRY_MS", 5000, int,
         "a gone peer's bookings still count this long (its requests may still run), then are dropped")
+    replica_sync_plane: str = opt("DYN_EPP_REPLICA_SYNC_PLANE", "grpc", str,
+        "how replicas share bookings and predictions: `grpc` (the mesh: a stream to each of --peers or "
+        "--peer-service) or `nats` (one subject per replica on --nats-url, pool --kv-plane-pool; replicas find "
+        "each other there, no peer list); see docs/kv-event-plane.md", ("grpc", "nats"))
     # Endpoints
     endpoints: str | None = opt("DYN_EPP_ENDPOINTS", None, _opt_str,
         "static endpoints, comma separated `name=ip:port` (or just `ip:port`)")
@@ -214,6 +218,18 @@ class Config:
         "pod label naming a worker's role in a disaggregated pool (Kubernetes discovery): prefill, decode, "
         "both (llm-d's prefill-decode too); an unlabelled pod serves both")
     kv_event_topic: str = opt("DYN_EPP_KV_EVENT_TOPIC", "", str, "ZMQ topic to subscribe to (prefix match)")
+    kv_event_plane: str = opt("DYN_EPP_KV_EVENT_PLANE", "zmq", str,
+        "where KV events come from: `zmq` (each worker's own ZeroMQ socket, one per worker) or `nats` (the "
+        "`epp-kv-relay`s' NATS subjects, one subscription per pool; a start or restart loads the relays' dumps, "
+        "no engine replay needed); see docs/kv-event-plane.md", ("zmq", "nats"))
+    nats_url: str = opt("DYN_EPP_NATS_URL", "nats://127.0.0.1:4222", str,
+        "with --kv-event-plane nats: the NATS server(s), comma-separated")
+    kv_plane_pool: str = opt("DYN_EPP_KV_PLANE_POOL", "default", str,
+        "with --kv-event-plane nats: the pool's subject token (the relays of the pool use the same)")
+    kv_plane_fallback: str = opt("DYN_EPP_KV_PLANE_FALLBACK", "zmq", str,
+        "with --kv-event-plane nats: while NATS or a worker's relay is unreachable, read the worker's own ZeroMQ "
+        "events (`zmq`) or drop its entries and route it by load (`load`); counted in "
+        "epp_kv_plane_fallbacks_total, undone by the next dump", ("zmq", "load"))
     # Request handling
     max_inflight_requests: int = opt("DYN_EPP_MAX_INFLIGHT_REQUESTS", 1024, int,
         "whole requests (body complete) being decided or served: above this many, 503 \"endpoint picker "
@@ -511,6 +527,12 @@ class Config:
         _at_least(self, "processes", 1, "")
         _at_least(self, "prediction_grace_s", 0, "")
         _positive(self, "prediction_max_lifetime_s")
+        if self.replica_sync_plane == "nats" and (self.processes > 1 or self.sync_enabled()):
+            raise ValueError(f"{n('replica_sync_plane')} nats finds its peers on NATS: it takes neither "
+                             f"{n('peers')}/{n('peer_service')} nor {n('processes')} > 1")
+        if self.kv_event_plane == "nats" and self.kv_ingest != "inprocess":
+            raise ValueError(f"{n('kv_event_plane')} nats feeds the in-process index: it needs {n('kv_ingest')} "
+                             "inprocess")
         if self.prediction_lifetime == "queue" and self.kv_ingest == "apart":
             raise ValueError(f"{n('prediction_lifetime')} queue needs the in-process index ({n('kv_ingest')} "
                              "inprocess): the ingest processes take a fixed ttl per prediction")
@@ -595,7 +617,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("discovery (which workers, and their KV events)",
      ("endpoints", "endpoints_file", "inference_pool_name", "namespace", "kubeconfig",
       "endpoint_probe_interval_ms", "endpoint_probe_path", "endpoint_probe_max_rate", "kv_event_port",
-      "kv_event_replay_port", "kv_event_topic", "role_label")),
+      "kv_event_replay_port", "kv_event_topic", "kv_event_plane", "nats_url", "kv_plane_pool",
+      "kv_plane_fallback", "role_label")),
     ("renderer (request -> token ids)",
      ("tokenizer_protocol", "tokenizer_service_url", "tokenization_timeout_ms", "tokenizer_max_response_bytes",
       "render_circuit_failures", "render_circuit_open_ms", "render_failure_policy", "render_reject_policy",
@@ -616,7 +639,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model rewrites (weighted splits of a requested model)",
      ("model_rewrites_file", "model_rewrite_session_header")),
     ("replicas (several pickers sharing load)",
-     ("processes", "peers", "peer_service", "pod_ip", "replica_sync_port", "peer_timeout_ms",
+     ("processes", "peers", "peer_service", "replica_sync_plane", "pod_ip", "replica_sync_port", "peer_timeout_ms",
       "peer_expiry_ms")),
     ("limits (what one client can hold)",
      ("max_inflight_requests", "max_incomplete_requests", "max_body_bytes", "max_buffered_body_bytes",

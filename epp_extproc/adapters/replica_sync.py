@@ -547,20 +547,7 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
         return None if msg is grpc.aio.EOF else msg
 
     def _apply(self, peer: str, batch: pb.Batch) -> None:
-        change = self.load.peer_change
-        for d in batch.deltas:
-            kind = _PB_TO_KIND.get(d.kind)
-            if kind is not None:
-                change(peer, BookingChange(kind, d.id, d.address, d.prefill_blocks, d.decode_blocks))
-        idx = self.index
-        if idx is None:
-            return
-        for p in batch.predictions:
-            # Only for workers we route to, in the block size we hash them with: anything else would create
-            # index entries for unknown workers or predict hashes that can never match.
-            if p.address in self.registry and idx.block_size(p.address) == p.block_size and p.ttl_ms > 0:
-                idx.predict_hashes(p.address, p.hashes[:MAX_PREDICTION_HASHES],
-                                   min(p.ttl_ms / 1000, MAX_PREDICTION_TTL_S))
+        apply_batch(self.load, self.registry, self.index, peer, batch)
 
     def _expire(self, peer: str, gen: int) -> None:
         inb = self.inbound.get(peer)
@@ -581,6 +568,24 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
                           for t, lk in self.links.items()},
                 "peers": {p: {"connected": i.connected, "bookings": self.load.peer_inflight(p)}
                           for p, i in self.inbound.items()}}
+
+
+def apply_batch(load: LoadTracker, registry: EndpointRegistry, idx: PredictionSink | None, peer: str,
+                batch: pb.Batch) -> None:
+    """A peer's batch applied here, whichever plane brought it (this mesh, or NATS subjects)."""
+    change = load.peer_change
+    for d in batch.deltas:
+        kind = _PB_TO_KIND.get(d.kind)
+        if kind is not None:
+            change(peer, BookingChange(kind, d.id, d.address, d.prefill_blocks, d.decode_blocks))
+    if idx is None:
+        return
+    for p in batch.predictions:
+        # Only for workers we route to, in the block size we hash them with: anything else would create
+        # index entries for unknown workers or predict hashes that can never match.
+        if p.address in registry and idx.block_size(p.address) == p.block_size and p.ttl_ms > 0:
+            idx.predict_hashes(p.address, p.hashes[:MAX_PREDICTION_HASHES],
+                               min(p.ttl_ms / 1000, MAX_PREDICTION_TTL_S))
 
 
 def _short(e: BaseException) -> str:

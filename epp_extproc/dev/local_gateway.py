@@ -55,6 +55,9 @@ SETTINGS: tuple[tuple[str, str, object, type, str], ...] = (
     ("--pd-engine", "GATEWAY_PD_ENGINE", "trtllm", str, "with --pd: the sidecar's --engine (trtllm or vllm)"),
     ("--pd-min-uncached-tokens", "GATEWAY_PD_MIN_UNCACHED_TOKENS", 16, int,
      "with --pd: the picker's --pd-min-uncached-tokens"),
+    ("--kv-event-plane", "GATEWAY_KV_EVENT_PLANE", "zmq", str,
+     "`nats`: a nats-server and an epp-kv-relay for the pool, the picker on --kv-event-plane nats"),
+    ("--nats-port", "GATEWAY_NATS_PORT", 4222, int, "with --kv-event-plane nats: the nats-server's port"),
 )
 
 
@@ -72,6 +75,8 @@ def _parser(env: dict[str, str] | None = None) -> argparse.ArgumentParser:
             kw["choices"] = list(TOKENIZER_PROTOCOLS)
         elif flag == "--pd-engine":
             kw["choices"] = ["trtllm", "vllm"]
+        elif flag == "--kv-event-plane":
+            kw["choices"] = ["zmq", "nats"]
         p.add_argument(flag, type=typ, default=typ(env[var]) if env.get(var) else default,
                        help=f"{help_} [env {var}]", **kw)  # type: ignore[arg-type]
     p.add_argument("--pd", action="store_true", default=env.get("GATEWAY_PD", "") in ("1", "true", "yes"),
@@ -146,12 +151,21 @@ def _children(args: argparse.Namespace, workdir: Path) -> tuple[list[Proc], list
     children.append(renderer)
     eps_file = workdir / "endpoints.json"
     eps_file.write_text(json.dumps({"endpoints": endpoints}, indent=2))
+    plane_args: list[str] = []
+    if args.kv_event_plane == "nats":  # issue 47: the relay reads the workers' events, the picker reads NATS
+        from epp_extproc.dev.nats import nats_server_proc, relay_proc
+
+        nats = nats_server_proc(workdir, port=args.nats_port)
+        nats_url = f"nats://127.0.0.1:{args.nats_port}"
+        children += [nats, relay_proc(workdir, nats_url=nats_url, endpoints_file=eps_file)]
+        plane_args = ["--kv-event-plane", "nats", "--nats-url", nats_url]
     children.append(procs.picker(
         workdir, endpoints_file=eps_file, protocol=args.tokenizer_protocol,
         renderer_url=renderer.url if args.tokenizer_protocol != "none" else None, grpc_port=args.picker_port,
         health_port=args.health_port, metrics_port=args.metrics_port, admin_port=args.metrics_port,  # /debug too
         args=["--kv-cache-block-size", "32",
               *(["--pd-min-uncached-tokens", str(args.pd_min_uncached_tokens)] if args.pd else []),
+              *plane_args,
               "--secure-serving=true"]))  # what the generated Envoy config speaks, whatever DYN_EPP_* says
     env_opts = envoy_config.EnvoyOptions(listen_port=args.port, admin_port=args.envoy_admin_port,
                                          picker_port=args.picker_port, body_mode=args.body_mode)

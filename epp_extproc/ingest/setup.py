@@ -85,6 +85,15 @@ def build_kv(config: Config, slot: ProcessSlot, registry: EndpointRegistry,
                        prediction_ttl_s=config.prediction_ttl_s, metrics_registry=metrics_registry)
         if config.kv_shared_stores:  # issue 44: shared-tier blocks credited to every worker of the store
             kv.set_shared_stores(parse_shared_stores(config.kv_shared_stores))
+        if config.kv_event_plane == "nats":
+            from epp_extproc.kvplane.follower import PlaneSubscribers
+            from epp_extproc.kvplane.wire import Subjects
+
+            # the ZeroMQ subscriber KvRouting made stays, as the fallback of workers the plane cannot serve
+            kv.subscribers = PlaneSubscribers(  # type: ignore[assignment]
+                kv.index, kv.subscribers, [u.strip() for u in config.nats_url.split(",") if u.strip()],
+                Subjects(pool=config.kv_plane_pool), fallback_mode=config.kv_plane_fallback,
+                name=f"epp-picker-{slot.index}", registry=metrics_registry)
         return kv, None, None
     group = None
     own_dir = None

@@ -33,7 +33,7 @@ MANIFESTS = ROOT / "manifests"
 SCHEMAS = MANIFESTS / "schemas"
 CRD_DIR = MANIFESTS / "crds"  # the pinned upstream CRDs (manifests/crds/README.md)
 K8S_VERSION = "1.33"  # native sidecars are GA here; kubernetes-validate ships schemas up to 1.37
-VARIANTS = ("trtllm", "cpu-mock")
+VARIANTS = ("trtllm", "cpu-mock", "nats-plane")
 CRD_KINDS = {("inference.networking.k8s.io/v1", "InferencePool"): "inferencepool-v1.json",
              ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproute-v1.json",
              ("gateway.networking.k8s.io/v1", "Gateway"): "gateway-v1.json"}

@@ -1,0 +1,533 @@
+"""The picker's side of ``--kv-event-plane nats``: one NATS subscription per pool feeding the same KvIndex.
+
+It stands where :class:`~kvindex.subscriber.SubscriberManager` stands in
+:class:`~epp_extproc.adapters.kv_routing.KvRouting` (``add``/``remove``/``resync``/``stats_snapshot``/``close``)
+so the routing code does not know which plane feeds its index; batches are decoded and applied by the same
+decoder and ``KvIndex.apply_batch`` as on the ZeroMQ plane.
+
+Per worker, the plane's stream follows today's rules, with the relay's dump in the role of the engine's
+replay:
+
+* **start / join**: the picker asks the worker's relay for a dump and buffers (bounded) the live messages that
+  arrive meanwhile; it loads the dump (the worker's entries replaced), then applies the buffered messages
+  after the dump's sequence, and follows the live stream from there;
+* **gap**: a sequence jump on the plane (a message NATS or the relay dropped), or a relay heartbeat that says
+  the stream went further than what arrived (the tail was lost), is answered with a new dump;
+* **restart**: another epoch on a worker's messages is another relay process (it rebuilt its index): a new
+  dump; a clear message is the relay's own gap or engine restart, applied as the clear it was there;
+* **faults**: NATS down (the client noticed, pings every second), or no heartbeat from a worker's relay for
+  ``relay_stale_s``: the worker falls back to today's direct ZeroMQ subscription (or, with ``--kv-plane-fallback
+  load``, its entries are dropped and it routes by load), counted; when the plane is back, a dump brings the
+  worker back onto it, the direct subscription is closed, counted as a recovery. No request waits for any of
+  this: lookups read the index as it is.
+
+Malformed messages and dumps are refused like malformed ZeroMQ frames: counted (per worker where the subject
+names a known worker, ``garbage_frames``), never applied, never fatal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from epp_extproc.kvplane.link import NatsLink
+from epp_extproc.kvplane.wire import (
+    HEARTBEAT_TOKEN,
+    KIND_BATCH,
+    MAX_DUMP_CHUNKS,
+    DumpChunk,
+    LiveMessage,
+    Malformed,
+    Subjects,
+    encode_dump_request,
+    parse_dump_chunk,
+    parse_heartbeat,
+    parse_live,
+    worker_token,
+)
+from kvindex.aio import cancel_and_wait
+from kvindex.backoff import Backoff
+from kvindex.decode import TOO_MANY_EVENTS, decode_payload
+from kvindex.dump import load_slots
+from kvindex.index import KvIndex
+from kvindex.subscriber import KvSource, SubscriberManager
+
+log = logging.getLogger(__name__)
+
+WATCH_PERIOD_S = 0.5
+
+
+@dataclass(slots=True)
+class PlaneStats:
+    """One worker's plane counters (``/debug/kv`` under ``kv_plane``, and the ``epp_kv_plane_*`` metrics)."""
+
+    mode: str = "wait"  # wait (no relay yet) | dumping | live
+    fallback: bool = False  # fed by the direct ZeroMQ subscription (or load-only) meanwhile
+    epoch: int | None = None
+    seq: int | None = None
+    messages: int = 0
+    gaps: int = 0
+    dropped_batches: int = 0
+    relay_restarts: int = 0
+    dumps: int = 0
+    dump_failures: int = 0
+    dumps_refused: int = 0
+    dump_blocks: int = 0
+    buffer_overflows: int = 0
+    oversized: int = 0
+    garbage: int = 0
+    fallbacks: int = 0
+    recoveries: int = 0
+
+
+@dataclass(slots=True)
+class _Stream:
+    worker_id: str
+    sources: list[KvSource]
+    stats: PlaneStats = field(default_factory=PlaneStats)
+    buffer: deque[LiveMessage] = field(default_factory=deque)
+    last_heard: float = 0.0
+    dump_task: asyncio.Task[None] | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    backoff: Backoff = field(default_factory=lambda: Backoff(0.2, 5.0))
+
+
+class PlaneSubscribers:
+    """KvRouting's subscriber on the NATS plane, with ``fallback`` (today's ZeroMQ subscriber on the same
+    index) for the workers the plane cannot serve right now."""
+
+    def __init__(self, idx: KvIndex, fallback: SubscriberManager, servers: Sequence[str], subjects: Subjects, *,
+                 fallback_mode: str = "zmq", name: str = "epp-picker", max_batch_bytes: int = 16 * 1024 * 1024,
+                 max_batch_events: int = 16_384, dump_timeout_s: float = 3.0, relay_stale_s: float = 5.0,
+                 max_buffered: int = 10_000, max_dump_bytes: int | None = None,
+                 dump_concurrency: int = 8, first_connect_grace_s: float = 2.0,
+                 registry: CollectorRegistry | None = None) -> None:
+        """``relay_stale_s``: a worker whose relay said nothing (no batch, no heartbeat) this long falls back;
+        ``first_connect_grace_s``: how long a starting picker waits for its first NATS connect before its
+        workers fall back; ``max_buffered``: live messages kept per worker while its dump is in flight;
+        ``max_dump_bytes``: a dump's budget (None: twice the index's per-worker cap in pairs, 16 bytes each)."""
+        if fallback_mode not in ("zmq", "load"):
+            raise ValueError(f"fallback mode {fallback_mode!r}: zmq or load")
+        self.idx = idx
+        self.fallback = fallback
+        self.subjects = subjects
+        self.fallback_mode = fallback_mode
+        self.max_batch_bytes = max_batch_bytes
+        self.max_batch_events = max_batch_events
+        self.dump_timeout_s = dump_timeout_s
+        self.relay_stale_s = relay_stale_s
+        self.max_buffered = max_buffered
+        self.max_dump_bytes = max_dump_bytes
+        self.first_connect_grace_s = first_connect_grace_s
+        self.link = NatsLink(servers, name, on_up=self._on_up, on_down=self._on_down)
+        self._streams: dict[str, _Stream] = {}
+        self._by_token: dict[str, str] = {}
+        self._dump_slots = asyncio.Semaphore(dump_concurrency)
+        self._sub: Any = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self.garbage = 0  # malformed messages on the subjects, over all workers (also per worker when known)
+        self.unknown_workers = 0  # messages about workers this picker does not route to
+        self.heartbeats = 0
+        if registry is not None:
+            registry.register(_PlaneCollector(self))
+
+    # ------------------------------------------------------------- lifecycle
+    def _start(self) -> None:
+        if self._watchdog is None:
+            self.link.start()
+            self._watchdog = asyncio.create_task(self._watch(), name="kv-plane-watchdog")
+
+    async def add(self, worker_id: str, endpoint: str | Sequence[KvSource], replay_endpoint: str | None = None) -> None:
+        """Follow a worker on the plane (`SubscriberManager.add`'s signature); its ZeroMQ sources are kept for
+        the fallback, never opened while the plane serves it."""
+        if self._closed:
+            raise RuntimeError("PlaneSubscribers is closed")
+        sources = [KvSource(endpoint, replay_endpoint)] if isinstance(endpoint, str) else list(endpoint)
+        if worker_id in self._streams:
+            await self.remove(worker_id)
+        self.idx.add_worker(worker_id)
+        ranked = [s.rank for s in sources if s.rank is not None]
+        if ranked:
+            self.idx.set_ranks(worker_id, max(ranked) + 1)
+        st = _Stream(worker_id, sources, last_heard=time.monotonic())
+        self._streams[worker_id] = st
+        self._by_token[worker_token(worker_id)] = worker_id
+        self._start()
+        if self.link.connected:
+            self._dump(st)
+        elif self.link.connects:  # the plane was up and is down now: the direct events at once
+            self._fall_back(st, "NATS is not connected")
+        # else the first connect is under way: the watchdog falls back after `first_connect_grace_s`, so a
+        # picker starting beside a healthy NATS does not open (and close again) one socket per worker
+
+    async def remove(self, worker_id: str) -> None:
+        """Stop following a worker (its dump, its fallback sockets) and drop it from the index."""
+        st = self._streams.pop(worker_id, None)
+        self._by_token.pop(worker_token(worker_id), None)
+        if st is not None:
+            await cancel_and_wait([st.dump_task])
+            async with st.lock:
+                if st.stats.fallback:
+                    await self._detach(worker_id)
+        self.idx.drop_worker(worker_id)
+
+    async def close(self) -> None:
+        """Stop everything, the fallback subscriber included (the index keeps its entries)."""
+        self._closed = True
+        streams, self._streams = list(self._streams.values()), {}
+        await cancel_and_wait([self._watchdog, *self._tasks, *(s.dump_task for s in streams)])
+        await self.link.close()
+        await self.fallback.close()
+
+    def resync(self, worker_id: str) -> None:
+        """The worker's process died: its entries go now; the relay clears its own (and says so on the plane)
+        once the restarted engine's stream shows the restart. Fallback subscriptions resync as today."""
+        self.idx.clear_worker(worker_id)
+        st = self._streams.get(worker_id)
+        if st is not None and st.stats.fallback:
+            self.fallback.resync(worker_id)
+
+    def workers(self) -> list[str]:
+        return list(self._streams)
+
+    def refused(self) -> dict[str, str]:
+        return self.fallback.refused()
+
+    def stats(self, worker_id: str) -> PlaneStats:
+        return self._streams[worker_id].stats
+
+    def stats_snapshot(self) -> dict[str, dict[str, Any]]:
+        """The fallback's per-worker counters (workers on ZeroMQ now), each worker's plane counters under
+        ``kv_plane`` (`/debug/kv`)."""
+        out = self.fallback.stats_snapshot()
+        for wid, st in self._streams.items():
+            out.setdefault(wid, {})["kv_plane"] = asdict(st.stats)
+        return out
+
+    def _spawn(self, coro: Any) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------ the link
+    async def _on_up(self) -> None:
+        nc = self.link.nc
+        if nc is None or self._closed:
+            return
+        if self._sub is None:
+            # one subscription for the whole pool: every worker's batches and the relays' heartbeats, in the
+            # order each relay sent them (a heartbeat never overtakes the batches before it); pending bounded
+            self._sub = await nc.subscribe(self.subjects.events_all, cb=self._on_message,
+                                           pending_msgs_limit=100_000, pending_bytes_limit=64 * 1024 * 1024)
+        now = time.monotonic()
+        for st in self._streams.values():
+            st.last_heard = now
+            self._dump(st)  # whatever was missed while it was down: the dump has it
+
+    def _on_down(self) -> None:
+        if self._streams:
+            log.warning("kv plane: NATS link lost: %d workers fall back to %s until it is back", len(self._streams),
+                        "their direct ZeroMQ events" if self.fallback_mode == "zmq" else "load-only routing")
+        for st in self._streams.values():
+            self._fall_back(st, "NATS link lost", quiet=True)
+
+    # ---------------------------------------------------------- live stream
+    async def _on_message(self, msg: Any) -> None:
+        token = msg.subject.rpartition(".")[2]
+        if token == HEARTBEAT_TOKEN:
+            self._on_heartbeat(msg.data)
+            return
+        m = parse_live(msg.data, self.max_batch_bytes)
+        if m is None or worker_token(m.worker_id) != token:
+            self._refuse_message(self._by_token.get(token))
+            return
+        st = self._streams.get(m.worker_id)
+        if st is None:
+            self.unknown_workers += 1
+            return
+        self._on_live(st, m)
+
+    def _refuse_message(self, worker_id: str | None) -> None:
+        self.garbage += 1
+        st = self._streams.get(worker_id) if worker_id is not None else None
+        if st is not None:
+            st.stats.garbage += 1
+            self.idx.count_garbage_frames(st.worker_id)
+
+    def _on_live(self, st: _Stream, m: LiveMessage) -> None:
+        s = st.stats
+        s.messages += 1
+        st.last_heard = time.monotonic()
+        if s.mode != "live":
+            if len(st.buffer) >= self.max_buffered:
+                st.buffer.popleft()  # the next dump or the gap after it brings this back
+                s.buffer_overflows += 1
+            st.buffer.append(m)
+            if s.mode == "wait" and self.link.connected:
+                self._dump(st)
+            return
+        if m.epoch != s.epoch:
+            s.relay_restarts += 1
+            log.warning("kv plane: %s comes from another relay process now (epoch %d -> %d): asking its dump",
+                        st.worker_id, s.epoch, m.epoch)
+            st.buffer.append(m)
+            self._dump(st)
+            return
+        assert s.seq is not None
+        if m.seq <= s.seq:
+            return  # already in the dump
+        if m.seq > s.seq + 1:
+            s.gaps += 1
+            s.dropped_batches += m.seq - s.seq - 1
+            st.buffer.append(m)
+            self._dump(st)
+            return
+        self._apply(st, m)
+
+    def _apply(self, st: _Stream, m: LiveMessage) -> None:
+        st.stats.seq = m.seq
+        if m.kind != KIND_BATCH:
+            self.idx.clear_worker(st.worker_id, m.rank)
+            return
+        batch = decode_payload(m.payload, self.max_batch_events)
+        if batch.reason == TOO_MANY_EVENTS:
+            st.stats.oversized += 1
+            self.idx.clear_worker(st.worker_id, m.rank)
+            return
+        self.idx.apply_batch(st.worker_id, batch, m.rank)
+
+    def _on_heartbeat(self, data: bytes) -> None:
+        hb = parse_heartbeat(data, self.max_batch_bytes)
+        if hb is None:
+            self._refuse_message(None)
+            return
+        self.heartbeats += 1
+        now = time.monotonic()
+        for wid, seq in hb.workers.items():
+            st = self._streams.get(wid)
+            if st is None:
+                continue
+            st.last_heard = now
+            s = st.stats
+            if s.mode == "wait":
+                self._dump(st)
+            elif s.mode == "live" and (hb.epoch != s.epoch or s.seq is None or seq > s.seq):
+                if hb.epoch != s.epoch:
+                    s.relay_restarts += 1
+                else:
+                    s.gaps += 1  # the tail of the stream was lost: nothing else would show it
+                    s.dropped_batches += seq - (s.seq or 0)
+                self._dump(st)
+
+    # ---------------------------------------------------------------- dumps
+    def _dump(self, st: _Stream) -> None:
+        """Ask (once at a time) for the worker's dump; live messages are buffered until it is loaded."""
+        if st.stats.mode != "dumping" or st.dump_task is None or st.dump_task.done():
+            st.stats.mode = "dumping"
+            if st.dump_task is None or st.dump_task.done():
+                st.dump_task = asyncio.create_task(self._dump_loop(st), name=f"kv-plane-dump-{st.worker_id}")
+
+    async def _dump_loop(self, st: _Stream) -> None:
+        s = st.stats
+        while self._streams.get(st.worker_id) is st:
+            if not self.link.connected:
+                s.mode = "wait"
+                return
+            try:
+                async with self._dump_slots:
+                    chunks = await self._request_dump(st.worker_id)
+            except asyncio.CancelledError:
+                raise
+            except Malformed as exc:
+                s.dumps_refused += 1
+                self._refuse_message(st.worker_id)
+                log.warning("kv plane: dump of %s refused: %s", st.worker_id, exc)
+            except Exception as exc:
+                s.dump_failures += 1
+                log.info("kv plane: no dump of %s (%s): %s", st.worker_id, type(exc).__name__, exc)
+            else:
+                async with st.lock:
+                    if st.stats.fallback:
+                        await self._detach(st.worker_id)
+                    if self._streams.get(st.worker_id) is not st:
+                        return
+                    self._load(st, chunks)  # synchronous from here: nothing is applied in between
+                st.backoff.succeeded()
+                if s.mode != "dumping":
+                    return
+                continue  # the buffered messages after the dump had a gap: the next dump at once
+            self._fall_back(st, "no usable dump")
+            await asyncio.sleep(st.backoff.failed())
+
+    async def _request_dump(self, worker_id: str) -> list[DumpChunk]:
+        nc = self.link.nc
+        if nc is None:
+            raise ConnectionError("NATS not connected")
+        inbox = nc.new_inbox()
+        got: asyncio.Queue[bytes] = asyncio.Queue(MAX_DUMP_CHUNKS + 1)
+        max_chunk = max(nc.max_payload, 1024)
+        budget = self.max_dump_bytes or (self.idx.max_blocks_per_worker * 2 * 16 + max_chunk)
+        overflow = False
+
+        async def on_chunk(msg: Any) -> None:
+            nonlocal overflow
+            if msg.headers and msg.headers.get("Status") == "503":
+                got.put_nowait(b"")  # the server says nobody serves the subject: no relay (yet), not garbage
+                return
+            try:
+                got.put_nowait(msg.data)
+            except asyncio.QueueFull:
+                overflow = True
+
+        sub = await nc.subscribe(inbox, cb=on_chunk)
+        try:
+            await nc.publish(self.subjects.dump(worker_id), encode_dump_request(worker_id), reply=inbox)
+            deadline = time.monotonic() + self.dump_timeout_s
+            chunks: dict[int, DumpChunk] = {}
+            first: DumpChunk | None = None
+            total = 0
+            while first is None or len(chunks) < first.count:
+                async with asyncio.timeout(max(0.001, deadline - time.monotonic())):  # (not wait_for: test_aio)
+                    data = await got.get()
+                if not data:
+                    raise ConnectionError("no relay serves this worker's dumps")
+                total += len(data)
+                if overflow or total > budget:
+                    raise Malformed(f"dump larger than its budget ({budget} bytes: twice the index's cap)")
+                c = parse_dump_chunk(data, max_chunk)
+                if first is None:
+                    first = c
+                if (c.worker_id, c.epoch, c.seq, c.count) != (worker_id, first.epoch, first.seq, first.count):
+                    raise Malformed("dump chunks disagree (worker, epoch, seq or count)")
+                if c.index in chunks:
+                    raise Malformed("dump chunk repeated")
+                chunks[c.index] = c
+            return [chunks[i] for i in range(first.count)]
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    def _load(self, st: _Stream, chunks: list[DumpChunk]) -> None:
+        s = st.stats
+        first = chunks[0]
+        wid = st.worker_id
+        self.idx.clear_worker(wid)
+        blocks = 0
+        for c in chunks:
+            blocks += load_slots(self.idx, wid, first.block_size, first.size_source,
+                                 [(x.rank, x.block_size, x.engine, x.ours) for x in c.slots], first.dialect)
+        s.dumps += 1
+        s.dump_blocks = blocks
+        # the dump is this worker's replay: counted as one batch, so readiness (`KvRouting.warm`: a first
+        # batch is in) sees the worker warm at once, as after an engine replay
+        self.idx.stats(wid).batches += 1
+        if s.fallback:
+            s.fallback = False
+            s.recoveries += 1
+            log.info("kv plane: %s back on the plane (dump of %d blocks at seq %d)", wid, blocks, first.seq)
+        s.epoch, s.seq, s.mode = first.epoch, first.seq, "live"
+        buffered, st.buffer = st.buffer, deque()
+        for m in buffered:
+            if s.mode != "live":
+                st.buffer.append(m)  # a gap in the buffer started another dump: keep the rest for it
+            else:
+                self._on_live(st, m)
+                s.messages -= 1  # counted when it arrived
+
+    # ------------------------------------------------------------- fallback
+    def _fall_back(self, st: _Stream, why: str, quiet: bool = False) -> None:
+        s = st.stats
+        if s.fallback:
+            return
+        s.fallback = True
+        s.fallbacks += 1
+        if s.mode == "live":
+            s.mode = "wait"
+        (log.debug if quiet else log.warning)("kv plane: %s falls back to %s: %s", st.worker_id,
+                    "its direct ZeroMQ events" if self.fallback_mode == "zmq" else "load-only routing", why)
+        self._spawn(self._engage(st))
+
+    async def _engage(self, st: _Stream) -> None:
+        async with st.lock:
+            if not st.stats.fallback or self._streams.get(st.worker_id) is not st:
+                return
+            if self.fallback_mode == "zmq" and st.sources:
+                await self.fallback.add(st.worker_id, st.sources)
+            else:
+                self.idx.clear_worker(st.worker_id)
+
+    async def _detach(self, worker_id: str) -> None:
+        """Close the worker's direct subscriptions without touching the index (``SubscriberManager.remove``
+        would drop the worker: its predictions, learned block size and number)."""
+        mgr = self.fallback
+        mgr._refused.pop(worker_id, None)
+        for sub in mgr._subs.pop(worker_id, []):
+            await mgr._stop(sub)
+
+    async def _watch(self) -> None:
+        """A worker whose relay said nothing (no batch, no heartbeat) for ``relay_stale_s`` falls back: the
+        relay died, or a partition cut it (or this picker) off while the client still looks connected."""
+        while True:
+            await asyncio.sleep(WATCH_PERIOD_S)
+            now = time.monotonic()
+            if not self.link.connects:  # never connected yet: fall back after the grace, all together
+                late = [st for st in self._streams.values()
+                        if not st.stats.fallback and now - st.last_heard > self.first_connect_grace_s]
+                if late:
+                    log.warning("kv plane: no NATS connection yet: %d workers use %s meanwhile", len(late),
+                                "their direct ZeroMQ events" if self.fallback_mode == "zmq" else "load-only routing")
+                for st in late:
+                    self._fall_back(st, "NATS not reachable", quiet=True)
+                continue
+            for st in list(self._streams.values()):
+                if not st.stats.fallback and now - st.last_heard > self.relay_stale_s:
+                    self._fall_back(st, f"nothing from its relay for {now - st.last_heard:.1f}s")
+                    if st.stats.mode == "dumping" and st.dump_task is not None and not st.dump_task.done():
+                        continue
+                    st.stats.mode = "wait"
+
+    def totals(self) -> dict[str, int]:
+        keys = ("messages", "gaps", "dropped_batches", "relay_restarts", "dumps", "dump_failures", "dumps_refused",
+                "buffer_overflows", "oversized", "fallbacks", "recoveries")
+        out = {k: sum(getattr(st.stats, k) for st in self._streams.values()) for k in keys}
+        out["fallback_workers"] = sum(1 for st in self._streams.values() if st.stats.fallback)
+        out["garbage"] = self.garbage
+        return out
+
+
+class _PlaneCollector(Collector):
+    def __init__(self, plane: PlaneSubscribers) -> None:
+        self.plane = plane
+
+    def collect(self) -> list[Metric]:
+        t = self.plane.totals()
+        out: list[Metric] = []
+        for key, text in (("fallbacks", "Workers that fell back off the NATS plane (direct ZeroMQ or load-only)"),
+                          ("recoveries", "Workers brought back onto the plane by a dump"),
+                          ("dumps", "Relay dumps loaded"), ("dump_failures", "Dumps that timed out or failed"),
+                          ("dumps_refused", "Malformed dumps refused"),
+                          ("garbage", "Malformed messages on the plane's subjects refused"),
+                          ("gaps", "Sequence gaps on the plane"), ("relay_restarts", "Relay restarts seen"),
+                          ("messages", "Live messages received")):
+            m = CounterMetricFamily(f"epp_kv_plane_{key}", text)
+            m.add_metric([], t[key])
+            out.append(m)
+        g = GaugeMetricFamily("epp_kv_plane_fallback_workers", "Workers fed off the plane right now")
+        g.add_metric([], t["fallback_workers"])
+        out.append(g)
+        c = GaugeMetricFamily("epp_kv_plane_connected", "1 while the picker's NATS link is up")
+        c.add_metric([], 1 if self.plane.link.connected else 0)
+        out.append(c)
+        return out
+

@@ -1,0 +1,386 @@
+"""The KV event plane on a real nats-server: real ZeroMQ publishers -> `Relay` -> NATS -> the picker's
+`PlaneSubscribers`, with the faults of issue 47 (NATS stopped, restarted, partitioned; a relay restarted; a
+lost message; malformed messages and dumps). One behaviour per test."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from nats.aio.client import Client
+
+from epp_extproc.dev.kvwire import stored_event
+from epp_extproc.dev.nats import NatsServer
+from epp_extproc.kvplane.follower import PlaneSubscribers
+from epp_extproc.kvplane.relay import Relay
+from epp_extproc.kvplane.wire import KIND_BATCH, Subjects, encode_live, parse_live
+from kvindex.index import KvIndex
+from kvindex.subscriber import KvSource, SubscriberManager
+from tests.integration.test_kvindex_subscriber import FakeWorker
+from tests.natsutil import nats_server  # noqa: F401  (fixture)
+from tests.waiting import SCALE, until_async
+
+BS = 4
+W = "10.0.0.7:8000"  # a worker id with the dots and colon an address has
+
+
+def block(i: int) -> list[int]:
+    return list(range(1 + i * BS, 1 + (i + 1) * BS))
+
+
+def prompt(n: int) -> list[int]:
+    return [t for i in range(n) for t in block(i)] + [0]
+
+
+class Plane:
+    """One worker (a real ZeroMQ PUB), a relay, and a picker's plane subscriber with its ZeroMQ fallback."""
+
+    def __init__(self, ctx: Any, server: NatsServer, **picker_kw: Any) -> None:
+        self.ctx = ctx
+        self.server = server
+        self.subjects = Subjects("epp.kv", "t")
+        self.worker = FakeWorker(ctx)
+        self.sources = [KvSource(self.worker.endpoint)]
+        self.relay: Relay | None = None
+        self.idx = KvIndex(default_block_size=BS)
+        self.fallback = SubscriberManager(self.idx, zmq_context=ctx)
+        kw = {"dump_timeout_s": 1.0, "relay_stale_s": 3.0, **picker_kw}
+        self.picker = PlaneSubscribers(self.idx, self.fallback, [server.url], self.subjects, **kw)
+        self.n = 0
+
+    async def start_relay(self, **kw: Any) -> Relay:
+        self.relay = Relay([self.server.url], self.subjects, {W: self.sources}, block_size=BS,
+                           heartbeat_s=0.2, **kw)
+        await self.relay.start()
+        await until_async(lambda: self.relay is not None and self.relay.link.connected, "relay connected")
+        await self.worker.sync(self.relay.subs, W)
+        return self.relay
+
+    async def stop_relay(self) -> None:
+        if self.relay is not None:
+            await self.relay.close()
+            self.relay = None
+
+    async def store(self) -> int:
+        """The next block of the worker's one chain; returns the chain's length."""
+        parent = self.n if self.n else None
+        self.n += 1
+        await self.worker.publish([stored_event([self.n], parent, block(self.n - 1), BS)])
+        return self.n
+
+    def overlap(self) -> int:
+        return self.idx.overlap(prompt(self.n), exclude_last_token=False).get(W, 0)
+
+    async def until_overlap(self, n: int, what: str = "the picker's index to reach the chain") -> None:
+        await until_async(lambda: self.overlap() == n, lambda: f"{what}: overlap {self.overlap()} != {n}, "
+                          f"{self.picker.stats(W)}")
+
+    def stats(self):
+        return self.picker.stats(W)
+
+    async def close(self) -> None:
+        await self.picker.close()
+        await self.stop_relay()
+        self.worker.close()
+
+
+@pytest.fixture
+async def plane(ctx, nats_server) -> AsyncIterator[Callable[..., Plane]]:  # noqa: F811
+    made: list[Plane] = []
+
+    def make(**kw: Any) -> Plane:
+        p = Plane(ctx, nats_server, **kw)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        await p.close()
+
+
+async def live_with_one_block(p: Plane) -> Plane:
+    """The relay up, the picker live on the plane, one block stored and seen."""
+    await p.start_relay()
+    await p.picker.add(W, p.sources)
+    await p.store()
+    await p.until_overlap(1)
+    await until_async(lambda: p.stats().mode == "live")
+    return p
+
+
+async def raw_client(server: NatsServer) -> Client:
+    nc = Client()
+    await nc.connect(server.url)
+    return nc
+
+
+async def test_relay_publishes_each_batch_on_the_workers_subject_with_seq_and_identity(plane, nats_server):  # noqa: F811
+    p = plane()
+    await p.start_relay()
+    nc = await raw_client(nats_server)
+    got: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def on(m: Any) -> None:
+        got.put_nowait(m.data)
+
+    await nc.subscribe(p.subjects.events(W), cb=on)
+    await nc.flush()
+    await p.store()
+    s1 = p.worker.seq
+    await p.store()
+    s2 = p.worker.seq
+    seen = {}
+    while len(seen) < 2:  # (a heartbeat of the sync before the subscription may still come first)
+        m = parse_live(await asyncio.wait_for(got.get(), 20 * SCALE), 1 << 20)
+        assert m is not None
+        if m.engine_seq in (s1, s2):
+            seen[m.engine_seq] = m
+    first, second = seen[s1], seen[s2]
+    assert (first.worker_id, first.kind, second.seq - first.seq) == (W, KIND_BATCH, 1)
+    assert first.epoch == second.epoch == p.relay.epoch
+    await nc.close()
+
+
+async def test_picker_follows_the_live_stream_into_the_same_index(plane):
+    p = plane()
+    await p.start_relay()
+    await p.picker.add(W, p.sources)
+    await until_async(lambda: p.stats().mode == "live", "the first dump")
+    for _ in range(3):
+        await p.store()
+    await p.until_overlap(3)
+    assert p.idx.engine_hashes(W) == p.relay.idx.engine_hashes(W) == {1, 2, 3}
+    assert p.stats().fallback is False and p.fallback.workers() == []
+
+
+async def test_a_picker_started_late_gets_the_blocks_from_the_dump_without_engine_replay(plane):
+    p = plane()
+    await p.start_relay()
+    for _ in range(4):
+        await p.store()
+    await until_async(lambda: p.relay.idx.blocks_indexed(W) == 4)
+    assert p.worker.replay_endpoint is None  # the engine offers no replay at all
+    await p.picker.add(W, p.sources)
+    await p.until_overlap(4)
+    assert p.stats().dumps == 1 and p.stats().dump_blocks == 4
+
+
+async def test_a_dump_larger_than_the_servers_max_payload_comes_in_chunks(ctx):
+    server = NatsServer(max_payload=8192)
+    await server.start()
+    p = Plane(ctx, server)
+    try:
+        await p.start_relay()
+        n = 2000  # 2000 pairs x 16 bytes: four chunks of 8 KB
+        await p.worker.publish([stored_event(list(range(1, n + 1)), None, list(range(n * BS)), BS)])
+        await until_async(lambda: p.relay.idx.blocks_indexed(W) == n)
+        assert len(p.relay.dump(W, 8192)) > 1
+        await p.picker.add(W, p.sources)
+        await until_async(lambda: p.idx.blocks_indexed(W) == n, "the chunked dump")
+        assert p.idx.overlap(list(range(n * BS)), exclude_last_token=False) == {W: n}
+    finally:
+        await p.close()
+        await server.stop()
+
+
+async def test_a_lost_plane_message_is_a_gap_answered_by_a_dump(plane):
+    p = plane()
+    relay = await p.start_relay()
+    await p.picker.add(W, p.sources)
+    await until_async(lambda: p.stats().mode == "live")
+    await p.store()
+    await p.until_overlap(1)
+    relay.outbox_messages = 0  # the relay's next message is dropped (its outbox full): the sequence jumps
+    await p.store()
+    await until_async(lambda: relay.dropped == 1)
+    relay.outbox_messages = 100
+    await p.store()
+    await p.until_overlap(3, "recovery from the gap")
+    assert p.stats().gaps == 1 and p.stats().dumps == 2
+
+
+async def test_a_lost_tail_is_seen_in_the_relays_heartbeat(plane):
+    p = plane()
+    relay = await p.start_relay()
+    await p.picker.add(W, p.sources)
+    await until_async(lambda: p.stats().mode == "live")
+    relay.outbox_messages = 0  # the last message before a quiet time is dropped: only the heartbeat can tell
+    await p.store()
+    await until_async(lambda: relay.dropped == 1)
+    relay.outbox_messages = 100
+    await p.until_overlap(1, "the heartbeat to show the lost tail")
+    assert p.stats().gaps == 1
+
+
+async def test_a_relay_restart_is_a_new_epoch_and_a_new_dump(plane):
+    p = plane()
+    await p.start_relay()
+    await p.picker.add(W, p.sources)
+    await p.store()
+    await p.until_overlap(1)
+    old_epoch = p.relay.epoch
+    await p.stop_relay()
+    await p.start_relay()  # rebuilt from new events (no engine replay): it knows block 2 only as a child of 1
+    assert p.relay.epoch != old_epoch
+    await p.worker.publish([stored_event([1], None, block(0), BS)])  # the engine re-stores (a new request)
+    await p.store()
+    await p.until_overlap(2, "the new relay's stream")
+    assert p.stats().relay_restarts >= 1 and p.stats().epoch == p.relay.epoch
+
+
+async def test_nats_stopped_falls_back_to_direct_zmq_and_recovers_when_it_returns(plane, nats_server):  # noqa: F811
+    p = await live_with_one_block(plane())  # (a picker starts on ZeroMQ until its first connect)
+    fallbacks, recoveries = p.stats().fallbacks, p.stats().recoveries
+    await nats_server.stop()
+    await until_async(lambda: p.stats().fallback and W in p.fallback.workers(), "the fallback")
+    await p.worker.sync(p.fallback, W)
+    await p.store()  # only the direct ZeroMQ subscription can see this one
+    await p.until_overlap(2, "the fallback's direct events")
+    await nats_server.start()
+    await until_async(lambda: not p.stats().fallback and p.stats().mode == "live", "the recovery", timeout=20)
+    assert p.fallback.workers() == []
+    assert (p.stats().fallbacks - fallbacks, p.stats().recoveries - recoveries) == (1, 1)
+    await p.worker.sync(p.relay.subs, W)
+    await p.store()
+    await p.until_overlap(3, "the plane after the recovery")
+
+
+async def test_load_fallback_drops_the_workers_entries_until_the_plane_returns(plane, nats_server):  # noqa: F811
+    p = plane(fallback_mode="load")
+    await p.start_relay()
+    await p.picker.add(W, p.sources)
+    await p.store()
+    await p.until_overlap(1)
+    await nats_server.stop()
+    await until_async(lambda: p.stats().fallback and p.idx.blocks_indexed(W) == 0, "load-only fallback")
+    assert p.fallback.workers() == []
+    await nats_server.start()
+    await p.until_overlap(1, "the dump after NATS is back")
+
+
+async def test_a_partitioned_server_is_noticed_and_the_worker_falls_back(plane, nats_server):  # noqa: F811
+    p = await live_with_one_block(plane())
+    recoveries = p.stats().recoveries
+    await nats_server.pause()  # the sockets stay open, nothing is answered: a partition
+    await until_async(lambda: p.stats().fallback, "the fallback after a silent server", timeout=15)
+    await nats_server.resume()
+    await until_async(lambda: not p.stats().fallback and p.stats().mode == "live", "the recovery", timeout=20)
+    assert p.stats().recoveries == recoveries + 1
+
+
+async def test_a_malformed_message_on_a_workers_subject_is_refused_and_counted(plane, nats_server):  # noqa: F811
+    p = plane()
+    await p.start_relay()
+    await p.picker.add(W, p.sources)
+    await p.store()
+    await p.until_overlap(1)
+    nc = await raw_client(nats_server)
+    await nc.publish(p.subjects.events(W), b"KVP1 not a header")
+    # a well-formed message that names another worker than its subject does: refused too
+    await nc.publish(p.subjects.events(W), encode_live(KIND_BATCH, 0, p.relay.epoch, 99, 1, "someone-else", b"\x90"))
+    await nc.flush()
+    await until_async(lambda: p.stats().garbage == 2)
+    assert p.idx.stats(W).garbage_frames == 2
+    await p.store()
+    await p.until_overlap(2, "the stream after the refused messages")
+    assert p.stats().gaps == 0
+    await nc.close()
+
+
+async def test_a_malformed_dump_is_refused_and_the_worker_stays_on_the_fallback(plane, nats_server):  # noqa: F811
+    p = plane()
+    nc = await raw_client(nats_server)
+
+    async def bad_relay(msg: Any) -> None:
+        await nc.publish(msg.reply, b"KVD1\x81\xa1v\x01")  # a version-1 map and nothing else
+
+    await nc.subscribe(p.subjects.dump(W), cb=bad_relay)
+    await nc.flush()
+    await p.picker.add(W, p.sources)
+    await until_async(lambda: p.stats().dumps_refused >= 1 and p.stats().fallback, "the refusal")
+    assert p.stats().dumps == 0 and W in p.fallback.workers()
+    await p.worker.sync(p.fallback, W)
+    await p.store()
+    await p.until_overlap(1, "the fallback's direct events")
+    await nc.close()
+
+
+async def test_no_relay_for_a_worker_is_a_failed_dump_not_a_malformed_one(plane):
+    p = plane()
+    await p.picker.add(W, p.sources)  # no relay serves W: the server answers "no responders"
+    await until_async(lambda: p.stats().dump_failures >= 1 and p.stats().fallback, "the failed dump")
+    assert p.stats().dumps_refused == 0 and p.picker.garbage == 0
+    await p.start_relay()
+    await until_async(lambda: p.stats().mode == "live" and not p.stats().fallback, "the relay's dump", timeout=15)
+
+
+async def test_a_picker_started_while_nats_is_down_uses_zmq_then_joins_the_plane(plane, nats_server):  # noqa: F811
+    await nats_server.stop()
+    p = plane(first_connect_grace_s=0.5)
+    p.relay = Relay([nats_server.url], p.subjects, {W: p.sources}, block_size=BS, heartbeat_s=0.2)
+    await p.relay.start()  # it keeps trying to connect too, and reads the worker meanwhile
+    await p.picker.add(W, p.sources)
+    await until_async(lambda: p.stats().fallback and W in p.fallback.workers(), "the fallback after the grace")
+    await p.worker.sync(p.fallback, W)
+    await p.worker.sync(p.relay.subs, W)
+    await p.store()
+    await p.until_overlap(1, "the direct events meanwhile")
+    await nats_server.start()
+    await until_async(lambda: p.stats().mode == "live" and not p.stats().fallback, "joining the plane", timeout=20)
+    assert p.fallback.workers() == [] and p.stats().recoveries == 1
+    await p.until_overlap(1, "the dump")
+    await p.store()
+    await p.until_overlap(2, "the plane")
+
+
+async def test_a_restarted_relay_rebuilds_from_the_engines_replay_where_it_has_one(plane, ctx):
+    p = plane()
+    p.worker.close()
+    p.worker = FakeWorker(ctx, replay="trtllm")
+    p.sources = [KvSource(p.worker.endpoint, p.worker.replay_endpoint)]
+    await p.start_relay()
+    await p.picker.add(W, p.sources)
+    for _ in range(3):
+        await p.store()
+    await p.until_overlap(3)
+    await p.stop_relay()
+    await p.start_relay()  # a new relay: its warm-up replays the engine's buffer from 0
+    await until_async(lambda: p.relay.idx.blocks_indexed(W) == 3, "the new relay's replay")
+    await until_async(lambda: p.stats().relay_restarts >= 1 and p.stats().mode == "live", "the new epoch's dump")
+    await p.until_overlap(3, "the dump of the rebuilt relay")
+    assert p.stats().epoch == p.relay.epoch
+
+
+async def test_a_gap_inside_the_messages_buffered_during_a_dump_asks_for_the_next_dump(plane, nats_server):  # noqa: F811
+    """A hand-made relay: its first dump answer is late, and the live messages buffered meanwhile have a hole
+    after the dump's position; the picker applies up to the hole and asks again at once."""
+    from epp_extproc.dev.kvwire import pack_batch
+    from epp_extproc.kvplane.wire import DumpChunk, encode_dump_chunk
+
+    p = plane(dump_timeout_s=3.0)
+    nc = await raw_client(nats_server)
+    epoch, asked = 7, []
+    release = asyncio.Event()
+
+    async def relay(msg: Any) -> None:
+        asked.append(1)
+        if len(asked) == 1:
+            await release.wait()  # answer the first request only after the live messages were sent
+        seq = 1 if len(asked) == 1 else 3
+        await nc.publish(msg.reply, encode_dump_chunk(DumpChunk(W, epoch, seq, 0, 1, BS, "events", [])))
+
+    await nc.subscribe(p.subjects.dump(W), cb=relay)
+    await nc.flush()
+    await p.picker.add(W, p.sources)
+    await until_async(lambda: asked, "the first dump request")
+    batch = pack_batch([stored_event([1], None, block(0), BS)])
+    for seq in (2, 4):  # seq 3 is lost
+        await nc.publish(p.subjects.events(W), encode_live(KIND_BATCH, None, epoch, seq, seq, W, batch))
+    await nc.flush()
+    await until_async(lambda: p.stats().messages == 2, "both buffered")
+    release.set()
+    await until_async(lambda: len(asked) == 2 and p.stats().mode == "live", "the second dump")
+    assert p.stats().gaps == 1 and p.stats().dumps == 2 and p.stats().seq == 4
+    await nc.close()
