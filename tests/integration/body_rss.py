@@ -103,6 +103,21 @@ def steady_rss(p: procs.Proc) -> int:
     return max(readings)
 
 
+async def settled_rss(p: procs.Proc, timeout: float = 10.0, window: int = 5) -> int:
+    """RSS once the picker has finished releasing what cancelled calls held: readings every 0.1 s until the
+    last `window` of them lie within 1 MiB of each other (their largest), or the largest of the last ones at
+    the deadline. A busy machine delays the handlers' clean-up after the PING is answered; a fixed sleep read
+    that delay as memory kept."""
+    readings: list[int] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        readings.append(p.rss_bytes())
+        last = readings[-window:]
+        if len(last) == window and max(last) - min(last) <= 1 << 20 or time.monotonic() > deadline:
+            return max(last)
+        await asyncio.sleep(0.1)
+
+
 async def attack(p: procs.Proc, shape: str, calls: int, size: int, chunk: int = 64 << 10) -> dict[str, float]:
     """One round on a running picker: RSS (bytes) before, while the calls are held, and after they are cancelled;
     `peak` is the largest reading seen while sending, `ended` how many calls the picker ended on its own."""
@@ -133,8 +148,7 @@ async def attack(p: procs.Proc, shape: str, calls: int, size: int, chunk: int = 
         for sid in sids:
             a.cancel(sid)
         await a.ping()
-        await asyncio.sleep(0.3)
-        after = steady_rss(p)
+        after = await settled_rss(p)
     finally:
         done = True
         await a.close()
