@@ -299,3 +299,73 @@ async def test_a_malformed_first_message_after_a_reconnect_is_taken_as_a_restart
     finally:
         new.close(linger=0)
         zctx.term()
+
+
+# ------------------------------------------------------------------------------------ issue 43, item 4
+async def test_a_restart_found_by_the_reconnect_check_is_counted_once_and_its_warm_up_kept(setup):
+    """vLLM restarts (its seq starts again at 0) and the new process is up when the subscriber, having lost
+    its peer, checks the history by replay: the new buffer does not reach the old last seq, so that check finds
+    the restart, clears and warms up from the new buffer. The new process's next live batch (a seq below the
+    old process's last) is the same restart, not a second one: it must not be counted again nor clear the
+    blocks the warm-up just restored (it did both while the dead process's live seq was kept as the bound)."""
+    make, publisher = setup
+    old = publisher()
+    idx, mgr = make(replay_timeout_s=1.0)
+    await mgr.add("w", old.endpoint, old.replay_endpoint)
+    st = mgr.stats("w")
+    h = 0
+    while not (st.messages and st.last_seq == old.published - 1 and st.last_seq >= 4):
+        h += 1  # live until the SUB demonstrably receives, and past the seqs the new process will use
+        old.publish(stored(h, None if h == 1 else h - 1))
+        await asyncio.sleep(0.05)
+    cleared_with: list[set[int]] = []  # what the index held at each clear of the worker
+    clear_worker = idx.clear_worker
+
+    def spy(worker_id: str, rank: int | None = None) -> None:
+        cleared_with.append(idx.engine_hashes(worker_id))
+        clear_worker(worker_id, rank)
+
+    idx.clear_worker = spy  # type: ignore[method-assign]
+    old.kill()
+    new = publisher(port=old.port, replay_port=old.replay_port)
+    new.publish(stored(100), send=False)  # seq 0, before the SUB joins: only the replay brings it
+    await until_async(lambda: idx.engine_hashes("w") == {100}, timeout=10)
+    new.publish(stored(101, 100))  # seq 1, live, below the old process's last seq
+    await until_async(lambda: st.last_seq == 1 and idx.engine_hashes("w") == {100, 101}, timeout=10)
+    assert st.restarts == 1, st
+    assert not [held for held in cleared_with if held & {100, 101}], cleared_with
+
+
+async def test_a_restart_found_by_the_rebuild_after_a_failed_check_is_counted_once_and_its_rebuild_kept(
+        setup, quick_rewarm):
+    """As above, with the new process slower to start (vLLM loads its model first): the reconnect check gets
+    no answer, so the rebuild on the rewarm timer reads the new buffer. That buffer ends below the old last
+    seq: the rebuild found the restart. The new process's next live batch must not clear what it rebuilt."""
+    make, publisher = setup
+    old = publisher()
+    idx, mgr = make(replay_timeout_s=0.3)
+    await mgr.add("w", old.endpoint, old.replay_endpoint)
+    st = mgr.stats("w")
+    h = 0
+    while not (st.messages and st.last_seq == old.published - 1 and st.last_seq >= 4):
+        h += 1
+        old.publish(stored(h, None if h == 1 else h - 1))
+        await asyncio.sleep(0.05)
+    cleared_with: list[set[int]] = []
+    clear_worker = idx.clear_worker
+
+    def spy(worker_id: str, rank: int | None = None) -> None:
+        cleared_with.append(idx.engine_hashes(worker_id))
+        clear_worker(worker_id, rank)
+
+    idx.clear_worker = spy  # type: ignore[method-assign]
+    failures = st.replay_failures
+    old.kill()
+    await until_async(lambda: st.replay_failures > failures, timeout=10)  # the check went unanswered
+    new = publisher(port=old.port, replay_port=old.replay_port)
+    new.publish(stored(100), send=False)
+    await until_async(lambda: idx.engine_hashes("w") == {100}, timeout=10)
+    new.publish(stored(101, 100))
+    await until_async(lambda: st.last_seq == 1 and idx.engine_hashes("w") == {100, 101}, timeout=10)
+    assert st.restarts == 1, st
+    assert not [held for held in cleared_with if held & {100, 101}], cleared_with
