@@ -32,12 +32,7 @@ from typing import Any
 import xxhash
 
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
-from kvindex.hashing import (
-    block_chunks,
-    block_hashes,
-    pack_tokens,
-    root_seed,
-)
+from kvindex.hashing import block_chunks, block_hashes, pack_tokens, root_seed
 from kvindex.metrics import register_index
 
 log = logging.getLogger(__name__)
@@ -461,6 +456,7 @@ class KvIndex:
         if slot is None:
             slot = self._slot(w, rank, bs)
         eng = slot.engine
+        setdefault = eng.setdefault
         parent = ev.parent_block_hash
         if parent is None:
             h = root_seed(ev.lora_name, ev.salt)
@@ -471,53 +467,69 @@ class KvIndex:
                 # connected): its prefix tokens are unknown, so our hash cannot be computed; never guess
                 st.skipped_unknown_parent += 1
                 return
+        parts = self._blocks
+        bit = slot.bit
+        multi = slot.multi
         # a prediction is hashed in the worker's block size and confirmed by a store on any of its ranks: the
         # overlap of a data-parallel worker is its best rank, so the block is credited either way
         wpred = w.pred if bs == w.block_size else None
         before = len(eng)
-        if ev.mm is not None:  # a chain with media blocks: the worker's media dialect follows its events
-            self._note_dialect(w, ev)
-        self._insert(w, slot, ev, h, wpred)
+        if ev.mm is not None:  # a chain with media blocks: keyed with the engine's item keys (rare, not inlined)
+            self._store_keyed(w, slot, ev, h, wpred)
+        else:
+            # the decoder checked that the tokens are exactly the blocks' (block_size x hashes)
+            for eh, (chunk,) in zip(ev.block_hashes, block_chunks(ev.token_ids, len(ev.block_hashes), bs),
+                                    strict=True):
+                h = _xxh3(chunk, h)
+                prev = setdefault(eh, h)
+                if prev is not h:  # engine hash already known (re-stored, or reused for other tokens)
+                    del eng[eh]
+                    eng[eh] = h  # move to the young end of the eviction order
+                    if prev == h:
+                        continue
+                    self._unref(slot, prev)
+                blocks = parts[h & PART_MASK]
+                m = blocks.get(h, 0)
+                if m & bit:
+                    multi[h] = multi.get(h, 1) + 1
+                else:
+                    blocks[h] = m | bit
+                if wpred and h in wpred:
+                    self._confirm(w, h)
         w.n_blocks += len(eng) - before
         st.blocks_stored += len(ev.block_hashes)
         st.events_applied += 1
         if w.n_blocks > w.cap:
             self._evict(w, slot)
 
-    def _note_dialect(self, w: _Worker, ev: BlockStored) -> None:
-        """The worker's media dialect follows its events (a change is warned about once)."""
+    def _store_keyed(self, w: _Worker, slot: _Slot, ev: BlockStored, seed: int, wpred: dict[int, float] | None) -> None:
+        """:meth:`_store`'s loop for a chain with media blocks: the same bookkeeping, a block's item keys folded
+        into the chain before its tokens (:func:`kvindex.hashing.chain_hashes_with_keys`); the worker's media
+        dialect follows its events. Kept apart from `_store`'s loop on purpose: one loop for both, with the key
+        fold per block, made text ingest 4-6% slower (`.duplicates-allowed`, issue 43 item 6)."""
         if ev.mm_dialect != w.dialect:
             if w.dialect is not None:
                 self._warn_once(w, "dialect", "worker %s keys media blocks as %s, then as %s: prompts follow the "
                                 "latest", w.id, w.dialect, ev.mm_dialect)
             w.dialect = ev.mm_dialect
-
-    def _insert(self, w: _Worker, slot: _Slot, ev: BlockStored, seed: int, wpred: dict[int, float] | None) -> None:
-        """Hash and index a stored chain: engine hash -> our chain hash in the slot, the slot's bit on each
-        block, a second reference counted in ``multi``, a prediction confirmed. One loop for text and media
-        chains: a media block's item keys are folded into the chain first (as
-        :func:`kvindex.hashing.chain_hashes_with_keys` does), a text chain's keys are all None. The hashing
-        stays in this loop, called once per event: hashing into a list first and inserting in a second loop
-        measured 9% slower ingest of text chains (`bench/ab_kvindex_store.py`, issue 43 item 6)."""
         eng = slot.engine
-        setdefault = eng.setdefault
         parts = self._blocks
         bit = slot.bit
         multi = slot.multi
         n = len(ev.block_hashes)
-        keys = ev.mm if ev.mm is not None else itertools.repeat(None, n)
-        xxh = _xxh3  # a local: one lookup per chain, not one or two per block
+        xxh = _xxh3
         h = seed
-        # the decoder checked that the tokens are exactly the blocks' (block_size x hashes)
-        for eh, (chunk,), key in zip(ev.block_hashes, block_chunks(ev.token_ids, n, ev.block_size), keys,
+        # the hashing of kvindex.hashing.chain_hashes_with_keys, inline and on chunks cut in C as `_store` does:
+        # 15% faster media ingest than hashing memoryview slices into a list first (bench/ab_kvindex_store.py)
+        for eh, (chunk,), key in zip(ev.block_hashes, block_chunks(ev.token_ids, n, ev.block_size), ev.mm or (),
                                      strict=True):
             if key is not None:
                 h = xxh(key, h)
             h = xxh(chunk, h)
-            prev = setdefault(eh, h)
-            if prev is not h:  # engine hash already known (re-stored, or reused for other tokens)
+            prev = eng.setdefault(eh, h)
+            if prev is not h:
                 del eng[eh]
-                eng[eh] = h  # move to the young end of the eviction order
+                eng[eh] = h
                 if prev == h:
                     continue
                 self._unref(slot, prev)
