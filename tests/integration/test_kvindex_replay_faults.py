@@ -302,9 +302,15 @@ async def test_a_malformed_first_message_after_a_reconnect_is_taken_as_a_restart
 
 
 # ------------------------------------------------------------------------------------ issue 43, item 4
+def sub_pending(mgr: SubscriberManager) -> bool:
+    """Whether worker w's subscription still holds a live message read during a replay and not handled yet."""
+    return any(s.pending is not None for s in mgr._subs["w"])
+
+
 async def restart_vllm(setup: Any, replay_timeout_s: float, slow_start: bool) -> None:
-    """An old vLLM publisher applied live past seq 4, killed, and a new one on the same ports whose seq starts
-    again at 0: one batch in its buffer only (published before the SUB joins), then one live. ``slow_start``:
+    """An old vLLM publisher applied live past seq 40, killed, and a new one on the same ports whose seq starts
+    again at 0: one batch in its buffer only (published before the SUB joins), then live ones until the SUB
+    receives one (a PUB sends nothing to a SUB that has not joined yet). ``slow_start``:
     the new process comes up only after the subscriber's reconnect check went unanswered. Asserts the restart
     is counted once and that no clear hit the new process's blocks (what the warm-up or rebuild restored)."""
     make, publisher = setup
@@ -313,10 +319,15 @@ async def restart_vllm(setup: Any, replay_timeout_s: float, slow_start: bool) ->
     await mgr.add("w", old.endpoint, old.replay_endpoint)
     st = mgr.stats("w")
     h = 0
-    while not (st.messages and st.last_seq == old.published - 1 and st.last_seq >= 4):
-        h += 1  # live until the SUB demonstrably receives, and past the seqs the new process will use
+    while not st.messages:  # live until the SUB demonstrably receives
+        h += 1
         old.publish(stored(h, None if h == 1 else h - 1))
         await asyncio.sleep(0.05)
+    while h <= 40:  # and past the seqs the new process will use
+        h += 1
+        old.publish(stored(h, h - 1))
+    await until_async(lambda: old.published == h and st.last_seq == old.published - 1, timeout=10)
+    bound = st.last_seq
     cleared_with: list[set[int]] = []  # what the index held at each clear of the worker
     clear_worker = idx.clear_worker
 
@@ -333,11 +344,17 @@ async def restart_vllm(setup: Any, replay_timeout_s: float, slow_start: bool) ->
     new.publish(stored(100), send=False)  # seq 0, before the SUB joins: only a replay brings it
     await until_async(lambda: idx.engine_hashes("w") == {100}, timeout=10)
     seen = st.messages
-    new.publish(stored(101, 100))  # seq 1, live, below the old process's last seq
-    # received live too (a replay still running may apply it first; the live copy is handled after it ends)
-    await until_async(lambda: st.messages > seen and idx.engine_hashes("w") == {100, 101}, timeout=10)
+    h = 100
+    while st.messages == seen:  # live (seq 1, 2, ...: below the old last seq) until the SUB receives one
+        h += 1
+        new.publish(stored(h, h - 1))
+        await asyncio.sleep(0.05)
+    # each applied, and each live copy handled (a replay still running may apply it first)
+    await until_async(lambda: st.last_seq == new.published - 1 and idx.engine_hashes("w") == set(range(100, h + 1))
+                      and not sub_pending(mgr), timeout=10)
+    assert new.published - 1 < bound  # every live batch of the new process numbered below the dead one's
     assert st.restarts == 1, st
-    assert not [held for held in cleared_with if held & {100, 101}], cleared_with
+    assert not [held for held in cleared_with if held & set(range(100, h + 1))], cleared_with
 
 
 async def test_a_restart_found_by_the_reconnect_check_is_counted_once_and_its_warm_up_kept(setup):
