@@ -65,7 +65,7 @@ class Replayer:
 
     def __init__(self, ctx: zmq.asyncio.Context, idx: KvIndex, *,
                  apply: Callable[[Subscription, int, bytes], None], clear: Callable[[Subscription], None],
-                 restart: Callable[[Subscription, str], None], replay_timeout_s: float, replay_max_batches: int,
+                 restart: Callable[[Subscription, str, int | None], None], replay_timeout_s: float, replay_max_batches: int,
                  max_batch_bytes: int, max_replay_bytes: int, turn_budget_s: float,
                  peek: Callable[[Subscription], int | None] | None = None) -> None:
         """``peek(sub)``: the seq of the next live message, if one is there (read and kept for the receive
@@ -107,7 +107,7 @@ class Replayer:
         try:
             ok = await self.replay(sub, applied, check, until=live)
         except _Restarted:
-            self._restart(sub, f"replayed batch {applied} differs from the one applied")
+            self._restart(sub, f"replayed batch {applied} differs from the one applied", live)
             await self.warm_up(sub)
             return
         if not ok:
@@ -143,7 +143,8 @@ class Replayer:
             if same:
                 return
         # the receive loop warms the rank up from 0 next (the reset asks for it)
-        self._restart(sub, f"after a reconnect the replay no longer holds batch {applied} as applied")
+        # no live seq of the new process is in hand: the dead one's is no bound for the next restart check
+        self._restart(sub, f"after a reconnect the replay no longer holds batch {applied} as applied", None)
 
     async def warm_up(self, sub: Subscription, recheck: bool = True, keep: bool = False,
                       live: int | None = None) -> None:

@@ -523,7 +523,14 @@ class SubscriberManager:
                 elif sub.rewarm_at is not None and time.monotonic() >= sub.rewarm_at:
                     # on its own schedule: an idle engine (vLLM sends no heartbeats) sends nothing to wait for
                     log.info("kv events from %s: rebuilding from the replay buffer after a failed replay", sub.label)
+                    bound = sub.last_live
                     await self._replayer.warm_up(sub, recheck=False, keep=True)
+                    if self._rebuilt(sub) and bound is not None and (sub.applied is None or sub.applied < bound):
+                        # the same process's buffer holds every batch it sent: one that ends below the last
+                        # live seq is another process's numbering, found here and not again at its next batch
+                        self._count_restart(sub, f"the replay buffer ends at {sub.applied}, below the last "
+                                                 f"live seq {bound}")
+                        sub.last_live = None
                     continue
                 frames, sub.pending = sub.pending, None
                 if frames is None:
@@ -641,21 +648,29 @@ class SubscriberManager:
             if reconnected:
                 # a restarted engine's first batch glued to a frame the old peer left behind looks like this:
                 # what the rank holds may be a dead process's, so rebuild it rather than keep it
-                self._restart(sub, "the first message after a reconnect is malformed")
+                self._restart(sub, "the first message after a reconnect is malformed", None)
             return
         _, seq, payload = parsed
         last_live = sub.last_live
         sub.last_live = seq
+        rebuilt = False  # the rank was rebuilt from this publisher's buffer up to this message, just now
         if sub.recheck and sub.applied is None:
             # Nothing was applied yet, so nothing tells whether batches came before this one: those published
             # between the warm-up's answer and the moment the PUB registered this SUB went to nobody.
             await self._replayer.warm_up(sub, recheck=False, live=seq)  # raises Reset if reset meanwhile
+            rebuilt = self._rebuilt(sub)
         elif sub.rewarm_at is not None and st.last_message_monotonic >= sub.rewarm_at:
             log.info("kv events from %s: rebuilding from the replay buffer after a failed replay", sub.label)
             await self._replayer.warm_up(sub, recheck=False, keep=True, live=seq)
+            rebuilt = self._rebuilt(sub)
         applied = sub.applied
-        if last_live is not None and seq <= last_live:
-            self._restart(sub, f"seq went back to {seq}")
+        if last_live is not None and seq <= last_live and rebuilt:
+            # a restart, but what the rank holds is already the new process's buffer: count it, keep the rank
+            self._count_restart(sub, f"seq went back to {seq}")
+            if applied is not None and seq <= applied:
+                return
+        elif last_live is not None and seq <= last_live:
+            self._restart(sub, f"seq went back to {seq}", seq)
         elif applied is not None and seq <= applied:
             return  # already applied through replay
         elif applied is not None and seq > applied + 1:
@@ -663,7 +678,7 @@ class SubscriberManager:
             st.dropped_batches += seq - applied - 1
             self._warn_gap(sub, applied + 1, seq - 1)
             if seq - applied > FAR_JUMP:
-                self._restart(sub, f"seq jumped from {applied} to {seq}")
+                self._restart(sub, f"seq jumped from {applied} to {seq}", seq)
             elif sub.source.replay_endpoint and sub.rewarm_at is None:
                 # (while a rebuild is pending the endpoint just failed: clear, and let the rebuild bring it back)
                 await self._replayer.recover(sub, applied, live=seq)  # raises Reset if reset meanwhile
@@ -679,10 +694,26 @@ class SubscriberManager:
                 return
         self._apply(sub, seq, payload)
 
-    def _restart(self, sub: Subscription, why: str) -> None:
+    def _restart(self, sub: Subscription, why: str, live: int | None) -> None:
+        """The publisher restarted: count it, clear what the stream fed, and warm up from its new buffer.
+
+        ``live``: the seq of the live message that showed the restart, the new process's numbering and so the
+        bound the next restart check compares with; None when it was found otherwise (a replay, a malformed
+        first message). The dead process's last seq is never kept as the bound: the new process's next
+        batches number below it, and each would be taken for another restart, counted again and clear the
+        blocks the warm-up had just restored (issue 43 item 4)."""
+        self._count_restart(sub, why)
+        self._clear(sub)
+        self._reset(sub)
+        sub.last_live = live
+
+    @staticmethod
+    def _count_restart(sub: Subscription, why: str) -> None:
         log.warning("kv events from %s: %s, publisher restarted", sub.label, why)
         sub.stats.restarts += 1
-        self._clear(sub)
-        last_live = sub.last_live
-        self._reset(sub)
-        sub.last_live = last_live
+
+    @staticmethod
+    def _rebuilt(sub: Subscription) -> bool:
+        """Whether the warm-up that just ran completed (no rebuild scheduled after a failure, no reset asked):
+        the rank is then exactly the publisher's buffer, whichever process numbered it."""
+        return sub.rewarm_at is None and not sub.need_warm

@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 import kvindex.subscriber as subscriber_module
-from bench.kvwire import pack_batch, stored_event
+from epp_extproc.dev.kvwire import pack_batch, stored_event
 from kvindex.index import KvIndex
 from kvindex.subscriber import SubscriberManager
 from tests.netutil import free_port
@@ -299,3 +299,76 @@ async def test_a_malformed_first_message_after_a_reconnect_is_taken_as_a_restart
     finally:
         new.close(linger=0)
         zctx.term()
+
+
+# ------------------------------------------------------------------------------------ issue 43, item 4
+def sub_pending(mgr: SubscriberManager) -> bool:
+    """Whether worker w's subscription still holds a live message read during a replay and not handled yet."""
+    return any(s.pending is not None for s in mgr._subs["w"])
+
+
+async def restart_vllm(setup: Any, replay_timeout_s: float, slow_start: bool) -> None:
+    """An old vLLM publisher applied live past seq 40, killed, and a new one on the same ports whose seq starts
+    again at 0: one batch in its buffer only (published before the SUB joins), then live ones until the SUB
+    receives one (a PUB sends nothing to a SUB that has not joined yet). ``slow_start``:
+    the new process comes up only after the subscriber's reconnect check went unanswered. Asserts the restart
+    is counted once and that no clear hit the new process's blocks (what the warm-up or rebuild restored)."""
+    make, publisher = setup
+    old = publisher()
+    idx, mgr = make(replay_timeout_s=replay_timeout_s)
+    await mgr.add("w", old.endpoint, old.replay_endpoint)
+    st = mgr.stats("w")
+    h = 0
+    while not st.messages:  # live until the SUB demonstrably receives
+        h += 1
+        old.publish(stored(h, None if h == 1 else h - 1))
+        await asyncio.sleep(0.05)
+    while h <= 40:  # and past the seqs the new process will use
+        h += 1
+        old.publish(stored(h, h - 1))
+    await until_async(lambda: old.published == h and st.last_seq == old.published - 1, timeout=10)
+    bound = st.last_seq
+    cleared_with: list[set[int]] = []  # what the index held at each clear of the worker
+    clear_worker = idx.clear_worker
+
+    def spy(worker_id: str, rank: int | None = None) -> None:
+        cleared_with.append(idx.engine_hashes(worker_id))
+        clear_worker(worker_id, rank)
+
+    idx.clear_worker = spy  # type: ignore[method-assign]
+    failures = st.replay_failures
+    old.kill()
+    if slow_start:
+        await until_async(lambda: st.replay_failures > failures, timeout=10)  # the check went unanswered
+    new = publisher(port=old.port, replay_port=old.replay_port)
+    new.publish(stored(100), send=False)  # seq 0, before the SUB joins: only a replay brings it
+    await until_async(lambda: idx.engine_hashes("w") == {100}, timeout=10)
+    seen = st.messages
+    h = 100
+    while st.messages == seen:  # live (seq 1, 2, ...: below the old last seq) until the SUB receives one
+        h += 1
+        new.publish(stored(h, h - 1))
+        await asyncio.sleep(0.05)
+    # each applied, and each live copy handled (a replay still running may apply it first)
+    await until_async(lambda: st.last_seq == new.published - 1 and idx.engine_hashes("w") == set(range(100, h + 1))
+                      and not sub_pending(mgr), timeout=10)
+    assert new.published - 1 < bound  # every live batch of the new process numbered below the dead one's
+    assert st.restarts == 1, st
+    assert not [held for held in cleared_with if held & set(range(100, h + 1))], cleared_with
+
+
+async def test_a_restart_found_by_the_reconnect_check_is_counted_once_and_its_warm_up_kept(setup):
+    """vLLM restarts and the new process is up when the subscriber, having lost its peer, checks the history
+    by replay: the new buffer does not reach the old last seq, so that check finds the restart, clears and
+    warms up from the new buffer. The new process's next live batch (a seq below the old process's last) is
+    the same restart, not a second one: it must not be counted again nor clear the blocks the warm-up just
+    restored (it did both while the dead process's live seq was kept as the bound)."""
+    await restart_vllm(setup, replay_timeout_s=1.0, slow_start=False)
+
+
+async def test_a_restart_found_by_the_rebuild_after_a_failed_check_is_counted_once_and_its_rebuild_kept(
+        setup, quick_rewarm):
+    """As above, with the new process slower to start (vLLM loads its model first): the reconnect check gets
+    no answer, so the rebuild on the rewarm timer reads the new buffer. That buffer ends below the old last
+    seq: the rebuild found the restart. The new process's next live batch must not clear what it rebuilt."""
+    await restart_vllm(setup, replay_timeout_s=0.3, slow_start=True)

@@ -63,6 +63,23 @@ def wait_fingerprints(stack: GatewayStack, digests: dict[str, str] | None = None
     raise AssertionError(f"fingerprints not read: {got}")
 
 
+def wait_in_rotation(stack: GatewayStack, address: str, timeout: float = 10) -> None:
+    """Until the picker routes to `address` again (its prober's verdict, as /debug/endpoints shows it), else fail.
+
+    A restarted worker's fingerprint is no sign that it is back in rotation: the fingerprint watcher re-reads
+    `/server_info` on its own retry schedule, the prober puts a worker back only at its next probe (one per
+    round, anywhere in it). Requests sent in between are all routed to the other workers (issue 43 item 5:
+    30 of them took 0.18 s while worker-0 was still out of rotation, so worker-0 got none).
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        eps = {e["address"]: e for e in stack.picker_get("/debug/endpoints")["endpoints"]}
+        if eps.get(address, {}).get("healthy"):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{address} not back in rotation: {stack.picker_get('/debug/endpoints')}")
+
+
 def reason_count(stack: GatewayStack, forwarded: str, reason: str) -> float:
     return stack.picker_metric("epp_prompt_passthrough_total", f'forwarded="{forwarded}",reason="{reason}"')
 
@@ -260,6 +277,13 @@ def test_answer_on_a_mismatched_worker_is_its_own_rendering(mixed) -> None:
 
 
 def test_worker_restarted_with_another_fingerprint_stops_getting_ids(mixed) -> None:
+    """After worker-0 restarts with worker-1's template, it is sent the original body, never ids.
+
+    Premise: both workers are candidates and neither is preferred, so worker-0 gets some of 30 requests. The
+    prompts are shorter than one KV block, so no worker holds a credited prefix and the bounded-load picker
+    draws between equal costs at random; checked below, because with a longer shared prefix the default
+    picker would send every request to worker-1, which holds it, and the test would say nothing (issue 42).
+    """
     w0 = mixed.mocks[0]
     old = mixed.app.fingerprints.get(w0.address)  # type: ignore[union-attr]
     w1_digest = mixed.app.fingerprints.get(mixed.mocks[1].address).digest  # type: ignore[union-attr]
@@ -268,8 +292,13 @@ def test_worker_restarted_with_another_fingerprint_stops_getting_ids(mixed) -> N
     w0.argv += ["--chat-template", "chatml-bos"]
     w0.start()
     wait_fingerprints(mixed, {w0.address: w1_digest})
+    wait_in_rotation(mixed, w0.address)  # the fingerprint can be read before the prober puts it back
     assert old is not None and old.digest != w1_digest
     before = render_stats(w0)
+    probe = {"model": "mock-model", "messages": user("restarted question 0"), "max_tokens": 2}
+    score = request(f"http://127.0.0.1:{mixed.app.admin_port}", path="/debug/score",  # type: ignore[union-attr]
+                    body=json.dumps(probe).encode()).json()
+    assert {w["name"]: w["overlap_blocks"] for w in score["workers"]} == {"worker-0": 0, "worker-1": 0}, score
     spread(mixed, "restarted", {"worker-0"})
     after = render_stats(w0)
     assert after["rendered_requests"] >= 2 and after["pretokenized_requests"] == before["pretokenized_requests"]
