@@ -41,7 +41,7 @@ from epp_extproc.gaie import (
 )
 
 if TYPE_CHECKING:
-    from epp_extproc.tracing.spans import ExchangeSpan, Tracing
+    from epp_extproc.tracing.spans import ExchangeSpan, Passed, Tracing
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,8 @@ class _Stream:
         self.body_done = False
         self.routed: Routed | None = None
         self.finished = False  # an ImmediateResponse was sent, or an observer is done: stop reading
-        self.trace: ExchangeSpan | None = None  # the request's span (tracing on), from its headers to the end
+        # the request's span (tracing on and its trace sampled), from its headers to the end
+        self.trace: ExchangeSpan | Passed | None = None
         self.deadline = asyncio.get_running_loop().time() + svc.body_timeout_s
 
     async def run(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
@@ -408,7 +409,6 @@ class _Stream:
         metadata = _lb_metadata(routed)
         extra: list[tuple[str, str]] = []
         if self.trace is not None:
-            self.trace.routed(routed.address, getattr(routed, "prefill", None))
             extra = self.trace.worker_headers()
         if body is None:
             yield pb.ProcessingResponse(

@@ -14,26 +14,39 @@ One trace per request, joined to the gateway's:
   decision (`TracedScheduler`), the flow-control wait (`traced_admission`), and a commit hook (`TraceHook`)
   that writes what only a committed decision knows onto the exchange's span.
 
-Cheap when on: the stage wrappers make a span only under a recording (sampled) exchange span, so at 10%
-sampling nine requests in ten cost one non-recording span and a context lookup or two. No prompt text and no
-token ids are ever put in a span.
+Cheap when on: the sampling decision is made once per request, before any span object exists; a request
+that is not sampled makes none (a context lookup per stage, about a microsecond in all), and a sampled one
+records its stages as tuples, handed to the SDK's batch processor as `ReadableSpan`s when it ends (`Tracing`
+says why). No prompt text and no token ids are ever put in a span.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from contextvars import ContextVar
+from time import time_ns
 from typing import Any
 from urllib.parse import urlsplit
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace import sampling as otel_sampling
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    TraceState,
+)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry, Counter
 
@@ -45,7 +58,7 @@ from epp_extproc.core.flow_queue import Ticket
 from epp_extproc.core.proposal import Proposal
 from epp_extproc.core.render import Rendered, Renderer, RenderError
 from epp_extproc.core.request import RequestContext
-from epp_extproc.core.scheduling.result import SchedulingResult
+from epp_extproc.core.scheduling.result import PdPath, PdReason, SchedulingResult
 from epp_extproc.core.scheduling.table import SchedulingRequest
 
 log = logging.getLogger(__name__)
@@ -163,57 +176,170 @@ def _int_env(environ: Mapping[str, str], name: str, default: int) -> int:
         return default
 
 
-class Tracing:
-    """The picker's tracer and its exporter pipeline, and the wrappers that put spans around the stages."""
+_LOW64 = (1 << 64) - 1
+_SAMPLED = TraceFlags(0x01)
+_SCOPE = InstrumentationScope("epp_extproc")
 
-    def __init__(self, provider: TracerProvider, errors: Counter | None = None) -> None:
-        self.provider = provider
-        self.tracer = provider.get_tracer("epp_extproc")
+
+def _parse_traceparent(value: str) -> tuple[int, int, int] | None:
+    """(trace id, parent span id, flags) of a version-00 `traceparent`; None for anything else (the SDK's
+    propagator then reads it, and refuses what is invalid). A few string operations, where the propagator
+    runs a regex."""
+    if len(value) != 55 or value[:3] != "00-" or value[35] != "-" or value[52] != "-":
+        return None
+    try:
+        trace_id, span_id, flags = int(value[3:35], 16), int(value[36:52], 16), int(value[53:], 16)
+    except ValueError:
+        return None
+    if not trace_id or not span_id:
+        return None
+    return trace_id, span_id, flags
+
+
+def _sampling_shape(sampler: otel_sampling.Sampler) -> tuple[bool, float | None]:
+    """(follows its parent's decision, the root's sampling ratio): when the sampler is the specification's
+    parent-based one over always_on / always_off / traceidratio, the picker decides without calling it.
+    (False, None) for another sampler: it is then asked for every request."""
+    if not isinstance(sampler, otel_sampling.ParentBased):
+        return False, None
+    follows = (getattr(sampler, "_remote_parent_not_sampled", None) is otel_sampling.ALWAYS_OFF
+               and getattr(sampler, "_remote_parent_sampled", None) is otel_sampling.ALWAYS_ON)
+    root = getattr(sampler, "_root", None)
+    if root is otel_sampling.ALWAYS_ON:
+        return follows, 1.0
+    if root is otel_sampling.ALWAYS_OFF:
+        return follows, 0.0
+    if isinstance(root, otel_sampling.TraceIdRatioBased):
+        return follows, root.rate
+    return follows, None
+
+
+class Passed:
+    """A request this picker does not record (its trace is not sampled): no span object at all; the worker
+    still gets the unsampled context the picker started, so the engine makes the same decision."""
+
+    __slots__ = ("_headers",)
+
+    def __init__(self, headers: list[tuple[str, str]]) -> None:
+        self._headers = headers
+
+    def attach(self) -> None:
+        return None
+
+    @staticmethod
+    def detach(token: object) -> None:
+        return None
+
+    def worker_headers(self) -> list[tuple[str, str]]:
+        return self._headers
+
+    def failed(self, err: PickError) -> None:
+        return None
+
+    def end(self) -> None:
+        return None
+
+
+# The sampled request whose decision is running (set by ExchangeSpan.attach): the stage wrappers record into it.
+_CURRENT: ContextVar[ExchangeSpan | None] = ContextVar("epp_trace", default=None)
+
+
+class Tracing:
+    """The picker's sampling, its exporter pipeline, and the wrappers that record the stages.
+
+    Why spans are recorded here rather than through the SDK's tracer: a sampled request makes four or five
+    spans, and the SDK's `Span` (a lock, the sampler asked per span, attributes validated twice, a context
+    switch per `start_as_current_span`) made a sampled request cost the picker about three of its own
+    decisions; at 10% sampling that was 10-20% of its CPU, not the 5% this must stay within. A sampled
+    request is decided once (by the configured sampler's rules), its stages are kept as plain tuples, and its
+    spans are handed to the SDK's span processor (batching, the OTLP exporters, their retries) as the SDK's
+    own `ReadableSpan`s when the request ends."""
+
+    def __init__(self, processor: SpanProcessor, sampler: otel_sampling.Sampler | None = None,
+                 resource: Resource | None = None, errors: Counter | None = None) -> None:
+        self.processor = processor
+        self.sampler = sampler if sampler is not None else otel_sampling.ParentBased(otel_sampling.ALWAYS_ON)
+        self.resource = resource if resource is not None else Resource.create({"service.name": DEFAULT_SERVICE})
         self.export_errors = errors
+        self._follows, self._root_ratio = _sampling_shape(self.sampler)
+        self._bound = round((self._root_ratio or 0.0) * (1 << 64))  # TraceIdRatioBased's rule, low 64 bits
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], registry: CollectorRegistry | None = None) -> Tracing:
         errors = Counter("epp_trace_export_errors", "Span batches the OTLP collector did not take (unreachable, "
                          "refused, timed out): the spans are dropped, requests are not affected",
                          registry=registry) if registry is not None else None
-        provider = TracerProvider(sampler=_sampler(environ), resource=_resource(environ))
-        provider.add_span_processor(BatchSpanProcessor(
+        processor = BatchSpanProcessor(
             CountingExporter(_exporter(environ), errors),
             max_queue_size=_int_env(environ, "OTEL_BSP_MAX_QUEUE_SIZE", 2048),
             schedule_delay_millis=_int_env(environ, "OTEL_BSP_SCHEDULE_DELAY", 5000),
             max_export_batch_size=_int_env(environ, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512),
-            export_timeout_millis=_int_env(environ, "OTEL_BSP_EXPORT_TIMEOUT", 30000)))
-        return cls(provider, errors)
+            export_timeout_millis=_int_env(environ, "OTEL_BSP_EXPORT_TIMEOUT", 30000))
+        return cls(processor, _sampler(environ), _resource(environ), errors)
 
     def shutdown(self) -> None:
         """Export what is queued (bounded by the exporter's timeout), then stop the exporter's thread."""
-        self.provider.shutdown()
+        self.processor.shutdown()
+
+    # ------------------------------------------------------------------------------ the decision
+    def exchange(self, metadata: Iterable[tuple[str, str]], headers: Mapping[str, list[str]], method: str,
+                 path: str) -> ExchangeSpan | Passed | None:
+        """The request's span when its trace is sampled; otherwise no span at all: None when the context it
+        came with reaches the worker anyway (Envoy's, or the client's header), `Passed` when the picker starts
+        the trace. With the usual samplers this is a string check and a random number: the 90% of requests a
+        10% sampling does not record cost about a microsecond."""
+        gateway = None
+        for k, v in metadata:
+            if k == TRACEPARENT:
+                gateway = v
+                break
+        from_gateway = gateway is not None
+        given = gateway if from_gateway else (headers.get(TRACEPARENT) or [None])[0]
+        state_values = [v for k, v in metadata if k == TRACESTATE] if from_gateway else headers.get(TRACESTATE)
+        parent: tuple[int, int, int] | None = None
+        if given is not None:
+            parent = _parse_traceparent(given)
+            if parent is None:  # another version, or invalid: the specification's propagator decides
+                sc = trace.get_current_span(_W3C.extract({TRACEPARENT: given})).get_span_context()
+                parent = (sc.trace_id, sc.span_id, int(sc.trace_flags)) if sc.is_valid else None
+        if parent is not None and self._follows:
+            if not parent[2] & 1:
+                return None  # an unsampled parent, followed: its own header goes on to the worker
+            return ExchangeSpan(self, parent[0], parent[1], from_gateway, state_values, path)
+        trace_id = parent[0] if parent is not None else (random.getrandbits(128) or 1)
+        if parent is None and self._follows and self._root_ratio is not None:
+            sampled = self._root_ratio >= 1.0 or (trace_id & _LOW64) < self._bound
+        else:  # a sampler the picker does not know: ask it
+            ctx = None
+            if parent is not None:
+                ctx = trace.set_span_in_context(NonRecordingSpan(SpanContext(
+                    parent[0], parent[1], is_remote=True, trace_flags=TraceFlags(parent[2]))))
+            sampled = self.sampler.should_sample(ctx, trace_id, EXCHANGE_SPAN, SpanKind.SERVER).decision \
+                .is_sampled()
+        if sampled:
+            return ExchangeSpan(self, trace_id, parent[1] if parent is not None else None, from_gateway,
+                                state_values, path)
+        if parent is not None:
+            return None
+        # flags 02: not sampled, and a random trace id (Trace Context level 2, as the SDK marks its own)
+        return Passed([(TRACEPARENT, f"00-{trace_id:032x}-{random.getrandbits(64) or 1:016x}-02")])
 
     # ------------------------------------------------------------------------------ the stages
-    def exchange(self, metadata: Iterable[tuple[str, str]], headers: Mapping[str, list[str]], method: str,
-                 path: str) -> ExchangeSpan:
-        return ExchangeSpan(self.tracer, metadata, headers, method, path)
-
     def renderer(self, inner: Renderer) -> TracedRenderer:
-        return TracedRenderer(inner, self.tracer)
+        return TracedRenderer(inner)
 
     def kv(self, inner: KvLookup) -> TracedKv:
-        return TracedKv(inner, self.tracer)
+        return TracedKv(inner)
 
     def scheduler(self, inner: Any, kv: KvLookup | None) -> TracedScheduler:
-        return TracedScheduler(inner, self.tracer, kv)
+        return TracedScheduler(inner, kv)
 
     def admission(self, inner: Callable[[RequestContext], Awaitable[Ticket]]
                   ) -> Callable[[RequestContext], Awaitable[Ticket]]:
-        return traced_admission(inner, self.tracer)
+        return traced_admission(inner)
 
     def hook(self) -> TraceHook:
         return TraceHook()
-
-
-def _recording() -> bool:
-    """Is the request's own span sampled? The stages make no span of their own otherwise."""
-    return trace.get_current_span().is_recording()
 
 
 def _clip(text: str, limit: int = 256) -> str:
@@ -221,76 +347,103 @@ def _clip(text: str, limit: int = 256) -> str:
 
 
 # ------------------------------------------------------------------------------------------ the exchange
+_Child = tuple[str, SpanKind, int, int, int, int, dict[str, Any], Status | None]  # name, kind, id, parent, t0, t1
+
+
 class ExchangeSpan:
-    """One ext_proc stream's server span, and the context the stages run in (`attach` / `detach`)."""
+    """One sampled ext_proc stream: its server span and the stages recorded under it, exported at `end()`."""
 
-    __slots__ = ("span", "ctx", "from_gateway")
+    __slots__ = ("tracing", "trace_id", "span_id", "parent_id", "from_gateway", "context", "ctx", "start",
+                 "attrs", "children", "current", "status", "_state", "_ended")
 
-    def __init__(self, tracer: trace.Tracer, metadata: Iterable[tuple[str, str]],
-                 headers: Mapping[str, list[str]], method: str, path: str) -> None:
-        carrier: dict[str, str] = {}
-        for k, v in metadata:
-            if k == TRACEPARENT or k == TRACESTATE:
-                carrier[k] = v
+    def __init__(self, tracing: Tracing, trace_id: int, parent_id: int | None, from_gateway: bool,
+                 state_values: list[str] | None, path: str) -> None:
+        self.tracing = tracing
+        self.trace_id = trace_id
+        self.span_id = random.getrandbits(64) or 1
+        self.parent_id = parent_id
         # Envoy's tracing on: its gRPC client put the request's span in the stream's metadata (the request's own
         # header, if any, is the client's, and Envoy already continued it). Off: the client's header, if any.
-        self.from_gateway = TRACEPARENT in carrier
-        if not self.from_gateway:
-            carrier = {k: headers[k][0] for k in (TRACEPARENT, TRACESTATE) if headers.get(k)}
-        parent = _W3C.extract(carrier) if carrier else otel_context.Context()
-        self.span = tracer.start_span(EXCHANGE_SPAN, context=parent, kind=SpanKind.SERVER, attributes={
-            "rpc.system": "grpc", "rpc.service": EXT_PROC_SERVICE, "rpc.method": "Process",
-            "http.request.method": _clip(method, 16), "url.path": _clip(path.split("?", 1)[0]),
-            "epp.trace.parent": "gateway" if self.from_gateway else "client" if carrier else "none"})
-        self.ctx = trace.set_span_in_context(self.span, parent)
+        self.from_gateway = from_gateway
+        self._state = TraceState.from_header(state_values) if state_values else TraceState()
+        self.context = SpanContext(trace_id, self.span_id, is_remote=False, trace_flags=_SAMPLED,
+                                   trace_state=self._state)
+        self.ctx = trace.set_span_in_context(NonRecordingSpan(self.context))  # for logs (TraceIds) and others
+        self.start = time_ns()
+        # few attributes: each costs a sampled request a few microseconds to encode (the span's name is the
+        # RPC's `service/method`; the chosen endpoint and the model come at commit, TraceHook)
+        self.attrs: dict[str, Any] = {
+            "rpc.system": "grpc", "url.path": _clip(path.split("?", 1)[0]),
+            "epp.trace.parent": "gateway" if from_gateway else "client" if parent_id is not None else "none"}
+        self.children: list[_Child] = []
+        self.current = self.span_id  # the parent of the next stage recorded (the decision nests the lookup)
+        self.status: Status | None = None
+        self._ended = False
 
-    def attach(self) -> object:
-        """Make this request's span current (logs carry its ids, the stages' spans are its children)."""
-        return otel_context.attach(self.ctx)
+    def attach(self) -> tuple[object, object]:
+        """Make this request current (logs carry its ids, the stages record under it) until `detach`."""
+        return otel_context.attach(self.ctx), _CURRENT.set(self)
 
     @staticmethod
     def detach(token: object) -> None:
-        otel_context.detach(token)  # type: ignore[arg-type]
+        if token is not None:
+            otel_token, own = token  # type: ignore[misc]
+            _CURRENT.reset(own)
+            otel_context.detach(otel_token)
 
     def worker_headers(self) -> list[tuple[str, str]]:
         """The `traceparent` the chosen worker must get: none when the gateway traces (its router injects its
         own), else this span's, so that the engine's spans join the request's trace."""
         if self.from_gateway:
             return []
-        carrier: dict[str, str] = {}
-        _W3C.inject(carrier, context=self.ctx)
-        return list(carrier.items())
+        out = [(TRACEPARENT, f"00-{self.trace_id:032x}-{self.span_id:016x}-01")]
+        if self._state:
+            out.append((TRACESTATE, self._state.to_header()))
+        return out
 
-    def routed(self, address: str, prefill: str | None) -> None:
-        if self.span.is_recording():
-            self.span.set_attribute("epp.endpoint", address)
-            if prefill is not None:
-                self.span.set_attribute("epp.pd.prefill_endpoint", prefill)
+    def child(self, name: str, kind: SpanKind, start: int, attrs: dict[str, Any], status: Status | None = None,
+              span_id: int = 0, parent_id: int = 0) -> None:
+        self.children.append((name, kind, span_id or (random.getrandbits(64) or 1), parent_id or self.current,
+                              start, time_ns(), attrs, status))
 
     def failed(self, err: PickError) -> None:
         """The picker answered the request itself (a 4xx/5xx of its own): the span says why."""
-        if self.span.is_recording():
-            self.span.set_attribute("error.type", err.problem.value)
-            self.span.set_status(Status(StatusCode.ERROR, _clip(str(err), 200)))
+        self.attrs["error.type"] = err.problem.value
+        self.status = Status(StatusCode.ERROR, _clip(str(err), 200))
 
     def end(self) -> None:
-        self.span.end()
+        """The stream is over: its spans go to the processor (the batch exporter's queue), once."""
+        if self._ended:
+            return
+        self._ended = True
+        t = self.tracing
+        resource, on_end, state = t.resource, t.processor.on_end, self._state
+        parent = SpanContext(self.trace_id, self.parent_id, is_remote=True, trace_flags=_SAMPLED,
+                             trace_state=state) if self.parent_id is not None else None
+        on_end(ReadableSpan(EXCHANGE_SPAN, self.context, parent, resource, self.attrs, kind=SpanKind.SERVER,
+                            status=self.status or Status(StatusCode.UNSET), start_time=self.start,
+                            end_time=time_ns(), instrumentation_scope=_SCOPE))
+        for name, kind, span_id, parent_id, t0, t1, attrs, status in self.children:
+            on_end(ReadableSpan(
+                name, SpanContext(self.trace_id, span_id, is_remote=False, trace_flags=_SAMPLED, trace_state=state),
+                SpanContext(self.trace_id, parent_id, is_remote=False, trace_flags=_SAMPLED, trace_state=state),
+                resource, attrs, kind=kind, status=status or Status(StatusCode.UNSET), start_time=t0, end_time=t1,
+                instrumentation_scope=_SCOPE))
 
 
 # ------------------------------------------------------------------------------------------ the stages
 class TracedRenderer:
     """The render call as an HTTP client span (semantic conventions: `http.request.method`, `url.full`,
-    `server.address`, `http.response.status_code`, `error.type`). A `/debug/score` call (count=False) is not
-    traced: it belongs to no request."""
+    `server.address`, `server.port`, `http.response.status_code`, `error.type`). A `/debug/score` call
+    (count=False) is not traced: it belongs to no request."""
 
-    def __init__(self, inner: Renderer, tracer: trace.Tracer) -> None:
+    def __init__(self, inner: Renderer) -> None:
         self.inner = inner
-        self.tracer = tracer
         self.protocol = inner.protocol
         base = getattr(inner, "base_url", "")
         u = urlsplit(base)
         self._base = base
-        self._attrs: dict[str, Any] = {"http.request.method": "POST", "epp.render.protocol": inner.protocol}
+        self._attrs: dict[str, Any] = {"http.request.method": "POST"}
         if u.hostname:
             self._attrs["server.address"] = u.hostname
             self._attrs["server.port"] = u.port or (443 if u.scheme == "https" else 80)
@@ -299,45 +452,52 @@ class TracedRenderer:
         return getattr(self.inner, name)
 
     async def render(self, kind: str, body: bytes, *, count: bool = True) -> Rendered:
-        if not count or not _recording():
+        rec = _CURRENT.get()
+        if rec is None or not count:
             return await self.inner.render(kind, body, count=count)
         from epp_extproc.adapters.render_client import CHAT_PATH, COMPLETIONS_PATH
 
         attrs = dict(self._attrs)
         attrs["url.full"] = self._base + (CHAT_PATH if kind == "chat" else COMPLETIONS_PATH)
-        with self.tracer.start_as_current_span("POST", kind=SpanKind.CLIENT, attributes=attrs,
-                                               record_exception=False, set_status_on_exception=False) as span:
-            try:
-                out = await self.inner.render(kind, body, count=count)
-            except RenderError as e:
-                span.set_attribute("error.type", e.failure.value)
-                if e.status is not None:
-                    span.set_attribute("http.response.status_code", e.status)
-                span.set_status(Status(StatusCode.ERROR, _clip(e.detail, 200)))
-                raise
-            span.set_attribute("http.response.status_code", 200)
-            span.set_attribute("epp.render.tokens", len(out.token_ids))
+        t0 = time_ns()
+        status: Status | None = None
+        try:
+            out = await self.inner.render(kind, body, count=count)
+        except RenderError as e:
+            attrs["error.type"] = e.failure.value
+            if e.status is not None:
+                attrs["http.response.status_code"] = e.status
+            status = Status(StatusCode.ERROR, _clip(e.detail, 200))
+            raise
+        except BaseException as e:
+            attrs["error.type"] = type(e).__name__
+            status = Status(StatusCode.ERROR)
+            raise
+        else:
+            attrs["http.response.status_code"] = 200
             return out
+        finally:
+            rec.child("POST", SpanKind.CLIENT, t0, attrs, status)
 
 
 class TracedKv:
     """The KV index lookup that fills a candidate table (`overlap`); every other call passes straight on."""
 
-    def __init__(self, inner: KvLookup, tracer: trace.Tracer) -> None:
+    def __init__(self, inner: KvLookup) -> None:
         self.inner = inner
-        self.tracer = tracer
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def overlap(self, prompt: PromptKey, workers: Sequence[str]) -> Mapping[str, int]:
-        if not _recording():
+        rec = _CURRENT.get()
+        if rec is None:
             return self.inner.overlap(prompt, workers)
-        with self.tracer.start_as_current_span(KV_LOOKUP_SPAN, attributes={"epp.kv.workers": len(workers)}) as span:
-            out = self.inner.overlap(prompt, workers)
-            span.set_attribute("epp.kv.workers_with_overlap", sum(1 for v in out.values() if v))
-            span.set_attribute("epp.kv.best_overlap_blocks", max(out.values(), default=0))
-            return out
+        t0 = time_ns()
+        out = self.inner.overlap(prompt, workers)
+        rec.child(KV_LOOKUP_SPAN, SpanKind.INTERNAL, t0,
+                  {"epp.kv.workers": len(workers), "epp.kv.best_overlap_blocks": max(out.values(), default=0)})
+        return out
 
 
 def _plugin_names(handler: Any) -> tuple[str, list[str], list[str]]:
@@ -357,15 +517,14 @@ def _plugin_names(handler: Any) -> tuple[str, list[str], list[str]]:
 class TracedScheduler:
     """The scheduling decision as a span: candidates, the chosen endpoint and its cost, credited blocks, the
     prefill/decode pair, predicted cached tokens, the profiles and plugins that decided, and why a request
-    was routed by load only."""
+    was routed by load only. The KV lookup it makes is recorded under it."""
 
-    def __init__(self, inner: Any, tracer: trace.Tracer, kv: KvLookup | None) -> None:
+    def __init__(self, inner: Any, kv: KvLookup | None) -> None:
         self.inner = inner
-        self.tracer = tracer
         self.kv = kv
-        name, profiles, plugins = _plugin_names(inner)
-        self._static: dict[str, Any] = {"epp.scheduling.handler": name, "epp.scheduling.profiles": profiles,
-                                        "epp.scheduling.plugins": plugins}
+        name, _, plugins = _plugin_names(inner)
+        # one joined string, not an array (`profile/plugin`, so the profiles are named too)
+        self._static: dict[str, Any] = {"epp.scheduling.handler": name, "epp.scheduling.plugins": ",".join(plugins)}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -374,36 +533,56 @@ class TracedScheduler:
         return self.inner.candidates(req)
 
     def schedule(self, req: SchedulingRequest, addresses: Sequence[str]) -> SchedulingResult:
-        if not _recording():
+        rec = _CURRENT.get()
+        if rec is None:
             return self.inner.schedule(req, addresses)
-        with self.tracer.start_as_current_span(SCHEDULE_SPAN, attributes=self._static) as span:
+        t0, outer = time_ns(), rec.current
+        span_id = rec.current = random.getrandbits(64) or 1
+        attrs = dict(self._static)
+        status: Status | None = None
+        try:
             result = self.inner.schedule(req, addresses)
-            span.set_attributes(decision_attributes(req, addresses, result, self.kv))
+            attrs.update(decision_attributes(req, addresses, result, self.kv))
             return result
+        except PickError as e:
+            attrs["error.type"] = e.problem.value
+            status = Status(StatusCode.ERROR, _clip(str(e), 200))
+            raise
+        except Exception as e:
+            attrs["error.type"] = type(e).__name__
+            status = Status(StatusCode.ERROR)
+            raise
+        finally:
+            rec.current = outer
+            rec.child(SCHEDULE_SPAN, SpanKind.INTERNAL, t0, attrs, status, span_id=span_id, parent_id=outer)
 
 
 def decision_attributes(req: SchedulingRequest, addresses: Sequence[str], result: SchedulingResult,
                         kv: KvLookup | None) -> dict[str, Any]:
     r = result.primary
     t, i = r.table, r.chosen
+    """Only what explains the choice (each attribute costs a sampled request about 2.5 us): the P/D verdict
+    only in a pool with prefill workers, the credited blocks only when the prompt was scored."""
     attrs: dict[str, Any] = {
         "epp.candidates": len(addresses), "epp.endpoint": r.address, "epp.cost": float(t.cost[i]),
         "epp.route": "kv" if req.prompt is not None else "load",
-        "epp.pd.path": result.pd.path.value, "epp.pd.reason": result.pd.reason.value,
     }
     if req.prompt is not None:
         attrs["epp.overlap_blocks"] = int(t.overlap[i])
         attrs["epp.credited_blocks"] = float(t.credited[i])
-        attrs["epp.prompt_blocks"] = float(t.prompt_blocks[i])
     elif req.load_reason is not None:
         attrs["epp.load_reason"] = req.load_reason
     if req.prompt_tokens:
         attrs["gen_ai.usage.input_tokens"] = req.prompt_tokens
-    if result.pd.prefill is not None:
-        attrs["epp.pd.prefill_endpoint"] = result.pd.prefill.address
-        attrs["epp.pd.prefill_blocks"] = float(result.pd.prefill_blocks)
-    if result.pd.uncached_tokens is not None:
-        attrs["epp.pd.uncached_tokens"] = result.pd.uncached_tokens
+    pd = result.pd
+    if pd.path is not PdPath.AGGREGATED or pd.reason is not PdReason.NO_PREFILL_WORKERS:
+        attrs["epp.pd.path"] = pd.path.value
+        attrs["epp.pd.reason"] = pd.reason.value
+    if pd.prefill is not None:
+        attrs["epp.pd.prefill_endpoint"] = pd.prefill.address
+        attrs["epp.pd.prefill_blocks"] = float(pd.prefill_blocks)
+    if pd.uncached_tokens is not None:
+        attrs["epp.pd.uncached_tokens"] = pd.uncached_tokens
     predicted = predicted_cached_tokens(result, req.prompt, kv)
     if predicted is not None:
         attrs["epp.predicted_cached_tokens"] = int(predicted)
@@ -414,46 +593,41 @@ def decision_attributes(req: SchedulingRequest, addresses: Sequence[str], result
     return attrs
 
 
-def traced_admission(inner: Callable[[RequestContext], Awaitable[Ticket]], tracer: trace.Tracer
+def traced_admission(inner: Callable[[RequestContext], Awaitable[Ticket]]
                      ) -> Callable[[RequestContext], Awaitable[Ticket]]:
     """Flow control's wait for a ticket as a span (`epp.flow_control.waited_s`; an error when it drops)."""
 
     async def admit(ctx: RequestContext) -> Ticket:
-        if not _recording():
+        rec = _CURRENT.get()
+        if rec is None:
             return await inner(ctx)
-        with tracer.start_as_current_span(FLOW_WAIT_SPAN, record_exception=False,
-                                          set_status_on_exception=False) as span:
-            started = time.perf_counter()
-            try:
-                ticket = await inner(ctx)
-            except PickError as e:
-                span.set_attribute("error.type", e.problem.value)
-                span.set_attribute("epp.flow_control.waited_s", time.perf_counter() - started)
-                span.set_status(Status(StatusCode.ERROR, _clip(str(e), 200)))
-                raise
-            span.set_attribute("epp.flow_control.waited_s", ticket.waited_s)
-            return ticket
+        t0, started = time_ns(), time.perf_counter()
+        try:
+            ticket = await inner(ctx)
+        except PickError as e:
+            rec.child(FLOW_WAIT_SPAN, SpanKind.INTERNAL, t0,
+                      {"error.type": e.problem.value, "epp.flow_control.waited_s": time.perf_counter() - started},
+                      Status(StatusCode.ERROR, _clip(str(e), 200)))
+            raise
+        rec.child(FLOW_WAIT_SPAN, SpanKind.INTERNAL, t0, {"epp.flow_control.waited_s": ticket.waited_s})
+        return ticket
 
     return admit
 
 
 class TraceHook:
     """Commit hook: what only a committed decision knows, on the request's span (the model asked for, the
-    endpoint booked, the predicted cached tokens); a proposal that fails or `/debug/score` writes nothing."""
+    endpoint booked); a proposal that fails or `/debug/score` writes nothing."""
 
     name = "trace"
 
     def committed(self, p: Proposal, booking: BookingHandle) -> Stopwatch | None:
-        span = trace.get_current_span()
-        if not span.is_recording():
+        rec = _CURRENT.get()
+        if rec is None:
             return None
-        attrs: dict[str, Any] = {"epp.endpoint": p.address, "epp.booking": booking.id,
-                                 "epp.score_seconds": p.score_seconds}
+        rec.attrs["epp.endpoint"] = p.address  # the decision span has the rest
         if p.model is not None:
-            attrs["gen_ai.request.model"] = _clip(p.model, 128)
-        if p.predicted_cached_tokens is not None:
-            attrs["epp.predicted_cached_tokens"] = int(p.predicted_cached_tokens)
+            rec.attrs["gen_ai.request.model"] = _clip(p.model, 128)
         if p.pd.address is not None:
-            attrs["epp.pd.prefill_endpoint"] = p.pd.address
-        span.set_attributes(attrs)
+            rec.attrs["epp.pd.prefill_endpoint"] = p.pd.address
         return None
