@@ -1,19 +1,21 @@
 """The picker's CPU per request with tracing off and on at 10% sampling, measured in the same run.
 
-    PYTHONPATH=. python -m bench.bench_tracing [--rounds 5] [--requests 3000] [--out FILE]
+    PYTHONPATH=. python -m bench.bench_tracing [--bursts 12] [--requests 600] [--out FILE]
 
 Same mock workers, renderer and OTLP receiver (a real `TraceService` server in this process) for every
-configuration; each round starts a fresh picker process and Envoy per configuration, in an order that turns
-round to round so that a busy machine weighs on all alike:
+configuration; each configuration has its own picker process and Envoy, all started at once, and the
+requests go in short bursts to one configuration after another, in an order that turns burst to burst, so
+that a busy machine weighs on all alike (on a shared machine, figures from separate runs differ by more
+than the 5% this measures):
 
   - `off`: no OTEL_* variable (the baseline: no span object is made);
-  - `picker10`: the picker exports to the receiver and starts the traces itself with
+  - `picker10`: the picker exports to the receiver (OTLP/HTTP, the default) and starts the traces itself with
     `parentbased_traceidratio` 0.1 (Envoy does not trace; the picker passes `traceparent` on to every worker);
   - `envoy10`: Envoy's OpenTelemetry tracer samples 10% (`--tracing-sample-percent 10`) and the picker follows
     its decision (parent-based, its default).
 
 The picker's CPU per request is its process CPU time over the requests answered at c=32 (bench/compare_trees'
-figure); the medians over the rounds are printed with each traced configuration's ratio to `off`.
+figure), over all its bursts, with each traced configuration's ratio to `off` (and the bursts' medians).
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import threading
 from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +39,7 @@ from bench.bench_overhead import FAST_MOCK, make_bodies
 from epp_extproc.dev import envoy_config, procs
 
 CONFIGS = ("off", "picker10", "envoy10")
+# also: `idle` (on, nothing sampled) and `picker10grpc` (picker10 exporting over gRPC instead of HTTP)
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -53,62 +58,105 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
-def run_config(cfg: str, workers: list[procs.Proc], renderer: procs.Proc, otlp_port: int, n: int) -> float:
-    make = make_bodies(120)
-    with H.Stack() as st:
-        p = procs.picker(st.dir, endpoints=H.endpoints_spec(workers), protocol="trtllm-render",
-                         renderer_url=renderer.url,
-                         args=["--log-level", "WARNING", "--max-inflight-requests", str(H.PICKER_MAX_INFLIGHT)])
-        if cfg != "off":
-            p.env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
-                     "OTEL_SERVICE_NAME": f"epp-{cfg}"}
-            if cfg == "picker10":
-                p.env |= {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"}
-        pk = st.add(p)
-        H.wait_subscribed(pk, [w.address for w in workers])
-        opts = envoy_config.EnvoyOptions(listen_port=H.free_port(), admin_port=H.free_port(), picker_port=pk.port or 0,
-                                         picker_max_inflight=H.PICKER_MAX_INFLIGHT)
-        if cfg == "envoy10":
-            opts.tracing_otlp = f"127.0.0.1:{otlp_port}"
-            opts.tracing_sample_percent = 10.0
-        env = st.add(procs.envoy(st.dir, opts, name="envoy"), timeout=60)
-        url = env.url + "/v1/chat/completions"
-        asyncio.run(H.closed_loop(url, make, concurrency=8, max_requests=300, max_seconds=5))
-        cpu0 = pk.cpu_seconds()
-        res, el = asyncio.run(H.closed_loop(url, make, concurrency=32, max_requests=n, max_seconds=60))
-        row = H.summarize(res, el)
-        if row["errors"]:
-            raise RuntimeError(f"{cfg}: {row['errors']} errors")
-        return (pk.cpu_seconds() - cpu0) / max(1, row["requests"]) * 1e6
+class HttpReceiver(BaseHTTPRequestHandler):
+    """OTLP/HTTP (`POST /v1/traces`, protobuf): counted into the same receiver."""
+
+    receiver: Receiver
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = self.rfile.read(int(self.headers.get("content-length", "0")))
+        self.receiver.Export(trace_service_pb2.ExportTraceServiceRequest.FromString(body), None)  # type: ignore[arg-type]
+        out = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+        self.send_response(200)
+        self.send_header("content-type", "application/x-protobuf")
+        self.send_header("content-length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        return None
+
+
+def start_config(st: H.Stack, cfg: str, workers: list[procs.Proc], renderer: procs.Proc, otlp_port: int,
+                 http_port: int) -> tuple[procs.Proc, str]:
+    """One configuration's picker process and Envoy; the URL its requests go to."""
+    p = procs.picker(st.dir, endpoints=H.endpoints_spec(workers), protocol="trtllm-render", renderer_url=renderer.url,
+                     name=f"picker-{cfg}",
+                     args=["--log-level", "WARNING", "--max-inflight-requests", str(H.PICKER_MAX_INFLIGHT)])
+    if cfg != "off":
+        p.env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{http_port}", "OTEL_SERVICE_NAME": f"epp-{cfg}"}
+        if cfg == "picker10grpc":
+            p.env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
+                      "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+        if cfg.startswith("picker10"):
+            p.env |= {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"}
+        if cfg == "idle":  # on, but nothing ever sampled: what being on costs by itself
+            p.env |= {"OTEL_TRACES_SAMPLER": "always_off"}
+        p.env |= {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}  # e.g. OTEL_BSP_SCHEDULE_DELAY
+    pk = st.add(p)
+    H.wait_subscribed(pk, [w.address for w in workers])
+    opts = envoy_config.EnvoyOptions(listen_port=H.free_port(), admin_port=H.free_port(), picker_port=pk.port or 0,
+                                     picker_max_inflight=H.PICKER_MAX_INFLIGHT)
+    if cfg == "envoy10":
+        opts.tracing_otlp = f"127.0.0.1:{otlp_port}"
+        opts.tracing_sample_percent = 10.0
+    env = st.add(procs.envoy(st.dir, opts, name=f"envoy-{cfg}"), timeout=60)
+    return pk, env.url + "/v1/chat/completions"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--bursts", type=int, default=12, help="bursts per configuration, interleaved")
+    ap.add_argument("--requests", type=int, default=600, help="requests per burst")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"among {', '.join(CONFIGS)}, idle; off first")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
+    configs = tuple(a.configs.split(","))
     rec = Receiver()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(rec, server)
     otlp_port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    cpu: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    HttpReceiver.receiver = rec
+    http = ThreadingHTTPServer(("127.0.0.1", 0), HttpReceiver)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    http_port = http.server_address[1]
+    make = make_bodies(120)
+    per_burst: dict[str, list[float]] = {c: [] for c in configs}
+    cpu = dict.fromkeys(configs, 0.0)
+    answered = dict.fromkeys(configs, 0)
     try:
-        with H.Stack() as outer:
-            workers = [H.mock_worker(outer, f"worker-{i}", FAST_MOCK) for i in range(2)]
-            renderer = H.mock_renderer(outer)
-            for r in range(a.rounds):
-                order = CONFIGS[r % 3:] + CONFIGS[:r % 3]
-                for cfg in order:
-                    cpu[cfg].append(run_config(cfg, workers, renderer, otlp_port, a.requests))
-                print(f"round {r + 1}: " + ", ".join(f"{c} {cpu[c][-1]:.0f} us" for c in CONFIGS), flush=True)
+        with H.Stack() as st:
+            workers = [H.mock_worker(st, f"worker-{i}", FAST_MOCK) for i in range(2)]
+            renderer = H.mock_renderer(st)
+            started = {c: start_config(st, c, workers, renderer, otlp_port, http_port) for c in configs}
+            for _, url in started.values():  # warm every path before any is measured
+                asyncio.run(H.closed_loop(url, make, concurrency=8, max_requests=300, max_seconds=10))
+            for b in range(a.bursts):
+                k = b % len(configs)
+                for cfg in configs[k:] + configs[:k]:
+                    pk, url = started[cfg]
+                    cpu0 = pk.cpu_seconds()
+                    res, el = asyncio.run(H.closed_loop(url, make, concurrency=32, max_requests=a.requests,
+                                                        max_seconds=60))
+                    row = H.summarize(res, el)
+                    if row["errors"]:
+                        raise RuntimeError(f"{cfg}: {row['errors']} errors")
+                    used = pk.cpu_seconds() - cpu0
+                    cpu[cfg] += used
+                    answered[cfg] += row["requests"]
+                    per_burst[cfg].append(used / max(1, row["requests"]) * 1e6)
+                print(f"burst {b + 1}: " + ", ".join(f"{c} {per_burst[c][-1]:.0f} us" for c in configs), flush=True)
     finally:
         server.stop(0)
-    med = {c: statistics.median(v) for c, v in cpu.items()}
-    doc: dict[str, Any] = {"requests_per_round": a.requests, "rounds": a.rounds, "cpu_us_per_request": cpu,
-                           "median_cpu_us": med, "ratio_to_off": {c: med[c] / med["off"] for c in CONFIGS},
-                           "spans_received": rec.count}
+        http.shutdown()
+    mean = {c: cpu[c] / max(1, answered[c]) * 1e6 for c in configs}
+    med = {c: statistics.median(v) for c, v in per_burst.items()}
+    doc: dict[str, Any] = {"bursts": a.bursts, "requests_per_burst": a.requests,
+                           "cpu_us_per_request": mean, "ratio_to_off": {c: mean[c] / mean["off"] for c in configs},
+                           "burst_median_cpu_us": med,
+                           "burst_median_ratio_to_off": {c: med[c] / med["off"] for c in configs},
+                           "per_burst_cpu_us": per_burst, "spans_received": rec.count}
     print(json.dumps(doc, indent=1))
     if a.out:
         Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")

@@ -6,7 +6,8 @@ is made on any request (the request path holds `None` where a tracer would be, a
 
 Tracing is on when an OTLP endpoint is configured (`OTEL_EXPORTER_OTLP_ENDPOINT` or
 `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`), unless `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none`. The
-exporters read the rest themselves (headers, timeout, TLS, compression); the SDK reads the sampler
+protocol is `http/protobuf` unless `OTEL_EXPORTER_OTLP_PROTOCOL=grpc` (spans.py `_exporter`); the
+exporters read the rest themselves (headers, timeout, TLS, compression); the picker reads the sampler
 (`OTEL_TRACES_SAMPLER`, default `parentbased_always_on`: the gateway decides, see the README's "Tracing")
 and the resource (`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`; the service defaults to `epp-extproc`).
 """

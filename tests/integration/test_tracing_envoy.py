@@ -78,7 +78,8 @@ def receiver() -> Iterator[tuple[Receiver, int, grpc.Server]]:
 @pytest.fixture(scope="module")
 def stack(receiver: tuple[Receiver, int, grpc.Server]) -> Iterator[GatewayStack]:
     _, port, _ = receiver
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_BSP_SCHEDULE_DELAY": "100",
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+           "OTEL_BSP_SCHEDULE_DELAY": "100",
            "OTEL_EXPORTER_OTLP_TIMEOUT": "1000", "OTEL_SERVICE_NAME": "epp-extproc"}
     with pytest.MonkeyPatch.context() as mp:  # the picker reads them when it is built, in start()
         for k, v in env.items():

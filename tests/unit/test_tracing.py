@@ -320,7 +320,7 @@ def test_the_standard_variables_choose_exporter_sampler_and_service() -> None:
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
 
-    base = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}
+    base = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
     t = Tracing.from_env(base, CollectorRegistry())
     try:
         assert t.resource.attributes["service.name"] == "epp-extproc"
@@ -328,7 +328,7 @@ def test_the_standard_variables_choose_exporter_sampler_and_service() -> None:
         assert isinstance(t.processor.span_exporter.inner, Grpc)  # type: ignore[attr-defined]
     finally:
         t.shutdown()
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318",  # http/protobuf: the specification's default
            "OTEL_SERVICE_NAME": "picker-a", "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test",
            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"}
     t = Tracing.from_env(env, CollectorRegistry())
@@ -397,3 +397,38 @@ def test_envoy_config_turns_envoys_opentelemetry_tracer_on() -> None:
     assert sock["socket_address"] == {"address": "127.0.0.1", "port_value": 4317}
     with pytest.raises(ValueError):
         envoy_config.to_dict(envoy_config.EnvoyOptions(tracing_otlp="no-port"))
+
+
+async def test_spans_reach_an_otlp_http_collector_the_default_protocol() -> None:
+    """The exporter the standard variables choose by default (OTLP/HTTP) against a real receiver of the
+    protocol's own protobuf (the gRPC one is exercised through Envoy: tests/integration/test_tracing_envoy.py)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+    got: list[tuple[str, str]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            req = trace_service_pb2.ExportTraceServiceRequest.FromString(
+                self.rfile.read(int(self.headers["content-length"])))
+            got.extend((self.path, s.trace_id.hex()) for rs in req.resource_spans for ss in rs.scope_spans
+                       for s in ss.spans)
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            return None
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        tr = Tracing.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}"},
+                              CollectorRegistry())
+        await run(servicer(tr), request(), (("traceparent", SAMPLED),))
+        tr.shutdown()  # flushes
+    finally:
+        server.shutdown()
+    assert len(got) == 4 and set(got) == {("/v1/traces", TRACE_ID)}
