@@ -104,6 +104,19 @@ def start_config(st: H.Stack, cfg: str, workers: list[procs.Proc], renderer: pro
     return pk, env.url + "/v1/chat/completions"
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread name of process `pid` (/proc): where a configuration's extra CPU goes."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            parts = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = out.get(name, 0.0) + (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bursts", type=int, default=12, help="bursts per configuration, interleaved")
@@ -123,6 +136,7 @@ def main() -> None:
     http_port = http.server_address[1]
     make = make_bodies(120)
     per_burst: dict[str, list[float]] = {c: [] for c in configs}
+    threads: dict[str, dict[str, float]] = {}
     cpu = dict.fromkeys(configs, 0.0)
     answered = dict.fromkeys(configs, 0)
     try:
@@ -147,6 +161,7 @@ def main() -> None:
                     answered[cfg] += row["requests"]
                     per_burst[cfg].append(used / max(1, row["requests"]) * 1e6)
                 print(f"burst {b + 1}: " + ", ".join(f"{c} {per_burst[c][-1]:.0f} us" for c in configs), flush=True)
+            threads = {c: thread_cpu(pk.proc.pid) for c, (pk, _) in started.items() if pk.proc is not None}
     finally:
         server.stop(0)
         http.shutdown()
@@ -156,7 +171,8 @@ def main() -> None:
                            "cpu_us_per_request": mean, "ratio_to_off": {c: mean[c] / mean["off"] for c in configs},
                            "burst_median_cpu_us": med,
                            "burst_median_ratio_to_off": {c: med[c] / med["off"] for c in configs},
-                           "per_burst_cpu_us": per_burst, "spans_received": rec.count}
+                           "per_burst_cpu_us": per_burst, "spans_received": rec.count,
+                           "thread_cpu_s_whole_run": threads}
     print(json.dumps(doc, indent=1))
     if a.out:
         Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")

@@ -16,27 +16,27 @@ One trace per request, joined to the gateway's:
 
 Cheap when on: the sampling decision is made once per request, before any span object exists; a request
 that is not sampled makes none (a context lookup per stage, about a microsecond in all), and a sampled one
-records its stages as tuples, handed to the SDK's batch processor as `ReadableSpan`s when it ends (`Tracing`
-says why). No prompt text and no token ids are ever put in a span.
+records its stages as tuples, queued as one record and turned into the SDK's `ReadableSpan`s on the exporter's
+thread (`Tracing` and `SpanQueue` say why). No prompt text and no token ids are ever put in a span.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from contextvars import ContextVar
 from time import time_ns
 from typing import Any
 from urllib.parse import urlsplit
 
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace import sampling as otel_sampling
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import (
     NonRecordingSpan,
@@ -60,6 +60,7 @@ from epp_extproc.core.render import Rendered, Renderer, RenderError
 from epp_extproc.core.request import RequestContext
 from epp_extproc.core.scheduling.result import PdPath, PdReason, SchedulingResult
 from epp_extproc.core.scheduling.table import SchedulingRequest
+from epp_extproc.tracing.current import CURRENT
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +246,114 @@ class Passed:
 
 
 # The sampled request whose decision is running (set by ExchangeSpan.attach): the stage wrappers record into it.
-_CURRENT: ContextVar[ExchangeSpan | None] = ContextVar("epp_trace", default=None)
+_CURRENT = CURRENT
+
+
+# One sampled request, as it waits for the exporter: only ints, strings and dicts of them, so that the cyclic
+# collector untracks it and never walks it. (The SDK's span objects, queued for seconds in the hundreds,
+# were promoted to the oldest generation and made its full collections, which walk the KV index too, run
+# far more often: that, not the spans themselves, was most of a sampled request's cost.)
+#   (trace id, tracestate header, exchange span id, its parent id or 0, start, end, attributes, error or None,
+#    children: (name, SpanKind value, span id, parent id, start, end, attributes, error or None), ...)
+Record = tuple[int, str, int, int, int, int, dict[str, Any], "str | None", tuple[tuple[Any, ...], ...]]
+
+
+class SpanQueue:
+    """The exporter's queue and thread (the SDK's BatchSpanProcessor, for records instead of span objects):
+    `put` is a deque append; every `delay_s`, or as soon as `batch` records wait, the thread turns them into
+    the SDK's `ReadableSpan`s and exports them. Bounded: past `max_queue` records, new ones are dropped and
+    counted. `immediate` (tests) exports in `put`, on the caller's thread."""
+
+    def __init__(self, exporter: SpanExporter, resource: Resource, *, max_queue: int = 2048, delay_s: float = 5.0,
+                 batch: int = 512, immediate: bool = False) -> None:
+        self.exporter = exporter
+        self.resource = resource
+        self.max_queue = max_queue
+        self.delay_s = delay_s
+        self.batch = batch
+        self.dropped = 0
+        self._q: deque[Record] = deque()
+        self._wake = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._stop = False
+        self._immediate = immediate
+        self._thread: threading.Thread | None = None
+        if not immediate:
+            self._thread = threading.Thread(target=self._run, name="epp-trace-export", daemon=True)
+            self._thread.start()
+
+    def put(self, record: Record) -> None:
+        if self._immediate:
+            self.exporter.export(self._spans([record]))
+            return
+        if len(self._q) >= self.max_queue:
+            self.dropped += 1
+            return
+        self._q.append(record)
+        if len(self._q) >= self.batch:
+            self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self.delay_s)
+            self._wake.clear()
+            self._drain()
+            if self._stop:
+                return
+
+    def _drain(self) -> None:
+        self._idle.clear()
+        try:
+            while self._q:
+                records = [self._q.popleft() for _ in range(min(self.batch, len(self._q)))]
+                try:
+                    self.exporter.export(self._spans(records))
+                except Exception:  # CountingExporter counts; this thread must live on
+                    log.exception("span export failed")
+        finally:
+            self._idle.set()
+
+    def _spans(self, records: Sequence[Record]) -> list[ReadableSpan]:
+        out: list[ReadableSpan] = []
+        resource = self.resource
+        for trace_id, state_header, span_id, parent_id, t0, t1, attrs, err, children in records:
+            state = TraceState.from_header([state_header]) if state_header else TraceState()
+            contexts = {span_id: SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED,
+                                             trace_state=state)}
+            for child in children:
+                contexts[child[2]] = SpanContext(trace_id, child[2], is_remote=False, trace_flags=_SAMPLED,
+                                                 trace_state=state)
+            parent = SpanContext(trace_id, parent_id, is_remote=True, trace_flags=_SAMPLED, trace_state=state) \
+                if parent_id else None
+            out.append(ReadableSpan(EXCHANGE_SPAN, contexts[span_id], parent, resource, attrs,
+                                    kind=SpanKind.SERVER, status=_status(err), start_time=t0, end_time=t1,
+                                    instrumentation_scope=_SCOPE))
+            for name, kind, cid, pid, c0, c1, cattrs, cerr in children:
+                out.append(ReadableSpan(name, contexts[cid], contexts.get(pid), resource, cattrs, kind=SpanKind(kind),
+                                        status=_status(cerr), start_time=c0, end_time=c1,
+                                        instrumentation_scope=_SCOPE))
+        return out
+
+    def force_flush(self, timeout_s: float = 30.0) -> None:
+        if self._thread is None:
+            return
+        self._wake.set()
+        deadline = time.monotonic() + timeout_s
+        while (self._q or not self._idle.is_set()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Export what is queued (bounded by the exporter's own timeout), then stop the thread and exporter."""
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self.exporter.shutdown()
+
+
+def _status(err: str | None) -> Status:
+    return _UNSET if err is None else Status(StatusCode.ERROR, err or None)
 
 
 class Tracing:
@@ -255,15 +363,15 @@ class Tracing:
     spans, and the SDK's `Span` (a lock, the sampler asked per span, attributes validated twice, a context
     switch per `start_as_current_span`) made a sampled request cost the picker about three of its own
     decisions; at 10% sampling that was 10-20% of its CPU, not the 5% this must stay within. A sampled
-    request is decided once (by the configured sampler's rules), its stages are kept as plain tuples, and its
-    spans are handed to the SDK's span processor (batching, the OTLP exporters, their retries) as the SDK's
-    own `ReadableSpan`s when the request ends."""
+    request is decided once (by the configured sampler's rules), its stages are kept as plain tuples, queued
+    as one `Record` (`SpanQueue`), and turned into the SDK's own `ReadableSpan`s on the exporter's thread, for
+    the SDK's OTLP exporters (and their retries)."""
 
-    def __init__(self, processor: SpanProcessor, sampler: otel_sampling.Sampler | None = None,
-                 resource: Resource | None = None, errors: Counter | None = None) -> None:
-        self.processor = processor
+    def __init__(self, queue: SpanQueue, sampler: otel_sampling.Sampler | None = None,
+                 errors: Counter | None = None) -> None:
+        self.queue = queue
         self.sampler = sampler if sampler is not None else otel_sampling.ParentBased(otel_sampling.ALWAYS_ON)
-        self.resource = resource if resource is not None else Resource.create({"service.name": DEFAULT_SERVICE})
+        self.resource = queue.resource
         self.export_errors = errors
         self._follows, self._root_ratio = _sampling_shape(self.sampler)
         self._bound = round((self._root_ratio or 0.0) * (1 << 64))  # TraceIdRatioBased's rule, low 64 bits
@@ -273,17 +381,16 @@ class Tracing:
         errors = Counter("epp_trace_export_errors", "Span batches the OTLP collector did not take (unreachable, "
                          "refused, timed out): the spans are dropped, requests are not affected",
                          registry=registry) if registry is not None else None
-        processor = BatchSpanProcessor(
-            CountingExporter(_exporter(environ), errors),
-            max_queue_size=_int_env(environ, "OTEL_BSP_MAX_QUEUE_SIZE", 2048),
-            schedule_delay_millis=_int_env(environ, "OTEL_BSP_SCHEDULE_DELAY", 5000),
-            max_export_batch_size=_int_env(environ, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512),
-            export_timeout_millis=_int_env(environ, "OTEL_BSP_EXPORT_TIMEOUT", 30000))
-        return cls(processor, _sampler(environ), _resource(environ), errors)
+        # the batch processor's standard variables, in requests (a record holds one request's spans)
+        queue = SpanQueue(CountingExporter(_exporter(environ), errors), _resource(environ),
+                          max_queue=_int_env(environ, "OTEL_BSP_MAX_QUEUE_SIZE", 2048),
+                          delay_s=_int_env(environ, "OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000,
+                          batch=_int_env(environ, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512))
+        return cls(queue, _sampler(environ), errors)
 
     def shutdown(self) -> None:
         """Export what is queued (bounded by the exporter's timeout), then stop the exporter's thread."""
-        self.processor.shutdown()
+        self.queue.shutdown()
 
     # ------------------------------------------------------------------------------ the decision
     def exchange(self, metadata: Iterable[tuple[str, str]], headers: Mapping[str, list[str]], method: str,
@@ -357,8 +464,8 @@ _Child = tuple[str, SpanKind, int, int, int, int, dict[str, Any], Status | None]
 class ExchangeSpan:
     """One sampled ext_proc stream: its server span and the stages recorded under it, exported at `end()`."""
 
-    __slots__ = ("tracing", "trace_id", "span_id", "parent_id", "from_gateway", "context", "ctx", "start",
-                 "attrs", "children", "current", "status", "_state", "_ended")
+    __slots__ = ("tracing", "trace_id", "span_id", "parent_id", "from_gateway", "start", "attrs", "children",
+                 "current", "error", "_state", "_ended")
 
     def __init__(self, tracing: Tracing, trace_id: int, parent_id: int | None, from_gateway: bool,
                  state_values: list[str] | None, path: str) -> None:
@@ -369,10 +476,8 @@ class ExchangeSpan:
         # Envoy's tracing on: its gRPC client put the request's span in the stream's metadata (the request's own
         # header, if any, is the client's, and Envoy already continued it). Off: the client's header, if any.
         self.from_gateway = from_gateway
-        self._state = TraceState.from_header(state_values) if state_values else TraceState()
-        self.context = SpanContext(trace_id, self.span_id, is_remote=False, trace_flags=_SAMPLED,
-                                   trace_state=self._state)
-        self.ctx = trace.set_span_in_context(NonRecordingSpan(self.context))  # for logs (TraceIds) and others
+        # kept as its header (the exporter's thread parses it): no OpenTelemetry object on the request's path
+        self._state = ",".join(state_values)[:512] if state_values else ""
         self.start = time_ns()
         # few attributes: each costs a sampled request a few microseconds to encode (the span's name is the
         # RPC's `service/method`; the chosen endpoint and the model come at commit, TraceHook)
@@ -381,19 +486,17 @@ class ExchangeSpan:
             "epp.trace.parent": "gateway" if from_gateway else "client" if parent_id is not None else "none"}
         self.children: list[_Child] = []
         self.current = self.span_id  # the parent of the next stage recorded (the decision nests the lookup)
-        self.status: Status | None = None
+        self.error: str | None = None
         self._ended = False
 
-    def attach(self) -> tuple[object, object]:
+    def attach(self) -> object:
         """Make this request current (logs carry its ids, the stages record under it) until `detach`."""
-        return otel_context.attach(self.ctx), _CURRENT.set(self)
+        return _CURRENT.set(self)
 
     @staticmethod
     def detach(token: object) -> None:
         if token is not None:
-            otel_token, own = token  # type: ignore[misc]
-            _CURRENT.reset(own)
-            otel_context.detach(otel_token)
+            _CURRENT.reset(token)  # type: ignore[arg-type]
 
     def worker_headers(self) -> list[tuple[str, str]]:
         """The `traceparent` the chosen worker must get: none when the gateway traces (its router injects its
@@ -402,38 +505,28 @@ class ExchangeSpan:
             return []
         out = [(TRACEPARENT, f"00-{self.trace_id:032x}-{self.span_id:016x}-01")]
         if self._state:
-            out.append((TRACESTATE, self._state.to_header()))
+            out.append((TRACESTATE, self._state))
         return out
 
-    def child(self, name: str, kind: SpanKind, start: int, attrs: dict[str, Any], status: Status | None = None,
+    def child(self, name: str, kind: SpanKind, start: int, attrs: dict[str, Any], error: str | None = None,
               span_id: int = 0, parent_id: int = 0) -> None:
-        self.children.append((name, kind, span_id or (random.getrandbits(64) or 1), parent_id or self.current,
-                              start, time_ns(), attrs, status))
+        """A stage's span, ending now; `error` (its description, may be empty) makes its status ERROR."""
+        self.children.append((name, kind.value, span_id or (random.getrandbits(64) or 1),
+                              parent_id or self.current, start, time_ns(), attrs, error))
 
     def failed(self, err: PickError) -> None:
         """The picker answered the request itself (a 4xx/5xx of its own): the span says why."""
         self.attrs["error.type"] = err.problem.value
-        self.status = Status(StatusCode.ERROR, _clip(str(err), 200))
+        self.error = _clip(str(err), 200)
 
     def end(self) -> None:
-        """The stream is over: its spans go to the processor (the batch exporter's queue), once."""
+        """The stream is over: its spans go to the exporter's queue as one record, once."""
         if self._ended:
             return
         self._ended = True
-        t = self.tracing
-        resource, on_end, state = t.resource, t.processor.on_end, self._state
-        parent = SpanContext(self.trace_id, self.parent_id, is_remote=True, trace_flags=_SAMPLED,
-                             trace_state=state) if self.parent_id is not None else None
-        on_end(ReadableSpan(EXCHANGE_SPAN, self.context, parent, resource, self.attrs, kind=SpanKind.SERVER,
-                            status=self.status or _UNSET, start_time=self.start, end_time=time_ns(),
-                            instrumentation_scope=_SCOPE))
-        contexts = {self.span_id: self.context}  # one SpanContext per span, shared as its children's parent
-        for child in self.children:
-            contexts[child[2]] = SpanContext(self.trace_id, child[2], is_remote=False, trace_flags=_SAMPLED,
-                                             trace_state=state)
-        for name, kind, span_id, parent_id, t0, t1, attrs, status in self.children:
-            on_end(ReadableSpan(name, contexts[span_id], contexts.get(parent_id), resource, attrs, kind=kind,
-                                status=status or _UNSET, start_time=t0, end_time=t1, instrumentation_scope=_SCOPE))
+        self.tracing.queue.put((self.trace_id, self._state, self.span_id,
+                                self.parent_id or 0, self.start, time_ns(), self.attrs, self.error,
+                                tuple(self.children)))
 
 
 # ------------------------------------------------------------------------------------------ the stages
@@ -465,24 +558,24 @@ class TracedRenderer:
         attrs = dict(self._attrs)
         attrs["url.full"] = self._base + (CHAT_PATH if kind == "chat" else COMPLETIONS_PATH)
         t0 = time_ns()
-        status: Status | None = None
+        error: str | None = None
         try:
             out = await self.inner.render(kind, body, count=count)
         except RenderError as e:
             attrs["error.type"] = e.failure.value
             if e.status is not None:
                 attrs["http.response.status_code"] = e.status
-            status = Status(StatusCode.ERROR, _clip(e.detail, 200))
+            error = _clip(e.detail, 200)
             raise
         except BaseException as e:
             attrs["error.type"] = type(e).__name__
-            status = Status(StatusCode.ERROR)
+            error = ""
             raise
         else:
             attrs["http.response.status_code"] = 200
             return out
         finally:
-            rec.child("POST", SpanKind.CLIENT, t0, attrs, status)
+            rec.child("POST", SpanKind.CLIENT, t0, attrs, error)
 
 
 class TracedKv:
@@ -544,22 +637,22 @@ class TracedScheduler:
         t0, outer = time_ns(), rec.current
         span_id = rec.current = random.getrandbits(64) or 1
         attrs = dict(self._static)
-        status: Status | None = None
+        error: str | None = None
         try:
             result = self.inner.schedule(req, addresses)
             attrs.update(decision_attributes(req, addresses, result, self.kv))
             return result
         except PickError as e:
             attrs["error.type"] = e.problem.value
-            status = Status(StatusCode.ERROR, _clip(str(e), 200))
+            error = _clip(str(e), 200)
             raise
         except Exception as e:
             attrs["error.type"] = type(e).__name__
-            status = Status(StatusCode.ERROR)
+            error = ""
             raise
         finally:
             rec.current = outer
-            rec.child(SCHEDULE_SPAN, SpanKind.INTERNAL, t0, attrs, status, span_id=span_id, parent_id=outer)
+            rec.child(SCHEDULE_SPAN, SpanKind.INTERNAL, t0, attrs, error, span_id=span_id, parent_id=outer)
 
 
 def decision_attributes(req: SchedulingRequest, addresses: Sequence[str], result: SchedulingResult,
@@ -612,7 +705,7 @@ def traced_admission(inner: Callable[[RequestContext], Awaitable[Ticket]]
         except PickError as e:
             rec.child(FLOW_WAIT_SPAN, SpanKind.INTERNAL, t0,
                       {"error.type": e.problem.value, "epp.flow_control.waited_s": time.perf_counter() - started},
-                      Status(StatusCode.ERROR, _clip(str(e), 200)))
+                      _clip(str(e), 200))
             raise
         rec.child(FLOW_WAIT_SPAN, SpanKind.INTERNAL, t0, {"epp.flow_control.waited_s": ticket.waited_s})
         return ticket

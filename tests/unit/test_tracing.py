@@ -15,7 +15,8 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, TraceIdRatioBased
 from opentelemetry.trace import NonRecordingSpan, SpanKind, StatusCode
@@ -37,7 +38,7 @@ from epp_extproc.envoy.extproc import ExtProcServicer
 from epp_extproc.metrics import PickerMetrics
 from epp_extproc.tracing import spans
 from epp_extproc.tracing.logs import TraceIds
-from epp_extproc.tracing.spans import CountingExporter, Tracing
+from epp_extproc.tracing.spans import CountingExporter, SpanQueue, Tracing
 from tests.scheduling_fakes import build_decider
 from tests.unit.test_propose_commit import ADDRS, FakeKv, FakeRenderer
 
@@ -64,7 +65,8 @@ class Context:
 
 def memory_tracing(sampler: Any = None) -> tuple[Tracing, InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
-    return Tracing(SimpleSpanProcessor(exporter), sampler or ParentBased(ALWAYS_ON)), exporter
+    queue = SpanQueue(exporter, Resource.create({"service.name": "test"}), immediate=True)
+    return Tracing(queue, sampler or ParentBased(ALWAYS_ON)), exporter
 
 
 def servicer(tr: Tracing | None, admission: Any = None) -> ExtProcServicer:
@@ -72,7 +74,7 @@ def servicer(tr: Tracing | None, admission: Any = None) -> ExtProcServicer:
     reg.replace([Endpoint(f"w{i}", a) for i, a in enumerate(ADDRS)])
     metrics = PickerMetrics()
     renderer = FakeRenderer()
-    renderer.base_url = "http://10.1.2.3:8001"  # type: ignore[attr-defined]
+    renderer.base_url = "http://10.1.2.3:8001"
     config = Config(tokenizer_protocol="trtllm-render", tokenizer_service_url="http://10.1.2.3:8001")
     d = build_decider(config, reg, LoadTracker(metrics.endpoint_inflight), metrics, renderer=renderer, kv=FakeKv(),
                       admission=admission, tracing=tr)
@@ -245,8 +247,8 @@ async def test_at_a_10_percent_root_ratio_the_picker_samples_one_in_ten_and_pass
     exchanges = [s for s in exporter.get_finished_spans() if s.name == spans.EXCHANGE_SPAN]
     assert {format(s.context.trace_id, "032x") for s in exchanges} == {h.split("-")[1] for h in sampled}
     assert len({h.split("-")[1] for h in sent}) == 400  # every request its own trace, sampled or not
-    # the unsampled ones made none; a sampled one, its spans and the context its logs read
-    assert span_count[0] == len(exporter.get_finished_spans()) + len(exchanges)
+    # the unsampled ones made none, a sampled one only its spans (on the exporter's side)
+    assert span_count[0] == len(exporter.get_finished_spans())
 
 
 async def test_a_sampler_of_another_kind_is_asked_and_tracestate_goes_on_with_the_context() -> None:
@@ -325,7 +327,7 @@ def test_the_standard_variables_choose_exporter_sampler_and_service() -> None:
     try:
         assert t.resource.attributes["service.name"] == "epp-extproc"
         assert "parentbased" in t.sampler.get_description().lower()
-        assert isinstance(t.processor.span_exporter.inner, Grpc)  # type: ignore[attr-defined]
+        assert isinstance(t.queue.exporter.inner, Grpc)
     finally:
         t.shutdown()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318",  # http/protobuf: the specification's default
@@ -336,7 +338,7 @@ def test_the_standard_variables_choose_exporter_sampler_and_service() -> None:
         attrs = t.resource.attributes
         assert attrs["service.name"] == "picker-a" and attrs["deployment.environment"] == "test"
         assert "0.1" in t.sampler.get_description()
-        exp = t.processor.span_exporter.inner  # type: ignore[attr-defined]
+        exp = t.queue.exporter.inner
         assert isinstance(exp, Http) and exp._endpoint == "http://127.0.0.1:4318/v1/traces"
     finally:
         t.shutdown()
@@ -432,3 +434,17 @@ async def test_spans_reach_an_otlp_http_collector_the_default_protocol() -> None
     finally:
         server.shutdown()
     assert len(got) == 4 and set(got) == {("/v1/traces", TRACE_ID)}
+
+
+def test_the_export_queue_batches_on_its_thread_bounds_what_waits_and_flushes_at_shutdown() -> None:
+    exporter = InMemorySpanExporter()
+    queue = SpanQueue(exporter, Resource.create({}), max_queue=3, delay_s=60, batch=100)
+    record = (int(TRACE_ID, 16), "", 7, 0, 1, 2, {"a": 1}, None, (("child", SpanKind.CLIENT.value, 8, 7, 1, 2, {}, "bad"),))
+    for _ in range(5):
+        queue.put(record)  # type: ignore[arg-type]
+    assert queue.dropped == 2 and exporter.get_finished_spans() == ()  # nothing exported on the caller's thread
+    queue.shutdown()
+    spans_ = exporter.get_finished_spans()
+    assert len(spans_) == 6
+    child = next(s for s in spans_ if s.name == "child")
+    assert child.parent.span_id == 7 and child.status.status_code is StatusCode.ERROR and child.kind is SpanKind.CLIENT
