@@ -83,7 +83,7 @@ def start_config(st: H.Stack, cfg: str, workers: list[procs.Proc], renderer: pro
     p = procs.picker(st.dir, endpoints=H.endpoints_spec(workers), protocol="trtllm-render", renderer_url=renderer.url,
                      name=f"picker-{cfg}",
                      args=["--log-level", "WARNING", "--max-inflight-requests", str(H.PICKER_MAX_INFLIGHT)])
-    if cfg != "off":
+    if not cfg.startswith("off"):  # `off2`: a second baseline, the measurement's own spread
         p.env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{http_port}", "OTEL_SERVICE_NAME": f"epp-{cfg}"}
         if cfg == "picker10grpc":
             p.env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
