@@ -265,13 +265,14 @@ class SpanQueue:
     counted. `immediate` (tests) exports in `put`, on the caller's thread."""
 
     def __init__(self, exporter: SpanExporter, resource: Resource, *, max_queue: int = 2048, delay_s: float = 5.0,
-                 batch: int = 512, immediate: bool = False) -> None:
+                 batch: int = 512, immediate: bool = False, dropped: Counter | None = None) -> None:
         self.exporter = exporter
         self.resource = resource
         self.max_queue = max_queue
         self.delay_s = delay_s
         self.batch = batch
         self.dropped = 0
+        self._dropped = dropped  # the Prometheus counter of the same
         self._q: deque[Record] = deque()
         self._wake = threading.Event()
         self._idle = threading.Event()
@@ -289,6 +290,8 @@ class SpanQueue:
             return
         if len(self._q) >= self.max_queue:
             self.dropped += 1
+            if self._dropped is not None:
+                self._dropped.inc()
             return
         self._q.append(record)
         if len(self._q) >= self.batch:
@@ -381,11 +384,14 @@ class Tracing:
         errors = Counter("epp_trace_export_errors", "Span batches the OTLP collector did not take (unreachable, "
                          "refused, timed out): the spans are dropped, requests are not affected",
                          registry=registry) if registry is not None else None
+        dropped = Counter("epp_trace_requests_dropped", "Sampled requests whose spans were dropped: the export "
+                          "queue (OTEL_BSP_MAX_QUEUE_SIZE requests) was full, the collector too slow or away",
+                          registry=registry) if registry is not None else None
         # the batch processor's standard variables, in requests (a record holds one request's spans)
         queue = SpanQueue(CountingExporter(_exporter(environ), errors), _resource(environ),
                           max_queue=_int_env(environ, "OTEL_BSP_MAX_QUEUE_SIZE", 2048),
                           delay_s=_int_env(environ, "OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000,
-                          batch=_int_env(environ, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512))
+                          batch=_int_env(environ, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512), dropped=dropped)
         return cls(queue, _sampler(environ), errors)
 
     def shutdown(self) -> None:

@@ -438,11 +438,16 @@ async def test_spans_reach_an_otlp_http_collector_the_default_protocol() -> None
 
 def test_the_export_queue_batches_on_its_thread_bounds_what_waits_and_flushes_at_shutdown() -> None:
     exporter = InMemorySpanExporter()
-    queue = SpanQueue(exporter, Resource.create({}), max_queue=3, delay_s=60, batch=100)
+    registry = CollectorRegistry()
+    from prometheus_client import Counter
+
+    dropped = Counter("dropped", "test", registry=registry)
+    queue = SpanQueue(exporter, Resource.create({}), max_queue=3, delay_s=60, batch=100, dropped=dropped)
     record = (int(TRACE_ID, 16), "", 7, 0, 1, 2, {"a": 1}, None, (("child", SpanKind.CLIENT.value, 8, 7, 1, 2, {}, "bad"),))
     for _ in range(5):
         queue.put(record)  # type: ignore[arg-type]
     assert queue.dropped == 2 and exporter.get_finished_spans() == ()  # nothing exported on the caller's thread
+    assert registry.get_sample_value("dropped_total") == 2
     queue.shutdown()
     spans_ = exporter.get_finished_spans()
     assert len(spans_) == 6
