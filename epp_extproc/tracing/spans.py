@@ -121,9 +121,7 @@ def _resource(environ: Mapping[str, str]) -> Resource:
 
 def _exporter(environ: Mapping[str, str]) -> SpanExporter:
     """The OTLP exporter `OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL` names: `http/protobuf` (the specification's
-    default) or `grpc`. The HTTP one is also the cheaper here: measured by bench/bench_tracing.py, the gRPC
-    exporter (grpcio's sync client, in a process whose health server is grpc.aio) costs the picker about
-    twice the CPU per exported span."""
+    default) or `grpc`. Both cost the picker about the same (bench/bench_tracing.py `picker10grpc`)."""
     protocol = (environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
                 or "http/protobuf").strip().lower()
     specific = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
