@@ -161,6 +161,27 @@ def test_without_envoys_tracer_the_picker_passes_the_trace_on_to_the_worker(
     assert not [s for s in got if s["service"] == "epp-gateway"]
 
 
+def test_grpcios_transport_reads_envoys_context_too(receiver: tuple[Receiver, int, grpc.Server]) -> None:
+    """--extproc-transport grpcio: the stream's metadata comes from grpc.aio's servicer context."""
+    rec, port, _ = receiver
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+        mp.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        mp.setenv("OTEL_SERVICE_NAME", "epp-extproc-grpcio")
+        s = GatewayStack(workers=1, picker={"extproc_transport": "grpcio"},
+                         envoy_opts={"tracing_otlp": f"127.0.0.1:{port}"}).start()
+    try:
+        r = chat(s.url, "through grpcio " * 8)
+        assert r.status == 200
+        trace_id = worker_traceparent(s, r).split("-")[1]
+        got = rec.wait(trace_id, {("epp-extproc-grpcio", spans.EXCHANGE_SPAN), ("epp-gateway", "ingress")})
+    finally:
+        s.stop()  # after the wait: Envoy ships its spans every 5 s
+    exchange = next(x for x in got if x["name"] == spans.EXCHANGE_SPAN)
+    assert exchange["attrs"]["epp.trace.parent"] == "gateway"
+
+
 def test_a_broken_collector_costs_only_a_counted_export_error(
         stack: GatewayStack, receiver: tuple[Receiver, int, grpc.Server]) -> None:
     receiver[2].stop(0).wait()  # the collector is gone (last test of the module)
