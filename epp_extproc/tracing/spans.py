@@ -374,8 +374,10 @@ class Tracing:
         self.sampler = sampler if sampler is not None else otel_sampling.ParentBased(otel_sampling.ALWAYS_ON)
         self.resource = queue.resource
         self.export_errors = errors
-        self._follows, self._root_ratio = _sampling_shape(self.sampler)
-        self._bound = round((self._root_ratio or 0.0) * (1 << 64))  # TraceIdRatioBased's rule, low 64 bits
+        self._follows, ratio = _sampling_shape(self.sampler)
+        # a root's decision without the sampler: its ratio as a bound on the trace id's low 64 bits (1.0: all)
+        self._fast_root = self._follows and ratio is not None
+        self._bound = round((ratio or 0.0) * (1 << 64))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], registry: CollectorRegistry | None = None) -> Tracing:
@@ -409,7 +411,17 @@ class Tracing:
                 gateway = v
                 break
         from_gateway = gateway is not None
-        given = gateway if from_gateway else (headers.get(TRACEPARENT) or [None])[0]
+        if from_gateway:
+            given: str | None = gateway
+        else:
+            values = headers.get(TRACEPARENT)
+            given = values[0] if values else None
+        if given is None and self._fast_root:  # the usual case of a picker that starts its traces
+            trace_id = random.getrandbits(128) or 1
+            if (trace_id & _LOW64) < self._bound:  # TraceIdRatioBased's rule
+                return ExchangeSpan(self, trace_id, None, False, headers.get(TRACESTATE), path)
+            # flags 02: not sampled, and a random trace id (Trace Context level 2, as the SDK marks its own)
+            return Passed([(TRACEPARENT, f"00-{trace_id:032x}-{random.getrandbits(64) or 1:016x}-02")])
         state_values = [v for k, v in metadata if k == TRACESTATE] if from_gateway else headers.get(TRACESTATE)
         parent: tuple[int, int, int] | None = None
         if given is not None:
@@ -422,21 +434,15 @@ class Tracing:
                 return None  # an unsampled parent, followed: its own header goes on to the worker
             return ExchangeSpan(self, parent[0], parent[1], from_gateway, state_values, path)
         trace_id = parent[0] if parent is not None else (random.getrandbits(128) or 1)
-        if parent is None and self._follows and self._root_ratio is not None:
-            sampled = self._root_ratio >= 1.0 or (trace_id & _LOW64) < self._bound
-        else:  # a sampler the picker does not know: ask it
-            ctx = None
-            if parent is not None:
-                ctx = trace.set_span_in_context(NonRecordingSpan(SpanContext(
-                    parent[0], parent[1], is_remote=True, trace_flags=TraceFlags(parent[2]))))
-            sampled = self.sampler.should_sample(ctx, trace_id, EXCHANGE_SPAN, SpanKind.SERVER).decision \
-                .is_sampled()
-        if sampled:
+        ctx = None
+        if parent is not None:
+            ctx = trace.set_span_in_context(NonRecordingSpan(SpanContext(
+                parent[0], parent[1], is_remote=True, trace_flags=TraceFlags(parent[2]))))
+        if self.sampler.should_sample(ctx, trace_id, EXCHANGE_SPAN, SpanKind.SERVER).decision.is_sampled():
             return ExchangeSpan(self, trace_id, parent[1] if parent is not None else None, from_gateway,
                                 state_values, path)
         if parent is not None:
             return None
-        # flags 02: not sampled, and a random trace id (Trace Context level 2, as the SDK marks its own)
         return Passed([(TRACEPARENT, f"00-{trace_id:032x}-{random.getrandbits(64) or 1:016x}-02")])
 
     # ------------------------------------------------------------------------------ the stages
@@ -553,10 +559,14 @@ class TracedRenderer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def render(self, kind: str, body: bytes, *, count: bool = True) -> Rendered:
+    def render(self, kind: str, body: bytes, *, count: bool = True) -> Awaitable[Rendered]:
+        """The inner call itself when the request is not recorded: no coroutine of this wrapper in between."""
         rec = _CURRENT.get()
         if rec is None or not count:
-            return await self.inner.render(kind, body, count=count)
+            return self.inner.render(kind, body, count=count)
+        return self._traced(rec, kind, body)
+
+    async def _traced(self, rec: ExchangeSpan, kind: str, body: bytes) -> Rendered:
         from epp_extproc.adapters.render_client import CHAT_PATH, COMPLETIONS_PATH
 
         attrs = dict(self._attrs)
@@ -564,7 +574,7 @@ class TracedRenderer:
         t0 = time_ns()
         error: str | None = None
         try:
-            out = await self.inner.render(kind, body, count=count)
+            out = await self.inner.render(kind, body, count=True)
         except RenderError as e:
             attrs["error.type"] = e.failure.value
             if e.status is not None:
@@ -587,6 +597,9 @@ class TracedKv:
 
     def __init__(self, inner: KvLookup) -> None:
         self.inner = inner
+        # the rest of the lookup's interface, bound once: no delegation on the request's path
+        self.prompt, self.base_model_for, self.block_size = inner.prompt, inner.base_model_for, inner.block_size
+        self.credit, self.held, self.predict = inner.credit, inner.held, inner.predict
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -624,15 +637,13 @@ class TracedScheduler:
     def __init__(self, inner: Any, kv: KvLookup | None) -> None:
         self.inner = inner
         self.kv = kv
+        self.candidates = inner.candidates  # not traced: the handler's own method, no call in between
         name, _, plugins = _plugin_names(inner)
         # one joined string, not an array (`profile/plugin`, so the profiles are named too)
         self._static: dict[str, Any] = {"epp.scheduling.handler": name, "epp.scheduling.plugins": ",".join(plugins)}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
-
-    def candidates(self, req: SchedulingRequest) -> Sequence[str]:
-        return self.inner.candidates(req)
 
     def schedule(self, req: SchedulingRequest, addresses: Sequence[str]) -> SchedulingResult:
         rec = _CURRENT.get()
@@ -699,10 +710,13 @@ def traced_admission(inner: Callable[[RequestContext], Awaitable[Ticket]]
                      ) -> Callable[[RequestContext], Awaitable[Ticket]]:
     """Flow control's wait for a ticket as a span (`epp.flow_control.waited_s`; an error when it drops)."""
 
-    async def admit(ctx: RequestContext) -> Ticket:
+    def admit(ctx: RequestContext) -> Awaitable[Ticket]:
         rec = _CURRENT.get()
         if rec is None:
-            return await inner(ctx)
+            return inner(ctx)  # no coroutine of this wrapper in between
+        return traced(rec, ctx)
+
+    async def traced(rec: ExchangeSpan, ctx: RequestContext) -> Ticket:
         t0, started = time_ns(), time.perf_counter()
         try:
             ticket = await inner(ctx)
