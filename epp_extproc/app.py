@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import time
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,7 @@ from epp_extproc.envoy.tls import CertSource, ServerCert
 from epp_extproc.ingest.launcher import IngestGroup
 from epp_extproc.ingest.setup import KvBackend, build_kv
 from epp_extproc.metrics import PickerMetrics, PromFlowMetrics
+from epp_extproc.tracing import from_env as tracing_from_env
 from h2grpc import H2GrpcServer
 from kvindex.aio import cancel_and_wait
 
@@ -103,6 +105,8 @@ class PickerApp:
             self.sessions = SessionTokens(read_keys_file(config.session_affinity_keys_file),
                                           config.session_affinity_ttl_s)
             self.session_keys = SessionKeysFile(self.sessions, config.session_affinity_keys_file)
+        # OTEL_* variables: None (and no OpenTelemetry SDK imported) unless an OTLP endpoint is configured
+        self.tracing = tracing_from_env(os.environ, self.metrics.registry)
         detector, objectives = self.detector, self.objectives
         if spec is None and config.config_file:
             spec = load_config_file(config.config_file)  # checked at start-up (cli.with_config_file)
@@ -113,7 +117,7 @@ class PickerApp:
             sessions=self.sessions, saturated=lambda address: detector.state(address).saturated,
             sheddable=lambda ctx: objectives.flow_key(ctx.headers).priority < 0,
             churn=self.kv.churn_window() if self.kv is not None else None,
-            usage=self._kv_usage)
+            usage=self._kv_usage, tracing=self.tracing)
         self.director = self.decision.director
         self._report_scheduling()
         self.picker = Picker(
@@ -147,7 +151,8 @@ class PickerApp:
         self.draining = False
         self.health = Health()
         self.servicer = ExtProcServicer(self.picker, allowed_modes=config.body_modes(),
-                                        body_timeout_s=config.request_body_timeout_ms / 1000)
+                                        body_timeout_s=config.request_body_timeout_ms / 1000,
+                                        tracing=self.tracing)
         self.access_log = AccessLogServicer(self.picker)
         self._grpc: grpc.aio.Server | H2GrpcServer | None = None
         self._health_server: grpc.aio.Server | None = None
@@ -516,3 +521,5 @@ class PickerApp:
             shutil.rmtree(self.ingest_dir, ignore_errors=True)
         if self.renderer is not None:
             await self.renderer.close()
+        if self.tracing is not None:  # the last spans go out (bounded by the exporter's timeout), off the loop
+            await asyncio.to_thread(self.tracing.shutdown)

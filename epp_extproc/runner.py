@@ -69,6 +69,9 @@ def setup_logging(level: str, fmt: str) -> None:
         handler.setFormatter(JsonFormatter("%(asctime)s %(levelname)s %(name)s %(message)s",
                                            rename_fields={"asctime": "time", "levelname": "level",
                                                           "name": "logger"}))
+        from epp_extproc.tracing.logs import TraceIds
+
+        handler.addFilter(TraceIds())  # trace_id / span_id while a request's span is current
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()

@@ -35,7 +35,7 @@ import numpy as np
 import xxhash
 
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
-from kvindex.hashing import block_chunks, block_hashes, pack_tokens, root_seed
+from kvindex.hashing import block_chunks, block_hashes, chain_hashes_with_keys, pack_tokens, root_seed
 from kvindex.metrics import register_index
 from kvindex.tiers import TIER_BIT, TIER_GPU, TIER_SHARED
 

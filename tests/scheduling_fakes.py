@@ -39,10 +39,11 @@ def build_decider(config: Config, registry: EndpointRegistry, load: LoadTracker,
                   churn: Any = None, usage: Callable[[str], float | None] | None = None,
                   saturated: Callable[[str], bool] | None = None,
                   sheddable: Callable[[RequestContext], bool] | None = None, admission: Any = None,
-                  fingerprint_of: Any = None, spec: Any = None) -> Decider:
+                  fingerprint_of: Any = None, spec: Any = None, tracing: Any = None) -> Decider:
     return Decider(assemble(config, registry, load, metrics, spec=spec, renderer=renderer, kv=kv,
                             sessions=sessions, rewriter=rewriter, churn=churn, usage=usage, saturated=saturated,
-                            sheddable=sheddable, admission=admission, fingerprint_of=fingerprint_of),
+                            sheddable=sheddable, admission=admission, fingerprint_of=fingerprint_of,
+                            tracing=tracing),
                    config, metrics)
 
 

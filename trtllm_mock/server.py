@@ -165,6 +165,7 @@ class MockWorker:
         self.render_count = 0
         self.inference_count = 0
         self.last_inference_body = b""  # exact bytes of the latest inference request (GET /mock/last-request)
+        self.last_traceparent = ""  # its W3C trace context, as an engine's tracing would read it
         self.app = self._build_app()
         self._runner: web.AppRunner | None = None
         self.port: int = config.port
@@ -464,6 +465,7 @@ class MockWorker:
         self.inference_counter.labels(route=route).inc()
         self.inference_count += 1
         self.last_inference_body = await request.read()
+        self.last_traceparent = request.headers.get("traceparent", "")
         return await self._json_object(request, schema)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -729,8 +731,10 @@ class MockWorker:
         return await fetch_route(self.disagg, request)
 
     async def mock_last_request(self, request: web.Request) -> web.Response:
-        """GET /mock/last-request: the exact body bytes of the latest inference request this worker got."""
-        return web.Response(body=self.last_inference_body, content_type="application/octet-stream")
+        """GET /mock/last-request: the exact body bytes of the latest inference request this worker got (its
+        `traceparent` header, if any, in `x-trtllm-mock-traceparent`)."""
+        return web.Response(body=self.last_inference_body, content_type="application/octet-stream",
+                            headers={"x-trtllm-mock-traceparent": self.last_traceparent})
 
     async def mock_cache_clear(self, request: web.Request) -> web.Response:
         """POST /mock/cache/clear: evict everything and publish AllBlocksCleared."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from epp_extproc.config import Config
 from epp_extproc.core.contract import KvLookup
@@ -32,6 +33,9 @@ from epp_extproc.core.scheduling.profile import TableSource
 from epp_extproc.core.session import SessionTokens
 from epp_extproc.core.time_cost import TimeCost
 from epp_extproc.metrics import PickerMetrics
+
+if TYPE_CHECKING:
+    from epp_extproc.tracing.spans import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +72,18 @@ def assemble(config: Config, registry: EndpointRegistry, load: LoadTracker, metr
              admission: Admission | None = None, rewriter: ModelRewriter | None = None,
              sessions: SessionTokens | None = None, saturated: Callable[[str], bool] | None = None,
              sheddable: Callable[[RequestContext], bool] | None = None, churn: ChurnView | None = None,
-             usage: Callable[[str], float | None] | None = None) -> Assembled:
+             usage: Callable[[str], float | None] | None = None, tracing: Tracing | None = None) -> Assembled:
     """`spec` None: today's flags (`spec_from_config`). Raises ValueError naming the entry a plugin cannot be
-    built for (the CLI reports it at start-up)."""
+    built for (the CLI reports it at start-up). `tracing` (None: off) wraps the render call, the KV lookup,
+    the scheduler and the flow-control wait in spans and adds its commit hook; the Director does not know."""
     spec = spec if spec is not None else spec_from_config(config)
     engine = engine_for(renderer.protocol if renderer is not None else None)
-    deps = SchedulingDeps(registry, load, metrics, kv=kv, default_block_size=config.kv_cache_block_size,
+    scoring_kv = kv
+    if tracing is not None:
+        renderer = tracing.renderer(renderer) if renderer is not None else None
+        scoring_kv = tracing.kv(kv) if kv is not None else None
+        admission = tracing.admission(admission) if admission is not None else None
+    deps = SchedulingDeps(registry, load, metrics, kv=scoring_kv, default_block_size=config.kv_cache_block_size,
                           churn=churn, usage=usage, saturated=saturated, sheddable=sheddable)
     built = build(spec, deps, sessions=sessions)
     planner = Planner(PlanSettings(config.cache_salt_policy, config.media_credit, config.trust_media_uuids,
@@ -84,8 +94,12 @@ def assemble(config: Config, registry: EndpointRegistry, load: LoadTracker, metr
         hooks.append(KvPredictionHook(kv, engine))
     hooks.extend(built.hooks)
     hooks.append(DecisionMetricsHook(metrics))
+    scheduler = built.handler
+    if tracing is not None:
+        hooks.append(tracing.hook())
+        scheduler = tracing.scheduler(built.handler, kv)
     director = Director(DirectorSettings(config.max_body_bytes, config.kv_cache_block_size), registry, load,
-                        planner=planner, scheduler=built.handler, forwarder=forwarder, rewriter=rewriter,
+                        planner=planner, scheduler=scheduler, forwarder=forwarder, rewriter=rewriter,
                         admission=admission, hooks=hooks, kv=kv, sessions=sessions, sheddable=sheddable)
     threshold = int(spec.handler.parameters.get("threshold", config.pd_min_uncached_tokens))
     debug = DebugView(registry, kv, forwarder, cost_model=built.cost_model, pd_threshold=threshold,

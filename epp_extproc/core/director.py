@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from epp_extproc.core.body import BodyError, ParsedBody, parse_object, replace_string_value
-from epp_extproc.core.contract import BookingHandle, KvLookup
+from epp_extproc.core.contract import BookingHandle, KvLookup, PromptKey
 from epp_extproc.core.decision import Decision, Stopwatch
 from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.errors import PickError, Problem
@@ -61,6 +61,16 @@ class CommitHook(Protocol):
 class DirectorSettings:
     max_body_bytes: int = 32 * 1024 * 1024
     kv_cache_block_size: int = 32  # an unrendered prompt's estimate is booked in blocks of this size
+
+
+def predicted_cached_tokens(result: SchedulingResult, prompt: PromptKey | None, kv: KvLookup | None) -> int | None:
+    """The cached tokens the answer should report: the destination's overlap, or, when a prefill worker
+    computes the prompt, that worker's (the P/D sidecar reports the prefill leg's hits as the answer's
+    cached_tokens, as llm-d's does: epp_extproc/pd_sidecar/usage.py). A trace's decision span says it too."""
+    if prompt is None or kv is None:
+        return None
+    served = result.pd.prefill if result.pd.prefill is not None else result.primary
+    return int(served.table.overlap[served.chosen]) * kv.block_size(served.address)
 
 
 class Director:
@@ -157,7 +167,7 @@ class Director:
         rendered = len(plan.tokens) if plan.tokens is not None else None
         return SchedulingRequest(ctx, plan.prompt, plan.prompt_tokens or rendered or 0, rendered, plan.est_tokens,
                                  bool(ctx.body) and render_kind(ctx.path) is not None, temperature,
-                                 self.sheddable)
+                                 self.sheddable, plan.load_reason)
 
     def _addresses(self, req: SchedulingRequest) -> Sequence[str]:
         """The destinations the request may have; raises PickError (503) when there are none."""
@@ -183,13 +193,7 @@ class Director:
         return max(float(r.table.prompt_blocks[r.chosen] - r.table.overlap[r.chosen]), 1.0)
 
     def _predicted_cached(self, result: SchedulingResult, plan: Plan) -> int | None:
-        """The cached tokens the answer should report: the destination's overlap, or, when a prefill worker
-        computes the prompt, that worker's (the P/D sidecar reports the prefill leg's hits as the answer's
-        cached_tokens, as llm-d's does: epp_extproc/pd_sidecar/usage.py)."""
-        if plan.prompt is None or self.kv is None:
-            return None
-        served = result.pd.prefill if result.pd.prefill is not None else result.primary
-        return int(served.table.overlap[served.chosen]) * self.kv.block_size(served.address)
+        return predicted_cached_tokens(result, plan.prompt, self.kv)
 
     # ---------------------------------------------------------------- flow control, between the two
     async def admit(self, p: Proposal, ctx: RequestContext) -> tuple[Proposal, Ticket | None]:

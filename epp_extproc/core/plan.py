@@ -81,6 +81,22 @@ class Plan:
         return Scored.LOAD_ONLY, "render_failed" if self.kind is not None else "no_renderer"
 
     @property
+    def load_reason(self) -> str | None:
+        """Why the request is routed by load only (None: its prompt is scored against the index). A trace's
+        decision span says it, so an operator sees why a request got no cache credit."""
+        if self.prompt is not None:
+            return None
+        if self.salted_load_only:
+            return "salted_load_only"
+        if self.media_scored is not None and self.media_scored[0] is Scored.LOAD_ONLY:
+            return self.media_scored[1]
+        if self.kind is None:
+            return "not_rendered"  # no renderer, or not an inference request
+        if self.tokens is None:
+            return "render_failed"
+        return "no_kv_index"
+
+    @property
     def route(self) -> str:
         """`kv` when the prompt is known and scored against the index, else `load`."""
         return "kv" if self.tokens is not None else "load"

@@ -79,6 +79,7 @@ from envoy_data_plane.envoy.config.route.v3 import (
     RouteMatch,
     VirtualHost,
 )
+from envoy_data_plane.envoy.config.trace.v3 import OpenTelemetryConfig, TracingHttp
 from envoy_data_plane.envoy.extensions.access_loggers.grpc.v3 import (
     CommonGrpcAccessLogConfig,
     HttpGrpcAccessLogConfig,
@@ -107,6 +108,7 @@ from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
 from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
     HttpConnectionManager,
     HttpConnectionManagerCodecType,
+    HttpConnectionManagerTracing,
     HttpFilter,
 )
 from envoy_data_plane.envoy.extensions.transport_sockets.tls.v3 import (
@@ -119,6 +121,7 @@ from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
     HttpProtocolOptionsExplicitHttpConfig,
 )
 from envoy_data_plane.envoy.type.matcher.v3 import HttpResponseHeaderMatchInput
+from envoy_data_plane.envoy.type.v3 import Percent
 from envoy_data_plane.google.protobuf import Any as AnyPb
 from envoy_data_plane.xds.core.v3 import TypedExtensionConfig as XdsTypedExtensionConfig
 from envoy_data_plane.xds.type.matcher.v3 import (
@@ -175,6 +178,7 @@ function envoy_on_response(handle)
 end
 """
 WORKERS_CLUSTER = "workers"
+OTLP_CLUSTER = "otlp_collector"  # --tracing-otlp: Envoy's OpenTelemetry tracer exports here (OTLP over gRPC)
 
 
 @dataclass
@@ -244,6 +248,12 @@ class EnvoyOptions:
     # that only the picker's copy can reach the decode-side sidecar even when the picker is bypassed
     # (--failure-mode-allow) or answers without naming a prefill worker (the picker strips it too)
     pd: bool = False
+    # Envoy's OpenTelemetry tracer, exporting OTLP/gRPC to this HOST:PORT (None: Envoy does not trace). With it
+    # on, Envoy starts (or continues, from the client's traceparent) each request's trace, hands it to the
+    # picker in the ext_proc stream's metadata and to the worker in the upstream request's headers.
+    tracing_otlp: str | None = None
+    tracing_sample_percent: float = 100.0  # where a trace's sampling is decided: the picker follows it
+    tracing_service_name: str = "epp-gateway"
 
     def processing_options(self) -> ProcessingOptions:
         if self.processing is not None:
@@ -443,6 +453,37 @@ def workers_cluster(opts: EnvoyOptions) -> Cluster:
                                                          endpoints=[LocalityLbEndpoints(lb_endpoints=eps)]))
 
 
+def _host_port(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def tracing(opts: EnvoyOptions) -> HttpConnectionManagerTracing | None:
+    """The connection manager's OpenTelemetry tracer (--tracing-otlp), sampling --tracing-sample-percent of
+    the requests that arrive without a sampled trace."""
+    if not opts.tracing_otlp:
+        return None
+    otel = OpenTelemetryConfig(grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=OTLP_CLUSTER)),
+                               service_name=opts.tracing_service_name)
+    return HttpConnectionManagerTracing(
+        random_sampling=Percent(value=opts.tracing_sample_percent),
+        provider=TracingHttp(name="envoy.tracers.opentelemetry", typed_config=AnyPb.pack(otel)))
+
+
+def otlp_cluster(opts: EnvoyOptions) -> Cluster:
+    assert opts.tracing_otlp
+    host, port = _host_port(opts.tracing_otlp)
+    kind = ClusterDiscoveryType.STATIC if _is_ip(host) else ClusterDiscoveryType.STRICT_DNS
+    protocol = HttpProtocolOptions(explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
+        http2_protocol_options=Http2ProtocolOptions()))
+    return Cluster(name=OTLP_CLUSTER, type=kind, connect_timeout=_secs(5),
+                   load_assignment=_one_endpoint(OTLP_CLUSTER, host, port),
+                   typed_extension_protocol_options={
+                       "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": AnyPb.pack(protocol)})
+
+
 def build(opts: EnvoyOptions) -> Bootstrap:
     if opts.body_mode not in BODY_MODES:
         raise ValueError(f"body mode must be one of {BODY_MODES}, got {opts.body_mode!r}")
@@ -455,7 +496,8 @@ def build(opts: EnvoyOptions) -> Bootstrap:
         stream_idle_timeout=_secs(opts.upstream_timeout_s), request_timeout=_secs(0),
         route_config=RouteConfiguration(virtual_hosts=[VirtualHost(name="all", domains=["*"], routes=[route])]),
         http_filters=http_filters(opts),
-        access_log=[access_log(opts)] if opts.with_picker and opts.response_mode == "lean" else [])
+        access_log=[access_log(opts)] if opts.with_picker and opts.response_mode == "lean" else [],
+        tracing=tracing(opts))
     listener = Listener(
         name="gateway", address=_addr(opts.listen_address, opts.listen_port),
         per_connection_buffer_limit_bytes=opts.buffer_limit_bytes,
@@ -464,6 +506,8 @@ def build(opts: EnvoyOptions) -> Bootstrap:
     clusters = [workers_cluster(opts)]
     if opts.with_picker:
         clusters.append(picker_cluster(opts))
+    if opts.tracing_otlp:
+        clusters.append(otlp_cluster(opts))
     return Bootstrap(admin=Admin(address=_addr(opts.admin_address, opts.admin_port)),
                      static_resources=BootstrapStaticResources(listeners=[listener], clusters=clusters))
 
@@ -557,6 +601,12 @@ _CLI: tuple[tuple[str, str, type | Any, str], ...] = (
      "the picker's --flow-control-queue-ttl-s: how long a BUFFERED body may wait in its queue"),
     ("pd", "--pd", _bool, "disaggregated pool overlay: strip client-sent x-prefiller-host-port at the "
                           "listener, before ext_proc (the picker alone names the prefill worker)"),
+    ("tracing_otlp", "--tracing-otlp", str,
+     "turn Envoy's OpenTelemetry tracer on, exporting OTLP/gRPC to this HOST:PORT (a collector); the picker "
+     "joins Envoy's traces when its own OTEL_EXPORTER_OTLP_ENDPOINT is set"),
+    ("tracing_sample_percent", "--tracing-sample-percent", float,
+     "with --tracing-otlp: the percentage of requests Envoy starts a sampled trace for (the picker follows)"),
+    ("tracing_service_name", "--tracing-service-name", str, "with --tracing-otlp: Envoy's service.name"),
     ("buffer_limit_bytes", "--buffer-limit-bytes", int, "per-connection buffer limit (listener, workers)"),
     ("upstream_timeout_s", "--upstream-timeout-s", float, "route timeout and stream idle timeout"),
 )

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -39,6 +40,9 @@ from epp_extproc.gaie import (
     SUBSET_NAMESPACE,
 )
 
+if TYPE_CHECKING:
+    from epp_extproc.tracing.spans import ExchangeSpan, Passed, Tracing
+
 log = logging.getLogger(__name__)
 
 STREAM_CHUNK = 62_000
@@ -48,6 +52,8 @@ FULL_DUPLEX = _BodyMode.Value("FULL_DUPLEX_STREAMED")
 BUFFERED = _BodyMode.Value("BUFFERED")
 _MODE_NAMES = {v: k for k, v in _BodyMode.items()}
 _PASS_CHUNK = pb.ProcessingResponse(response_body=pb.BodyResponse())  # never mutated: shared
+# looked up once: the enum wrapper's attribute access costs a microsecond per header otherwise
+_OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 
 
 def _headers(msg: pb.HttpHeaders) -> tuple[str, str, dict[str, list[str]]]:
@@ -102,7 +108,10 @@ def _lb_value(req: pb.ProcessingRequest, key: str) -> str | None:
     return ns.fields[key].string_value or None
 
 
-def _header_mutation(routed: Routed | None, remove: list[str], content_length: int | None) -> pb.HeaderMutation:
+def _header_mutation(routed: Routed | None, remove: list[str], content_length: int | None,
+                     extra: Sequence[tuple[str, str]] = ()) -> pb.HeaderMutation:
+    """`extra`: headers set for the worker, replacing the client's (the trace context when Envoy does not
+    trace)."""
     m = pb.HeaderMutation()
     # `prefill` is optional on a Routed (older pickers and test doubles do not carry it): absent = none
     prefill = getattr(routed, "prefill", None) if routed is not None else None
@@ -118,6 +127,9 @@ def _header_mutation(routed: Routed | None, remove: list[str], content_length: i
     if content_length is not None:
         m.set_headers.append(base_pb2.HeaderValueOption(
             header=base_pb2.HeaderValue(key="content-length", raw_value=str(content_length).encode())))
+    for k, v in extra:
+        m.set_headers.append(base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()),
+                                                        append_action=_OVERWRITE))
     return m
 
 
@@ -160,10 +172,12 @@ def _streamed_chunks(body: bytes, end_of_stream: bool) -> list[pb.ProcessingResp
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, picker: Picker, *, allowed_modes: tuple[str, ...], body_timeout_s: float) -> None:
+    def __init__(self, picker: Picker, *, allowed_modes: tuple[str, ...], body_timeout_s: float,
+                 tracing: Tracing | None = None) -> None:
         self.picker = picker
         self.allowed_modes = {_BodyMode.Value(m) for m in allowed_modes}
         self.body_timeout_s = body_timeout_s
+        self.tracing = tracing  # None: tracing off, no span is made on any stream
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],  # noqa: N802
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
@@ -179,6 +193,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 yield resp
         finally:
             exchange.close()
+            if stream.trace is not None:
+                stream.trace.end()
 
     async def _refuse(self, err: PickError, requests: AsyncIterator[pb.ProcessingRequest]) \
             -> AsyncIterator[pb.ProcessingResponse]:
@@ -206,6 +222,8 @@ class _Stream:
         self.body_done = False
         self.routed: Routed | None = None
         self.finished = False  # an ImmediateResponse was sent, or an observer is done: stop reading
+        # the request's span (tracing on and its trace sampled), from its headers to the end
+        self.trace: ExchangeSpan | Passed | None = None
         self.deadline = asyncio.get_running_loop().time() + svc.body_timeout_s
 
     async def run(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
@@ -321,6 +339,8 @@ class _Stream:
         method, path, headers = _headers(req.request_headers)
         slo, malformed = parse_slo(headers)  # llm-d's SLO headers become plain numbers here
         self.ctx = RequestContext(method, path, headers, None, _subset_hint(req), slo, malformed)
+        if self.svc.tracing is not None:  # the gateway's context rides in the stream's initial metadata
+            self.trace = self.svc.tracing.exchange(self.context.invocation_metadata() or (), headers, method, path)
         if req.request_headers.end_of_stream:
             self.body_done = True
             async for r in self._decide(None):
@@ -349,40 +369,59 @@ class _Stream:
 
     def _reject(self, err: PickError) -> pb.ProcessingResponse:
         ctx = self.ctx or RequestContext()
-        self.exchange.reject(err, ctx)
+        if self.trace is None:
+            self.exchange.reject(err, ctx)
+        else:
+            self.trace.failed(err)
+            token = self.trace.attach()  # the rejection's log line carries the request's trace
+            try:
+                self.exchange.reject(err, ctx)
+            finally:
+                self.trace.detach(token)
         self.finished = True
         return immediate(err, ctx.path)
 
     async def _decide(self, body: bytes | None, trailers: bool = False) -> AsyncIterator[pb.ProcessingResponse]:
         assert self.ctx is not None
         self.ctx.body = body
+        # the request's span is current while it is decided (never across a yield): the stages' spans are its
+        # children and the log lines carry its ids
+        token = self.trace.attach() if self.trace is not None else None
+        refusal: PickError | None = None
         try:
             routed = await self.exchange.decide(self.ctx)
         except PickError as err:
-            yield self._reject(err)
-            return
+            refusal = err
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("picker failed on %s", self.ctx.method)
-            yield self._reject(PickError(Problem.INTERNAL, "endpoint picker internal error"))
+            refusal = PickError(Problem.INTERNAL, "endpoint picker internal error")
+        finally:
+            if token is not None:
+                self.trace.detach(token)  # type: ignore[union-attr]
+        if refusal is not None:
+            yield self._reject(refusal)
             return
         self.routed = routed
         self.ctx.body = None  # the exchange forwards `routed.body`; do not hold the original twice
         fwd = routed.body
         spoofed = self.ctx.spoofed_headers()
         metadata = _lb_metadata(routed)
+        extra: list[tuple[str, str]] = []
+        if self.trace is not None:
+            extra = self.trace.worker_headers()
         if body is None:
             yield pb.ProcessingResponse(
                 request_headers=pb.HeadersResponse(response=pb.CommonResponse(
-                    header_mutation=_header_mutation(routed, spoofed, None), clear_route_cache=True)),
+                    header_mutation=_header_mutation(routed, spoofed, None, extra), clear_route_cache=True)),
                 dynamic_metadata=metadata)
         elif self.mode == BUFFERED:
             assert fwd is not None
             changed = fwd is not body
             yield pb.ProcessingResponse(
                 request_body=pb.BodyResponse(response=pb.CommonResponse(
-                    header_mutation=_header_mutation(routed, [], len(fwd)),
+                    header_mutation=_header_mutation(routed, [], len(fwd), extra),
                     body_mutation=pb.BodyMutation(body=fwd) if changed else None,
                     clear_route_cache=True)),
                 dynamic_metadata=metadata)
@@ -390,7 +429,7 @@ class _Stream:
             assert fwd is not None
             yield pb.ProcessingResponse(
                 request_headers=pb.HeadersResponse(response=pb.CommonResponse(
-                    header_mutation=_header_mutation(routed, spoofed, None), clear_route_cache=True)),
+                    header_mutation=_header_mutation(routed, spoofed, None, extra), clear_route_cache=True)),
                 dynamic_metadata=metadata)
             for r in _streamed_chunks(fwd, end_of_stream=not trailers):
                 yield r

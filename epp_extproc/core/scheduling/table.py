@@ -66,6 +66,7 @@ class SchedulingRequest:
     inference: bool = False  # an inference request with a body (P/D: there is a prompt to prefill)
     temperature: float | None = None  # `/debug/score`'s override of every picker's temperature
     sheddable: Callable[[RequestContext], bool] | None = None  # may the request be dropped (priority < 0)?
+    load_reason: str | None = None  # why the prompt is not scored (core/plan.Plan.load_reason); traces say it
 
 
 class LoadRows(Sequence[EndpointLoad]):

@@ -1,0 +1,749 @@
+"""The picker's spans, made with the OpenTelemetry SDK and shipped by its OTLP exporters (imported only when
+tracing is on: see the package's docstring).
+
+One trace per request, joined to the gateway's:
+
+- `ExchangeSpan`: the ext_proc stream (an RPC server span). Its parent is read from the stream's initial
+  metadata, where Envoy's gRPC client injects the request's active span when Envoy's tracing is on (ext_proc.cc
+  `openStream()` hands the filter's active span to the async client as the stream's parent); failing that, from
+  the request's own `traceparent` (a client's trace, Envoy's tracing off). In that second case Envoy's router
+  will not inject anything into the upstream request, so the picker sets `traceparent` on it: the engine's
+  spans join the same trace.
+- the stages under it, each a wrapper around a part the Director already calls, so the Director stays as it
+  is: the render call (`TracedRenderer`, an HTTP client span), the KV lookup (`TracedKv`), the scheduling
+  decision (`TracedScheduler`), the flow-control wait (`traced_admission`), and a commit hook (`TraceHook`)
+  that writes what only a committed decision knows onto the exchange's span.
+
+Cheap when on: the sampling decision is made once per request, before any span object exists; a request
+that is not sampled makes none (a context lookup per stage, about a microsecond in all), and a sampled one
+records its stages as tuples, queued as one record and turned into the SDK's `ReadableSpan`s on the exporter's
+thread (`Tracing` and `SpanQueue` say why). No prompt text and no token ids are ever put in a span.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from time import time_ns
+from typing import Any
+from urllib.parse import urlsplit
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace import sampling as otel_sampling
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    TraceState,
+)
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from prometheus_client import CollectorRegistry, Counter
+
+from epp_extproc.core.contract import BookingHandle, KvLookup, PromptKey
+from epp_extproc.core.decision import Stopwatch
+from epp_extproc.core.director import predicted_cached_tokens
+from epp_extproc.core.errors import PickError
+from epp_extproc.core.flow_queue import Ticket
+from epp_extproc.core.proposal import Proposal
+from epp_extproc.core.render import Rendered, Renderer, RenderError
+from epp_extproc.core.request import RequestContext
+from epp_extproc.core.scheduling.result import PdPath, PdReason, SchedulingResult
+from epp_extproc.core.scheduling.table import SchedulingRequest
+from epp_extproc.tracing.current import CURRENT
+
+log = logging.getLogger(__name__)
+
+TRACEPARENT = "traceparent"
+TRACESTATE = "tracestate"
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+EXCHANGE_SPAN = f"{EXT_PROC_SERVICE}/Process"  # the RPC semantic conventions' span name
+SCHEDULE_SPAN = "epp.schedule"
+KV_LOOKUP_SPAN = "epp.kv.lookup"
+FLOW_WAIT_SPAN = "epp.flow_control.wait"
+DEFAULT_SERVICE = "epp-extproc"
+_W3C = TraceContextTextMapPropagator()
+
+
+# ------------------------------------------------------------------------------------------------ setup
+def _sampler(environ: Mapping[str, str]) -> otel_sampling.Sampler:
+    """`OTEL_TRACES_SAMPLER` / `_ARG` as the specification names them; read from `environ` (not the process's)
+    so that a test can configure one picker without touching the others. Default: parent-based, always on:
+    whoever starts the trace (Envoy, with its sampling percentage, or the client) decides."""
+    name = environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on").strip().lower()
+    arg = environ.get("OTEL_TRACES_SAMPLER_ARG", "").strip()
+    try:
+        ratio = float(arg) if arg else 1.0
+    except ValueError:
+        log.warning("OTEL_TRACES_SAMPLER_ARG=%r is not a number: using 1.0", arg[:40])
+        ratio = 1.0
+    samplers: dict[str, Callable[[], otel_sampling.Sampler]] = {
+        "always_on": lambda: otel_sampling.ALWAYS_ON,
+        "always_off": lambda: otel_sampling.ALWAYS_OFF,
+        "traceidratio": lambda: otel_sampling.TraceIdRatioBased(ratio),
+        "parentbased_always_on": lambda: otel_sampling.ParentBased(otel_sampling.ALWAYS_ON),
+        "parentbased_always_off": lambda: otel_sampling.ParentBased(otel_sampling.ALWAYS_OFF),
+        "parentbased_traceidratio": lambda: otel_sampling.ParentBased(otel_sampling.TraceIdRatioBased(ratio)),
+    }
+    make = samplers.get(name)
+    if make is None:
+        log.warning("OTEL_TRACES_SAMPLER=%r is not supported: using parentbased_always_on", name[:40])
+        make = samplers["parentbased_always_on"]
+    return make()
+
+
+def _pairs(text: str) -> dict[str, str]:
+    """`k1=v1,k2=v2` (OTEL_RESOURCE_ATTRIBUTES, OTEL_EXPORTER_OTLP_HEADERS)."""
+    out: dict[str, str] = {}
+    for item in text.split(","):
+        k, sep, v = item.partition("=")
+        if sep and k.strip():
+            out[k.strip()] = v.strip()
+    return out
+
+
+def _resource(environ: Mapping[str, str]) -> Resource:
+    attrs: dict[str, Any] = dict(_pairs(environ.get("OTEL_RESOURCE_ATTRIBUTES", "")))
+    attrs["service.name"] = environ.get("OTEL_SERVICE_NAME", "").strip() or attrs.get("service.name") \
+        or DEFAULT_SERVICE
+    return Resource.create(attrs)
+
+
+def _exporter(environ: Mapping[str, str]) -> SpanExporter:
+    """The OTLP exporter `OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL` names: `http/protobuf` (the specification's
+    default) or `grpc`. Both cost the picker about the same (bench/bench_tracing.py `picker10grpc`)."""
+    protocol = (environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+                or "http/protobuf").strip().lower()
+    specific = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
+    general = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
+    headers = _pairs(environ.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or environ.get("OTEL_EXPORTER_OTLP_HEADERS")
+                     or "") or None
+    timeout_raw = environ.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT") or environ.get("OTEL_EXPORTER_OTLP_TIMEOUT")
+    timeout_s = float(timeout_raw) / 1000 if timeout_raw else None  # the specification's unit: milliseconds
+    if protocol.startswith("http"):
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+        endpoint = specific or general.rstrip("/") + "/v1/traces"
+        return HttpExporter(endpoint=endpoint, headers=headers, timeout=timeout_s)
+    if protocol != "grpc":
+        raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: use grpc or http/protobuf")
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+    endpoint = specific or general
+    insecure_env = (environ.get("OTEL_EXPORTER_OTLP_TRACES_INSECURE") or environ.get("OTEL_EXPORTER_OTLP_INSECURE")
+                    or "").strip().lower()
+    insecure = insecure_env == "true" or urlsplit(endpoint).scheme == "http"
+    return GrpcExporter(endpoint=endpoint, insecure=insecure, headers=headers, timeout=timeout_s)
+
+
+class CountingExporter(SpanExporter):
+    """Counts what the collector did not take: an unreachable or broken collector costs the picker a counted
+    error (and the exporter's own bounded retries on its own thread), never a request."""
+
+    def __init__(self, inner: SpanExporter, errors: Counter | None) -> None:
+        self.inner = inner
+        self.errors = errors
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        try:
+            result = self.inner.export(spans)
+        except Exception:  # an exporter bug must not kill the processor's thread
+            log.exception("span export failed")
+            result = SpanExportResult.FAILURE
+        if result is not SpanExportResult.SUCCESS and self.errors is not None:
+            self.errors.inc()
+        return result
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+def _int_env(environ: Mapping[str, str], name: str, default: int) -> int:
+    try:
+        return int(environ.get(name, "") or default)
+    except ValueError:
+        return default
+
+
+_LOW64 = (1 << 64) - 1
+_SAMPLED = TraceFlags(0x01)
+_SCOPE = InstrumentationScope("epp_extproc")
+_UNSET = Status(StatusCode.UNSET)
+
+
+def _parse_traceparent(value: str) -> tuple[int, int, int] | None:
+    """(trace id, parent span id, flags) of a version-00 `traceparent`; None for anything else (the SDK's
+    propagator then reads it, and refuses what is invalid). A few string operations, where the propagator
+    runs a regex."""
+    if len(value) != 55 or value[:3] != "00-" or value[35] != "-" or value[52] != "-":
+        return None
+    try:
+        trace_id, span_id, flags = int(value[3:35], 16), int(value[36:52], 16), int(value[53:], 16)
+    except ValueError:
+        return None
+    if not trace_id or not span_id:
+        return None
+    return trace_id, span_id, flags
+
+
+def _sampling_shape(sampler: otel_sampling.Sampler) -> tuple[bool, float | None]:
+    """(follows its parent's decision, the root's sampling ratio): when the sampler is the specification's
+    parent-based one over always_on / always_off / traceidratio, the picker decides without calling it.
+    (False, None) for another sampler: it is then asked for every request."""
+    if not isinstance(sampler, otel_sampling.ParentBased):
+        return False, None
+    follows = (getattr(sampler, "_remote_parent_not_sampled", None) is otel_sampling.ALWAYS_OFF
+               and getattr(sampler, "_remote_parent_sampled", None) is otel_sampling.ALWAYS_ON)
+    root = getattr(sampler, "_root", None)
+    if root is otel_sampling.ALWAYS_ON:
+        return follows, 1.0
+    if root is otel_sampling.ALWAYS_OFF:
+        return follows, 0.0
+    if isinstance(root, otel_sampling.TraceIdRatioBased):
+        return follows, root.rate
+    return follows, None
+
+
+class Passed:
+    """A request this picker does not record (its trace is not sampled): no span object at all; the worker
+    still gets the unsampled context the picker started, so the engine makes the same decision."""
+
+    __slots__ = ("_headers",)
+
+    def __init__(self, headers: list[tuple[str, str]]) -> None:
+        self._headers = headers
+
+    def attach(self) -> None:
+        return None
+
+    @staticmethod
+    def detach(token: object) -> None:
+        return None
+
+    def worker_headers(self) -> list[tuple[str, str]]:
+        return self._headers
+
+    def failed(self, err: PickError) -> None:
+        return None
+
+    def end(self) -> None:
+        return None
+
+
+# The sampled request whose decision is running (set by ExchangeSpan.attach): the stage wrappers record into it.
+_CURRENT = CURRENT
+
+
+# One sampled request, as it waits for the exporter: only ints, strings and dicts of them, so that the cyclic
+# collector untracks it and never walks it. (The SDK's span objects, queued for seconds in the hundreds,
+# were promoted to the oldest generation and made its full collections, which walk the KV index too, run
+# far more often: that, not the spans themselves, was most of a sampled request's cost.)
+#   (trace id, tracestate header, exchange span id, its parent id or 0, start, end, attributes, error or None,
+#    children: (name, SpanKind value, span id, parent id, start, end, attributes, error or None), ...)
+Record = tuple[int, str, int, int, int, int, dict[str, Any], "str | None", tuple[tuple[Any, ...], ...]]
+
+
+class SpanQueue:
+    """The exporter's queue and thread (the SDK's BatchSpanProcessor, for records instead of span objects):
+    `put` is a deque append; every `delay_s`, or as soon as `batch` records wait, the thread turns them into
+    the SDK's `ReadableSpan`s and exports them. Bounded: past `max_queue` records, new ones are dropped and
+    counted. `immediate` (tests) exports in `put`, on the caller's thread."""
+
+    def __init__(self, exporter: SpanExporter, resource: Resource, *, max_queue: int = 2048, delay_s: float = 5.0,
+                 batch: int = 512, immediate: bool = False, dropped: Counter | None = None) -> None:
+        self.exporter = exporter
+        self.resource = resource
+        self.max_queue = max_queue
+        self.delay_s = delay_s
+        self.batch = batch
+        self.dropped = 0
+        self._dropped = dropped  # the Prometheus counter of the same
+        self._q: deque[Record] = deque()
+        self._wake = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._stop = False
+        self._immediate = immediate
+        self._thread: threading.Thread | None = None
+        if not immediate:
+            self._thread = threading.Thread(target=self._run, name="epp-trace-export", daemon=True)
+            self._thread.start()
+
+    def put(self, record: Record) -> None:
+        if self._immediate:
+            self.exporter.export(self._spans([record]))
+            return
+        if len(self._q) >= self.max_queue:
+            self.dropped += 1
+            if self._dropped is not None:
+                self._dropped.inc()
+            return
+        self._q.append(record)
+        if len(self._q) >= self.batch:
+            self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self.delay_s)
+            self._wake.clear()
+            self._drain()
+            if self._stop:
+                return
+
+    def _drain(self) -> None:
+        self._idle.clear()
+        try:
+            while self._q:
+                records = [self._q.popleft() for _ in range(min(self.batch, len(self._q)))]
+                try:
+                    self.exporter.export(self._spans(records))
+                except Exception:  # CountingExporter counts; this thread must live on
+                    log.exception("span export failed")
+        finally:
+            self._idle.set()
+
+    def _spans(self, records: Sequence[Record]) -> list[ReadableSpan]:
+        out: list[ReadableSpan] = []
+        resource = self.resource
+        for trace_id, state_header, span_id, parent_id, t0, t1, attrs, err, children in records:
+            state = TraceState.from_header([state_header]) if state_header else TraceState()
+            contexts = {span_id: SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED,
+                                             trace_state=state)}
+            for child in children:
+                contexts[child[2]] = SpanContext(trace_id, child[2], is_remote=False, trace_flags=_SAMPLED,
+                                                 trace_state=state)
+            parent = SpanContext(trace_id, parent_id, is_remote=True, trace_flags=_SAMPLED, trace_state=state) \
+                if parent_id else None
+            out.append(ReadableSpan(EXCHANGE_SPAN, contexts[span_id], parent, resource, attrs,
+                                    kind=SpanKind.SERVER, status=_status(err), start_time=t0, end_time=t1,
+                                    instrumentation_scope=_SCOPE))
+            for name, kind, cid, pid, c0, c1, cattrs, cerr in children:
+                out.append(ReadableSpan(name, contexts[cid], contexts.get(pid), resource, cattrs, kind=SpanKind(kind),
+                                        status=_status(cerr), start_time=c0, end_time=c1,
+                                        instrumentation_scope=_SCOPE))
+        return out
+
+    def force_flush(self, timeout_s: float = 30.0) -> None:
+        if self._thread is None:
+            return
+        self._wake.set()
+        deadline = time.monotonic() + timeout_s
+        while (self._q or not self._idle.is_set()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Export what is queued (bounded by the exporter's own timeout), then stop the thread and exporter."""
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self.exporter.shutdown()
+
+
+def _status(err: str | None) -> Status:
+    return _UNSET if err is None else Status(StatusCode.ERROR, err or None)
+
+
+class Tracing:
+    """The picker's sampling, its exporter pipeline, and the wrappers that record the stages.
+
+    Why spans are recorded here rather than through the SDK's tracer: a sampled request makes four or five
+    spans, and the SDK's `Span` (a lock, the sampler asked per span, attributes validated twice, a context
+    switch per `start_as_current_span`) made a sampled request cost the picker about three of its own
+    decisions; at 10% sampling that was 10-20% of its CPU, not the 5% this must stay within. A sampled
+    request is decided once (by the configured sampler's rules), its stages are kept as plain tuples, queued
+    as one `Record` (`SpanQueue`), and turned into the SDK's own `ReadableSpan`s on the exporter's thread, for
+    the SDK's OTLP exporters (and their retries)."""
+
+    def __init__(self, queue: SpanQueue, sampler: otel_sampling.Sampler | None = None,
+                 errors: Counter | None = None) -> None:
+        self.queue = queue
+        self.sampler = sampler if sampler is not None else otel_sampling.ParentBased(otel_sampling.ALWAYS_ON)
+        self.resource = queue.resource
+        self.export_errors = errors
+        self._follows, ratio = _sampling_shape(self.sampler)
+        # a root's decision without the sampler: its ratio as a bound on the trace id's low 64 bits (1.0: all)
+        self._fast_root = self._follows and ratio is not None
+        self._bound = round((ratio or 0.0) * (1 << 64))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], registry: CollectorRegistry | None = None) -> Tracing:
+        errors = Counter("epp_trace_export_errors", "Span batches the OTLP collector did not take (unreachable, "
+                         "refused, timed out): the spans are dropped, requests are not affected",
+                         registry=registry) if registry is not None else None
+        dropped = Counter("epp_trace_requests_dropped", "Sampled requests whose spans were dropped: the export "
+                          "queue (OTEL_BSP_MAX_QUEUE_SIZE requests) was full, the collector too slow or away",
+                          registry=registry) if registry is not None else None
+        # the batch processor's standard variables, in requests (a record holds one request's spans)
+        queue = SpanQueue(CountingExporter(_exporter(environ), errors), _resource(environ),
+                          max_queue=_int_env(environ, "OTEL_BSP_MAX_QUEUE_SIZE", 2048),
+                          delay_s=_int_env(environ, "OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000,
+                          batch=_int_env(environ, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512), dropped=dropped)
+        return cls(queue, _sampler(environ), errors)
+
+    def shutdown(self) -> None:
+        """Export what is queued (bounded by the exporter's timeout), then stop the exporter's thread."""
+        self.queue.shutdown()
+
+    # ------------------------------------------------------------------------------ the decision
+    def exchange(self, metadata: Iterable[tuple[str, str]], headers: Mapping[str, list[str]], method: str,
+                 path: str) -> ExchangeSpan | Passed | None:
+        """The request's span when its trace is sampled; otherwise no span at all: None when the context it
+        came with reaches the worker anyway (Envoy's, or the client's header), `Passed` when the picker starts
+        the trace. With the usual samplers this is a string check and a random number: the 90% of requests a
+        10% sampling does not record cost about a microsecond."""
+        gateway = None
+        for k, v in metadata:
+            if k == TRACEPARENT:
+                gateway = v
+                break
+        from_gateway = gateway is not None
+        if from_gateway:
+            given: str | None = gateway
+        else:
+            values = headers.get(TRACEPARENT)
+            given = values[0] if values else None
+        if given is None and self._fast_root:  # the usual case of a picker that starts its traces
+            trace_id = random.getrandbits(128) or 1
+            if (trace_id & _LOW64) < self._bound:  # TraceIdRatioBased's rule
+                return ExchangeSpan(self, trace_id, None, False, headers.get(TRACESTATE), path)
+            # flags 02: not sampled, and a random trace id (Trace Context level 2, as the SDK marks its own)
+            return Passed([(TRACEPARENT, f"00-{trace_id:032x}-{random.getrandbits(64) or 1:016x}-02")])
+        state_values = [v for k, v in metadata if k == TRACESTATE] if from_gateway else headers.get(TRACESTATE)
+        parent: tuple[int, int, int] | None = None
+        if given is not None:
+            parent = _parse_traceparent(given)
+            if parent is None:  # another version, or invalid: the specification's propagator decides
+                sc = trace.get_current_span(_W3C.extract({TRACEPARENT: given})).get_span_context()
+                parent = (sc.trace_id, sc.span_id, int(sc.trace_flags)) if sc.is_valid else None
+        if parent is not None and self._follows:
+            if not parent[2] & 1:
+                return None  # an unsampled parent, followed: its own header goes on to the worker
+            return ExchangeSpan(self, parent[0], parent[1], from_gateway, state_values, path)
+        trace_id = parent[0] if parent is not None else (random.getrandbits(128) or 1)
+        ctx = None
+        if parent is not None:
+            ctx = trace.set_span_in_context(NonRecordingSpan(SpanContext(
+                parent[0], parent[1], is_remote=True, trace_flags=TraceFlags(parent[2]))))
+        if self.sampler.should_sample(ctx, trace_id, EXCHANGE_SPAN, SpanKind.SERVER).decision.is_sampled():
+            return ExchangeSpan(self, trace_id, parent[1] if parent is not None else None, from_gateway,
+                                state_values, path)
+        if parent is not None:
+            return None
+        return Passed([(TRACEPARENT, f"00-{trace_id:032x}-{random.getrandbits(64) or 1:016x}-02")])
+
+    # ------------------------------------------------------------------------------ the stages
+    def renderer(self, inner: Renderer) -> TracedRenderer:
+        return TracedRenderer(inner)
+
+    def kv(self, inner: KvLookup) -> TracedKv:
+        return TracedKv(inner)
+
+    def scheduler(self, inner: Any, kv: KvLookup | None) -> TracedScheduler:
+        return TracedScheduler(inner, kv)
+
+    def admission(self, inner: Callable[[RequestContext], Awaitable[Ticket]]
+                  ) -> Callable[[RequestContext], Awaitable[Ticket]]:
+        return traced_admission(inner)
+
+    def hook(self) -> TraceHook:
+        return TraceHook()
+
+
+def _clip(text: str, limit: int = 256) -> str:
+    return text if len(text) <= limit else text[:limit]
+
+
+# ------------------------------------------------------------------------------------------ the exchange
+_Child = tuple[str, SpanKind, int, int, int, int, dict[str, Any], Status | None]  # name, kind, id, parent, t0, t1
+
+
+class ExchangeSpan:
+    """One sampled ext_proc stream: its server span and the stages recorded under it, exported at `end()`."""
+
+    __slots__ = ("tracing", "trace_id", "span_id", "parent_id", "from_gateway", "start", "attrs", "children",
+                 "current", "error", "_state", "_ended")
+
+    def __init__(self, tracing: Tracing, trace_id: int, parent_id: int | None, from_gateway: bool,
+                 state_values: list[str] | None, path: str) -> None:
+        self.tracing = tracing
+        self.trace_id = trace_id
+        self.span_id = random.getrandbits(64) or 1
+        self.parent_id = parent_id
+        # Envoy's tracing on: its gRPC client put the request's span in the stream's metadata (the request's own
+        # header, if any, is the client's, and Envoy already continued it). Off: the client's header, if any.
+        self.from_gateway = from_gateway
+        # kept as its header (the exporter's thread parses it): no OpenTelemetry object on the request's path
+        self._state = ",".join(state_values)[:512] if state_values else ""
+        self.start = time_ns()
+        # few attributes: each costs a sampled request a few microseconds to encode (the span's name is the
+        # RPC's `service/method`; the chosen endpoint and the model come at commit, TraceHook)
+        self.attrs: dict[str, Any] = {
+            "rpc.system": "grpc", "url.path": _clip(path.split("?", 1)[0]),
+            "epp.trace.parent": "gateway" if from_gateway else "client" if parent_id is not None else "none"}
+        self.children: list[_Child] = []
+        self.current = self.span_id  # the parent of the next stage recorded (the decision nests the lookup)
+        self.error: str | None = None
+        self._ended = False
+
+    def attach(self) -> object:
+        """Make this request current (logs carry its ids, the stages record under it) until `detach`."""
+        return _CURRENT.set(self)
+
+    @staticmethod
+    def detach(token: object) -> None:
+        if token is not None:
+            _CURRENT.reset(token)  # type: ignore[arg-type]
+
+    def worker_headers(self) -> list[tuple[str, str]]:
+        """The `traceparent` the chosen worker must get: none when the gateway traces (its router injects its
+        own), else this span's, so that the engine's spans join the request's trace."""
+        if self.from_gateway:
+            return []
+        out = [(TRACEPARENT, f"00-{self.trace_id:032x}-{self.span_id:016x}-01")]
+        if self._state:
+            out.append((TRACESTATE, self._state))
+        return out
+
+    def child(self, name: str, kind: SpanKind, start: int, attrs: dict[str, Any], error: str | None = None,
+              span_id: int = 0, parent_id: int = 0) -> None:
+        """A stage's span, ending now; `error` (its description, may be empty) makes its status ERROR."""
+        self.children.append((name, kind.value, span_id or (random.getrandbits(64) or 1),
+                              parent_id or self.current, start, time_ns(), attrs, error))
+
+    def failed(self, err: PickError) -> None:
+        """The picker answered the request itself (a 4xx/5xx of its own): the span says why."""
+        self.attrs["error.type"] = err.problem.value
+        self.error = _clip(str(err), 200)
+
+    def end(self) -> None:
+        """The stream is over: its spans go to the exporter's queue as one record, once."""
+        if self._ended:
+            return
+        self._ended = True
+        self.tracing.queue.put((self.trace_id, self._state, self.span_id,
+                                self.parent_id or 0, self.start, time_ns(), self.attrs, self.error,
+                                tuple(self.children)))
+
+
+# ------------------------------------------------------------------------------------------ the stages
+class TracedRenderer:
+    """The render call as an HTTP client span (semantic conventions: `http.request.method`, `url.full`,
+    `server.address`, `server.port`, `http.response.status_code`, `error.type`). A `/debug/score` call
+    (count=False) is not traced: it belongs to no request."""
+
+    def __init__(self, inner: Renderer) -> None:
+        self.inner = inner
+        self.protocol = inner.protocol
+        base = getattr(inner, "base_url", "")
+        u = urlsplit(base)
+        self._base = base
+        self._attrs: dict[str, Any] = {"http.request.method": "POST"}
+        if u.hostname:
+            self._attrs["server.address"] = u.hostname
+            self._attrs["server.port"] = u.port or (443 if u.scheme == "https" else 80)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def render(self, kind: str, body: bytes, *, count: bool = True) -> Awaitable[Rendered]:
+        """The inner call itself when the request is not recorded: no coroutine of this wrapper in between."""
+        rec = _CURRENT.get()
+        if rec is None or not count:
+            return self.inner.render(kind, body, count=count)
+        return self._traced(rec, kind, body)
+
+    async def _traced(self, rec: ExchangeSpan, kind: str, body: bytes) -> Rendered:
+        from epp_extproc.adapters.render_client import CHAT_PATH, COMPLETIONS_PATH
+
+        attrs = dict(self._attrs)
+        attrs["url.full"] = self._base + (CHAT_PATH if kind == "chat" else COMPLETIONS_PATH)
+        t0 = time_ns()
+        error: str | None = None
+        try:
+            out = await self.inner.render(kind, body, count=True)
+        except RenderError as e:
+            attrs["error.type"] = e.failure.value
+            if e.status is not None:
+                attrs["http.response.status_code"] = e.status
+            error = _clip(e.detail, 200)
+            raise
+        except BaseException as e:
+            attrs["error.type"] = type(e).__name__
+            error = ""
+            raise
+        else:
+            attrs["http.response.status_code"] = 200
+            return out
+        finally:
+            rec.child("POST", SpanKind.CLIENT, t0, attrs, error)
+
+
+class TracedKv:
+    """The KV index lookup that fills a candidate table (`overlap`); every other call passes straight on."""
+
+    def __init__(self, inner: KvLookup) -> None:
+        self.inner = inner
+        # the rest of the lookup's interface, bound once: no delegation on the request's path
+        self.prompt, self.base_model_for, self.block_size = inner.prompt, inner.base_model_for, inner.block_size
+        self.credit, self.held, self.predict = inner.credit, inner.held, inner.predict
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def overlap(self, prompt: PromptKey, workers: Sequence[str]) -> Mapping[str, int]:
+        rec = _CURRENT.get()
+        if rec is None:
+            return self.inner.overlap(prompt, workers)
+        t0 = time_ns()
+        out = self.inner.overlap(prompt, workers)
+        rec.child(KV_LOOKUP_SPAN, SpanKind.INTERNAL, t0,
+                  {"epp.kv.workers": len(workers), "epp.kv.best_overlap_blocks": max(out.values(), default=0)})
+        return out
+
+
+def _plugin_names(handler: Any) -> tuple[str, list[str], list[str]]:
+    """(handler, profiles, `profile/plugin` names): what decides, fixed when the scheduler is built."""
+    profiles, plugins = [], []
+    for attr in ("primary", "prefill"):
+        p = getattr(handler, attr, None)
+        if p is None or not hasattr(p, "filters"):
+            continue
+        profiles.append(p.name)
+        parts = [*(f.name for f in p.filters), *(s.name for s, _ in p.scorers), p.picker.name,
+                 *(x.name for x in p.pins)]
+        plugins.extend(f"{p.name}/{n}" for n in parts)
+    return getattr(handler, "name", type(handler).__name__), profiles, plugins
+
+
+class TracedScheduler:
+    """The scheduling decision as a span: candidates, the chosen endpoint and its cost, credited blocks, the
+    prefill/decode pair, predicted cached tokens, the profiles and plugins that decided, and why a request
+    was routed by load only. The KV lookup it makes is recorded under it."""
+
+    def __init__(self, inner: Any, kv: KvLookup | None) -> None:
+        self.inner = inner
+        self.kv = kv
+        self.candidates = inner.candidates  # not traced: the handler's own method, no call in between
+        name, _, plugins = _plugin_names(inner)
+        # one joined string, not an array (`profile/plugin`, so the profiles are named too)
+        self._static: dict[str, Any] = {"epp.scheduling.handler": name, "epp.scheduling.plugins": ",".join(plugins)}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def schedule(self, req: SchedulingRequest, addresses: Sequence[str]) -> SchedulingResult:
+        rec = _CURRENT.get()
+        if rec is None:
+            return self.inner.schedule(req, addresses)
+        t0, outer = time_ns(), rec.current
+        span_id = rec.current = random.getrandbits(64) or 1
+        attrs = dict(self._static)
+        error: str | None = None
+        try:
+            result = self.inner.schedule(req, addresses)
+            attrs.update(decision_attributes(req, addresses, result, self.kv))
+            return result
+        except PickError as e:
+            attrs["error.type"] = e.problem.value
+            error = _clip(str(e), 200)
+            raise
+        except Exception as e:
+            attrs["error.type"] = type(e).__name__
+            error = ""
+            raise
+        finally:
+            rec.current = outer
+            rec.child(SCHEDULE_SPAN, SpanKind.INTERNAL, t0, attrs, error, span_id=span_id, parent_id=outer)
+
+
+def decision_attributes(req: SchedulingRequest, addresses: Sequence[str], result: SchedulingResult,
+                        kv: KvLookup | None) -> dict[str, Any]:
+    r = result.primary
+    t, i = r.table, r.chosen
+    """Only what explains the choice (each attribute costs a sampled request about 2.5 us): the P/D verdict
+    only in a pool with prefill workers, the credited blocks only when the prompt was scored."""
+    attrs: dict[str, Any] = {
+        "epp.candidates": len(addresses), "epp.endpoint": r.address, "epp.cost": float(t.cost[i]),
+        "epp.route": "kv" if req.prompt is not None else "load",
+    }
+    if req.prompt is not None:
+        attrs["epp.overlap_blocks"] = int(t.overlap[i])
+        attrs["epp.credited_blocks"] = float(t.credited[i])
+    elif req.load_reason is not None:
+        attrs["epp.load_reason"] = req.load_reason
+    if req.prompt_tokens:
+        attrs["gen_ai.usage.input_tokens"] = req.prompt_tokens
+    pd = result.pd
+    if pd.path is not PdPath.AGGREGATED or pd.reason is not PdReason.NO_PREFILL_WORKERS:
+        attrs["epp.pd.path"] = pd.path.value
+        attrs["epp.pd.reason"] = pd.reason.value
+    if pd.prefill is not None:
+        attrs["epp.pd.prefill_endpoint"] = pd.prefill.address
+        attrs["epp.pd.prefill_blocks"] = float(pd.prefill_blocks)
+    if pd.uncached_tokens is not None:
+        attrs["epp.pd.uncached_tokens"] = pd.uncached_tokens
+    predicted = predicted_cached_tokens(result, req.prompt, kv)
+    if predicted is not None:
+        attrs["epp.predicted_cached_tokens"] = int(predicted)
+    for key in ("slo", "session"):
+        v = r.outcome.get(key)
+        if v is not None:
+            attrs[f"epp.{key}"] = str(getattr(v, "value", v))
+    return attrs
+
+
+def traced_admission(inner: Callable[[RequestContext], Awaitable[Ticket]]
+                     ) -> Callable[[RequestContext], Awaitable[Ticket]]:
+    """Flow control's wait for a ticket as a span (`epp.flow_control.waited_s`; an error when it drops)."""
+
+    def admit(ctx: RequestContext) -> Awaitable[Ticket]:
+        rec = _CURRENT.get()
+        if rec is None:
+            return inner(ctx)  # no coroutine of this wrapper in between
+        return traced(rec, ctx)
+
+    async def traced(rec: ExchangeSpan, ctx: RequestContext) -> Ticket:
+        t0, started = time_ns(), time.perf_counter()
+        try:
+            ticket = await inner(ctx)
+        except PickError as e:
+            rec.child(FLOW_WAIT_SPAN, SpanKind.INTERNAL, t0,
+                      {"error.type": e.problem.value, "epp.flow_control.waited_s": time.perf_counter() - started},
+                      _clip(str(e), 200))
+            raise
+        rec.child(FLOW_WAIT_SPAN, SpanKind.INTERNAL, t0, {"epp.flow_control.waited_s": ticket.waited_s})
+        return ticket
+
+    return admit
+
+
+class TraceHook:
+    """Commit hook: what only a committed decision knows, on the request's span (the model asked for, the
+    endpoint booked); a proposal that fails or `/debug/score` writes nothing."""
+
+    name = "trace"
+
+    def committed(self, p: Proposal, booking: BookingHandle) -> Stopwatch | None:
+        rec = _CURRENT.get()
+        if rec is None:
+            return None
+        rec.attrs["epp.endpoint"] = p.address  # the decision span has the rest
+        if p.model is not None:
+            rec.attrs["gen_ai.request.model"] = _clip(p.model, 128)
+        if p.pd.address is not None:
+            rec.attrs["epp.pd.prefill_endpoint"] = p.pd.address
+        return None
