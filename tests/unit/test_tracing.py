@@ -39,8 +39,7 @@ from epp_extproc.metrics import PickerMetrics
 from epp_extproc.tracing import spans
 from epp_extproc.tracing.logs import TraceIds
 from epp_extproc.tracing.spans import CountingExporter, SpanQueue, Tracing
-from tests.scheduling_fakes import build_decider
-from tests.unit.test_propose_commit import ADDRS, FakeKv, FakeRenderer
+from tests.scheduling_fakes import ADDRS, FakeKv, FakeRenderer, build_decider
 
 Mode = processing_mode_pb2.ProcessingMode
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
