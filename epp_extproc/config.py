@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, make_dataclass
 from enum import StrEnum
-from typing import Any, NoReturn
+from typing import Any, NoReturn, get_type_hints
 from urllib.parse import urlparse
 
 BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
@@ -415,7 +415,7 @@ class Config:
         _coerce_enums(self)
 
     @property
-    def sections(self) -> Any:
+    def sections(self) -> Sections:
         """This configuration in sections (`config.sections.kv`, ...): what a component is handed instead of the
         whole `Config`. Built on each call, from the values now."""
         return sections_of(self)
@@ -492,8 +492,8 @@ def show_default(value: Any) -> str:
 # The configuration's sections: each option sits in exactly one (a unit test checks), listed once here. A
 # section is a frozen view of its options (`config.sections.kv`, a `KvSection`) that a component is handed instead
 # of the whole `Config`; its help groups are the titles --help and the README's table show, in this order.
-SECTIONS: tuple[tuple[str, str, str, tuple[tuple[str, tuple[str, ...]], ...]], ...] = (
-    ("serving", "ServingSection", "The ext_proc, health, metrics and admin listeners, their limits and TLS.", (
+SECTIONS: tuple[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], ...] = (
+    ("serving", (
         ("serving (the ext_proc port Envoy calls)",
          ("grpc_port", "health_port", "bind", "extproc_transport", "event_loop", "extproc_keepalive_s",
           "graceful_shutdown_grace_period_s", "drain_timeout_s")),
@@ -504,52 +504,50 @@ SECTIONS: tuple[tuple[str, str, str, tuple[tuple[str, tuple[str, ...]], ...]], .
          ("secure_serving", "cert_path")),
         ("admin and observability",
          ("metrics_port", "admin_port", "admin_bind", "log_level", "log_format")))),
-    ("discovery", "DiscoverySection", "Which workers there are, how they are probed, and their event sockets.", (
+    ("discovery", (
         ("discovery (which workers, and where their KV events are published)",
          ("endpoints", "endpoints_file", "inference_pool_name", "namespace", "kubeconfig",
           "endpoint_probe_interval_ms", "endpoint_probe_path", "endpoint_probe_max_rate", "kv_event_port",
           "kv_event_replay_port", "role_label")),)),
-    ("renderer", "RendererSection", "Request -> token ids: the renderer, its circuit, and what a failure does.", (
+    ("renderer", (
         ("renderer (request -> token ids)",
          ("tokenizer_protocol", "tokenizer_service_url", "tokenization_timeout_ms", "tokenizer_max_response_bytes",
           "render_circuit_failures", "render_circuit_open_ms", "render_failure_policy", "render_reject_policy",
           "cache_salt_policy", "prompt_passthrough", "media_credit", "trust_media_uuids",
           "render_fingerprint_refresh_ms")),)),
-    ("kv", "KvSection", "The KV index (what each worker holds), where events are ingested, predictions, the "
-     "event plane.", (
+    ("kv", (
         ("KV index, ingest and predictions (what each worker holds)",
          ("kv_cache_block_size", "max_index_blocks_per_worker", "kv_event_topic", "kv_shared_stores", "kv_ingest",
           "kv_ingest_shards", "kv_ingest_lookup_timeout_ms", "kv_ingest_worker_cpu_share", "prediction_ttl_s",
           "prediction_lifetime", "prediction_grace_s", "prediction_max_lifetime_s")),
         ("KV event plane (the relays' NATS subjects instead of each worker's socket)",
          ("kv_event_plane", "nats_url", "kv_plane_pool", "kv_plane_fallback")))),
-    ("scheduling", "SchedulingSection", "How a worker is chosen: the cost, the picker, tiers, P/D, session "
-     "affinity.", (
+    ("scheduling", (
         ("scheduling (KV overlap against load: cost, picker, tiers, prefill/decode)",
          ("config_file", "kv_overlap_score_credit", "prefill_load_scale", "router_temperature", "cost_model",
           "affinity_load_bound", "eviction_aware", "tiered_credit", "router_host_cache_hit_weight",
           "router_disk_cache_hit_weight", "pd_min_uncached_tokens")),
         ("session affinity (a conversation sent back to its worker)",
          ("session_affinity_keys_file", "session_affinity_ttl_s")))),
-    ("rewrites", "RewritesSection", "Weighted splits of a requested model.", (
+    ("rewrites", (
         ("model rewrites (weighted splits of a requested model)",
          ("model_rewrites_file", "model_rewrite_session_header")),)),
-    ("worker_metrics", "WorkerMetricsSection", "The workers' own Prometheus metrics: saturation, unbooked load.", (
+    ("worker_metrics", (
         ("worker metrics (each worker's queue and KV use, scraped)",
          ("worker_metrics_interval_ms", "worker_metrics_idle_interval_ms", "worker_metrics_max_rate",
           "worker_metrics_staleness_ms", "worker_metrics_path")),)),
-    ("flow_control", "FlowControlSection", "Queueing in the picker while every worker is saturated.", (
+    ("flow_control", (
         ("flow control (queue while every worker is saturated)",
          ("flow_control", "flow_control_queue_ttl_s", "flow_control_max_queued_requests", "queue_depth_threshold",
           "kv_cache_util_threshold", "max_num_batched_tokens", "inference_objectives_file")),)),
-    ("replicas", "ReplicasSection", "Several pickers sharing load: processes on a host, peers, their sync.", (
+    ("replicas", (
         ("replicas (several pickers sharing load)",
          ("processes", "peers", "peer_service", "replica_sync_plane", "pod_ip", "replica_sync_port",
           "peer_timeout_ms", "peer_expiry_ms", "replica_sync_tls_path", "replica_sync_server_name")),)),
 )
 
 # --help's groups, in order: the sections' help groups.
-GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = tuple(g for *_, groups in SECTIONS for g in groups)
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = tuple(g for _, groups in SECTIONS for g in groups)
 
 
 def _coerce_enums(obj: Any) -> None:
@@ -590,37 +588,74 @@ _SECTION_METHODS: dict[str, dict[str, Callable[..., Any]]] = {
 }
 
 
-def _section_class(name: str, cls_name: str, doc: str, dests: Sequence[str]) -> type:
-    """A frozen dataclass of `dests`, each typed and defaulted as its `Config` field (so a test or a component
-    can build one alone: `KvSection(kv_ingest="apart")`)."""
+def _section_base(name: str) -> Any:
+    """The frozen dataclass of section `name`'s options (from `SECTIONS`), each typed and defaulted as its
+    `Config` field, so a component or a test can build one alone: `KvSection(kv_ingest="apart")`."""
     by_name = {f.name: f for f in fields(Config)}
-    cls = make_dataclass(cls_name, [(d, by_name[d].type, field(default=by_name[d].default)) for d in dests],
+    dests = [d for _, ds in dict(SECTIONS)[name] for d in ds]
+    cls = make_dataclass(f"_{name}_fields", [(d, by_name[d].type, field(default=by_name[d].default)) for d in dests],
                          frozen=True, namespace={"__post_init__": _coerce_enums,
                                                  **_SECTION_METHODS.get(name, {})})
     cls.__module__ = __name__
-    cls.__qualname__ = cls_name
-    cls.__doc__ = doc
     return cls
 
 
-SECTION_CLASSES: dict[str, type] = {
-    name: _section_class(name, cls_name, doc, [d for _, dests in groups for d in dests])
-    for name, cls_name, doc, groups in SECTIONS}
-ServingSection = SECTION_CLASSES["serving"]
-DiscoverySection = SECTION_CLASSES["discovery"]
-RendererSection = SECTION_CLASSES["renderer"]
-KvSection = SECTION_CLASSES["kv"]
-SchedulingSection = SECTION_CLASSES["scheduling"]
-RewritesSection = SECTION_CLASSES["rewrites"]
-WorkerMetricsSection = SECTION_CLASSES["worker_metrics"]
-FlowControlSection = SECTION_CLASSES["flow_control"]
-ReplicasSection = SECTION_CLASSES["replicas"]
-Sections = make_dataclass("Sections", [(name, SECTION_CLASSES[name]) for name in SECTION_CLASSES], frozen=True)
-Sections.__module__ = __name__
-Sections.__doc__ = "Every section of one `Config`, by name (`config.sections.kv`)."
+class ServingSection(_section_base("serving")):  # type: ignore[misc]
+    """The ext_proc, health, metrics and admin listeners, their limits and TLS."""
 
 
-def sections_of(config: Config) -> Any:
+class DiscoverySection(_section_base("discovery")):  # type: ignore[misc]
+    """Which workers there are, how they are probed, and where their KV events are published."""
+
+
+class RendererSection(_section_base("renderer")):  # type: ignore[misc]
+    """Request -> token ids: the renderer, its circuit, and what a failure does."""
+
+
+class KvSection(_section_base("kv")):  # type: ignore[misc]
+    """The KV index (what each worker holds), where events are ingested, predictions, the event plane."""
+
+
+class SchedulingSection(_section_base("scheduling")):  # type: ignore[misc]
+    """How a worker is chosen: the cost, the picker, tiers, prefill/decode, session affinity."""
+
+
+class RewritesSection(_section_base("rewrites")):  # type: ignore[misc]
+    """Weighted splits of a requested model."""
+
+
+class WorkerMetricsSection(_section_base("worker_metrics")):  # type: ignore[misc]
+    """The workers' own Prometheus metrics: saturation, and the load this picker did not book."""
+
+
+class FlowControlSection(_section_base("flow_control")):  # type: ignore[misc]
+    """Queueing in the picker while every worker is saturated."""
+
+
+class ReplicasSection(_section_base("replicas")):  # type: ignore[misc]
+    """Several pickers sharing load: processes on a host, peers, and their sync."""
+
+
+@dataclass(frozen=True)
+class Sections:
+    """Every section of one `Config`, by name (`config.sections.kv`); the names are `SECTIONS`' (a unit test
+    checks)."""
+
+    serving: ServingSection
+    discovery: DiscoverySection
+    renderer: RendererSection
+    kv: KvSection
+    scheduling: SchedulingSection
+    rewrites: RewritesSection
+    worker_metrics: WorkerMetricsSection
+    flow_control: FlowControlSection
+    replicas: ReplicasSection
+
+
+SECTION_CLASSES: dict[str, type] = get_type_hints(Sections)  # name -> its class, in SECTIONS' order
+
+
+def sections_of(config: Config) -> Sections:
     """The `Sections` of `config`: frozen copies of its values now (a later change to `config` is not seen)."""
     return Sections(**{name: cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
                        for name, cls in SECTION_CLASSES.items()})
