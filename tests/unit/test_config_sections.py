@@ -80,3 +80,18 @@ def test_sections_answer_what_config_answers_about_their_values() -> None:
     assert s.replicas.peer_list() == cfg.peer_list() == ["a:1", "b:2"]
     assert s.replicas.sync_enabled() and s.scheduling.tiered_credit_enabled() and cfg.tiered_credit_enabled()
     assert s.serving.body_modes() == cfg.body_modes() == ("BUFFERED",)
+
+
+def test_assemble_builds_each_components_settings_from_its_sections() -> None:
+    from epp_extproc.core.assemble import settings_from
+    from epp_extproc.core.director import DirectorSettings
+    from epp_extproc.core.forward import ForwardSettings
+    from epp_extproc.core.plan import PlanSettings
+
+    s = Config(max_body_bytes=1000, max_buffered_body_bytes=1000, kv_cache_block_size=16, media_credit="text-prefix",
+               prompt_passthrough="off").sections
+    assert settings_from(DirectorSettings, s.serving, s.kv) == DirectorSettings(1000, 16)
+    assert settings_from(ForwardSettings, s.renderer, s.serving) == ForwardSettings("off", 1000)
+    assert settings_from(PlanSettings, s.renderer).media_credit == "text-prefix"
+    with pytest.raises(TypeError, match="DirectorSettings.kv_cache_block_size"):
+        settings_from(DirectorSettings, s.serving)
