@@ -86,8 +86,8 @@ class PickerApp:
                                          metrics=self.metrics,
                                          breaker_failures=config.render_circuit_failures,
                                          breaker_open_ms=config.render_circuit_open_ms)
-            self.kv, self.ingest, self.ingest_dir = build_kv(config, self.slot, self.registry,
-                                                              self.metrics.registry)
+            self.kv, self.ingest, self.ingest_dir = build_kv(config.sections.kv, self.slot, self.registry,
+                                                              self.metrics.registry, log_level=config.log_level)
             if config.prediction_lifetime == "queue":
                 # predictions follow their bookings (docs/predictions.md); Config refuses it with ingest apart
                 follow = self.kv.use_queue_lifetime(config.prediction_grace_s, config.prediction_max_lifetime_s)

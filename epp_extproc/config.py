@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 from enum import StrEnum
-from typing import Any, NoReturn
+from typing import Any, NoReturn, get_type_hints
 from urllib.parse import urlparse
 
 BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
@@ -412,158 +412,38 @@ class Config:
         "same target of a weighted split (hashed, never logged); without it each request is drawn at random")
 
     def __post_init__(self) -> None:
-        for f in fields(self):  # accept plain strings from code and tests; store the enum
-            opt = _BY_DEST.get(f.name)
-            if opt is not None and isinstance(opt.type, type) and issubclass(opt.type, StrEnum):
-                try:
-                    setattr(self, f.name, opt.type(getattr(self, f.name)))
-                except ValueError:
-                    raise ValueError(f"{setting(f.name)} must be one of {', '.join(opt.choices or ())}; "
-                                     f"got {getattr(self, f.name)!r}") from None
+        _coerce_enums(self)
+
+    @property
+    def sections(self) -> Sections:
+        """This configuration in sections (`config.sections.kv`, ...): what a component is handed instead of the
+        whole `Config`. Built on each call, from the values now."""
+        return sections_of(self)
 
     def sync_enabled(self) -> bool:
-        return bool(self.peers or self.peer_service)
+        return _sync_enabled(self)
 
     def peer_list(self) -> list[str]:
-        return [p.strip() for p in (self.peers or "").split(",") if p.strip()]
+        return _peer_list(self)
 
     def validate(self) -> None:
         """Fail at start-up, with a message naming the setting, rather than on the first request. Only the
         values themselves: what reads files or parses with an adapter's grammar (certificates, the endpoints
         spec) is checked by the CLI at start-up (`cli.check_inputs`), so config depends on nothing above it.
         Each message names the flag and its env name (`--flag (ENV)`): the user set one of the two, and
-        "not set" rather than `None` when a needed value is missing."""
-        n = setting
-        if self.tokenizer_protocol is not TokenizerProtocol.NONE:
-            need = (f"{n('tokenizer_protocol')} {self.tokenizer_protocol.value} needs the renderer's absolute "
-                    "http(s) base URL, e.g. http://127.0.0.1:8000 (or --tokenizer-protocol none: route by load)")
-            if not self.tokenizer_service_url:
-                raise ValueError(f"{n('tokenizer_service_url')} is not set: {need}")
-            url = urlparse(self.tokenizer_service_url)
-            if url.scheme not in ("http", "https") or not url.netloc:
-                raise ValueError(f"{n('tokenizer_service_url')} must be an absolute http(s) URL, got "
-                                 f"{self.tokenizer_service_url!r}: {need}")
-        if self.cert_path is not None:
-            if not self.secure_serving:
-                raise ValueError(f"{n('cert_path')} is set but secure serving is off (--secure-serving=false or "
-                                 "DYN_EPP_SECURE_SERVING is off): the ext_proc port "
-                                 "would serve plain h2c; enable secure serving or drop the cert path")
-        _at_least(self, "render_circuit_failures", 0, " (0 = never open)")
-        _positive(self, "render_circuit_open_ms")
-        if self.admin_port == self.metrics_port != 0 and self.admin_bind != self.bind:
-            raise ValueError(f"{n('admin_port')} equals {n('metrics_port')} ({self.admin_port}) on a different "
-                             f"address: set {n('admin_bind')} to the --bind address ({self.bind}) to serve "
-                             "/debug on the metrics listener, or choose another admin port")
-        listeners = ["grpc_port", "health_port", "metrics_port"]
-        if (self.admin_bind, self.admin_port) != (self.bind, self.metrics_port):  # else one listener, on purpose
-            listeners.append("admin_port")
-        seen: dict[int, str] = {}
-        for dest in listeners:
-            port = getattr(self, dest)
-            if port and port in seen:  # two servers on one port: connections would land on either
-                raise ValueError(f"{n(seen[port])} and {n(dest)} are both {port}: each listener needs its own "
-                                 "port")
-            seen.setdefault(port, dest)
-        _positive(self, "kv_cache_block_size")
-        _positive(self, "kv_ingest_shards")
-        _positive(self, "kv_ingest_lookup_timeout_ms")
-        _positive(self, "kv_ingest_worker_cpu_share")
-        _positive(self, "render_fingerprint_refresh_ms")
-        _positive(self, "extproc_max_connections")
-        _at_least(self, "extproc_keepalive_s", 0, " (0 = off)")
-        _at_least(self, "endpoint_probe_interval_ms", 0, " (0 = off)")
-        _positive(self, "endpoint_probe_max_rate")
-        _positive(self, "max_inflight_requests")
-        _positive(self, "max_incomplete_requests")
-        _positive(self, "max_body_bytes")
-        if self.max_buffered_body_bytes < self.max_body_bytes:
-            raise ValueError(f"{n('max_buffered_body_bytes')} must be at least {n('max_body_bytes')} "
-                             f"({self.max_body_bytes}): one largest body must fit; got {self.max_buffered_body_bytes}")
-        _positive(self, "request_body_timeout_ms")
-        _at_least(self, "router_temperature", 0, "")
-        _at_least(self, "pd_min_uncached_tokens", 0, " (0 = never disaggregate)")
-        if not self.role_label or len(self.role_label) > 317:  # a Kubernetes label key: prefix/name
-            raise ValueError(f"{n('role_label')} must be a label key, got {self.role_label!r}")
-        _positive(self, "session_affinity_ttl_s")
-        _at_least(self, "worker_metrics_interval_ms", 0, " (0 = off)")
-        _at_least(self, "worker_metrics_idle_interval_ms", 0, "")
-        _positive(self, "worker_metrics_max_rate")
-        _positive(self, "worker_metrics_staleness_ms")
-        if not 0 < self.flow_control_queue_ttl_s < 600:
-            raise ValueError(f"{n('flow_control_queue_ttl_s')} must be in (0, 600), got "
-                             f"{self.flow_control_queue_ttl_s}: the shipped Envoy configs wait 600 s "
-                             "(message_timeout) for the picker's answer")
-        _positive(self, "flow_control_max_queued_requests")
-        _at_least(self, "queue_depth_threshold", 0, "")
-        if not 0 < self.kv_cache_util_threshold <= 1:
-            raise ValueError(f"{n('kv_cache_util_threshold')} must be in (0, 1], got {self.kv_cache_util_threshold}")
-        _at_least(self, "max_num_batched_tokens", 0, " (0 = off)")
-        if self.flow_control and self.worker_metrics_interval_ms == 0 and self.max_num_batched_tokens == 0:
-            raise ValueError(f"{n('flow_control')} needs a saturation signal: worker metrics "
-                             f"({n('worker_metrics_interval_ms')} > 0) or {n('max_num_batched_tokens')} > 0")
-        if self.eviction_aware and self.cost_model == "time":
-            raise ValueError(f"{n('eviction_aware')} prices flushed prefixes in KV blocks and {n('cost_model')} "
-                             "time prices in seconds: the two cannot be added; use one of them")
-        if self.kv_shared_stores:
-            from kvindex.tiers import parse_shared_stores
-
-            try:
-                parse_shared_stores(self.kv_shared_stores)
-            except ValueError as e:
-                raise ValueError(f"{n('kv_shared_stores')}: {e}") from None
-        for dest in ("router_host_cache_hit_weight", "router_disk_cache_hit_weight"):
-            if getattr(self, dest) is not None:
-                _at_least(self, dest, 0, "")
-        if self.tiered_credit_enabled() and self.cost_model == "time":
-            raise ValueError(f"{n('tiered_credit')} adds to the credited overlap, which {n('cost_model')} time "
-                             "does not read: use the block cost with tier weights")
-        if self.tiered_credit_enabled() and self.kv_ingest != "inprocess":
-            raise ValueError(f"{n('tiered_credit')} reads the in-process KV index's tiers: it needs "
-                             f"{n('kv_ingest')} inprocess")
-        if self.eviction_aware and self.kv_ingest != "inprocess":
-            raise ValueError(f"{n('eviction_aware')} reads the in-process KV index's removals: it needs "
-                             f"{n('kv_ingest')} inprocess")
-        _at_least(self, "affinity_load_bound", 0, " (0 = off)")
-        _at_least(self, "processes", 1, "")
-        _at_least(self, "prediction_grace_s", 0, "")
-        _positive(self, "prediction_max_lifetime_s")
-        if self.replica_sync_plane == "nats" and (self.processes > 1 or self.sync_enabled()):
-            raise ValueError(f"{n('replica_sync_plane')} nats finds its peers on NATS: it takes neither "
-                             f"{n('peers')}/{n('peer_service')} nor {n('processes')} > 1")
-        if self.kv_event_plane == "nats" and self.kv_ingest != "inprocess":
-            raise ValueError(f"{n('kv_event_plane')} nats feeds the in-process index: it needs {n('kv_ingest')} "
-                             "inprocess")
-        if self.prediction_lifetime == "queue" and self.kv_ingest == "apart":
-            raise ValueError(f"{n('prediction_lifetime')} queue needs the in-process index ({n('kv_ingest')} "
-                             "inprocess): the ingest processes take a fixed ttl per prediction")
-        if self.processes > 1 and self.grpc_port == 0:
-            raise ValueError(f"{n('processes')} > 1 needs a fixed {n('grpc_port')} (the processes share it); "
-                             "got port 0")
-        if self.peers and self.peer_service:
-            raise ValueError(f"choose one peer source: {n('peers')} or {n('peer_service')}, not both")
-        if self.processes > 1 and (self.peers or self.peer_service):
-            raise ValueError(f"{n('processes')} > 1 cannot be combined with {n('peers')} or "
-                             f"{n('peer_service')} yet")
-        _positive(self, "peer_timeout_ms")
-        _at_least(self, "peer_expiry_ms", 0, "")
-        _at_least(self, "drain_timeout_s", 0, "")
-        _at_least(self, "graceful_shutdown_grace_period_s", 0, "")
-        modes = self.body_modes()
-        bad = [m for m in modes if m not in BODY_MODES]
-        if bad or not modes:
-            what = f"unknown mode(s) {', '.join(bad)}" if bad else "no mode given"
-            raise ValueError(f"{n('allowed_body_modes')}: {what}; choose from {', '.join(BODY_MODES)}")
-        sources = [d for d in ("endpoints", "endpoints_file", "inference_pool_name") if getattr(self, d)]
-        if len(sources) > 1:
-            raise ValueError("choose one endpoint source, not " + " and ".join(n(d) for d in sources))
+        "not set" rather than `None` when a needed value is missing. Each section's own rules first (`_CHECKS`,
+        reading only that section), then the rules across sections."""
+        s = self.sections
+        for name, check in _CHECKS:
+            check(getattr(s, name))
+        _check_across(s)
 
     def tiered_credit_enabled(self) -> bool:
         """`--tiered-credit`, or a tier weight set (Dynamo's way of turning host/disk credit on)."""
-        return bool(self.tiered_credit or self.router_host_cache_hit_weight is not None
-                    or self.router_disk_cache_hit_weight is not None)
+        return _tiered_credit_enabled(self)
 
     def body_modes(self) -> tuple[str, ...]:
-        return tuple(m.strip().upper() for m in self.allowed_body_modes.split(",") if m.strip())
+        return _body_modes(self)
 
 
 def _options() -> tuple[Option, ...]:
@@ -586,13 +466,13 @@ def setting(dest: str) -> str:
     return f"{o.flag} ({o.env})" if o.env else o.flag
 
 
-def _positive(cfg: Config, dest: str) -> None:
+def _positive(cfg: Any, dest: str) -> None:
     value = getattr(cfg, dest)
     if not value > 0:
         raise ValueError(f"{setting(dest)} must be positive, got {value}")
 
 
-def _at_least(cfg: Config, dest: str, low: float, note: str) -> None:
+def _at_least(cfg: Any, dest: str, low: float, note: str) -> None:
     value = getattr(cfg, dest)
     if not value >= low:
         raise ValueError(f"{setting(dest)} must be >= {low}{note}, got {value}")
@@ -609,46 +489,343 @@ def show_default(value: Any) -> str:
     return str(value)
 
 
-# --help's sections: every option sits in exactly one (a unit test checks), in this order.
-GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("serving (the ext_proc port Envoy calls)",
-     ("grpc_port", "health_port", "bind", "extproc_transport", "event_loop", "extproc_keepalive_s",
-      "graceful_shutdown_grace_period_s", "drain_timeout_s")),
-    ("discovery (which workers, and their KV events)",
-     ("endpoints", "endpoints_file", "inference_pool_name", "namespace", "kubeconfig",
-      "endpoint_probe_interval_ms", "endpoint_probe_path", "endpoint_probe_max_rate", "kv_event_port",
-      "kv_event_replay_port", "kv_event_topic", "kv_event_plane", "nats_url", "kv_plane_pool",
-      "kv_plane_fallback", "role_label")),
-    ("renderer (request -> token ids)",
-     ("tokenizer_protocol", "tokenizer_service_url", "tokenization_timeout_ms", "tokenizer_max_response_bytes",
-      "render_circuit_failures", "render_circuit_open_ms", "render_failure_policy", "render_reject_policy",
-      "cache_salt_policy", "prompt_passthrough", "media_credit", "trust_media_uuids",
-      "render_fingerprint_refresh_ms")),
-    ("routing (KV overlap against load)",
-     ("config_file", "kv_cache_block_size", "max_index_blocks_per_worker", "kv_overlap_score_credit", "prefill_load_scale",
-      "router_temperature", "cost_model", "affinity_load_bound", "prediction_ttl_s", "prediction_lifetime", "prediction_grace_s",
-      "prediction_max_lifetime_s", "eviction_aware", "tiered_credit", "router_host_cache_hit_weight",
-      "router_disk_cache_hit_weight", "kv_shared_stores", "pd_min_uncached_tokens", "kv_ingest", "kv_ingest_shards",
-      "kv_ingest_lookup_timeout_ms", "kv_ingest_worker_cpu_share", "session_affinity_keys_file",
-      "session_affinity_ttl_s",
-      "worker_metrics_interval_ms",
-      "worker_metrics_idle_interval_ms", "worker_metrics_max_rate", "worker_metrics_staleness_ms", "worker_metrics_path")),
-    ("flow control (queue while every worker is saturated)",
-     ("flow_control", "flow_control_queue_ttl_s", "flow_control_max_queued_requests", "queue_depth_threshold",
-      "kv_cache_util_threshold", "max_num_batched_tokens", "inference_objectives_file")),
-    ("model rewrites (weighted splits of a requested model)",
-     ("model_rewrites_file", "model_rewrite_session_header")),
-    ("replicas (several pickers sharing load)",
-     ("processes", "peers", "peer_service", "replica_sync_plane", "pod_ip", "replica_sync_port", "peer_timeout_ms",
-      "peer_expiry_ms")),
-    ("limits (what one client can hold)",
-     ("max_inflight_requests", "max_incomplete_requests", "max_body_bytes", "max_buffered_body_bytes",
-      "request_body_timeout_ms", "allowed_body_modes", "extproc_max_connections")),
-    ("TLS",
-     ("secure_serving", "cert_path", "replica_sync_tls_path", "replica_sync_server_name")),
-    ("admin and observability",
-     ("metrics_port", "admin_port", "admin_bind", "log_level", "log_format")),
+# The configuration's sections: each option sits in exactly one (a unit test checks), listed once here. A
+# section is a frozen view of its options (`config.sections.kv`, a `KvSection`) that a component is handed instead
+# of the whole `Config`; its help groups are the titles --help and the README's table show, in this order.
+SECTIONS: tuple[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], ...] = (
+    ("serving", (
+        ("serving (the ext_proc port Envoy calls)",
+         ("grpc_port", "health_port", "bind", "extproc_transport", "event_loop", "extproc_keepalive_s",
+          "graceful_shutdown_grace_period_s", "drain_timeout_s")),
+        ("limits (what one client can hold)",
+         ("max_inflight_requests", "max_incomplete_requests", "max_body_bytes", "max_buffered_body_bytes",
+          "request_body_timeout_ms", "allowed_body_modes", "extproc_max_connections")),
+        ("TLS (the ext_proc port)",
+         ("secure_serving", "cert_path")),
+        ("admin and observability",
+         ("metrics_port", "admin_port", "admin_bind", "log_level", "log_format")))),
+    ("discovery", (
+        ("discovery (which workers, and where their KV events are published)",
+         ("endpoints", "endpoints_file", "inference_pool_name", "namespace", "kubeconfig",
+          "endpoint_probe_interval_ms", "endpoint_probe_path", "endpoint_probe_max_rate", "kv_event_port",
+          "kv_event_replay_port", "role_label")),)),
+    ("renderer", (
+        ("renderer (request -> token ids)",
+         ("tokenizer_protocol", "tokenizer_service_url", "tokenization_timeout_ms", "tokenizer_max_response_bytes",
+          "render_circuit_failures", "render_circuit_open_ms", "render_failure_policy", "render_reject_policy",
+          "cache_salt_policy", "prompt_passthrough", "media_credit", "trust_media_uuids",
+          "render_fingerprint_refresh_ms")),)),
+    ("kv", (
+        ("KV index, ingest and predictions (what each worker holds)",
+         ("kv_cache_block_size", "max_index_blocks_per_worker", "kv_event_topic", "kv_shared_stores", "kv_ingest",
+          "kv_ingest_shards", "kv_ingest_lookup_timeout_ms", "kv_ingest_worker_cpu_share", "prediction_ttl_s",
+          "prediction_lifetime", "prediction_grace_s", "prediction_max_lifetime_s")),
+        ("KV event plane (the relays' NATS subjects instead of each worker's socket)",
+         ("kv_event_plane", "nats_url", "kv_plane_pool", "kv_plane_fallback")))),
+    ("scheduling", (
+        ("scheduling (KV overlap against load: cost, picker, tiers, prefill/decode)",
+         ("config_file", "kv_overlap_score_credit", "prefill_load_scale", "router_temperature", "cost_model",
+          "affinity_load_bound", "eviction_aware", "tiered_credit", "router_host_cache_hit_weight",
+          "router_disk_cache_hit_weight", "pd_min_uncached_tokens")),
+        ("session affinity (a conversation sent back to its worker)",
+         ("session_affinity_keys_file", "session_affinity_ttl_s")))),
+    ("rewrites", (
+        ("model rewrites (weighted splits of a requested model)",
+         ("model_rewrites_file", "model_rewrite_session_header")),)),
+    ("worker_metrics", (
+        ("worker metrics (each worker's queue and KV use, scraped)",
+         ("worker_metrics_interval_ms", "worker_metrics_idle_interval_ms", "worker_metrics_max_rate",
+          "worker_metrics_staleness_ms", "worker_metrics_path")),)),
+    ("flow_control", (
+        ("flow control (queue while every worker is saturated)",
+         ("flow_control", "flow_control_queue_ttl_s", "flow_control_max_queued_requests", "queue_depth_threshold",
+          "kv_cache_util_threshold", "max_num_batched_tokens", "inference_objectives_file")),)),
+    ("replicas", (
+        ("replicas (several pickers sharing load)",
+         ("processes", "peers", "peer_service", "replica_sync_plane", "pod_ip", "replica_sync_port",
+          "peer_timeout_ms", "peer_expiry_ms", "replica_sync_tls_path", "replica_sync_server_name")),)),
 )
+
+# --help's groups, in order: the sections' help groups.
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = tuple(g for _, groups in SECTIONS for g in groups)
+
+
+def _coerce_enums(obj: Any) -> None:
+    """Accept plain strings from code and tests; store the enum (`Config`'s and every section's rule)."""
+    for f in fields(obj):
+        o = _BY_DEST.get(f.name)
+        if o is not None and isinstance(o.type, type) and issubclass(o.type, StrEnum):
+            try:
+                object.__setattr__(obj, f.name, o.type(getattr(obj, f.name)))
+            except ValueError:
+                raise ValueError(f"{setting(f.name)} must be one of {', '.join(o.choices or ())}; "
+                                 f"got {getattr(obj, f.name)!r}") from None
+
+
+# What a section can answer about its own values (`Config` answers the same, for the callers that hold it).
+def _sync_enabled(r: Any) -> bool:
+    return bool(r.peers or r.peer_service)
+
+
+def _peer_list(r: Any) -> list[str]:
+    return [p.strip() for p in (r.peers or "").split(",") if p.strip()]
+
+
+def _tiered_credit_enabled(s: Any) -> bool:
+    """`--tiered-credit`, or a tier weight set (Dynamo's way of turning host/disk credit on)."""
+    return bool(s.tiered_credit or s.router_host_cache_hit_weight is not None
+                or s.router_disk_cache_hit_weight is not None)
+
+
+def _body_modes(s: Any) -> tuple[str, ...]:
+    return tuple(m.strip().upper() for m in s.allowed_body_modes.split(",") if m.strip())
+
+
+_SECTION_METHODS: dict[str, dict[str, Callable[..., Any]]] = {
+    "serving": {"body_modes": _body_modes},
+    "scheduling": {"tiered_credit_enabled": _tiered_credit_enabled},
+    "replicas": {"sync_enabled": _sync_enabled, "peer_list": _peer_list},
+}
+
+
+def _section_base(name: str) -> Any:
+    """The frozen dataclass of section `name`'s options (from `SECTIONS`), each typed and defaulted as its
+    `Config` field, so a component or a test can build one alone: `KvSection(kv_ingest="apart")`."""
+    by_name = {f.name: f for f in fields(Config)}
+    dests = [d for _, ds in dict(SECTIONS)[name] for d in ds]
+    cls = make_dataclass(f"_{name}_fields", [(d, by_name[d].type, field(default=by_name[d].default)) for d in dests],
+                         frozen=True, namespace={"__post_init__": _coerce_enums,
+                                                 **_SECTION_METHODS.get(name, {})})
+    cls.__module__ = __name__
+    return cls
+
+
+class ServingSection(_section_base("serving")):  # type: ignore[misc]
+    """The ext_proc, health, metrics and admin listeners, their limits and TLS."""
+
+
+class DiscoverySection(_section_base("discovery")):  # type: ignore[misc]
+    """Which workers there are, how they are probed, and where their KV events are published."""
+
+
+class RendererSection(_section_base("renderer")):  # type: ignore[misc]
+    """Request -> token ids: the renderer, its circuit, and what a failure does."""
+
+
+class KvSection(_section_base("kv")):  # type: ignore[misc]
+    """The KV index (what each worker holds), where events are ingested, predictions, the event plane."""
+
+
+class SchedulingSection(_section_base("scheduling")):  # type: ignore[misc]
+    """How a worker is chosen: the cost, the picker, tiers, prefill/decode, session affinity."""
+
+
+class RewritesSection(_section_base("rewrites")):  # type: ignore[misc]
+    """Weighted splits of a requested model."""
+
+
+class WorkerMetricsSection(_section_base("worker_metrics")):  # type: ignore[misc]
+    """The workers' own Prometheus metrics: saturation, and the load this picker did not book."""
+
+
+class FlowControlSection(_section_base("flow_control")):  # type: ignore[misc]
+    """Queueing in the picker while every worker is saturated."""
+
+
+class ReplicasSection(_section_base("replicas")):  # type: ignore[misc]
+    """Several pickers sharing load: processes on a host, peers, and their sync."""
+
+
+@dataclass(frozen=True)
+class Sections:
+    """Every section of one `Config`, by name (`config.sections.kv`); the names are `SECTIONS`' (a unit test
+    checks)."""
+
+    serving: ServingSection
+    discovery: DiscoverySection
+    renderer: RendererSection
+    kv: KvSection
+    scheduling: SchedulingSection
+    rewrites: RewritesSection
+    worker_metrics: WorkerMetricsSection
+    flow_control: FlowControlSection
+    replicas: ReplicasSection
+
+
+SECTION_CLASSES: dict[str, type] = get_type_hints(Sections)  # name -> its class, in SECTIONS' order
+
+
+def sections_of(config: Config) -> Sections:
+    """The `Sections` of `config`: frozen copies of its values now (a later change to `config` is not seen)."""
+    return Sections(**{name: cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
+                       for name, cls in SECTION_CLASSES.items()})
+
+
+# Each section's rules, reading that section only; a message names the flag and its env (`setting`).
+def _check_renderer(r: Any) -> None:
+    n = setting
+    if r.tokenizer_protocol is not TokenizerProtocol.NONE:
+        need = (f"{n('tokenizer_protocol')} {r.tokenizer_protocol.value} needs the renderer's absolute "
+                "http(s) base URL, e.g. http://127.0.0.1:8000 (or --tokenizer-protocol none: route by load)")
+        if not r.tokenizer_service_url:
+            raise ValueError(f"{n('tokenizer_service_url')} is not set: {need}")
+        url = urlparse(r.tokenizer_service_url)
+        if url.scheme not in ("http", "https") or not url.netloc:
+            raise ValueError(f"{n('tokenizer_service_url')} must be an absolute http(s) URL, got "
+                             f"{r.tokenizer_service_url!r}: {need}")
+    _at_least(r, "render_circuit_failures", 0, " (0 = never open)")
+    _positive(r, "render_circuit_open_ms")
+    _positive(r, "render_fingerprint_refresh_ms")
+
+
+def _check_serving(s: Any) -> None:
+    n = setting
+    if s.cert_path is not None:
+        if not s.secure_serving:
+            raise ValueError(f"{n('cert_path')} is set but secure serving is off (--secure-serving=false or "
+                             "DYN_EPP_SECURE_SERVING is off): the ext_proc port "
+                             "would serve plain h2c; enable secure serving or drop the cert path")
+    if s.admin_port == s.metrics_port != 0 and s.admin_bind != s.bind:
+        raise ValueError(f"{n('admin_port')} equals {n('metrics_port')} ({s.admin_port}) on a different "
+                         f"address: set {n('admin_bind')} to the --bind address ({s.bind}) to serve "
+                         "/debug on the metrics listener, or choose another admin port")
+    listeners = ["grpc_port", "health_port", "metrics_port"]
+    if (s.admin_bind, s.admin_port) != (s.bind, s.metrics_port):  # else one listener, on purpose
+        listeners.append("admin_port")
+    seen: dict[int, str] = {}
+    for dest in listeners:
+        port = getattr(s, dest)
+        if port and port in seen:  # two servers on one port: connections would land on either
+            raise ValueError(f"{n(seen[port])} and {n(dest)} are both {port}: each listener needs its own "
+                             "port")
+        seen.setdefault(port, dest)
+    _positive(s, "extproc_max_connections")
+    _at_least(s, "extproc_keepalive_s", 0, " (0 = off)")
+    _positive(s, "max_inflight_requests")
+    _positive(s, "max_incomplete_requests")
+    _positive(s, "max_body_bytes")
+    if s.max_buffered_body_bytes < s.max_body_bytes:
+        raise ValueError(f"{n('max_buffered_body_bytes')} must be at least {n('max_body_bytes')} "
+                         f"({s.max_body_bytes}): one largest body must fit; got {s.max_buffered_body_bytes}")
+    _positive(s, "request_body_timeout_ms")
+    _at_least(s, "drain_timeout_s", 0, "")
+    _at_least(s, "graceful_shutdown_grace_period_s", 0, "")
+    modes = _body_modes(s)
+    bad = [m for m in modes if m not in BODY_MODES]
+    if bad or not modes:
+        what = f"unknown mode(s) {', '.join(bad)}" if bad else "no mode given"
+        raise ValueError(f"{n('allowed_body_modes')}: {what}; choose from {', '.join(BODY_MODES)}")
+
+
+def _check_kv(k: Any) -> None:
+    n = setting
+    _positive(k, "kv_cache_block_size")
+    _positive(k, "kv_ingest_shards")
+    _positive(k, "kv_ingest_lookup_timeout_ms")
+    _positive(k, "kv_ingest_worker_cpu_share")
+    if k.kv_shared_stores:
+        from kvindex.tiers import parse_shared_stores
+
+        try:
+            parse_shared_stores(k.kv_shared_stores)
+        except ValueError as e:
+            raise ValueError(f"{n('kv_shared_stores')}: {e}") from None
+    _at_least(k, "prediction_grace_s", 0, "")
+    _positive(k, "prediction_max_lifetime_s")
+    if k.kv_event_plane == "nats" and k.kv_ingest != "inprocess":
+        raise ValueError(f"{n('kv_event_plane')} nats feeds the in-process index: it needs {n('kv_ingest')} "
+                         "inprocess")
+    if k.prediction_lifetime == "queue" and k.kv_ingest == "apart":
+        raise ValueError(f"{n('prediction_lifetime')} queue needs the in-process index ({n('kv_ingest')} "
+                         "inprocess): the ingest processes take a fixed ttl per prediction")
+
+
+def _check_discovery(d: Any) -> None:
+    n = setting
+    _at_least(d, "endpoint_probe_interval_ms", 0, " (0 = off)")
+    _positive(d, "endpoint_probe_max_rate")
+    if not d.role_label or len(d.role_label) > 317:  # a Kubernetes label key: prefix/name
+        raise ValueError(f"{n('role_label')} must be a label key, got {d.role_label!r}")
+    sources = [x for x in ("endpoints", "endpoints_file", "inference_pool_name") if getattr(d, x)]
+    if len(sources) > 1:
+        raise ValueError("choose one endpoint source, not " + " and ".join(n(x) for x in sources))
+
+
+def _check_scheduling(s: Any) -> None:
+    n = setting
+    _at_least(s, "router_temperature", 0, "")
+    _at_least(s, "pd_min_uncached_tokens", 0, " (0 = never disaggregate)")
+    _positive(s, "session_affinity_ttl_s")
+    if s.eviction_aware and s.cost_model == "time":
+        raise ValueError(f"{n('eviction_aware')} prices flushed prefixes in KV blocks and {n('cost_model')} "
+                         "time prices in seconds: the two cannot be added; use one of them")
+    for dest in ("router_host_cache_hit_weight", "router_disk_cache_hit_weight"):
+        if getattr(s, dest) is not None:
+            _at_least(s, dest, 0, "")
+    if _tiered_credit_enabled(s) and s.cost_model == "time":
+        raise ValueError(f"{n('tiered_credit')} adds to the credited overlap, which {n('cost_model')} time "
+                         "does not read: use the block cost with tier weights")
+    _at_least(s, "affinity_load_bound", 0, " (0 = off)")
+
+
+def _check_worker_metrics(w: Any) -> None:
+    _at_least(w, "worker_metrics_interval_ms", 0, " (0 = off)")
+    _at_least(w, "worker_metrics_idle_interval_ms", 0, "")
+    _positive(w, "worker_metrics_max_rate")
+    _positive(w, "worker_metrics_staleness_ms")
+
+
+def _check_flow_control(f: Any) -> None:
+    n = setting
+    if not 0 < f.flow_control_queue_ttl_s < 600:
+        raise ValueError(f"{n('flow_control_queue_ttl_s')} must be in (0, 600), got "
+                         f"{f.flow_control_queue_ttl_s}: the shipped Envoy configs wait 600 s "
+                         "(message_timeout) for the picker's answer")
+    _positive(f, "flow_control_max_queued_requests")
+    _at_least(f, "queue_depth_threshold", 0, "")
+    if not 0 < f.kv_cache_util_threshold <= 1:
+        raise ValueError(f"{n('kv_cache_util_threshold')} must be in (0, 1], got {f.kv_cache_util_threshold}")
+    _at_least(f, "max_num_batched_tokens", 0, " (0 = off)")
+
+
+def _check_replicas(r: Any) -> None:
+    n = setting
+    _at_least(r, "processes", 1, "")
+    if r.replica_sync_plane == "nats" and (r.processes > 1 or _sync_enabled(r)):
+        raise ValueError(f"{n('replica_sync_plane')} nats finds its peers on NATS: it takes neither "
+                         f"{n('peers')}/{n('peer_service')} nor {n('processes')} > 1")
+    if r.peers and r.peer_service:
+        raise ValueError(f"choose one peer source: {n('peers')} or {n('peer_service')}, not both")
+    if r.processes > 1 and (r.peers or r.peer_service):
+        raise ValueError(f"{n('processes')} > 1 cannot be combined with {n('peers')} or "
+                         f"{n('peer_service')} yet")
+    _positive(r, "peer_timeout_ms")
+    _at_least(r, "peer_expiry_ms", 0, "")
+
+
+_CHECKS: tuple[tuple[str, Callable[[Any], None]], ...] = (
+    ("renderer", _check_renderer), ("serving", _check_serving), ("kv", _check_kv), ("discovery", _check_discovery),
+    ("scheduling", _check_scheduling), ("worker_metrics", _check_worker_metrics),
+    ("flow_control", _check_flow_control), ("replicas", _check_replicas))
+
+
+def _check_across(s: Any) -> None:
+    """The rules between two sections: each names both settings."""
+    n = setting
+    f, w, k, sched = s.flow_control, s.worker_metrics, s.kv, s.scheduling
+    if f.flow_control and w.worker_metrics_interval_ms == 0 and f.max_num_batched_tokens == 0:
+        raise ValueError(f"{n('flow_control')} needs a saturation signal: worker metrics "
+                         f"({n('worker_metrics_interval_ms')} > 0) or {n('max_num_batched_tokens')} > 0")
+    if _tiered_credit_enabled(sched) and k.kv_ingest != "inprocess":
+        raise ValueError(f"{n('tiered_credit')} reads the in-process KV index's tiers: it needs "
+                         f"{n('kv_ingest')} inprocess")
+    if sched.eviction_aware and k.kv_ingest != "inprocess":
+        raise ValueError(f"{n('eviction_aware')} reads the in-process KV index's removals: it needs "
+                         f"{n('kv_ingest')} inprocess")
+    if s.replicas.processes > 1 and s.serving.grpc_port == 0:
+        raise ValueError(f"{n('processes')} > 1 needs a fixed {n('grpc_port')} (the processes share it); "
+                         "got port 0")
+
 
 EPILOG = """\
 a picker for two local mock workers, rendering with the first one's render endpoint:

@@ -98,7 +98,7 @@ def supervise(cfg: Config, target: Callable[[Config, ProcessSlot], None] = run_c
         started[i] = time.monotonic()
         restart_at[i] = None
 
-    ingest = ingest_group(cfg, sock_dir) if cfg.kv_ingest == "apart" else None
+    ingest = ingest_group(cfg.sections.kv, sock_dir, log_level=cfg.log_level) if cfg.kv_ingest == "apart" else None
     log.info("starting %d picker processes sharing ext_proc port %d (sync over %s)", n, cfg.grpc_port,
              sock_dir)
     try:

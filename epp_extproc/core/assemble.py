@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, TypeVar
 
 from epp_extproc.config import Config
 from epp_extproc.core.contract import KvLookup
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from epp_extproc.tracing.spans import Tracing
 
 log = logging.getLogger(__name__)
+S = TypeVar("S")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,20 @@ def describe(spec: SchedulingSpec) -> dict[str, object]:
                          for name, p in spec.profiles.items()}}
 
 
+def settings_from(cls: type[S], *sections: object) -> S:
+    """A component's settings (`PlanSettings`, ...) from the sections that hold its fields: each field is the
+    option of the same name, taken from the first section that has it, so no field is copied by hand and a
+    field no section holds fails here, at start-up."""
+    values = {}
+    held = [{f.name for f in fields(s)} for s in sections]  # type: ignore[arg-type]
+    for f in fields(cls):  # type: ignore[arg-type]
+        holder = next((s for s, names in zip(sections, held, strict=True) if f.name in names), None)
+        if holder is None:
+            raise TypeError(f"{cls.__name__}.{f.name} is in none of the sections it was built from")
+        values[f.name] = getattr(holder, f.name)
+    return cls(**values)
+
+
 def assemble(config: Config, registry: EndpointRegistry, load: LoadTracker, metrics: PickerMetrics, *,
              spec: SchedulingSpec | None = None, renderer: Renderer | None = None, kv: KvLookup | None = None,
              fingerprint_of: Callable[[str], FingerprintId | None] | None = None,
@@ -76,19 +91,20 @@ def assemble(config: Config, registry: EndpointRegistry, load: LoadTracker, metr
     """`spec` None: today's flags (`spec_from_config`). Raises ValueError naming the entry a plugin cannot be
     built for (the CLI reports it at start-up). `tracing` (None: off) wraps the render call, the KV lookup,
     the scheduler and the flow-control wait in spans and adds its commit hook; the Director does not know."""
-    spec = spec if spec is not None else spec_from_config(config)
+    sections = config.sections
+    block_size = sections.kv.kv_cache_block_size
+    spec = spec if spec is not None else spec_from_config(sections.scheduling)
     engine = engine_for(renderer.protocol if renderer is not None else None)
     scoring_kv = kv
     if tracing is not None:
         renderer = tracing.renderer(renderer) if renderer is not None else None
         scoring_kv = tracing.kv(kv) if kv is not None else None
         admission = tracing.admission(admission) if admission is not None else None
-    deps = SchedulingDeps(registry, load, metrics, kv=scoring_kv, default_block_size=config.kv_cache_block_size,
+    deps = SchedulingDeps(registry, load, metrics, kv=scoring_kv, default_block_size=block_size,
                           churn=churn, usage=usage, saturated=saturated, sheddable=sheddable)
     built = build(spec, deps, sessions=sessions)
-    planner = Planner(PlanSettings(config.cache_salt_policy, config.media_credit, config.trust_media_uuids,
-                                   config.render_failure_policy, config.render_reject_policy), renderer, engine, kv)
-    forwarder = Forwarder(ForwardSettings(config.prompt_passthrough, config.max_body_bytes), engine, fingerprint_of)
+    planner = Planner(settings_from(PlanSettings, sections.renderer), renderer, engine, kv)
+    forwarder = Forwarder(settings_from(ForwardSettings, sections.renderer, sections.serving), engine, fingerprint_of)
     hooks: list[CommitHook] = []
     if kv is not None:
         hooks.append(KvPredictionHook(kv, engine))
@@ -98,10 +114,10 @@ def assemble(config: Config, registry: EndpointRegistry, load: LoadTracker, metr
     if tracing is not None:
         hooks.append(tracing.hook())
         scheduler = tracing.scheduler(built.handler, kv)
-    director = Director(DirectorSettings(config.max_body_bytes, config.kv_cache_block_size), registry, load,
+    director = Director(settings_from(DirectorSettings, sections.serving, sections.kv), registry, load,
                         planner=planner, scheduler=scheduler, forwarder=forwarder, rewriter=rewriter,
                         admission=admission, hooks=hooks, kv=kv, sessions=sessions, sheddable=sheddable)
-    threshold = int(spec.handler.parameters.get("threshold", config.pd_min_uncached_tokens))
+    threshold = int(spec.handler.parameters.get("threshold", sections.scheduling.pd_min_uncached_tokens))
     debug = DebugView(registry, kv, forwarder, cost_model=built.cost_model, pd_threshold=threshold,
-                      default_block_size=config.kv_cache_block_size, scheduling=describe(spec))
+                      default_block_size=block_size, scheduling=describe(spec))
     return Assembled(director, debug, spec, deps, built.source)

@@ -1127,6 +1127,8 @@ def load_config_file(path: str) -> SchedulingSpec:
 
 def spec_from_config(config: Any) -> SchedulingSpec:
     """Today's flags as a spec: the default profiles the flags describe, so flags and file run one path.
+    `config` is the scheduling section (`config.sections.scheduling`, what `assemble` hands it) or a whole
+    `Config`: only the scheduling options are read.
 
     Always a pd-profile-handler with `decode` and `prefill` profiles, each with its role filter: whether the
     pool has prefill workers is known only at run time, and the handler answers the decode profile alone when
