@@ -11,6 +11,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[gateway,test,bench]'
+	$(BIN)/python -m epp_extproc.dev.otel_protos --repair
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -14,6 +14,7 @@ and the resource (`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`; the service d
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,13 @@ def enabled_by(environ: Mapping[str, str]) -> bool:
 def from_env(environ: Mapping[str, str], registry: CollectorRegistry | None = None) -> Tracing | None:
     """The picker's tracing as the environment configures it; None (and no SDK import) when it is off."""
     if not enabled_by(environ):
+        return None
+    from epp_extproc.dev.otel_protos import REPAIR, installed_version, intact
+
+    if not intact():  # xds-protos' older copy of the OTLP protos won the install: the exporters cannot load
+        logging.getLogger(__name__).error(
+            "tracing is configured but stays off: opentelemetry.proto is xds-protos' older copy (both packages "
+            "ship it); repair with: %s", REPAIR.format(version=installed_version() or "<version>"))
         return None
     from epp_extproc.tracing.spans import Tracing
 

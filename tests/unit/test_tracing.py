@@ -452,3 +452,23 @@ def test_the_export_queue_batches_on_its_thread_bounds_what_waits_and_flushes_at
     assert len(spans_) == 6
     child = next(s for s in spans_ if s.name == "child")
     assert child.parent.span_id == 7 and child.status.status_code is StatusCode.ERROR and child.kind is SpanKind.CLIENT
+
+
+def test_tracing_stays_off_with_one_error_when_the_otlp_protos_are_xds_protos_older_copy(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """xds-protos and opentelemetry-proto both ship `opentelemetry/proto`; a fresh install may leave the older
+    copy, and the exporters cannot load: the picker serves without tracing and says how to repair it."""
+    import epp_extproc.dev.otel_protos as protos
+    from epp_extproc import tracing
+
+    monkeypatch.setattr(protos, "intact", lambda: False)
+    with caplog.at_level("ERROR", logger="epp_extproc.tracing"):
+        assert tracing.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}) is None
+    assert "pip install --force-reinstall --no-deps opentelemetry-proto==" in caplog.text
+
+
+def test_the_installed_otlp_protos_are_opentelemetry_protos_own() -> None:
+    """`make install` repairs what a fresh install may leave (epp_extproc/dev/otel_protos.py)."""
+    from epp_extproc.dev.otel_protos import intact
+
+    assert intact()
