@@ -271,4 +271,14 @@ def chat(body: bytes, headers: dict[str, list[str]] | None = None) -> RequestCon
     return RequestContext("POST", "/v1/chat/completions", headers or {}, body)
 
 
+class TokensRenderer:
+    """A TensorRT-LLM renderer that answers the ids a test set in `tokens`, whatever the body."""
+
+    protocol = "trtllm-render"
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+
+    async def render(self, kind: str, body: bytes, *, count: bool = True) -> Rendered:
+        return Rendered(list(self.tokens))
 

@@ -15,7 +15,6 @@ from epp_extproc.adapters.kv_routing import KvRouting
 from epp_extproc.config import Config, load_config
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.core.load import LoadTracker
-from epp_extproc.core.render import Rendered
 from epp_extproc.core.request import RequestContext
 from epp_extproc.core.scheduling.config_file import parse_config, spec_from_config, spec_to_yaml
 from epp_extproc.core.scheduling.eviction_scorer import EvictionScorer
@@ -24,7 +23,7 @@ from epp_extproc.dev.kvwire import pack_batch, removed_event, stored_event
 from epp_extproc.metrics import PickerMetrics
 from kvindex.decode import decode_payload
 from kvindex.tiers import TIER_BIT
-from tests.scheduling_fakes import Decider, Row, build_decider, request, table_of
+from tests.scheduling_fakes import Decider, Row, TokensRenderer, build_decider, request, table_of
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 BS = 4
@@ -164,16 +163,6 @@ def test_a_config_file_names_tiered_credit_with_its_parameters() -> None:
 # ------------------------------------------------------------------ the pipeline, with the real index
 
 
-class FakeRenderer:
-    protocol = "trtllm-render"
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-
-    async def render(self, kind: str, body: bytes, *, count: bool = True) -> Rendered:
-        return Rendered(list(self.tokens))
-
-
 def chat() -> RequestContext:
     return RequestContext(method="POST", path="/v1/chat/completions", headers={},
                           body=b'{"model":"m","messages":[{"role":"user","content":"hi"}]}')
@@ -183,13 +172,13 @@ def events(kv: KvRouting, worker: str, *evs: dict[str, Any]) -> None:
     kv.index.apply_batch(worker, decode_payload(pack_batch(list(evs))))
 
 
-def pipeline(tiered: bool) -> tuple[Decider, FakeRenderer, KvRouting]:
+def pipeline(tiered: bool) -> tuple[Decider, TokensRenderer, KvRouting]:
     reg = EndpointRegistry()
     reg.replace([Endpoint("a", A), Endpoint("b", B)])
     metrics = PickerMetrics()
     kv = KvRouting(reg, block_size=BS, max_blocks_per_worker=10_000, topic="", prediction_ttl_s=0.0,
                    metrics_registry=None, ask_server_info=False)
-    r = FakeRenderer()
+    r = TokensRenderer()
     config = Config(tokenizer_protocol="trtllm-render", tokenizer_service_url="http://127.0.0.1:1",
                     kv_cache_block_size=BS, tiered_credit=tiered)
     return build_decider(config, reg, LoadTracker(metrics.endpoint_inflight), metrics, renderer=r, kv=kv), r, kv
@@ -266,7 +255,7 @@ async def test_a_committed_decision_counts_its_blocks_per_tier() -> None:
     assert pipe.metrics.registry.get_sample_value("epp_tiered_credit_blocks_total", {"tier": "cpu"}) == 3
 
 
-async def scripted(pipe: Decider, r: FakeRenderer, kv: KvRouting, seed: int) -> list[tuple[str, float]]:
+async def scripted(pipe: Decider, r: TokensRenderer, kv: KvRouting, seed: int) -> list[tuple[str, float]]:
     """Forty committed decisions over GPU-only events and varied prompts: (pick, cost) each."""
     rng = random.Random(seed)
     out = []

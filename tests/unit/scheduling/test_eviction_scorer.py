@@ -14,14 +14,21 @@ from epp_extproc.config import Config
 from epp_extproc.core.contract import PromptIdentity
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.core.load import EndpointLoad, LoadTracker
-from epp_extproc.core.render import Rendered
 from epp_extproc.core.request import RequestContext
 from epp_extproc.core.scheduling.eviction_scorer import EvictionScorer
 from epp_extproc.metrics import PickerMetrics
 from kvindex.churn import ChurnWindow
 from kvindex.events import BlockRemoved, BlockStored, DecodedBatch
 from kvindex.index import KvIndex
-from tests.scheduling_fakes import CostParams, Decider, Row, apply_eviction, build_decider, choose
+from tests.scheduling_fakes import (
+    CostParams,
+    Decider,
+    Row,
+    TokensRenderer,
+    apply_eviction,
+    build_decider,
+    choose,
+)
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 BS = 32
@@ -170,16 +177,6 @@ def test_usage_gauge_sets_the_pinned_blocks() -> None:
 # ------------------------------------------------------------------ the pipeline: off = today, debug
 
 
-class FakeRenderer:
-    protocol = "trtllm-render"
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-
-    async def render(self, kind: str, body: bytes, *, count: bool = True) -> Rendered:
-        return Rendered(list(self.tokens))
-
-
 class FakeKv:
     def __init__(self) -> None:
         self.overlaps: dict[str, int] = {}
@@ -206,12 +203,12 @@ class FakeKv:
         pass
 
 
-def pipeline(churn: ChurnWindow | None) -> tuple[Decider, FakeRenderer, FakeKv]:
+def pipeline(churn: ChurnWindow | None) -> tuple[Decider, TokensRenderer, FakeKv]:
     """The decision with the flag off (`churn` None) or on, reading `churn` and no usage gauge."""
     reg = EndpointRegistry()
     reg.replace([Endpoint("a", A), Endpoint("b", B)])
     metrics = PickerMetrics()
-    r, kv = FakeRenderer(), FakeKv()
+    r, kv = TokensRenderer(), FakeKv()
     config = Config(tokenizer_protocol="trtllm-render", tokenizer_service_url="http://127.0.0.1:1",
                     eviction_aware=churn is not None)
     return build_decider(config, reg, LoadTracker(metrics.endpoint_inflight), metrics, renderer=r, kv=kv,
@@ -223,7 +220,7 @@ def chat() -> RequestContext:
                           body=b'{"model":"m","messages":[{"role":"user","content":"hi"}]}')
 
 
-async def scripted_run(pipe: Decider, r: FakeRenderer, kv: FakeKv, seed: int) -> list[tuple[str, float]]:
+async def scripted_run(pipe: Decider, r: TokensRenderer, kv: FakeKv, seed: int) -> list[tuple[str, float]]:
     """Forty decisions with varied prompts and overlaps, committed (so bookings pile up): (pick, cost) each."""
     rng = random.Random(seed)
     out = []
