@@ -312,6 +312,12 @@ class Config:
         "(1 + this) x the pool's average (plus the request's blocks), ties by the block cost (not applied with "
         "--cost-model time: a value other than the default is named in a start-up warning); 0 = "
         "the block cost alone places (the rule before 0.5 became the default); see docs/bounded-affinity.md")
+    affinity_rule: str = opt("DYN_EPP_AFFINITY_RULE", "weighed", str,
+        "how much affinity a cached prefix buys within the load bound: `weighed` = each fitting worker's cost "
+        "is lowered by (1 + bound) x the pool's average held load x the share of the prompt it holds, the least "
+        "adjusted cost wins (a small prefix no longer outweighs the queue it joins; issue 42); `longest` = the "
+        "longest cached prefix wins, ties by the cost (the rule before issue 42, kept for a release)",
+        ("weighed", "longest"))
     prediction_ttl_s: float = opt("DYN_EPP_PREDICTION_TTL_S", 2.0, float,
         "how long a pick counts as cached on its worker before its KV events confirm it (--prediction-lifetime "
         "fixed; also what replica-sync peers are told in either mode)")
@@ -525,7 +531,7 @@ SECTIONS: tuple[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], ...] = (
     ("scheduling", (
         ("scheduling (KV overlap against load: cost, picker, tiers, prefill/decode)",
          ("config_file", "kv_overlap_score_credit", "prefill_load_scale", "router_temperature", "cost_model",
-          "affinity_load_bound", "eviction_aware", "tiered_credit", "router_host_cache_hit_weight",
+          "affinity_load_bound", "affinity_rule", "eviction_aware", "tiered_credit", "router_host_cache_hit_weight",
           "router_disk_cache_hit_weight", "pd_min_uncached_tokens")),
         ("session affinity (a conversation sent back to its worker)",
          ("session_affinity_keys_file", "session_affinity_ttl_s")))),

@@ -216,6 +216,7 @@ SCENARIOS = [
     Scenario("load_only", protocol="none"),
     Scenario("prediction_only", events=False),
     Scenario("temperature", {"router_temperature": 0.5}),
+    Scenario("rule_longest", {"affinity_rule": "longest"}),
     Scenario("bound_0", {"affinity_load_bound": 0.0}),
     Scenario("bound_0_temperature", {"affinity_load_bound": 0.0, "router_temperature": 0.7}),
     Scenario("time_cost", {"cost_model": "time"}, slo=True),

@@ -174,8 +174,9 @@ def choose(rows: Sequence[Row], params: CostParams, rng: random.Random | None = 
     return _run(rows, params, picker)
 
 
-def choose_bounded(rows: Sequence[Row], params: CostParams, bound: float, rng: random.Random | None = None) -> Row:
-    return _run(rows, params, BoundedLoadPicker(bound, params.temperature, rng))
+def choose_bounded(rows: Sequence[Row], params: CostParams, bound: float, rng: random.Random | None = None,
+                   rule: str = "weighed") -> Row:
+    return _run(rows, params, BoundedLoadPicker(bound, params.temperature, rng, rule))
 
 
 def apply_eviction(scorer: EvictionScorer, rows: Sequence[Row]) -> None:

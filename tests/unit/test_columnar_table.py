@@ -118,14 +118,15 @@ def test_every_picker_draws_the_same_row_from_the_same_random_stream(n: int) -> 
         ct.cost[:] = s.score(_req(), ct)
         pool: Any = range(n) if trial % 3 else sorted(rng.sample(range(n), rng.randint(1, n)))
         for make in (lambda r: MinCostPicker(r), lambda r: SoftmaxPicker(rng.choice([0.1, 0.5, 2.0]), r),
-                     lambda r: BoundedLoadPicker(rng.choice([0.0, 0.25, 1.0]), rng.choice([0.0, 0.0, 0.7]), r)):
+                     lambda r: BoundedLoadPicker(rng.choice([0.0, 0.25, 1.0]), rng.choice([0.0, 0.0, 0.7]), r,
+                                                 rng.choice(["weighed", "longest"]))):
             seed = rng.random()
             r1, r2 = random.Random(seed), random.Random(seed)
             p1, p2 = make(r1), make(r2)
             if hasattr(p2, "temperature"):
                 p2.temperature = p1.temperature
             if isinstance(p1, BoundedLoadPicker):
-                p2.bound = p1.bound  # type: ignore[union-attr]
+                p2.bound, p2.rule = p1.bound, p1.rule  # type: ignore[union-attr]
             for _ in range(3):  # several draws: the streams must stay in step
                 a, b = p1.pick(_req(), lt, pool), p2.pick(_req(), ct, pool)
                 assert a == b and type(b) is int

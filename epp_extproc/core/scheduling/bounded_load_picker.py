@@ -1,13 +1,27 @@
-"""`bounded-load-picker` (`--affinity-load-bound EPS`): the cache first, within a load bound.
+"""`bounded-load-picker` (`--affinity-load-bound EPS`): the cache first, within a load bound, weighed.
 
 After consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018): a worker may take
-the request only if its held load is within (1 + EPS) x the pool's average plus the request's own blocks;
-among those the one with the longest credited prefix wins, ties by the cost. Under the cost alone a cached
-prefix is worth at most its own blocks while load differences grow with the load, so at saturation a prefix
-is copied onto whichever worker is momentarily lighter, evicting others there; the bound lets affinity scale
-with the load instead. The clairvoyant bench router (bench/clairvoyant.py) places the same way: the most
-reusable blocks among the workers that can admit now. A request no admissible worker holds any of goes by the
-cost, at the picker's temperature.
+the request only if its held load is within (1 + EPS) x the pool's average plus the request's own blocks.
+Under the cost alone a cached prefix is worth at most its own blocks while load differences grow with the
+load, so at saturation a prefix is copied onto whichever worker is momentarily lighter, evicting others there;
+the bound lets affinity scale with the load instead.
+
+How much affinity a prefix buys is weighed (`rule: weighed`, the default since issue 42): among the workers
+within the bound, each one's block cost is lowered by
+
+    affinity = (1 + EPS) x the pool's average held load x (credited blocks / prompt blocks)
+
+and the least adjusted cost wins. A worker holding the whole prompt may thus be up to the bound's own span
+heavier than an idle one and still win (what the earlier rule gave every cached prefix); a prefix covering a
+fraction of the prompt holds the request only that fraction as far, and an idle pool (average 0) is placed by
+the block cost alone. The earlier rule (`rule: longest`: the longest credited prefix within the bound wins,
+ties by the cost) counted any positive overlap as a win however small beside the prompt and however long the
+queue it joins: with a shared system prompt, three workers of four held it, could absorb the whole load
+within (1 + 0.5) x the average, and the fourth never got a request (issue 42). It stays selectable for a
+release (`--affinity-rule longest`), for comparison.
+
+A request no admissible worker holds any of goes by the cost over every candidate, at the picker's
+temperature, under either rule.
 """
 
 from __future__ import annotations
@@ -25,17 +39,25 @@ from epp_extproc.core.scheduling.table import CandidateTable, SchedulingRequest
 if TYPE_CHECKING:
     from epp_extproc.core.scheduling.deps import SchedulingDeps
 
+RULES = ("weighed", "longest")
+
 
 @dataclass(slots=True)
 class BoundedLoadPicker:
     bound: float
     temperature: float = 0.0
     rng: random.Random | None = None  # seeded in tests; None: the module's generator
+    rule: str = "weighed"
     name: str = "bounded-load-picker"
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"bounded-load-picker rule must be one of {', '.join(RULES)}, not {self.rule!r}")
 
     @classmethod
     def create(cls, params: Mapping[str, Any], deps: SchedulingDeps) -> BoundedLoadPicker:
-        return cls(float(params["bound"]), float(params.get("temperature", 0.0)))
+        return cls(float(params["bound"]), float(params.get("temperature", 0.0)),
+                   rule=str(params.get("rule", "weighed")))
 
     def pick(self, req: SchedulingRequest, table: CandidateTable, pool: Sequence[int]) -> int:
         t = self.temperature if req.temperature is None else req.temperature
@@ -44,38 +66,60 @@ class BoundedLoadPicker:
         loads, pb, credited = table.loads, table.prompt_blocks, table.credited
         # the blocks of work a worker holds, as the bound weighs them: its bookings and its unbooked load
         held = [loads[i].decode_blocks + loads[i].unbooked_blocks for i in pool]
-        ceiling = (1.0 + self.bound) * sum(held) / len(pool)
+        average = sum(held) / len(pool)
+        ceiling = (1.0 + self.bound) * average
         best = 0.0
-        ties: list[int] = []
+        fits: list[int] = []
         for i, h in zip(pool, held, strict=True):
             p = pb[i]
             slack = p if p > 1.0 else 1.0
             if h <= ceiling + slack:
-                effective = credited[i]
-                if effective > best:
-                    best, ties = effective, [i]
-                elif effective == best and best > 0:
-                    ties.append(i)
-        return least_cost(table.cost, pool if best <= 0 else ties, t, self.rng)
+                fits.append(i)
+                if credited[i] > best:
+                    best = credited[i]
+        if best <= 0:
+            return least_cost(table.cost, pool, t, self.rng)
+        if self.rule == "longest":
+            return least_cost(table.cost, [i for i in fits if credited[i] == best], t, self.rng)
+        span = (1.0 + self.bound) * average
+        adjusted = list(table.cost)
+        for i in fits:
+            p = pb[i]
+            share = credited[i] / (p if p > 1.0 else 1.0)
+            adjusted[i] -= span * (share if share < 1.0 else 1.0)
+        return least_cost(adjusted, fits, t, self.rng)
 
     def _vector(self, table: CandidateTable, pool: Sequence[int], t: float) -> int:
         """The loop above over a columnar table, in the same order of operations, so the same row is drawn from
         the same random stream: `held` elementwise; its sum by Python's `sum` over the same floats (NumPy's
         adds pairwise and may differ in the last bit, and Python 3.12's `sum` compensates: the list path's
-        own function keeps any version's rounding); the ties in pool order."""
+        own function keeps any version's rounding); the candidates in pool order."""
         assert table.decode_load is not None and table.unbooked_load is not None
-        if is_whole(pool, len(table)):
+        whole = is_whole(pool, len(table))
+        rows = None if whole else as_rows(pool)
+        if rows is None:
             held = table.decode_load + table.unbooked_load
             pb, credited = table.prompt_blocks, table.credited
         else:
-            rows = as_rows(pool)
             held = table.decode_load[rows] + table.unbooked_load[rows]
             pb, credited = table.prompt_blocks[rows], table.credited[rows]
-        ceiling = (1.0 + self.bound) * sum(held.tolist()) / len(held)
+        average = sum(held.tolist()) / len(held)
+        ceiling = (1.0 + self.bound) * average
         slack = np.maximum(pb, 1.0)  # `p if p > 1.0 else 1.0` (no NaN can arise)
-        effective = np.where(held <= ceiling + slack, credited, 0.0)
+        fit = held <= ceiling + slack
+        effective = np.where(fit, credited, 0.0)
         best = float(effective.max())
         if best <= 0:
             return least_cost(table.cost, pool, t, self.rng)
-        ties = np.flatnonzero(effective == best)  # positions in the pool, in its order
-        return least_cost(table.cost, ties if is_whole(pool, len(table)) else as_rows(pool)[ties], t, self.rng)
+        if self.rule == "longest":
+            ties = np.flatnonzero(effective == best)  # positions in the pool, in its order
+            return least_cost(table.cost, ties if rows is None else rows[ties], t, self.rng)
+        fits = np.flatnonzero(fit)
+        share = np.minimum(credited / slack, 1.0)
+        adjusted = table.cost.copy()
+        span = (1.0 + self.bound) * average
+        if rows is None:
+            adjusted[fits] -= span * share[fits]
+            return least_cost(adjusted, fits, t, self.rng)
+        adjusted[rows[fits]] -= span * share[fits]
+        return least_cost(adjusted, rows[fits], t, self.rng)

@@ -128,6 +128,14 @@ def _float_check(low: float, strict: bool) -> Callable[[Any], float]:
     return check
 
 
+def _choice(values: tuple[str, ...]) -> Callable[[Any], str]:
+    def check(v: Any) -> str:
+        if v not in values:
+            raise _Bad(f"one of {', '.join(values)}")
+        return str(v)
+    return check
+
+
 class _Bad(Exception):
     """A parameter check's complaint: what was expected (the caller adds the entry, field and value)."""
 
@@ -163,7 +171,10 @@ OUR_TYPES: Mapping[str, _Type] = MappingProxyType({
     "bounded-load-picker": _Type("picker", {
         "bound": _Param(_float_check(0.0, strict=True), _REQUIRED),
         "temperature": _Param(_float_check(0.0, strict=False), 0.0),
-    }, "the longest cached prefix among workers whose load is within (1 + bound) x the average"),
+        "rule": _Param(_choice(("weighed", "longest")), "weighed"),
+    }, "the cached prefix first among workers whose load is within (1 + bound) x the average: `weighed` lowers "
+       "each one's cost by (1 + bound) x the average load x the share of the prompt it holds; `longest` lets "
+       "the longest prefix win"),
     "random-picker": _Type("picker", {}, "uniform over the candidates"),
     "tiered-credit": _Type("scorer", {
         "gpuWeight": _Param(_float_check(0.0, strict=False), 1.0),
@@ -1161,7 +1172,8 @@ def spec_from_config(config: Any) -> SchedulingSpec:
         decode_scorers = [block]
         if config.affinity_load_bound > 0:
             picker = _plugin("bounded-load-picker", "bounded-load-picker",
-                             {"bound": float(config.affinity_load_bound), "temperature": temperature},
+                             {"bound": float(config.affinity_load_bound), "temperature": temperature,
+                              "rule": str(config.affinity_rule)},
                              "bounded-load-picker")
         else:
             picker = plain
@@ -1285,7 +1297,7 @@ def report_lines(spec: SchedulingSpec) -> list[str]:
     for p in spec.profiles.values():
         chain = [f.type for f in p.filters] + [f"{s.type} x{w:g}" for s, w in p.scorers]
         chain.append(p.picker.type + ("" if not p.picker.parameters else
-                                      " (" + ", ".join(f"{k}={v:g}" for k, v in p.picker.parameters.items()) + ")"))
+                                      " (" + ", ".join(f"{k}={_show(v)}" for k, v in p.picker.parameters.items()) + ")"))
         lines.append(f"  profile {p.name}: " + " -> ".join(chain))
     for k, v in spec.settings.items():
         lines.append(f"  setting {k} = {_show(v)}")

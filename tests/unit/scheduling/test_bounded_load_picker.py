@@ -1,4 +1,5 @@
-"""--affinity-load-bound: the longest cached prefix wins among the workers within the load bound."""
+"""--affinity-load-bound: the cached prefix first among the workers within the load bound, weighed against the
+load it joins (--affinity-rule weighed, the default since issue 42), or the longest prefix outright (`longest`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from collections import Counter
 
 import pytest
 
+from epp_extproc.cli import load_config
 from epp_extproc.config import Config
+from epp_extproc.core.scheduling.bounded_load_picker import BoundedLoadPicker
 from epp_extproc.core.load import EndpointLoad
 from tests.scheduling_fakes import ADDRS, CostParams, Row, chat, choose, choose_bounded, decide, make
 
@@ -32,9 +35,55 @@ def test_a_cached_worker_above_the_bound_loses_to_the_cost() -> None:
     assert choose_bounded(cands, P, 0.25).address == choose(cands, P).address == "cold"
 
 
-def test_the_longest_prefix_among_the_bounded_workers_wins() -> None:
+def test_the_longest_prefix_among_the_bounded_workers_wins_under_the_longest_rule() -> None:
     cands = [cand("short", 100, overlap=10), cand("long", 150, overlap=30), cand("cold", 0)]
+    assert choose_bounded(cands, P, 0.5, rule="longest").address == "long"
+
+
+def test_the_longer_prefix_wins_among_equally_loaded_workers() -> None:
+    cands = [cand("short", 100, overlap=10), cand("long", 100, overlap=30), cand("c", 100)]
     assert choose_bounded(cands, P, 0.5).address == "long"
+
+
+def test_an_idle_worker_takes_the_request_from_loaded_workers_holding_only_a_shared_system_prompt() -> None:
+    # issue 42: three workers hold a 2-block system prompt of a 5-block prompt and carry the load; the fourth
+    # never served a request, so holds nothing. The longest-prefix rule sent it nothing, ever: every loaded
+    # worker is within (1 + 0.5) x the average (15 blocks) plus the prompt
+    cands = [cand("a", 20, overlap=2, prompt=5), cand("b", 20, overlap=2, prompt=5),
+             cand("c", 20, overlap=2, prompt=5), cand("idle", 0, prompt=5)]
+    assert choose_bounded(cands, P, 0.5, rule="longest").address != "idle"
+    assert choose_bounded(cands, P, 0.5).address == "idle"
+
+
+def test_a_worker_holding_the_whole_prompt_keeps_it_up_to_the_bound_over_an_idle_one() -> None:
+    # the same pool, the prompt wholly cached on the loaded workers: affinity is worth the bound's span
+    cands = [cand("a", 20, overlap=5, prompt=5), cand("b", 20, overlap=5, prompt=5),
+             cand("c", 20, overlap=5, prompt=5), cand("idle", 0, prompt=5)]
+    assert choose_bounded(cands, P, 0.5).address in {"a", "b", "c"}
+
+
+def test_a_prefix_buys_affinity_in_proportion_to_the_share_of_the_prompt_it_covers() -> None:
+    # average held 60 blocks, span (1 + 0.5) x 60 = 90 blocks: 10 of 40 blocks cached buys 22.5 blocks of
+    # load, 30 of 40 buys 67.5; "hot" is 60 blocks heavier than "cold"
+    def pool(overlap: int) -> list[Row]:
+        return [cand("hot", 90, overlap=overlap), cand("cold", 30), cand("c2", 60), cand("c3", 60)]
+    assert choose_bounded(pool(10), P, 0.5).address == "cold"
+    assert choose_bounded(pool(30), P, 0.5).address == "hot"
+
+
+def test_an_idle_pool_is_placed_by_the_cost_alone() -> None:
+    # nothing is held anywhere (average 0): the weighed rule adds nothing to the block cost's own credit
+    cands = [cand("short", 0, overlap=10, prefill=30), cand("long", 0, overlap=2), cand("cold", 0)]
+    assert choose_bounded(cands, P, 0.5).address == choose(cands, P).address == "long"
+
+
+def test_the_rule_is_weighed_by_default_and_an_unknown_one_is_refused() -> None:
+    assert Config().affinity_rule == "weighed"
+    assert load_config(["--affinity-rule", "longest"], env={}).affinity_rule == "longest"
+    with pytest.raises(SystemExit):
+        load_config(["--affinity-rule", "nearest"], env={})
+    with pytest.raises(ValueError, match="rule must be one of weighed, longest"):
+        BoundedLoadPicker(0.5, rule="nearest")
 
 
 def test_equal_prefixes_are_decided_by_the_cost() -> None:
@@ -79,7 +128,7 @@ async def test_the_pipeline_picks_within_the_bound_only_when_the_flag_is_set() -
     # prefer the idle ADDRS[1]
     outcomes = {}
     for bound in (0.0, 0.25):
-        pipe, _, _ = make(affinity_load_bound=bound)
+        pipe, _, _ = make(affinity_load_bound=bound, affinity_rule="longest")
         pipe.load.book(ADDRS[0], 3)
         outcomes[bound] = (await decide(pipe, chat(b'{"messages":[]}'))).address
     assert outcomes == {0.0: ADDRS[1], 0.25: ADDRS[0]}

@@ -347,7 +347,7 @@ def test_defaults_compile_to_the_expected_profiles() -> None:
     # the prefill leg picks without the bound: it has no answer whose cache affinity the bound keeps
     assert chain(spec, "prefill") == ["prefill-filter", "kv-block-cost-scorer*1", "min-cost-picker"]
     assert dict(spec.profiles["decode"].scorers[0][0].parameters) == {"overlapCredit": 2.0, "prefillLoadScale": 1.0}
-    assert dict(spec.profiles["decode"].picker.parameters) == {"bound": 0.5, "temperature": 0.0}
+    assert dict(spec.profiles["decode"].picker.parameters) == {"bound": 0.5, "temperature": 0.0, "rule": "weighed"}
 
 
 @pytest.mark.parametrize("flags", [
