@@ -10,8 +10,8 @@ import pytest
 
 from epp_extproc.cli import load_config
 from epp_extproc.config import Config
-from epp_extproc.core.scheduling.bounded_load_picker import BoundedLoadPicker
 from epp_extproc.core.load import EndpointLoad
+from epp_extproc.core.scheduling.bounded_load_picker import BoundedLoadPicker
 from tests.scheduling_fakes import ADDRS, CostParams, Row, chat, choose, choose_bounded, decide, make
 
 P = CostParams(overlap_credit=2.0)
