@@ -290,6 +290,22 @@ def wait_idle(workers: list[H.Proc], timeout: float = 120) -> None:
 _PICKS = re.compile(r'^epp_picks_total\{endpoint="([^"]+)"[^}]*\} (\S+)$', re.M)
 
 
+_SUMS = re.compile(r'^(epp_(?:decision|score|render)_seconds)_(sum|count) (\S+)$', re.M)
+
+
+def picker_timings(pk: H.Proc) -> dict[str, float | None]:
+    """The picker's mean decision, render and scoring time in ms over the run (its histograms' sum / count):
+    what a KV-aware configuration pays on the request path beside a load-only one."""
+    seen: dict[tuple[str, str], float] = {}
+    for name, kind, v in _SUMS.findall(H.get_text(H.picker_url(pk) + "/metrics")):
+        seen[(name, kind)] = seen.get((name, kind), 0.0) + float(v)
+    out: dict[str, float | None] = {}
+    for what in ("decision", "score", "render"):
+        n, total = seen.get((f"epp_{what}_seconds", "count"), 0.0), seen.get((f"epp_{what}_seconds", "sum"), 0.0)
+        out[f"picker_{what}_mean_ms"] = round(total / n * 1000, 3) if n else None
+    return out
+
+
 def picker_picks(pk: H.Proc) -> dict[str, int]:
     return {ep: int(float(v)) for ep, v in _PICKS.findall(H.get_text(H.picker_url(pk) + "/metrics"))}
 
@@ -520,6 +536,11 @@ def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], rendere
         wait_idle(workers)
         after = stats(workers)
         picks = all_picks(pks)
+        if pks and cfg not in ("cv",) and pks[0].alive():
+            try:
+                extra.update(picker_timings(pks[0]))
+            except OSError:
+                pass
         if picks is not None and len(pks) > 1:
             extra["picks_per_picker"] = [sum(picker_picks(p).values()) for p in pks]
         if restarter is not None and picks is not None and pks[0].alive():  # the new process's own share
@@ -601,7 +622,10 @@ def print_run(cap: str, row: dict[str, Any]) -> None:
           f" ms, ITL p50/p90 {H.fmt(row['itl_p50_ms'], '.1f')}/{H.fmt(row['itl_p90_ms'], '.1f')} ms, "
           f"{H.fmt(row['output_tokens_per_s'], '.0f')} out tok/s, cached {row['aiperf_cached_ratio']:.3f} "
           f"(workers {row['workers_cached_ratio']:.3f}), errors {row['errors']}, served {row['per_worker_served']}, "
-          f"{row['aiperf_wall_s']}s", flush=True)
+          f"{row['aiperf_wall_s']}s"
+          + (f", picker decision/render/score {H.fmt(row['picker_decision_mean_ms'], '.2f')}/"
+             f"{H.fmt(row.get('picker_render_mean_ms'), '.2f')}/{H.fmt(row.get('picker_score_mean_ms'), '.2f')} ms"
+             if row.get("picker_decision_mean_ms") is not None else ""), flush=True)
 
 
 def run_capacity(plan: Plan, configs: Sequence[str], wl: Workload, cap: str, work: Path) -> tuple[

@@ -9,12 +9,12 @@ the bound lets affinity scale with the load instead.
 How much affinity a prefix buys is weighed (`rule: weighed`, the default since issue 42): among the workers
 within the bound, each one's block cost is lowered by
 
-    affinity = (1 + EPS) x the pool's average held load x (credited blocks / prompt blocks)
+    affinity = ((1 + EPS) x the pool's average held load + prompt blocks) x (credited blocks / prompt blocks)
 
-and the least adjusted cost wins. A worker holding the whole prompt may thus be up to the bound's own span
-heavier than an idle one and still win (what the earlier rule gave every cached prefix); a prefix covering a
-fraction of the prompt holds the request only that fraction as far, and an idle pool (average 0) is placed by
-the block cost alone. The earlier rule (`rule: longest`: the longest credited prefix within the bound wins,
+and the least adjusted cost wins. A worker holding the whole prompt is thus worth the bound's whole ceiling
+and wins up to it, as every cached prefix did under the earlier rule; a prefix covering a fraction of the
+prompt holds the request only that fraction as far; in an idle pool the affinity is the credited blocks
+themselves, so the longer prefix still wins where the block cost's own credit is cut off at zero. The earlier rule (`rule: longest`: the longest credited prefix within the bound wins,
 ties by the cost) counted any positive overlap as a win however small beside the prompt and however long the
 queue it joins: with a shared system prompt, three workers of four held it, could absorb the whole load
 within (1 + 0.5) x the average, and the fourth never got a request (issue 42). It stays selectable for a
@@ -81,12 +81,12 @@ class BoundedLoadPicker:
             return least_cost(table.cost, pool, t, self.rng)
         if self.rule == "longest":
             return least_cost(table.cost, [i for i in fits if credited[i] == best], t, self.rng)
-        span = (1.0 + self.bound) * average
         adjusted = list(table.cost)
         for i in fits:
             p = pb[i]
-            share = credited[i] / (p if p > 1.0 else 1.0)
-            adjusted[i] -= span * (share if share < 1.0 else 1.0)
+            slack = p if p > 1.0 else 1.0
+            share = credited[i] / slack
+            adjusted[i] -= (ceiling + slack) * (share if share < 1.0 else 1.0)
         return least_cost(adjusted, fits, t, self.rng)
 
     def _vector(self, table: CandidateTable, pool: Sequence[int], t: float) -> int:
@@ -115,11 +115,10 @@ class BoundedLoadPicker:
             ties = np.flatnonzero(effective == best)  # positions in the pool, in its order
             return least_cost(table.cost, ties if rows is None else rows[ties], t, self.rng)
         fits = np.flatnonzero(fit)
-        share = np.minimum(credited / slack, 1.0)
+        affinity = (ceiling + slack[fits]) * np.minimum(credited[fits] / slack[fits], 1.0)
         adjusted = table.cost.copy()
-        span = (1.0 + self.bound) * average
         if rows is None:
-            adjusted[fits] -= span * share[fits]
+            adjusted[fits] -= affinity
             return least_cost(adjusted, fits, t, self.rng)
-        adjusted[rows[fits]] -= span * share[fits]
+        adjusted[rows[fits]] -= affinity
         return least_cost(adjusted, rows[fits], t, self.rng)
