@@ -183,14 +183,16 @@ function renderScore(doc) {
   out.replaceChildren();
   if (doc.error) { out.append(el('p', doc.error, 'bad')); return; }
   const p = el('p');
-  p.append(el('strong', 'pick: ' + (doc.pick === null ? 'none' : doc.pick)), el('span',
+  const picked = (doc.workers || []).find((w) => w.address === doc.pick);
+  const pick = doc.pick === null ? 'none' : picked && picked.name ? picked.name + ' (' + doc.pick + ')' : doc.pick;
+  p.append(el('strong', 'pick: ' + pick), el('span',
     ' \\u00b7 route ' + doc.route + ' \\u00b7 ' + doc.prompt_tokens + ' prompt tokens \\u00b7 would book ' +
     doc.would_book_blocks + ' blocks \\u00b7 predicted cached tokens ' + doc.predicted_cached_tokens));
   out.append(p);
   const table = el('table');
   const head = el('tr');
   for (const h of ['worker', 'address', 'overlap', 'confirmed', 'predicted', 'prompt blocks', 'in flight', 'cost']) {
-    head.append(el('th', h));
+    head.append(el('th', h, h === 'worker' || h === 'address' ? '' : 'num'));
   }
   table.append(head);
   for (const w of doc.workers || []) {
