@@ -161,3 +161,28 @@ def test_host_parsing_and_the_allowed_hosts() -> None:
     assert not host_allowed("attacker.example", "0.0.0.0", "127.0.0.1")
     assert refusal({}, "127.0.0.1", "127.0.0.1") == "no Host header"
     assert refusal({"Host": "localhost:1", "Origin": "https://localhost:1"}, "127.0.0.1", None) is None
+
+
+def test_the_pool_joins_each_workers_index_figures_event_age_and_the_shards_lag() -> None:
+    from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
+    from epp_extproc.core.load import LoadTracker
+    from epp_extproc.debug_pool import pool_document
+
+    reg = EndpointRegistry()
+    reg.replace([Endpoint("a", "10.0.0.1:8000", "tcp://10.0.0.1:5557"), Endpoint("b", "10.0.0.2:8000")])
+    kv = {"unique_blocks": 7, "predicted_unique_blocks": 1, "tier_unique_blocks": {"gpu": 5, "cpu": 2},
+          "workers": {"10.0.0.1:8000": {"blocks_indexed": 7, "predicted": 1, "blocks_by_tier": {"gpu": 5, "cpu": 2},
+                                        "stale": False, "silent": False, "garbage": 3,
+                                        "kv_endpoints": [{"last_message_monotonic": 98.0},
+                                                         {"last_message_monotonic": 99.5}]}},
+          "ingest": [{"up": True, "batch_lag_s": {"count": 4, "p50": 0.002, "p99": 0.01, "max": 0.02}},
+                     {"up": True, "batch_lag_s": {"count": 6, "p50": 0.001, "p99": 0.03, "max": 0.03}},
+                     {"shard": 2, "up": False, "error": "down"}]}
+    doc = pool_document(reg, LoadTracker(), kv, now=100.0)
+    a, b = doc["workers"]
+    assert a["kv"] == {"blocks_indexed": 7, "predicted": 1, "blocks_by_tier": {"gpu": 5, "cpu": 2},
+                       "stale": False, "silent": False, "last_event_age_s": 0.5}  # the newest of its streams
+    assert a["kv_events"] and not b["kv_events"] and b["kv"] is None
+    assert doc["kv"]["batch_lag_s"] == {"count": 10, "p50": 0.002, "p99": 0.03, "max": 0.03}  # worst shard
+    assert doc["kv"]["tier_unique_blocks"] == {"gpu": 5, "cpu": 2}
+    assert pool_document(reg, LoadTracker(), {"workers": {}}, now=1.0)["kv"]["batch_lag_s"] is None  # in-process
