@@ -7,6 +7,10 @@ so by default it listens on 127.0.0.1 only (reach it with `kubectl port-forward`
 
 `/debug/score` shares the event loop with the request path, so its cost is bounded: a 4 MiB body, at most
 `MAX_DEBUG_TOKENS` token ids, one call at a time (others wait), and its render call is not counted as traffic.
+
+`/debug/page` is the same data for a browser (epp_extproc/debug_page.py), fed by `/debug/pool` and
+`/debug/decisions`; every `/debug` path is behind the Host/Origin guard (epp_extproc/admin_guard.py), since a
+loopback listener alone does not keep a web page in the operator's browser out.
 """
 
 from __future__ import annotations
@@ -21,12 +25,16 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from epp_extproc import debug_page
+from epp_extproc.admin_guard import guard
 from epp_extproc.core.debug_view import DebugView
 from epp_extproc.core.director import Director
 from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.errors import PickError
 from epp_extproc.core.load import LoadTracker
+from epp_extproc.core.recent_decisions import RecentDecisions
 from epp_extproc.core.request import RequestContext
+from epp_extproc.debug_pool import pool_document
 from epp_extproc.metrics import PickerMetrics
 
 ScoreHandler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -82,8 +90,16 @@ def build_metrics_app(metrics: PickerMetrics) -> web.Application:
 def build_admin_app(registry: EndpointRegistry, load: LoadTracker, metrics: PickerMetrics, *,
                     kv_snapshot: Callable[[], Any] | None = None,
                     score: ScoreHandler | None = None,
-                    flow_snapshot: Callable[[], dict[str, Any]] | None = None) -> web.Application:
-    app = web.Application(client_max_size=MAX_ADMIN_BODY)
+                    flow_snapshot: Callable[[], dict[str, Any]] | None = None,
+                    decisions: RecentDecisions | None = None, bind: str = "127.0.0.1") -> web.Application:
+    """The admin API; `bind` is the address it listens on (`--admin-bind`), a Host the guard accepts."""
+    app = web.Application(client_max_size=MAX_ADMIN_BODY, middlewares=[guard(bind)])
+
+    async def kv_document() -> Any:
+        if kv_snapshot is None:
+            return None
+        snap = kv_snapshot()
+        return await snap if inspect.isawaitable(snap) else snap  # --kv-ingest apart: async
 
     async def get_endpoints(_: web.Request) -> web.Response:
         out = []
@@ -99,8 +115,7 @@ def build_admin_app(registry: EndpointRegistry, load: LoadTracker, metrics: Pick
     async def get_kv(_: web.Request) -> web.Response:
         if kv_snapshot is None:
             return web.json_response({"error": "KV index disabled (no tokenizer protocol)"}, status=404)
-        snap = kv_snapshot()
-        return web.json_response(await snap if inspect.isawaitable(snap) else snap)  # --kv-ingest apart: async
+        return web.json_response(await kv_document())
 
     async def post_score(req: web.Request) -> web.Response:
         if score is None:
@@ -123,7 +138,34 @@ def build_admin_app(registry: EndpointRegistry, load: LoadTracker, metrics: Pick
             return web.json_response({"error": "flow control not wired"}, status=404)
         return web.json_response(flow_snapshot())
 
+    async def get_page(_: web.Request) -> web.Response:
+        return web.Response(body=debug_page.PAGE, headers=debug_page.HEADERS)
+
+    async def to_page(_: web.Request) -> web.Response:
+        raise web.HTTPFound("/debug/page")
+
+    async def get_pool(_: web.Request) -> web.Response:
+        return web.json_response(pool_document(registry, load, await kv_document()))
+
+    def name_of(address: str) -> str | None:
+        ep = registry.get(address)
+        return ep.name if ep is not None else None
+
+    async def get_decisions(req: web.Request) -> web.Response:
+        if decisions is None:
+            return web.json_response({"size": 0, "watch_s": 0, "last_seq": 0, "decisions": []})
+        try:
+            since = max(0, int(req.query.get("since", "0")))
+        except ValueError:
+            return web.json_response({"error": "since must be an integer"}, status=400)
+        return web.json_response(decisions.document(name_of, since))
+
     app.router.add_get("/metrics", _metrics_handler(metrics))
+    app.router.add_get("/debug", to_page)
+    app.router.add_get("/debug/", to_page)
+    app.router.add_get("/debug/page", get_page)
+    app.router.add_get("/debug/pool", get_pool)
+    app.router.add_get("/debug/decisions", get_decisions)
     app.router.add_get("/debug/flow", get_flow)
     app.router.add_get("/debug/endpoints", get_endpoints)
     app.router.add_get("/debug/kv", get_kv)

@@ -342,7 +342,8 @@ class PickerApp:
         self.health_port = self._health_server.add_insecure_port(f"{cfg.bind}:{cfg.health_port}")
         admin = build_admin_app(self.registry, self.load, self.metrics,
                                 kv_snapshot=self.kv.snapshot if self.kv else None,
-                                score=self.debug_score, flow_snapshot=self.flow_snapshot)
+                                score=self.debug_score, flow_snapshot=self.flow_snapshot,
+                                decisions=self.decision.decisions, bind=cfg.admin_bind)
         shared = (cfg.admin_bind, cfg.admin_port) == (cfg.bind, cfg.metrics_port) and cfg.admin_port != 0
         self._admin = web.AppRunner(admin, access_log=None)
         self.admin_port = await _serve(self._admin, cfg.admin_bind, cfg.admin_port)
@@ -373,7 +374,7 @@ class PickerApp:
         await self._grpc.start()
         await self._health_server.start()
         log.info("picker listening: ext_proc %s:%d, health %s:%d, metrics http://%s:%d/metrics, "
-                 "admin http://%s:%d/debug/", cfg.bind, self.grpc_port, cfg.bind, self.health_port, cfg.bind,
+                 "admin http://%s:%d/debug/page", cfg.bind, self.grpc_port, cfg.bind, self.health_port, cfg.bind,
                  self.metrics_port, cfg.admin_bind, self.admin_port)
 
     def _warn_if_load_only(self) -> None:

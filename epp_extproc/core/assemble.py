@@ -21,6 +21,7 @@ from epp_extproc.core.load import LoadTracker
 from epp_extproc.core.model_rewrite import ModelRewriter
 from epp_extproc.core.passthrough import FingerprintId
 from epp_extproc.core.plan import Planner, PlanSettings
+from epp_extproc.core.recent_decisions import RecentDecisions
 from epp_extproc.core.render import Renderer
 from epp_extproc.core.request import RequestContext
 from epp_extproc.core.scheduling.build import build
@@ -48,6 +49,7 @@ class Assembled:
     spec: SchedulingSpec
     deps: SchedulingDeps
     source: TableSource  # the table fill every profile shares (a bench times the lookup there)
+    decisions: RecentDecisions  # the last decisions while the debug page watches (a commit hook)
 
     @property
     def time_model(self) -> TimeCost | None:
@@ -110,6 +112,8 @@ def assemble(config: Config, registry: EndpointRegistry, load: LoadTracker, metr
         hooks.append(KvPredictionHook(kv, engine))
     hooks.extend(built.hooks)
     hooks.append(DecisionMetricsHook(metrics))
+    decisions = RecentDecisions()  # one attribute test per request unless the debug page is open
+    hooks.append(decisions)
     scheduler = built.handler
     if tracing is not None:
         hooks.append(tracing.hook())
@@ -120,4 +124,4 @@ def assemble(config: Config, registry: EndpointRegistry, load: LoadTracker, metr
     threshold = int(spec.handler.parameters.get("threshold", sections.scheduling.pd_min_uncached_tokens))
     debug = DebugView(registry, kv, forwarder, cost_model=built.cost_model, pd_threshold=threshold,
                       default_block_size=block_size, scheduling=describe(spec))
-    return Assembled(director, debug, spec, deps, built.source)
+    return Assembled(director, debug, spec, deps, built.source, decisions)

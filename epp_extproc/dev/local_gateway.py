@@ -203,6 +203,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
    picker metrics    http://127.0.0.1:{args.metrics_port}/metrics
    picker endpoints  http://127.0.0.1:{args.metrics_port}/debug/endpoints
    KV index          http://127.0.0.1:{args.metrics_port}/debug/kv
+   debug page        http://127.0.0.1:{args.metrics_port}/debug/page   <- the pool and the last decisions
    workers           {', '.join(e['address'] for e in endpoints)}   renderer 127.0.0.1:{args.renderer_port}
  Try:
    curl -s {url}/v1/chat/completions -H 'content-type: application/json' \\
