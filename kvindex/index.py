@@ -969,7 +969,8 @@ class KvIndex:
             for tier, tm in (s.tiers or {}).items():
                 out[tier] = out.get(tier, 0) + len(tm.engine)
         for store in self._stores.values():  # the GPU blocks its store's chunks stand for, credited to it too
-            if store.engine and store.block_size and w in self._store_members(store):
+            member = store.owner == worker_id if store.owner is not None else self._store_of.get(worker_id) == store.name
+            if store.engine and store.block_size and member:
                 n = len(store.engine) * (self.storage_block_tokens // store.block_size)
                 out[TIER_SHARED] = out.get(TIER_SHARED, 0) + n
         return out
