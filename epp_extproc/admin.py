@@ -108,7 +108,8 @@ def build_admin_app(registry: EndpointRegistry, load: LoadTracker, metrics: Pick
             out.append({"name": ep.name, "address": ep.address, "role": ep.role.value, "kv_events": ep.kv_events,
                         "replay": ep.replay, "healthy": registry.healthy(ep.address), "inflight": ld.inflight,
                         "prefill_blocks": round(ld.prefill_blocks, 3),
-                        "decode_blocks": round(ld.decode_blocks, 3)})
+                        "decode_blocks": round(ld.decode_blocks, 3),
+                        **({"kv_storage_events": ep.kv_storage_events} if ep.kv_storage_events else {})})
         return web.json_response({"synced": registry.synced, "endpoints": out,
                                   "inflight_total": load.total_inflight()})
 

@@ -352,6 +352,10 @@ class Config:
         "with --tiered-credit: which workers mount the same shared KV store, `store=addr,addr;other=addr`: a "
         "block one of them publishes on the shared tier (SGLang EXTERNAL, llm-d SHARED_STORAGE / OBJECT_STORE) "
         "is credited to all of them at the shared weight, not only to the publisher")
+    kv_storage_block_size: int = opt("DYN_EPP_KV_STORAGE_BLOCK_SIZE", 256, int,
+        "tokens per chunk of llm-d's file-system connector (its kv_connector_extra_config `block_size`, 256 by "
+        "default): its events name one hash per chunk and do not say the size; a worker's `kv_storage_events` "
+        "endpoint (endpoints file; `storage=` in --endpoints) is that connector's `storage_events_endpoint`")
     pd_min_uncached_tokens: int = opt("DYN_EPP_PD_MIN_UNCACHED_TOKENS", 16, int,
         "disaggregated pools: a prompt whose uncached suffix on the chosen decode worker is at least this many "
         "tokens is prefilled on a prefill worker (named in x-prefiller-host-port), a shorter one on the decode "
@@ -523,7 +527,8 @@ SECTIONS: tuple[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], ...] = (
           "render_fingerprint_refresh_ms")),)),
     ("kv", (
         ("KV index, ingest and predictions (what each worker holds)",
-         ("kv_cache_block_size", "max_index_blocks_per_worker", "kv_event_topic", "kv_shared_stores", "kv_ingest",
+         ("kv_cache_block_size", "max_index_blocks_per_worker", "kv_event_topic", "kv_shared_stores",
+          "kv_storage_block_size", "kv_ingest",
           "kv_ingest_shards", "kv_ingest_lookup_timeout_ms", "kv_ingest_worker_cpu_share", "prediction_ttl_s",
           "prediction_lifetime", "prediction_grace_s", "prediction_max_lifetime_s")),
         ("KV event plane (the relays' NATS subjects instead of each worker's socket)",
@@ -726,6 +731,7 @@ def _check_serving(s: Any) -> None:
 def _check_kv(k: Any) -> None:
     n = setting
     _positive(k, "kv_cache_block_size")
+    _positive(k, "kv_storage_block_size")
     _positive(k, "kv_ingest_shards")
     _positive(k, "kv_ingest_lookup_timeout_ms")
     _positive(k, "kv_ingest_worker_cpu_share")

@@ -21,6 +21,8 @@ from kvindex.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    ChunksRemoved,
+    ChunksStored,
     DecodeCounters,
     DecodedBatch,
     Event,
@@ -34,7 +36,7 @@ from kvindex.hashing import (
     mm_trtllm_key,
     pack_tokens,
 )
-from kvindex.tiers import TIER_GPU, TIER_UNKNOWN, medium_tier
+from kvindex.tiers import TIER_GPU, TIER_SHARED, TIER_UNKNOWN, medium_tier
 
 _xxh3 = xxhash.xxh3_64_intdigest
 MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -507,6 +509,122 @@ def decode_payload(payload: bytes | bytearray | memoryview, max_events: int | No
     return DecodedBatch(float(ts), out, rank, len(events), counters)
 
 
+# ---------------------------------------------------------------- llm-d's file-system connector stream
+# What llm-d's fs connector publishes, read at llm-d/llm-d-kv-cache 7be76e119ca50c5700b3bca65a19b6a0218a9b62
+# kv_connectors/llmd_fs_backend/llmd_fs_backend/event_publisher.py (`StorageEventPublisher`) and manager.py:
+#   * its own PUB socket, bound at the connector's `storage_events_endpoint` (kv_connector_extra_config, with
+#     `enable_events: true`), frames `[topic, seq (8 bytes big-endian, from 1), payload]`, topic
+#     `kv@<medium>@<model>`, medium `SHARED_STORAGE` (POSIX backend) or `OBJECT_STORE` (`backend: OBJ`);
+#     no replay socket;
+#   * payload `msgpack([time.time(), [event, ...]])` where each event is itself PRE-PACKED: a msgpack bin
+#     holding the positional event (`_send_batch` packs `[ts, packed_events]`);
+#   * `["BlockStored", [hash, ...], 0, [], 0, None, medium]` per `complete_store` (parent 0, no tokens,
+#     block_size 0, lora_id None) and `["BlockRemoved", [hash, ...], medium]`, sent by llm-d's PVC evictor
+#     (kv_connectors/pvc_evictor/processes/deleter.py) when it deletes files;
+#   * each hash is `get_offload_block_hash(key)` masked to its low 64 bits (`_hash_to_uint64`: bytes read
+#     big-endian): vLLM's OffloadKey is the block hash + group index, and the offloading scheduler keys chunk
+#     k by `req.block_hashes[hashes_per_chunk * k + hashes_per_chunk - 1]` (vllm-project/vllm
+#     .../kv_connector/v1/offloading/scheduler.py, e57c0d42 `_get_block_hashes`; newer `update_offload_keys`):
+#     the hash of the chunk's LAST GPU block, the same u64 vLLM's own GPU events carry for that block
+#     (`maybe_convert_block_hash`: big-endian, low 64 bits, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES default 1).
+# One hash names a whole chunk (the connector's `block_size` tokens, 256 by default, i.e. 16 GPU blocks of
+# 16): kvindex.index keys it through the engine hash it names and credits the chunk's GPU-block positions.
+_STORAGE_TAGS = {"BlockStored": STORED_FIELDS, "BlockRemoved": REMOVED_FIELDS}
+
+
+def _storage_hash(h: object) -> int:
+    """A storage hash as the connector masks it: an int's low 64 bits, bytes read big-endian (low 64 bits)."""
+    if type(h) is int:
+        return h & MASK64
+    if isinstance(h, bytes | bytearray) and 0 < len(h) <= 64:
+        return int.from_bytes(h, "big") & MASK64
+    raise _Garbage("hash is neither an int nor bytes")
+
+
+def _storage_event(ev: object, counters: DecodeCounters) -> ChunksStored | ChunksRemoved | None:
+    """One event of the connector's batch: a bin blob holding a positional event (its only form), or the event
+    itself (array or map, as vLLM's own stream sends them). Nothing but these two tags is applied."""
+    if isinstance(ev, bytes):
+        ev = msgpack.unpackb(ev, raw=False, strict_map_key=False, use_list=False)  # bounded by the payload
+    if type(ev) is tuple:
+        if not ev or type(ev[0]) is not str:
+            raise _Garbage("array event without a string tag")
+        fields = _STORAGE_TAGS.get(ev[0])
+        if fields is None:
+            counters.unknown_events += 1
+            return None
+        tag, ev = ev[0], dict(zip(fields, ev[1:], strict=False))
+    elif type(ev) is dict:
+        tag = ev.get("type")
+        if tag not in _STORAGE_TAGS:
+            if type(tag) is not str:
+                raise _Garbage("event without a string type tag")
+            counters.unknown_events += 1  # AllBlocksCleared too: a store outlives any one publisher
+            return None
+    else:
+        raise _Garbage("event is neither a map nor an array")
+    raw = ev.get("block_hashes")
+    if type(raw) not in _SEQ or not raw or len(raw) > MAX_HASHES_PER_EVENT:
+        raise _Garbage("block_hashes is not a non-empty list")
+    hashes = [_storage_hash(h) for h in raw]
+    medium = ev.get("medium")
+    if type(medium) is not str:
+        raise _Garbage("medium is not a string")
+    _check_group(ev.get("group_idx"))
+    if medium_tier(medium) != TIER_SHARED:
+        raise _Skip("skipped_storage_shape")  # e.g. a GPU stream given as the storage endpoint
+    if tag == "BlockRemoved":
+        return ChunksRemoved(hashes, medium)
+    # the connector's exact shape; a tokenful (self-describing) store is another protocol: never guessed at
+    if ev.get("parent_block_hash") not in (0, None) or ev.get("token_ids") not in ((), [], None) \
+            or ev.get("block_size") not in (0, None) or ev.get("lora_id") is not None \
+            or ev.get("lora_name") is not None or ev.get("extra_keys") is not None:
+        raise _Skip("skipped_storage_shape")
+    return ChunksStored(hashes, medium)
+
+
+def decode_storage_payload(payload: bytes | bytearray | memoryview, max_events: int | None = None) -> DecodedBatch:
+    """Decode one batch of llm-d's file-system connector stream (see the block above) into
+    :class:`ChunksStored` / :class:`ChunksRemoved` events. Never raises: a malformed batch is ``garbage``, a
+    malformed event counted (``garbage_events``) and dropped, like :func:`decode_payload`."""
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        return _garbage("payload is not bytes")
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        return _garbage("payload too large")
+    if max_events is not None:
+        n = peek_event_count(payload)
+        if n is not None and n > max_events:
+            return DecodedBatch(garbage=True, reason=TOO_MANY_EVENTS, raw_event_count=n)
+    try:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=False)
+    except Exception as exc:  # msgpack raises a zoo of types
+        return _garbage(f"msgpack: {type(exc).__name__}")
+    if type(obj) is tuple and len(obj) >= 2:
+        ts, events = obj[0], obj[1]
+    elif type(obj) is dict:
+        ts, events = obj.get("ts"), obj.get("events")
+    else:
+        return _garbage("envelope is not a [ts, events] array or map")
+    if type(ts) not in (int, float) or type(events) is not tuple:
+        return _garbage("envelope has wrong types")
+    if max_events is not None and len(events) > max_events:
+        return DecodedBatch(garbage=True, reason=TOO_MANY_EVENTS, raw_event_count=len(events))
+    counters = DecodeCounters()
+    out: list[Event] = []
+    for ev in events:
+        try:
+            dec = _storage_event(ev, counters)
+        except _Skip as skip:
+            setattr(counters, skip.args[0], getattr(counters, skip.args[0]) + 1)
+            continue
+        except Exception:  # noqa: BLE001 - _Garbage, a nested msgpack error, unhashable keys: one bad event
+            counters.garbage_events += 1
+            continue
+        if dec is not None:
+            out.append(dec)
+    return DecodedBatch(float(ts), out, None, len(events), counters)
+
+
 def split_live_frames(frames: Sequence[bytes]) -> tuple[bytes, int, bytes] | None:
     """``[topic, seq8, payload]`` from the PUB socket -> (topic, seq, payload); None if malformed."""
     if len(frames) != 3 or len(frames[1]) != 8:
@@ -542,6 +660,7 @@ __all__ = [
     "STORED_FIELDS",
     "REPLAY_END_SEQ",
     "decode_payload",
+    "decode_storage_payload",
     "encode_seq",
     "split_live_frames",
     "split_replay_frames",

@@ -48,7 +48,25 @@ class AllBlocksCleared:
     """The engine dropped its whole cache (or restarted / lost events and says so)."""
 
 
-Event = BlockStored | BlockRemoved | AllBlocksCleared
+@dataclass(slots=True)
+class ChunksStored:
+    """llm-d's file-system connector wrote these offload chunks to its store (kvindex/decode.py
+    `decode_storage_payload`): one hash per chunk, the engine's block hash of the chunk's LAST GPU block (u64),
+    no tokens, no parent. ``tier`` is always the shared tier; ``medium`` the spelling the event carried."""
+
+    block_hashes: list[int]
+    medium: str = "SHARED_STORAGE"
+
+
+@dataclass(slots=True)
+class ChunksRemoved:
+    """Offload chunks deleted from a store (llm-d's PVC evictor publishes these), by the same chunk hashes."""
+
+    block_hashes: list[int]
+    medium: str = "SHARED_STORAGE"
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared | ChunksStored | ChunksRemoved
 
 
 @dataclass(slots=True)
@@ -73,12 +91,15 @@ class DecodeCounters:
     mm_blocks_vllm: int = 0
     mm_blocks_vllm_bare: int = 0
     mm_blocks_trtllm: int = 0
+    # llm-d file-system connector stream only: a store event in a shape that connector does not send (tokens, a
+    # parent, a block size): a newer self-describing form is not guessed at, it is counted and skipped
+    skipped_storage_shape: int = 0
 
     @property
     def skipped(self) -> int:
         """Valid-looking events deliberately not applied."""
         return (self.skipped_length + self.skipped_medium + self.skipped_group + self.skipped_extra_keys
-                + self.skipped_mm_shape + self.skipped_placeholder)
+                + self.skipped_mm_shape + self.skipped_placeholder + self.skipped_storage_shape)
 
     @property
     def mm_blocks(self) -> int:

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
+from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, ChunksStored, DecodedBatch
 from kvindex.hashing import block_chunks, block_hashes, chain_hashes_with_keys, pack_tokens, root_seed
 from kvindex.metrics import register_index
 from kvindex.tiers import TIER_BIT, TIER_GPU, TIER_SHARED
@@ -84,6 +84,15 @@ class WorkerStats:
     tier_blocks_stored: int = 0  # block announcements off the GPU (every tier but gpu), re-announcements included
     tier_blocks_removed: int = 0  # off-GPU copies that ended (the last announcement of a (block, tier) removed)
     tier_removed_unknown: int = 0  # off-GPU removals of a hash not held there (e.g. a placeholder chunk's hash)
+    # llm-d's file-system connector stream (`apply_storage_batch`), its own subscription per worker
+    storage_batches: int = 0
+    skipped_storage_shape: int = 0  # events in a shape that connector does not send (tokens, parent, GPU medium)
+    store_chunks_stored: int = 0  # offload chunks this worker wrote to its store, now indexed
+    store_chunks_repeated: int = 0  # chunks announced again (the file is already there): not a second copy
+    store_chunks_removed: int = 0
+    store_removed_unknown: int = 0  # removals of a chunk the store does not hold (never seen, or evicted)
+    store_unresolved: int = 0  # chunk hashes no GPU or tier event of a store member named: nothing to key
+    store_skipped_size: int = 0  # chunks keyed in another block size than the store's first ones
 
     @property
     def events_skipped(self) -> int:
@@ -91,7 +100,7 @@ class WorkerStats:
         return (
             self.skipped_length + self.skipped_medium + self.skipped_group + self.skipped_extra_keys
             + self.skipped_mm_shape + self.skipped_unknown_parent + self.skipped_rank + self.skipped_block_size
-            + self.skipped_placeholder
+            + self.skipped_placeholder + self.skipped_storage_shape
         )
 
     @property
@@ -145,6 +154,30 @@ class _TierMap:
         self.ours: dict[int, int] = {}  # our hash -> engine hashes of this tier mapping to it
 
 
+class _Store:
+    """One store of llm-d's file-system connector (a shared file system or object store), keyed by chunk.
+
+    The connector announces one hash per offload chunk, the engine hash of the chunk's LAST GPU block, with no
+    tokens (kvindex/decode.py `decode_storage_payload`). Without tokens our hash cannot be computed, so the
+    chunk hash is resolved through the engine hash -> our hash maps of the publisher (then of the store's
+    other members) when it arrives; an unresolved chunk is counted and not indexed. The store keeps per chunk
+    the our-hash of its last GPU block; a lookup credits the chunk's `chunk_blocks` positions once each when
+    that position's hash is held (`KvIndex.overlap_tiers`), so one chunk is never counted as several blocks
+    (llm-d issue #2889) nor as one. A chunk is a file: announcing it again is not a second copy."""
+
+    __slots__ = ("name", "owner", "block_size", "engine", "ours")
+
+    def __init__(self, name: str, owner: str | None) -> None:
+        self.name = name
+        self.owner = owner  # the worker of a private store (one not named in --kv-shared-stores), else None
+        self.block_size: int | None = None  # the GPU block size its chunks were keyed in (the first resolved)
+        self.engine: dict[int, int] = {}  # chunk hash -> our hash of its last block, in store order (eviction)
+        self.ours: dict[int, int] = {}  # our hash -> chunk hashes naming it (1 but for engine-hash collisions)
+
+
+_OWN_STORE = "own:"  # a worker's storage stream without a configured store: a private store, named after it
+
+
 class _Worker:
     __slots__ = ("id", "number", "block_size", "size_source", "cap", "max_ranks", "slots", "stats", "pred",
                  "pred_gen", "n_blocks", "warned", "dialect", "held")
@@ -178,6 +211,7 @@ class PredictionHold:
     cap: float  # monotonic time past which the index forgets it whatever the request does
 
 
+DEFAULT_STORAGE_BLOCK_TOKENS = 256  # llm-d fs connector's `block_size` default (spec.py DEFAULT_STORAGE_BLOCK_SIZE)
 PARTS = 64  # the block and prediction maps are split this many ways (see the module docstring)
 PART_MASK = PARTS - 1
 MAX_BLOCK_SIZES_PER_WORKER = 4  # a publisher inventing block sizes must not multiply its slots
@@ -224,6 +258,11 @@ class KvIndex:
         self._tier_blocks: dict[str, dict[int, int]] = {}
         self._n_tier = 0
         self._store_of: dict[str, str] = {}  # worker id -> the shared store it mounts (configured)
+        # llm-d file-system connector stores (issue 44): store name -> its chunks; `_n_store` counts chunks over
+        # all stores (0: a lookup never looks at them); a chunk is `storage_block_tokens` tokens
+        self._stores: dict[str, _Store] = {}
+        self._n_store = 0
+        self.storage_block_tokens = DEFAULT_STORAGE_BLOCK_TOKENS
         # changes whenever a worker, a slot or a block size does: what a caller's cached per-worker arrays
         # (block sizes, worker numbers, the allowed mask of a tuple of workers) are keyed on
         self.generation = 0
@@ -292,6 +331,9 @@ class KvIndex:
             self._slot_numbers[s.index] = -1
             heapq.heappush(self._free, s.index)
         w.slots.clear()
+        own = self._stores.pop(_OWN_STORE + worker_id, None)  # nobody else can load a private store's files
+        if own is not None:
+            self._n_store -= len(own.engine)
         self._numbers[w.number] = ""
         heapq.heappush(self._free_numbers, w.number)
         self._groups = None
@@ -729,6 +771,154 @@ class KvIndex:
                         self._n_tier -= 1
         s.tiers = None
 
+    # ------------------------------------------------------- llm-d file-system connector stores
+    def set_storage_block_tokens(self, n: int) -> None:
+        """Tokens per chunk of llm-d's file-system connector (its `block_size` in kv_connector_extra_config,
+        256 by default): the wire does not say it (`block_size` 0), and a chunk's GPU blocks are this over the
+        GPU block size. Raises ValueError unless positive."""
+        if n <= 0:
+            raise ValueError("storage block size must be positive")
+        self.storage_block_tokens = n
+
+    def apply_storage_batch(self, worker_id: str, batch: DecodedBatch) -> None:
+        """Apply one batch of ``worker_id``'s llm-d file-system connector stream
+        (:func:`kvindex.decode.decode_storage_payload`) to the store the worker mounts (`set_shared_store`; a
+        private store when none is configured). Never clears anything: the files outlive the publisher."""
+        w = self._worker(worker_id)
+        st = w.stats
+        if batch.garbage:
+            st.garbage_batches += 1
+            return
+        st.storage_batches += 1
+        c = batch.counters
+        st.garbage_events += c.garbage_events
+        st.unknown_events += c.unknown_events
+        st.skipped_group += c.skipped_group
+        if c.skipped_storage_shape:
+            st.skipped_storage_shape += c.skipped_storage_shape
+            self._warn_once(w, "storage_shape", "worker %s: its storage-event endpoint sends events llm-d's "
+                            "file-system connector does not (tokens, a parent or a non-storage medium: is it the "
+                            "GPU event endpoint?): skipped", w.id)
+        if not batch.events:
+            return
+        name = self._store_of.get(worker_id) or _OWN_STORE + worker_id
+        store = self._stores.get(name)
+        if store is None:
+            store = self._stores[name] = _Store(name, None if name in self._store_of.values() else worker_id)
+            log.info("worker %s writes KV chunks to %s store %s (llm-d file-system connector): credited on the "
+                     "shared tier with --tiered-credit, as %d-token chunks (--kv-storage-block-size)", w.id,
+                     "the shared" if store.owner is None else "its own", name, self.storage_block_tokens)
+        for ev in batch.events:
+            if type(ev) is ChunksStored:
+                self._store_chunks(w, store, ev.block_hashes)
+            else:
+                self._remove_chunks(w, store, ev.block_hashes)
+            st.events_applied += 1
+
+    def _store_chunks(self, w: _Worker, store: _Store, hashes: Sequence[int]) -> None:
+        st = w.stats
+        engine, ours = store.engine, store.ours
+        before = len(engine)
+        for eh in hashes:
+            if eh in engine:
+                st.store_chunks_repeated += 1
+                continue
+            found = self._resolve_chunk(w, store, eh)
+            if found is None:
+                st.store_unresolved += 1
+                continue
+            h, bs = found
+            if store.block_size is None:
+                store.block_size = bs
+            elif bs != store.block_size:
+                st.store_skipped_size += 1
+                continue
+            engine[eh] = h
+            ours[h] = ours.get(h, 0) + 1
+            st.store_chunks_stored += 1
+        cap = self.max_blocks_per_worker  # a store holds at most as many chunks as a worker holds blocks
+        if len(engine) > cap:  # missed removals (or an evictor that names no files) must not grow it forever
+            for eh in list(itertools.islice(engine, len(engine) - (cap - cap // 16))):
+                self._unref_chunk(store, engine.pop(eh))
+                st.evicted += 1
+        self._n_store += len(engine) - before
+
+    def _resolve_chunk(self, w: _Worker, store: _Store, eh: int) -> tuple[int, int] | None:
+        """(our hash, block size) of the block the engine hash `eh` names, from the publisher's GPU and tier
+        maps, then from the store's other members' (engine hashes are content hashes, the same on every worker
+        that can share files); None when nobody's events named it."""
+        found = _engine_lookup(w, eh)
+        if found is None and store.owner is None:
+            for wid, name in self._store_of.items():
+                other = self._workers.get(wid)
+                if name == store.name and other is not None and other is not w:
+                    found = _engine_lookup(other, eh)
+                    if found is not None:
+                        break
+        return found
+
+    def _unref_chunk(self, store: _Store, h: int) -> None:
+        n = store.ours.get(h, 0) - 1
+        if n > 0:
+            store.ours[h] = n
+        else:
+            store.ours.pop(h, None)
+
+    def _remove_chunks(self, w: _Worker, store: _Store, hashes: Sequence[int]) -> None:
+        st = w.stats
+        engine = store.engine
+        for eh in hashes:
+            h = engine.pop(eh, None)
+            if h is None:
+                st.store_removed_unknown += 1
+                continue
+            self._unref_chunk(store, h)
+            self._n_store -= 1
+            st.store_chunks_removed += 1
+
+    def _store_members(self, store: _Store) -> list[_Worker]:
+        if store.owner is not None:
+            w = self._workers.get(store.owner)
+            return [w] if w is not None else []
+        return [w for wid, name in self._store_of.items() if name == store.name
+                and (w := self._workers.get(wid)) is not None]
+
+    def _store_lookups(self, block_size: int, alive: int) -> list[tuple[int, dict[int, int], int]]:
+        """Per store holding chunks keyed in `block_size`: (GPU blocks per chunk, its our-hash counts, the slot
+        bits of its members in that size among `alive`). Empty when the chunk size is not a multiple of the
+        block size (said once in the log: nothing can be placed)."""
+        f, rest = divmod(self.storage_block_tokens, block_size)
+        out: list[tuple[int, dict[int, int], int]] = []
+        for store in self._stores.values():
+            if not store.engine or store.block_size != block_size:
+                continue
+            if rest or not f:
+                if ("storage", block_size) not in _WARNED:
+                    _WARNED.add(("storage", block_size))
+                    log.warning("storage chunks of %d tokens are not whole blocks of %d: not credited",
+                                self.storage_block_tokens, block_size)
+                return []
+            mask = 0
+            for m in self._store_members(store):
+                for sl in m.slots.values():
+                    if sl.block_size == block_size:
+                        mask |= sl.bit
+            if mask & alive:
+                out.append((f, store.ours, mask & alive))
+        return out
+
+    def store_snapshot(self) -> dict[str, dict[str, Any]]:
+        """Per llm-d file-system connector store: its chunks, the GPU blocks they stand for, the block size
+        they were keyed in and its members (`/debug/kv` `shared_stores`)."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, store in self._stores.items():
+            bs = store.block_size
+            per = self.storage_block_tokens // bs if bs else 0
+            out[name] = {"chunks": len(store.engine), "chunk_tokens": self.storage_block_tokens,
+                         "block_size": bs, "gpu_blocks": len(store.engine) * per,
+                         "members": [m.id for m in self._store_members(store)]}
+        return out
+
     def set_shared_store(self, worker_id: str, store: str | None) -> None:
         """The shared store (a name) the worker mounts, None: none. A block on the `shared` tier published by
         any worker mounting a store is credited to every worker mounting the same store (issue 44: Dynamo's
@@ -767,7 +957,7 @@ class KvIndex:
 
     def has_tiers(self) -> bool:
         """Whether any worker holds a block off the GPU now (else a tiered lookup equals `overlap`)."""
-        return self._n_tier > 0
+        return self._n_tier > 0 or self._n_store > 0
 
     def tier_blocks(self, worker_id: str) -> dict[str, int]:
         """The worker's blocks per tier (engine hashes; `gpu` is `blocks_indexed`), for `/debug/kv`."""
@@ -778,6 +968,11 @@ class KvIndex:
         for s in w.slots.values():
             for tier, tm in (s.tiers or {}).items():
                 out[tier] = out.get(tier, 0) + len(tm.engine)
+        for store in self._stores.values():  # the GPU blocks its store's chunks stand for, credited to it too
+            member = store.owner == worker_id if store.owner is not None else self._store_of.get(worker_id) == store.name
+            if store.engine and store.block_size and member:
+                n = len(store.engine) * (self.storage_block_tokens // store.block_size)
+                out[TIER_SHARED] = out.get(TIER_SHARED, 0) + n
         return out
 
     def overlap_tiers(
@@ -800,11 +995,16 @@ class KvIndex:
         pred = self._pred if predicted and self._n_pred else None
         tmaps = [(TIER_BIT[t], m) for t, m in self._tier_blocks.items() if m]
         shared_bit = TIER_BIT[TIER_SHARED] if self._store_of else 0
+        # llm-d fs connector stores: position i is held by a store's members when the chunk it falls in is
+        # there, i.e. the hash of the chunk's last position (what the connector keys a chunk by) is
+        stores = self._store_lookups(block_size, alive) if self._n_store else []
+        cur = [0] * len(stores)
+        n_hashes = len(hashes)
         memo: dict[int, int] = {}
         segs: list[tuple[int, tuple[int, ...]]] = []
         prev: tuple[int, ...] | None = None
         run = 0
-        for h in hashes:
+        for i, h in enumerate(hashes):
             part = h & PART_MASK
             g = blocks[part].get(h, 0)
             if pred is not None:
@@ -816,6 +1016,16 @@ class KvIndex:
                 x = m.get(h, 0)
                 if x and tbit == shared_bit:
                     x = self._expand_shared(x, memo)
+                x &= alive
+                sig.append(x)
+                held |= x
+            if stores:
+                x = 0
+                for k, (f, ours, mask) in enumerate(stores):
+                    if i % f == 0:  # a chunk starts: held whole or not at all
+                        e = i + f - 1
+                        cur[k] = mask if e < n_hashes and hashes[e] in ours else 0
+                    x |= cur[k]
                 x &= alive
                 sig.append(x)
                 held |= x
@@ -831,7 +1041,7 @@ class KvIndex:
                 prev, run = key, 1
         if prev is not None:
             segs.append((run, prev))
-        bits = [TIER_BIT[TIER_GPU], *(b for b, _ in tmaps)]
+        bits = [TIER_BIT[TIER_GPU], *(b for b, _ in tmaps), *([TIER_BIT[TIER_SHARED]] if stores else [])]
         per_slot: dict[int, list[list[int]]] = {}
         for n, sig in segs:
             union = 0
@@ -1323,6 +1533,8 @@ class KvIndex:
         }
         if self._tier_blocks:
             out["tier_unique_blocks"] = {t: len(m) for t, m in self._tier_blocks.items()}
+        if self._stores:
+            out["shared_stores"] = self.store_snapshot()
         for wid, w in self._workers.items():
             d = asdict(w.stats)
             d.update(
@@ -1339,7 +1551,7 @@ class KvIndex:
                 garbage=w.stats.garbage,
                 ranks=_per_rank(w),
             )
-            if any(s.tiers for s in w.slots.values()):  # only where a tier was seen: GPU-only output unchanged
+            if any(s.tiers for s in w.slots.values()) or self._stores:  # a tier seen: GPU-only output unchanged
                 d["blocks_by_tier"] = self.tier_blocks(wid)
             if w.stats.skipped_placeholder:
                 d["tier_note"] = ("placeholder offload events (vLLM without self_describing_kv_events): offloaded "
@@ -1357,6 +1569,23 @@ def merge_worker_rows(snapshot: dict[str, Any], rows: Mapping[str, Mapping[str, 
         w = workers.get(wid)
         if w is not None:
             w.update(d)
+
+
+_WARNED: set[tuple[str, int]] = set()  # process-wide one-time warnings about a configuration (not per worker)
+
+
+def _engine_lookup(w: _Worker, eh: int) -> tuple[int, int] | None:
+    """(our hash, block size) of the engine hash `eh` in any of the worker's slots, GPU map first."""
+    for s in w.slots.values():
+        h = s.engine.get(eh)
+        if h is None and s.tiers:
+            for tm in s.tiers.values():
+                h = tm.engine.get(eh)
+                if h is not None:
+                    break
+        if h is not None:
+            return h, s.block_size
+    return None
 
 
 def _tier_parent(slot: _Slot, parent: int) -> int | None:

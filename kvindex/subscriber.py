@@ -58,7 +58,7 @@ import zmq.asyncio
 
 from kvindex.aio import cancel_and_wait
 from kvindex.backoff import Backoff
-from kvindex.decode import TOO_MANY_EVENTS, decode_payload, split_live_frames
+from kvindex.decode import TOO_MANY_EVENTS, decode_payload, decode_storage_payload, split_live_frames
 from kvindex.index import KvIndex
 from kvindex.replay import (
     MAX_REPLAY_CONFIRMS,
@@ -274,7 +274,9 @@ class SubscriberManager:
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self.max_batch_bytes + 4096)
-            sock.setsockopt(zmq.SUBSCRIBE, self.topic)
+            # a storage stream's socket carries nothing else; its topic (`kv@SHARED_STORAGE@<model>`) names no
+            # worker, so the GPU streams' topic filter is not applied to it
+            sock.setsockopt(zmq.SUBSCRIBE, b"" if sub.source.storage else self.topic)
             mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         except zmq.ZMQError:  # the monitor's sockets were refused: give the SUB's slot back
             sock.close(linger=0)
@@ -428,8 +430,11 @@ class SubscriberManager:
         sub.rewarm.succeeded()
 
     def _clear(self, sub: Subscription) -> None:
-        """This stream lost state: clear what it fed (its rank, or the whole worker for a rank-less endpoint)."""
-        self.idx.clear_worker(sub.worker_id, sub.source.rank)
+        """This stream lost state: clear what it fed (its rank, or the whole worker for a rank-less endpoint).
+        A storage stream clears nothing: the store's files outlive its publisher and a gap only means some
+        chunks went unannounced (less credit); missed removals are bounded by the store's cap."""
+        if not sub.source.storage:
+            self.idx.clear_worker(sub.worker_id, sub.source.rank)
 
     def workers(self) -> list[str]:
         """Workers with open subscriptions."""
@@ -612,6 +617,20 @@ class SubscriberManager:
         return None if parsed is None else parsed[1]
 
     def _apply(self, sub: Subscription, seq: int, payload: bytes) -> None:
+        if sub.source.storage:
+            batch = decode_storage_payload(payload, self.max_batch_events)
+            if batch.reason == TOO_MANY_EVENTS:
+                sub.stats.oversized += 1
+            self.idx.apply_storage_batch(sub.worker_id, batch)  # counts a garbage or oversized batch
+        else:
+            self._apply_events(sub, seq, payload)
+        sub.applied = seq
+        sub.digest = xxhash.xxh3_64_intdigest(payload)
+        sub.stats.last_seq = seq
+        if self.between_batches is not None:
+            self.between_batches()
+
+    def _apply_events(self, sub: Subscription, seq: int, payload: bytes) -> None:
         batch = decode_payload(payload, self.max_batch_events)
         if batch.reason == TOO_MANY_EVENTS:
             sub.stats.oversized += 1
@@ -622,11 +641,6 @@ class SubscriberManager:
             if batch.heartbeat:
                 sub.stats.heartbeating = True
             self.idx.apply_batch(sub.worker_id, batch, sub.source.rank)
-        sub.applied = seq
-        sub.digest = xxhash.xxh3_64_intdigest(payload)
-        sub.stats.last_seq = seq
-        if self.between_batches is not None:
-            self.between_batches()
 
     def _warn_gap(self, sub: Subscription, first: int, last: int) -> None:
         now = time.monotonic()

@@ -24,6 +24,9 @@ class KvSource:
     endpoint: str
     replay_endpoint: str | None = None
     rank: int | None = None
+    # llm-d's file-system connector stream (kvindex/decode.py `decode_storage_payload`): chunks the worker
+    # wrote to its store, applied to the store (`KvIndex.apply_storage_batch`), never replayed nor cleared
+    storage: bool = False
 
 
 @dataclass(slots=True)
@@ -99,4 +102,6 @@ class Subscription:
 
     @property
     def label(self) -> str:
+        if self.source.storage:
+            return f"{self.worker_id} storage"
         return self.worker_id if self.source.rank is None else f"{self.worker_id} rank {self.source.rank}"

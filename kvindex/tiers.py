@@ -21,9 +21,10 @@ The spellings, as read at the engines' sources (the source wins over the issue's
   * llm-d's file-system connector: `SHARED_STORAGE` / `OBJECT_STORE` (llm-d/llm-d-kv-cache 7be76e11
     kv_connectors/llmd_fs_backend/llmd_fs_backend/event_publisher.py `StorageMedium`), on its own PUB socket
     with topic `kv@<medium>@<model>`. Its events carry hashes only, one per offload chunk (manager.py
-    `_publish_blocks_stored`: each OffloadKey's hash; parent 0, no tokens, block_size 0) and
-    come pre-packed: the batch's events are msgpack bin blobs, each a positional event. Neither is read yet
-    (no second subscription, no hash-only store): the mapping is here for when they are.
+    `_publish_blocks_stored`: each OffloadKey's hash, that of the chunk's last GPU block; parent 0, no tokens,
+    block_size 0) and come pre-packed: the batch's events are msgpack bin blobs, each a positional event.
+    Read by a second subscription per worker (kvindex/decode.py `decode_storage_payload`) into per-store
+    chunks (kvindex/index.py `_Store`), credited to every worker mounting the store.
   * TensorRT-LLM: its native translator emits only a removal at the old medium when a block moves to host
     memory, and its streaming sink always says GPU: its stream is credited as GPU exactly as before.
 Anything else is kept as tier `unknown`, counted (`unknown_medium`) and credited by a configurable weight.

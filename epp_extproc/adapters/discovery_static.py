@@ -11,7 +11,8 @@ File format (YAML or JSON):
         role: decode                     # optional: prefill | decode | both (default; llm-d's names too)
 
 A bare list of such entries (or of `ip:port` strings) is accepted too. The flag form is
-`name=ip:port;kv=tcp://...;replay=tcp://...;kv_ranks=N;role=prefill` entries separated by commas, or plain `ip:port`.
+`name=ip:port;kv=tcp://...;replay=tcp://...;kv_ranks=N;role=prefill;storage=tcp://...` entries separated by commas,
+or plain `ip:port` (`storage`: llm-d's file-system connector's event PUB; `kv_storage_events` in a file).
 Only `ip:port` literals (IPv6 as `[addr]:port`) are endpoints: that is all Envoy's ORIGINAL_DST cluster
 can route (see `core.endpoints.split_host_port`).
 
@@ -77,7 +78,7 @@ def parse_role_spec(value: object) -> Role:
 
 def make_endpoint(name: str | None, address: str, kv_events: str | None, replay: str | None, *,
                   kv_event_port: int | None, replay_port: int | None, kv_ranks: object = 1,
-                  role: object = None) -> Endpoint:
+                  role: object = None, storage: object = None) -> Endpoint:
     try:
         host, port = split_host_port(address)
     except ValueError as e:
@@ -89,8 +90,12 @@ def make_endpoint(name: str | None, address: str, kv_events: str | None, replay:
         kv_events = zmq_tcp(host, kv_event_port)
     if replay is None and replay_port:
         replay = zmq_tcp(host, replay_port)
+    if storage is not None and (not isinstance(storage, str) or not storage.startswith(("tcp://", "ipc://"))
+                                or len(storage) > MAX_NAME_CHARS):
+        raise EndpointSpecError(f"endpoint {address}: kv_storage_events must be a tcp:// or ipc:// ZeroMQ "
+                                f"endpoint, got {clip(storage, 80)}")
     return Endpoint(name or address, address, kv_events or None, replay or None,
-                    kv_ranks=parse_kv_ranks(kv_ranks), role=parse_role_spec(role))
+                    kv_ranks=parse_kv_ranks(kv_ranks), role=parse_role_spec(role), kv_storage_events=storage or None)
 
 
 def parse_flag(spec: str, *, kv_event_port: int | None, replay_port: int | None) -> list[Endpoint]:
@@ -104,13 +109,14 @@ def parse_flag(spec: str, *, kv_event_port: int | None, replay_port: int | None)
         opts: dict[str, str] = {}
         for p in parts[1:]:
             k, sep, v = p.partition("=")
-            if not sep or k not in ("kv", "replay", "kv_ranks", "role"):
+            if not sep or k not in ("kv", "replay", "kv_ranks", "role", "storage"):
                 raise EndpointSpecError(f"bad endpoint option {clip(p, 60)} in {clip(item, 120)} "
-                                        "(use kv=, replay=, kv_ranks= or role=)")
+                                        "(use kv=, replay=, kv_ranks=, role= or storage=)")
             opts[k] = v
         out.append(make_endpoint(name or None, address, opts.get("kv"), opts.get("replay"),
                                  kv_event_port=kv_event_port, replay_port=replay_port,
-                                 kv_ranks=opts.get("kv_ranks", 1), role=opts.get("role")))
+                                 kv_ranks=opts.get("kv_ranks", 1), role=opts.get("role"),
+                                 storage=opts.get("storage")))
     return out
 
 
@@ -138,7 +144,8 @@ def parse_document(doc: Any, *, kv_event_port: int | None, replay_port: int | No
             raise EndpointSpecError(f"endpoint #{i} needs an `address: ip:port`")
         out.append(make_endpoint(item.get("name"), item["address"], item.get("kv_events"), item.get("replay"),
                                  kv_event_port=kv_event_port, replay_port=replay_port,
-                                 kv_ranks=item.get("kv_ranks", 1), role=item.get("role")))
+                                 kv_ranks=item.get("kv_ranks", 1), role=item.get("role"),
+                                 storage=item.get("kv_storage_events")))
     return out
 
 

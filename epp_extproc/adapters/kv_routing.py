@@ -100,9 +100,11 @@ class KvRouting:
                 self.facts.left(ep.address)
             for ep in added:
                 self.index.add_worker(ep.address)
-                if ep.kv_endpoints:
-                    await self.subscribers.add(ep.address, [KvSource(pub, replay, rank)
-                                                            for rank, pub, replay in ep.kv_endpoints])
+                sources = [KvSource(pub, replay, rank) for rank, pub, replay in ep.kv_endpoints]
+                if ep.kv_storage_events:  # llm-d's file-system connector: a second subscription (issue 44)
+                    sources.append(KvSource(ep.kv_storage_events, storage=True))
+                if sources:
+                    await self.subscribers.add(ep.address, sources)
                 self.facts.joined(ep)
 
     def resync(self, address: str) -> None:
@@ -179,6 +181,10 @@ class KvRouting:
         on the shared tier is credited to all of them (issue 44)."""
         for address, store in stores.items():
             self.index.set_shared_store(address, store)
+
+    def set_storage_block_tokens(self, n: int) -> None:
+        """Tokens per chunk of llm-d's file-system connector (`--kv-storage-block-size`)."""
+        self.index.set_storage_block_tokens(n)
 
     def has_tiers(self) -> bool:
         """Whether any worker holds a block off the GPU now (issue 44; `tiers` is then worth asking)."""

@@ -30,6 +30,9 @@ class Endpoint:
     labels: tuple[tuple[str, str], ...] = ()
     kv_ranks: int = 1  # data-parallel ranks: rank r publishes on kv_events' port + r (replay port + r)
     role: Role = Role.BOTH  # prefill / decode workers of a disaggregated pool; both = aggregated
+    # llm-d's file-system connector PUB (its `storage_events_endpoint`, e.g. tcp://10.0.0.5:5559): the chunks
+    # the worker writes to shared storage, a second subscription (kvindex/decode.py `decode_storage_payload`)
+    kv_storage_events: str | None = None
 
     @property
     def decodes(self) -> bool:

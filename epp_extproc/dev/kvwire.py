@@ -138,3 +138,22 @@ def pack_batch(
     if all_int64:
         return pack_all_int64(obj)
     return msgpack.packb(obj, use_bin_type=True)
+
+
+def storage_stored_event(block_hashes: Sequence[int], medium: str = "SHARED_STORAGE") -> list[Any]:
+    """llm-d's file-system connector store event, positional, exactly as its `StorageEventPublisher` builds it
+    (llm-d/llm-d-kv-cache 7be76e11 kv_connectors/llmd_fs_backend/llmd_fs_backend/event_publisher.py): one hash
+    per offload chunk, parent 0, no tokens, block_size 0, lora_id None."""
+    return ["BlockStored", list(block_hashes), 0, [], 0, None, medium]
+
+
+def storage_removed_event(block_hashes: Sequence[int], medium: str = "SHARED_STORAGE") -> list[Any]:
+    """llm-d's storage removal event (its PVC evictor publishes these), positional, as the connector builds it."""
+    return ["BlockRemoved", list(block_hashes), medium]
+
+
+def pack_storage_batch(events: Sequence[Any], *, ts: float | None = None) -> bytes:
+    """A batch as the connector's `_send_batch` sends it: `[ts, [bin, ...]]`, each event PRE-PACKED as a msgpack
+    bin inside the batch (an event already given as bytes is sent as is)."""
+    packed = [e if isinstance(e, bytes) else msgpack.packb(e, use_bin_type=True) for e in events]
+    return msgpack.packb([time.time() if ts is None else float(ts), packed], use_bin_type=True)

@@ -87,6 +87,7 @@ def build_kv(section: KvSection, slot: ProcessSlot, registry: EndpointRegistry,
                        prediction_ttl_s=section.prediction_ttl_s, metrics_registry=metrics_registry)
         if section.kv_shared_stores:  # issue 44: shared-tier blocks credited to every worker of the store
             kv.set_shared_stores(parse_shared_stores(section.kv_shared_stores))
+        kv.set_storage_block_tokens(section.kv_storage_block_size)
         if section.kv_event_plane == "nats":
             from epp_extproc.kvplane.follower import PlaneSubscribers
             from epp_extproc.kvplane.wire import Subjects
