@@ -483,14 +483,42 @@ class Tracing:
         return TraceHook()
 
     # ------------------------------------------------------------------------------ off the request's path
-    def publish(self, name: str, attrs: dict[str, Any]) -> PublishSpan | None:
+    def publish(self, plane: str, subject: str = "") -> PublishSpan | None:
         """The span of a booking's publish to the peer replicas, when the request that booked it is sampled
         (a context lookup otherwise, and no object): a child of its decision, ended by the sync plane when
-        the booking left (`PublishSpan`)."""
+        the booking left (`PublishSpan`). `plane` grpc (the mesh: the RPC conventions' attributes) or nats
+        (the messaging conventions', `subject` its destination)."""
         rec = _CURRENT.get()
         if rec is None:
             return None
-        return PublishSpan(self, rec.trace_id, rec.decision or rec.span_id, name, attrs)
+        name, attrs = _sync_span(plane, subject, "send", "publish")
+        return PublishSpan(self, rec.trace_id, rec.decision or rec.span_id, name or SYNC_PUBLISH_SPAN, attrs)
+
+    def snapshot_loaded(self, plane: str, peer: str, bookings: int, start_ns: int, *, during_start: bool,
+                        subject: str = "") -> None:
+        """A peer replica's snapshot of its bookings, applied here (each connect of a peer, and what readiness
+        waits for at start): a root span from the peer's stream start (grpc) or the message (nats)."""
+        _, attrs = _sync_span(plane, subject, "process", "process")
+        attrs["epp.replica_sync.peer"] = _clip(peer, 128)
+        attrs["epp.replica_sync.bookings"] = bookings
+        attrs["epp.replica_sync.during_start"] = during_start
+        self.background(SYNC_SNAPSHOT_SPAN, start_ns, attrs, kind=SpanKind.CONSUMER)
+
+    def dump_loaded(self, worker: str, start_ns: int, *, blocks: int = 0, chunks: int = 0, subject: str = "",
+                    error: tuple[str, str] | None = None) -> None:
+        """A KV-plane relay's dump of one worker's index (`--kv-event-plane nats`: at start, when a worker
+        joins, after a gap), asked and loaded: a root span; `error` (type, description) when none loaded."""
+        attrs: dict[str, Any] = {"messaging.system": "nats", "messaging.operation.type": "receive",
+                                 "epp.kv_plane.worker": _clip(worker, 128)}
+        if subject:
+            attrs["messaging.destination.name"] = _clip(subject, 256)
+        if error is None:
+            attrs["epp.kv_plane.dump_blocks"] = blocks
+            attrs["epp.kv_plane.dump_chunks"] = chunks
+            self.background(PLANE_DUMP_SPAN, start_ns, attrs, kind=SpanKind.CLIENT)
+            return
+        attrs["error.type"] = error[0]
+        self.background(PLANE_DUMP_SPAN, start_ns, attrs, _clip(error[1], 200), kind=SpanKind.CLIENT)
 
     def background(self, name: str, start_ns: int, attrs: dict[str, Any], error: str | None = None,
                    kind: SpanKind = SpanKind.INTERNAL) -> None:
@@ -867,6 +895,17 @@ class TraceHook:
 
 
 # ------------------------------------------------------------------------------------------ replica sync
+def _sync_span(plane: str, subject: str, op_type: str, op_name: str) -> tuple[str, dict[str, Any]]:
+    """(span name, attributes) of a replica-sync message by the semantic conventions of its plane: messaging.*
+    on NATS (named `<operation> <subject>`), rpc.* on the gRPC mesh's stream (named by the caller)."""
+    if plane == "nats":
+        return f"{op_name} {subject}", {"epp.replica_sync.plane": "nats", "messaging.system": "nats",
+                                        "messaging.destination.name": _clip(subject, 256),
+                                        "messaging.operation.type": op_type, "messaging.operation.name": op_name}
+    return "", {"epp.replica_sync.plane": "grpc", "rpc.system": "grpc", "rpc.service": REPLICA_SYNC_SERVICE,
+                "rpc.method": "Sync"}
+
+
 class PublishSpan:
     """A sampled request's booking on its way to the peer replicas: from its commit (queued on each link that
     was up, or on the NATS subject) until the last of them handed it to its transport, in a batch or a
