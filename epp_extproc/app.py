@@ -107,6 +107,9 @@ class PickerApp:
             self.session_keys = SessionKeysFile(self.sessions, config.session_affinity_keys_file)
         # OTEL_* variables: None (and no OpenTelemetry SDK imported) unless an OTLP endpoint is configured
         self.tracing = tracing_from_env(os.environ, self.metrics.registry)
+        plane = getattr(self.kv, "subscribers", None)
+        if self.tracing is not None and hasattr(plane, "tracing"):  # the KV event plane's dumps (NATS)
+            plane.tracing = self.tracing  # type: ignore[union-attr]
         detector, objectives = self.detector, self.objectives
         if spec is None and config.config_file:
             spec = load_config_file(config.config_file)  # checked at start-up (cli.with_config_file)
