@@ -107,6 +107,9 @@ class PickerApp:
             self.session_keys = SessionKeysFile(self.sessions, config.session_affinity_keys_file)
         # OTEL_* variables: None (and no OpenTelemetry SDK imported) unless an OTLP endpoint is configured
         self.tracing = tracing_from_env(os.environ, self.metrics.registry)
+        plane = getattr(self.kv, "subscribers", None)
+        if self.tracing is not None and hasattr(plane, "tracing"):  # the KV event plane's dumps (NATS)
+            plane.tracing = self.tracing  # type: ignore[union-attr]
         detector, objectives = self.detector, self.objectives
         if spec is None and config.config_file:
             spec = load_config_file(config.config_file)  # checked at start-up (cli.with_config_file)
@@ -134,7 +137,7 @@ class PickerApp:
                                         pool=config.kv_plane_pool, heartbeat_s=config.peer_timeout_ms / 4000,
                                         peer_timeout_s=config.peer_timeout_ms / 1000,
                                         expiry_s=config.peer_expiry_ms / 1000,
-                                        metrics_registry=self.metrics.registry)
+                                        metrics_registry=self.metrics.registry, tracing=self.tracing)
             if self.kv is not None and self.slot.ingest_dir is None:
                 self.kv.facts.predict_listeners.append(self.sync.on_predict)
         elif config.sync_enabled() or self.slot.sync_listen:
@@ -144,7 +147,7 @@ class PickerApp:
                                     heartbeat_s=config.peer_timeout_ms / 4000,
                                     peer_timeout_s=config.peer_timeout_ms / 1000,
                                     expiry_s=config.peer_expiry_ms / 1000, metrics_registry=self.metrics.registry,
-                                    tls=tls)
+                                    tls=tls, tracing=self.tracing)
             if self.kv is not None and self.slot.ingest_dir is None:  # siblings sharing an ingest see them there
                 self.kv.facts.predict_listeners.append(self.sync.on_predict)
         self._started_at = time.monotonic()

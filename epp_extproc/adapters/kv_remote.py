@@ -30,7 +30,7 @@ import os
 import socket
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import compress
 from typing import Any
 
@@ -154,6 +154,10 @@ class RemoteKv:
         # per-answer row of each worker of the last tuple asked about, for the shard's table it was built on
         self._rows_memo: tuple[Sequence[str], wire.Meta, np.ndarray] | None = None
         self.counts = dict.fromkeys(self._results, 0)  # the same, readable (bench, tests, /debug/kv)
+        # Tracing's view of each shard's answer (tracing/spans.py `ingest_answered`: shard, result, when the
+        # lookups were sent in time_ns, the shard's service time, its batch lag): set only when tracing is on,
+        # so a picker without tracing reads no extra clock and makes no call per lookup.
+        self.lookup_observer: Callable[[int, str, int, float | None, float | None], None] | None = None
         registry.subscribe(self._on_change)
 
     @property
@@ -330,12 +334,16 @@ class RemoteKv:
         """Send every lookup (a shard's workers, or a filtered group of them), then read each answer within the
         deadline: (shard, its counts per row of its table as of the answer)."""
         deadline = time.monotonic() + self.lookup_timeout_s
+        observe = self.lookup_observer
+        t0 = time.time_ns() if observe is not None else 0
         sent: list[tuple[_Shard, int]] = []
         for (i, dialect), only in groups.items():
             sh = self.shards[i]
             s = sh.dial()
             if s is None:
                 self._count("unavailable")
+                if observe is not None:
+                    observe(i, "unavailable", t0, None, None)
                 continue
             sizes = sh.meta.sizes or (self.default_block_size,)
             sections = [(bs, prompt.hashes(bs, dialect) if dialect else prompt.hashes(bs)) for bs in sizes]
@@ -346,6 +354,8 @@ class RemoteKv:
             except OSError:
                 sh.hang_up()
                 self._count("unavailable")
+                if observe is not None:
+                    observe(i, "unavailable", t0, None, None)
                 continue
             sent.append((sh, req))
         out: list[tuple[_Shard, array]] = []
@@ -364,16 +374,22 @@ class RemoteKv:
             except TimeoutError:
                 sh.hang_up()
                 self._count("timeout")
+                if observe is not None:
+                    observe(sh.index, "timeout", t0, None, None)
                 continue
             except (OSError, ValueError):
                 sh.hang_up()
                 self._count("unavailable")
+                if observe is not None:
+                    observe(sh.index, "unavailable", t0, None, None)
                 continue
             if meta is not None:
                 sh.meta = wire.Meta.decode(version, meta)
                 self._size_of = {}
                 self._sizes_gen += 1
             self._count("ok")
+            if observe is not None:
+                observe(sh.index, "ok", t0, *wire.answer_figures(buf))
             out.append((sh, counts))
         return out
 

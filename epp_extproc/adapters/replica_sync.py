@@ -28,6 +28,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -41,6 +42,9 @@ from epp_extproc.proto_gen.epp.v1 import replica_sync_pb2_grpc as pb_grpc
 from epp_extproc.tls_files import check_pair
 from kvindex.aio import cancel_and_wait
 from kvindex.backoff import Backoff
+
+if TYPE_CHECKING:
+    from epp_extproc.tracing.spans import PublishSpan, Tracing
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +200,14 @@ class _Outgoing:
     items: list[pb.BookingDelta | pb.Prediction] = field(default_factory=list)
     oldest: float = 0.0  # monotonic
     oldest_unix: float = 0.0
+    # (position in `items`, its span) of the bookings of sampled requests; None (no list made) for the rest
+    traced: list[tuple[int, PublishSpan]] | None = None
+
+    def drop_traced(self, why: str) -> None:
+        """These bookings will not go out in a batch (the next snapshot carries them): their spans say so."""
+        traced, self.traced = self.traced, None
+        for _, pub in traced or ():
+            pub.dropped(why)
 
 
 class _Session:
@@ -216,6 +228,7 @@ class _Session:
         self.open = False
         self.reset = True
         self.wake.set()
+        self.pending.drop_traced("the stream ended before it was sent: the next stream's snapshot carries it")
 
 
 class PeerLink:
@@ -252,7 +265,9 @@ class PeerLink:
         await cancel_and_wait([self._task])
         self.sync.metrics.link_up.labels(self.target).set(0)
 
-    def offer(self, item: pb.BookingDelta | pb.Prediction) -> None:
+    def offer(self, item: pb.BookingDelta | pb.Prediction, pub: PublishSpan | None = None) -> None:
+        """Queue a change for the next batch; `pub`: the span of a sampled request's booking (ended when the
+        batch carrying it is handed to the stream)."""
         cur = self._cur
         if cur is None or not cur.open:
             return  # the snapshot on (re)connect carries the state; predictions are short-lived anyway
@@ -260,10 +275,16 @@ class PeerLink:
         if not p.items:
             p.oldest, p.oldest_unix = time.monotonic(), time.time()
         p.items.append(item)
+        if pub is not None:
+            pub.queued()
+            if p.traced is None:
+                p.traced = []
+            p.traced.append((len(p.items) - 1, pub))
         if len(p.items) > self.sync.max_backlog:
             self.sync.metrics.overflows.labels(self.target).inc()
             log.warning("replica sync to %s: %d changes backlogged; resetting the stream (a snapshot follows)",
                         self.target, len(p.items))
+            p.drop_traced("backlog over its cap: the stream resets and a snapshot follows")
             cur.pending = _Outgoing()
             cur.close()
             return
@@ -361,6 +382,7 @@ class PeerLink:
             items, rest = pending.items[:MAX_BATCH_ITEMS], pending.items[MAX_BATCH_ITEMS:]
             if rest:
                 session.pending = _Outgoing(rest, pending.oldest, pending.oldest_unix)
+            sent_now = _split_traced(pending, session.pending)
             session.seq += 1
             batch = pb.Batch(seq=session.seq, oldest_change_unix=pending.oldest_unix if items else 0.0)
             for it in items:
@@ -369,7 +391,22 @@ class PeerLink:
                 session.acks[session.seq] = pending.oldest
                 sync.metrics.batches_sent.labels(self.target).inc()
                 sync.metrics.changes_sent.labels(self.target).inc(len(items))
+            for pub in sent_now:  # handed to the stream (gRPC writes it before it asks for the next one)
+                pub.sent("batch", len(items))
             yield pb.SyncRequest(batch=batch)
+
+
+def _split_traced(taken: _Outgoing, rest: _Outgoing) -> list[PublishSpan]:
+    """The traced bookings of the batch taken from `taken` (its first MAX_BATCH_ITEMS items); the others move
+    to `rest`, which holds the items past them, at their new positions."""
+    traced = taken.traced
+    if not traced:
+        return []
+    taken.traced = None
+    later = [(i - MAX_BATCH_ITEMS, pub) for i, pub in traced if i >= MAX_BATCH_ITEMS]
+    if later:
+        rest.traced = later
+    return [pub for i, pub in traced if i < MAX_BATCH_ITEMS]
 
 
 @dataclass
@@ -386,8 +423,12 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
     def __init__(self, load: LoadTracker, registry: EndpointRegistry, *, index: PredictionSink | None = None,
                  replica_id: str | None = None, heartbeat_s: float = 0.5, peer_timeout_s: float = 2.0,
                  expiry_s: float = 5.0, max_backlog: int = 100_000,
-                 metrics_registry: CollectorRegistry | None = None, tls: SyncTls | None = None) -> None:
+                 metrics_registry: CollectorRegistry | None = None, tls: SyncTls | None = None,
+                 tracing: Tracing | None = None) -> None:
+        """`tracing` (None: off) records a sampled request's booking on its way to the peers, and each peer's
+        snapshot loaded here."""
         self.load = load
+        self.tracing = tracing
         self.registry = registry
         self.index = index
         self.replica_id = replica_id or default_replica_id()
@@ -411,11 +452,17 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
         if not self.links:
             return
         d = pb.BookingDelta(kind=_KIND_TO_PB[ch.kind], id=ch.id, address=ch.address)
+        pub = None
         if ch.kind == "book":
             d.prefill_blocks = ch.prefill_blocks
             d.decode_blocks = ch.decode_blocks
+            if self.tracing is not None:  # a span only when the booking's request is sampled
+                pub = self.tracing.publish("grpc")
         for link in self.links.values():
-            link.offer(d)
+            link.offer(d, pub)
+        if pub is not None:
+            pub.attrs["epp.replica_sync.peers"] = pub.waiting  # the links that were up and took it
+            pub.settle()
 
     def on_predict(self, address: str, block_size: int, hashes: Sequence[int], ttl_s: float) -> None:
         """A local prediction (a `WorkerFacts.predict_listeners` entry): the peers count it too."""
@@ -495,6 +542,7 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
         if peer == self.replica_id:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a replica does not sync with itself")
             return
+        connected_ns = time.time_ns()
         inb = self.inbound.setdefault(peer, _Inbound())
         inb.generation += 1
         gen = inb.generation
@@ -513,10 +561,14 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
                               "closed or silent" if msg is None else "superseded")
                     return
                 if msg.HasField("snapshot"):
+                    starting = self.tracing is not None and not self.settled()
                     self.load.peer_snapshot(peer, (HeldBooking(b.id, b.address, b.prefill_blocks,
                                                                b.decode_blocks, b.prefilling)
                                                    for b in msg.snapshot.bookings))
                     inb.snapshot_at = time.monotonic()
+                    if self.tracing is not None:
+                        self.tracing.snapshot_loaded("grpc", peer, len(msg.snapshot.bookings), connected_ns,
+                                                     during_start=starting)
                 elif msg.HasField("batch"):
                     self._apply(peer, msg.batch)
                     if msg.batch.oldest_change_unix > 0:

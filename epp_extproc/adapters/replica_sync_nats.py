@@ -23,7 +23,7 @@ import struct
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -41,6 +41,9 @@ from epp_extproc.kvplane.link import NatsLink
 from epp_extproc.kvplane.wire import worker_token
 from epp_extproc.proto_gen.epp.v1 import replica_sync_pb2 as pb
 from kvindex.aio import cancel_and_wait
+
+if TYPE_CHECKING:
+    from epp_extproc.tracing.spans import PublishSpan, Tracing
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +94,11 @@ class NatsReplicaSync:
                  prefix: str = "epp.sync", index: PredictionSink | None = None, replica_id: str | None = None,
                  heartbeat_s: float = 0.5, peer_timeout_s: float = 2.0, expiry_s: float = 5.0,
                  max_backlog: int = 100_000, max_message_bytes: int = 8 * 1024 * 1024,
-                 metrics_registry: CollectorRegistry | None = None) -> None:
+                 metrics_registry: CollectorRegistry | None = None, tracing: Tracing | None = None) -> None:
+        """`tracing` (None: off) records a sampled request's booking on its way to the subject, and each
+        peer's snapshot loaded here."""
         self.load = load
+        self.tracing = tracing
         self.registry = registry
         self.index = index
         self.replica_id = replica_id or default_replica_id()
@@ -114,6 +120,7 @@ class NatsReplicaSync:
         self.link = NatsLink(servers, f"sync-{self.replica_id}", on_up=self._on_up, on_down=lambda: None)
         self.peers: dict[str, _Peer] = {}
         self._pending: list[pb.BookingDelta | pb.Prediction] = []
+        self._traced: list[tuple[int, PublishSpan]] = []  # (position in `_pending`, span): sampled bookings only
         self._oldest_unix = 0.0
         self._need_snapshot = True
         self._last_snapshot = 0.0
@@ -125,21 +132,35 @@ class NatsReplicaSync:
         load.add_listener(self._on_change)
 
     # ------------------------------------------------------------ local changes
-    def _queue(self, item: pb.BookingDelta | pb.Prediction) -> None:
+    def _queue(self, item: pb.BookingDelta | pb.Prediction, pub: PublishSpan | None = None) -> None:
         if not self._pending:
             self._oldest_unix = time.time()
         self._pending.append(item)
+        if pub is not None:
+            pub.queued()
+            self._traced.append((len(self._pending) - 1, pub))
         if len(self._pending) > self.max_backlog:  # NATS down for long: a snapshot will say it all
             self._pending.clear()
+            self._drop_traced("backlog over its cap while NATS was away: a snapshot follows")
             self._need_snapshot = True
         self._wake.set()
 
+    def _drop_traced(self, why: str) -> None:
+        traced, self._traced = self._traced, []
+        for _, pub in traced:
+            pub.dropped(why)
+
     def _on_change(self, ch: BookingChange) -> None:
         d = pb.BookingDelta(kind=_KIND_TO_PB[ch.kind], id=ch.id, address=ch.address)
+        pub = None
         if ch.kind == "book":
             d.prefill_blocks = ch.prefill_blocks
             d.decode_blocks = ch.decode_blocks
-        self._queue(d)
+            if self.tracing is not None:  # a span only when the booking's request is sampled
+                pub = self.tracing.publish("nats", self.subject)
+                if pub is not None:
+                    pub.attrs["epp.replica_sync.peers"] = sum(1 for p in self.peers.values() if p.connected)
+        self._queue(d, pub)
 
     def on_predict(self, address: str, block_size: int, hashes: Sequence[int], ttl_s: float) -> None:
         if hashes:
@@ -210,11 +231,18 @@ class NatsReplicaSync:
         self._need_snapshot = False
         self._last_snapshot = time.monotonic()
         self._pending.clear()  # the snapshot carries their effect on the bookings; predictions are short-lived
+        traced, self._traced = self._traced, []
         snap = pb.SyncRequest(snapshot=pb.Snapshot(bookings=[
             pb.Booking(id=b.id, address=b.address, prefill_blocks=b.prefill_blocks,
                            decode_blocks=b.decode_blocks, prefilling=b.prefilling) for b in self.load.bookings()]))
-        if not await self._publish(snap, self._seq):
+        ok = await self._publish(snap, self._seq)
+        if not ok:
             self._need_snapshot = True
+        for _, pub in traced:
+            if ok:
+                pub.sent("snapshot")
+            else:
+                pub.dropped("the snapshot carrying it was not published: the next one carries it")
 
     async def _sender(self) -> None:
         while True:
@@ -230,6 +258,10 @@ class NatsReplicaSync:
                 await self._send_snapshot()
                 continue
             items, self._pending = self._pending[:MAX_BATCH_ITEMS], self._pending[MAX_BATCH_ITEMS:]
+            traced: list[PublishSpan] = []
+            if self._traced:
+                traced = [pub for i, pub in self._traced if i < MAX_BATCH_ITEMS]
+                self._traced = [(i - MAX_BATCH_ITEMS, pub) for i, pub in self._traced if i >= MAX_BATCH_ITEMS]
             oldest = self._oldest_unix if items else 0.0
             if self._pending:
                 self._wake.set()
@@ -238,8 +270,14 @@ class NatsReplicaSync:
             batch = pb.Batch(seq=self._seq, oldest_change_unix=oldest)
             batch.deltas.extend(i for i in items if isinstance(i, pb.BookingDelta))
             batch.predictions.extend(i for i in items if isinstance(i, pb.Prediction))
-            if not await self._publish(pb.SyncRequest(batch=batch), self._seq):
+            ok = await self._publish(pb.SyncRequest(batch=batch), self._seq)
+            if not ok:
                 self._need_snapshot = True  # lost: the peers see the gap too and ask
+            for pub in traced:
+                if ok:
+                    pub.sent("batch", len(items))
+                else:
+                    pub.dropped("the batch carrying it was not published: a snapshot follows")
 
     async def _on_want(self, msg: Any) -> None:
         try:
@@ -272,9 +310,14 @@ class NatsReplicaSync:
         p.connected = True
         p.last_heard = now
         if req.HasField("snapshot"):
+            start_ns = time.time_ns()
+            starting = self.tracing is not None and not self.settled()
             self.load.peer_snapshot(rid, (HeldBooking(b.id, b.address, b.prefill_blocks, b.decode_blocks,
                                                       b.prefilling) for b in req.snapshot.bookings))
             p.snapshot_at, p.seq = now, seq
+            if self.tracing is not None:
+                self.tracing.snapshot_loaded("nats", rid, len(req.snapshot.bookings), start_ns,
+                                             during_start=starting, subject=getattr(msg, "subject", ""))
         else:
             if p.seq is None or seq != p.seq + 1:
                 self.gaps.inc()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import select
 import socket
@@ -75,13 +76,15 @@ class LaggedIndex(KvIndex):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.batch_lag = LagSamples()
+        self.last_lag = math.nan  # the newest stamped batch's lag, in every lookup's answer (the picker's trace)
         self.lock = threading.RLock()
 
     def apply_batch(self, worker_id: str, batch: DecodedBatch, rank: int | None = None) -> None:
         with self.lock:
             super().apply_batch(worker_id, batch, rank)
         if batch.ts > 1e9:  # a wall-clock stamp (vLLM, the bench); TensorRT-LLM's may be absent or relative
-            self.batch_lag.add(time.time() - batch.ts)
+            self.last_lag = time.time() - batch.ts
+            self.batch_lag.add(self.last_lag)
 
     def add_worker(self, worker_id: str) -> None:
         with self.lock:
@@ -341,9 +344,9 @@ class IngestShard:
             version = self.meta_version
             meta = self._meta if req.meta_version != version else None
         rows = counts.astype(np.uint32) if isinstance(counts, np.ndarray) else array("I", counts)
-        answer = wire.pack_answer(req.req_id, version, meta, rows)
-        self.answer_time.add(time.perf_counter() - started)
-        return answer
+        service_s = time.perf_counter() - started  # all but packing the answer, which it must carry
+        self.answer_time.add(service_s)
+        return wire.pack_answer(req.req_id, version, meta, rows, service_s, idx.last_lag)
 
     # ------------------------------------------------------------------ the worker table
     def _refresh_meta(self) -> None:

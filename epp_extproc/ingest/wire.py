@@ -20,6 +20,7 @@ when the picker's copy (named by its version in each request) is out of date.
 
 from __future__ import annotations
 
+import math
 import struct
 from array import array
 from collections.abc import Sequence
@@ -35,10 +36,14 @@ if TYPE_CHECKING:
 # lookup request: op, request id, the meta version the picker holds, flags, number of sections, filter length
 _REQ = struct.Struct("<BIIBBI")
 _SECTION = struct.Struct("<II")  # block size, number of hashes (then the hashes as u64)
-# lookup answer: op, request id, meta version, meta length (0: the picker's copy is current), rows
-_ANS = struct.Struct("<BIIII")
+# lookup answer: op, request id, meta version, meta length (0: the picker's copy is current), rows, then the
+# shard's own figures for the picker's trace: its service time on this lookup and the lag of its newest applied
+# event batch (seconds; NaN: none applied yet)
+_ANS = struct.Struct("<BIIIIff")
 OP_LOOKUP = 1
-OP_ANSWER = 3  # 2 was the answer as (row, blocks) pairs: a picker of that version finds no answer, and times out
+# 2 was the answer as (row, blocks) pairs, 3 the answer without the shard's figures: a picker of either version
+# finds no answer, and times out (a picker and its shards come from one install)
+OP_ANSWER = 4
 FLAG_PREDICTED = 1  # count predicted blocks too (overlap); without it: confirmed only (credit)
 MAX_SECTIONS = 8  # block sizes per lookup (kvindex allows 4 per worker; a pool rarely has 2)
 MAX_LOOKUP_HASHES = 1 << 17  # per section: 4M tokens at block size 32; more is cut (a lookup stays bounded)
@@ -126,16 +131,25 @@ def unpack_lookup(buf: bytes) -> LookupRequest:
     return LookupRequest(req_id, version, bool(flags & FLAG_PREDICTED), sections, workers)
 
 
-def pack_answer(req_id: int, meta_version: int, meta: bytes | None, counts: array | np.ndarray) -> bytes:
+def pack_answer(req_id: int, meta_version: int, meta: bytes | None, counts: array | np.ndarray,
+                service_s: float = 0.0, batch_lag_s: float = math.nan) -> bytes:
     """The answer: `counts` is array('I') or a uint32 array, the blocks held by the worker of each row; `meta`
-    only when it changed."""
+    only when it changed; `service_s` and `batch_lag_s` as `answer_figures` reads them."""
     m = meta or b""
-    return b"".join((_ANS.pack(OP_ANSWER, req_id, meta_version, len(m), len(counts)), m, counts.tobytes()))
+    return b"".join((_ANS.pack(OP_ANSWER, req_id, meta_version, len(m), len(counts), service_s, batch_lag_s), m,
+                     counts.tobytes()))
+
+
+def answer_figures(buf: bytes) -> tuple[float, float | None]:
+    """(the shard's service time on the lookup, how old its newest applied event batch was when applied, or
+    None before any) of an answer `unpack_answer` accepted: read only for a traced request."""
+    service_s, lag_s = _ANS.unpack_from(buf, 0)[5:]
+    return service_s, None if math.isnan(lag_s) else lag_s
 
 
 def unpack_answer(buf: bytes) -> tuple[int, int, bytes | None, array]:
     """(request id, meta version, meta JSON or None, array('I') of the blocks held per row)."""
-    op, req_id, version, n_meta, n = _ANS.unpack_from(buf, 0)
+    op, req_id, version, n_meta, n, _, _ = _ANS.unpack_from(buf, 0)
     if op != OP_ANSWER:
         raise ValueError("not an answer")
     off = _ANS.size

@@ -34,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -60,6 +60,9 @@ from kvindex.decode import TOO_MANY_EVENTS, decode_payload
 from kvindex.dump import load_slots
 from kvindex.index import KvIndex
 from kvindex.subscriber import KvSource, SubscriberManager
+
+if TYPE_CHECKING:
+    from epp_extproc.tracing.spans import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +142,9 @@ class PlaneSubscribers:
         self.garbage = 0  # malformed messages on the subjects, over all workers (also per worker when known)
         self.unknown_workers = 0  # messages about workers this picker does not route to
         self.heartbeats = 0
+        # set by the app when tracing is on: each dump asked and loaded (or not) is a root span (no request
+        # waits for one: lookups read the index as it is)
+        self.tracing: Tracing | None = None
         if registry is not None:
             registry.register(_PlaneCollector(self))
 
@@ -344,6 +350,7 @@ class PlaneSubscribers:
             if not self.link.connected:
                 s.mode = "wait"
                 return
+            asked_ns = time.time_ns() if self.tracing is not None else 0
             try:
                 async with self._dump_slots:
                     chunks = await self._request_dump(st.worker_id)
@@ -353,9 +360,15 @@ class PlaneSubscribers:
                 s.dumps_refused += 1
                 self._refuse_message(st.worker_id)
                 log.warning("kv plane: dump of %s refused: %s", st.worker_id, exc)
+                if self.tracing is not None:
+                    self.tracing.dump_loaded(st.worker_id, asked_ns, subject=self.subjects.dump(st.worker_id),
+                                             error=("malformed", str(exc)))
             except Exception as exc:
                 s.dump_failures += 1
                 log.info("kv plane: no dump of %s (%s): %s", st.worker_id, type(exc).__name__, exc)
+                if self.tracing is not None:
+                    self.tracing.dump_loaded(st.worker_id, asked_ns, subject=self.subjects.dump(st.worker_id),
+                                             error=(type(exc).__name__, str(exc)))
             else:
                 async with st.lock:
                     if st.stats.fallback:
@@ -363,6 +376,9 @@ class PlaneSubscribers:
                     if self._streams.get(st.worker_id) is not st:
                         return
                     self._load(st, chunks)  # synchronous from here: nothing is applied in between
+                if self.tracing is not None:
+                    self.tracing.dump_loaded(st.worker_id, asked_ns, blocks=s.dump_blocks, chunks=len(chunks),
+                                             subject=self.subjects.dump(st.worker_id))
                 st.backoff.succeeded()
                 if s.mode != "dumping":
                     return

@@ -70,7 +70,12 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 EXCHANGE_SPAN = f"{EXT_PROC_SERVICE}/Process"  # the RPC semantic conventions' span name
 SCHEDULE_SPAN = "epp.schedule"
 KV_LOOKUP_SPAN = "epp.kv.lookup"
+INGEST_LOOKUP_SPAN = "epp.kv.ingest.lookup"
 FLOW_WAIT_SPAN = "epp.flow_control.wait"
+SYNC_PUBLISH_SPAN = "epp.replica_sync.publish"  # the gRPC mesh's (NATS: `publish <subject>`, the convention's)
+SYNC_SNAPSHOT_SPAN = "epp.replica_sync.snapshot.load"
+PLANE_DUMP_SPAN = "epp.kv_plane.dump.load"
+REPLICA_SYNC_SERVICE = "epp.v1.ReplicaSync"
 DEFAULT_SERVICE = "epp-extproc"
 _W3C = TraceContextTextMapPropagator()
 
@@ -254,6 +259,10 @@ _CURRENT = CURRENT
 #   (trace id, tracestate header, exchange span id, its parent id or 0, start, end, attributes, error or None,
 #    children: (name, SpanKind value, span id, parent id, start, end, attributes, error or None), ...)
 Record = tuple[int, str, int, int, int, int, dict[str, Any], "str | None", tuple[tuple[Any, ...], ...]]
+# A span of its own, not a request's exchange (a booking's publish to the peers, a start-up load): its name first,
+# so that `_spans` tells the two apart by the first item's type.
+#   (name, SpanKind value, trace id, span id, parent id or 0, start, end, attributes, error or None)
+Loose = tuple[str, int, int, int, int, int, int, dict[str, Any], "str | None"]
 
 
 class SpanQueue:
@@ -271,7 +280,7 @@ class SpanQueue:
         self.batch = batch
         self.dropped = 0
         self._dropped = dropped  # the Prometheus counter of the same
-        self._q: deque[Record] = deque()
+        self._q: deque[Record | Loose] = deque()
         self._wake = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
@@ -282,7 +291,7 @@ class SpanQueue:
             self._thread = threading.Thread(target=self._run, name="epp-trace-export", daemon=True)
             self._thread.start()
 
-    def put(self, record: Record) -> None:
+    def put(self, record: Record | Loose) -> None:
         if self._immediate:
             self.exporter.export(self._spans([record]))
             return
@@ -315,10 +324,14 @@ class SpanQueue:
         finally:
             self._idle.set()
 
-    def _spans(self, records: Sequence[Record]) -> list[ReadableSpan]:
+    def _spans(self, records: Sequence[Record | Loose]) -> list[ReadableSpan]:
         out: list[ReadableSpan] = []
         resource = self.resource
-        for trace_id, state_header, span_id, parent_id, t0, t1, attrs, err, children in records:
+        for record in records:
+            if isinstance(record[0], str):
+                out.append(self._loose(record))  # type: ignore[arg-type]
+                continue
+            trace_id, state_header, span_id, parent_id, t0, t1, attrs, err, children = record  # type: ignore[misc]
             state = TraceState.from_header([state_header]) if state_header else TraceState()
             contexts = {span_id: SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED,
                                              trace_state=state)}
@@ -335,6 +348,13 @@ class SpanQueue:
                                         status=_status(cerr), start_time=c0, end_time=c1,
                                         instrumentation_scope=_SCOPE))
         return out
+
+    def _loose(self, record: Loose) -> ReadableSpan:
+        name, kind, trace_id, span_id, parent_id, t0, t1, attrs, err = record
+        parent = SpanContext(trace_id, parent_id, is_remote=False, trace_flags=_SAMPLED) if parent_id else None
+        return ReadableSpan(name, SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED), parent,
+                            self.resource, attrs, kind=SpanKind(kind), status=_status(err), start_time=t0,
+                            end_time=t1, instrumentation_scope=_SCOPE)
 
     def force_flush(self, timeout_s: float = 30.0) -> None:
         if self._thread is None:
@@ -462,6 +482,59 @@ class Tracing:
     def hook(self) -> TraceHook:
         return TraceHook()
 
+    # ------------------------------------------------------------------------------ off the request's path
+    def publish(self, plane: str, subject: str = "") -> PublishSpan | None:
+        """The span of a booking's publish to the peer replicas, when the request that booked it is sampled
+        (a context lookup otherwise, and no object): a child of its decision, ended by the sync plane when
+        the booking left (`PublishSpan`). `plane` grpc (the mesh: the RPC conventions' attributes) or nats
+        (the messaging conventions', `subject` its destination)."""
+        rec = _CURRENT.get()
+        if rec is None:
+            return None
+        name, attrs = _sync_span(plane, subject, "send", "publish")
+        return PublishSpan(self, rec.trace_id, rec.decision or rec.span_id, name or SYNC_PUBLISH_SPAN, attrs)
+
+    def snapshot_loaded(self, plane: str, peer: str, bookings: int, start_ns: int, *, during_start: bool,
+                        subject: str = "") -> None:
+        """A peer replica's snapshot of its bookings, applied here (each connect of a peer, and what readiness
+        waits for at start): a root span from the peer's stream start (grpc) or the message (nats)."""
+        _, attrs = _sync_span(plane, subject, "process", "process")
+        attrs["epp.replica_sync.peer"] = _clip(peer, 128)
+        attrs["epp.replica_sync.bookings"] = bookings
+        attrs["epp.replica_sync.during_start"] = during_start
+        self.background(SYNC_SNAPSHOT_SPAN, start_ns, attrs, kind=SpanKind.CONSUMER)
+
+    def dump_loaded(self, worker: str, start_ns: int, *, blocks: int = 0, chunks: int = 0, subject: str = "",
+                    error: tuple[str, str] | None = None) -> None:
+        """A KV-plane relay's dump of one worker's index (`--kv-event-plane nats`: at start, when a worker
+        joins, after a gap), asked and loaded: a root span; `error` (type, description) when none loaded."""
+        attrs: dict[str, Any] = {"messaging.system": "nats", "messaging.operation.type": "receive",
+                                 "epp.kv_plane.worker": _clip(worker, 128)}
+        if subject:
+            attrs["messaging.destination.name"] = _clip(subject, 256)
+        if error is None:
+            attrs["epp.kv_plane.dump_blocks"] = blocks
+            attrs["epp.kv_plane.dump_chunks"] = chunks
+            self.background(PLANE_DUMP_SPAN, start_ns, attrs, kind=SpanKind.CLIENT)
+            return
+        attrs["error.type"] = error[0]
+        self.background(PLANE_DUMP_SPAN, start_ns, attrs, _clip(error[1], 200), kind=SpanKind.CLIENT)
+
+    def background(self, name: str, start_ns: int, attrs: dict[str, Any], error: str | None = None,
+                   kind: SpanKind = SpanKind.INTERNAL) -> None:
+        """Work no request asked for (a peer's snapshot, a relay's dump, loaded at start or after a gap), as a
+        root span of its own trace, ending now; sampled by the sampler's rule for a root (its ratio), so a
+        pool that restarts at 10% sampling records one load in ten. Rare by nature: the SDK's sampler is asked
+        when the picker's own shortcut does not apply."""
+        trace_id = random.getrandbits(128) or 1
+        if self._fast_root:
+            if (trace_id & _LOW64) >= self._bound:
+                return
+        elif not self.sampler.should_sample(None, trace_id, name, kind).decision.is_sampled():
+            return
+        self.queue.put((name, kind.value, trace_id, random.getrandbits(64) or 1, 0, start_ns, time_ns(), attrs,
+                        error))
+
 
 def _clip(text: str, limit: int = 256) -> str:
     return text if len(text) <= limit else text[:limit]
@@ -475,7 +548,7 @@ class ExchangeSpan:
     """One sampled ext_proc stream: its server span and the stages recorded under it, exported at `end()`."""
 
     __slots__ = ("tracing", "trace_id", "span_id", "parent_id", "from_gateway", "start", "attrs", "children",
-                 "current", "error", "_state", "_ended")
+                 "current", "decision", "error", "_state", "_ended")
 
     def __init__(self, tracing: Tracing, trace_id: int, parent_id: int | None, from_gateway: bool,
                  state_values: list[str] | None, path: str) -> None:
@@ -496,6 +569,7 @@ class ExchangeSpan:
             "epp.trace.parent": "gateway" if from_gateway else "client" if parent_id is not None else "none"}
         self.children: list[_Child] = []
         self.current = self.span_id  # the parent of the next stage recorded (the decision nests the lookup)
+        self.decision = 0  # the last decision span's id: the parent of its booking's publish to the peers
         self.error: str | None = None
         self._ended = False
 
@@ -593,13 +667,24 @@ class TracedRenderer:
 
 
 class TracedKv:
-    """The KV index lookup that fills a candidate table (`overlap`); every other call passes straight on."""
+    """The KV index lookup that fills a candidate table (`overlap`, or `overlap_array` where the lookup answers
+    a large pool as one array); every other call passes straight on.
+
+    Under `--kv-ingest apart` the lookup is a question to each ingest shard that owns a candidate, and the
+    decision waits for the answers: each is a child span (`epp.kv.ingest.lookup`) with the shard's own figures,
+    from the adapter's `lookup_observer` (set here, so the adapter knows nothing of spans; None when tracing is
+    off: the adapter then makes no call and reads no clock for it)."""
 
     def __init__(self, inner: KvLookup) -> None:
         self.inner = inner
         # the rest of the lookup's interface, bound once: no delegation on the request's path
         self.prompt, self.base_model_for, self.block_size = inner.prompt, inner.base_model_for, inner.block_size
         self.credit, self.held, self.predict = inner.credit, inner.held, inner.predict
+        self._array = getattr(inner, "overlap_array", None)
+        if self._array is not None:  # absent where the inner has none: the table then asks `overlap`
+            self.overlap_array = self._overlap_array
+        if hasattr(inner, "lookup_observer"):
+            inner.lookup_observer = ingest_answered  # type: ignore[attr-defined]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -608,11 +693,71 @@ class TracedKv:
         rec = _CURRENT.get()
         if rec is None:
             return self.inner.overlap(prompt, workers)
-        t0 = time_ns()
-        out = self.inner.overlap(prompt, workers)
-        rec.child(KV_LOOKUP_SPAN, SpanKind.INTERNAL, t0,
-                  {"epp.kv.workers": len(workers), "epp.kv.best_overlap_blocks": max(out.values(), default=0)})
+        t0, outer, first = time_ns(), rec.current, len(rec.children)
+        span_id = rec.current = random.getrandbits(64) or 1
+        try:
+            out = self.inner.overlap(prompt, workers)
+        finally:
+            rec.current = outer
+        attrs = {"epp.kv.workers": len(workers), "epp.kv.best_overlap_blocks": max(out.values(), default=0)}
+        _unanswered(rec, first, attrs)
+        rec.child(KV_LOOKUP_SPAN, SpanKind.INTERNAL, t0, attrs, span_id=span_id, parent_id=outer)
         return out
+
+    def _overlap_array(self, prompt: PromptKey, workers: Sequence[str]) -> Any:
+        rec = _CURRENT.get()
+        assert self._array is not None
+        if rec is None:
+            return self._array(prompt, workers)
+        t0, outer, first = time_ns(), rec.current, len(rec.children)
+        span_id = rec.current = random.getrandbits(64) or 1
+        try:
+            out = self._array(prompt, workers)
+        finally:
+            rec.current = outer
+        if out is None:  # this lookup answers by `overlap` after all (the table asks it next): that one is the span
+            del rec.children[first:]
+            return None
+        attrs = {"epp.kv.workers": len(workers), "epp.kv.best_overlap_blocks": int(out.max()) if len(out) else 0}
+        _unanswered(rec, first, attrs)
+        rec.child(KV_LOOKUP_SPAN, SpanKind.INTERNAL, t0, attrs, span_id=span_id, parent_id=outer)
+        return out
+
+
+def _unanswered(rec: ExchangeSpan, first: int, attrs: dict[str, Any]) -> None:
+    """The lookup's shards that did not answer (their spans since `first`): their workers got no KV credit."""
+    n = sum(1 for c in rec.children[first:] if c[0] == INGEST_LOOKUP_SPAN and c[7] is not None)
+    if n:
+        attrs["epp.kv.ingest.unanswered_shards"] = n
+
+
+_INGEST_ERRORS = {
+    "timeout": "shard {shard} did not answer in time: its candidates were scored without KV credit (by load)",
+    "unavailable": "shard {shard} is down or restarting: its candidates were scored without KV credit (by load)",
+}
+
+
+def ingest_answered(shard: int, result: str, start_ns: int, service_s: float | None,
+                    batch_lag_s: float | None) -> None:
+    """One ingest shard's answer to a lookup (`RemoteKv.lookup_observer`), as a child of the lookup's span when
+    the request is sampled: `result` ok, timeout or unavailable; `service_s` the shard's own time on it (the
+    rest of the wait is the channel and the lookup's queue behind the shard's batch apply, `queued_s`);
+    `batch_lag_s` how old the shard's newest applied event batch was when applied (its publisher's stamp)."""
+    rec = _CURRENT.get()
+    if rec is None:
+        return
+    attrs: dict[str, Any] = {"network.transport": "unix", "epp.kv.ingest.shard": shard,
+                             "epp.kv.ingest.result": result}
+    error: str | None = None
+    if result != "ok":
+        attrs["error.type"] = result
+        error = _INGEST_ERRORS.get(result, "{shard}: no answer").format(shard=shard)
+    if service_s is not None:
+        attrs["epp.kv.ingest.service_s"] = service_s
+        attrs["epp.kv.ingest.queued_s"] = max(0.0, (time_ns() - start_ns) / 1e9 - service_s)
+    if batch_lag_s is not None:
+        attrs["epp.kv.ingest.batch_lag_s"] = batch_lag_s
+    rec.child(INGEST_LOOKUP_SPAN, SpanKind.CLIENT, start_ns, attrs, error)
 
 
 def _plugin_names(handler: Any) -> tuple[str, list[str], list[str]]:
@@ -650,7 +795,7 @@ class TracedScheduler:
         if rec is None:
             return self.inner.schedule(req, addresses)
         t0, outer = time_ns(), rec.current
-        span_id = rec.current = random.getrandbits(64) or 1
+        span_id = rec.current = rec.decision = random.getrandbits(64) or 1
         attrs = dict(self._static)
         error: str | None = None
         try:
@@ -747,3 +892,74 @@ class TraceHook:
         if p.pd.address is not None:
             rec.attrs["epp.pd.prefill_endpoint"] = p.pd.address
         return None
+
+
+# ------------------------------------------------------------------------------------------ replica sync
+def _sync_span(plane: str, subject: str, op_type: str, op_name: str) -> tuple[str, dict[str, Any]]:
+    """(span name, attributes) of a replica-sync message by the semantic conventions of its plane: messaging.*
+    on NATS (named `<operation> <subject>`), rpc.* on the gRPC mesh's stream (named by the caller)."""
+    if plane == "nats":
+        return f"{op_name} {subject}", {"epp.replica_sync.plane": "nats", "messaging.system": "nats",
+                                        "messaging.destination.name": _clip(subject, 256),
+                                        "messaging.operation.type": op_type, "messaging.operation.name": op_name}
+    return "", {"epp.replica_sync.plane": "grpc", "rpc.system": "grpc", "rpc.service": REPLICA_SYNC_SERVICE,
+                "rpc.method": "Sync"}
+
+
+class PublishSpan:
+    """A sampled request's booking on its way to the peer replicas: from its commit (queued on each link that
+    was up, or on the NATS subject) until the last of them handed it to its transport, in a batch or a
+    snapshot. A child of the request's decision span, queued as a span of its own (the request's record has
+    usually gone to the exporter by then). Only a sampled request makes one: the plane asks `Tracing.publish`,
+    which returns None otherwise.
+
+    The plane calls `queued` once per link it was queued on, `sent` or `dropped` once per such link, and
+    `settle` after queueing (a booking no link took is ended at once: no peer to tell, the next connect's
+    snapshot carries it)."""
+
+    __slots__ = ("tracing", "trace_id", "parent_id", "name", "attrs", "start", "waiting", "error", "_ended")
+
+    def __init__(self, tracing: Tracing, trace_id: int, parent_id: int, name: str, attrs: dict[str, Any]) -> None:
+        self.tracing = tracing
+        self.trace_id = trace_id
+        self.parent_id = parent_id
+        self.name = name
+        self.attrs = attrs
+        self.start = time_ns()
+        self.waiting = 0
+        self.error: str | None = None
+        self._ended = False
+
+    def queued(self) -> None:
+        self.waiting += 1
+
+    def settle(self) -> None:
+        if self.waiting <= 0:
+            self.attrs.setdefault("epp.replica_sync.via", "none")
+            self._end()
+
+    def sent(self, via: str = "batch", items: int = 0) -> None:
+        """Handed to the transport (`via` batch or snapshot; `items` the changes in that message)."""
+        self.attrs["epp.replica_sync.via"] = via
+        if items:
+            self.attrs["epp.replica_sync.batch_items"] = items
+        self._done()
+
+    def dropped(self, why: str) -> None:
+        """Never sent on one link (its backlog overflowed, its stream failed, the publish failed): the peers
+        learn it from the snapshot the plane sends next."""
+        self.attrs["error.type"] = "dropped"
+        self.error = _clip(why, 200)
+        self._done()
+
+    def _done(self) -> None:
+        self.waiting -= 1
+        if self.waiting <= 0:
+            self._end()
+
+    def _end(self) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self.tracing.queue.put((self.name, SpanKind.PRODUCER.value, self.trace_id, random.getrandbits(64) or 1,
+                                self.parent_id, self.start, time_ns(), self.attrs, self.error))
