@@ -1065,6 +1065,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         plan.rates = (a.rate,)
     if a.speedup:
         plan.speedup = a.speedup
+    elif W.WORKLOADS[a.workload].speedup and not a.quick:  # the workload's own (workloads.Spec.speedup)
+        plan.speedup = W.WORKLOADS[a.workload].speedup
     plan.host_tier = a.host_tier
     if a.repeats:
         plan.repeats = a.repeats
