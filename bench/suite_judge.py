@@ -62,13 +62,20 @@ def oriented_claim(x: dict[str, Any], base: dict[str, Any], metric: str) -> tupl
     return (statistics.median(num) / med if med else None), S.claim(num, den)
 
 
-def min_share(cell: dict[str, Any]) -> float | None:
-    """The smallest share of the requests one worker served, over the cell's runs."""
+def worker_shares(cell: dict[str, Any]) -> list[float]:
+    """Per run, the smallest share of the requests one worker served."""
     shares = []
     for r in cell["runs"]:
         served = list((r.get("per_worker_served") or {}).values())
         if served and sum(served) > 0:
             shares.append(min(served) / sum(served))
+    return shares
+
+
+def min_share(cell: dict[str, Any]) -> float | None:
+    """The smallest share of the requests one worker served, in the cell's worst run (the rule is strict:
+    every run of a loaded pool must use every worker)."""
+    shares = worker_shares(cell)
     return min(shares) if shares else None
 
 
@@ -97,6 +104,8 @@ def judge(docs: Sequence[dict[str, Any]], config: str = "c") -> dict[str, Any]:
             row: dict[str, Any] = {"workload": workload, "capacity": x["capacity"], "offered_rps": x["offered_rps"],
                                    "runs": len(x["runs"]), PRIMARY: S.spread(_values(x, PRIMARY)),
                                    SECONDARY: S.spread(_values(x, SECONDARY)), "min_worker_share": min_share(x),
+                                   "min_worker_share_median": (statistics.median(worker_shares(x))
+                                                               if worker_shares(x) else None),
                                    "in_flight_per_worker": in_flight_per_worker(x), "against": {}}
             for base in BASELINES + tuple(k for k in doc["configs"] if k not in (config, *BASELINES, "a")):
                 b = next((c for c in cells if c["config"] == base and c["capacity"] == x["capacity"]
@@ -146,14 +155,15 @@ def markdown(result: dict[str, Any]) -> str:
     """The README's table: every cell, wins and losses alike (ratios > 1 = the judged config better; bold =
     claimed, spreads disjoint)."""
     others = sorted({b for r in result["cells"] for b in r["against"]})
-    head = ["workload", "cap", "req/s", "n", f"({result['config']}) TTFT p90 ms", "out tok/s", "min share"]
+    head = ["workload", "cap", "req/s", "n", f"({result['config']}) TTFT p90 ms", "out tok/s",
+            "least-used worker's share, median (worst run)"]
     for b in others:
         head += [f"vs ({b}) TTFT p90", f"vs ({b}) tok/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["cells"]:
-        share = r["min_worker_share"]
+        share, med = r["min_worker_share"], r["min_worker_share_median"]
         cols = [r["workload"], r["capacity"], f"{r['offered_rps']:g}", str(r["runs"]), _fmt(r[PRIMARY]),
-                _fmt(r[SECONDARY]), "-" if share is None else f"{share:.2f}"]
+                _fmt(r[SECONDARY]), "-" if share is None else f"{med:.2f} ({share:.2f})"]
         for b in others:
             v = r["against"].get(b)
             cols += ["-", "-"] if v is None else [_mark(v[PRIMARY]), _mark(v[SECONDARY])]
