@@ -31,8 +31,9 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
   (e)  Envoy + picker, trtllm-render, NO KV events: only its own predictions of what it routed where, kept
        for the whole run (the "approximate prefix" routing llm-d compares against). Frozen: its flags do not
        change with the picker's defaults, so it stays the same yardstick across recordings (it places by the
-       cost alone, `--affinity-load-bound 0`, as every recording before bounded-load affinity became the
-       default did). `--prediction-variant NAME=FLAGS` adds prediction-only pickers with other flags.
+       cost alone, `--affinity-load-bound 0 --prefill-load-scale 1`, as every recording before bounded-load
+       affinity and issue 42's prefill weight became the defaults did). `--prediction-variant NAME=FLAGS` adds
+       prediction-only pickers with other flags.
   (r2) two replicas of (c) with replica sync (--peers) behind the same Envoy, which round-robins ext_proc
        streams across them (bench_replicas' setup): issue 28.9, routing quality of synced replicas
   (rs) (c) with the workers' KV event replay, SIGTERMed at ~1/3 of the schedule and started again at once
@@ -727,9 +728,11 @@ def compare(x: dict[str, Any], base: dict[str, Any], metric: str) -> dict[str, A
 PAIRS = (("b", "a"), ("c", "a"), ("c1", "a"), ("e", "a"), ("c", "b"), ("c", "e"), ("c", "c1"),
          ("r2", "c"), ("rs", "c"), ("rs2", "c"), ("cv", "c"), ("cv", "e"))
 VARIANTS: dict[str, list[str]] = {}  # --variant NAME=FLAGS: more KV-aware pickers, each compared with (c) and (e)
-# (e)'s flags, frozen: no KV events, predictions kept for the run, and the cost alone placing (the placement of
-# the recordings before --affinity-load-bound became the default), so it stays the same yardstick
-E_FLAGS = ("--kv-event-port", "0", "--prediction-ttl-s", "100000", "--affinity-load-bound", "0")
+# (e)'s flags, frozen: no KV events, predictions kept for the run, and the cost alone placing with Dynamo's
+# prefill weight 1.0 (the placement of the recordings before --affinity-load-bound and then issue 42's
+# prefill weight 8.0 became the defaults)
+E_FLAGS = ("--kv-event-port", "0", "--prediction-ttl-s", "100000", "--affinity-load-bound", "0",
+           "--prefill-load-scale", "1")
 # --prediction-variant NAME=FLAGS: prediction-only pickers ((e)'s flags, then these), compared with (e), and
 # (c) with each: whether KV events still matter under another placement rule
 E_VARIANTS: dict[str, list[str]] = {}

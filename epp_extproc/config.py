@@ -300,7 +300,11 @@ class Config:
     kv_overlap_score_credit: float = opt("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT", 2.0, float,
         "weight of a cached block against a block to prefill (Dynamo's default is 1.0; 2.0 measured "
         "stable at saturation, see bench/README.md)")
-    prefill_load_scale: float = opt("DYN_ROUTER_PREFILL_LOAD_SCALE", 1.0, float, "weight of prefill load")
+    prefill_load_scale: float = opt("DYN_ROUTER_PREFILL_LOAD_SCALE", 8.0, float,
+        "weight of prefill load (blocks still to prefill: the queued prompts and this one's uncached part) "
+        "against decode load (blocks held by requests in flight): a new request waits behind the prefills "
+        "queued ahead of it, while each held block slows a step by a small share; Dynamo's default is 1.0, "
+        "8.0 measured better on issue 42's workload suite (bench/README.md, \"The workload suite\")")
     router_temperature: float = opt("DYN_ROUTER_TEMPERATURE", 0.0, float,
         "0 = argmin with random ties; > 0 = softmax sampling over normalised costs (block or time cost alike)")
     cost_model: str = opt("DYN_EPP_COST_MODEL", "blocks", str,

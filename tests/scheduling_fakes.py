@@ -157,9 +157,17 @@ def request(ctx: RequestContext | None = None) -> SchedulingRequest:
     return SchedulingRequest(ctx or RequestContext("POST", "/v1/chat/completions"))
 
 
+def _scored_request(rows: Sequence[Row]) -> SchedulingRequest:
+    """The request the rows were priced for: one with a known prompt when any row has prompt blocks (the
+    prefill weight applies only then), else one routed by load (no prompt)."""
+    if any(r.prompt_blocks > 0 for r in rows):
+        return SchedulingRequest(RequestContext("POST", "/v1/chat/completions"), prompt=())  # type: ignore[arg-type]
+    return request()
+
+
 def _run(rows: Sequence[Row], params: CostParams, picker: Any) -> Row:
     t = table_of(rows)
-    req = request()
+    req = _scored_request(rows)
     costs = BlockCostScorer(params.overlap_credit, params.prefill_load_scale).score(req, t)
     t.cost[:] = [c + r.eviction_penalty for c, r in zip(costs, rows, strict=True)]
     i = picker.pick(req, t, range(len(rows)))
@@ -190,7 +198,8 @@ def apply_eviction(scorer: EvictionScorer, rows: Sequence[Row]) -> None:
 
 
 def compute_cost(row: Row, params: CostParams) -> float:
-    return BlockCostScorer(params.overlap_credit, params.prefill_load_scale).score(request(), table_of([row]))[0]
+    return BlockCostScorer(params.overlap_credit, params.prefill_load_scale).score(_scored_request([row]),
+                                                                                  table_of([row]))[0]
 
 
 def eligible(addresses: Sequence[str], subset: Sequence[str] | None) -> list[str]:

@@ -9,8 +9,9 @@ picker replicas or clients talking to the worker directly. It comes from the wor
 weighed like an average booking of this picker) and is priced like decode load, because whether those requests
 are still prefilling is unknown. It is 0 when worker metrics are off or stale.
 
-With no prompt information (no render, body-less request) every booking weighs one block, so the rule
-degrades to "fewest requests in flight". llm-d's `prefix-cache-scorer`, `queue-scorer` and
+With no prompt information (no render, body-less request) every booking weighs one block and the prefill
+weight is not applied (there are no blocks to prefill, only requests), so the rule degrades to "fewest
+requests in flight" whatever `prefillLoadScale` is: the load-only picker the workload suite judges against. llm-d's `prefix-cache-scorer`, `queue-scorer` and
 `kv-cache-utilization-scorer` fold into this one formula when a config file names them (config_file.py).
 """
 
@@ -40,7 +41,7 @@ class BlockCostScorer(NoScore):
         return cls(float(params["overlapCredit"]), float(params["prefillLoadScale"]))
 
     def score(self, req: SchedulingRequest, table: CandidateTable) -> list[float] | np.ndarray:
-        credit, scale = self.overlap_credit, self.prefill_load_scale
+        credit, scale = self.overlap_credit, self.prefill_load_scale if req.prompt is not None else 1.0
         if table.columnar:
             return self._vector(table, credit, scale)
         out = []

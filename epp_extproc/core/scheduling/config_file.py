@@ -156,14 +156,14 @@ OUR_TYPES: Mapping[str, _Type] = MappingProxyType({
     "prefill-filter": _Type("filter", {}, "workers that prefill (role label prefill / both)"),
     "kv-block-cost-scorer": _Type("scorer", {
         "overlapCredit": _Param(_float_check(0.0, strict=False), 2.0),
-        "prefillLoadScale": _Param(_float_check(0.0, strict=False), 1.0),
+        "prefillLoadScale": _Param(_float_check(0.0, strict=False), 8.0),
     }, "Dynamo's KV-router cost in blocks: prefill load minus credited cached blocks, plus decode load (lower "
        "is better)"),
     "eviction-scorer": _Type("scorer", {}, "prices what a long prompt would evict, and credits a cached prefix "
                                          "only as far as it will likely survive"),
     "predicted-time-scorer": _Type("scorer", {
         "overlapCredit": _Param(_float_check(0.0, strict=False), 2.0),
-        "prefillLoadScale": _Param(_float_check(0.0, strict=False), 1.0),
+        "prefillLoadScale": _Param(_float_check(0.0, strict=False), 8.0),
     }, "each worker's predicted TTFT (+ TPOT term), in seconds; the features are the block cost's terms"),
     "min-cost-picker": _Type("picker", {}, "the lowest cost, random among exact ties"),
     "softmax-picker": _Type("picker", {"temperature": _Param(_float_check(0.0, strict=True), _REQUIRED)},

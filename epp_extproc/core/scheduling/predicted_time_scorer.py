@@ -75,4 +75,4 @@ class PredictedTimeScorer:
     @classmethod
     def create(cls, params: Mapping[str, Any], deps: SchedulingDeps) -> PredictedTimeScorer:
         return cls(deps.time_model(), deps.block_size, overlap_credit=float(params.get("overlapCredit", 1.0)),
-                   prefill_load_scale=float(params.get("prefillLoadScale", 1.0)))
+                   prefill_load_scale=float(params.get("prefillLoadScale", 8.0)))

@@ -94,3 +94,29 @@ def test_moving_a_booking_carries_its_load_and_frees_cleanly() -> None:
     b.prefill_done()
     b.free()
     assert t.load("b").inflight == 0 and t.total_inflight() == 0
+
+
+def test_by_default_a_prefill_queued_ahead_outweighs_more_blocks_held_by_decoding_requests() -> None:
+    # issue 42: a new request waits behind the prompts still prefilling on a worker, while each block held by a
+    # decoding request slows a step by a small share. "queued" has 3 blocks still to prefill (6 in flight
+    # in all), "decoding" holds 20 blocks of requests past their prefill. Dynamo's weight (1.0) sends the
+    # request behind the queued prefill; the default (8.0, measured on the workload suite) does not.
+    from epp_extproc.config import Config
+    from epp_extproc.core.load import EndpointLoad
+
+    def pool() -> list[Row]:
+        return [Row("queued", EndpointLoad(inflight=1, prefill_blocks=3, decode_blocks=3), prompt_blocks=4),
+                Row("decoding", EndpointLoad(inflight=4, decode_blocks=20), prompt_blocks=4)]
+    assert choose(pool(), CostParams(prefill_load_scale=1.0)).address == "queued"
+    assert choose(pool(), CostParams(prefill_load_scale=Config().prefill_load_scale)).address == "decoding"
+
+
+def test_a_request_with_no_known_prompt_goes_to_the_fewest_requests_in_flight_whatever_the_prefill_weight() -> None:
+    # load-only (no render): "a" has 1 request still prefilling, "b" 3 decoding; the prefill weight prices
+    # blocks to prefill, and without a prompt there are none, only requests (weighed 8x, "a"'s would lose)
+    t = LoadTracker()
+    t.book("a", 0)
+    for _ in range(3):
+        t.book("b", 0).prefill_done()
+    for scale in (1.0, 8.0):
+        assert choose(loads_for(["a", "b"], t.loads()), CostParams(prefill_load_scale=scale)).address == "a"

@@ -128,7 +128,7 @@ async def test_the_pipeline_picks_within_the_bound_only_when_the_flag_is_set() -
     # prefer the idle ADDRS[1]
     outcomes = {}
     for bound in (0.0, 0.25):
-        pipe, _, _ = make(affinity_load_bound=bound, affinity_rule="longest")
+        pipe, _, _ = make(affinity_load_bound=bound, affinity_rule="longest", prefill_load_scale=1.0)
         pipe.load.book(ADDRS[0], 3)
         outcomes[bound] = (await decide(pipe, chat(b'{"messages":[]}'))).address
     assert outcomes == {0.0: ADDRS[1], 0.25: ADDRS[0]}
@@ -149,7 +149,7 @@ def test_the_bound_is_on_by_default_and_refuses_a_negative_value() -> None:
 async def test_the_time_cost_ignores_the_bound() -> None:
     # the same booking that keeps the cached worker under the bound: the time cost (cold, so the block cost's
     # argmin) sends the request to the idle worker as it did before the bound existed
-    pipe, _, _ = make(affinity_load_bound=0.25, cost_model="time")
+    pipe, _, _ = make(affinity_load_bound=0.25, cost_model="time", prefill_load_scale=1.0)
     pipe.config.validate()
     pipe.load.book(ADDRS[0], 3)
     assert (await decide(pipe, chat(b'{"messages":[]}'))).address == ADDRS[1]

@@ -77,7 +77,7 @@ def test_precise_prefix_cache_sample_compiles_to_one_block_cost_profile_with_its
     assert chain(spec, "default") == ["decode-filter", "kv-block-cost-scorer*1", "min-cost-picker"]
     cost = spec.profiles["default"].scorers[0][0]
     assert cost.source_type == "prefix-cache-scorer,kv-cache-utilization-scorer,queue-scorer"
-    assert dict(cost.parameters) == {"overlapCredit": 2.0, "prefillLoadScale": 1.0}
+    assert dict(cost.parameters) == {"overlapCredit": 2.0, "prefillLoadScale": 8.0}
     assert spec.profiles["default"].picker.source_type == "max-score-picker"
     assert dict(spec.settings) == {"kv_cache_block_size": 64}
     ignored = notes(spec, "ignored")
@@ -346,7 +346,7 @@ def test_defaults_compile_to_the_expected_profiles() -> None:
     assert chain(spec, "decode") == ["decode-filter", "kv-block-cost-scorer*1", "bounded-load-picker"]
     # the prefill leg picks without the bound: it has no answer whose cache affinity the bound keeps
     assert chain(spec, "prefill") == ["prefill-filter", "kv-block-cost-scorer*1", "min-cost-picker"]
-    assert dict(spec.profiles["decode"].scorers[0][0].parameters) == {"overlapCredit": 2.0, "prefillLoadScale": 1.0}
+    assert dict(spec.profiles["decode"].scorers[0][0].parameters) == {"overlapCredit": 2.0, "prefillLoadScale": 8.0}
     assert dict(spec.profiles["decode"].picker.parameters) == {"bound": 0.5, "temperature": 0.0, "rule": "weighed"}
 
 
