@@ -293,11 +293,13 @@ LOAD_FACTORS = (4 / 7, 1.0, 10 / 7)  # below / at / past: the trace's 10 / 17.5 
 # 2026-12-05, 75 capacity, in real time: see each workload's speedup). The estimate prices every output token
 # as if decoded alone and so puts these workloads' saturation 3-4x too low: load-only's TTFT p90 was flat
 # (72-95 ms) up to 32 req/s on multi-turn and tenfold at 48; on system-prompt and no-reuse it rose 1.2x by 64
-# and 2x by 96 req/s, the most this machine replays without queueing itself. The rest are still estimates.
+# and 2x by 96 req/s, the most this machine replays without queueing itself; on rag it went from 132 ms at 24
+# to 1,629 ms at 40. The rest (agents, hetero) are still estimates.
 MEASURED_RATES: dict[str, tuple[float, float, float]] = {
     "system-prompt": (40.0, 64.0, 96.0),
     "no-reuse": (40.0, 64.0, 96.0),
     "multi-turn": (20.0, 36.0, 48.0),
+    "rag": (24.0, 32.0, 40.0),  # load-only: 132 ms at 24, 1,629 ms at 40
 }
 
 
