@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from typing import Any
 
 import msgpack
 import xxhash
@@ -456,19 +457,9 @@ def decode_payload(payload: bytes | bytearray | memoryview, max_events: int | No
     ``max_events``: a batch with more events is refused (``garbage``, ``reason == TOO_MANY_EVENTS``,
     ``raw_event_count`` set) before any per-event work, so its cost is one C-level unpack of a bounded payload.
     """
-    if not isinstance(payload, bytes | bytearray | memoryview):
-        return _garbage("payload is not bytes")
-    if len(payload) > MAX_PAYLOAD_BYTES:
-        return _garbage("payload too large")
-    if max_events is not None:
-        n = peek_event_count(payload)
-        if n is not None and n > max_events:
-            return DecodedBatch(garbage=True, reason=TOO_MANY_EVENTS, raw_event_count=n)
-    try:
-        # tuples, not lists: ~40% cheaper to build, and the ints are the bulk of every payload
-        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=False)
-    except Exception as exc:  # msgpack raises a zoo of types (ValueError, ExtraData, StackError, ...)
-        return _garbage(f"msgpack: {type(exc).__name__}")
+    obj = _unpack_bounded(payload, max_events)
+    if type(obj) is DecodedBatch:
+        return obj
     if type(obj) is tuple:
         if len(obj) < 2:
             return _garbage("envelope array too short")
@@ -583,10 +574,11 @@ def _storage_event(ev: object, counters: DecodeCounters) -> ChunksStored | Chunk
     return ChunksStored(hashes, medium)
 
 
-def decode_storage_payload(payload: bytes | bytearray | memoryview, max_events: int | None = None) -> DecodedBatch:
-    """Decode one batch of llm-d's file-system connector stream (see the block above) into
-    :class:`ChunksStored` / :class:`ChunksRemoved` events. Never raises: a malformed batch is ``garbage``, a
-    malformed event counted (``garbage_events``) and dropped, like :func:`decode_payload`."""
+def _unpack_bounded(payload: Any, max_events: int | None) -> Any:
+    """The checks every stream's batch passes before any per-event work (a bytes payload within
+    MAX_PAYLOAD_BYTES, at most `max_events` events by a peek), then one C-level unpack: the unpacked object,
+    or a garbage `DecodedBatch` saying which check failed (msgpack decodes no DecodedBatch, so the type tells
+    the two apart)."""
     if not isinstance(payload, bytes | bytearray | memoryview):
         return _garbage("payload is not bytes")
     if len(payload) > MAX_PAYLOAD_BYTES:
@@ -596,9 +588,19 @@ def decode_storage_payload(payload: bytes | bytearray | memoryview, max_events: 
         if n is not None and n > max_events:
             return DecodedBatch(garbage=True, reason=TOO_MANY_EVENTS, raw_event_count=n)
     try:
-        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=False)
-    except Exception as exc:  # msgpack raises a zoo of types
+        # tuples, not lists: ~40% cheaper to build, and the ints are the bulk of every payload
+        return msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=False)
+    except Exception as exc:  # msgpack raises a zoo of types (ValueError, ExtraData, StackError, ...)
         return _garbage(f"msgpack: {type(exc).__name__}")
+
+
+def decode_storage_payload(payload: bytes | bytearray | memoryview, max_events: int | None = None) -> DecodedBatch:
+    """Decode one batch of llm-d's file-system connector stream (see the block above) into
+    :class:`ChunksStored` / :class:`ChunksRemoved` events. Never raises: a malformed batch is ``garbage``, a
+    malformed event counted (``garbage_events``) and dropped, like :func:`decode_payload`."""
+    obj = _unpack_bounded(payload, max_events)
+    if type(obj) is DecodedBatch:
+        return obj
     if type(obj) is tuple and len(obj) >= 2:
         ts, events = obj[0], obj[1]
     elif type(obj) is dict:
