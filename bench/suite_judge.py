@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import trace_stats as S
+from bench.bench_trace import compare
 
 PRIMARY, SECONDARY = "ttft_p90_ms", "output_tokens_per_s"
-LOWER_IS_BETTER = {"ttft_p90_ms"}
 LOSS_MARGIN = 0.05  # "more than 5% worse"
 MIN_SHARE = 0.15  # every worker of four serves at least 15% of a loaded pool's requests
 BASELINES = ("b", "e")
@@ -50,16 +50,6 @@ def documents(paths: Iterable[str]) -> list[dict[str, Any]]:
 
 def _values(cell: dict[str, Any], metric: str) -> list[float]:
     return [float(r[metric]) for r in cell["runs"] if r.get(metric) is not None]
-
-
-def oriented_claim(x: dict[str, Any], base: dict[str, Any], metric: str) -> tuple[float | None, float | None]:
-    """(ratio of medians, claim) oriented so > 1 means `x` is better (the claim only on disjoint spreads)."""
-    xs, bs = _values(x, metric), _values(base, metric)
-    num, den = (bs, xs) if metric in LOWER_IS_BETTER else (xs, bs)
-    if not num or not den:
-        return None, None
-    med = statistics.median(den)
-    return (statistics.median(num) / med if med else None), S.claim(num, den)
 
 
 def worker_shares(cell: dict[str, Any]) -> list[float]:
@@ -114,7 +104,8 @@ def judge(docs: Sequence[dict[str, Any]], config: str = "c") -> dict[str, Any]:
                     continue
                 verdict = {}
                 for m in (PRIMARY, SECONDARY):
-                    ratio, claim = oriented_claim(x, b, m)
+                    k = compare(x, b, m)  # oriented: > 1 = x better; the claim only on disjoint spreads
+                    ratio, claim = k["median_ratio"], k["claim"]
                     verdict[m] = {"median_ratio": ratio, "claim": claim, "base": S.spread(_values(b, m)),
                                   "loses": claim is not None and claim < 1 / (1 + LOSS_MARGIN),
                                   "wins": claim is not None and claim > 1}

@@ -69,25 +69,23 @@ class BoundedLoadPicker:
         average = sum(held) / len(pool)
         ceiling = (1.0 + self.bound) * average
         best = 0.0
-        fits: list[int] = []
+        fits: list[tuple[int, float]] = []  # (row, its slack: the prompt's blocks, at least 1)
         for i, h in zip(pool, held, strict=True):
             p = pb[i]
             slack = p if p > 1.0 else 1.0
             if h <= ceiling + slack:
-                fits.append(i)
+                fits.append((i, slack))
                 if credited[i] > best:
                     best = credited[i]
         if best <= 0:
             return least_cost(table.cost, pool, t, self.rng)
         if self.rule == "longest":
-            return least_cost(table.cost, [i for i in fits if credited[i] == best], t, self.rng)
+            return least_cost(table.cost, [i for i, _ in fits if credited[i] == best], t, self.rng)
         adjusted = list(table.cost)
-        for i in fits:
-            p = pb[i]
-            slack = p if p > 1.0 else 1.0
+        for i, slack in fits:
             share = credited[i] / slack
             adjusted[i] -= (ceiling + slack) * (share if share < 1.0 else 1.0)
-        return least_cost(adjusted, fits, t, self.rng)
+        return least_cost(adjusted, [i for i, _ in fits], t, self.rng)
 
     def _vector(self, table: CandidateTable, pool: Sequence[int], t: float) -> int:
         """The loop above over a columnar table, in the same order of operations, so the same row is drawn from
@@ -114,11 +112,9 @@ class BoundedLoadPicker:
         if self.rule == "longest":
             ties = np.flatnonzero(effective == best)  # positions in the pool, in its order
             return least_cost(table.cost, ties if rows is None else rows[ties], t, self.rng)
-        fits = np.flatnonzero(fit)
+        fits = np.flatnonzero(fit)  # positions in the pool
         affinity = (ceiling + slack[fits]) * np.minimum(credited[fits] / slack[fits], 1.0)
+        fit_rows = fits if rows is None else rows[fits]
         adjusted = table.cost.copy()
-        if rows is None:
-            adjusted[fits] -= affinity
-            return least_cost(adjusted, fits, t, self.rng)
-        adjusted[rows[fits]] -= affinity
-        return least_cost(adjusted, rows[fits], t, self.rng)
+        adjusted[fit_rows] -= affinity
+        return least_cost(adjusted, fit_rows, t, self.rng)
