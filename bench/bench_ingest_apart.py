@@ -352,8 +352,12 @@ class Setup:
             self.kv: Any = RemoteKv(self.registry, directory=self.dir, shards=shards, block_size=BS,
                                     prediction_ttl_s=2.0, lookup_timeout_s=0.05, ask_server_info=False)
         else:
+            # `inprocess` as the product builds it (each worker's events paced to --kv-ingest-worker-cpu-share);
+            # `inprocess-unpaced`: no per-worker budget (before stop 50)
+            share = None if "unpaced" in mode else Config().kv_ingest_worker_cpu_share
             self.kv = KvRouting(self.registry, block_size=BS, max_blocks_per_worker=1_000_000, topic="",
-                                prediction_ttl_s=2.0, metrics_registry=None, ask_server_info=False)
+                                prediction_ttl_s=2.0, metrics_registry=None, ask_server_info=False,
+                                worker_cpu_share=share)
             idx, lag = self.kv.index, self.lag
             orig = idx.apply_batch
 
@@ -924,7 +928,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="8,256,1000", help="simulated pool sizes")
     ap.add_argument("--parts", default="channel,scale,flood,scrape,processes", help="which measurements")
     ap.add_argument("--modes", default="inprocess,apart",
-                    help="scale/flood variants: inprocess, apart (lookups on the shard's loop, the default), "
+                    help="scale/flood variants: inprocess (the default), inprocess-unpaced (no per-worker CPU "
+                         "budget), apart (lookups on the shard's loop), "
                          "apart-thread (on its threads), apart-2shards, apart-thread-2shards")
     ap.add_argument("--scrape-rates", default="default",
                     help="scrape budgets to compare: default, off (none), or scrapes/s, comma-separated")

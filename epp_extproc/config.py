@@ -374,8 +374,9 @@ class Config:
         "with --kv-ingest apart: the longest a decision waits for the ingest's answer; late or down = the "
         "request is routed by load (counted in epp_kv_ingest_lookups_total)")
     kv_ingest_worker_cpu_share: float = opt("DYN_EPP_KV_INGEST_WORKER_CPU_SHARE", 0.1, float,
-        "with --kv-ingest apart: the share of one core one worker's events may use; a publisher above it is "
-        "read more slowly and loses its own freshness, nobody else's")
+        "the share of one core one worker's events may use, in the picker's own loop (`inprocess`) or in its "
+        "ingest shard (`apart`); a publisher above it is read more slowly and loses its own freshness, nobody "
+        "else's")
     session_affinity_keys_file: str | None = opt("DYN_EPP_SESSION_AFFINITY_KEYS_FILE", None, _opt_str,
         "turns session affinity on: a file of AES-256 keys (one per line, base64 or hex; the first seals, all "
         "open; a Secret the replicas share, reloaded when it changes). A request carrying x-session-token is "

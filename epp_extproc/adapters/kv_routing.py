@@ -22,6 +22,7 @@ from epp_extproc.adapters.worker_facts import Prompt, WorkerFacts
 from epp_extproc.core.contract import NO_IDENTITY, Credit, PromptIdentity, split_credit
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.core.load import BookingChange, BookingListener
+from epp_extproc.ingest.pacing import DEFAULT_BURST_S, DEFAULT_WORKER_CPU_SHARE, Pacer
 from kvindex.aio import TaskSet
 from kvindex.churn import ChurnWindow
 from kvindex.index import KvIndex, PredictionHold, merge_worker_rows
@@ -38,10 +39,16 @@ class KvRouting:
 
     def __init__(self, registry: EndpointRegistry, *, block_size: int, max_blocks_per_worker: int, topic: str,
                  prediction_ttl_s: float, metrics_registry: CollectorRegistry | None,
-                 ask_server_info: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+                 ask_server_info: bool = True, clock: Callable[[], float] = time.monotonic,
+                 worker_cpu_share: float | None = DEFAULT_WORKER_CPU_SHARE) -> None:
+        """``worker_cpu_share``: the share of one core one worker's events may use here (a flooding publisher
+        is read more slowly and loses its own freshness; the decisions on this loop keep the rest); None: no
+        per-worker budget, only the subscriber's turn budget."""
         self.index = KvIndex(block_size, max_blocks_per_worker, metrics_registry, clock=clock)
+        self.pacer = None if worker_cpu_share is None else Pacer(worker_cpu_share, DEFAULT_BURST_S)
         self.subscribers = SubscriberManager(self.index, topic=topic, is_healthy=registry.healthy,
-                                             registry=metrics_registry)
+                                             registry=metrics_registry,
+                                             pace=None if self.pacer is None else self.pacer.charge)
         self.prediction_ttl_s = prediction_ttl_s
         self._registry = registry
         self._tasks = TaskSet()
@@ -97,6 +104,8 @@ class KvRouting:
             for ep in removed:
                 await self.subscribers.remove(ep.address)
                 self.index.drop_worker(ep.address)
+                if self.pacer is not None:
+                    self.pacer.forget(ep.address)
                 self.facts.left(ep.address)
             for ep in added:
                 self.index.add_worker(ep.address)
@@ -245,6 +254,8 @@ class KvRouting:
         """The index's per-worker state with each worker's subscriber counters and adapters (`/debug/kv`)."""
         snap = self.index.snapshot()
         merge_worker_rows(snap, self.subscribers.stats_snapshot())
+        if self.pacer is not None:
+            merge_worker_rows(snap, self.pacer.snapshot())
         self.facts.annotate(snap)
         return snap
 

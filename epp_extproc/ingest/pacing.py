@@ -14,6 +14,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+# the flag's default (--kv-ingest-worker-cpu-share): one worker's events may use a tenth of a core, in a shard
+# or in the picker's own loop, with a burst of 50 ms of CPU before the first pause
+DEFAULT_WORKER_CPU_SHARE = 0.1
+DEFAULT_BURST_S = 0.05
+
 
 class _Bucket:
     __slots__ = ("tokens", "stamp", "throttled", "throttled_s")

@@ -46,7 +46,7 @@ import zmq.asyncio
 from epp_extproc.heap import Refreezer
 from epp_extproc.ingest import wire
 from epp_extproc.ingest.launcher import DEFAULT_LOOKUPS, LOOKUP_MODES
-from epp_extproc.ingest.pacing import LagSamples, Pacer
+from epp_extproc.ingest.pacing import DEFAULT_BURST_S, DEFAULT_WORKER_CPU_SHARE, LagSamples, Pacer
 from kvindex.aio import cancel_and_wait
 from kvindex.events import DecodedBatch
 from kvindex.index import KvIndex, merge_worker_rows
@@ -123,8 +123,8 @@ class IngestShard:
     """Subscriptions + index of one shard, with its lookup and control servers."""
 
     def __init__(self, directory: str, shard: int = 0, shards: int = 1, *, block_size: int = 32,
-                 max_blocks_per_worker: int = 1_000_000, topic: str = "", worker_cpu_share: float = 0.1,
-                 worker_burst_s: float = 0.05, parent_pid: int | None = None, lookups: str = DEFAULT_LOOKUPS) -> None:
+                 max_blocks_per_worker: int = 1_000_000, topic: str = "", worker_cpu_share: float = DEFAULT_WORKER_CPU_SHARE,
+                 worker_burst_s: float = DEFAULT_BURST_S, parent_pid: int | None = None, lookups: str = DEFAULT_LOOKUPS) -> None:
         """``lookups``: where lookups are answered: ``thread`` (a thread per connected picker, under the GIL
         and the index lock) or ``loop`` (on the ingest loop itself, between every two applied batches and
         whenever the loop waits: no GIL hand-off, at most one batch's apply to wait for)."""

@@ -84,7 +84,8 @@ def build_kv(section: KvSection, slot: ProcessSlot, registry: EndpointRegistry,
     if section.kv_ingest != "apart":
         kv = KvRouting(registry, block_size=section.kv_cache_block_size,
                        max_blocks_per_worker=section.max_index_blocks_per_worker, topic=section.kv_event_topic,
-                       prediction_ttl_s=section.prediction_ttl_s, metrics_registry=metrics_registry)
+                       prediction_ttl_s=section.prediction_ttl_s, metrics_registry=metrics_registry,
+                       worker_cpu_share=section.kv_ingest_worker_cpu_share)
         if section.kv_shared_stores:  # issue 44: shared-tier blocks credited to every worker of the store
             kv.set_shared_stores(parse_shared_stores(section.kv_shared_stores))
         kv.set_storage_block_tokens(section.kv_storage_block_size)

@@ -1,5 +1,6 @@
-"""Integration: one publisher floods its ingest shard; another worker's events in the same shard stay fresh, and
-the flooder is the one paused (its own budget), through a real ingest process and real ZeroMQ."""
+"""Integration: one publisher floods the ingest (an ingest shard, or the picker's own loop with the default
+`--kv-ingest inprocess`); another worker's events stay fresh, and the flooder is the one paused (its own
+budget), through real ZeroMQ (and a real ingest process for the shard)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import time
 
 import zmq
 import zmq.asyncio
+from prometheus_client import CollectorRegistry
 
+from epp_extproc.config import KvSection, ProcessSlot
 from epp_extproc.core.contract import PromptIdentity
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
 from epp_extproc.dev.kvwire import stored_event
 from epp_extproc.ingest.launcher import IngestGroup, shard_argv
+from epp_extproc.ingest.setup import build_kv
 from tests.integration.test_ingest_apart import BS, Publisher, remote, tokens, until_warm
 from tests.waiting import until_async
 
@@ -79,3 +83,46 @@ async def test_a_flooding_publisher_is_paused_and_another_worker_stays_fresh() -
             quiet.close()
             group.stop()
             ctx.destroy(linger=0)
+
+
+async def test_with_the_defaults_a_flooding_publisher_is_paused_in_the_pickers_own_loop() -> None:
+    """The default in-process ingest (the KV view as the app builds it from a default KvSection) charges each
+    worker's messages to its own CPU budget, as a shard does: the flooder waits, the quiet worker stays fresh,
+    and the loop the decisions share keeps turning."""
+    ctx = zmq.asyncio.Context()
+    flooder, quiet = Publisher(ctx), Publisher(ctx)
+    eps = [Endpoint("flood", "127.0.0.1:8700", flooder.endpoint, flooder.replay),
+           Endpoint("quiet", "127.0.0.1:8701", quiet.endpoint, quiet.replay)]
+    reg = EndpointRegistry()
+    kv, group, _ = build_kv(KvSection(kv_cache_block_size=BS), ProcessSlot(), reg, CollectorRegistry())
+    assert group is None  # in process: no shard
+    stop = asyncio.Event()
+    try:
+        reg.replace(eps)
+        await flooder.store(tokens(1))
+        await quiet.store(tokens(1))
+        await until_warm(kv, [e.address for e in eps])
+        task = asyncio.create_task(flood(flooder, stop))
+        freshness = []
+        for i in range(10):
+            await asyncio.sleep(0.1)
+            toks = tokens(3, start=10_000 + i * 100)
+            await quiet.store(toks)
+            t = time.monotonic()
+            prompt = kv.prompt(toks + [1], PromptIdentity())
+            await until_async(lambda p=prompt: kv.overlap(p, [eps[1].address]) == {eps[1].address: 3},
+                              timeout=10, interval=0.005)
+            freshness.append(time.monotonic() - t)
+        stop.set()
+        sent = await task
+        snap = kv.snapshot()
+        throttled = snap["workers"][eps[0].address].get("ingest_throttled", 0)
+        assert sent > 100
+        assert throttled > 0, "the flooder was never paused"
+        assert snap["workers"][eps[1].address].get("ingest_throttled", 0) == 0
+        assert max(freshness) < 1.0, freshness  # generous for two shared cores: a stall would be seconds
+    finally:
+        stop.set()
+        await kv.close()
+        flooder.close()
+        quiet.close()
