@@ -359,7 +359,8 @@ class Config:
     kv_storage_block_size: int = opt("DYN_EPP_KV_STORAGE_BLOCK_SIZE", 256, int,
         "tokens per chunk of llm-d's file-system connector (its kv_connector_extra_config `block_size`, 256 by "
         "default): its events name one hash per chunk and do not say the size; a worker's `kv_storage_events` "
-        "endpoint (endpoints file; `storage=` in --endpoints) is that connector's `storage_events_endpoint`")
+        "endpoint (endpoints file; `storage=` in --endpoints; pod annotation `epp-extproc/kv-storage-events`) is "
+        "that connector's `storage_events_endpoint`")
     pd_min_uncached_tokens: int = opt("DYN_EPP_PD_MIN_UNCACHED_TOKENS", 16, int,
         "disaggregated pools: a prompt whose uncached suffix on the chosen decode worker is at least this many "
         "tokens is prefilled on a prefill worker (named in x-prefiller-host-port), a shorter one on the decode "

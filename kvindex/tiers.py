@@ -14,10 +14,19 @@ The spellings, as read at the engines' sources (the source wins over the issue's
     `_MEDIUM_TO_EVENT_STR`) and adds `locality` LOCAL / REMOTE (not used here: REMOTE storage is not known to
     be mounted by other workers). Older offload specs spelled the NVMe medium `"Disk"` (vllm-project/vllm
     0c2bbc47 vllm/v1/kv_offload/mediums.py). All map, case-folded.
-  * SGLang HiCache: `CPU_PINNED` (host), `DISK` (local storage), `EXTERNAL` (a shared pool such as Mooncake),
-    SGLang's `StorageMedium` as Dynamo's router cites it; earlier releases `CPU_TIER1` (host, "L2") and
-    `CPU_TIER2` (storage, "L3"). NOT verified at an SGLang commit here: the stored copies of
-    python/sglang/srt/disaggregation/kv_events.py (sgl-project/sglang 612d5790, 006d053f) predate the field.
+  * SGLang, read in its PyPI releases (the sgl-project/sglang snapshot, 1.2 GB, was too large to fetch; the
+    wheels carry no commit id, so the release is the citation): python/sglang/srt/disaggregation/kv_events.py
+    of 0.5.23 `class StorageMedium(str, enum.Enum)`: `GPU = "GPU"` (L1), `CPU = "CPU_PINNED"` (L2, host
+    pinned memory), `DISK = "DISK"` (L3, SSD / NVMe), `EXTERNAL = "EXTERNAL"` (L4, a shared / remote pool
+    such as Mooncake); the same enum in 0.5.15; 0.5.9 and 0.5.10 have only `MEDIUM_GPU = "GPU"` and
+    `MEDIUM_CPU = "CPU_PINNED"`; 0.5.6 to 0.5.8 have no `medium` field. What 0.5.23 sends: "GPU" and
+    "CPU_PINNED" only (mem_cache/events.py `KVCacheEventRecorder`, GPU by default; mem_cache/unified_cache/
+    unified_tree_core.py and the Rust tree core behind mem_cache/rust_tree_core/adapter.py for the host
+    tier; 0.5.15's mem_cache/hiradix_cache.py likewise); `DISK` and `EXTERNAL` are declared but no code path
+    of 0.5.15 or 0.5.23 emits them. `CPU_TIER1` / `CPU_TIER2` are in no release read (0.5.6 to 0.5.10, 0.5.15,
+    0.5.23): Dynamo's router names them (and a HiCache + Dynamo integration worklog proposed them as SGLang
+    constants); they stay mapped (host, storage) so an engine patched that way still earns credit. Events are positional arrays through 0.5.15 and tagged
+    maps in 0.5.23; the decoder reads both.
   * llm-d's file-system connector: `SHARED_STORAGE` / `OBJECT_STORE` (llm-d/llm-d-kv-cache 7be76e11
     kv_connectors/llmd_fs_backend/llmd_fs_backend/event_publisher.py `StorageMedium`), on its own PUB socket
     with topic `kv@<medium>@<model>`. Its events carry hashes only, one per offload chunk (manager.py
@@ -33,8 +42,8 @@ Anything else is kept as tier `unknown`, counted (`unknown_medium`) and credited
 from __future__ import annotations
 
 TIER_GPU = "gpu"
-TIER_CPU = "cpu"  # host memory (vLLM CPU, SGLang CPU_PINNED / CPU_TIER1)
-TIER_DISK = "disk"  # the worker's own storage (vLLM Disk / STORAGE, SGLang DISK / CPU_TIER2)
+TIER_CPU = "cpu"  # host memory (vLLM CPU, SGLang CPU_PINNED; Dynamo-side CPU_TIER1)
+TIER_DISK = "disk"  # the worker's own storage (vLLM Disk / STORAGE, SGLang DISK; Dynamo-side CPU_TIER2)
 TIER_SHARED = "shared"  # storage other workers may mount (SGLang EXTERNAL, llm-d SHARED_STORAGE / OBJECT_STORE)
 TIER_UNKNOWN = "unknown"
 

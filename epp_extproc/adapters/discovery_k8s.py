@@ -34,6 +34,7 @@ from epp_extproc.core.endpoints import (
     EndpointRegistry,
     clip,
     format_host_port,
+    parse_port,
     parse_role,
     split_host_port,
     zmq_tcp,
@@ -107,6 +108,41 @@ def pod_kv_ranks(meta: Mapping[str, Any]) -> int:
     return n if 1 <= n <= 64 else 1
 
 
+KV_STORAGE_EVENTS_ANNOTATION = "epp-extproc/kv-storage-events"  # llm-d fs connector's storage_events_endpoint
+_BIND_ALL = ("*", "0.0.0.0", "[::]")  # the connector binds its PUB: a copied bind address means the pod itself
+
+
+def pod_kv_storage_events(meta: Mapping[str, Any], ip: str) -> str | None:
+    """The pod's `epp-extproc/kv-storage-events` annotation as a ZeroMQ endpoint, or None when it is absent.
+
+    The value names the PUB socket of llm-d's file-system connector in the pod (its `storage_events_endpoint`,
+    `Endpoint.kv_storage_events`): a bare port (`5559`) is the pod's IP on that port, as the KV-event port is;
+    `tcp://ip:port` names an address (an IP literal); `tcp://*:port` (the connector's bind form, also
+    `0.0.0.0` and `[::]`) is the pod's IP. Anything else is ignored with a warning naming the pod: discovery
+    never fails a pod over an annotation, the worker is still routed to, without the storage stream.
+    """
+    raw = (meta.get("annotations") or {}).get(KV_STORAGE_EVENTS_ANNOTATION)
+    if raw is None:
+        return None
+    value = raw.strip() if isinstance(raw, str) else raw
+    try:
+        if not isinstance(value, str) or not value.isascii():
+            raise ValueError("not a string")
+        if value.startswith("tcp://"):
+            host, sep, port = value[len("tcp://"):].rpartition(":")
+            if sep and host in _BIND_ALL:
+                value = port
+            else:
+                return zmq_tcp(*split_host_port(value[len("tcp://"):]))
+        return zmq_tcp(ip, parse_port(value))
+    except ValueError:
+        name = clip(meta.get("name", "?"), 80)  # a pod's every status update recomputes it: once per pod a while
+        _throttled.warning(f"kv-storage-events:{name}", "pod %s has annotation %s=%s, not a port, tcp://ip:port or "
+                           "tcp://*:port; ignoring it (no storage-event stream for this pod)", name,
+                           KV_STORAGE_EVENTS_ANNOTATION, clip(raw, 80))
+        return None
+
+
 def pod_role(meta: Mapping[str, Any], role_label: str) -> Role | None:
     """The pod's role from its `role_label` label (llm-d's `llm-d.ai/role` by default): none = both
     (llm-d's decode filter keeps unlabelled pods too); a value this picker cannot serve (encode, a typo) = None."""
@@ -138,9 +174,11 @@ def pod_endpoints(pod: Mapping[str, Any], ports: tuple[int, ...], kv_event_port:
     labels = tuple(sorted((meta.get("labels") or {}).items()))
     kv = zmq_tcp(ip, kv_event_port)
     replay = zmq_tcp(ip, replay_port) if replay_port else None
+    storage = pod_kv_storage_events(meta, ip)
     return [
         Endpoint(name=name if len(ports) == 1 else f"{name}:{port}", address=format_host_port(ip, port),
-                 kv_events=kv, replay=replay, labels=labels, kv_ranks=pod_kv_ranks(meta), role=role)
+                 kv_events=kv, replay=replay, labels=labels, kv_ranks=pod_kv_ranks(meta), role=role,
+                 kv_storage_events=storage)
         for port in ports
     ]
 

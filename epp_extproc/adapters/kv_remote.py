@@ -158,6 +158,7 @@ class RemoteKv:
         # lookups were sent in time_ns, the shard's service time, its batch lag): set only when tracing is on,
         # so a picker without tracing reads no extra clock and makes no call per lookup.
         self.lookup_observer: Callable[[int, str, int, float | None, float | None], None] | None = None
+        self._storage_warned = False  # a worker named a storage-event endpoint the shards cannot subscribe
         registry.subscribe(self._on_change)
 
     @property
@@ -211,6 +212,13 @@ class RemoteKv:
             sh.workers[ep.address] = [[pub, replay, rank] for rank, pub, replay in ep.kv_endpoints]
             touched.add(sh.index)
             self.facts.joined(ep)
+            if ep.kv_storage_events and not self._storage_warned:
+                # the shards' worker table carries GPU streams only, and their lookups answer no tiers: the
+                # storage stream (issue 44) is read by the in-process index alone; say so once, not per worker
+                self._storage_warned = True
+                log.warning("worker %s names a storage-event endpoint (%s): --kv-ingest apart does not subscribe "
+                            "it (nor any other worker's); llm-d's file-system connector stream and tiered credit "
+                            "need --kv-ingest inprocess", ep.name, ep.kv_storage_events)
         for i in touched:
             self._send_workers(self.shards[i])
 

@@ -112,6 +112,13 @@ def split_host_port(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def parse_port(text: object) -> int:
+    """A port 1-65535 written in plain ASCII digits (as `split_host_port` reads one); raises ValueError."""
+    if not isinstance(text, str) or not _PORT.fullmatch(text) or int(text) > 65535:
+        raise ValueError(f"bad port {clip(text)}: want 1-65535")
+    return int(text)
+
+
 def format_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 

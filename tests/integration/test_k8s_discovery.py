@@ -15,13 +15,17 @@ from typing import Any
 import pytest
 import yaml
 
+from epp_extproc.adapters import discovery_k8s as dk
 from epp_extproc.adapters.discovery_k8s import (
+    KV_STORAGE_EVENTS_ANNOTATION,
     InferencePoolDiscovery,
     default_namespace,
+    pod_endpoints,
     pod_is_serving,
     selector_string,
 )
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
+from epp_extproc.core.logs import Throttled
 from kvindex.backoff import backoff_delay
 from tests.fake_k8s import PODS, POOLS, FakeKube, make_pod, make_pool
 from tests.waiting import until_async
@@ -222,6 +226,72 @@ async def test_pod_ip_change_replaces_its_endpoint(kube, start):
     await until_async(lambda: "10.0.0.7:8000" in r.registry and len(r.registry) == 1, "new address")
 
 
+def annotated(pod: dict[str, Any], **annotations: str) -> dict[str, Any]:
+    pod["metadata"]["annotations"] = dict(annotations)
+    return pod
+
+
+async def test_the_storage_events_annotation_names_the_pods_llm_d_storage_stream(kube, start):
+    # issue 44: llm-d's file-system connector publishes on its own PUB socket; the annotation is the only way
+    # Kubernetes discovery can name it (the endpoints file's `kv_storage_events`, --endpoints' `storage=`)
+    seed(kube, annotated(make_pod("w0", "10.0.0.1"), **{KV_STORAGE_EVENTS_ANNOTATION: "5559"}),
+         make_pod("w1", "10.0.0.2"))
+    r = await start()
+    await r.wait_names("w0", "w1")
+    w0, w1 = r.registry.get("10.0.0.1:8000"), r.registry.get("10.0.0.2:8000")
+    assert w0 is not None and w0.kv_storage_events == "tcp://10.0.0.1:5559"
+    assert w0.kv_events == "tcp://10.0.0.1:5557"  # the GPU stream is unchanged beside it
+    assert w1 is not None and w1.kv_storage_events is None
+
+
+async def test_annotating_a_running_pod_adds_its_storage_stream(kube, start):
+    seed(kube, make_pod("w0", "10.0.0.1"))
+    r = await start()
+    await r.wait_names("w0")
+    kube.patch(PODS, "w0", lambda p: annotated(p, **{KV_STORAGE_EVENTS_ANNOTATION: "tcp://*:5560"}))
+    await until_async(lambda: (ep := r.registry.get("10.0.0.1:8000")) is not None
+                      and ep.kv_storage_events == "tcp://10.0.0.1:5560", "the storage stream")
+    assert r.changes[-1][1][0].kv_storage_events is None  # replaced, so KV routing re-subscribes the worker
+
+
+@pytest.mark.parametrize(("value", "ip", "want"), [
+    ("5559", "10.0.0.5", "tcp://10.0.0.5:5559"),
+    (" 5559\n", "10.0.0.5", "tcp://10.0.0.5:5559"),  # a YAML block scalar's newline
+    ("5559", "fd00::5", "tcp://[fd00::5]:5559"),
+    ("tcp://10.0.0.9:5559", "10.0.0.5", "tcp://10.0.0.9:5559"),
+    ("tcp://[fd00::9]:5559", "fd00::5", "tcp://[fd00::9]:5559"),
+    ("tcp://*:5559", "10.0.0.5", "tcp://10.0.0.5:5559"),  # the connector's own bind address, copied
+    ("tcp://0.0.0.0:5559", "10.0.0.5", "tcp://10.0.0.5:5559"),
+    ("tcp://[::]:5559", "fd00::5", "tcp://[fd00::5]:5559"),
+])
+def test_the_storage_events_annotation_is_a_port_or_a_tcp_endpoint(value, ip, want):
+    [ep] = pod_endpoints(annotated(make_pod("w0", ip), **{KV_STORAGE_EVENTS_ANNOTATION: value}), (8000,), 5557,
+                         None)
+    assert ep.kv_storage_events == want
+
+
+@pytest.mark.parametrize("bad", ["", "abc", "0", "65536", "+5559", "٥٥٥٩", "tcp://", "tcp://10.0.0.9",
+                                 "tcp://worker-0.svc:5559", "tcp://10.0.0.9:0", "tcp://*:x", "ipc:///tmp/kv",
+                                 "udp://10.0.0.9:5559", "tcp://224.0.0.1:5559", "x" * 5000])
+def test_a_bad_storage_events_annotation_is_ignored_with_one_warning_naming_the_pod(bad, monkeypatch, caplog):
+    monkeypatch.setattr(dk, "_throttled", Throttled(dk.log))
+    pod = annotated(make_pod("w-bad", "10.0.0.5"), **{KV_STORAGE_EVENTS_ANNOTATION: bad})
+    with caplog.at_level("WARNING", logger=dk.log.name):
+        for _ in range(3):  # every status update of the pod recomputes its endpoints
+            [ep] = pod_endpoints(pod, (8000,), 5557, None)
+            assert ep.kv_storage_events is None and ep.address == "10.0.0.5:8000"  # still routed to
+    warnings = [r.getMessage() for r in caplog.records if KV_STORAGE_EVENTS_ANNOTATION in r.getMessage()]
+    assert len(warnings) == 1 and "w-bad" in warnings[0]
+
+
+def test_a_storage_events_annotation_that_is_not_a_string_is_ignored(monkeypatch):
+    monkeypatch.setattr(dk, "_throttled", Throttled(dk.log))
+    pod = make_pod("w0", "10.0.0.5")
+    pod["metadata"]["annotations"] = {KV_STORAGE_EVENTS_ANNOTATION: 5559}  # the API sends strings; a fake may not
+    [ep] = pod_endpoints(pod, (8000,), 5557, None)
+    assert ep.kv_storage_events is None
+
+
 # ---------------------------------------------------------------------------------------------- the pool
 
 
@@ -258,8 +328,6 @@ async def test_pool_target_port_edit_readdresses_the_endpoints(kube, start):
 async def test_a_pod_event_recomputes_only_that_pods_endpoints(kube, start, monkeypatch):
     """A publish per pod event must not re-derive every pod's endpoints (O(pods) IP parsing per event on the
     loop: 8 ms per event at 1,000 pods before); the set published is still the whole pool."""
-    import epp_extproc.adapters.discovery_k8s as dk
-
     seed(kube, *(make_pod(f"w{i:02d}", f"10.0.0.{i + 1}") for i in range(40)))
     r = await start()
     await until_async(lambda: r.registry.synced and len(r.registry) == 40, "40 endpoints")

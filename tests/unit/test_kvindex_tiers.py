@@ -103,6 +103,37 @@ def test_a_host_chunk_chains_off_a_parent_that_left_the_gpu(idx):
     assert idx.overlap_tiers(chain(2), BS) == {"w": ((CPU, 1), (GPU, 1))}
 
 
+# SGLang's own spellings (python/sglang/srt/disaggregation/kv_events.py): 0.5.9 and 0.5.10 `MEDIUM_GPU = "GPU"`,
+# `MEDIUM_CPU = "CPU_PINNED"`; 0.5.15 to 0.5.23 `StorageMedium` GPU "GPU", CPU "CPU_PINNED", DISK "DISK",
+# EXTERNAL "EXTERNAL". Events are positional arrays through 0.5.15 and tagged maps in 0.5.23.
+SGLANG_STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
+
+
+def sglang_event(shape: str, tag: str, **fields):
+    if shape == "map":
+        return {"type": tag, **fields}
+    order = SGLANG_STORED if tag == "BlockStored" else ("block_hashes", "medium")
+    return [tag, *(fields[k] for k in order)]
+
+
+@pytest.mark.parametrize("shape", ["array", "map"])
+def test_sglang_hicache_media_decode_to_their_tiers_as_its_releases_send_them(idx, shape):
+    def stored(hashes, medium):
+        return sglang_event(shape, "BlockStored", block_hashes=hashes, parent_block_hash=None,
+                            token_ids=toks(len(hashes)), block_size=BS, lora_id=None, medium=medium)
+
+    # HiCache write-through (0.5.23 mem_cache/unified_cache/unified_tree_core.py, 0.5.15 hiradix_cache.py): the
+    # GPU store, the host backup at CPU_PINNED, then the GPU copy evicted while the host copy stays
+    idx.apply_batch("w", batch(stored([11, 12], "GPU"), stored([11, 12], "CPU_PINNED"),
+                               sglang_event(shape, "BlockRemoved", block_hashes=[11, 12], medium="GPU")))
+    assert idx.overlap_tiers(chain(2), BS) == {"w": ((CPU, 2),)}
+    # the enum's storage members (defined; 0.5.23 sends neither yet)
+    idx.apply_batch("d", batch(stored([11, 12], "DISK")))
+    idx.apply_batch("x", batch(stored([11, 12], "EXTERNAL")))
+    assert idx.overlap_tiers(chain(2), BS) == {"w": ((CPU, 2),), "d": ((DISK, 2),), "x": ((SHARED, 2),)}
+    assert all(idx.stats(w).unknown_medium == 0 and idx.stats(w).garbage_events == 0 for w in "wdx")
+
+
 def test_unknown_media_are_kept_and_counted(idx):
     store(idx, "w", [11], toks(1), medium="HBM_POOL")
     assert idx.overlap_tiers(chain(1), BS) == {"w": ((UNKNOWN, 1),)}
