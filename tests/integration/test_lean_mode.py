@@ -137,6 +137,20 @@ class Lean:
     def cached_count(self) -> float:
         return self.app.metrics.usage_observed.labels("access_log")._value.get()
 
+    def settled(self) -> bool:
+        """Every request so far is fully counted: its stream ended (no booking left) and its access-log entry
+        was matched (nothing parked or held early). Read on the picker's loop, so never between the two halves
+        of a stream's end (park, then free) or of an entry's match (take, then count)."""
+        async def check() -> bool:
+            return self.app.load.total_inflight() == 0 and len(self.app.picker.lean.late_usage) == 0
+
+        return self.bg.run(check())
+
+    def settle(self, what: str = "the earlier tests' requests to be counted") -> None:
+        """Before a test counts its own request's usage: an earlier request's entry (Envoy ships the access log
+        every `access_log_flush_ms`, after the client has its answer) must not land in the count."""
+        until(self.settled, lambda: f"{what}; lean signals {self.signals()}")
+
     def close(self) -> None:
         self.envoy.stop()
         self.bg.run(self.app.stop())
@@ -207,6 +221,7 @@ def first_chunks(lean: Lean) -> float:
 
 def test_only_sse_answers_open_the_first_chunk_observer_stream(lean: Lean) -> None:
     """A unary answer is complete at its first chunk: the main stream's end says it, no second stream."""
+    lean.settle()
     before, logged = first_chunks(lean), lean.cached_count()
     lean.post("/v1/unary-parts")
     until(lambda: lean.cached_count() == logged + 1, "the unary request's access log entry")
@@ -217,13 +232,18 @@ def test_only_sse_answers_open_the_first_chunk_observer_stream(lean: Lean) -> No
 
 
 def test_usage_split_across_two_chunks_reaches_the_metrics(lean: Lean) -> None:
-    before = lean.cached_count()
+    # The test before this one ends as soon as its own split-usage answer's first chunk is signalled, before
+    # that request's stream end and access-log entry are counted: without settling, that count could land
+    # after `before` and a stall of this thread let both land before the wait's first look (+2, never +1).
+    lean.settle()
+    before, cached = lean.cached_count(), lean.app.metrics.cached_tokens.labels("m")._sum.get()
     lean.post("/v1/split-usage/sse")
     until(lambda: lean.cached_count() == before + 1, "the usage from the access log")
-    assert lean.app.metrics.cached_tokens.labels("m")._sum.get() >= 64
+    assert lean.app.metrics.cached_tokens.labels("m")._sum.get() == cached + 64  # this request's usage
 
 
 def test_a_unary_answer_in_several_chunks_gives_its_usage(lean: Lean) -> None:
+    lean.settle()
     before = lean.cached_count()
     body = lean.post("/v1/unary-parts")
     assert json.loads(body)["usage"] == USAGE
@@ -234,8 +254,7 @@ def test_a_unary_answer_in_several_chunks_gives_its_usage(lean: Lean) -> None:
 def test_an_access_log_entry_that_comes_before_its_stream_ends_still_gives_the_usage(lean: Lean) -> None:
     """Envoy writes the access log before it closes the filters' streams, and a full buffer ships the entry at
     once: it can reach the picker before the main stream's end does."""
-    until(lambda: len(lean.app.picker.lean.late_usage) == 0 and lean.app.load.total_inflight() == 0,
-          "the earlier tests' entries")
+    lean.settle()
     before, early = lean.cached_count(), lean.signal("access_log_early")
     lean.up.gate = asyncio.Event()
     t = threading.Thread(target=lambda: lean.post("/v1/held/sse"))
@@ -292,8 +311,7 @@ def test_a_worker_dying_mid_stream_frees_the_booking_and_is_reported(lean: Lean)
 def test_no_request_leaves_pending_usage_or_bookings_behind(lean: Lean) -> None:
     for _ in range(5):
         lean.post("/v1/unary-parts")
-    until(lambda: len(lean.app.picker.lean.late_usage) == 0 and lean.app.load.total_inflight() == 0,
-          "every parked usage matched by its access-log entry")
+    lean.settle("every parked usage matched by its access-log entry")
 
 
 @contextlib.contextmanager
