@@ -15,6 +15,9 @@ msgpack. Protocol on stdin/stdout, one JSON line per answer:
   (a request's uncached tail, stored after its prefill), plus a ``BlockRemoved`` of the oldest fresh
   blocks once a worker holds more than ``--cap`` (LRU eviction, published with the admission as the
   mock does);
+* ``flood [RATE]`` / ``calm``: worker 0 also sends fresh 64-block chains, RATE batches/s (as fast as this
+  process can without one): a flooding publisher, the hostile issue's case; answers ``{"flooding": true}``;
+  ``calm`` stops it and answers ``{"flooded": batches}``;
 * ``stats``: ``{"published": batches, "rate": achieved batches/s, "behind_s": how late the schedule ran}``;
 * ``stop``: answers and exits.
 
@@ -37,6 +40,7 @@ import msgpack
 import zmq
 
 BS = 32
+FLOOD_BLOCKS = 64  # blocks per flood batch (bench_ingest_apart's flood uses the same)
 
 
 def make_doc(blocks: int, seed: int) -> list[int]:
@@ -100,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     w = 0
     interval = 1.0 / (a.rate * a.workers) if a.rate > 0 else None
     last_hb = 0.0
+    flooding = False
+    flooded = 0
+    flood_at = 0
+    flood_every = 0.0  # seconds between flood batches (0: no pause)
+    flood_next = 0.0
 
     def answer(doc_: dict) -> None:
         print(json.dumps(doc_), flush=True)
@@ -115,6 +124,14 @@ def main(argv: list[str] | None = None) -> int:
         if cmd == "stats":
             el = time.monotonic() - t_go if steady else 0.0
             answer({"published": published, "rate": published / el if el > 0 else 0.0, "behind_s": behind})
+        elif cmd is not None and cmd.split()[0] == "flood":
+            rate = float(cmd.split()[1]) if len(cmd.split()) > 1 else 0.0
+            flooding, flooded = True, 0
+            flood_every, flood_next = (1.0 / rate if rate > 0 else 0.0), time.monotonic()
+            answer({"flooding": True})
+        elif cmd == "calm":
+            flooding = False
+            answer({"flooded": flooded})
         elif cmd == "go":
             for i, s in enumerate(socks):
                 k = a.doc_blocks if i == 0 else rng.randint(a.doc_blocks // 2, a.doc_blocks)
@@ -140,7 +157,22 @@ def main(argv: list[str] | None = None) -> int:
                     seq[i] += 1
             time.sleep(0.01)
             continue
-        if now < next_t:
+        if flooding:  # worker 0's flood between the steady schedule's due batches, at its rate if it has one
+            for _ in range(20):
+                if flood_every and flood_next > time.monotonic():
+                    break
+                flood_next += flood_every
+                hs = [(1 << 50) + flood_at + j for j in range(FLOOD_BLOCKS)]
+                flood_at += FLOOD_BLOCKS
+                off = (flood_at * 7) % (len(pool) - FLOOD_BLOCKS * BS)
+                _send(socks[0], seq[0], [_stored(hs, None, pool[off:off + FLOOD_BLOCKS * BS])])
+                seq[0] += 1
+                flooded += 1
+            if now < next_t:
+                if flood_every and flood_next > time.monotonic():
+                    time.sleep(min(0.0005, next_t - now, flood_next - time.monotonic()))
+                continue
+        elif now < next_t:
             time.sleep(min(0.005, next_t - now))
             continue
         behind = max(behind, now - next_t)

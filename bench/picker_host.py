@@ -56,7 +56,7 @@ def instrument(app: PickerApp) -> None:
 
     director.propose = propose  # type: ignore[method-assign]
     source.table = table  # type: ignore[method-assign]
-    if app.kv is None:
+    if app.kv is None or not hasattr(app.kv.index, "apply_batch"):  # no KV view, or ingest apart (shards apply)
         return
     lag = Histogram("bench_kv_ingest_lag_seconds", "KV batch publish (ts) -> applied to the index",
                     buckets=FINE_BUCKETS, registry=reg)
