@@ -138,3 +138,19 @@ def test_tokens_quick(tmp_path: Path) -> None:
     for t in ("grpcio", "h2"):  # quick: 8 streams of 300 chunks and the [DONE] chunk, every one echoed back
         floor = doc["echo_floor"][t]
         assert floor["picker_echoed_chunks"] == 8 * 301 and floor["trivial_us_per_chunk"] > 0
+
+
+@pytest.mark.slow  # two pickers' quick flood runs (about 40 s): make test-slow
+@pytest.mark.timeout(150)
+def test_flood_quick_pauses_the_flooder_only_with_a_budget(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_flood", "--quick", "--configs", "default,unpaced",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "flood.json").read_text())
+    rows = {r["config"]: r for r in doc["rows"]}
+    assert set(rows) == {"default", "unpaced"}
+    for r in rows.values():
+        assert r["flood_batches_sent"] > 0 and r["unflooded"]["decisions"] > 0 and r["flooded"]["decisions"] > 0
+        assert r["unflooded"]["rejected"] == 0 and r["flooded"]["rejected"] == 0
+    assert rows["default"]["flooder_throttled"] > 0  # the default budget paused the flooder
+    assert not rows["unpaced"]["flooder_throttled"]  # a share of 1000 cores never does
