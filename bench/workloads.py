@@ -300,6 +300,11 @@ MEASURED_RATES: dict[str, tuple[float, float, float]] = {
     "no-reuse": (40.0, 64.0, 96.0),
     "multi-turn": (20.0, 36.0, 48.0),
     "rag": (24.0, 32.0, 40.0),  # load-only: 132 ms at 24, 1,629 ms at 40
+    # stop 50's sweeps (load-only, 75, one run each): hetero 106 / 465 / 1,029 ms TTFT p90 at 24 / 32 / 40;
+    # agents 3,425 ms already at 8 (its cache-blind placement reuses 0.2 of the prompts), 733-786 ms at 6
+    # in the judging run; agents' "below" (4) is placed under that, not swept
+    "hetero": (24.0, 32.0, 40.0),
+    "agents": (4.0, 6.0, 10.0),
 }
 
 
