@@ -169,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
                 seq[0] += 1
                 flooded += 1
             if now < next_t:
-                if flood_every and flood_next > time.monotonic():
-                    time.sleep(min(0.0005, next_t - now, flood_next - time.monotonic()))
+                wait = min(0.0005, next_t - now, flood_next - time.monotonic()) if flood_every else 0.0
+                if wait > 0:  # (re-read: the clock moved since the check above)
+                    time.sleep(wait)
                 continue
         elif now < next_t:
             time.sleep(min(0.005, next_t - now))
