@@ -4,6 +4,7 @@
                                 [--repeats 3] [--capacities ample,75,scarce] [--work DIR]
                                 [--variant NAME=FLAGS] [--prediction-variant NAME=FLAGS]
                                 [--workload NAME] [--seed N] [--rate R] [--requests N] [--worker-speeds 0.5,1,1,1]
+                                [--oob-seed N]
 
 `--workload` replays another workload of issue 42's suite (bench/workloads.py: system-prompt, multi-turn, rag,
 agents, no-reuse, hetero) through exactly this method: its records have the trace's shape, so sampling aside
@@ -54,7 +55,22 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
   (cv) the clairvoyant placement REPLAYED through the same Envoy and mocks: bench/plan_picker.py routes each
        request to the worker bench/clairvoyant.py planned for it (matched by prompt content), so its TTFT
        and the mocks' cached ratio are the replayed bound beside the offline one (d) clairvoyant
-       (r2, rs, rs2 and cv run only when named in --only; the default set is unchanged)
+  Issue 42 item 3, situations in which a picker's own predictions are wrong (each KV-aware configuration is
+  claimed against the prediction-only one under the same conditions: targets `X_beats_BASE`):
+  (g2)  two gateways with their own pickers and NO replica sync: (r2)'s two replicas of (c) behind one Envoy
+        that round-robins ext_proc streams, without --peers, so each picker predicts only the requests it
+        routed itself (as two gateways behind a round-robin L4 balancer would); both get every worker's KV
+        events. (g2e): the same pair of (e) pickers, the yardstick. Records picks_per_picker.
+  (X-oobNN) configuration X (c-oob10, e-oob10, c-oob30, e-oob30 listed; any plain X and NN by name in --only)
+        with NN% of the schedule's requests out of band: taken out of AIPerf's input and sent straight to a
+        worker (round-robin, as another plain gateway would) at their scheduled times by bench/out_of_band.py,
+        so no picker sees them but the workers' KV events show their blocks. The subset is seeded
+        (`--oob-seed`, default 0), the same in every configuration and repeat, the 10% inside the 30%. AIPerf's
+        figures are then those of the PICKER-ROUTED requests only; the row adds the out-of-band requests'
+        own (`oob`), TTFT over every request (`all_ttft_p50_ms`, `all_ttft_p90_ms`, claimed between the
+        pairs too) and `routed_without_picker` (= the out-of-band count). out_of_band.py says how the two
+        replays share one clock and how well they met (`oob.sync_lag_ms`).
+       (r2, rs, rs2, cv, g2, g2e and the X-oobNN run only when named in --only; the default set is unchanged)
   (d)  offline cached-token ratios of the same prompts in arrival order: `pooled_lru` (one LRU cache with
        the capacity of all four workers together, the figure earlier recordings called "the oracle"),
        `infinite`, and `clairvoyant` (bench/clairvoyant.py: placement and Belady eviction knowing the future
@@ -92,15 +108,22 @@ JSON result schema (`trace.json`), besides the common `bench`, `meta` keys, `con
         run: {seed, ttft_{p50,p90,p99,avg}_ms, itl_{p50,p90,p99,avg}_ms, output_tokens_per_s, requests, errors,
               aiperf_cached_ratio, aiperf_prompt_tokens, workers_cached_ratio, workers_prompt_tokens,
               per_worker_served, picker_picks, replay_sched_lag_p99_ms, benchmark_duration_s, aiperf_wall_s,
-              loadavg_1m; (r2, rs2) picks_per_picker; (r2, rs, rs2) routed_without_picker; (rs, rs2) restart: {drain_s,
+              loadavg_1m; (r2, rs2, g2, g2e) picks_per_picker; every picker configuration routed_without_picker;
+              (rs, rs2) restart: {drain_s,
               down_s, resubscribed_s, picks_before_restart, index_blocks_before, index_blocks_after_replay,
               picks_after_restart, error?; (rs2) envoy_unhealthy_s, envoy_healthy_again_s};
-              (cv) plan_match: {matched, unmatched, plan_entries_left}}
+              (cv) plan_match: {matched, unmatched, plan_entries_left};
+              (X-oobNN) oob_requests, oob_ttft_p90_ms, all_ttft_p50_ms, all_ttft_p90_ms,
+              oob: {requests, completed, sent_per_worker, errors, error, ttft_p50_ms, ttft_p90_ms,
+                    sched_lag_p99_ms, sync_lag_ms}}
     result.claims[]: {capacity, offered_rps, metric, config, baseline, median_ratio, claim}
         median_ratio: baseline/config for latencies, config/baseline otherwise (> 1 = config is better);
         claim: the same ratio when the two spreads do not overlap, else null
     targets: {capacity: {target: {...}}}, with r2_, rs_, rs2_within_spread_of_c and
-             clairvoyant_replayed (offline beside replayed) when those configurations ran
+             clairvoyant_replayed (offline beside replayed) when those configurations ran, and issue 42 item 3's
+             g2_beats_g2e, c-oobNN_beats_e-oobNN: {per_load: [{offered_rps, METRIC: {median_ratio, claim}}],
+             won_somewhere, lost_somewhere, met} (met: a claimed win on TTFT p90 at some load, no claimed loss
+             on TTFT p90 or output tokens/s at any)
 """
 
 from __future__ import annotations
@@ -123,6 +146,7 @@ from typing import Any
 from bench import bench_replicas as BR
 from bench import clairvoyant as CV
 from bench import harness as H
+from bench import out_of_band as OB
 from bench import plan_picker as PP
 from bench import trace_stats as S
 from bench import trace_workload as T
@@ -139,8 +163,14 @@ CONFIGS = {"a": "envoy round-robin", "b": "picker, load only", "c": "picker, KV-
            "cv": "clairvoyant plan replayed",
            "rsz": "picker restarted at 1/3 of the run, workers without engine replay (ZeroMQ plane)",
            "rsn": "picker restarted at 1/3 of the run, workers without engine replay, KV events through "
-                  "epp-kv-relay on NATS (the restarted picker loads the relay's dumps; issue 47)"}
-OPT_IN = ("r2", "rs", "rs2", "cv", "rsz", "rsn")  # only with --only: the default set (and its cost) stays what it was
+                  "epp-kv-relay on NATS (the restarted picker loads the relay's dumps; issue 47)",
+           "g2": "2 KV-aware pickers, NO replica sync (two gateways' pickers)",
+           "g2e": "2 prediction-only pickers, no replica sync (two gateways' pickers)",
+           **{OB.name(base, share): f"{what}, {share:.0%} of requests out of band (straight to a worker)"
+              for share in (0.1, 0.3) for base, what in (("c", "picker, KV-aware (defaults)"),
+                                                         ("e", "picker, prediction only (no KV events)"))}}
+# only with --only: the default set (and its cost) stays what it was
+OPT_IN = ("r2", "rs", "rs2", "cv", "rsz", "rsn", "g2", "g2e", "c-oob10", "e-oob10", "c-oob30", "e-oob30")
 BS = 32
 # (rs2)'s replicas: the product's default shutdown grace period, named so the benchmark follows it
 GRACE_PERIOD_S = Config.__dataclass_fields__["graceful_shutdown_grace_period_s"].default
@@ -149,6 +179,10 @@ METRICS = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_m
            "aiperf_cached_ratio", "workers_cached_ratio", "errors")
 LOWER_IS_BETTER = ("ttft_p50_ms", "ttft_p90_ms", "itl_p90_ms")
 CLAIMED_METRICS = (*LOWER_IS_BETTER, "output_tokens_per_s", "aiperf_cached_ratio")
+# the X-oobNN rows' own figures (bench/out_of_band.py): TTFT over every request and over the out-of-band ones;
+# summarised where present, and all_ttft_p90_ms also claimed between the out-of-band pairs
+OOB_METRICS = ("all_ttft_p50_ms", "all_ttft_p90_ms", "oob_ttft_p90_ms", "oob_requests", "routed_without_picker")
+OOB_CLAIMED_METRICS = ("all_ttft_p90_ms",)
 
 
 @dataclass
@@ -174,6 +208,9 @@ class Plan:
     # issue 44: each worker also keeps a host-memory tier of this many times its GPU blocks (0: none) and then
     # publishes vLLM-dialect events (self-describing offload events); the load time is the mock's fixed model
     host_tier: float = 0.0
+    # issue 42 item 3: which requests the X-oobNN configurations send out of band (bench/out_of_band.py); a
+    # seed of its own, so every configuration and repeat of a cell gets the same out-of-band requests
+    oob_seed: int = 0
 
     def rates_for(self, capacity: str) -> tuple[float, ...]:
         """The offered loads at one capacity: the workload's own three when the plan has them."""
@@ -345,20 +382,15 @@ def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc,
         env, pk = start_plan_picker(st, plan_file)
         return env, [pk]
     if cfg == "r2":
-        pks = BR.pickers_for(st, "sync", H.endpoints_spec(workers), renderer)
-        for p in pks:
-            H.wait_subscribed(p, addrs)
-        env = H.envoy(st, picker_proc=pks[0], more_pickers=pks[1:])
-        wait_pickers_healthy(env, len(pks))
-        return env, pks
+        return start_replicas(st, "sync", H.endpoints_spec(workers), workers, renderer)
     if cfg == "rs2":  # (r2) with the replay endpoints and the product's grace period; replica 0 restarts
-        pks = BR.pickers_for(st, "sync", procs.endpoint_spec(workers, replay=True), renderer,
-                             extra=["--graceful-shutdown-grace-period-s", str(GRACE_PERIOD_S)])
-        for p in pks:
-            H.wait_subscribed(p, addrs)
-        env = H.envoy(st, picker_proc=pks[0], more_pickers=pks[1:])
-        wait_pickers_healthy(env, len(pks))
-        return env, pks
+        return start_replicas(st, "sync", procs.endpoint_spec(workers, replay=True), workers, renderer,
+                              extra=["--graceful-shutdown-grace-period-s", str(GRACE_PERIOD_S)])
+    if cfg == "g2":  # two gateways' pickers: (r2) without the sync, each sees only the streams Envoy gives it
+        return start_replicas(st, "nosync", H.endpoints_spec(workers), workers, renderer)
+    if cfg == "g2e":  # the same pair of (e) pickers: each predicts only what it routed itself
+        return start_replicas(st, "nosync", prediction_spec(workers), workers, renderer, extra=E_FLAGS,
+                              kv_events=False)
     if cfg in ("rsz", "rsn"):  # issue 47: restarted in front of workers with no replay, on ZeroMQ or the plane
         extra: list[str] = []
         if cfg == "rsn":
@@ -386,9 +418,28 @@ def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc,
         pk = H.picker(st, H.endpoints_spec(workers), "trtllm-render", renderer, extra=extra)
         H.wait_subscribed(pk, addrs)
     else:  # (e) and its variants: no KV endpoint given and no default port, predictions kept for the whole run
-        spec = ",".join(f"{m.name}={m.address}" for m in workers)
-        pk = H.picker(st, spec, "trtllm-render", renderer, extra=[*E_FLAGS, *E_VARIANTS.get(cfg, [])])
+        pk = H.picker(st, prediction_spec(workers), "trtllm-render", renderer,
+                      extra=[*E_FLAGS, *E_VARIANTS.get(cfg, [])])
     return H.envoy(st, picker_proc=pk), [pk]
+
+
+def prediction_spec(workers: Sequence[H.Proc]) -> str:
+    """(e)'s `--endpoints`: names and addresses only, no KV event endpoint."""
+    return ",".join(f"{m.name}={m.address}" for m in workers)
+
+
+def start_replicas(st: H.Stack, mode: str, spec: str, workers: Sequence[H.Proc], renderer: H.Proc,
+                   extra: Sequence[str] = (), kv_events: bool = True) -> tuple[H.Proc, list[H.Proc]]:
+    """Two pickers (bench_replicas.pickers_for's ``mode``: "sync" = replica sync between them, "nosync" =
+    none) behind one Envoy that round-robins ext_proc streams across them, once each has every worker's
+    first KV batch (``kv_events``) and Envoy holds both healthy."""
+    pks = BR.pickers_for(st, mode, spec, renderer, extra=extra)
+    if kv_events:
+        for p in pks:
+            H.wait_subscribed(p, [m.address for m in workers])
+    env = H.envoy(st, picker_proc=pks[0], more_pickers=pks[1:])
+    wait_pickers_healthy(env, len(pks))
+    return env, pks
 
 
 def picker_health(env: H.Proc) -> dict[str, str]:
@@ -510,15 +561,24 @@ def all_picks(pks: Sequence[H.Proc]) -> dict[str, int] | None:
 
 
 def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], renderer: H.Proc, input_file: Path,
-            tokenizer: Path, work: Path, tag: str, plan_file: Path | None = None) -> dict[str, Any]:
-    """One AIPerf replay through one configuration, from empty worker caches; ``tag`` names its artifacts."""
+            tokenizer: Path, work: Path, tag: str, plan_file: Path | None = None,
+            oob: OB.Part | None = None) -> dict[str, Any]:
+    """One AIPerf replay through one configuration, from empty worker caches; ``tag`` names its artifacts.
+    With ``oob`` (an ``X-oobNN`` configuration), AIPerf replays the in-band part of the schedule through
+    configuration X while out_of_band.Replayer sends the rest straight to the workers."""
     wait_idle(workers)
     for m in workers:
         H.post_json(m.url + "/mock/cache/clear")
     before = stats(workers)
     extra: dict[str, Any] = {}
+    replayer: OB.Replayer | None = None
     with H.Stack(prefix=f"epp-trace-{cfg}-") as st:
-        env, pks = start_config(st, cfg, workers, renderer, plan_file)
+        env, pks = start_config(st, OB.base_config(cfg), workers, renderer, plan_file)
+        if oob is not None:
+            input_file = oob.file
+            replayer = OB.Replayer(oob.requests, [m.url for m in workers],
+                                   f"http://127.0.0.1:{env.extra['admin_port']}", plan.aiperf_timeout_s)
+            replayer.start()
         restarter = Restarter(pks[0], [m.address for m in workers], schedule_span_s(input_file),
                               envoy=env if cfg == "rs2" else None) if cfg in ("rs", "rs2", "rsz", "rsn") else None
         if restarter is not None:
@@ -529,11 +589,19 @@ def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], rendere
         try:
             run_aiperf(aiperf_command(env.url, input_file, tokenizer, art, plan.aiperf_timeout_s),
                        plan.aiperf_timeout_s + 120, work / f"aiperf-{tag}.log")
+        except BaseException:
+            if replayer is not None:
+                replayer.cancel()
+            raise
         finally:
             if restarter is not None:
                 restarter.cancel()
                 restarter.join(90)
+            if replayer is not None:  # its last requests may end after AIPerf's
+                replayer.join(plan.aiperf_timeout_s + 30)
         wall = time.monotonic() - t0
+        if replayer is not None:
+            extra.update(OB.figures(replayer, art))
         wait_idle(workers)
         after = stats(workers)
         picks = all_picks(pks)
@@ -626,7 +694,13 @@ def print_run(cap: str, row: dict[str, Any]) -> None:
           f"{row['aiperf_wall_s']}s"
           + (f", picker decision/render/score {H.fmt(row['picker_decision_mean_ms'], '.2f')}/"
              f"{H.fmt(row.get('picker_render_mean_ms'), '.2f')}/{H.fmt(row.get('picker_score_mean_ms'), '.2f')} ms"
-             if row.get("picker_decision_mean_ms") is not None else ""), flush=True)
+             if row.get("picker_decision_mean_ms") is not None else "")
+          + (f", picks per picker {row['picks_per_picker']}" if row.get("picks_per_picker") else "")
+          + (f"; out of band {row['oob']['requests']} (errors {row['oob']['errors']}, sent "
+             f"{row['oob']['sent_per_worker']}, TTFT p90 {H.fmt(row['oob']['ttft_p90_ms'], '.0f')} ms, clock "
+             f"{H.fmt(row['oob']['sync_lag_ms'], '.1f')} ms after AIPerf's), routed without picker "
+             f"{row.get('routed_without_picker')}, all requests TTFT p90 {H.fmt(row['all_ttft_p90_ms'], '.0f')} ms"
+             if row.get("oob") else ""), flush=True)
 
 
 def run_capacity(plan: Plan, configs: Sequence[str], wl: Workload, cap: str, work: Path) -> tuple[
@@ -660,13 +734,20 @@ def run_capacity(plan: Plan, configs: Sequence[str], wl: Workload, cap: str, wor
             for seed in range(plan.repeats):
                 rows = T.jitter(wl.rows, seed, wl.jitter_ms)
                 tag = f"{cap}-{rate:g}rps-s{seed}"
-                f = T.write_aiperf_input(rows, plan.scale, d * plan.speedup, work / f"trace-{tag}.jsonl")
+                records = T.aiperf_records(rows, plan.scale, d * plan.speedup)
+                f = T.write_jsonl(records, work / f"trace-{tag}.jsonl")
+                # the X-oobNN configurations' splits: the same out-of-band requests in every config and repeat
+                parts = {share: OB.write_part(records, share, plan.oob_seed, plan.workers,
+                                              work / f"trace-{tag}-oob{round(share * 100)}.jsonl")
+                         for share in sorted({p[1] for p in map(OB.parse, configs) if p})}
                 pf = None
                 if "cv" in configs:  # the offline plan of this very seed, replayed
                     pf = PP.write_plan(work / f"plan-{tag}.json", [m.address for m in workers], texts,
                                        placements[seed])
                 for cfg in configs:
-                    row = run_one(cfg, d, plan, workers, renderer, f, work / "tokenizer", work, f"{cfg}-{tag}", pf)
+                    share = (OB.parse(cfg) or (cfg, None))[1]
+                    row = run_one(cfg, d, plan, workers, renderer, f, work / "tokenizer", work, f"{cfg}-{tag}", pf,
+                                  parts.get(share) if share is not None else None)
                     row.update(capacity=cap, offered_rps=rate, seed=seed)
                     runs.append(row)
                     print_run(cap, row)
@@ -679,7 +760,8 @@ def cells(runs: Sequence[dict[str, Any]], metrics: Sequence[str] = METRICS) -> l
     for r in runs:
         keys.setdefault((r["capacity"], r["config"], r["offered_rps"]), []).append(r)
     return [{"capacity": cap, "config": cfg, "offered_rps": rate, "divisor": rs[0]["divisor"],
-             "summary": S.summarize(rs, metrics), "runs": rs} for (cap, cfg, rate), rs in keys.items()]
+             "summary": S.summarize(rs, [*metrics, *(m for m in OOB_METRICS if OB.parse(cfg))]), "runs": rs}
+            for (cap, cfg, rate), rs in keys.items()]
 
 
 def _workload_summary(plan: Plan) -> str:
@@ -718,7 +800,7 @@ def compare(x: dict[str, Any], base: dict[str, Any], metric: str) -> dict[str, A
     """``x`` against ``base`` on one metric, oriented so > 1 means ``x`` is better: the ratio of medians,
     and the claim (the same ratio only when the runs' spreads do not overlap)."""
     xs, bs = _values(x, metric), _values(base, metric)
-    num, den = (bs, xs) if metric in LOWER_IS_BETTER else (xs, bs)
+    num, den = (bs, xs) if metric in LOWER_IS_BETTER or metric in OOB_CLAIMED_METRICS else (xs, bs)
     sn, sd = S.spread(num), S.spread(den)
     return {"capacity": x["capacity"], "offered_rps": x["offered_rps"], "metric": metric, "config": x["config"],
             "baseline": base["config"], "median_ratio": H.ratio(sn.median if sn else None, sd.median if sd else None),
@@ -726,7 +808,12 @@ def compare(x: dict[str, Any], base: dict[str, Any], metric: str) -> dict[str, A
 
 
 PAIRS = (("b", "a"), ("c", "a"), ("c1", "a"), ("e", "a"), ("c", "b"), ("c", "e"), ("c", "c1"),
-         ("r2", "c"), ("rs", "c"), ("rs2", "c"), ("cv", "c"), ("cv", "e"))
+         ("r2", "c"), ("rs", "c"), ("rs2", "c"), ("cv", "c"), ("cv", "e"),
+         ("g2", "g2e"), ("g2", "c"), ("g2e", "e"))
+# issue 42 item 3, "events earn their keep where predictions cannot see": in each situation the KV-aware
+# configuration against the prediction-only one under the same conditions (the X-oobNN pairs are added per
+# share present: oob_pairs)
+ITEM3_PAIRS = (("g2", "g2e"),)
 VARIANTS: dict[str, list[str]] = {}  # --variant NAME=FLAGS: more KV-aware pickers, each compared with (c) and (e)
 # (e)'s flags, frozen: no KV events, predictions kept for the run, and the cost alone placing with Dynamo's
 # prefill weight 1.0 (the placement of the recordings before --affinity-load-bound and then issue 42's
@@ -738,18 +825,34 @@ E_FLAGS = ("--kv-event-port", "0", "--prediction-ttl-s", "100000", "--affinity-l
 E_VARIANTS: dict[str, list[str]] = {}
 
 
-def claims(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every pair of PAIRS present in a (capacity, load) on every claimed metric."""
+def oob_pairs(configs: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """For every out-of-band configuration X-oobNN but the prediction-only ones: (X-oobNN, e-oobNN), the
+    KV-aware picker against prediction-only with the same out-of-band requests, and (X-oobNN, X), what
+    the out-of-band share costs it."""
     out = []
+    for cfg in configs:
+        p = OB.parse(cfg)
+        if p is None or p[0] == "e" or p[0] in E_VARIANTS:
+            continue
+        out += [(cfg, OB.name("e", p[1])), (cfg, p[0])]
+    return tuple(out)
+
+
+def claims(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every pair of PAIRS present in a (capacity, load) on every claimed metric (and the out-of-band pairs
+    also on OOB_CLAIMED_METRICS, where both have them)."""
+    out = []
+    present = sorted({c["config"] for c in doc["result"]["cells"]})
     pairs = (PAIRS + tuple((v, base) for v in VARIANTS for base in ("c", "e"))
-             + tuple(pair for v in E_VARIANTS for pair in ((v, "e"), ("c", v))))
+             + tuple(pair for v in E_VARIANTS for pair in ((v, "e"), ("c", v))) + oob_pairs(present))
     for c in doc["result"]["cells"]:
         for x, base in pairs:
             if c["config"] != x:
                 continue
             b = _cell(doc, c["capacity"], base, c["offered_rps"])
             if b is not None:
-                out += [compare(c, b, m) for m in CLAIMED_METRICS]
+                both_oob = OB.parse(x) is not None and OB.parse(base) is not None
+                out += [compare(c, b, m) for m in (*CLAIMED_METRICS, *(OOB_CLAIMED_METRICS if both_oob else ()))]
     return out
 
 
@@ -905,11 +1008,38 @@ def replayed_clairvoyant(doc: dict[str, Any], cap: str) -> dict[str, Any] | None
     return {"per_load": per} if per else None
 
 
+def item3_targets(doc: dict[str, Any], cap: str) -> dict[str, Any]:
+    """Issue 42 item 3 at one capacity: where the picker's own predictions are wrong (two gateways' pickers
+    without sync, out-of-band traffic), the KV-aware configuration against prediction-only under the same
+    conditions, one entry per pair ``X_beats_BASE``. Met: a claimed win on TTFT p90 (of the picker-routed
+    requests) at some load, and no claimed loss on TTFT p90 or output tokens/s at any."""
+    here = [c for c in doc["result"]["cells"] if c["capacity"] == cap]
+    present = sorted({c["config"] for c in here})
+    pairs = [p for p in (*ITEM3_PAIRS, *oob_pairs(present)) if set(p) <= set(present)
+             and (p in ITEM3_PAIRS or OB.parse(p[1]) is not None)]
+    out: dict[str, Any] = {}
+    for x, base in pairs:
+        metrics = ("ttft_p90_ms", "output_tokens_per_s", *(OOB_CLAIMED_METRICS if OB.parse(x) else ()))
+        per = []
+        for rate in sorted({c["offered_rps"] for c in here if c["config"] == x}):
+            ks = {m: _find_claim(doc, cap, rate, m, x, base) for m in metrics}
+            per.append({"offered_rps": rate, **{m: {"median_ratio": k["median_ratio"], "claim": k["claim"]}
+                                                 for m, k in ks.items() if k is not None}})
+        won = any((p.get("ttft_p90_ms") or {}).get("claim") is not None and p["ttft_p90_ms"]["claim"] > 1
+                  for p in per)
+        lost = any((p.get(m) or {}).get("claim") is not None and p[m]["claim"] < 1
+                   for p in per for m in ("ttft_p90_ms", "output_tokens_per_s"))
+        out[f"{x}_beats_{base}"] = {"per_load": per, "won_somewhere": won, "lost_somewhere": lost,
+                                    "met": won and not lost}
+    return out
+
+
 def targets(doc: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for i in doc["result"]["capacities"]:
         t = capacity_targets(doc, i["name"])
         t.update(replica_restart_targets(doc, i["name"]))
+        t.update(item3_targets(doc, i["name"]))
         half = half_gap_targets(doc, i["name"])
         if half is not None:
             t["c_closes_half_the_gap_from_e_to_clairvoyant"] = half
@@ -954,6 +1084,15 @@ def print_report(doc: dict[str, Any]) -> None:
                          S.fmt_spread(sm["aiperf_cached_ratio"], ".3f")])
         print(H.table(rows, ["capacity", "cfg", "req/s", "runs", "err", "TTFT p50", "TTFT p90", "a/x p90",
                              "ITL p90", "out tok/s", "x/a", "cached"]))
+        oob = [c for c in res["cells"] if c["capacity"] == cap and OB.parse(c["config"])]
+        if oob:
+            print("  X-oobNN rows above: AIPerf's figures, the picker-routed requests only. Every request:")
+            for c in oob:
+                sm = c["summary"]
+                print(f"  ({c['config']}) {c['offered_rps']:g} req/s: {S.fmt_spread(sm.get('oob_requests'))} out of "
+                      f"band, errors {[r['oob']['errors'] for r in c['runs']]}, routed without picker "
+                      f"{S.fmt_spread(sm.get('routed_without_picker'))}; TTFT p90 all requests "
+                      f"{S.fmt_spread(sm.get('all_ttft_p90_ms'))}, out of band {S.fmt_spread(sm.get('oob_ttft_p90_ms'))}")
     made = [k for k in doc["claims"] if k["claim"] is not None]
     print(f"\nClaims ({len(made)} of {len(doc['claims'])} comparisons have disjoint spreads; > 1 = config better):")
     for k in made:
@@ -1011,10 +1150,25 @@ def mock_args_template(plan: Plan) -> list[str]:
     return args
 
 
+def register_oob(names: Sequence[str]) -> None:
+    """``--only`` may name any ``X-oobNN`` (NN% of the requests out of band in front of configuration X,
+    bench/out_of_band.py) beside the four listed in CONFIGS; a restart or the clairvoyant plan cannot take it."""
+    for n in names:
+        p = OB.parse(n)
+        if p is None or n in CONFIGS:
+            continue
+        if p[0] not in CONFIGS or p[0] in OB.NO_OOB or OB.parse(p[0]):
+            raise SystemExit(f"--only {n}: out-of-band traffic needs one of "
+                             f"{','.join(k for k in CONFIGS if k not in OB.NO_OOB and not OB.parse(k))} in front")
+        CONFIGS[n] = f"{CONFIGS[p[0]]}, {p[1]:.0%} of requests out of band (straight to a worker)"
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = H.bench_parser(__doc__, "trace")
-    ap.add_argument("--only", help="comma-separated subset of configurations (a,b,c,c1,e; r2,rs,rs2,cv only when "
-                                   "named here)")
+    ap.add_argument("--only", help="comma-separated subset of configurations (a,b,c,c1,e; r2,rs,rs2,cv,g2,g2e and "
+                                   "the out-of-band X-oobNN, e.g. c-oob10,e-oob10, only when named here)")
+    ap.add_argument("--oob-seed", type=int, default=0,
+                    help="which requests the X-oobNN configurations send out of band (bench/out_of_band.py)")
     ap.add_argument("--rates", help="comma-separated offered loads (req/s of simulated time); default 10,17.5,25 "
                                     "for the trace, the workload's own three per capacity with --workload")
     ap.add_argument("--rate", type=float, help="one offered load (the same as --rates R)")
@@ -1051,7 +1205,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plan = QUICK if a.quick else Plan()
     configs = ["c"] if a.quick else [k for k in CONFIGS if k not in OPT_IN]  # --quick: does it run at all
     if a.only:
+        register_oob(a.only.split(","))
         configs = [k for k in CONFIGS if k in a.only.split(",")]
+    plan.oob_seed = a.oob_seed
     plan.workload, plan.workload_seed = a.workload, a.seed
     if a.requests:
         plan.requests = a.requests

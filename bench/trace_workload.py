@@ -139,14 +139,24 @@ def output_tokens(row: dict[str, Any], s: TraceScale) -> int:
     return max(1, round(row["output_length"] / s.output_divisor))
 
 
+def aiperf_records(rows: Sequence[dict[str, Any]], s: TraceScale, wall_divisor: float) -> list[dict[str, Any]]:
+    """AIPerf's ``mooncake_trace`` records with literal prompts (``text_input``) and wall-clock timestamps (ms
+    from the first row's arrival)."""
+    t0 = rows[0]["timestamp"]
+    return [{"timestamp": round((r["timestamp"] - t0) / wall_divisor, 3), "text_input": prompt_text(r, s),
+             "output_length": output_tokens(r, s)} for r in rows]
+
+
+def write_jsonl(records: Sequence[dict[str, Any]], path: Path) -> Path:
+    with path.open("w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    return path
+
+
 def write_aiperf_input(rows: Sequence[dict[str, Any]], s: TraceScale, wall_divisor: float, path: Path) -> Path:
     """AIPerf's ``mooncake_trace`` format with literal prompts (``text_input``) and wall-clock timestamps."""
-    t0 = rows[0]["timestamp"]
-    with path.open("w") as f:
-        for r in rows:
-            f.write(json.dumps({"timestamp": round((r["timestamp"] - t0) / wall_divisor, 3),
-                                "text_input": prompt_text(r, s), "output_length": output_tokens(r, s)}) + "\n")
-    return path
+    return write_jsonl(aiperf_records(rows, s, wall_divisor), path)
 
 
 def build_tokenizer(folder: Path) -> Path:

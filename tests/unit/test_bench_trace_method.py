@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench import bench_trace as BT
+from bench import out_of_band as OB
+from bench import trace_workload as T
 from bench.bench_trace import capacity_blocks, claims, parse_capacities, targets
 
 
@@ -107,3 +112,92 @@ def test_a_bound_no_better_than_e_leaves_no_gap_and_is_met_when_c_is_no_worse() 
         "75"]["c_closes_half_the_gap_from_e_to_clairvoyant"]
     ttft = next(p for p in t["per_load"] if p["metric"] == "ttft_p90_ms")
     assert ttft["closed"] is None and ttft["met"] is True
+
+
+# ----------------------------------------------------------------------------- issue 42 item 3
+def test_the_out_of_band_subset_is_seeded_the_same_for_every_config_and_nested_across_shares() -> None:
+    ten, thirty = OB.indices(400, 0.1, seed=0), OB.indices(400, 0.3, seed=0)
+    assert len(ten) == 40 and len(thirty) == 120
+    assert ten == OB.indices(400, 0.1, seed=0) and ten < thirty  # the 10% requests are among the 30%
+    assert ten != OB.indices(400, 0.1, seed=1)
+    assert 0 not in thirty and max(thirty) < 400  # request 0 is the replayer's clock: always in band
+    assert OB.indices(24, 0.3) == OB.indices(24, 0.3) and len(OB.indices(24, 0.3)) == 7
+
+
+def test_the_split_keeps_aiperf_s_schedule_and_sends_the_rest_round_robin_at_their_offsets() -> None:
+    wl = BT.workload(BT.Plan(workload="multi-turn", requests=60))
+    rows = T.jitter(wl.rows, 2, wl.jitter_ms)
+    records = T.aiperf_records(rows, T.TraceScale(), 10.0)
+    chosen = OB.indices(len(records), 0.3, seed=0)
+    inband, oob = OB.split(records, chosen, workers=4)
+    assert len(inband) + len(oob) == 60 and len(oob) == 18
+    assert inband[0] == records[0] and inband[0]["timestamp"] == 0  # AIPerf's auto-offset keeps the clock
+    assert inband == [r for i, r in enumerate(records) if i not in chosen]  # same records, same timestamps
+    assert [r.index for r in oob] == sorted(chosen)
+    assert all((r.offset_ms, r.text, r.output_tokens) == (records[r.index]["timestamp"], records[r.index][
+        "text_input"], records[r.index]["output_length"]) for r in oob)
+    assert [r.worker for r in oob] == [k % 4 for k in range(18)]
+    # the jitter seed moves the arrivals, not which requests go out of band
+    other = T.aiperf_records(T.jitter(wl.rows, 1, wl.jitter_ms), T.TraceScale(), 10.0)
+    assert [r.index for r in OB.split(other, chosen, 4)[1]] == [r.index for r in oob]
+
+
+def test_out_of_band_names_parse_and_only_fit_in_front_of_a_plain_configuration(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert OB.parse("c-oob10") == ("c", 0.1) and OB.parse("e-oob30") == ("e", 0.3)
+    assert OB.parse("c") is None and OB.parse("g2e") is None and OB.parse("c-oob0") is None
+    assert OB.base_config("e-oob30") == "e" and OB.base_config("g2") == "g2"
+    assert all(k in BT.OPT_IN for k in ("g2", "g2e", "c-oob10", "e-oob10", "c-oob30", "e-oob30"))
+    monkeypatch.setattr(BT, "CONFIGS", dict(BT.CONFIGS))
+    BT.register_oob(["c", "b-oob20", "g2-oob10"])
+    assert "b-oob20" in BT.CONFIGS and "g2-oob10" in BT.CONFIGS
+    for bad in ("rs-oob10", "cv-oob30", "zz-oob10"):
+        with pytest.raises(SystemExit):
+            BT.register_oob([bad])
+
+
+def _item3_doc(ttft: dict[str, float]) -> dict[str, Any]:
+    """One load, one run spread of +-5% around each configuration's TTFT p90 (and its all-requests TTFT p90)."""
+    def cell(cfg: str, t: float) -> dict[str, Any]:
+        runs = [{"ttft_p90_ms": t * f, "all_ttft_p90_ms": t * f * 1.1, "output_tokens_per_s": 1000.0 * f,
+                 "aiperf_cached_ratio": 0.5} for f in (0.95, 1.0, 1.05)]
+        return {"capacity": "75", "config": cfg, "offered_rps": 36.0, "divisor": 1.0, "runs": runs,
+                "summary": {"ttft_p90_ms": {"median": t}, "aiperf_cached_ratio": {"median": 0.5}}}
+    doc: dict[str, Any] = {"result": {"cells": [cell(k, v) for k, v in ttft.items()], "capacities": [
+        {"name": "75", "oracle": {"pooled_lru": 0.6},
+         "clairvoyant": [{"offered_rps": 36.0, "cached_ratio": {"median": 0.65}}]}]}}
+    doc["claims"] = claims(doc)
+    return doc
+
+
+def test_claims_compare_the_two_gateways_and_each_out_of_band_share_with_prediction_only_under_the_same() -> None:
+    doc = _item3_doc({"c": 200.0, "e": 300.0, "g2": 250.0, "g2e": 500.0, "c-oob10": 220.0, "e-oob10": 400.0,
+                      "c-oob30": 300.0, "e-oob30": 310.0})
+    pairs = {(k["config"], k["baseline"]) for k in doc["claims"]}
+    assert {("g2", "g2e"), ("g2", "c"), ("g2e", "e"), ("c-oob10", "e-oob10"), ("c-oob30", "e-oob30"),
+            ("c-oob10", "c"), ("c-oob30", "c")} <= pairs
+    assert not any(k["config"] == "e-oob10" for k in doc["claims"])  # prediction-only is the yardstick
+    oob = {k["metric"]: k for k in doc["claims"] if (k["config"], k["baseline"]) == ("c-oob10", "e-oob10")}
+    assert oob["ttft_p90_ms"]["claim"] == pytest.approx(400 / 220)
+    assert oob["all_ttft_p90_ms"]["claim"] == pytest.approx(400 / 220)  # every request, oriented as a latency
+    assert "all_ttft_p90_ms" not in {k["metric"] for k in doc["claims"] if k["baseline"] == "c"}
+    t = targets(doc)["75"]
+    assert set(k for k in t if "_beats_" in k) == {"g2_beats_g2e", "c-oob10_beats_e-oob10", "c-oob30_beats_e-oob30"}
+    assert t["g2_beats_g2e"]["met"] is True and t["c-oob10_beats_e-oob10"]["met"] is True
+    assert t["c-oob30_beats_e-oob30"]["met"] is False  # 300 vs 310: the spreads overlap, no claim
+    assert t["c-oob30_beats_e-oob30"]["lost_somewhere"] is False
+
+
+def test_a_claimed_loss_misses_the_item3_target_even_beside_a_win() -> None:
+    t = targets(_item3_doc({"g2": 500.0, "g2e": 250.0}))["75"]["g2_beats_g2e"]
+    assert t["won_somewhere"] is False and t["lost_somewhere"] is True and t["met"] is False
+
+
+def test_aiperf_s_per_record_export_gives_the_first_credit_and_the_profiling_ttfts(tmp_path: Path) -> None:
+    def rec(phase: str, credit: int, ttft: float | None) -> str:
+        m = {"time_to_first_token": {"value": ttft, "unit": "ms"}} if ttft is not None else {}
+        return json.dumps({"metadata": {"benchmark_phase": phase, "credit_issued_ns": credit}, "metrics": m})
+    (tmp_path / "profile_export.jsonl").write_text("\n".join([
+        rec("warmup", 5, 1.0), rec("profiling", 20, 10.0), rec("profiling", 10, 30.0), rec("profiling", 30, None)]))
+    assert OB.aiperf_records(tmp_path) == ([10.0, 30.0], 10)
+    assert OB.aiperf_records(tmp_path / "missing") == ([], None)
