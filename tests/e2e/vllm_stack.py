@@ -136,12 +136,18 @@ class EngineState:
             if kind == "BlockStored":
                 self._stored(ev)
             elif kind == "BlockRemoved":
-                for h in ev["block_hashes"]:
-                    self.blocks.pop(h, None)
+                self._removed(ev)
             elif kind == "AllBlocksCleared":
-                self.blocks.clear()
+                self._cleared()
             else:
                 self.unknown.append(str(kind))
+
+    def _removed(self, ev: dict[str, Any]) -> None:
+        for h in ev["block_hashes"]:
+            self.blocks.pop(h, None)
+
+    def _cleared(self) -> None:
+        self.blocks.clear()
 
     def _stored(self, ev: dict[str, Any]) -> None:
         bs = ev["block_size"]
@@ -219,7 +225,8 @@ def expected_overlap(keys: set[PrefixKey], tokens: list[int], salt: str | None, 
 class EventRecorder:
     """Subscribes to every worker's KV-event stream (a thread with one poller) and keeps an EngineState each."""
 
-    def __init__(self) -> None:
+    def __init__(self, state_cls: type[EngineState] = EngineState) -> None:
+        self.state_cls = state_cls  # the tier suite keeps each engine's tiers apart (TierState)
         self.ctx = zmq.Context()
         self.lock = threading.Lock()
         self.states: dict[str, EngineState] = {}
@@ -233,7 +240,7 @@ class EventRecorder:
     def watch(self, worker: str, endpoint: str, replay: str) -> None:
         """(Re)subscribe to `worker` with an empty state: call before the worker (re)starts publishing."""
         with self.lock:
-            self.states[worker] = EngineState()
+            self.states[worker] = self.state_cls()
             self.endpoints[worker] = (endpoint, replay)
             self._pending.append((worker, endpoint))
 
@@ -274,7 +281,7 @@ class EventRecorder:
         _, replay = self.endpoints[worker]
         d = self.ctx.socket(zmq.DEALER)
         d.connect(replay)
-        st = EngineState()
+        st = self.state_cls()
         try:
             d.send_multipart([b"", (0).to_bytes(8, "big")])
             poller = zmq.Poller()
@@ -315,6 +322,8 @@ class Sent:
 
 class VllmStack:
     model_name = MODEL_NAME  # what requests, resets and renders name (the vision stack serves another model)
+    state_cls: type[EngineState] = EngineState  # how the oracle keeps each engine's event stream
+    reset_path = "/reset_prefix_cache"  # the tier suite adds `?reset_external=true` (the connector's host tier)
 
     def __init__(self, workdir: Path, workers: int = 2) -> None:
         self.dir = workdir
@@ -325,7 +334,7 @@ class VllmStack:
             self.workers.append(p)
             self.kv[p.name] = (kv, rp)
         self.renderer = self.new_renderer(workdir)
-        self.recorder = EventRecorder()
+        self.recorder = EventRecorder(self.state_cls)
         self.picker: Proc | None = None
         # ext_proc, gRPC health, /metrics, /debug (the admin API has its own loopback port)
         self.picker_ports: tuple[int, int, int, int] = (free_port(), free_port(), free_port(), free_port())
@@ -389,7 +398,7 @@ class VllmStack:
         """
         for w in self.workers:
             if w.alive():
-                http_json(w.url + "/reset_prefix_cache", {}, timeout=30)
+                http_json(w.url + self.reset_path, {}, timeout=30)
                 http_json(w.url + "/v1/chat/completions", {"model": self.model_name, "max_tokens": 1,
                                                            "messages": [{"role": "user", "content": "hi"}]})
         deadline = time.monotonic() + timeout
