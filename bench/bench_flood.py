@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness as H
+from bench.bench_ingest_apart import _pin as pin
 from bench.bench_scale import DOC_BLOCKS, bodies_for, score_loop
 from bench.kvpub import make_doc
 
@@ -46,17 +47,6 @@ CONFIGS: dict[str, tuple[str, ...]] = {
 }
 WORKERS = 8
 CONCURRENCY = 4
-
-
-def pin(pid: int, cpu: int) -> None:
-    """Every thread of `pid` (sched_setaffinity(pid) moves its main thread only; libzmq's I/O threads stay)."""
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        tids = [pid]
-    for tid in tids:
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(tid, {cpu})
 
 
 def children(pid: int) -> list[int]:

@@ -11,7 +11,6 @@ are marked `known_defect` (strict xfail: once the fix lands they XPASS and fail,
 
 from __future__ import annotations
 
-import random
 import re
 import time
 from collections.abc import Iterator
@@ -21,28 +20,14 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import FIGURES, ROOT
-from tests.e2e.vllm_stack import BLOCK_SIZE, LORA_NAME, MODEL_NAME, Probe, VllmStack
+from tests.e2e.vllm_stack import BLOCK_SIZE, LORA_NAME, MODEL_NAME, Probe, VllmStack, conversation
 
 PREDICTION_TTL_S = 2.0  # the picker's default --prediction-ttl-s: wait it out so credit comes from events
-WORDS = ("cache block token prefix worker router engine request tenant salt event replay index model prompt "
-         "system user assistant answer question document section chapter report summary policy contract "
-         "invoice order customer account payment shipping product service support ticket issue error value "
-         "the of and to in is was for on that with as by at from").split()
 
 
 def known_defect(reason: str) -> pytest.MarkDecorator:
     """A check that today's picker fails for a reason issue 12 lists; strict, so a fix makes it fail loudly."""
     return pytest.mark.xfail(strict=True, reason=reason)
-
-
-def text(seed: int, words: int) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(words))
-
-
-def conversation(prefix_seed: int, suffix_seed: int, prefix_words: int = 300) -> list[dict[str, Any]]:
-    return [{"role": "system", "content": text(prefix_seed, prefix_words)},
-            {"role": "user", "content": f"Question {suffix_seed}: " + text(10_000 + suffix_seed, 12)}]
 
 
 class State:

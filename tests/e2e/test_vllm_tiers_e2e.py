@@ -26,7 +26,6 @@ vLLM's own `cached_tokens`.
 from __future__ import annotations
 
 import json
-import random
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -44,9 +43,12 @@ from tests.e2e.vllm_stack import (
     Block,
     EngineState,
     VllmStack,
+    conversation,
     http_json,
     prom_sum,
+    text,
     vllm_worker,
+    wait_until_agree,
 )
 
 OFFLOAD_SITE = str(Path(__file__).resolve().parent / "offload_site")
@@ -56,10 +58,6 @@ CPU_BYTES = 6 << 20  # host tier: 48 chunks of 128 KiB (2 x 64 KiB engine blocks
 # it (host evictions), the evicted-prefix check (5 + 25 chunks after a reset) does not
 MAX_MODEL_LEN = 1024
 PREDICTION_TTL_S = 2.0  # the picker's default --prediction-ttl-s: wait it out so credit comes from events
-WORDS = ("cache block token prefix worker router engine request tenant salt event replay index model prompt "
-         "system user assistant answer question document section chapter report summary policy contract "
-         "invoice order customer account payment shipping product service support ticket issue error value "
-         "the of and to in is was for on that with as by at from").split()
 
 
 def connector_config(spec: str = "HostCopyOffloadingSpec", module: str | None = "epp_host_offload") -> str:
@@ -240,15 +238,7 @@ class TierStack(VllmStack):
         return out
 
     def wait_tiers_match(self, probes: list[list[int]] = (), timeout: float = 30) -> float:
-        t0 = time.monotonic()
-        while True:
-            bad = self.tier_mismatches(probes)
-            if not bad:
-                return time.monotonic() - t0
-            if time.monotonic() - t0 > timeout:
-                raise AssertionError(f"picker's tiers disagree with the engines' KV events after {timeout}s: "
-                                     f"{bad[:8]}")
-            time.sleep(0.5)
+        return wait_until_agree(lambda: self.tier_mismatches(probes), "picker's tiers", timeout)
 
     def reset_caches(self, timeout: float = 30) -> None:
         """Both tiers emptied: `reset_external=true` also empties the connector's pool; vLLM answers
@@ -276,16 +266,6 @@ class TierStack(VllmStack):
         """A request straight to one engine, not through the gateway (the picker sees only its events)."""
         return http_json(w.url + "/v1/chat/completions", {"model": MODEL_NAME, "messages": messages,
                                                            "max_tokens": max_tokens, "temperature": 0}, timeout=120)
-
-
-def text(seed: int, words: int) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(words))
-
-
-def conversation(prefix_seed: int, suffix_seed: int, prefix_words: int = 300) -> list[dict[str, Any]]:
-    return [{"role": "system", "content": text(prefix_seed, prefix_words)},
-            {"role": "user", "content": f"Question {suffix_seed}: " + text(10_000 + suffix_seed, 12)}]
 
 
 class State:

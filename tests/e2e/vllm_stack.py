@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,38 @@ def vllm_renderer(workdir: Path, *, max_model_len: int = 2048, model_dir: str = 
             "--disable-uvicorn-access-log"]
     return Proc("renderer", argv, port, workdir / "renderer.log", env={**VLLM_ENV, **(env or {})}, cwd=str(ROOT),
                 ready_url=f"http://127.0.0.1:{port}/health")
+
+
+# ----------------------------------------------------------------------------------------------- prompts
+WORDS = ("cache block token prefix worker router engine request tenant salt event replay index model prompt "
+         "system user assistant answer question document section chapter report summary policy contract "
+         "invoice order customer account payment shipping product service support ticket issue error value "
+         "the of and to in is was for on that with as by at from").split()
+
+
+def text(seed: int, words: int) -> str:
+    """Seeded prose in the tiny tokenizer's vocabulary: the suites' prompts."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def conversation(prefix_seed: int, suffix_seed: int, prefix_words: int = 300) -> list[dict[str, Any]]:
+    """A shared system prompt (`prefix_seed`) and a short question of its own (`suffix_seed`)."""
+    return [{"role": "system", "content": text(prefix_seed, prefix_words)},
+            {"role": "user", "content": f"Question {suffix_seed}: " + text(10_000 + suffix_seed, 12)}]
+
+
+def wait_until_agree(mismatches: Callable[[], list[Any]], what: str, timeout: float) -> float:
+    """Seconds until `mismatches()` is empty (the engines' events arrive asynchronously); AssertionError
+    naming `what` and the first mismatches if it never is within `timeout`."""
+    t0 = time.monotonic()
+    while True:
+        bad = mismatches()
+        if not bad:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"{what} disagree(s) with the engines' KV events after {timeout}s: {bad[:8]}")
+        time.sleep(0.5)
 
 
 # ----------------------------------------------------------------------------------------------- oracle
@@ -555,15 +588,7 @@ class VllmStack:
     def wait_index_matches(self, probes: list[Probe] = (),
                            timeout: float = 20) -> float:
         """Seconds until the index agrees with the engines (events are asynchronous); AssertionError if never."""
-        t0 = time.monotonic()
-        while True:
-            bad = self.index_mismatches(probes)
-            if not bad:
-                return time.monotonic() - t0
-            if time.monotonic() - t0 > timeout:
-                raise AssertionError(f"picker index disagrees with the engines' KV events after {timeout}s: "
-                                     f"{bad[:8]}")
-            time.sleep(0.5)
+        return wait_until_agree(lambda: self.index_mismatches(probes), "picker index", timeout)
 
     def wait_events_settled(self, quiet_s: float = 1.0, timeout: float = 15) -> None:
         """Until no worker has published for `quiet_s` (all of a request's events have arrived)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 import time
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -40,6 +41,36 @@ async def flood(pub: Publisher, stop: asyncio.Event) -> int:
     return n
 
 
+async def flood_beside_quiet(kv: Any, flooder: Publisher, quiet: Publisher, eps: list[Endpoint],
+                             stop: asyncio.Event) -> tuple[int, list[float]]:
+    """Both warm, then `flooder` floods while `quiet` stores a fresh chain every 0.1 s, ten times: (batches the
+    flooder sent, seconds until each of the quiet worker's chains was credited)."""
+    await flooder.store(tokens(1))
+    await quiet.store(tokens(1))
+    await until_warm(kv, [e.address for e in eps])
+    task = asyncio.create_task(flood(flooder, stop))
+    freshness = []
+    for i in range(10):
+        await asyncio.sleep(0.1)
+        toks = tokens(3, start=10_000 + i * 100)
+        await quiet.store(toks)
+        t = time.monotonic()
+        prompt = kv.prompt(toks + [1], PromptIdentity())
+        await until_async(lambda p=prompt: kv.overlap(p, [eps[1].address]) == {eps[1].address: 3},
+                          timeout=10, interval=0.005)
+        freshness.append(time.monotonic() - t)
+    stop.set()
+    return await task, freshness
+
+
+def assert_only_the_flooder_paused(snap: dict[str, Any], eps: list[Endpoint], sent: int,
+                                   freshness: list[float]) -> None:
+    assert sent > 100
+    assert snap["workers"][eps[0].address].get("ingest_throttled", 0) > 0, "the flooder was never paused"
+    assert snap["workers"][eps[1].address].get("ingest_throttled", 0) == 0
+    assert max(freshness) < 1.0, freshness  # generous for two shared cores: a stall would be seconds
+
+
 async def test_a_flooding_publisher_is_paused_and_another_worker_stays_fresh() -> None:
     ctx = zmq.asyncio.Context()
     with tempfile.TemporaryDirectory(prefix="epp-ingest-") as d:
@@ -54,28 +85,8 @@ async def test_a_flooding_publisher_is_paused_and_another_worker_stays_fresh() -
         stop = asyncio.Event()
         try:
             reg.replace(eps)
-            await flooder.store(tokens(1))
-            await quiet.store(tokens(1))
-            await until_warm(kv, [e.address for e in eps])
-            task = asyncio.create_task(flood(flooder, stop))
-            freshness = []
-            for i in range(10):
-                await asyncio.sleep(0.1)
-                toks = tokens(3, start=10_000 + i * 100)
-                await quiet.store(toks)
-                t = time.monotonic()
-                prompt = kv.prompt(toks + [1], PromptIdentity())
-                await until_async(lambda p=prompt: kv.overlap(p, [eps[1].address]) == {eps[1].address: 3},
-                                  timeout=10, interval=0.005)
-                freshness.append(time.monotonic() - t)
-            stop.set()
-            sent = await task
-            snap = await kv.snapshot()
-            throttled = snap["workers"][eps[0].address].get("ingest_throttled", 0)
-            assert sent > 100
-            assert throttled > 0, "the flooder was never paused"
-            assert snap["workers"][eps[1].address].get("ingest_throttled", 0) == 0
-            assert max(freshness) < 1.0, freshness  # generous for two shared cores: a stall would be seconds
+            sent, freshness = await flood_beside_quiet(kv, flooder, quiet, eps, stop)
+            assert_only_the_flooder_paused(await kv.snapshot(), eps, sent, freshness)
         finally:
             stop.set()
             await kv.close()
@@ -99,28 +110,8 @@ async def test_with_the_defaults_a_flooding_publisher_is_paused_in_the_pickers_o
     stop = asyncio.Event()
     try:
         reg.replace(eps)
-        await flooder.store(tokens(1))
-        await quiet.store(tokens(1))
-        await until_warm(kv, [e.address for e in eps])
-        task = asyncio.create_task(flood(flooder, stop))
-        freshness = []
-        for i in range(10):
-            await asyncio.sleep(0.1)
-            toks = tokens(3, start=10_000 + i * 100)
-            await quiet.store(toks)
-            t = time.monotonic()
-            prompt = kv.prompt(toks + [1], PromptIdentity())
-            await until_async(lambda p=prompt: kv.overlap(p, [eps[1].address]) == {eps[1].address: 3},
-                              timeout=10, interval=0.005)
-            freshness.append(time.monotonic() - t)
-        stop.set()
-        sent = await task
-        snap = kv.snapshot()
-        throttled = snap["workers"][eps[0].address].get("ingest_throttled", 0)
-        assert sent > 100
-        assert throttled > 0, "the flooder was never paused"
-        assert snap["workers"][eps[1].address].get("ingest_throttled", 0) == 0
-        assert max(freshness) < 1.0, freshness  # generous for two shared cores: a stall would be seconds
+        sent, freshness = await flood_beside_quiet(kv, flooder, quiet, eps, stop)
+        assert_only_the_flooder_paused(kv.snapshot(), eps, sent, freshness)
     finally:
         stop.set()
         await kv.close()
