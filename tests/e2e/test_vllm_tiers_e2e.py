@@ -346,7 +346,9 @@ def test_the_connector_publishes_self_describing_host_events(stack: TierStack) -
     and the host tier: the engines publish engine-cache evictions, host-tier stores with tokens and the engine
     block size (never placeholders), re-announcements of shared hashes, and host-tier evictions."""
     stack.reset_caches()
-    for i in range(20):
+    # 30 pairs: 20 left one run of four without a host eviction (about 42 host stores per worker against its 48
+    # chunks, depending on how the picker split the pairs); 30 overflow both workers' host tiers
+    for i in range(30):
         seed = fresh_seed()
         for question in (1, 2):
             r = stack.chat(conversation(seed, question, prefix_words=240 + 9 * (i % 5)))
