@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from epp_extproc.heap import freeze_startup_heap
 from epp_extproc.ingest.launcher import DEFAULT_LOOKUPS, LOOKUP_MODES
+from epp_extproc.ingest.pacing import DEFAULT_WORKER_CPU_SHARE
 from epp_extproc.ingest.server import IngestShard
 
 
@@ -26,7 +27,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--max-blocks-per-worker", type=int, default=1_000_000)
     p.add_argument("--topic", default="")
-    p.add_argument("--worker-cpu-share", type=float, default=0.1)
+    p.add_argument("--worker-cpu-share", type=float, default=DEFAULT_WORKER_CPU_SHARE)
     p.add_argument("--parent-pid", type=int, default=None)
     p.add_argument("--lookups", choices=LOOKUP_MODES, default=DEFAULT_LOOKUPS,
                    help="answer lookups on the ingest loop between batches (default) or on threads")

@@ -50,3 +50,10 @@ def test_lookups_answered_inside_a_batch_on_the_shards_loop_are_not_charged_to_i
         assert shard._charge("honest", 0.005) == 0.0  # charged 1 ms: within its burst
     finally:
         shard._zmq.destroy(linger=0)
+
+
+def test_the_flags_default_share_is_the_pacers_default() -> None:
+    from epp_extproc.config import Config
+    from epp_extproc.ingest.pacing import DEFAULT_WORKER_CPU_SHARE
+
+    assert Config().kv_ingest_worker_cpu_share == DEFAULT_WORKER_CPU_SHARE
