@@ -1,0 +1,156 @@
+"""The picker's sampled requests written as OTLP bytes (`otlp_wire`) are what the SDK's encoder would write, and
+the SDK's own OTLP exporters (HTTP and gRPC) send them to a real receiver of the protocol's protobuf."""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import grpc
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans as sdk_encode_spans
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+from opentelemetry.exporter.otlp.proto.http import trace_exporter as http_module
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace.export import SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+
+from epp_extproc.core.errors import PickError, Problem
+from epp_extproc.tracing import otlp_wire
+from epp_extproc.tracing.spans import Record, SpanQueue, Tracing
+from tests.unit.test_tracing import SAMPLED, request, run, servicer
+
+RESOURCE = Resource.create({"service.name": "epp-test", "k8s.pod.name": "picker-0", "replicas": 3})
+
+
+class Keep(SpanQueue):
+    """The queue's records, kept instead of exported."""
+
+    def __init__(self) -> None:
+        super().__init__(InMemorySpanExporter(), RESOURCE, immediate=True)
+        self.records: list[Any] = []
+
+    def put(self, record: Any) -> None:
+        self.records.append(record)
+
+
+async def picker_records() -> Keep:
+    """Records the real edge and Director make: sampled by the gateway (with a tracestate), by a client's
+    header, by the picker itself, a refused request, and two spans of their own (a snapshot, a failed dump)."""
+    keep = Keep()
+    tr = Tracing(keep, ParentBased(ALWAYS_ON))
+    svc = servicer(tr)
+    await run(svc, request(), (("traceparent", SAMPLED), ("tracestate", "vendor=abc,other=1")))
+    await run(svc, request({"traceparent": SAMPLED}))
+    await run(svc, request())
+    await run(svc, request(body=b"{not json"))
+    tr.snapshot_loaded("grpc", "10.0.0.9:9000", 12, 1_000, during_start=True)
+    tr.dump_loaded("10.0.0.1:8000", 2_000, subject="kv.w1", error=("timeout", "no answer in 2 s"))
+    return keep
+
+
+def wire(keep: Keep, records: list[Any]) -> bytes:
+    return keep._encoded(records).payload
+
+
+def sdk(keep: Keep, records: list[Any]) -> bytes:
+    return sdk_encode_spans(keep._spans(records)).SerializeToString()
+
+
+async def test_the_wire_bytes_equal_the_sdk_encoding_of_the_pickers_own_requests() -> None:
+    keep = await picker_records()
+    assert len(keep.records) == 6
+    assert any(r[7] is not None for r in keep.records if not isinstance(r[0], str))  # the refused one
+    assert wire(keep, keep.records) == sdk(keep, keep.records)
+
+
+def test_attribute_values_of_every_kind_are_encoded_as_the_sdk_encodes_them() -> None:
+    keep = Keep()
+    attrs = {"s": "é ü", "empty": "", "t": True, "f": False, "zero": 0, "neg": -7, "big": 2**62, "min": -2**63,
+             "x": 1.5, "nan": float("nan"), "inf": float("-inf"), "names": ("a", "b"), "counts": [1, 2],
+             "raw": b"\x00\xff", "long": "v" * 300}
+    record: Record = (0xABC, "", 0x1234, 0, 10, 20, attrs, "", ())
+    assert wire(keep, [record]) == sdk(keep, [record])
+
+
+def test_a_tracestate_is_written_as_the_sdk_parses_it_dropping_invalid_members() -> None:
+    keep = Keep()
+    record: Record = (0xABC, "good=1,Bad Key=x,also=2", 0x1234, 0x99, 10, 20, {}, None, ())
+    assert wire(keep, [record]) == sdk(keep, [record])
+
+
+def test_a_stage_whose_parent_is_not_in_the_record_has_no_parent_as_the_sdk_path_gives_it() -> None:
+    keep = Keep()
+    children = (("epp.schedule", 0, 0x51, 0x777, 11, 12, {"epp.cost": 1.0}, None),)
+    record: Record = (0xABC, "", 0x1234, 0, 10, 20, {}, None, children)
+    assert wire(keep, [record]) == sdk(keep, [record])
+
+
+def test_the_patched_module_hands_anything_but_an_encoded_batch_to_the_sdk(monkeypatch: Any) -> None:
+    monkeypatch.setattr(http_module, "encode_spans", http_module.encode_spans)  # undone after the test
+    assert otlp_wire.install(HttpExporter(endpoint="http://127.0.0.1:9/v1/traces"))
+    keep = Keep()
+    record: Record = (0xABC, "", 0x1234, 0, 10, 20, {"a": 1}, None, ())
+    spans = keep._spans([record])
+    assert http_module.encode_spans(spans) == sdk_encode_spans(spans)
+
+
+def test_an_exporter_that_is_not_the_sdks_otlp_one_is_left_alone() -> None:
+    assert not otlp_wire.install(InMemorySpanExporter())
+
+
+def test_the_sdks_http_exporter_posts_the_encoded_bytes_to_a_real_receiver(monkeypatch: Any) -> None:
+    monkeypatch.setattr(http_module, "encode_spans", http_module.encode_spans)
+    bodies: list[bytes] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            bodies.append(self.rfile.read(int(self.headers["content-length"])))
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            return None
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        exporter = HttpExporter(endpoint=f"http://127.0.0.1:{server.server_address[1]}/v1/traces")
+        assert otlp_wire.install(exporter)
+        keep = Keep()
+        batch = keep._encoded([(0xABC, "", 0x1234, 0, 10, 20, {"a": "b"}, None, ())])
+        assert exporter.export(batch) is SpanExportResult.SUCCESS
+        exporter.shutdown()
+    finally:
+        server.shutdown()
+    assert bodies == [batch.payload]
+
+
+def test_the_sdks_grpc_exporter_sends_the_encoded_request_to_a_real_receiver() -> None:
+    got: list[trace_service_pb2.ExportTraceServiceRequest] = []
+
+    class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, req: Any, context: Any) -> Any:  # noqa: N802
+            got.append(req)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        exporter = GrpcExporter(endpoint=f"127.0.0.1:{port}", insecure=True)
+        assert otlp_wire.install(exporter)
+        keep = Keep()
+        err = PickError(Problem.BAD_REQUEST, "no")
+        batch = keep._encoded([(0xABC, "k=v", 0x1234, 0x77, 10, 20, {"error.type": err.problem.value}, "no", ())])
+        assert exporter.export(batch) is SpanExportResult.SUCCESS
+        exporter.shutdown()
+    finally:
+        server.stop(0)
+    assert [r.SerializeToString() for r in got] == [batch.payload]
