@@ -62,7 +62,11 @@ def _value(v: Any) -> bytes:
 
 
 _KEYS: dict[str, bytes] = {}  # a key's field, encoded once: the picker's attribute names are a few dozen
+# A whole KeyValue with a string value, encoded once: most of a span's strings repeat (a method, a server, an
+# endpoint, a model, a route). Bounded: past the bound, new pairs are encoded every time and not kept.
+_PAIRS: dict[tuple[int, str, str], bytes] = {}
 _MAX_KEYS = 1024
+_MAX_PAIRS = 2048
 
 
 def _key(k: str) -> bytes:
@@ -76,7 +80,18 @@ def _key(k: str) -> bytes:
 
 def attributes(tag: int, attrs: Mapping[str, Any]) -> bytes:
     """Repeated KeyValue under field `tag`: key = 1, value = 2."""
-    return b"".join(_ld(tag, _key(k) + _ld(0x12, _value(v))) for k, v in attrs.items())
+    out = []
+    for k, v in attrs.items():
+        if v.__class__ is str:
+            kv = _PAIRS.get((tag, k, v))
+            if kv is None:
+                kv = _ld(tag, _key(k) + _ld(0x12, _ld(0x0A, v.encode())))
+                if len(_PAIRS) < _MAX_PAIRS:
+                    _PAIRS[(tag, k, v)] = kv
+        else:
+            kv = _ld(tag, _key(k) + _ld(0x12, _value(v)))
+        out.append(kv)
+    return b"".join(out)
 
 
 def span(trace_id: bytes, span_id: int, trace_state: str, parent_id: int, parent_remote: bool, name: str,
