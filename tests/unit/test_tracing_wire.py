@@ -154,3 +154,12 @@ def test_the_sdks_grpc_exporter_sends_the_encoded_request_to_a_real_receiver() -
     finally:
         server.stop(0)
     assert [r.SerializeToString() for r in got] == [batch.payload]
+
+
+def test_the_encoded_pairs_kept_for_reuse_are_bounded_and_pairs_past_the_bound_still_encode_right() -> None:
+    keep = Keep()
+    records: list[Any] = [(0xABC, "", 0x1000 + i, 0, 10, 20, {"epp.endpoint": f"10.0.{i // 250}.{i % 250}:8000"},
+                           None, ()) for i in range(otlp_wire._MAX_PAIRS + 500)]
+    assert wire(keep, records) == sdk(keep, records)
+    assert len(otlp_wire._PAIRS) <= otlp_wire._MAX_PAIRS
+    assert len(otlp_wire._KEYS) <= otlp_wire._MAX_KEYS
