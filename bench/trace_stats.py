@@ -14,7 +14,7 @@ never support a claim in the README.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -94,3 +94,12 @@ def window_cached_ratio(arrivals_s: Sequence[float], usage: Mapping[int, tuple[i
     return {"start_s": start_s, "length_s": max(0.0, end - start_s), "requests": len(inside), "served": len(served),
             "failed": len(inside) - len(served), "prompt_tokens": prompt, "cached_tokens": cached,
             "cached_ratio": cached / prompt if prompt else None}
+
+
+def cached_ratio_over(usage: Mapping[int, tuple[int, int] | None], ids: Iterable[int]) -> float | None:
+    """The cached-token ratio of the served requests among ``ids`` (``usage`` as for window_cached_ratio):
+    one run's figure over another run's set of requests, e.g. an unrestarted picker's over the requests a
+    restarted one served (the ones that arrived while it was away failed there and are not in that set)."""
+    served = [u for i in ids if (u := usage.get(i)) is not None]
+    prompt = sum(u[0] for u in served)
+    return sum(u[1] for u in served) / prompt if prompt else None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.trace_stats import claim, fmt_spread, spread, summarize, window_cached_ratio
+from bench.trace_stats import cached_ratio_over, claim, fmt_spread, spread, summarize, window_cached_ratio
 
 
 def test_spread_is_median_min_max_ignoring_missing_runs() -> None:
@@ -77,3 +77,8 @@ def test_window_cached_ratio_counts_failed_requests_apart_from_the_ratio() -> No
 
 def test_window_cached_ratio_is_none_when_no_request_in_the_window_was_served() -> None:
     assert window_cached_ratio([0.0, 1.0], {}, start_s=0.5)["cached_ratio"] is None
+
+
+def test_cached_ratio_over_takes_one_run_s_figure_over_another_run_s_requests() -> None:
+    usage = {0: (100, 80), 1: (100, 0), 2: (100, 40), 3: None}
+    assert cached_ratio_over(usage, [0, 2, 3]) == 0.6
