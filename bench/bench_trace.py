@@ -84,7 +84,7 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
         own (`oob`), TTFT over every request (`all_ttft_p50_ms`, `all_ttft_p90_ms`, claimed between the
         pairs too) and `routed_without_picker` (= the out-of-band count). out_of_band.py says how the two
         replays share one clock and how well they met (`oob.sync_lag_ms`).
-       (r2, rs, rs2, cv, g2, g2e and the X-oobNN run only when named in --only; the default set is unchanged)
+       (r2, rs, rs2, rsz, rsn, cv, g2, g2e and the X-oobNN run only when named in --only; the default set is unchanged)
   (d)  offline cached-token ratios of the same prompts in arrival order: `pooled_lru` (one LRU cache with
        the capacity of all four workers together, the figure earlier recordings called "the oracle"),
        `infinite`, and `clairvoyant` (bench/clairvoyant.py: placement and Belady eviction knowing the future
@@ -1359,7 +1359,7 @@ def register_oob(names: Sequence[str]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = H.bench_parser(__doc__, "trace")
-    ap.add_argument("--only", help="comma-separated subset of configurations (a,b,c,c1,e; r2,rs,rs2,cv,g2,g2e and "
+    ap.add_argument("--only", help="comma-separated subset of configurations (a,b,c,c1,e; r2,rs,rs2,rsz,rsn,cv,g2,g2e and "
                                    "the out-of-band X-oobNN, e.g. c-oob10,e-oob10, only when named here)")
     ap.add_argument("--oob-seed", type=int, default=0,
                     help="which requests the X-oobNN configurations send out of band (bench/out_of_band.py)")
