@@ -141,7 +141,8 @@ JSON result schema (`trace.json`), besides the common `bench`, `meta` keys, `con
     targets: {capacity: {target: {...}}}, with r2_, rs_, rs2_within_spread_of_c and
              clairvoyant_replayed (offline beside replayed) when those configurations ran,
              issue 47's rsn_window_within_5pct_of_c, rsn_beats_e_in_window, rsz_beside, c_vs_e_in_window, and
-             issue 42 item 3's g2_beats_g2e, c-oobNN_beats_e-oobNN: {per_load: [{offered_rps, METRIC: {median_ratio, claim}}],
+             issue 42 item 3's g2_beats_g2e, c-oobNN_beats_e-oobNN:
+             {per_load: [{offered_rps, METRIC: {median_ratio, claim}}],
              won_somewhere, lost_somewhere, met} (met: a claimed win on TTFT p90 at some load, no claimed loss
              on TTFT p90 or output tokens/s at any)
 """
@@ -1359,8 +1360,8 @@ def register_oob(names: Sequence[str]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = H.bench_parser(__doc__, "trace")
-    ap.add_argument("--only", help="comma-separated subset of configurations (a,b,c,c1,e; r2,rs,rs2,rsz,rsn,cv,g2,g2e and "
-                                   "the out-of-band X-oobNN, e.g. c-oob10,e-oob10, only when named here)")
+    ap.add_argument("--only", help="comma-separated subset of configurations (a,b,c,c1,e; r2,rs,rs2,rsz,rsn,cv,g2,"
+                                   "g2e and the out-of-band X-oobNN, e.g. c-oob10,e-oob10, only when named here)")
     ap.add_argument("--oob-seed", type=int, default=0,
                     help="which requests the X-oobNN configurations send out of band (bench/out_of_band.py)")
     ap.add_argument("--rates", help="comma-separated offered loads (req/s of simulated time); default 10,17.5,25 "
