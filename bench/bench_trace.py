@@ -4,7 +4,7 @@
                                 [--repeats 3] [--capacities ample,75,scarce] [--work DIR]
                                 [--variant NAME=FLAGS] [--prediction-variant NAME=FLAGS]
                                 [--workload NAME] [--seed N] [--rate R] [--requests N] [--worker-speeds 0.5,1,1,1]
-                                [--oob-seed N]
+                                [--oob-seed N] [--restart-window-s 60]
 
 `--workload` replays another workload of issue 42's suite (bench/workloads.py: system-prompt, multi-turn, rag,
 agents, no-reuse, hetero) through exactly this method: its records have the trace's shape, so sampling aside
@@ -52,6 +52,20 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
        the replay and its peer, and gets streams again once healthy. Target: 0 errors, quality within (c)'s
        spread. Records errors, routed_without_picker, picks per picker, the restart's timings and when Envoy
        saw the replica unhealthy and healthy again.
+  (rsz) issue 47: a lone picker restarted as (rs) in front of workers whose replay it is NOT told (a
+       trtllm-serve pool without `replay_endpoint`), on the ZeroMQ plane: the new process starts with an empty
+       index and learns only from new events. (rsn): the same, with the KV events through epp-kv-relay on
+       NATS (`--kv-event-plane nats`); the restarted picker loads the relay's dumps. Both record, with every
+       plain configuration of the same run, the RESTART WINDOW: the cached ratio of the requests scheduled to
+       arrive from the restart's scheduled time (1/3 of the schedule's span) for at most --restart-window-s
+       (60 s of wall time) or to the last arrival (trace_stats.window_cached_ratio), from the workers' own
+       per-request cached tokens as each response's usage carried them into AIPerf's per-record export (the
+       only per-request record with arrival times; its whole-run sums are checked against the workers'
+       /mock/stats deltas: `window.records_match_workers`). The same scheduled times give (c) and (e) the
+       same requests in their window; requests that fail while the picker is away are counted apart, and
+       (c)'s and (e)'s ratio over the requests a restart configuration served in the same seed is kept beside
+       (`window.matched`). Targets: `rsn_window_within_5pct_of_c` (ratio of medians >= 0.95),
+       `rsn_beats_e_in_window` (a claim), `rsz_beside` (today's figure, no target).
   (cv) the clairvoyant placement REPLAYED through the same Envoy and mocks: bench/plan_picker.py routes each
        request to the worker bench/clairvoyant.py planned for it (matched by prompt content), so its TTFT
        and the mocks' cached ratio are the replayed bound beside the offline one (d) clairvoyant
@@ -70,7 +84,7 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
         own (`oob`), TTFT over every request (`all_ttft_p50_ms`, `all_ttft_p90_ms`, claimed between the
         pairs too) and `routed_without_picker` (= the out-of-band count). out_of_band.py says how the two
         replays share one clock and how well they met (`oob.sync_lag_ms`).
-       (r2, rs, rs2, cv, g2, g2e and the X-oobNN run only when named in --only; the default set is unchanged)
+       (r2, rs, rs2, rsz, rsn, cv, g2, g2e and the X-oobNN run only when named in --only; the default set is unchanged)
   (d)  offline cached-token ratios of the same prompts in arrival order: `pooled_lru` (one LRU cache with
        the capacity of all four workers together, the figure earlier recordings called "the oracle"),
        `infinite`, and `clairvoyant` (bench/clairvoyant.py: placement and Belady eviction knowing the future
@@ -113,6 +127,11 @@ JSON result schema (`trace.json`), besides the common `bench`, `meta` keys, `con
               down_s, resubscribed_s, picks_before_restart, index_blocks_before, index_blocks_after_replay,
               picks_after_restart, error?; (rs2) envoy_unhealthy_s, envoy_healthy_again_s};
               (cv) plan_match: {matched, unmatched, plan_entries_left};
+              (a run with a restart configuration, every plain configuration) window_cached_ratio,
+              window_requests, window_failed, window_s, window: {start_s, length_s, requests, served, failed,
+              prompt_tokens, cached_tokens, cached_ratio, records_prompt_tokens, records_cached_tokens,
+              records_match_workers; restarts: sigterm_at_s, picker_back_at_s (on AIPerf's clock); unrestarted:
+              matched: {restart config: cached ratio over the requests it served in its window}};
               (X-oobNN) oob_requests, oob_ttft_p90_ms, all_ttft_p50_ms, all_ttft_p90_ms,
               oob: {requests, completed, sent_per_worker, errors, error, ttft_p50_ms, ttft_p90_ms,
                     sched_lag_p99_ms, sync_lag_ms}}
@@ -120,8 +139,10 @@ JSON result schema (`trace.json`), besides the common `bench`, `meta` keys, `con
         median_ratio: baseline/config for latencies, config/baseline otherwise (> 1 = config is better);
         claim: the same ratio when the two spreads do not overlap, else null
     targets: {capacity: {target: {...}}}, with r2_, rs_, rs2_within_spread_of_c and
-             clairvoyant_replayed (offline beside replayed) when those configurations ran, and issue 42 item 3's
-             g2_beats_g2e, c-oobNN_beats_e-oobNN: {per_load: [{offered_rps, METRIC: {median_ratio, claim}}],
+             clairvoyant_replayed (offline beside replayed) when those configurations ran,
+             issue 47's rsn_window_within_5pct_of_c, rsn_beats_e_in_window, rsz_beside, c_vs_e_in_window, and
+             issue 42 item 3's g2_beats_g2e, c-oobNN_beats_e-oobNN:
+             {per_load: [{offered_rps, METRIC: {median_ratio, claim}}],
              won_somewhere, lost_somewhere, met} (met: a claimed win on TTFT p90 at some load, no claimed loss
              on TTFT p90 or output tokens/s at any)
 """
@@ -183,6 +204,14 @@ CLAIMED_METRICS = (*LOWER_IS_BETTER, "output_tokens_per_s", "aiperf_cached_ratio
 # summarised where present, and all_ttft_p90_ms also claimed between the out-of-band pairs
 OOB_METRICS = ("all_ttft_p50_ms", "all_ttft_p90_ms", "oob_ttft_p90_ms", "oob_requests", "routed_without_picker")
 OOB_CLAIMED_METRICS = ("all_ttft_p90_ms",)
+# issue 47: the restart configurations, when the picker is restarted (a fraction of the schedule's span after
+# the first arrival), and the figures of the window after it (restart_window): computed for every plain
+# configuration of a run that has a restart configuration, over the same scheduled times, and claimed
+# between the pairs that both have it
+RESTARTS = ("rs", "rs2", "rsz", "rsn")
+RESTART_AT = 1 / 3
+WINDOW_METRICS = ("window_cached_ratio", "window_requests", "window_failed", "window_s")
+WINDOW_CLAIMED_METRICS = ("window_cached_ratio",)
 
 
 @dataclass
@@ -211,6 +240,9 @@ class Plan:
     # issue 42 item 3: which requests the X-oobNN configurations send out of band (bench/out_of_band.py); a
     # seed of its own, so every configuration and repeat of a cell gets the same out-of-band requests
     oob_seed: int = 0
+    # issue 47: the restart window's longest span (wall seconds of the replay, from the restart's scheduled
+    # time; it ends earlier at the schedule's last arrival)
+    restart_window_s: float = 60.0
 
     def rates_for(self, capacity: str) -> tuple[float, ...]:
         """The offered loads at one capacity: the workload's own three when the plan has them."""
@@ -288,6 +320,77 @@ def run_aiperf(cmd: list[str], timeout_s: float, log: Path) -> None:
             raise
     if rc != 0:
         raise RuntimeError(f"aiperf exited {rc}:\n{log.read_text()[-3000:]}")
+
+
+def aiperf_usage(artifacts: Path) -> tuple[dict[int, tuple[int, int] | None], int | None]:
+    """Per request of the schedule (its index: AIPerf names the n-th input line's session ``session_<n>``),
+    the (prompt tokens, cached tokens) of the worker's own response usage, None for a request that failed;
+    and AIPerf's first credit (epoch ns), the schedule's time 0 on the machine's clock. From AIPerf's per-record
+    export (``profile_export.jsonl``), profiling phase only."""
+    out: dict[int, tuple[int, int] | None] = {}
+    first: int | None = None
+    path = artifacts / "profile_export.jsonl"
+    if not path.exists():
+        return out, first
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        meta = rec.get("metadata") or {}
+        if meta.get("benchmark_phase", "profiling") != "profiling":
+            continue
+        c = meta.get("credit_issued_ns")
+        if c is not None:
+            first = c if first is None else min(first, c)
+        i = int(str(meta["conversation_id"]).rsplit("_", 1)[1])
+        m = rec.get("metrics") or {}
+        p, k = (m.get("usage_prompt_tokens") or {}).get("value"), (m.get("usage_prompt_cache_read_tokens") or {}).get(
+            "value")
+        out[i] = None if rec.get("error") or p is None else (int(p), int(k or 0))
+    return out, first
+
+
+def restart_window(plan: Plan, input_file: Path, artifacts: Path, row: dict[str, Any]) -> dict[str, Any]:
+    """Issue 47's figure for one run: the cached ratio of the requests scheduled in the window after the
+    restart's scheduled time (RESTART_AT of the schedule's span; trace_stats.window_cached_ratio), from the
+    workers' per-request counts as AIPerf recorded them (each response's usage), with the whole run's sums of
+    those records beside the workers' /mock/stats deltas as the cross-check. For a restart configuration,
+    also where its SIGTERM fell on the schedule's clock (Restarter waits from the first pick, not from the
+    schedule's time 0)."""
+    rows = [json.loads(line) for line in input_file.read_text().splitlines() if line.strip()]
+    t0 = min(r["timestamp"] for r in rows)
+    arrivals = [(r["timestamp"] - t0) / 1000 for r in rows]
+    usage, first = aiperf_usage(artifacts)
+    w = S.window_cached_ratio(arrivals, usage, RESTART_AT * max(arrivals), plan.restart_window_s)
+    served = [u for u in usage.values() if u is not None]
+    w["records_prompt_tokens"] = sum(u[0] for u in served)
+    w["records_cached_tokens"] = sum(u[1] for u in served)
+    w["records_match_workers"] = (w["records_prompt_tokens"] == row["workers_prompt_tokens"]
+                                  and w["records_cached_tokens"] == row["workers_cached_tokens"])
+    sig = (row.get("restart") or {}).get("sigterm_epoch_ns")
+    if sig is not None and first is not None:
+        w["sigterm_at_s"] = round((sig - first) / 1e9, 3)
+        down = row["restart"].get("down_s")
+        if down is not None:
+            w["picker_back_at_s"] = round(w["sigterm_at_s"] + down, 3)
+    inside = {i for i, t in enumerate(arrivals) if w["start_s"] <= t <= w["start_s"] + w["length_s"]}
+    return {"window": w, "window_cached_ratio": w["cached_ratio"], "window_requests": w["requests"],
+            "window_failed": w["failed"], "window_s": w["length_s"],
+            "_window_usage": {i: u for i, u in usage.items() if i in inside}}  # matched_windows; not kept
+
+
+def matched_windows(seed_rows: Sequence[dict[str, Any]]) -> None:
+    """Within one seed: each unrestarted configuration's window cached ratio over the requests each restart
+    configuration SERVED in its window (``window.matched[restart config]``), the same requests on both sides
+    (a restarted picker fails the requests that arrive while it is away); then drops the per-request usage."""
+    restarted = {r["config"]: {i for i, u in r["_window_usage"].items() if u is not None}
+                 for r in seed_rows if r["config"] in RESTARTS and "_window_usage" in r}
+    for x in seed_rows:
+        if "_window_usage" in x and x["config"] not in RESTARTS:
+            x["window"]["matched"] = {cfg: S.cached_ratio_over(x["_window_usage"], ids)
+                                      for cfg, ids in restarted.items()}
+    for x in seed_rows:
+        x.pop("_window_usage", None)
 
 
 def aiperf_figures(artifacts: Path) -> dict[str, Any]:
@@ -478,7 +581,7 @@ class Restarter(threading.Thread):
     process (its counters die with it). With `envoy` (rs2), also when Envoy's health checks saw the replica
     unhealthy (from the SIGTERM) and healthy again (from the new process being ready)."""
 
-    def __init__(self, pk: H.Proc, addrs: Sequence[str], span_s: float, at_fraction: float = 1 / 3,
+    def __init__(self, pk: H.Proc, addrs: Sequence[str], span_s: float, at_fraction: float = RESTART_AT,
                  timeout_s: float = 120, envoy: H.Proc | None = None) -> None:
         super().__init__(daemon=True, name="picker-restarter")
         self.pk, self.addrs, self.delay, self.timeout_s = pk, list(addrs), span_s * at_fraction, timeout_s
@@ -508,6 +611,7 @@ class Restarter(threading.Thread):
         self.info["picks_before_restart"] = sum(picker_picks(self.pk).values())
         self.info["index_blocks_before"] = index_blocks(self.pk)
         t0 = time.monotonic()
+        self.info["sigterm_epoch_ns"] = time.time_ns()  # AIPerf's per-record clock: restart_window places it
         self.pk.signal_group(signal.SIGTERM)
         assert self.pk.proc is not None
         metrics_open = True
@@ -562,10 +666,11 @@ def all_picks(pks: Sequence[H.Proc]) -> dict[str, int] | None:
 
 def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], renderer: H.Proc, input_file: Path,
             tokenizer: Path, work: Path, tag: str, plan_file: Path | None = None,
-            oob: OB.Part | None = None) -> dict[str, Any]:
+            oob: OB.Part | None = None, window: bool = False) -> dict[str, Any]:
     """One AIPerf replay through one configuration, from empty worker caches; ``tag`` names its artifacts.
     With ``oob`` (an ``X-oobNN`` configuration), AIPerf replays the in-band part of the schedule through
-    configuration X while out_of_band.Replayer sends the rest straight to the workers."""
+    configuration X while out_of_band.Replayer sends the rest straight to the workers. With ``window`` the row
+    also gets issue 47's restart window (restart_window)."""
     wait_idle(workers)
     for m in workers:
         H.post_json(m.url + "/mock/cache/clear")
@@ -629,8 +734,11 @@ def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], rendere
     dp = sum(after[k]["prompt_tokens_total"] - before[k]["prompt_tokens_total"] for k in after)
     dc = sum(after[k]["cached_tokens_total"] - before[k]["cached_tokens_total"] for k in after)
     row = {"config": cfg, "divisor": divisor, **aiperf_figures(art), "per_worker_served": served,
-           "workers_cached_ratio": dc / dp if dp else 0.0, "workers_prompt_tokens": dp, "picker_picks": picks,
+           "workers_cached_ratio": dc / dp if dp else 0.0, "workers_prompt_tokens": dp,
+           "workers_cached_tokens": dc, "picker_picks": picks,
            "aiperf_wall_s": round(wall, 1), "loadavg_1m": os.getloadavg()[0], **extra}
+    if window:
+        row.update(restart_window(plan, input_file, art, row))
     return row
 
 
@@ -700,7 +808,10 @@ def print_run(cap: str, row: dict[str, Any]) -> None:
              f"{row['oob']['sent_per_worker']}, TTFT p90 {H.fmt(row['oob']['ttft_p90_ms'], '.0f')} ms, clock "
              f"{H.fmt(row['oob']['sync_lag_ms'], '.1f')} ms after AIPerf's), routed without picker "
              f"{row.get('routed_without_picker')}, all requests TTFT p90 {H.fmt(row['all_ttft_p90_ms'], '.0f')} ms"
-             if row.get("oob") else ""), flush=True)
+             if row.get("oob") else "")
+          + (f"; restart window {row['window']['length_s']:.1f}s, {row['window']['requests']} requests "
+             f"({row['window']['failed']} failed), cached {H.fmt(row['window']['cached_ratio'], '.3f')}"
+             if row.get("window") else ""), flush=True)
 
 
 def run_capacity(plan: Plan, configs: Sequence[str], wl: Workload, cap: str, work: Path) -> tuple[
@@ -744,13 +855,17 @@ def run_capacity(plan: Plan, configs: Sequence[str], wl: Workload, cap: str, wor
                 if "cv" in configs:  # the offline plan of this very seed, replayed
                     pf = PP.write_plan(work / f"plan-{tag}.json", [m.address for m in workers], texts,
                                        placements[seed])
+                seed_rows: list[dict[str, Any]] = []
                 for cfg in configs:
                     share = (OB.parse(cfg) or (cfg, None))[1]
                     row = run_one(cfg, d, plan, workers, renderer, f, work / "tokenizer", work, f"{cfg}-{tag}", pf,
-                                  parts.get(share) if share is not None else None)
+                                  parts.get(share) if share is not None else None,
+                                  window=share is None and any(c in RESTARTS for c in configs))
                     row.update(capacity=cap, offered_rps=rate, seed=seed)
                     runs.append(row)
+                    seed_rows.append(row)
                     print_run(cap, row)
+                matched_windows(seed_rows)
     return info, runs
 
 
@@ -760,7 +875,8 @@ def cells(runs: Sequence[dict[str, Any]], metrics: Sequence[str] = METRICS) -> l
     for r in runs:
         keys.setdefault((r["capacity"], r["config"], r["offered_rps"]), []).append(r)
     return [{"capacity": cap, "config": cfg, "offered_rps": rate, "divisor": rs[0]["divisor"],
-             "summary": S.summarize(rs, [*metrics, *(m for m in OOB_METRICS if OB.parse(cfg))]), "runs": rs}
+             "summary": S.summarize(rs, [*metrics, *(m for m in OOB_METRICS if OB.parse(cfg)),
+                                         *(m for m in WINDOW_METRICS if any(m in r for r in rs))]), "runs": rs}
             for (cap, cfg, rate), rs in keys.items()]
 
 
@@ -809,7 +925,8 @@ def compare(x: dict[str, Any], base: dict[str, Any], metric: str) -> dict[str, A
 
 PAIRS = (("b", "a"), ("c", "a"), ("c1", "a"), ("e", "a"), ("c", "b"), ("c", "e"), ("c", "c1"),
          ("r2", "c"), ("rs", "c"), ("rs2", "c"), ("cv", "c"), ("cv", "e"),
-         ("g2", "g2e"), ("g2", "c"), ("g2e", "e"))
+         ("g2", "g2e"), ("g2", "c"), ("g2e", "e"),
+         ("rsz", "c"), ("rsn", "c"), ("rsz", "e"), ("rsn", "e"), ("rsn", "rsz"))
 # issue 42 item 3, "events earn their keep where predictions cannot see": in each situation the KV-aware
 # configuration against the prediction-only one under the same conditions (the X-oobNN pairs are added per
 # share present: oob_pairs)
@@ -852,7 +969,9 @@ def claims(doc: dict[str, Any]) -> list[dict[str, Any]]:
             b = _cell(doc, c["capacity"], base, c["offered_rps"])
             if b is not None:
                 both_oob = OB.parse(x) is not None and OB.parse(base) is not None
-                out += [compare(c, b, m) for m in (*CLAIMED_METRICS, *(OOB_CLAIMED_METRICS if both_oob else ()))]
+                both_window = all(any("window_cached_ratio" in r for r in cell["runs"]) for cell in (c, b))
+                out += [compare(c, b, m) for m in (*CLAIMED_METRICS, *(OOB_CLAIMED_METRICS if both_oob else ()),
+                                                   *(WINDOW_CLAIMED_METRICS if both_window else ()))]
     return out
 
 
@@ -995,6 +1114,68 @@ def replica_restart_targets(doc: dict[str, Any], cap: str) -> dict[str, Any]:
     return out
 
 
+WITHIN_5PCT = 0.95  # issue 47: the relay's window cached ratio at least 95% of the unrestarted picker's
+
+
+def restart_window_targets(doc: dict[str, Any], cap: str) -> dict[str, Any]:
+    """Issue 47's restart proof at one capacity, per load, on the window after the restart (restart_window):
+    ``rsn_window_within_5pct_of_c``: (rsn)'s median window cached ratio / (c)'s, met at >= 0.95 (a closeness
+    target: a ratio of medians, the spreads beside it, as no claim can show two figures close); met above 1 too.
+    ``rsn_beats_e_in_window``: (rsn) against prediction-only (e) on the window cached ratio, met only by a claim.
+    ``rsz_beside``: today's figure, (rsz) against (c), (e) and (rsn), reported, no target. ``c_vs_e_in_window``:
+    the same window without a restart, for scale."""
+    out: dict[str, Any] = {}
+    here = [c for c in doc["result"]["cells"] if c["capacity"] == cap and "window_cached_ratio" in c["summary"]]
+    rates = sorted({c["offered_rps"] for c in here})
+
+    def k(rate: float, x: str, base: str) -> dict[str, Any] | None:
+        got = _find_claim(doc, cap, rate, "window_cached_ratio", x, base)
+        return {"median_ratio": got["median_ratio"], "claim": got["claim"]} if got else None
+
+    def cell_facts(rate: float, cfg: str) -> dict[str, Any] | None:
+        c = _cell(doc, cap, cfg, rate)
+        if c is None or "window_cached_ratio" not in c["summary"]:
+            return None
+        return {**{m: c["summary"].get(m) for m in WINDOW_METRICS},
+                "errors": [r["errors"] for r in c["runs"]],
+                "records_match_workers": [(r.get("window") or {}).get("records_match_workers") for r in c["runs"]],
+                "sigterm_at_s": [(r.get("window") or {}).get("sigterm_at_s") for r in c["runs"]],
+                "picker_back_at_s": [(r.get("window") or {}).get("picker_back_at_s") for r in c["runs"]]}
+
+    near, beats, beside, ce = [], [], [], []
+    for rate in rates:
+        facts = {cfg: cell_facts(rate, cfg) for cfg in ("c", "e", "rsz", "rsn")}
+        if facts["rsn"] and facts["c"]:
+            r = k(rate, "rsn", "c")
+            ratio = r["median_ratio"] if r else None
+            # (c) over the very requests (rsn) served in its window, seed by seed: beside, not the target
+            same = S.spread([((x.get("window") or {}).get("matched") or {}).get("rsn")
+                             for x in (_cell(doc, cap, "c", rate) or {"runs": []})["runs"]])
+            near.append({"offered_rps": rate, "rsn": facts["rsn"], "c": facts["c"], "ratio": ratio,
+                         "c_on_rsn_served": same.as_dict() if same else None,
+                         "ratio_on_rsn_served": H.ratio((facts["rsn"]["window_cached_ratio"] or {}).get("median"),
+                                                        same.median if same else None),
+                         "met": ratio is not None and ratio >= WITHIN_5PCT})
+        if facts["rsn"] and facts["e"]:
+            r = k(rate, "rsn", "e")
+            beats.append({"offered_rps": rate, "e": facts["e"], **(r or {}),
+                          "met": bool(r and r["claim"] is not None and r["claim"] > 1)})
+        if facts["rsz"]:
+            beside.append({"offered_rps": rate, "rsz": facts["rsz"], "vs_c": k(rate, "rsz", "c"),
+                           "vs_e": k(rate, "rsz", "e"), "rsn_vs_rsz": k(rate, "rsn", "rsz")})
+        if facts["c"] and facts["e"]:
+            ce.append({"offered_rps": rate, **(k(rate, "c", "e") or {})})
+    if near:
+        out["rsn_window_within_5pct_of_c"] = {"per_load": near, "met": all(p["met"] for p in near)}
+    if beats:
+        out["rsn_beats_e_in_window"] = {"per_load": beats, "met": all(p["met"] for p in beats)}
+    if beside:
+        out["rsz_beside"] = {"per_load": beside}
+    if ce:
+        out["c_vs_e_in_window"] = {"per_load": ce}
+    return out
+
+
 def replayed_clairvoyant(doc: dict[str, Any], cap: str) -> dict[str, Any] | None:
     """(cv) replayed beside the offline clairvoyant figure at each load."""
     info = next(i for i in doc["result"]["capacities"] if i["name"] == cap)
@@ -1040,6 +1221,7 @@ def targets(doc: dict[str, Any]) -> dict[str, Any]:
         t = capacity_targets(doc, i["name"])
         t.update(replica_restart_targets(doc, i["name"]))
         t.update(item3_targets(doc, i["name"]))
+        t.update(restart_window_targets(doc, i["name"]))
         half = half_gap_targets(doc, i["name"])
         if half is not None:
             t["c_closes_half_the_gap_from_e_to_clairvoyant"] = half
@@ -1093,6 +1275,19 @@ def print_report(doc: dict[str, Any]) -> None:
                       f"band, errors {[r['oob']['errors'] for r in c['runs']]}, routed without picker "
                       f"{S.fmt_spread(sm.get('routed_without_picker'))}; TTFT p90 all requests "
                       f"{S.fmt_spread(sm.get('all_ttft_p90_ms'))}, out of band {S.fmt_spread(sm.get('oob_ttft_p90_ms'))}")
+        win = [c for c in res["cells"] if c["capacity"] == cap and "window_cached_ratio" in c["summary"]]
+        if win:
+            print(f"  Restart window (issue 47): requests scheduled from {RESTART_AT:.2f} of the schedule's span, "
+                  f"for at most {doc['plan'].get('restart_window_s', 60):g} s or to the last arrival:")
+            print(H.table([[c["config"], f"{c['offered_rps']:g}", S.fmt_spread(c["summary"]["window_s"], ".1f"),
+                            S.fmt_spread(c["summary"]["window_requests"]),
+                            S.fmt_spread(c["summary"]["window_failed"]),
+                            S.fmt_spread(c["summary"]["window_cached_ratio"], ".3f"),
+                            _ratio_text(_find_claim(doc, cap, c["offered_rps"], "window_cached_ratio", c["config"],
+                                                    "c")),
+                            _ratio_text(_find_claim(doc, cap, c["offered_rps"], "window_cached_ratio", c["config"],
+                                                    "e"))] for c in win],
+                          ["cfg", "req/s", "window s", "requests", "failed", "window cached", "x/c", "x/e"]))
     made = [k for k in doc["claims"] if k["claim"] is not None]
     print(f"\nClaims ({len(made)} of {len(doc['claims'])} comparisons have disjoint spreads; > 1 = config better):")
     for k in made:
@@ -1165,8 +1360,8 @@ def register_oob(names: Sequence[str]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = H.bench_parser(__doc__, "trace")
-    ap.add_argument("--only", help="comma-separated subset of configurations (a,b,c,c1,e; r2,rs,rs2,cv,g2,g2e and "
-                                   "the out-of-band X-oobNN, e.g. c-oob10,e-oob10, only when named here)")
+    ap.add_argument("--only", help="comma-separated subset of configurations (a,b,c,c1,e; r2,rs,rs2,rsz,rsn,cv,g2,"
+                                   "g2e and the out-of-band X-oobNN, e.g. c-oob10,e-oob10, only when named here)")
     ap.add_argument("--oob-seed", type=int, default=0,
                     help="which requests the X-oobNN configurations send out of band (bench/out_of_band.py)")
     ap.add_argument("--rates", help="comma-separated offered loads (req/s of simulated time); default 10,17.5,25 "
@@ -1188,6 +1383,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="issue 44: every worker also keeps host memory of this many times its GPU blocks, "
                          "published as vLLM's self-describing offload events (e.g. 4, with --variant "
                          "'t=--tiered-credit')")
+    ap.add_argument("--restart-window-s", type=float, default=60.0,
+                    help="issue 47: the restart window's longest span, wall seconds from the restart's scheduled "
+                         "time (it ends earlier at the last arrival); computed when --only names a restart")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="another KV-aware picker, compared with (c) and (e), e.g. 'c30=--prediction-ttl-s 30'")
     ap.add_argument("--prediction-variant", action="append", default=[], metavar="NAME=FLAGS",
@@ -1208,6 +1406,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         register_oob(a.only.split(","))
         configs = [k for k in CONFIGS if k in a.only.split(",")]
     plan.oob_seed = a.oob_seed
+    plan.restart_window_s = a.restart_window_s
     plan.workload, plan.workload_seed = a.workload, a.seed
     if a.requests:
         plan.requests = a.requests

@@ -14,7 +14,7 @@ never support a claim in the README.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -74,3 +74,32 @@ def fmt_spread(s: Mapping[str, Any] | None, spec: str = ".0f") -> str:
     if not s:
         return "-"
     return f"{s['median']:{spec}} [{s['min']:{spec}}..{s['max']:{spec}}]"
+
+
+def window_cached_ratio(arrivals_s: Sequence[float], usage: Mapping[int, tuple[int, int] | None], start_s: float,
+                        max_s: float = 60.0) -> dict[str, Any]:
+    """The cached-token ratio of the requests SCHEDULED to arrive in a window of the run (issue 47's "the
+    minute after the restart"): from ``start_s`` for at most ``max_s`` seconds or until the last arrival.
+
+    ``arrivals_s`` is each request's scheduled arrival (seconds from the first), indexed as the schedule;
+    ``usage`` maps a served request's index to its (prompt tokens, cached tokens), and a request with no entry
+    (or None) failed. Windowing by the schedule, not by when a request was served, gives every configuration
+    of one seed the same requests in its window. Failed requests are counted, not averaged in (they have no
+    cached tokens to count): ``cached_ratio`` is that of the served ones, None when none was served."""
+    end = min(start_s + max_s, max(arrivals_s, default=start_s))
+    inside = [i for i, t in enumerate(arrivals_s) if start_s <= t <= end]
+    served = [usage[i] for i in inside if usage.get(i) is not None]
+    prompt = sum(u[0] for u in served if u is not None)
+    cached = sum(u[1] for u in served if u is not None)
+    return {"start_s": start_s, "length_s": max(0.0, end - start_s), "requests": len(inside), "served": len(served),
+            "failed": len(inside) - len(served), "prompt_tokens": prompt, "cached_tokens": cached,
+            "cached_ratio": cached / prompt if prompt else None}
+
+
+def cached_ratio_over(usage: Mapping[int, tuple[int, int] | None], ids: Iterable[int]) -> float | None:
+    """The cached-token ratio of the served requests among ``ids`` (``usage`` as for window_cached_ratio):
+    one run's figure over another run's set of requests, e.g. an unrestarted picker's over the requests a
+    restarted one served (the ones that arrived while it was away failed there and are not in that set)."""
+    served = [u for i in ids if (u := usage.get(i)) is not None]
+    prompt = sum(u[0] for u in served)
+    return sum(u[1] for u in served) / prompt if prompt else None

@@ -201,3 +201,52 @@ def test_aiperf_s_per_record_export_gives_the_first_credit_and_the_profiling_ttf
         rec("warmup", 5, 1.0), rec("profiling", 20, 10.0), rec("profiling", 10, 30.0), rec("profiling", 30, None)]))
     assert OB.aiperf_records(tmp_path) == ([10.0, 30.0], 10)
     assert OB.aiperf_records(tmp_path / "missing") == ([], None)
+
+
+def test_aiperf_s_per_record_export_gives_each_scheduled_request_s_usage_and_none_for_a_failed_one(
+        tmp_path: Path) -> None:
+    def rec(n: int, credit: int, usage: tuple[int, int] | None, phase: str = "profiling") -> str:
+        m = ({"usage_prompt_tokens": {"value": usage[0]}, "usage_prompt_cache_read_tokens": {"value": usage[1]}}
+             if usage else {})
+        r: dict[str, Any] = {"metadata": {"benchmark_phase": phase, "credit_issued_ns": credit,
+                                          "conversation_id": f"session_{n:06d}"}, "metrics": m}
+        if usage is None:
+            r["error"] = {"code": 500}
+        return json.dumps(r)
+    (tmp_path / "profile_export.jsonl").write_text("\n".join([
+        rec(2, 30, (100, 60)), rec(0, 10, (50, 0)), rec(1, 20, None), rec(9, 1, (1, 1), phase="warmup")]))
+    assert BT.aiperf_usage(tmp_path) == ({0: (50, 0), 1: None, 2: (100, 60)}, 10)
+
+
+def _window_doc(window: dict[str, list[float]]) -> dict[str, Any]:
+    """One load, each configuration's window cached ratio per run (three runs)."""
+    def cell(cfg: str, xs: list[float]) -> dict[str, Any]:
+        runs = [{"window_cached_ratio": x, "window_requests": 270, "window_failed": 0, "window_s": 6.0,
+                 "errors": 0, "aiperf_cached_ratio": 0.5, "window": {"matched": {}}} for x in xs]
+        return {"capacity": "75", "config": cfg, "offered_rps": 17.5, "divisor": 1.0, "runs": runs,
+                "summary": BT.S.summarize(runs, [*BT.WINDOW_METRICS, "aiperf_cached_ratio"])}
+    doc: dict[str, Any] = {"result": {"cells": [cell(k, v) for k, v in window.items()], "capacities": [
+        {"name": "75", "oracle": {"pooled_lru": 0.6},
+         "clairvoyant": [{"offered_rps": 17.5, "cached_ratio": {"median": 0.65}}]}]}}
+    doc["claims"] = claims(doc)
+    return doc
+
+
+def test_the_relay_restart_is_within_5pct_of_c_by_the_ratio_of_window_medians_without_a_claim() -> None:
+    t = targets(_window_doc({"c": [0.70, 0.72, 0.74], "e": [0.60, 0.62, 0.64], "rsn": [0.69, 0.70, 0.73]}))["75"]
+    near = t["rsn_window_within_5pct_of_c"]
+    assert near["per_load"][0]["ratio"] == pytest.approx(0.70 / 0.72) and near["met"] is True
+
+
+def test_the_relay_restart_beats_prediction_only_in_the_window_only_by_a_claim() -> None:
+    t = targets(_window_doc({"c": [0.70, 0.72, 0.74], "e": [0.60, 0.62, 0.70], "rsn": [0.69, 0.70, 0.73]}))["75"]
+    beats = t["rsn_beats_e_in_window"]["per_load"][0]
+    assert beats["median_ratio"] == pytest.approx(0.70 / 0.62) and beats["claim"] is None and beats["met"] is False
+
+
+def test_matched_windows_give_the_unrestarted_run_s_ratio_over_the_requests_the_restarted_run_served() -> None:
+    c = {"config": "c", "window": {}, "_window_usage": {0: (100, 90), 1: (100, 10), 2: (100, 50)}}
+    rsn = {"config": "rsn", "window": {}, "_window_usage": {0: (100, 80), 1: None, 2: (100, 40)}}
+    BT.matched_windows([c, rsn])
+    assert c["window"]["matched"] == {"rsn": pytest.approx(0.7)}
+    assert "_window_usage" not in c and "_window_usage" not in rsn

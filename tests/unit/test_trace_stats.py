@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.trace_stats import claim, fmt_spread, spread, summarize
+from bench.trace_stats import cached_ratio_over, claim, fmt_spread, spread, summarize, window_cached_ratio
 
 
 def test_spread_is_median_min_max_ignoring_missing_runs() -> None:
@@ -54,3 +54,31 @@ def test_jitter_seed_zero_is_the_recorded_trace_and_other_seeds_move_arrivals_bu
         ts = [r["timestamp"] for r in j]
         assert ts == sorted(ts) and [r["hash_ids"] for r in j] == [r["hash_ids"] for r in rows]
         assert all(abs(x - r["timestamp"]) <= 5.0 + 10.0 for x, r in zip(ts, rows, strict=True))
+
+
+def test_window_cached_ratio_counts_only_the_requests_scheduled_inside_the_window() -> None:
+    arrivals = [0.0, 1.0, 2.0, 3.0, 4.0]
+    usage = {0: (100, 100), 1: (100, 10), 2: (100, 30), 3: (100, 100), 4: (100, 100)}
+    w = window_cached_ratio(arrivals, usage, start_s=1.0, max_s=1.5)
+    assert (w["requests"], w["served"], w["prompt_tokens"], w["cached_tokens"]) == (2, 2, 200, 40)
+    assert w["cached_ratio"] == 0.2 and w["length_s"] == 1.5
+
+
+def test_window_cached_ratio_ends_at_the_last_arrival_when_the_run_is_shorter_than_the_window() -> None:
+    w = window_cached_ratio([0.0, 1.0, 2.5], {0: (10, 0), 1: (10, 5), 2: (10, 5)}, start_s=1.0, max_s=60.0)
+    assert w["length_s"] == 1.5 and w["requests"] == 2
+
+
+def test_window_cached_ratio_counts_failed_requests_apart_from_the_ratio() -> None:
+    w = window_cached_ratio([0.0, 1.0, 2.0, 3.0], {1: None, 3: (100, 50)}, start_s=1.0)
+    assert (w["requests"], w["served"], w["failed"]) == (3, 1, 2)
+    assert w["cached_ratio"] == 0.5
+
+
+def test_window_cached_ratio_is_none_when_no_request_in_the_window_was_served() -> None:
+    assert window_cached_ratio([0.0, 1.0], {}, start_s=0.5)["cached_ratio"] is None
+
+
+def test_cached_ratio_over_takes_one_run_s_figure_over_another_run_s_requests() -> None:
+    usage = {0: (100, 80), 1: (100, 0), 2: (100, 40), 3: None}
+    assert cached_ratio_over(usage, [0, 2, 3]) == 0.6
