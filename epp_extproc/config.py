@@ -371,7 +371,8 @@ class Config:
         "processes the picker starts and restarts itself, answering lookups over a Unix socket; one per host "
         "serves every --processes child); see docs/ingest-apart.md", ("inprocess", "apart"))
     kv_ingest_shards: int = opt("DYN_EPP_KV_INGEST_SHARDS", 1, int,
-        "with --kv-ingest apart: ingest processes, each owning a share of the workers (by address hash)")
+        "with --kv-ingest apart: ingest processes, each owning a share of the workers (by address hash; the "
+        "workers of one --kv-shared-stores store together)")
     kv_ingest_lookup_timeout_ms: float = opt("DYN_EPP_KV_INGEST_LOOKUP_TIMEOUT_MS", 5.0, float,
         "with --kv-ingest apart: the longest a decision waits for the ingest's answer; late or down = the "
         "request is routed by load (counted in epp_kv_ingest_lookups_total)")
