@@ -45,6 +45,7 @@ from epp_extproc.ingest import wire
 from kvindex.aio import TaskSet
 from kvindex.backoff import Backoff
 from kvindex.metrics import register_index, register_subscribers
+from kvindex.tiers import Runs, keep_longest
 
 log = logging.getLogger(__name__)
 
@@ -306,26 +307,21 @@ class RemoteKv:
         return any(sh.meta.tiers for sh in self.shards)
 
     def tiers(self, prompt: Prompt, workers: Sequence[str], *,
-              predicted: bool = True) -> dict[str, tuple[tuple[int, int], ...]]:
+              predicted: bool = True) -> dict[str, Runs]:
         """`KvRouting.tiers` over the shards: per candidate, its leading blocks of `prompt` at any tier as runs
         `(tier code, blocks)`, one tiers lookup per group `overlap` would send. A worker's answer comes from
         the shard that owns it (a store's members all live in the store's shard, so a shared chunk is credited
         there to each of them); over media dialect groups, its longest. A shard down or late adds nothing."""
         wanted = set(workers)
-        res: dict[str, tuple[tuple[int, int], ...]] = {}
+        res: dict[str, Runs] = {}
         for sh, flat in self._answers(self._groups(prompt, workers), prompt, predicted, tiers=True):
             try:
                 per_row = wire.unpack_tier_runs(flat)
             except ValueError:  # a shard of another version: its workers get no tier credit
                 continue
-            names = sh.meta.workers
-            for row, runs in per_row.items():
-                w = names[row] if row < len(names) else ""
-                if w not in wanted:
-                    continue
-                old = res.get(w)
-                if old is None or sum(n for _, n in runs) > sum(n for _, n in old):
-                    res[w] = runs
+            names = sh.meta.workers  # rows past the picker's copy: workers added since, as in `_ask`
+            keep_longest(res, {w: runs for row, runs in per_row.items()
+                               if row < len(names) and (w := names[row]) in wanted})
         return res
 
     def overlap_array(self, prompt: Prompt, workers: Sequence[str]) -> np.ndarray | None:

@@ -55,6 +55,7 @@ from kvindex.aio import cancel_and_wait
 from kvindex.events import DecodedBatch
 from kvindex.index import DEFAULT_STORAGE_BLOCK_TOKENS, KvIndex, merge_worker_rows
 from kvindex.subscriber import KvSource, SubscriberManager, raise_socket_limit
+from kvindex.tiers import Runs, keep_longest
 
 log = logging.getLogger(__name__)
 
@@ -380,12 +381,9 @@ class IngestShard:
         """A tiers lookup (the tiered-credit plugin, issue 44): per worker its leading blocks at any tier as
         runs, its longest over the request's block sizes, as `KvRouting.tiers` takes it in-process."""
         idx = self.index
-        best: dict[str, tuple[tuple[int, int], ...]] = {}
+        best: dict[str, Runs] = {}
         for bs, hashes in req.sections:
-            for w, runs in idx.overlap_tiers(hashes, bs, req.workers, predicted=req.predicted).items():
-                old = best.get(w)
-                if old is None or sum(n for _, n in runs) > sum(n for _, n in old):
-                    best[w] = runs
+            keep_longest(best, idx.overlap_tiers(hashes, bs, req.workers, predicted=req.predicted))
         numbered = {n: runs for w, runs in best.items() if (n := idx.number_of(w)) is not None}
         return wire.pack_tier_runs(numbered)
 
