@@ -33,6 +33,7 @@ from kvindex.tiers import TIER_BIT
 from tests.integration.test_ingest_apart import BS, Publisher, tokens
 from tests.integration.test_kvindex_storage_subscriber import Connector
 from tests.scheduling_fakes import TokensRenderer, build_decider
+from tests.waiting import until_async
 
 SHARDS = 2
 CHUNK = 4 * BS  # --kv-storage-block-size: a chunk is 4 GPU blocks
@@ -137,8 +138,9 @@ async def test_a_prefix_held_only_on_shared_storage_is_credited_to_every_mountin
         chain = await pubs[A0].store(tokens(8))  # 8 GPU blocks = 2 chunks, on A0's GPU
         await pubs[A1].store(tokens(2))  # the first 2 blocks on A1's GPU too
         await pubs[A2].store(tokens(3))
-        await until_both(local, kv, lambda s: s["workers"].get(A0, {}).get("blocks_indexed") == 8
-                         and s["workers"].get(A1, {}).get("blocks_indexed") == 2)
+        held = {A0: 8, A1: 2, A2: 3}
+        await until_both(local, kv, lambda s: all(s["workers"].get(a, {}).get("blocks_indexed") == n
+                                                  for a, n in held.items()))
         # the connector keys a chunk by its last GPU block's engine hash; A1's names one nobody's GPU event did
         await conns[A0].send(pack_storage_batch([storage_stored_event([chain[3], chain[7]])]))
         await conns[A1].send(pack_storage_batch([storage_stored_event([999_999])]))
@@ -151,7 +153,7 @@ async def test_a_prefix_held_only_on_shared_storage_is_credited_to_every_mountin
         prompt = tokens(8) + [7]
         want = {A0: ((SHARED, 8),), A1: ((GPU | SHARED, 2), (SHARED, 6)), A2: ((GPU, 3),)}
         assert local.tiers(local.prompt(prompt, PromptIdentity()), addrs) == want
-        assert kv.has_tiers()
+        await until_async(kv.has_tiers)  # the shard's table says so within its next push (50 ms)
         assert kv.tiers(kv.prompt(prompt, PromptIdentity()), addrs) == want
         for p in (tokens(3), tokens(4) + [1], tokens(12)):  # a partial chunk, one chunk, past the store
             assert kv.tiers(kv.prompt(p, PromptIdentity()), addrs) == \
