@@ -341,8 +341,8 @@ class Config:
         "removals, its KV usage gauge and the bookings; in-process KV ingest only); see docs/eviction-aware.md")
     tiered_credit: bool = opt("DYN_EPP_TIERED_CREDIT", False, _bool,
         "credit a worker's cached prefix block by block at the best tier holding each block (GPU, host memory, "
-        "disk, shared storage) instead of its GPU blocks alone (the `tiered-credit` plugin; in-process KV ingest "
-        "only; vLLM needs its offloading connector's self_describing_kv_events); on by itself when a tier "
+        "disk, shared storage) instead of its GPU blocks alone (the `tiered-credit` plugin; either --kv-ingest; "
+        "vLLM needs its offloading connector's self_describing_kv_events); on by itself when a tier "
         "weight is set; see README 'Tiered KV credit'")
     router_host_cache_hit_weight: float | None = opt("DYN_ROUTER_HOST_CACHE_HIT_WEIGHT", None,
         lambda s: float(s) if s else None,
@@ -355,7 +355,8 @@ class Config:
     kv_shared_stores: str | None = opt("DYN_EPP_KV_SHARED_STORES", None, _opt_str,
         "with --tiered-credit: which workers mount the same shared KV store, `store=addr,addr;other=addr`: a "
         "block one of them publishes on the shared tier (SGLang EXTERNAL, llm-d SHARED_STORAGE / OBJECT_STORE) "
-        "is credited to all of them at the shared weight, not only to the publisher")
+        "is credited to all of them at the shared weight, not only to the publisher; with --kv-ingest apart a "
+        "store's workers are indexed by one shard")
     kv_storage_block_size: int = opt("DYN_EPP_KV_STORAGE_BLOCK_SIZE", 256, int,
         "tokens per chunk of llm-d's file-system connector (its kv_connector_extra_config `block_size`, 256 by "
         "default): its events name one hash per chunk and do not say the size; a worker's `kv_storage_events` "
@@ -370,7 +371,8 @@ class Config:
         "processes the picker starts and restarts itself, answering lookups over a Unix socket; one per host "
         "serves every --processes child); see docs/ingest-apart.md", ("inprocess", "apart"))
     kv_ingest_shards: int = opt("DYN_EPP_KV_INGEST_SHARDS", 1, int,
-        "with --kv-ingest apart: ingest processes, each owning a share of the workers (by address hash)")
+        "with --kv-ingest apart: ingest processes, each owning a share of the workers (by address hash; the "
+        "workers of one --kv-shared-stores store together)")
     kv_ingest_lookup_timeout_ms: float = opt("DYN_EPP_KV_INGEST_LOOKUP_TIMEOUT_MS", 5.0, float,
         "with --kv-ingest apart: the longest a decision waits for the ingest's answer; late or down = the "
         "request is routed by load (counted in epp_kv_ingest_lookups_total)")
@@ -834,9 +836,6 @@ def _check_across(s: Any) -> None:
     if f.flow_control and w.worker_metrics_interval_ms == 0 and f.max_num_batched_tokens == 0:
         raise ValueError(f"{n('flow_control')} needs a saturation signal: worker metrics "
                          f"({n('worker_metrics_interval_ms')} > 0) or {n('max_num_batched_tokens')} > 0")
-    if _tiered_credit_enabled(sched) and k.kv_ingest != "inprocess":
-        raise ValueError(f"{n('tiered_credit')} reads the in-process KV index's tiers: it needs "
-                         f"{n('kv_ingest')} inprocess")
     if sched.eviction_aware and k.kv_ingest != "inprocess":
         raise ValueError(f"{n('eviction_aware')} reads the in-process KV index's removals: it needs "
                          f"{n('kv_ingest')} inprocess")

@@ -410,6 +410,12 @@ class KvIndex:
         fills. A number stays a worker's until it is dropped; the lowest free one is reused first."""
         return list(self._numbers)
 
+    def number_of(self, worker_id: str) -> int | None:
+        """The worker's number (its place in :meth:`worker_numbers`), None when unknown: how an ingest shard
+        names a worker of a tiered answer (`epp_extproc/ingest/wire.py` `pack_tier_runs`)."""
+        w = self._workers.get(worker_id)
+        return None if w is None else w.number
+
     def stats(self, worker_id: str) -> WorkerStats:
         """The worker's mutable counters (creates the worker)."""
         return self._worker(worker_id).stats

@@ -41,6 +41,8 @@ Anything else is kept as tier `unknown`, counted (`unknown_medium`) and credited
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 TIER_GPU = "gpu"
 TIER_CPU = "cpu"  # host memory (vLLM CPU, SGLang CPU_PINNED; Dynamo-side CPU_TIER1)
 TIER_DISK = "disk"  # the worker's own storage (vLLM Disk / STORAGE, SGLang DISK; Dynamo-side CPU_TIER2)
@@ -88,3 +90,16 @@ def medium_tier(medium: str) -> str:
 def tiers_of(code: int) -> list[str]:
     """The tier names in a position's code (a bitwise OR of `TIER_BIT`)."""
     return [t for t in TIERS if code & TIER_BIT[t]]
+
+
+Runs = tuple[tuple[int, int], ...]  # `KvIndex.overlap_tiers`' answer for one worker: (tier code, positions)
+
+
+def keep_longest(into: dict[str, Runs], answer: Mapping[str, Runs]) -> None:
+    """Merge one `overlap_tiers` answer (one block size, media dialect or ingest shard) into `into`: a worker
+    keeps its longest prefix at any tier, as `overlap` keeps its best slot. One rule for the in-process view,
+    the ingest shard and the picker merging the shards' answers, so both modes credit the same runs."""
+    for w, runs in answer.items():
+        old = into.get(w)
+        if old is None or sum(n for _, n in runs) > sum(n for _, n in old):
+            into[w] = runs

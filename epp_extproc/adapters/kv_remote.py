@@ -30,7 +30,7 @@ import os
 import socket
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import compress
 from typing import Any
 
@@ -45,6 +45,7 @@ from epp_extproc.ingest import wire
 from kvindex.aio import TaskSet
 from kvindex.backoff import Backoff
 from kvindex.metrics import register_index, register_subscribers
+from kvindex.tiers import Runs, keep_longest
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +120,11 @@ class RemoteKv:
     def __init__(self, registry: EndpointRegistry, *, directory: str, shards: int, block_size: int,
                  prediction_ttl_s: float, lookup_timeout_s: float = 0.005,
                  metrics_registry: CollectorRegistry | None = None, client_id: str | None = None,
-                 ask_server_info: bool = True) -> None:
+                 ask_server_info: bool = True, shared_stores: Mapping[str, str] | None = None) -> None:
+        """``shared_stores``: `--kv-shared-stores` (address -> store), as the shards were given it: a store's
+        workers are all owned by the store's shard (`wire.shard_of`)."""
         self.directory = directory
+        self.stores = dict(shared_stores or {})
         self.shards = [_Shard(directory, i) for i in range(shards)]
         self.default_block_size = block_size
         self.prediction_ttl_s = prediction_ttl_s
@@ -158,7 +162,6 @@ class RemoteKv:
         # lookups were sent in time_ns, the shard's service time, its batch lag): set only when tracing is on,
         # so a picker without tracing reads no extra clock and makes no call per lookup.
         self.lookup_observer: Callable[[int, str, int, float | None, float | None], None] | None = None
-        self._storage_warned = False  # a worker named a storage-event endpoint the shards cannot subscribe
         registry.subscribe(self._on_change)
 
     @property
@@ -195,7 +198,7 @@ class RemoteKv:
 
     def _shard(self, address: str) -> _Shard:
         shards = self.shards
-        return shards[0] if len(shards) == 1 else shards[wire.shard_of(address, len(shards))]
+        return shards[0] if len(shards) == 1 else shards[wire.shard_of(address, len(shards), self.stores)]
 
     # ------------------------------------------------------------------ workers
     def _on_change(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
@@ -209,16 +212,12 @@ class RemoteKv:
             touched.add(sh.index)
         for ep in added:
             sh = self._shard(ep.address)
-            sh.workers[ep.address] = [[pub, replay, rank] for rank, pub, replay in ep.kv_endpoints]
+            sources: list[list[Any]] = [[pub, replay, rank] for rank, pub, replay in ep.kv_endpoints]
+            if ep.kv_storage_events:  # llm-d's file-system connector: a second subscription, in the same shard
+                sources.append([ep.kv_storage_events, None, None, True])
+            sh.workers[ep.address] = sources
             touched.add(sh.index)
             self.facts.joined(ep)
-            if ep.kv_storage_events and not self._storage_warned:
-                # the shards' worker table carries GPU streams only, and their lookups answer no tiers: the
-                # storage stream (issue 44) is read by the in-process index alone; say so once, not per worker
-                self._storage_warned = True
-                log.warning("worker %s names a storage-event endpoint (%s): --kv-ingest apart does not subscribe "
-                            "it (nor any other worker's); llm-d's file-system connector stream and tiered credit "
-                            "need --kv-ingest inprocess", ep.name, ep.kv_storage_events)
         for i in touched:
             self._send_workers(self.shards[i])
 
@@ -282,19 +281,48 @@ class RemoteKv:
     def overlap(self, prompt: Prompt, workers: Sequence[str], *, predicted: bool = True) -> dict[str, int]:
         """One lookup per shard that owns a candidate (a text prompt), or per (shard, media dialect) group of
         candidates (a prompt with media: its chain depends on how each engine keys media blocks)."""
+        return self._ask(self._groups(prompt, workers), prompt, set(workers), predicted)
+
+    def _groups(self, prompt: Prompt, workers: Sequence[str]) -> dict[tuple[int, str | None], list[str] | None]:
+        """The lookups `overlap` and `tiers` send: (shard, media dialect or None) -> its workers, None: all of
+        the shard's (a text prompt needs no filter: the answer is dense and the candidates are picked after)."""
         groups: dict[tuple[int, str | None], list[str] | None] = {}
+        n, stores = len(self.shards), self.stores
         if prompt.media:
             dialect = self.facts.dialect
             for w in workers:
-                ws = groups.setdefault((wire.shard_of(w, len(self.shards)), dialect(w)), [])
+                ws = groups.setdefault((wire.shard_of(w, n, stores), dialect(w)), [])
                 assert ws is not None
                 ws.append(w)
-        elif len(self.shards) == 1:
+        elif n == 1:
             groups[(0, None)] = None
         else:
             for w in workers:
-                groups[(wire.shard_of(w, len(self.shards)), None)] = None
-        return self._ask(groups, prompt, set(workers), predicted)
+                groups[(wire.shard_of(w, n, stores), None)] = None
+        return groups
+
+    def has_tiers(self) -> bool:
+        """Whether any shard holds a block off the GPU (host memory, disk, a shared store), as of the worker
+        table it last pushed (at most `META_PERIOD_S` old): `tiers` is then worth a round trip (issue 44)."""
+        return any(sh.meta.tiers for sh in self.shards)
+
+    def tiers(self, prompt: Prompt, workers: Sequence[str], *,
+              predicted: bool = True) -> dict[str, Runs]:
+        """`KvRouting.tiers` over the shards: per candidate, its leading blocks of `prompt` at any tier as runs
+        `(tier code, blocks)`, one tiers lookup per group `overlap` would send. A worker's answer comes from
+        the shard that owns it (a store's members all live in the store's shard, so a shared chunk is credited
+        there to each of them); over media dialect groups, its longest. A shard down or late adds nothing."""
+        wanted = set(workers)
+        res: dict[str, Runs] = {}
+        for sh, flat in self._answers(self._groups(prompt, workers), prompt, predicted, tiers=True):
+            try:
+                per_row = wire.unpack_tier_runs(flat)
+            except ValueError:  # a shard of another version: its workers get no tier credit
+                continue
+            names = sh.meta.workers  # rows past the picker's copy: workers added since, as in `_ask`
+            keep_longest(res, {w: runs for row, runs in per_row.items()
+                               if row < len(names) and (w := names[row]) in wanted})
+        return res
 
     def overlap_array(self, prompt: Prompt, workers: Sequence[str]) -> np.ndarray | None:
         """`overlap` as one int64 array in the order of `workers`, for a text prompt and one shard (the
@@ -338,9 +366,10 @@ class RemoteKv:
         return out
 
     def _answers(self, groups: dict[tuple[int, str | None], list[str] | None], prompt: Prompt,
-                 predicted: bool) -> list[tuple[_Shard, array]]:
+                 predicted: bool, *, tiers: bool = False) -> list[tuple[_Shard, array]]:
         """Send every lookup (a shard's workers, or a filtered group of them), then read each answer within the
-        deadline: (shard, its counts per row of its table as of the answer)."""
+        deadline: (shard, its counts per row of its table as of the answer; with `tiers`, its tier runs as
+        `wire.pack_tier_runs` packs them)."""
         deadline = time.monotonic() + self.lookup_timeout_s
         observe = self.lookup_observer
         t0 = time.time_ns() if observe is not None else 0
@@ -358,7 +387,7 @@ class RemoteKv:
             req = next(self._ids) & 0xFFFFFFFF
             try:
                 s.settimeout(max(deadline - time.monotonic(), 0.0001))  # a shard that stopped reading: bounded too
-                s.send(wire.pack_lookup(req, sh.meta.version, predicted, sections, only))
+                s.send(wire.pack_lookup(req, sh.meta.version, predicted, sections, only, tiers=tiers))
             except OSError:
                 sh.hang_up()
                 self._count("unavailable")
@@ -505,6 +534,11 @@ class RemoteKv:
             out["unique_blocks"] += snap.get("unique_blocks", 0)
             out["predicted_unique_blocks"] += snap.get("predicted_unique_blocks", 0)
             out["workers"].update(snap.get("workers", {}))
+            if "shared_stores" in snap:  # a store lives in one shard (its members' owner)
+                out.setdefault("shared_stores", {}).update(snap["shared_stores"])
+            for tier, n in snap.get("tier_unique_blocks", {}).items():
+                tub = out.setdefault("tier_unique_blocks", {})
+                tub[tier] = tub.get(tier, 0) + n
             out["ingest"].append({"up": True, **snap.get("ingest", {})})
         self.facts.annotate(out)
         out["lookups"] = dict(self.counts)

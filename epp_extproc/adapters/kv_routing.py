@@ -27,6 +27,7 @@ from kvindex.aio import TaskSet
 from kvindex.churn import ChurnWindow
 from kvindex.index import KvIndex, PredictionHold, merge_worker_rows
 from kvindex.subscriber import KvSource, SubscriberManager
+from kvindex.tiers import Runs, keep_longest
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +201,7 @@ class KvRouting:
         return self.index.has_tiers()
 
     def tiers(self, prompt: Prompt, workers: Sequence[str], *,
-              predicted: bool = True) -> dict[str, tuple[tuple[int, int], ...]]:
+              predicted: bool = True) -> dict[str, Runs]:
         """Per candidate, its leading blocks of `prompt` at any tier as runs `(tier code, blocks)`
         (`KvIndex.overlap_tiers`), grouped by block size and media dialect as `overlap` is; a worker's answer
         is its longest over the groups."""
@@ -209,14 +210,11 @@ class KvRouting:
             groups = {}
             for w in workers:
                 groups.setdefault(self.dialect(w), []).append(w)
-        res: dict[str, tuple[tuple[int, int], ...]] = {}
+        res: dict[str, Runs] = {}
         for size in self.index.block_sizes():
             for dialect, ws in groups.items():
                 hashes = prompt.hashes(size, dialect) if prompt.media else prompt.hashes(size)
-                for w, runs in self.index.overlap_tiers(hashes, size, ws, predicted=predicted).items():
-                    old = res.get(w)
-                    if old is None or sum(n for _, n in runs) > sum(n for _, n in old):
-                        res[w] = runs
+                keep_longest(res, self.index.overlap_tiers(hashes, size, ws, predicted=predicted))
         return res
 
     def credit(self, prompt: Prompt, workers: Sequence[str]) -> dict[str, Credit]:

@@ -17,6 +17,8 @@ from epp_extproc.heap import freeze_startup_heap
 from epp_extproc.ingest.launcher import DEFAULT_LOOKUPS, LOOKUP_MODES
 from epp_extproc.ingest.pacing import DEFAULT_WORKER_CPU_SHARE
 from epp_extproc.ingest.server import IngestShard
+from kvindex.index import DEFAULT_STORAGE_BLOCK_TOKENS
+from kvindex.tiers import parse_shared_stores
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -31,6 +33,10 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parent-pid", type=int, default=None)
     p.add_argument("--lookups", choices=LOOKUP_MODES, default=DEFAULT_LOOKUPS,
                    help="answer lookups on the ingest loop between batches (default) or on threads")
+    p.add_argument("--shared-stores", default=None,
+                   help="the picker's --kv-shared-stores (store=addr,addr;other=addr): which workers mount one store")
+    p.add_argument("--storage-block-size", type=int, default=DEFAULT_STORAGE_BLOCK_TOKENS,
+                   help="the picker's --kv-storage-block-size: tokens per llm-d file-system connector chunk")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -39,7 +45,8 @@ async def _main(args: argparse.Namespace) -> None:
     shard = IngestShard(args.dir, args.shard, args.shards, block_size=args.block_size,
                         max_blocks_per_worker=args.max_blocks_per_worker, topic=args.topic,
                         worker_cpu_share=args.worker_cpu_share, parent_pid=args.parent_pid,
-                        lookups=args.lookups)
+                        lookups=args.lookups, shared_stores=parse_shared_stores(args.shared_stores),
+                        storage_block_tokens=args.storage_block_size)
     # with --lookups thread, lookups are answered on threads while the loop ingests: a thread waiting for the
     # GIL gets it within half a millisecond instead of Python's default 5 ms
     sys.setswitchinterval(0.0005)

@@ -32,11 +32,19 @@ POLL_S = 0.2
 
 
 def shard_argv(directory: str, shard: int, shards: int, *, block_size: int, max_blocks_per_worker: int,
-               topic: str, worker_cpu_share: float, log_level: str = "INFO", lookups: str = DEFAULT_LOOKUPS) -> list[str]:
-    return [sys.executable, "-m", "epp_extproc.ingest", "--dir", directory, "--shard", str(shard),
+               topic: str, worker_cpu_share: float, log_level: str = "INFO", lookups: str = DEFAULT_LOOKUPS,
+               shared_stores: str | None = None, storage_block_size: int | None = None) -> list[str]:
+    """The command line of shard `shard` of `shards`. `shared_stores` (`--kv-shared-stores`' spec) must be
+    the picker's own: the picker and its shards place a store's workers by it (`wire.shard_of`)."""
+    argv = [sys.executable, "-m", "epp_extproc.ingest", "--dir", directory, "--shard", str(shard),
             "--shards", str(shards), "--block-size", str(block_size), "--max-blocks-per-worker",
             str(max_blocks_per_worker), "--topic", topic, "--worker-cpu-share", str(worker_cpu_share),
             "--log-level", log_level, "--parent-pid", str(os.getpid()), "--lookups", lookups]
+    if shared_stores:
+        argv += ["--shared-stores", shared_stores]
+    if storage_block_size is not None:
+        argv += ["--storage-block-size", str(storage_block_size)]
+    return argv
 
 
 class IngestGroup:

@@ -10,7 +10,11 @@ the ingest loop, which at 1,000 workers made the lookup p99 5.0-5.6 ms against 1
 (bench/README.md, "Ingest apart"); they stay an option. The decision process never waits behind ingest.
 
 Sharding: shard k of K owns the workers whose `wire.shard_of(address, K)` is k; each shard is its own process
-with its own index, so K shards ingest on up to K cores and a flood in one shard costs the others nothing.
+with its own index, so K shards ingest on up to K cores and a flood in one shard costs the others nothing. The
+workers that mount one shared store (`--kv-shared-stores`) are all owned by the store's shard: llm-d's
+file-system connector names a chunk by an engine hash that only a member's GPU events resolve, and a chunk is
+credited to every member, so the store and all its members must be in one index (as in-process, where there
+is one index). A worker's storage stream (`KvSource.storage`) is read by the shard that owns the worker.
 
 Which workers: every picker process on the host (its `--processes` children) sends the set it wants indexed
 (`T_WORKERS`, the shard's part of its registry); the shard indexes the union. A picker that disconnects keeps
@@ -35,7 +39,7 @@ import struct
 import threading
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -49,8 +53,9 @@ from epp_extproc.ingest.launcher import DEFAULT_LOOKUPS, LOOKUP_MODES
 from epp_extproc.ingest.pacing import DEFAULT_BURST_S, DEFAULT_WORKER_CPU_SHARE, LagSamples, Pacer
 from kvindex.aio import cancel_and_wait
 from kvindex.events import DecodedBatch
-from kvindex.index import KvIndex, merge_worker_rows
+from kvindex.index import DEFAULT_STORAGE_BLOCK_TOKENS, KvIndex, merge_worker_rows
 from kvindex.subscriber import KvSource, SubscriberManager, raise_socket_limit
+from kvindex.tiers import Runs, keep_longest
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +68,8 @@ TURN_BUDGET_S = 0.001
 POLL_EVERY_S = 0.0001  # lookups="loop": how often, at most, the lookup descriptors are polled between batches
 SPREAD_MIN = 64  # worker numbers from which a lookup spreads its answer with array operations (see `answer`)
 
-Sources = tuple[tuple[str, str | None, int | None], ...]
+# per stream: (endpoint, replay endpoint, rank, whether it is llm-d's file-system connector stream)
+Sources = tuple[tuple[str, str | None, int | None, bool], ...]
 
 
 class LaggedIndex(KvIndex):
@@ -85,6 +91,14 @@ class LaggedIndex(KvIndex):
         if batch.ts > 1e9:  # a wall-clock stamp (vLLM, the bench); TensorRT-LLM's may be absent or relative
             self.last_lag = time.time() - batch.ts
             self.batch_lag.add(self.last_lag)
+
+    def apply_storage_batch(self, worker_id: str, batch: DecodedBatch) -> None:
+        with self.lock:
+            super().apply_storage_batch(worker_id, batch)
+
+    def set_shared_store(self, worker_id: str, store: str | None) -> None:
+        with self.lock:
+            super().set_shared_store(worker_id, store)
 
     def add_worker(self, worker_id: str) -> None:
         with self.lock:
@@ -124,10 +138,16 @@ class IngestShard:
 
     def __init__(self, directory: str, shard: int = 0, shards: int = 1, *, block_size: int = 32,
                  max_blocks_per_worker: int = 1_000_000, topic: str = "", worker_cpu_share: float = DEFAULT_WORKER_CPU_SHARE,
-                 worker_burst_s: float = DEFAULT_BURST_S, parent_pid: int | None = None, lookups: str = DEFAULT_LOOKUPS) -> None:
+                 worker_burst_s: float = DEFAULT_BURST_S, parent_pid: int | None = None, lookups: str = DEFAULT_LOOKUPS,
+                 shared_stores: Mapping[str, str] | None = None,
+                 storage_block_tokens: int = DEFAULT_STORAGE_BLOCK_TOKENS) -> None:
         """``lookups``: where lookups are answered: ``thread`` (a thread per connected picker, under the GIL
         and the index lock) or ``loop`` (on the ingest loop itself, between every two applied batches and
-        whenever the loop waits: no GIL hand-off, at most one batch's apply to wait for)."""
+        whenever the loop waits: no GIL hand-off, at most one batch's apply to wait for).
+
+        ``shared_stores`` (`--kv-shared-stores`, address -> store) and ``storage_block_tokens``
+        (`--kv-storage-block-size`) are the picker's: a store's members are all owned by the store's shard
+        (`wire.shard_of`), which reads their storage streams and credits the store to each of them."""
         if lookups not in LOOKUP_MODES:
             raise ValueError(f"lookups must be one of {LOOKUP_MODES}, got {lookups!r}")
         self.lookup_mode = lookups
@@ -135,6 +155,8 @@ class IngestShard:
         self.shard = shard
         self.shards = shards
         self.index = LaggedIndex(block_size, max_blocks_per_worker)
+        self.index.set_storage_block_tokens(storage_block_tokens)
+        self.stores = dict(shared_stores or {})
         self.pacer = Pacer(worker_cpu_share, worker_burst_s)
         # libzmq's default of 1023 sockets per context caps a picker near 340 workers (a SUB, its monitor and
         # the monitor's peer each): a shard that owns a 1,000-worker pool needs more, as far as RLIMIT_NOFILE goes
@@ -328,40 +350,58 @@ class IngestShard:
 
     def answer(self, buf: bytes) -> bytes:
         """Answer one lookup: per worker of this shard, its leading blocks over all the request's block sizes
-        (a worker's figure is its best, as the in-process index's `overlap` takes it over its slots)."""
+        (a worker's figure is its best, as the in-process index's `overlap` takes it over its slots); a tiers
+        lookup (`wire.FLAG_TIERS`), its leading blocks at any tier as runs."""
         started = time.perf_counter()
         req = wire.unpack_lookup(buf)
         idx = self.index
+        runs: array | None = None
+        counts: list[int] | np.ndarray = []
         with idx.lock:  # the index, the worker table and its version, all as of one instant
             self.lookups += 1
-            # the rows of the worker table are the index's worker numbers. A large table takes an array: the
-            # walk's drops are spread onto it with a few vector operations instead of one step per dropped
-            # slot (1,000 workers, 8k-token prompts: 161 -> 122 us); a small one the list (8: 24 us, not 41)
-            n = idx.worker_count()
-            counts: list[int] | np.ndarray = np.zeros(n, np.int64) if n >= SPREAD_MIN else [0] * n
-            for bs, hashes in req.sections:
-                idx.overlap_numbered(hashes, bs, counts, req.workers, predicted=req.predicted)
+            if req.tiers:  # the tiered-credit plugin's lookup: runs per worker, not one count per row
+                runs = self._tier_runs(req)
+            else:
+                # the rows of the worker table are the index's worker numbers. A large table takes an array: the
+                # walk's drops are spread onto it with a few vector operations instead of one step per dropped
+                # slot (1,000 workers, 8k-token prompts: 161 -> 122 us); a small one the list (8: 24 us, not 41)
+                n = idx.worker_count()
+                counts = np.zeros(n, np.int64) if n >= SPREAD_MIN else [0] * n
+                for bs, hashes in req.sections:
+                    idx.overlap_numbered(hashes, bs, counts, req.workers, predicted=req.predicted)
             version = self.meta_version
             meta = self._meta if req.meta_version != version else None
-        rows = counts.astype(np.uint32) if isinstance(counts, np.ndarray) else array("I", counts)
+        rows = runs if runs is not None else \
+            counts.astype(np.uint32) if isinstance(counts, np.ndarray) else array("I", counts)
         service_s = time.perf_counter() - started  # all but packing the answer, which it must carry
         self.answer_time.add(service_s)
         return wire.pack_answer(req.req_id, version, meta, rows, service_s, idx.last_lag)
 
+    def _tier_runs(self, req: wire.LookupRequest) -> array:
+        """A tiers lookup (the tiered-credit plugin, issue 44): per worker its leading blocks at any tier as
+        runs, its longest over the request's block sizes, as `KvRouting.tiers` takes it in-process."""
+        idx = self.index
+        best: dict[str, Runs] = {}
+        for bs, hashes in req.sections:
+            keep_longest(best, idx.overlap_tiers(hashes, bs, req.workers, predicted=req.predicted))
+        numbered = {n: runs for w, runs in best.items() if (n := idx.number_of(w)) is not None}
+        return wire.pack_tier_runs(numbered)
+
     # ------------------------------------------------------------------ the worker table
     def _refresh_meta(self) -> None:
-        """Bump the meta version when a worker, its block size, warm flag or media dialect, or the set of sizes
-        changed."""
+        """Bump the meta version when a worker, its block size, warm flag or media dialect, the set of sizes, or
+        whether any block is held off the GPU changed."""
         idx = self.index
         with idx.lock:
             rows = [(w, idx.block_size(w) if w else 0, bool(w) and idx.stats(w).batches > 0,
                      idx.media_dialect(w) if w else None) for w in idx.worker_numbers()]
             sizes = sorted(set(idx.block_sizes()) | {r[1] for r in rows if r[0]})
-            sig = (tuple(rows), tuple(sizes))
+            tiers = idx.has_tiers()
+            sig = (tuple(rows), tuple(sizes), tiers)
             if sig == self._meta_sig:
                 return
             self._meta_sig = sig
-            self._meta = wire.encode_meta(rows, sizes)
+            self._meta = wire.encode_meta(rows, sizes, tiers)
             self.meta_version += 1
         for w in self._writers:
             self._push_meta(w)
@@ -393,7 +433,8 @@ class IngestShard:
     async def want(self, client: str, workers: dict[str, Sources]) -> None:
         """`client` (a picker process) wants these workers indexed (its whole set: it replaces the last one);
         workers of other shards are ignored, a worker without sources is known but not subscribed."""
-        self._clients[client] = {a: s for a, s in workers.items() if wire.shard_of(a, self.shards) == self.shard}
+        self._clients[client] = {a: s for a, s in workers.items()
+                                 if wire.shard_of(a, self.shards, self.stores) == self.shard}
         await self._apply_wanted()
 
     async def _apply_wanted(self) -> None:
@@ -417,8 +458,11 @@ class IngestShard:
                     await self.subscribers.remove(addr)
                 self._current[addr] = sources
                 self.index.add_worker(addr)  # numbers it: its row in answers and the worker table
+                if addr in self.stores:  # a member of a shared store: credited what any member wrote there
+                    self.index.set_shared_store(addr, self.stores[addr])
                 if sources:
-                    await self.subscribers.add(addr, [KvSource(pub, replay, rank) for pub, replay, rank in sources])
+                    await self.subscribers.add(addr, [KvSource(pub, replay, rank, storage=storage)
+                                                      for pub, replay, rank, storage in sources])
             self._refresh_meta()
             self.refreezer.changed()
 
@@ -443,8 +487,8 @@ class IngestShard:
                     self._drop_at.pop(client, None)
                 elif kind == wire.T_WORKERS:
                     await self.want(client or "?", {
-                        str(a): tuple((str(p), r if r is None else str(r), k if k is None else int(k))
-                                      for p, r, k in srcs)
+                        str(a): tuple((str(p), r if r is None else str(r), k if k is None else int(k),
+                                       bool(more and more[0])) for p, r, k, *more in srcs)
                         for a, srcs in orjson.loads(body)})
                 elif kind == wire.T_BLOCK_SIZE:
                     addr, size = orjson.loads(body)

@@ -70,7 +70,8 @@ def ingest_group(kv: KvSection, directory: str, *, log_level: str = "INFO") -> I
     return IngestGroup([shard_argv(directory, i, n, block_size=kv.kv_cache_block_size,
                                    max_blocks_per_worker=kv.max_index_blocks_per_worker,
                                    topic=kv.kv_event_topic, worker_cpu_share=kv.kv_ingest_worker_cpu_share,
-                                   log_level=log_level) for i in range(n)])
+                                   log_level=log_level, shared_stores=kv.kv_shared_stores,
+                                   storage_block_size=kv.kv_storage_block_size) for i in range(n)])
 
 
 def build_kv(section: KvSection, slot: ProcessSlot, registry: EndpointRegistry,
@@ -108,5 +109,5 @@ def build_kv(section: KvSection, slot: ProcessSlot, registry: EndpointRegistry,
     kv = RemoteKv(registry, directory=directory, shards=section.kv_ingest_shards,
                   block_size=section.kv_cache_block_size, prediction_ttl_s=section.prediction_ttl_s,
                   lookup_timeout_s=section.kv_ingest_lookup_timeout_ms / 1000, metrics_registry=metrics_registry,
-                  client_id=f"p{slot.index}")
+                  client_id=f"p{slot.index}", shared_stores=parse_shared_stores(section.kv_shared_stores))
     return kv, group, own_dir

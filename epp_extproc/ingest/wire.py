@@ -16,6 +16,11 @@ then packs and a picker unpacks the answer in C (`array`, `itertools.compress`) 
 worker, 0.3 ms of a 1 ms lookup at that size. A row refers to the shard's *meta* table (worker addresses, their block
 sizes, whether their index is warm, their engine's media-key dialect, the block sizes present), which changes rarely and is only sent back
 when the picker's copy (named by its version in each request) is out of date.
+
+The tiered-credit plugin (issue 44) asks a second question with the same request (`FLAG_TIERS`): per worker, its
+leading blocks at any tier (GPU, host memory, disk, shared storage) as runs of positions with the same tiers
+(`pack_tier_runs`), the in-process `KvIndex.overlap_tiers` answer. It is asked only while a shard's table says it
+holds a block off the GPU (`Meta.tiers`), so a GPU-only pool sends exactly the lookups it sent before.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from __future__ import annotations
 import math
 import struct
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,6 +50,9 @@ OP_LOOKUP = 1
 # finds no answer, and times out (a picker and its shards come from one install)
 OP_ANSWER = 4
 FLAG_PREDICTED = 1  # count predicted blocks too (overlap); without it: confirmed only (credit)
+# answer per worker its leading blocks at ANY tier as runs (`KvIndex.overlap_tiers`, the tiered-credit plugin):
+# the answer's u32 array is then `pack_tier_runs`'s, not one u32 per row
+FLAG_TIERS = 2
 MAX_SECTIONS = 8  # block sizes per lookup (kvindex allows 4 per worker; a pool rarely has 2)
 MAX_LOOKUP_HASHES = 1 << 17  # per section: 4M tokens at block size 32; more is cut (a lookup stays bounded)
 MAX_FILTER_BYTES = 1 << 20
@@ -54,7 +62,9 @@ SEQPACKET_BUFFER = 4 << 20  # SO_SNDBUF/SO_RCVBUF of both ends: the largest mess
 _FRAME = struct.Struct("<IB")
 MAX_FRAME = 64 << 20
 T_HELLO = ord("H")  # JSON {"client": id}: who is talking (a reconnecting picker replaces its own set)
-T_WORKERS = ord("W")  # JSON [[address, [[endpoint, replay | null, rank | null], ...]], ...]: the full set
+# JSON [[address, [[endpoint, replay | null, rank | null, storage], ...]], ...]: the full set; `storage` true
+# marks llm-d's file-system connector stream (`KvSource.storage`), absent or false a GPU event stream
+T_WORKERS = ord("W")
 T_BLOCK_SIZE = ord("B")  # JSON [address, n]
 T_RESYNC = ord("R")  # JSON address
 T_PREDICT = ord("P")  # binary: see pack_prediction
@@ -64,9 +74,18 @@ T_META = ord("M")  # shard -> pickers, whenever the worker table changes: u32 ve
 _PRED = struct.Struct("<HIfdI")  # address length, block size, ttl_s, sender's wall clock, number of hashes
 
 
-def shard_of(address: str, shards: int) -> int:
-    """The ingest shard that owns a worker: stable across processes and restarts (not Python's hash)."""
-    return 0 if shards <= 1 else xxhash.xxh3_64_intdigest(address.encode()) % shards
+def shard_of(address: str, shards: int, stores: Mapping[str, str] | None = None) -> int:
+    """The ingest shard that owns a worker: stable across processes and restarts (not Python's hash).
+
+    A worker that mounts a shared store (`stores`, `--kv-shared-stores`: address -> store) belongs to the
+    store's shard, not its address's: a store's chunks are resolved through its members' GPU events and
+    credited to every member (kvindex/index.py `_Store`, `_expand_shared`), so all its members must be in one
+    index. The picker and every shard are given the same `stores`, so they agree on the owner."""
+    if shards <= 1:
+        return 0
+    store = stores.get(address) if stores else None
+    key = address if store is None else "\0store:" + store  # no address starts with NUL
+    return xxhash.xxh3_64_intdigest(key.encode()) % shards
 
 
 def lookup_socket(directory: str, shard: int) -> str:
@@ -84,13 +103,15 @@ class LookupRequest:
     predicted: bool
     sections: list[tuple[int, array]]  # (block size, hashes as array('Q'))
     workers: list[str] | None  # None: every worker of the shard
+    tiers: bool = False  # FLAG_TIERS: answer tier runs (`pack_tier_runs`), not one count per row
 
 
 def pack_lookup(req_id: int, meta_version: int, predicted: bool, sections: Sequence[tuple[int, Sequence[int]]],
-                workers: Sequence[str] | None = None) -> bytes:
+                workers: Sequence[str] | None = None, *, tiers: bool = False) -> bytes:
     """One lookup request: a header, then per block size its hashes, then the optional worker filter."""
     filt = "\n".join(workers).encode() if workers is not None else b""
-    parts = [_REQ.pack(OP_LOOKUP, req_id, meta_version, FLAG_PREDICTED if predicted else 0, len(sections),
+    flags = (FLAG_PREDICTED if predicted else 0) | (FLAG_TIERS if tiers else 0)
+    parts = [_REQ.pack(OP_LOOKUP, req_id, meta_version, flags, len(sections),
                        len(filt) if workers is not None else 0xFFFFFFFF)]
     for bs, hashes in sections:
         arr = hashes if isinstance(hashes, array) and hashes.typecode == "Q" else array("Q", hashes)
@@ -128,7 +149,7 @@ def unpack_lookup(buf: bytes) -> LookupRequest:
         if n_filter > MAX_FILTER_BYTES or off + n_filter != len(buf):
             raise ValueError("bad worker filter")
         workers = buf[off:].decode().split("\n") if n_filter else []
-    return LookupRequest(req_id, version, bool(flags & FLAG_PREDICTED), sections, workers)
+    return LookupRequest(req_id, version, bool(flags & FLAG_PREDICTED), sections, workers, bool(flags & FLAG_TIERS))
 
 
 def pack_answer(req_id: int, meta_version: int, meta: bytes | None, counts: array | np.ndarray,
@@ -162,6 +183,37 @@ def unpack_answer(buf: bytes) -> tuple[int, int, bytes | None, array]:
     return req_id, version, meta, counts
 
 
+def pack_tier_runs(runs: Mapping[int, Sequence[tuple[int, int]]]) -> array:
+    """A tiers lookup's answer array (`FLAG_TIERS`): per row holding anything, `row, k`, then its `k` runs as
+    `code, n` (`KvIndex.overlap_tiers`: `n` leading positions at the tiers in `code`). Runs, not per-tier
+    counts: which tier a position is credited at depends on the weights, which only the picker's plugin knows;
+    a worker's runs are a handful however long its prefix (one per change of tiers), so the answer stays small."""
+    out = array("I")
+    for row, rs in runs.items():
+        out.append(row)
+        out.append(len(rs))
+        for code, n in rs:
+            out.append(code)
+            out.append(n)
+    return out
+
+
+def unpack_tier_runs(flat: Sequence[int]) -> dict[int, tuple[tuple[int, int], ...]]:
+    """`pack_tier_runs`' array back to row -> runs; ValueError when it does not parse whole."""
+    out: dict[int, tuple[tuple[int, int], ...]] = {}
+    i, n = 0, len(flat)
+    while i < n:
+        if i + 2 > n:
+            raise ValueError("short tier runs")
+        row, k = flat[i], flat[i + 1]
+        end = i + 2 + 2 * k
+        if end > n:
+            raise ValueError("short tier runs")
+        out[row] = tuple((flat[j], flat[j + 1]) for j in range(i + 2, end, 2))
+        i = end
+    return out
+
+
 @dataclass(slots=True)
 class Meta:
     """A shard's worker table as a picker mirrors it: the index of each worker in answers, its block size,
@@ -173,6 +225,7 @@ class Meta:
     warm: frozenset[str] = frozenset()
     sizes: tuple[int, ...] = ()
     dialects: dict[str, str] | None = None  # how each worker's engine keys media blocks, once learned
+    tiers: bool = False  # the shard's index holds a block off the GPU: a tiers lookup is worth sending
 
     @staticmethod
     def decode(version: int, raw: bytes) -> Meta:
@@ -180,11 +233,11 @@ class Meta:
         rows = d["workers"]
         return Meta(version, tuple(r[0] for r in rows), {r[0]: r[1] for r in rows if r[0]},
                     frozenset(r[0] for r in rows if r[2]), tuple(d["sizes"]),
-                    {r[0]: r[3] for r in rows if r[0] and len(r) > 3 and r[3]})
+                    {r[0]: r[3] for r in rows if r[0] and len(r) > 3 and r[3]}, bool(d.get("tiers")))
 
 
-def encode_meta(rows: Sequence[tuple[str, int, bool, str | None]], sizes: Sequence[int]) -> bytes:
-    return orjson.dumps({"workers": [list(r) for r in rows], "sizes": list(sizes)})
+def encode_meta(rows: Sequence[tuple[str, int, bool, str | None]], sizes: Sequence[int], tiers: bool = False) -> bytes:
+    return orjson.dumps({"workers": [list(r) for r in rows], "sizes": list(sizes), "tiers": tiers})
 
 
 def frame(kind: int, body: bytes) -> bytes:

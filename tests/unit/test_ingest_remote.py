@@ -153,16 +153,16 @@ def test_no_shard_means_an_overlap_array_of_zeros() -> None:
         assert got is not None and got.tolist() == [0, 0]
 
 
-def test_a_storage_event_endpoint_is_named_once_as_not_carried_by_the_shards(caplog) -> None:
-    # issue 44: the shards' worker table carries GPU streams only; a storage endpoint (endpoints file, --endpoints
-    # or the pod annotation) must not be dropped silently
+def test_a_storage_event_endpoint_travels_to_the_workers_shard_as_a_second_stream(caplog) -> None:
+    # issue 44 under apart: the shard that owns the worker subscribes llm-d's file-system connector stream too
+    # (it used to be dropped with a warning); a worker without one sends its GPU stream alone, as before
     with tempfile.TemporaryDirectory(prefix="epp-t-") as d:
         kv = kv_at(d, 2.0)
         with caplog.at_level("WARNING", logger="epp_extproc.adapters.kv_remote"):
             kv._registry.replace([Endpoint("w0", "10.0.0.1:8000", "tcp://10.0.0.1:5557",
                                            kv_storage_events="tcp://10.0.0.1:5559"),
-                                  Endpoint("w1", "10.0.0.2:8000", "tcp://10.0.0.2:5557",
-                                           kv_storage_events="tcp://10.0.0.2:5559")])
-        warned = [r.getMessage() for r in caplog.records if "storage-event endpoint" in r.getMessage()]
-        assert len(warned) == 1 and "--kv-ingest inprocess" in warned[0]
-        assert kv._shard("10.0.0.1:8000").workers["10.0.0.1:8000"] == [["tcp://10.0.0.1:5557", None, None]]
+                                  Endpoint("w1", "10.0.0.2:8000", "tcp://10.0.0.2:5557")])
+        assert not [r for r in caplog.records if "storage-event endpoint" in r.getMessage()]
+        assert kv._shard("10.0.0.1:8000").workers["10.0.0.1:8000"] == [["tcp://10.0.0.1:5557", None, None],
+                                                                       ["tcp://10.0.0.1:5559", None, None, True]]
+        assert kv._shard("10.0.0.2:8000").workers["10.0.0.2:8000"] == [["tcp://10.0.0.2:5557", None, None]]

@@ -92,7 +92,8 @@ def test_the_app_feeds_booking_changes_to_the_view_that_holds_predictions_for_th
 
 def test_build_kv_works_from_the_kv_section_alone() -> None:
     """The index and the shards get their settings from `config.sections.kv` (and the log level handed in)."""
-    section = load_config(["--kv-cache-block-size", "16", "--kv-ingest-shards", "2", "--kv-event-topic", "t"],
+    section = load_config(["--kv-cache-block-size", "16", "--kv-ingest-shards", "2", "--kv-event-topic", "t",
+                           "--kv-shared-stores", "pvc=a:1,b:2", "--kv-storage-block-size", "64"],
                           env={}).sections.kv
     inproc, _, _ = build_kv(section, ProcessSlot(), EndpointRegistry(), CollectorRegistry())
     assert isinstance(inproc, KvRouting) and inproc.block_size("w:1") == 16
@@ -103,5 +104,8 @@ def test_build_kv_works_from_the_kv_section_alone() -> None:
         for argv in group.argvs:
             flags = dict(zip(argv[3::2], argv[4::2], strict=True))
             assert (flags["--block-size"], flags["--topic"], flags["--log-level"]) == ("16", "t", "DEBUG")
+            # the shards place and credit a store's workers by the picker's own store settings
+            assert (flags["--shared-stores"], flags["--storage-block-size"]) == ("pvc=a:1,b:2", "64")
+        assert apart.stores == {"a:1": "pvc", "b:2": "pvc"}
     finally:
         shutil.rmtree(directory or "", ignore_errors=True)

@@ -69,6 +69,32 @@ def test_shards_split_workers_stably_and_use_every_shard() -> None:
     assert {wire.shard_of(a, 1) for a in addresses} == {0}
 
 
+def test_the_workers_of_a_shared_store_share_its_shard_and_the_others_keep_theirs() -> None:
+    members = [f"10.0.0.{i}:8000" for i in range(16)]
+    stores = {**dict.fromkeys(members[:8], "pvc"), **dict.fromkeys(members[8:10], "nfs")}
+    assert len({wire.shard_of(a, 4, stores) for a in members[:8]}) == 1
+    assert len({wire.shard_of(a, 4, stores) for a in members[8:10]}) == 1
+    assert [wire.shard_of(a, 4, stores) for a in members[10:]] == [wire.shard_of(a, 4) for a in members[10:]]
+    assert wire.shard_of(members[0], 1, stores) == 0
+
+
+def test_tier_runs_round_trip_and_a_cut_array_is_refused() -> None:
+    runs = {0: ((1, 2), (8, 6)), 5: ((8, 3),), 9: ()}
+    flat = wire.pack_tier_runs(runs)
+    _, _, _, got = wire.unpack_answer(wire.pack_answer(1, 2, None, flat))
+    assert wire.unpack_tier_runs(got) == runs
+    for cut in (1, 3):
+        with pytest.raises(ValueError):
+            wire.unpack_tier_runs(flat[:-cut])
+
+
+def test_a_tiers_lookup_says_so_and_the_meta_says_whether_a_shard_holds_tiers() -> None:
+    assert wire.unpack_lookup(wire.pack_lookup(1, 0, False, [(16, [1])], tiers=True)).tiers
+    assert not wire.unpack_lookup(wire.pack_lookup(1, 0, False, [(16, [1])])).tiers
+    assert wire.Meta.decode(1, wire.encode_meta([("a:1", 16, True, None)], [16], True)).tiers
+    assert not wire.Meta.decode(1, wire.encode_meta([("a:1", 16, True, None)], [16])).tiers
+
+
 def test_a_truncated_answer_is_refused() -> None:
     with pytest.raises(ValueError):
         wire.unpack_answer(wire.pack_answer(4, 8, None, array("I", [5, 0, 9]))[:-2])

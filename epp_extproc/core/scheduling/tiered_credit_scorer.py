@@ -28,7 +28,9 @@ names, and this plugin's parameters):
 Placement: after any plugin that rewrites `credited` outright (the eviction scorer sets credited = overlap x
 survival), since this one adds to the column; config_file.spec_from_config appends it last. While the index
 holds nothing off the GPU the preparer returns at once (no notes, no change): a GPU-only pool decides exactly
-as without it. Only the in-process index answers tiered lookups (like the eviction scorer).
+as without it. Both KV views answer tiered lookups: the in-process index (`KvRouting.tiers`) and, under
+`--kv-ingest apart`, the ingest shards (`RemoteKv.tiers`, one more round trip per decision while a shard holds
+a block off the GPU, none otherwise).
 """
 
 from __future__ import annotations
@@ -153,8 +155,8 @@ class TieredCreditScorer(NoScore):
     def create(cls, params: Mapping[str, Any], deps: SchedulingDeps) -> TieredCreditScorer:
         kv = deps.kv
         if kv is None or not hasattr(kv, "tiers") or not hasattr(kv, "has_tiers"):
-            raise ValueError("tiered-credit reads the in-process KV index's tiers: it needs --kv-ingest inprocess "
-                             "and a KV-aware picker (--tokenizer-protocol)")
+            raise ValueError("tiered-credit reads the KV index's tiers: it needs a KV-aware picker "
+                             "(--tokenizer-protocol)")
         weights = {t: float(params.get(p, DEFAULT_WEIGHTS[t])) for t, p in PARAMS.items()}
         for t, v in weights.items():
             if not v >= 0.0:
