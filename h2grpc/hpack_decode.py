@@ -103,6 +103,8 @@ class Decoder:
         (every field of Envoy's usual block after its first stream) costs a table read, an append and a
         size check.
         """
+        if type(block) is not bytes:  # hpack took any bytes-like block; slices of a memoryview cannot .decode()
+            block = bytes(block)
         out: list[tuple[str, str]] = []
         limit = self.max_header_list_size
         dynamic = self._dynamic

@@ -201,6 +201,11 @@ def test_an_entry_larger_than_the_table_empties_it() -> None:
     assert decoder.dynamic_table == [] and decoder.dynamic_table_octets == 0
 
 
+def test_a_memoryview_or_bytearray_block_decodes_as_bytes_do() -> None:
+    block = bytes.fromhex("828684418cf1e3c2e5f23a6ba0ab90f4ff")
+    assert Decoder().decode(memoryview(block)) == Decoder().decode(bytearray(block)) == REQUESTS[0]  # type: ignore[arg-type]
+
+
 def test_header_decoder_gives_the_bounds_to_the_new_decoder() -> None:
     decoder = header_decoder(1_000, 2_048)
     assert isinstance(decoder, Decoder)
