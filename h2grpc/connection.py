@@ -342,7 +342,7 @@ class Connection(asyncio.Protocol):
             self._header_block(sid, self.header_flags, block)
 
     def _header_block(self, sid: int, flags: int, block: bytes) -> None:
-        headers = self.decoder.decode(block, raw=False)  # the decoder's table must see every block
+        headers = self.decoder.decode(block)  # the decoder's table must see every block
         call = self.calls.get(sid)
         if call is not None:  # trailers from the client end its half of the stream
             if call.ended:  # half-closed (remote): §5.1
