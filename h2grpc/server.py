@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from h2grpc.connection import Connection
+from h2grpc.hpack_decode import huffman_tables
 from h2grpc.limits import DEFAULT, Limits
 
 
@@ -108,6 +109,9 @@ class H2GrpcServer:
         return int(srv.sockets[0].getsockname()[1])
 
     async def start(self) -> None:
+        """Serve. The HPACK Huffman tables are built first (15-30 ms, once per process): not on the first
+        request that carries a Huffman-coded header."""
+        huffman_tables()
         for srv in self._servers:
             await srv.start_serving()
 

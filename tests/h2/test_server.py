@@ -663,3 +663,17 @@ def test_the_port_is_taken_loudly() -> None:
             s.close()
 
     asyncio.run(main())
+
+
+async def test_the_huffman_tables_are_built_when_the_server_starts_not_on_a_request(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from h2grpc import hpack_decode
+
+    monkeypatch.setattr(hpack_decode, "_NEXT", None)
+    server = H2GrpcServer(max_concurrent_rpcs=1)
+    await server.bind("127.0.0.1", 0)
+    await server.start()
+    try:
+        assert hpack_decode._NEXT is not None
+    finally:
+        await server.stop(0)
