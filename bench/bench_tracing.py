@@ -39,7 +39,8 @@ from bench.bench_overhead import FAST_MOCK, make_bodies
 from epp_extproc.dev import envoy_config, procs
 
 CONFIGS = ("off", "picker10", "envoy10")
-# also: `idle` (on, nothing sampled) and `picker10grpc` (picker10 exporting over gRPC instead of HTTP)
+# also: `idle` (on, nothing sampled), `picker10grpc` (picker10 exporting over gRPC instead of HTTP) and
+# `envoyonly` (Envoy samples 10%, the picker's tracing is off: what Envoy's part alone costs the picker)
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -83,7 +84,7 @@ def start_config(st: H.Stack, cfg: str, workers: list[procs.Proc], renderer: pro
     p = procs.picker(st.dir, endpoints=H.endpoints_spec(workers), protocol="trtllm-render", renderer_url=renderer.url,
                      name=f"picker-{cfg}",
                      args=["--log-level", "WARNING", "--max-inflight-requests", str(H.PICKER_MAX_INFLIGHT)])
-    if not cfg.startswith("off"):  # `off2`: a second baseline, the measurement's own spread
+    if not cfg.startswith("off") and cfg != "envoyonly":  # `off2`: a second baseline, the measurement's spread
         p.env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{http_port}", "OTEL_SERVICE_NAME": f"epp-{cfg}"}
         if cfg == "picker10grpc":
             p.env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
@@ -97,7 +98,7 @@ def start_config(st: H.Stack, cfg: str, workers: list[procs.Proc], renderer: pro
     H.wait_subscribed(pk, [w.address for w in workers])
     opts = envoy_config.EnvoyOptions(listen_port=H.free_port(), admin_port=H.free_port(), picker_port=pk.port or 0,
                                      picker_max_inflight=H.PICKER_MAX_INFLIGHT)
-    if cfg == "envoy10":
+    if cfg in ("envoy10", "envoyonly"):  # envoyonly: Envoy traces, the picker does not (what Envoy's part costs)
         opts.tracing_otlp = f"127.0.0.1:{otlp_port}"
         opts.tracing_sample_percent = 10.0
     env = st.add(procs.envoy(st.dir, opts, name=f"envoy-{cfg}"), timeout=60)
