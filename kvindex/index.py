@@ -266,6 +266,9 @@ class KvIndex:
         # changes whenever a worker, a slot or a block size does: what a caller's cached per-worker arrays
         # (block sizes, worker numbers, the allowed mask of a tuple of workers) are keyed on
         self.generation = 0
+        # what else a worker table shows changed: a worker's first batch (it is warm from then on) or its media
+        # dialect (see `table_version`)
+        self._table_marks = 0
         self._allowed_memo: tuple[Sequence[str], int, int] | None = None
         self._where_memo: tuple[Sequence[str], int, np.ndarray] | None = None
         self._numbers_memo: tuple[int, np.ndarray] | None = None
@@ -401,6 +404,13 @@ class KvIndex:
         """Known worker ids."""
         return list(self._workers)
 
+    def table_version(self) -> int:
+        """A number that changes whenever a worker table built from this index would (a worker added or
+        dropped, a block size or slot, a worker's first batch, its media dialect), and not otherwise: the
+        ingest shard checks its table every 50 ms by comparing this, instead of reading a thousand workers'
+        fields each time (0.4 ms of its loop at 1,000 workers, during which no lookup was answered)."""
+        return self.generation + self._table_marks
+
     def worker_count(self) -> int:
         """How many worker numbers are in use or free: the length `overlap_numbered` needs."""
         return len(self._numbers)
@@ -495,6 +505,8 @@ class KvIndex:
             st.garbage_batches += 1
             return
         st.batches += 1
+        if st.batches == 1:
+            self._table_marks += 1  # warm now (`table_version`)
         c = batch.counters
         if c.skipped or c.garbage_events or c.unknown_events or c.unknown_keys or c.mm_blocks or c.unknown_medium:
             st.skipped_placeholder += c.skipped_placeholder
@@ -625,6 +637,7 @@ class KvIndex:
                 self._warn_once(w, "dialect", "worker %s keys media blocks as %s, then as %s: prompts follow the "
                                 "latest", w.id, w.dialect, ev.mm_dialect)
             w.dialect = ev.mm_dialect
+            self._table_marks += 1
         eng = slot.engine
         parts = self._blocks
         bit = slot.bit

@@ -119,6 +119,11 @@ _SUMMED = ("messages", "gaps", "dropped_batches", "replays", "replay_lost", "rep
            "replay_ok", "restarts", "oversized", "reconnects")
 
 
+# `check_stale` lets `between_batches` run (an ingest shard answers its waiting lookups there) after this many
+# workers: the whole check walks every subscription, about 1 us each
+CHECK_POLL_EVERY = 64
+
+
 class SubscriberManager:
     """Opens, runs and closes the subscriptions of every worker."""
 
@@ -474,7 +479,10 @@ class SubscriberManager:
         flags (and logs once) subscriptions that never received anything from a worker that is up."""
         now = time.monotonic() if now is None else now
         stale = []
-        for wid, subs in self._subs.items():
+        poll = self.between_batches
+        for k, (wid, subs) in enumerate(self._subs.items()):
+            if poll is not None and k % CHECK_POLL_EVERY == CHECK_POLL_EVERY - 1:
+                poll()  # an ingest shard's waiting lookups: a thousand workers' check took ~1 ms of its loop
             for sub in subs:
                 st = sub.stats
                 last = st.last_message_monotonic
