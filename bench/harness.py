@@ -553,11 +553,13 @@ class ExtProcClient:
 
 # ----------------------------------------------------------------------------- simulated KV publishers
 def kv_publisher(st: Stack, workers: int, *, rate: float, seed: int = 1, doc_blocks: int = 1024,
-                 cap: int = 4096, new_blocks: int = 8) -> Proc:
+                 cap: int = 4096, new_blocks: int = 8, heartbeat_s: float = 0.2, ipc_dir: str | None = None,
+                 name: str = "kvpub") -> Proc:
     """`bench.kvpub` in its own process: `workers` ZMQ PUB sockets; their endpoints are in `.extra`."""
-    p = Proc("kvpub", [sys.executable, "-m", "bench.kvpub", "--workers", str(workers), "--rate", str(rate),
-                       "--seed", str(seed), "--doc-blocks", str(doc_blocks), "--cap", str(cap),
-                       "--new-blocks", str(new_blocks)], None, st.dir / "kvpub.log")
+    p = Proc(name, [sys.executable, "-m", "bench.kvpub", "--workers", str(workers), "--rate", str(rate),
+                    "--seed", str(seed), "--doc-blocks", str(doc_blocks), "--cap", str(cap),
+                    "--new-blocks", str(new_blocks), "--heartbeat-s", str(heartbeat_s),
+                    *(["--ipc-dir", ipc_dir] if ipc_dir else [])], None, st.dir / f"{name}.log")
     assert p.log is not None
     with open(p.log, "ab") as log:  # its own session, as every Proc: stop() signals its group
         p.proc = subprocess.Popen(p.argv, stdout=subprocess.PIPE, stdin=subprocess.PIPE, stderr=log,

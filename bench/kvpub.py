@@ -1,12 +1,13 @@
 """Many simulated TensorRT-LLM workers publishing KV events over real ZMQ PUB sockets, in one process.
 
     python -m bench.kvpub --workers 64 --rate 10 [--doc-blocks 1024] [--cap 4096] [--new-blocks 8]
+        [--heartbeat-s 0.2] [--ipc-dir DIR]
 
 A light stand-in for hundreds of `trtllm-mock` processes: each worker binds its own PUB socket and sends the
 exact wire form (three frames: topic, 8-byte big-endian seq, msgpack ``[ts, events, rank]``) with
 msgpack. Protocol on stdin/stdout, one JSON line per answer:
 
-* at start: ``{"endpoints": [...]}``, then an empty heartbeat batch per worker every 0.2 s (so the
+* at start: ``{"endpoints": [...]}``, then an empty heartbeat batch per worker every 0.2 s (``--heartbeat-s``; so the
   subscribers can connect before anything that matters is sent);
 * ``go``: every worker stores a prefix of one shared document (worker 0 all of it, the others a random
   length between half and all: a shared system prompt that each worker partly holds), answers
@@ -68,14 +69,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cap", type=int, default=4096, help="fresh blocks a worker holds before evicting")
     ap.add_argument("--new-blocks", type=int, default=8, help="mean fresh blocks per stored batch")
     ap.add_argument("--max-seconds", type=float, default=3600, help="exit on its own after this long")
+    ap.add_argument("--heartbeat-s", type=float, default=0.2,
+                    help="seconds between the empty batches sent to every worker before 'go'")
+    ap.add_argument("--ipc-dir", default=None,
+                    help="bind ipc://DIR/wN instead of a tcp port per worker (no ports used up)")
     a = ap.parse_args(argv)
     ctx = zmq.Context()
+    # a PUB holds its mailbox, its listener and its subscriber's connection: libzmq's 1,023 sockets per context
+    # stop near 1,000 workers; the descriptors (3 per worker) are the limit after that
+    ctx.set(zmq.MAX_SOCKETS, min(ctx.get(zmq.SOCKET_LIMIT), max(1023, a.workers + 64)))
     socks, eps = [], []
-    for _ in range(a.workers):
+    for i in range(a.workers):
         s = ctx.socket(zmq.PUB)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDHWM, 100_000)
-        s.bind("tcp://127.0.0.1:*")
+        s.bind(f"ipc://{a.ipc_dir}/w{i}" if a.ipc_dir else "tcp://127.0.0.1:*")
         socks.append(s)
         eps.append(s.getsockopt_string(zmq.LAST_ENDPOINT))
     print(json.dumps({"endpoints": eps}), flush=True)
@@ -150,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             answer({"warm": warm})
         now = time.monotonic()
         if not steady or interval is None:
-            if now - last_hb > 0.2:
+            if now - last_hb > a.heartbeat_s:
                 last_hb = now
                 for i, s in enumerate(socks):
                     _send(s, seq[i], [])

@@ -433,7 +433,7 @@ class PickerApp:
             self.registry.replace(parse_flag(cfg.endpoints, kv_event_port=cfg.kv_event_port, replay_port=replay))
         elif cfg.endpoints_file:
             fd = FileDiscovery(self.registry, cfg.endpoints_file, kv_event_port=cfg.kv_event_port,
-                               replay_port=replay)
+                               replay_port=replay, max_endpoints=cfg.max_endpoints)
             await fd.load_once()
             self._tasks.append(asyncio.create_task(fd.run()))
         elif cfg.inference_pool_name:

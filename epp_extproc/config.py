@@ -197,6 +197,10 @@ class Config:
         "static endpoints, comma separated `name=ip:port` (or just `ip:port`)")
     endpoints_file: str | None = opt("DYN_EPP_ENDPOINTS_FILE", None, _opt_str,
         "YAML/JSON file with the endpoints; reloaded when it changes")
+    max_endpoints: int = opt("DYN_EPP_MAX_ENDPOINTS", 4096, int,
+        "the most endpoints --endpoints-file may list; a longer file is refused whole (logged, the previous set "
+        "kept). Each endpoint holds a KV-event subscription, about four file descriptors in the process that "
+        "ingests (this one, or its shard with --kv-ingest apart): raise `ulimit -n` with it")
     inference_pool_name: str | None = opt("DYN_EPP_INFERENCE_POOL_NAME", None, _opt_str,
         "discover endpoints from this InferencePool (Kubernetes)")
     namespace: str | None = opt("POD_NAMESPACE", None, _opt_str, "namespace of the InferencePool (default: own)")
@@ -524,7 +528,7 @@ SECTIONS: tuple[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], ...] = (
          ("metrics_port", "admin_port", "admin_bind", "log_level", "log_format")))),
     ("discovery", (
         ("discovery (which workers, and where their KV events are published)",
-         ("endpoints", "endpoints_file", "inference_pool_name", "namespace", "kubeconfig",
+         ("endpoints", "endpoints_file", "max_endpoints", "inference_pool_name", "namespace", "kubeconfig",
           "endpoint_probe_interval_ms", "endpoint_probe_path", "endpoint_probe_max_rate", "kv_event_port",
           "kv_event_replay_port", "role_label")),)),
     ("renderer", (
@@ -764,6 +768,7 @@ def _check_discovery(d: Any) -> None:
     n = setting
     _at_least(d, "endpoint_probe_interval_ms", 0, " (0 = off)")
     _positive(d, "endpoint_probe_max_rate")
+    _positive(d, "max_endpoints")
     if not d.role_label or len(d.role_label) > 317:  # a Kubernetes label key: prefix/name
         raise ValueError(f"{n('role_label')} must be a label key, got {d.role_label!r}")
     sources = [x for x in ("endpoints", "endpoints_file", "inference_pool_name") if getattr(d, x)]

@@ -26,7 +26,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from functools import reduce
 from operator import or_
 from typing import Any
@@ -1539,6 +1539,31 @@ class KvIndex:
         """Distinct chain hashes held by at least one worker."""
         return sum(map(len, self._blocks))
 
+    def known_workers(self) -> int:
+        """How many workers the index knows now (`worker_count` also counts the free numbers)."""
+        return len(self._workers)
+
+    def pool_totals(self) -> dict[str, Any]:
+        """Every worker's counters summed (the fields of a snapshot's worker row the ``epp_kv_*`` families read),
+        with ``workers`` and ``unique_blocks``: what a pool too large to export per worker exports, in one pass
+        over the workers and without the snapshot's per-worker dicts."""
+        if self._pred_heap:
+            self._expire(self._clock())
+        names = _STAT_NAMES
+        sums = [0] * len(names)
+        blocks = predicted = held = 0
+        for w in self._workers.values():
+            st = w.stats
+            for i, k in enumerate(names):
+                sums[i] += getattr(st, k)
+            blocks += w.n_blocks
+            predicted += len(w.pred)
+            held += len(w.held)
+        out: dict[str, Any] = dict(zip(names, sums, strict=True))
+        out.update(blocks_indexed=blocks, predicted=predicted, predicted_held=held, workers=len(self._workers),
+                   unique_blocks=self.unique_blocks())
+        return out
+
     def snapshot(self) -> dict[str, Any]:
         """JSON-able state for the picker's ``/debug`` API."""
         if self._pred_heap:
@@ -1577,6 +1602,9 @@ class KvIndex:
                                   "blocks are not indexed and earn no tier credit; GPU blocks are credited as before")
             out["workers"][wid] = d
         return out
+
+
+_STAT_NAMES = tuple(f.name for f in fields(WorkerStats))
 
 
 def merge_worker_rows(snapshot: dict[str, Any], rows: Mapping[str, Mapping[str, Any]]) -> None:

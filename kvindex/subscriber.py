@@ -190,7 +190,7 @@ class SubscriberManager:
         if registry is not None:
             from kvindex.metrics import register_subscribers
 
-            register_subscribers(self.stats_snapshot, registry)
+            register_subscribers(self.stats_snapshot, registry, totals=self.stats_totals)
 
     # ------------------------------------------------------------- lifecycle
     async def add(
@@ -472,6 +472,23 @@ class SubscriberManager:
             out[wid] = {**{k: 0 for k in _SUMMED}, "last_seq": None, "heartbeating": False, "stale": False,
                         "silent": False, "kv_endpoints": [], "unsubscribed": 1, "subscribe_error": why}
         return out
+
+    def stats_totals(self, more_than: int) -> dict[str, Any] | None:
+        """The counters of :meth:`stats_snapshot` summed over every worker (flags: how many workers have them),
+        or None when ``more_than`` workers or fewer are known: a large pool's metrics without a dict per
+        worker."""
+        if len(self._subs) + len(self._refused) <= more_than:
+            return None
+        sums = dict.fromkeys(_SUMMED, 0)
+        flags = dict.fromkeys(("heartbeating", "stale", "silent"), 0)
+        for subs in self._subs.values():
+            for s in subs:
+                st = s.stats
+                for k in _SUMMED:
+                    sums[k] += getattr(st, k)
+            for k in flags:
+                flags[k] += any(getattr(s.stats, k) for s in subs)
+        return {**sums, **flags, "unsubscribed": len(self._refused)}
 
     # -------------------------------------------------------------- staleness
     def check_stale(self, now: float | None = None) -> list[str]:

@@ -16,8 +16,8 @@ or plain `ip:port` (`storage`: llm-d's file-system connector's event PUB; `kv_st
 Only `ip:port` literals (IPv6 as `[addr]:port`) are endpoints: that is all Envoy's ORIGINAL_DST cluster
 can route (see `core.endpoints.split_host_port`).
 
-A file that is empty, fails to parse, is larger than `MAX_FILE_BYTES`, nests deeper than libyaml's limit or
-lists more than `MAX_ENDPOINTS` is logged and the previous set is kept: a half-written (truncated, even 0-byte)
+A file that is empty, fails to parse, is larger than its byte cap (`file_byte_cap`), nests deeper than libyaml's
+limit or lists more than `--max-endpoints` (`MAX_ENDPOINTS` by default) is logged and the previous set is kept: a half-written (truncated, even 0-byte)
 file must not empty the pool. To empty it on purpose write `endpoints: []`. A file changed while it is read is
 read again on the next poll. Reading and parsing run in a worker thread, so a large file costs the request
 loop no stall (at most the GIL share a 1 MiB YAML parse takes, ~0.5 s of one thread).
@@ -37,8 +37,12 @@ from epp_extproc.file_watch import FileWatch
 
 log = logging.getLogger(__name__)
 
-MAX_FILE_BYTES = 1024 * 1024  # ~20,000 entries in the verbose YAML form: far above MAX_ENDPOINTS
-MAX_ENDPOINTS = 4096  # each endpoint costs a probe and a KV-event subscriber (a ZMQ socket)
+MAX_FILE_BYTES = 1024 * 1024  # the byte cap at the default MAX_ENDPOINTS (~20,000 entries in the verbose YAML form)
+# --max-endpoints' default (Config.max_endpoints; a test keeps them equal): each endpoint costs a probe and a
+# KV-event subscription (three ZeroMQ sockets, about four file descriptors, in whichever process ingests)
+MAX_ENDPOINTS = 4096
+BYTES_PER_ENDPOINT = 256  # past the default, a file may hold this much per endpoint allowed
+_CAP_SETTING = "--max-endpoints (DYN_EPP_MAX_ENDPOINTS)"
 MAX_NAME_CHARS = 253  # a DNS name / Kubernetes object name
 # libyaml: iterative, and refuses nesting beyond 1,000 levels; PyYAML's pure-Python composer recurses and
 # raises RecursionError at ~300 (600 brackets = 1.2 kB), which is also caught below.
@@ -120,7 +124,13 @@ def parse_flag(spec: str, *, kv_event_port: int | None, replay_port: int | None)
     return out
 
 
-def parse_document(doc: Any, *, kv_event_port: int | None, replay_port: int | None) -> list[Endpoint]:
+def file_byte_cap(max_endpoints: int = MAX_ENDPOINTS) -> int:
+    """The most bytes an endpoints file may hold when it may list `max_endpoints`."""
+    return max(MAX_FILE_BYTES, max_endpoints * BYTES_PER_ENDPOINT)
+
+
+def parse_document(doc: Any, *, kv_event_port: int | None, replay_port: int | None,
+                   max_endpoints: int = MAX_ENDPOINTS) -> list[Endpoint]:
     """The endpoints of a parsed file. No document (empty or comment-only file) and a mapping without an
     `endpoints` list are errors, not "zero endpoints": a truncated file looks exactly like that."""
     if doc is None:
@@ -132,8 +142,10 @@ def parse_document(doc: Any, *, kv_event_port: int | None, replay_port: int | No
         doc = doc["endpoints"]
     if not isinstance(doc, list):
         raise EndpointSpecError("endpoints file must hold a list of endpoints (or {endpoints: [...]})")
-    if len(doc) > MAX_ENDPOINTS:
-        raise EndpointSpecError(f"{len(doc)} endpoints exceed the cap of {MAX_ENDPOINTS}")
+    if len(doc) > max_endpoints:
+        raise EndpointSpecError(f"{len(doc)} endpoints exceed the cap of {max_endpoints}: raise {_CAP_SETTING} "
+                                "(each endpoint holds a KV-event subscription: about four file descriptors "
+                                "where events are ingested, so `ulimit -n` with it)")
     out = []
     for i, item in enumerate(doc):
         if isinstance(item, str):
@@ -149,10 +161,13 @@ def parse_document(doc: Any, *, kv_event_port: int | None, replay_port: int | No
     return out
 
 
-def parse_bytes(raw: bytes, *, kv_event_port: int | None, replay_port: int | None) -> list[Endpoint]:
+def parse_bytes(raw: bytes, *, kv_event_port: int | None, replay_port: int | None,
+                max_endpoints: int = MAX_ENDPOINTS) -> list[Endpoint]:
     """Parse a file's bytes: JSON with orjson (C, depth-limited) when it is JSON, else YAML with libyaml."""
-    if len(raw) > MAX_FILE_BYTES:
-        raise EndpointSpecError(f"the file exceeds the {MAX_FILE_BYTES}-byte cap")
+    cap = file_byte_cap(max_endpoints)
+    if len(raw) > cap:
+        raise EndpointSpecError(f"the file exceeds the {cap}-byte cap (that of {max_endpoints} endpoints, "
+                                f"{_CAP_SETTING})")
     if not raw.strip():
         return parse_document(None, kv_event_port=kv_event_port, replay_port=replay_port)
     try:
@@ -164,7 +179,7 @@ def parse_bytes(raw: bytes, *, kv_event_port: int | None, replay_port: int | Non
             raise EndpointSpecError(f"not valid YAML/JSON: {clip(str(e), 300)}") from None
         except RecursionError:
             raise EndpointSpecError("the file nests too deeply to be an endpoints list") from None
-    return parse_document(doc, kv_event_port=kv_event_port, replay_port=replay_port)
+    return parse_document(doc, kv_event_port=kv_event_port, replay_port=replay_port, max_endpoints=max_endpoints)
 
 
 def read_capped(path: str, limit: int = MAX_FILE_BYTES) -> bytes:
@@ -173,8 +188,10 @@ def read_capped(path: str, limit: int = MAX_FILE_BYTES) -> bytes:
         return f.read(limit + 1)
 
 
-def read_file(path: str, *, kv_event_port: int | None, replay_port: int | None) -> list[Endpoint]:
-    return parse_bytes(read_capped(path), kv_event_port=kv_event_port, replay_port=replay_port)
+def read_file(path: str, *, kv_event_port: int | None, replay_port: int | None,
+              max_endpoints: int = MAX_ENDPOINTS) -> list[Endpoint]:
+    return parse_bytes(read_capped(path, file_byte_cap(max_endpoints)), kv_event_port=kv_event_port,
+                       replay_port=replay_port, max_endpoints=max_endpoints)
 
 
 class FileDiscovery:
@@ -186,8 +203,9 @@ class FileDiscovery:
     """
 
     def __init__(self, registry: EndpointRegistry, path: str, *, kv_event_port: int | None,
-                 replay_port: int | None, interval_s: float = 1.0) -> None:
+                 replay_port: int | None, interval_s: float = 1.0, max_endpoints: int = MAX_ENDPOINTS) -> None:
         self.registry = registry
+        self.max_endpoints = max_endpoints
         self.path = path
         self.kv_event_port = kv_event_port
         self.replay_port = replay_port
@@ -202,7 +220,8 @@ class FileDiscovery:
 
     def _read(self) -> list[Endpoint]:
         try:
-            return read_file(self.path, kv_event_port=self.kv_event_port, replay_port=self.replay_port)
+            return read_file(self.path, kv_event_port=self.kv_event_port, replay_port=self.replay_port,
+                             max_endpoints=self.max_endpoints)
         except FileNotFoundError:
             raise FileNotFoundError(f"endpoints file {clip(self.path)} is missing") from None
 

@@ -20,6 +20,7 @@ prediction. Before it, both views kept their own copy of each rule and the app s
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -33,6 +34,7 @@ from kvindex.hashing import DEFAULT_DIALECT, chain_hashes, media_chain_hashes, p
 from kvindex.index import merge_worker_rows
 
 log = logging.getLogger(__name__)
+MAX_LEARNING = 32  # workers asked about themselves (block size, adapters) at once, as the prober keeps 32 in flight
 
 # Called with (worker, block size, hashes, ttl_s) after each local prediction: replica sync shares it.
 PredictListener = Callable[[str, int, list[int], float], None]
@@ -107,6 +109,10 @@ class PredictionSink(Protocol):
 class WorkerFacts:
     """Block size reported over HTTP, LoRA adapters, event dialect and prediction listeners, per worker.
 
+    At most `MAX_LEARNING` workers are asked at once: a pool of 10,000 given at start-up asked all of them
+    together (about 40,000 connections, each its own HTTP client), which took the process to its descriptor
+    limit (19,981 of 20,000 open) and kept its loop from answering for seconds.
+
     `told_block_size(address, n)` hands a size the worker reported to the view's index (the in-process index
     adopts it; the remote view tells the worker's shard); `block_size` is the view's current size for the
     worker, only to say in the log when the report changes it. Learning runs in `tasks` (the view's own), so
@@ -126,6 +132,7 @@ class WorkerFacts:
         self._block_size = block_size
         self._told_block_size = told_block_size
         self._lora = AdapterTable()  # address -> LoRA adapter -> its base model
+        self._learning = asyncio.Semaphore(MAX_LEARNING)
 
     # ------------------------------------------------------------------ the pool
     def joined(self, ep: Endpoint) -> None:
@@ -142,8 +149,14 @@ class WorkerFacts:
         self.reported.pop(address, None)
 
     async def _learn(self, address: str) -> None:
-        """Block size and adapters from the worker itself; silence (404 everywhere) is normal, not a warning:
-        the block size is then learned from the worker's first event."""
+        """Block size and adapters from the worker itself (at most `MAX_LEARNING` workers at once)."""
+        async with self._learning:
+            if address in self._registry:  # (it may have left while it waited its turn)
+                await self._ask(address)
+
+    async def _ask(self, address: str) -> None:
+        """Silence (404 everywhere) is normal, not a warning: the block size is then learned from the worker's
+        first event."""
         n = await fetch_block_size(address)
         if address not in self._registry:
             return

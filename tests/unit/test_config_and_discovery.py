@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 
 import pytest
 
+from epp_extproc.adapters import discovery_static
 from epp_extproc.adapters.discovery_static import EndpointSpecError, FileDiscovery, parse_flag
 from epp_extproc.cli import load
 from epp_extproc.config import OPTIONS, Config, load_config
@@ -142,3 +144,57 @@ def test_config_imports_nothing_from_adapters_or_envoy() -> None:
     names = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     assert [m for m in names if m.startswith(("epp_extproc.adapters", "epp_extproc.envoy"))] == []
+
+
+def _endpoints_json(n: int) -> str:
+    return json.dumps({"endpoints": [{"name": f"w{i}", "address": f"127.0.{i // 250}.{1 + i % 250}:8000"}
+                                     for i in range(n)]})
+
+
+async def test_a_file_over_the_endpoint_cap_is_refused_naming_the_setting_that_raises_it(
+        tmp_path, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
+    """A 10,000-worker pool was refused with only "exceed the cap of 4096": no setting could raise it."""
+    n = discovery_static.MAX_ENDPOINTS + 1
+    path = tmp_path / "eps.json"
+    path.write_text(_endpoints_json(n))
+    reg = EndpointRegistry()
+    with caplog.at_level(logging.ERROR):
+        await FileDiscovery(reg, str(path), kv_event_port=5557, replay_port=None).load_once()
+    assert len(reg) == 0
+    assert f"{n} endpoints exceed the cap of {discovery_static.MAX_ENDPOINTS}" in caplog.text
+    assert "--max-endpoints (DYN_EPP_MAX_ENDPOINTS)" in caplog.text
+    await FileDiscovery(reg, str(path), kv_event_port=5557, replay_port=None, max_endpoints=n).load_once()
+    assert len(reg) == n
+
+
+async def test_a_raised_endpoint_cap_raises_the_file_byte_cap_with_it(tmp_path) -> None:  # noqa: ANN001
+    n = 8000  # the verbose YAML form of 8,000 endpoints is over the default 1 MiB
+    path = tmp_path / "eps.yaml"
+    path.write_text("endpoints:\n" + "".join(
+        f"  - name: worker-{i:05d}-of-a-pool-with-a-long-name\n    address: 127.0.{i // 250}.{1 + i % 250}:8000\n"
+        f"    kv_events: tcp://127.0.{i // 250}.{1 + i % 250}:5557\n    role: decode\n" for i in range(n)))
+    assert path.stat().st_size > discovery_static.MAX_FILE_BYTES
+    reg = EndpointRegistry()
+    await FileDiscovery(reg, str(path), kv_event_port=5557, replay_port=None, max_endpoints=n).load_once()
+    assert len(reg) == n
+
+
+async def test_the_picker_reads_its_endpoints_file_under_max_endpoints(tmp_path) -> None:  # noqa: ANN001
+    from epp_extproc.app import PickerApp
+
+    n = discovery_static.MAX_ENDPOINTS + 10
+    path = tmp_path / "eps.json"
+    path.write_text(_endpoints_json(n))
+    app = PickerApp(Config(endpoints_file=str(path), max_endpoints=n, endpoint_probe_interval_ms=0))
+    try:
+        await app._start_discovery()
+        assert len(app.registry) == n
+    finally:
+        for t in app._tasks:
+            t.cancel()
+
+
+def test_max_endpoints_defaults_to_the_discovery_cap() -> None:
+    assert Config().max_endpoints == discovery_static.MAX_ENDPOINTS
+    with pytest.raises(SystemExit, match="--max-endpoints"):
+        load_config(["--max-endpoints", "0"])

@@ -166,3 +166,33 @@ def test_a_storage_event_endpoint_travels_to_the_workers_shard_as_a_second_strea
         assert kv._shard("10.0.0.1:8000").workers["10.0.0.1:8000"] == [["tcp://10.0.0.1:5557", None, None],
                                                                        ["tcp://10.0.0.1:5559", None, None, True]]
         assert kv._shard("10.0.0.2:8000").workers["10.0.0.2:8000"] == [["tcp://10.0.0.2:5557", None, None]]
+
+
+def test_the_overlap_array_over_several_shards_is_the_overlap_dict_in_the_order_asked() -> None:
+    """10,000 workers over 4 shards took the dict path: a Python loop over every candidate per decision
+    (bench_tenk). Several shards now answer into one array too; a shard that does not answer reads 0."""
+    names = [f"10.0.0.{i}:8000" for i in range(1, 40)]
+    by_shard = [[w for w in names if wire.shard_of(w, 3) == k][:3] for k in range(3)]
+    assert all(len(ws) == 3 for ws in by_shard)
+    with tempfile.TemporaryDirectory(prefix="epp-t-") as d:
+        done = threading.Event()
+        threads = []
+        for k in (0, 1):  # shard 2 is down
+            rows = [(by_shard[k][0], 4, True, None), ("", 0, False, None), (by_shard[k][1], 4, True, None),
+                    (by_shard[k][2], 4, True, None)]
+            counts = [10 * (k + 1) + 1, 0, 10 * (k + 1) + 2, 0]
+            threads.append(answering_shard(wire.lookup_socket(d, k), done, counts, wire.encode_meta(rows, [4])))
+        kv = RemoteKv(EndpointRegistry(), directory=d, shards=3, block_size=4, prediction_ttl_s=0.0,
+                      lookup_timeout_s=2.0, ask_server_info=False)
+        prompt = kv.prompt(list(range(40)), PromptIdentity())
+        everyone = tuple(w for ws in by_shard for w in ws)[::-1]
+        for workers in (everyone, (by_shard[1][1], "x:9", by_shard[0][0]), (by_shard[2][0],)):
+            want = kv.overlap(prompt, list(workers))
+            for _ in range(2):  # the second time from the kept places
+                got = kv.overlap_array(prompt, workers)
+                assert got is not None and got.tolist() == [want.get(w, 0) for w in workers]
+        got = kv.overlap_array(prompt, (by_shard[0][0], by_shard[1][1], by_shard[2][0], by_shard[0][2]))
+        assert got is not None and got.tolist() == [11, 22, 0, 0]
+        done.set()
+        for t in threads:
+            t.join(5)

@@ -79,3 +79,36 @@ async def test_a_reported_block_size_and_adapters_are_learned_once_and_leave_wit
     finally:
         await local.close()
         await remote.close()
+
+
+async def test_a_large_pool_joining_at_once_is_asked_about_itself_a_few_workers_at_a_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """10,000 workers given at start-up were all asked at once: ~40,000 connections, the process at its
+    descriptor limit (bench_tenk)."""
+    now = peak = asked = 0
+
+    async def block_size(_address: str) -> None:
+        nonlocal now, peak, asked
+        now += 1
+        asked += 1
+        peak = max(peak, now)
+        await asyncio.sleep(0.001)
+        now -= 1
+
+    async def adapters(_address: str) -> None:
+        return None
+
+    monkeypatch.setattr(worker_facts, "fetch_block_size", block_size)
+    monkeypatch.setattr(worker_facts, "fetch_served_adapters", adapters)
+    n = 4 * worker_facts.MAX_LEARNING
+    for registry, kv in views(ask_server_info=True)[0:2], views(ask_server_info=True)[2:4]:
+        try:
+            now = peak = asked = 0
+            registry.replace([Endpoint(f"w{i}", f"10.0.{i // 200}.{1 + i % 200}:8000") for i in range(n)])
+            for _ in range(500):
+                await asyncio.sleep(0.01)
+                if asked == n and not len(kv._tasks):
+                    break
+            assert asked == n and peak == worker_facts.MAX_LEARNING
+        finally:
+            await kv.close()
