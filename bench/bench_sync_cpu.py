@@ -158,14 +158,16 @@ def summarize(rows: list[dict[str, Any]], configs: list[str]) -> dict[str, Any]:
             continue
         lag: dict[float, float] = {}
         for r in rs:
-            for k, v in r["visible_lag_hist"].items():
-                lag[k] = lag.get(k, 0.0) + v
+            for k, v in r["visible_lag_hist"].items():  # float keys; strings when read back from JSON
+                lag[float(k)] = lag.get(float(k), 0.0) + v
         per_replica = [x for r in rs for x in r["cpu_ms_per_request_per_replica"]]
         s: dict[str, Any] = {
             "runs": len(rs), "requests": spread([r["requests"] for r in rs]),
             "errors": sum(r["errors"] for r in rs),
             "picker_cpu_ms_per_request": spread([r["picker_cpu_ms_per_request"] for r in rs]),
             "replica_cpu_ms_per_request": spread(per_replica),  # every replica of every run
+            # each replica's CPU as a share of one core over the run's window (its load, not per request)
+            "replica_cpu_pct_of_core": spread([c / r["window_s"] * 100 for r in rs for c in r["cpu_s_per_replica"]]),
             "setup_cpu_ms_per_request": spread([r["setup_cpu_ms_per_request"] for r in rs]),
             "nats_cpu_s": spread([r["nats_cpu_s"] for r in rs]),
             "nats_cpu_ms_per_request": spread([r["nats_cpu_s"] / r["requests"] * 1e3 if r["nats_cpu_s"] is not None
@@ -201,12 +203,13 @@ def print_report(doc: dict[str, Any]) -> None:
     print(f"\nReplica sync, {doc['replicas']} replica processes, {doc['rate']} req/s x {doc['seconds']} s, "
           f"median [min..max] of {doc['repeats']} repeats")
     print(H.table([[cfg, fmt(s["picker_cpu_ms_per_request"]), fmt(s["replica_cpu_ms_per_request"]),
+                    fmt(s.get("replica_cpu_pct_of_core"), 1),
                     fmt(s.get("sync_extra_picker_cpu_ms_per_request")),
                     fmt(s.get("sync_extra_picker_cpu_pct"), 1), fmt(s["nats_cpu_ms_per_request"], 3),
                     fmt(s["relay_cpu_s"]), fmt(s.get("sync_extra_setup_cpu_ms_per_request")),
                     fmt(s.get("visible_lag_p50_ms")), fmt(s.get("visible_lag_p99_ms")), s["errors"]]
                    for cfg, s in summ.items()],
-                  ["cfg", "picker ms/req", "per replica ms/req", "sync extra ms/req", "extra %",
+                  ["cfg", "picker ms/req", "per replica ms/req", "replica % core", "sync extra ms/req", "extra %",
                    "nats-server ms/req", "relay cpu s", "setup extra ms/req", "visible p50 ms", "visible p99 ms",
                    "errors"]))
 
@@ -239,7 +242,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--name", default="sync_cpu", help="result file name (NAME.json, NAME.png)")
+    ap.add_argument("--merge", help="comma-separated result files of earlier runs (same settings): no run, their "
+                                    "runs summarised together into NAME.json (repeats split across locked runs)")
     a = ap.parse_args(argv)
+    if a.merge:
+        docs = [json.loads(open(f).read()) for f in a.merge.split(",")]  # noqa: SIM115, PTH123
+        rows = [r for d in docs for r in d["result"]["runs"]]
+        configs = list(docs[0]["configs"])
+        doc = {**docs[0], "merged_from": a.merge.split(","), "repeats": len({r["seed"] for r in rows}),
+               "result": {"runs": rows, "summary": summarize(rows, configs)}}
+        return H.publish(doc, a.out, a.name, print_report, chart)
     configs = [c for c in a.configs.split(",") if c]
     for c in configs:
         if c not in CONFIGS:
