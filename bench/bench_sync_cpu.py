@@ -240,6 +240,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rate", type=float, default=20.0, help="offered load, req/s (Poisson)")
     ap.add_argument("--seconds", type=float, default=30.0, help="length of each run's schedule")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--first-repeat", type=int, default=0, help="number the repeats from K (seed 1000 + K, the "
+                                                              "configurations' order rotated by K): a later batch")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--name", default="sync_cpu", help="result file name (NAME.json, NAME.png)")
     ap.add_argument("--merge", help="comma-separated result files of earlier runs (same settings): no run, their "
@@ -263,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with H.Stack() as outer:
         workers = [H.mock_worker(outer, f"worker-{i}", w.mock_args()) for i in range(w.workers)]
         renderer = H.mock_renderer(outer)
-        for k in range(repeats):
+        for k in range(a.first_repeat, a.first_repeat + repeats):
             order = configs[k % len(configs):] + configs[:k % len(configs)]
             for cfg in order:
                 row = run_one(cfg, a.replicas, w, a.rate, 1000 + k, workers, renderer)
