@@ -40,7 +40,8 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
   (r3m) three replicas of (c) synced over the gRPC full mesh (each --peers the other two), behind one Envoy
        as (r2); (r3n) the same three synced over NATS subjects (--replica-sync-plane nats, a nats-server of
        their own; KV events still straight from the workers): issue 47 item 3, routing quality of synced
-       replicas on each plane. Targets r3m_/r3n_within_spread_of_c, as (r2)'s
+       replicas on each plane. Targets r3m_/r3n_within_spread_of_c, as (r2)'s. (g3): the same three
+       pickers with NO replica sync, their control (what three processes on the machine cost by themselves)
   (rs) (c) with the workers' KV event replay, SIGTERMed at ~1/3 of the schedule and started again at once
        with the same flags (same ports): issue 28.9, routing quality across a restart; the new process
        re-warms its index from the workers' replay. Envoy's ext_proc filter has failure_mode_allow off and
@@ -88,7 +89,7 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
         own (`oob`), TTFT over every request (`all_ttft_p50_ms`, `all_ttft_p90_ms`, claimed between the
         pairs too) and `routed_without_picker` (= the out-of-band count). out_of_band.py says how the two
         replays share one clock and how well they met (`oob.sync_lag_ms`).
-       (r2, r3m, r3n, rs, rs2, rsz, rsn, cv, g2, g2e and the X-oobNN run only when named in --only; the default
+       (r2, r3m, r3n, rs, rs2, rsz, rsn, cv, g2, g2e, g3 and the X-oobNN run only when named in --only; the default
        set is unchanged)
   (d)  offline cached-token ratios of the same prompts in arrival order: `pooled_lru` (one LRU cache with
        the capacity of all four workers together, the figure earlier recordings called "the oracle"),
@@ -127,7 +128,7 @@ JSON result schema (`trace.json`), besides the common `bench`, `meta` keys, `con
         run: {seed, ttft_{p50,p90,p99,avg}_ms, itl_{p50,p90,p99,avg}_ms, output_tokens_per_s, requests, errors,
               aiperf_cached_ratio, aiperf_prompt_tokens, workers_cached_ratio, workers_prompt_tokens,
               per_worker_served, picker_picks, replay_sched_lag_p99_ms, benchmark_duration_s, aiperf_wall_s,
-              loadavg_1m; (r2, r3m, r3n, rs2, g2, g2e) picks_per_picker; every picker configuration routed_without_picker;
+              loadavg_1m; (r2, r3m, r3n, rs2, g2, g2e, g3) picks_per_picker; every picker configuration routed_without_picker;
               (rs, rs2) restart: {drain_s,
               down_s, resubscribed_s, picks_before_restart, index_blocks_before, index_blocks_after_replay,
               picks_after_restart, error?; (rs2) envoy_unhealthy_s, envoy_healthy_again_s};
@@ -194,12 +195,13 @@ CONFIGS = {"a": "envoy round-robin", "b": "picker, load only", "c": "picker, KV-
                   "epp-kv-relay on NATS (the restarted picker loads the relay's dumps; issue 47)",
            "g2": "2 KV-aware pickers, NO replica sync (two gateways' pickers)",
            "g2e": "2 prediction-only pickers, no replica sync (two gateways' pickers)",
+           "g3": "3 KV-aware pickers, NO replica sync (r3m/r3n's control: three processes, no sync)",
            **{OB.name(base, share): f"{what}, {share:.0%} of requests out of band (straight to a worker)"
               for share in (0.1, 0.3) for base, what in (("c", "picker, KV-aware (defaults)"),
                                                          ("e", "picker, prediction only (no KV events)"))}}
 # only with --only: the default set (and its cost) stays what it was
-OPT_IN = ("r2", "r3m", "r3n", "rs", "rs2", "cv", "rsz", "rsn", "g2", "g2e", "c-oob10", "e-oob10", "c-oob30",
-          "e-oob30")
+OPT_IN = ("r2", "r3m", "r3n", "rs", "rs2", "cv", "rsz", "rsn", "g2", "g2e", "g3", "c-oob10", "e-oob10",
+          "c-oob30", "e-oob30")
 BS = 32
 # (rs2)'s replicas: the product's default shutdown grace period, named so the benchmark follows it
 GRACE_PERIOD_S = Config.__dataclass_fields__["graceful_shutdown_grace_period_s"].default
@@ -507,6 +509,8 @@ def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc,
                               extra=["--graceful-shutdown-grace-period-s", str(GRACE_PERIOD_S)])
     if cfg == "g2":  # two gateways' pickers: (r2) without the sync, each sees only the streams Envoy gives it
         return start_replicas(st, "nosync", H.endpoints_spec(workers), workers, renderer)
+    if cfg == "g3":  # (r3m)/(r3n) without the sync: what three picker processes cost on their own
+        return start_replicas(st, "nosync", H.endpoints_spec(workers), workers, renderer, replicas=3)
     if cfg == "g2e":  # the same pair of (e) pickers: each predicts only what it routed itself
         return start_replicas(st, "nosync", prediction_spec(workers), workers, renderer, extra=E_FLAGS,
                               kv_events=False)
@@ -942,7 +946,8 @@ def compare(x: dict[str, Any], base: dict[str, Any], metric: str) -> dict[str, A
 
 
 PAIRS = (("b", "a"), ("c", "a"), ("c1", "a"), ("e", "a"), ("c", "b"), ("c", "e"), ("c", "c1"),
-         ("r2", "c"), ("r3m", "c"), ("r3n", "c"), ("r3n", "r3m"), ("rs", "c"), ("rs2", "c"), ("cv", "c"), ("cv", "e"),
+         ("r2", "c"), ("r3m", "c"), ("r3n", "c"), ("r3n", "r3m"), ("g3", "c"), ("r3n", "g3"), ("r3m", "g3"),
+         ("rs", "c"), ("rs2", "c"), ("cv", "c"), ("cv", "e"),
          ("g2", "g2e"), ("g2", "c"), ("g2e", "e"),
          ("rsz", "c"), ("rsn", "c"), ("rsz", "e"), ("rsn", "e"), ("rsn", "rsz"))
 # issue 42 item 3, "events earn their keep where predictions cannot see": in each situation the KV-aware
@@ -1380,7 +1385,7 @@ def register_oob(names: Sequence[str]) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = H.bench_parser(__doc__, "trace")
     ap.add_argument("--only", help="comma-separated subset of configurations (a,b,c,c1,e; r2,r3m,r3n,rs,rs2,rsz,rsn,cv,"
-                                   "g2,g2e and the out-of-band X-oobNN, e.g. c-oob10,e-oob10, only when named here)")
+                                   "g2,g2e,g3 and the out-of-band X-oobNN, e.g. c-oob10,e-oob10, only when named here)")
     ap.add_argument("--oob-seed", type=int, default=0,
                     help="which requests the X-oobNN configurations send out of band (bench/out_of_band.py)")
     ap.add_argument("--rates", help="comma-separated offered loads (req/s of simulated time); default 10,17.5,25 "
