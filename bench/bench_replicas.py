@@ -40,16 +40,25 @@ LAGS = {"visible": "epp_replica_sync_visible_lag_seconds",  # booked there -> ap
 
 
 # ----------------------------------------------------------------------------- 1. routing quality
-def pickers_for(st: H.Stack, cfg: str, spec: str, renderer: H.Proc, extra: Sequence[str] = ()) -> list[H.Proc]:
-    """The picker processes of one configuration; `extra`: more flags for each of them."""
+def pickers_for(st: H.Stack, cfg: str, spec: str, renderer: H.Proc, extra: Sequence[str] = (), *,
+                replicas: int = 2, nats_url: str | None = None, pool: str = "bench") -> list[H.Proc]:
+    """The picker processes of one configuration; `extra`: more flags for each of them. `replicas` (2 unless
+    said) for "nosync" and "sync"; "sync" is the gRPC full mesh (each replica's --peers lists all the others),
+    or with `nats_url` replica sync over NATS subjects (`--replica-sync-plane nats`, pool `pool`: issue 47)."""
     if cfg == "one":
         return [H.picker(st, spec, "trtllm-render", renderer, extra=extra)]
     if cfg == "nosync":
-        return [H.picker(st, spec, "trtllm-render", renderer, extra=extra) for _ in range(2)]
-    a, b = H.free_port(), H.free_port()
+        return [H.picker(st, spec, "trtllm-render", renderer, extra=extra) for _ in range(replicas)]
+    if nats_url is not None:
+        return [H.picker(st, spec, "trtllm-render", renderer,
+                         extra=["--replica-sync-plane", "nats", "--nats-url", nats_url, "--kv-plane-pool", pool,
+                                *extra])
+                for _ in range(replicas)]
+    ports = [H.free_port() for _ in range(replicas)]
     return [H.picker(st, spec, "trtllm-render", renderer,
-                     extra=["--replica-sync-port", str(me), "--peers", f"127.0.0.1:{other}", *extra])
-            for me, other in ((a, b), (b, a))]
+                     extra=["--replica-sync-port", str(me),
+                            "--peers", ",".join(f"127.0.0.1:{q}" for q in ports if q != me), *extra])
+            for me in ports]
 
 
 def lag_hist(metrics_ports: list[int]) -> dict[str, dict[float, float]]:

@@ -1,6 +1,6 @@
 """Replica sync, the gRPC mesh against NATS subjects (issue 47): how long a booking takes to be seen by the
-other replicas. A smoke: all replicas in this one process (so no CPU per replica here: `bench_replicas`
-measures that for the mesh with processes), loopback, a real nats-server.
+other replicas. A smoke: all replicas in this one process (so no CPU per replica here: `bench_sync_cpu`
+measures that, and visibility, with replica processes on both planes), loopback, a real nats-server.
 
     python -m bench.bench_sync_planes [--replicas 3] [--bookings 200] [--out FILE]
 

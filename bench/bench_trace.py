@@ -37,6 +37,11 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
        prediction-only pickers with other flags.
   (r2) two replicas of (c) with replica sync (--peers) behind the same Envoy, which round-robins ext_proc
        streams across them (bench_replicas' setup): issue 28.9, routing quality of synced replicas
+  (r3m) three replicas of (c) synced over the gRPC full mesh (each --peers the other two), behind one Envoy
+       as (r2); (r3n) the same three synced over NATS subjects (--replica-sync-plane nats, a nats-server of
+       their own; KV events still straight from the workers): issue 47 item 3, routing quality of synced
+       replicas on each plane. Targets r3m_/r3n_within_spread_of_c, as (r2)'s. (g3): the same three
+       pickers with NO replica sync, their control (what three processes on the machine cost by themselves)
   (rs) (c) with the workers' KV event replay, SIGTERMed at ~1/3 of the schedule and started again at once
        with the same flags (same ports): issue 28.9, routing quality across a restart; the new process
        re-warms its index from the workers' replay. Envoy's ext_proc filter has failure_mode_allow off and
@@ -84,7 +89,8 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
         own (`oob`), TTFT over every request (`all_ttft_p50_ms`, `all_ttft_p90_ms`, claimed between the
         pairs too) and `routed_without_picker` (= the out-of-band count). out_of_band.py says how the two
         replays share one clock and how well they met (`oob.sync_lag_ms`).
-       (r2, rs, rs2, rsz, rsn, cv, g2, g2e and the X-oobNN run only when named in --only; the default set is unchanged)
+       (r2, r3m, r3n, rs, rs2, rsz, rsn, cv, g2, g2e, g3 and the X-oobNN run only when named in --only; the default
+       set is unchanged)
   (d)  offline cached-token ratios of the same prompts in arrival order: `pooled_lru` (one LRU cache with
        the capacity of all four workers together, the figure earlier recordings called "the oracle"),
        `infinite`, and `clairvoyant` (bench/clairvoyant.py: placement and Belady eviction knowing the future
@@ -122,7 +128,7 @@ JSON result schema (`trace.json`), besides the common `bench`, `meta` keys, `con
         run: {seed, ttft_{p50,p90,p99,avg}_ms, itl_{p50,p90,p99,avg}_ms, output_tokens_per_s, requests, errors,
               aiperf_cached_ratio, aiperf_prompt_tokens, workers_cached_ratio, workers_prompt_tokens,
               per_worker_served, picker_picks, replay_sched_lag_p99_ms, benchmark_duration_s, aiperf_wall_s,
-              loadavg_1m; (r2, rs2, g2, g2e) picks_per_picker; every picker configuration routed_without_picker;
+              loadavg_1m; (r2, r3m, r3n, rs2, g2, g2e, g3) picks_per_picker; every picker configuration routed_without_picker;
               (rs, rs2) restart: {drain_s,
               down_s, resubscribed_s, picks_before_restart, index_blocks_before, index_blocks_after_replay,
               picks_after_restart, error?; (rs2) envoy_unhealthy_s, envoy_healthy_again_s};
@@ -138,7 +144,7 @@ JSON result schema (`trace.json`), besides the common `bench`, `meta` keys, `con
     result.claims[]: {capacity, offered_rps, metric, config, baseline, median_ratio, claim}
         median_ratio: baseline/config for latencies, config/baseline otherwise (> 1 = config is better);
         claim: the same ratio when the two spreads do not overlap, else null
-    targets: {capacity: {target: {...}}}, with r2_, rs_, rs2_within_spread_of_c and
+    targets: {capacity: {target: {...}}}, with r2_, r3m_, r3n_, rs_, rs2_within_spread_of_c and
              clairvoyant_replayed (offline beside replayed) when those configurations ran,
              issue 47's rsn_window_within_5pct_of_c, rsn_beats_e_in_window, rsz_beside, c_vs_e_in_window, and
              issue 42 item 3's g2_beats_g2e, c-oobNN_beats_e-oobNN:
@@ -180,6 +186,8 @@ AIPERF = str(H.BIN / "aiperf")
 CONFIGS = {"a": "envoy round-robin", "b": "picker, load only", "c": "picker, KV-aware (defaults)",
            "c1": "picker, KV-aware, overlap credit 1.0", "e": "picker, prediction only (no KV events)",
            "r2": "2 picker replicas, replica sync", "rs": "picker restarted at 1/3 of the run",
+           "r3m": "3 picker replicas, replica sync over the gRPC full mesh",
+           "r3n": "3 picker replicas, replica sync over NATS subjects (issue 47)",
            "rs2": "2 synced replicas, one restarted (grace period, health checks)",
            "cv": "clairvoyant plan replayed",
            "rsz": "picker restarted at 1/3 of the run, workers without engine replay (ZeroMQ plane)",
@@ -187,11 +195,13 @@ CONFIGS = {"a": "envoy round-robin", "b": "picker, load only", "c": "picker, KV-
                   "epp-kv-relay on NATS (the restarted picker loads the relay's dumps; issue 47)",
            "g2": "2 KV-aware pickers, NO replica sync (two gateways' pickers)",
            "g2e": "2 prediction-only pickers, no replica sync (two gateways' pickers)",
+           "g3": "3 KV-aware pickers, NO replica sync (r3m/r3n's control: three processes, no sync)",
            **{OB.name(base, share): f"{what}, {share:.0%} of requests out of band (straight to a worker)"
               for share in (0.1, 0.3) for base, what in (("c", "picker, KV-aware (defaults)"),
                                                          ("e", "picker, prediction only (no KV events)"))}}
 # only with --only: the default set (and its cost) stays what it was
-OPT_IN = ("r2", "rs", "rs2", "cv", "rsz", "rsn", "g2", "g2e", "c-oob10", "e-oob10", "c-oob30", "e-oob30")
+OPT_IN = ("r2", "r3m", "r3n", "rs", "rs2", "cv", "rsz", "rsn", "g2", "g2e", "g3", "c-oob10", "e-oob10",
+          "c-oob30", "e-oob30")
 BS = 32
 # (rs2)'s replicas: the product's default shutdown grace period, named so the benchmark follows it
 GRACE_PERIOD_S = Config.__dataclass_fields__["graceful_shutdown_grace_period_s"].default
@@ -486,11 +496,21 @@ def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc,
         return env, [pk]
     if cfg == "r2":
         return start_replicas(st, "sync", H.endpoints_spec(workers), workers, renderer)
+    if cfg == "r3m":  # issue 47 item 3: three synced replicas, the gRPC full mesh (each peers the other two)
+        return start_replicas(st, "sync", H.endpoints_spec(workers), workers, renderer, replicas=3)
+    if cfg == "r3n":  # the same three on NATS subjects (a nats-server of their own; KV events still direct)
+        from epp_extproc.dev.nats import nats_server_proc
+
+        nats = st.add(nats_server_proc(st.dir))
+        return start_replicas(st, "sync", H.endpoints_spec(workers), workers, renderer, replicas=3,
+                              nats_url=f"nats://127.0.0.1:{nats.port}")
     if cfg == "rs2":  # (r2) with the replay endpoints and the product's grace period; replica 0 restarts
         return start_replicas(st, "sync", procs.endpoint_spec(workers, replay=True), workers, renderer,
                               extra=["--graceful-shutdown-grace-period-s", str(GRACE_PERIOD_S)])
     if cfg == "g2":  # two gateways' pickers: (r2) without the sync, each sees only the streams Envoy gives it
         return start_replicas(st, "nosync", H.endpoints_spec(workers), workers, renderer)
+    if cfg == "g3":  # (r3m)/(r3n) without the sync: what three picker processes cost on their own
+        return start_replicas(st, "nosync", H.endpoints_spec(workers), workers, renderer, replicas=3)
     if cfg == "g2e":  # the same pair of (e) pickers: each predicts only what it routed itself
         return start_replicas(st, "nosync", prediction_spec(workers), workers, renderer, extra=E_FLAGS,
                               kv_events=False)
@@ -532,11 +552,13 @@ def prediction_spec(workers: Sequence[H.Proc]) -> str:
 
 
 def start_replicas(st: H.Stack, mode: str, spec: str, workers: Sequence[H.Proc], renderer: H.Proc,
-                   extra: Sequence[str] = (), kv_events: bool = True) -> tuple[H.Proc, list[H.Proc]]:
-    """Two pickers (bench_replicas.pickers_for's ``mode``: "sync" = replica sync between them, "nosync" =
-    none) behind one Envoy that round-robins ext_proc streams across them, once each has every worker's
-    first KV batch (``kv_events``) and Envoy holds both healthy."""
-    pks = BR.pickers_for(st, mode, spec, renderer, extra=extra)
+                   extra: Sequence[str] = (), kv_events: bool = True, replicas: int = 2,
+                   nats_url: str | None = None) -> tuple[H.Proc, list[H.Proc]]:
+    """``replicas`` pickers (two unless said; bench_replicas.pickers_for's ``mode``: "sync" = replica sync
+    between them, on NATS with ``nats_url``, else the gRPC mesh; "nosync" = none) behind one Envoy that
+    round-robins ext_proc streams across them, once each has every worker's first KV batch (``kv_events``)
+    and Envoy holds them all healthy."""
+    pks = BR.pickers_for(st, mode, spec, renderer, extra=extra, replicas=replicas, nats_url=nats_url, pool="trace")
     if kv_events:
         for p in pks:
             H.wait_subscribed(p, [m.address for m in workers])
@@ -924,7 +946,8 @@ def compare(x: dict[str, Any], base: dict[str, Any], metric: str) -> dict[str, A
 
 
 PAIRS = (("b", "a"), ("c", "a"), ("c1", "a"), ("e", "a"), ("c", "b"), ("c", "e"), ("c", "c1"),
-         ("r2", "c"), ("rs", "c"), ("rs2", "c"), ("cv", "c"), ("cv", "e"),
+         ("r2", "c"), ("r3m", "c"), ("r3n", "c"), ("r3n", "r3m"), ("g3", "c"), ("r3n", "g3"), ("r3m", "g3"),
+         ("rs", "c"), ("rs2", "c"), ("cv", "c"), ("cv", "e"),
          ("g2", "g2e"), ("g2", "c"), ("g2e", "e"),
          ("rsz", "c"), ("rsn", "c"), ("rsz", "e"), ("rsn", "e"), ("rsn", "rsz"))
 # issue 42 item 3, "events earn their keep where predictions cannot see": in each situation the KV-aware
@@ -1088,9 +1111,10 @@ def within_spread(x: dict[str, Any], base: dict[str, Any], metric: str) -> dict[
 
 
 def replica_restart_targets(doc: dict[str, Any], cap: str) -> dict[str, Any]:
-    """(r2), (rs) and (rs2) against (c) at each load: the item-9 target, and the restart's own facts."""
+    """(r2), (r3m), (r3n), (rs) and (rs2) against (c) at each load: the item-9 target (issue 47 item 3's for
+    the three-replica ones), and the restart's own facts."""
     out: dict[str, Any] = {}
-    for cfg in ("r2", "rs", "rs2"):
+    for cfg in ("r2", "r3m", "r3n", "rs", "rs2"):
         per = []
         for x in (c for c in doc["result"]["cells"] if c["capacity"] == cap and c["config"] == cfg):
             base = _cell(doc, cap, "c", x["offered_rps"])
@@ -1099,7 +1123,7 @@ def replica_restart_targets(doc: dict[str, Any], cap: str) -> dict[str, Any]:
             ws = [within_spread(x, base, m) for m in WITHIN_METRICS]
             entry: dict[str, Any] = {"offered_rps": x["offered_rps"], "metrics": ws,
                                      "met": all(w["inside"] for w in ws)}
-            if cfg in ("r2", "rs2"):  # a repeat where Envoy sent one replica nothing did not test two replicas
+            if cfg in ("r2", "r3m", "r3n", "rs2"):  # a repeat where Envoy sent one replica nothing did not test two replicas
                 entry["picks_per_picker"] = [r.get("picks_per_picker") for r in x["runs"]]
             if cfg in ("rs", "rs2"):
                 entry["restarts"] = [r.get("restart") for r in x["runs"]]
@@ -1360,8 +1384,8 @@ def register_oob(names: Sequence[str]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = H.bench_parser(__doc__, "trace")
-    ap.add_argument("--only", help="comma-separated subset of configurations (a,b,c,c1,e; r2,rs,rs2,rsz,rsn,cv,g2,"
-                                   "g2e and the out-of-band X-oobNN, e.g. c-oob10,e-oob10, only when named here)")
+    ap.add_argument("--only", help="comma-separated subset of configurations (a,b,c,c1,e; r2,r3m,r3n,rs,rs2,rsz,rsn,cv,"
+                                   "g2,g2e,g3 and the out-of-band X-oobNN, e.g. c-oob10,e-oob10, only when named here)")
     ap.add_argument("--oob-seed", type=int, default=0,
                     help="which requests the X-oobNN configurations send out of band (bench/out_of_band.py)")
     ap.add_argument("--rates", help="comma-separated offered loads (req/s of simulated time); default 10,17.5,25 "

@@ -75,3 +75,21 @@ def test_the_replayed_clairvoyant_plan_places_every_request_where_the_offline_ro
     planned = cap["clairvoyant"][0]["runs"][0]["per_worker_requests"]
     assert [run["per_worker_served"][f"worker-{i}"] for i in range(4)] == planned
     assert "clairvoyant_replayed" in quick_doc["targets"]["scarce"]
+
+
+@pytest.fixture(scope="module")
+def r3_doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench-trace-r3")
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_trace", "--quick", "--only", "r3m,r3n", "--repeats",
+                           "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / "trace.json").read_text())
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("cfg", ["r3m", "r3n"])
+def test_three_replicas_synced_on_the_mesh_or_on_nats_all_route_and_every_request_is_picked(r3_doc: dict,
+                                                                                         cfg: str) -> None:
+    run = _run(r3_doc, cfg)
+    assert len(run["picks_per_picker"]) == 3 and all(n > 0 for n in run["picks_per_picker"])
+    assert run["routed_without_picker"] == 0
