@@ -338,20 +338,9 @@ def aiperf_usage(artifacts: Path) -> tuple[dict[int, tuple[int, int] | None], in
     and AIPerf's first credit (epoch ns), the schedule's time 0 on the machine's clock. From AIPerf's per-record
     export (``profile_export.jsonl``), profiling phase only."""
     out: dict[int, tuple[int, int] | None] = {}
-    first: int | None = None
-    path = artifacts / "profile_export.jsonl"
-    if not path.exists():
-        return out, first
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        rec = json.loads(line)
+    records, first = OB.profiling_records(artifacts)
+    for rec in records:
         meta = rec.get("metadata") or {}
-        if meta.get("benchmark_phase", "profiling") != "profiling":
-            continue
-        c = meta.get("credit_issued_ns")
-        if c is not None:
-            first = c if first is None else min(first, c)
         i = int(str(meta["conversation_id"]).rsplit("_", 1)[1])
         m = rec.get("metrics") or {}
         p, k = (m.get("usage_prompt_tokens") or {}).get("value"), (m.get("usage_prompt_cache_read_tokens") or {}).get(

@@ -221,14 +221,14 @@ class Replayer(threading.Thread):
         return [x["ttft_ms"] for x in self.results if x["ttft_ms"] is not None]
 
 
-def aiperf_records(artifacts: Path) -> tuple[list[float], int | None]:
-    """AIPerf's per-request TTFTs (ms) of the profiling phase and its first credit's time (epoch ns), from its
-    per-record export (``profile_export.jsonl``)."""
-    ttfts: list[float] = []
+def profiling_records(artifacts: Path) -> tuple[list[dict[str, Any]], int | None]:
+    """AIPerf's per-record export (``profile_export.jsonl``): the profiling phase's records, and its first
+    credit's time (epoch ns), the schedule's time 0 on the machine's clock."""
+    records: list[dict[str, Any]] = []
     first: int | None = None
     path = artifacts / "profile_export.jsonl"
     if not path.exists():
-        return ttfts, first
+        return records, first
     for line in path.read_text().splitlines():
         if not line.strip():
             continue
@@ -239,9 +239,15 @@ def aiperf_records(artifacts: Path) -> tuple[list[float], int | None]:
         c = meta.get("credit_issued_ns")
         if c is not None:
             first = c if first is None else min(first, c)
-        v = ((rec.get("metrics") or {}).get("time_to_first_token") or {}).get("value")
-        if v is not None:
-            ttfts.append(float(v))
+        records.append(rec)
+    return records, first
+
+
+def aiperf_records(artifacts: Path) -> tuple[list[float], int | None]:
+    """AIPerf's per-request TTFTs (ms) of the profiling phase and its first credit's time (epoch ns)."""
+    records, first = profiling_records(artifacts)
+    ttfts = [float(v) for rec in records
+             if (v := ((rec.get("metrics") or {}).get("time_to_first_token") or {}).get("value")) is not None]
     return ttfts, first
 
 

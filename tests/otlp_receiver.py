@@ -5,9 +5,12 @@ and the real-engine suite tests/e2e/test_vllm_tracing_e2e.py."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import grpc
@@ -60,3 +63,27 @@ def serve() -> tuple[Receiver, int, grpc.Server]:
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return r, port, server
+
+
+@contextlib.contextmanager
+def http_bodies() -> Iterator[tuple[int, list[tuple[str, bytes]]]]:
+    """OTLP/HTTP's side: a loopback HTTP server that answers every POST 200 and keeps (path, body); yields its
+    port and that list, and stops when the block ends."""
+    got: list[tuple[str, bytes]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            got.append((self.path, self.rfile.read(int(self.headers["content-length"]))))
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            return None
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1], got
+    finally:
+        server.shutdown()

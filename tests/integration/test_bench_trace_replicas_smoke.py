@@ -16,13 +16,18 @@ pytestmark = pytest.mark.slow  # about a minute: `make test-slow`
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def quick_doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("bench-trace-r2-rs-cv")
-    proc = subprocess.run([sys.executable, "-m", "bench.bench_trace", "--quick", "--only", "r2,rs,cv", "--repeats",
+def quick_run(tmp_path_factory: pytest.TempPathFactory, only: str) -> dict:
+    """bench_trace --quick with these configurations, one repeat: its trace.json."""
+    out = tmp_path_factory.mktemp("bench-trace-" + only.replace(",", "-"))
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_trace", "--quick", "--only", only, "--repeats",
                            "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((out / "trace.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def quick_doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return quick_run(tmp_path_factory, "r2,rs,cv")
 
 
 def _run(doc: dict, cfg: str) -> dict:
@@ -79,11 +84,7 @@ def test_the_replayed_clairvoyant_plan_places_every_request_where_the_offline_ro
 
 @pytest.fixture(scope="module")
 def r3_doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("bench-trace-r3")
-    proc = subprocess.run([sys.executable, "-m", "bench.bench_trace", "--quick", "--only", "r3m,r3n", "--repeats",
-                           "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=170)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads((out / "trace.json").read_text())
+    return quick_run(tmp_path_factory, "r3m,r3n")
 
 
 @pytest.mark.timeout(180)

@@ -163,9 +163,14 @@ def _item3_doc(ttft: dict[str, float]) -> dict[str, Any]:
                  "aiperf_cached_ratio": 0.5} for f in (0.95, 1.0, 1.05)]
         return {"capacity": "75", "config": cfg, "offered_rps": 36.0, "divisor": 1.0, "runs": runs,
                 "summary": {"ttft_p90_ms": {"median": t}, "aiperf_cached_ratio": {"median": 0.5}}}
-    doc: dict[str, Any] = {"result": {"cells": [cell(k, v) for k, v in ttft.items()], "capacities": [
+    return _one_load_doc([cell(k, v) for k, v in ttft.items()], 36.0)
+
+
+def _one_load_doc(cells: list[dict[str, Any]], rps: float) -> dict[str, Any]:
+    """A bench_trace document of these cells at one load of the 75 capacity, with its claims."""
+    doc: dict[str, Any] = {"result": {"cells": cells, "capacities": [
         {"name": "75", "oracle": {"pooled_lru": 0.6},
-         "clairvoyant": [{"offered_rps": 36.0, "cached_ratio": {"median": 0.65}}]}]}}
+         "clairvoyant": [{"offered_rps": rps, "cached_ratio": {"median": 0.65}}]}]}}
     doc["claims"] = claims(doc)
     return doc
 
@@ -225,11 +230,7 @@ def _window_doc(window: dict[str, list[float]]) -> dict[str, Any]:
                  "errors": 0, "aiperf_cached_ratio": 0.5, "window": {"matched": {}}} for x in xs]
         return {"capacity": "75", "config": cfg, "offered_rps": 17.5, "divisor": 1.0, "runs": runs,
                 "summary": BT.S.summarize(runs, [*BT.WINDOW_METRICS, "aiperf_cached_ratio"])}
-    doc: dict[str, Any] = {"result": {"cells": [cell(k, v) for k, v in window.items()], "capacities": [
-        {"name": "75", "oracle": {"pooled_lru": 0.6},
-         "clairvoyant": [{"offered_rps": 17.5, "cached_ratio": {"median": 0.65}}]}]}}
-    doc["claims"] = claims(doc)
-    return doc
+    return _one_load_doc([cell(k, v) for k, v in window.items()], 17.5)
 
 
 def test_the_relay_restart_is_within_5pct_of_c_by_the_ratio_of_window_medians_without_a_claim() -> None:

@@ -403,35 +403,17 @@ def test_envoy_config_turns_envoys_opentelemetry_tracer_on() -> None:
 async def test_spans_reach_an_otlp_http_collector_the_default_protocol() -> None:
     """The exporter the standard variables choose by default (OTLP/HTTP) against a real receiver of the
     protocol's own protobuf (the gRPC one is exercised through Envoy: tests/integration/test_tracing_envoy.py)."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
-    got: list[tuple[str, str]] = []
+    from tests.otlp_receiver import http_bodies
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802
-            req = trace_service_pb2.ExportTraceServiceRequest.FromString(
-                self.rfile.read(int(self.headers["content-length"])))
-            got.extend((self.path, s.trace_id.hex()) for rs in req.resource_spans for ss in rs.scope_spans
-                       for s in ss.spans)
-            self.send_response(200)
-            self.send_header("content-length", "0")
-            self.end_headers()
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-            return None
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        tr = Tracing.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}"},
-                              CollectorRegistry())
+    with http_bodies() as (port, bodies):
+        tr = Tracing.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}"}, CollectorRegistry())
         await run(servicer(tr), request(), (("traceparent", SAMPLED),))
         tr.shutdown()  # flushes
-    finally:
-        server.shutdown()
+    got = [(path, s.trace_id.hex()) for path, body in bodies
+           for rs in trace_service_pb2.ExportTraceServiceRequest.FromString(body).resource_spans
+           for ss in rs.scope_spans for s in ss.spans]
     assert len(got) == 4 and set(got) == {("/v1/traces", TRACE_ID)}
 
 

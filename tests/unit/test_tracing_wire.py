@@ -3,9 +3,7 @@ the SDK's own OTLP exporters (HTTP and gRPC) send them to a real receiver of the
 
 from __future__ import annotations
 
-import threading
 from concurrent import futures
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import grpc
@@ -22,6 +20,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from epp_extproc.core.errors import PickError, Problem
 from epp_extproc.tracing import otlp_wire
 from epp_extproc.tracing.spans import Record, SpanQueue, Tracing
+from tests.otlp_receiver import http_bodies
 from tests.unit.test_tracing import SAMPLED, request, run, servicer
 
 RESOURCE = Resource.create({"service.name": "epp-test", "k8s.pod.name": "picker-0", "replicas": 3})
@@ -105,30 +104,14 @@ def test_an_exporter_that_is_not_the_sdks_otlp_one_is_left_alone() -> None:
 
 def test_the_sdks_http_exporter_posts_the_encoded_bytes_to_a_real_receiver(monkeypatch: Any) -> None:
     monkeypatch.setattr(http_module, "encode_spans", http_module.encode_spans)
-    bodies: list[bytes] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802
-            bodies.append(self.rfile.read(int(self.headers["content-length"])))
-            self.send_response(200)
-            self.send_header("content-length", "0")
-            self.end_headers()
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-            return None
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        exporter = HttpExporter(endpoint=f"http://127.0.0.1:{server.server_address[1]}/v1/traces")
+    with http_bodies() as (port, bodies):
+        exporter = HttpExporter(endpoint=f"http://127.0.0.1:{port}/v1/traces")
         assert otlp_wire.install(exporter)
         keep = Keep()
         batch = keep._encoded([(0xABC, "", 0x1234, 0, 10, 20, {"a": "b"}, None, ())])
         assert exporter.export(batch) is SpanExportResult.SUCCESS
         exporter.shutdown()
-    finally:
-        server.shutdown()
-    assert bodies == [batch.payload]
+    assert bodies == [("/v1/traces", batch.payload)]
 
 
 def test_the_sdks_grpc_exporter_sends_the_encoded_request_to_a_real_receiver() -> None:
