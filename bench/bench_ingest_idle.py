@@ -14,7 +14,11 @@ until every subscription has received one (`kvpub`'s ``beat``), then:
   what N subscribed, silent workers cost;
 * **trickle**: every worker stores a one-batch prefix (``go``), 3 s later each publishes `--rate` batches/s
   (a chain of 1..7 fresh blocks) for `--trickle-s`: CPU over that window, and CPU per batch
-  = (trickle CPU - idle CPU rate x window) / batches published in the window (`kvpub`'s own count).
+  = (trickle CPU - idle CPU rate x window) / batches the picker applied (its `/debug/kv`, read just before
+  and after the window: workers refused a socket publish but are not counted).
+
+CPU is also split by thread name (/proc): "python" is the event loop (and the default executor), "ZMQbg/IO/0"
+libzmq's I/O thread, which reads every subscribed socket's connection.
 
 `--profile DIR` runs py-spy (``PY_SPY``, default /tmp/spy/bin/py-spy) over each window and writes its collapsed
 stacks and the top frames by self time to DIR.
@@ -43,6 +47,29 @@ def published(pubs: list[procs.Proc]) -> int:
     return sum(H.kvpub_command(p, "stats")["published"] for p in pubs)
 
 
+def applied(pk: procs.Proc) -> int:
+    """Batches the picker's index has applied, all workers (read outside the CPU windows: it costs the picker)."""
+    return sum(w.get("batches", 0) for w in H.get_json(H.picker_url(pk) + "/debug/kv", timeout=120)["workers"].values())
+
+
+def thread_cpu(pid: int) -> collections.Counter[str]:
+    """CPU seconds per thread name of `pid` (the event loop is "python", libzmq's I/O thread "ZMQbg/IO/0")."""
+    out: collections.Counter[str] = collections.Counter()
+    tck = os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            parts = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[name] += (int(parts[11]) + int(parts[12])) / tck
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
 def top_frames(raw: Path, n: int = 25) -> list[tuple[str, int, float]]:
     """Self time and inclusive time per frame of a py-spy raw (collapsed) file."""
     self_t: collections.Counter[str] = collections.Counter()
@@ -61,23 +88,24 @@ def top_frames(raw: Path, n: int = 25) -> list[tuple[str, int, float]]:
     return [(f, c, round(incl[f] / max(total, 1), 3)) for f, c in self_t.most_common(n)]
 
 
-def window(pid: int, seconds: float, profile: Path | None, tag: str) -> tuple[float, float]:
-    """CPU seconds of `pid` over a window of `seconds` and the window's length; py-spy over it if asked."""
+def window(pid: int, seconds: float, profile: Path | None, tag: str) -> tuple[float, float, dict[str, float]]:
+    """CPU seconds of `pid` over a window of `seconds`, the window's length and the CPU per thread name;
+    py-spy over it if asked."""
     spy = None
     if profile is not None:
         profile.mkdir(parents=True, exist_ok=True)
         spy = subprocess.Popen([PY_SPY, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "100",
                                 "--nonblocking", "-f", "raw", "-o", str(profile / f"{tag}.txt")],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    c0, t0 = procs.proc_cpu_seconds(pid), time.monotonic()
+    th0, c0, t0 = thread_cpu(pid), procs.proc_cpu_seconds(pid), time.monotonic()
     time.sleep(seconds)
-    c1, t1 = procs.proc_cpu_seconds(pid), time.monotonic()
+    c1, t1, th1 = procs.proc_cpu_seconds(pid), time.monotonic(), thread_cpu(pid)
     if spy is not None:
         spy.wait(timeout=60)
         out = profile / f"{tag}.txt"
         if out.exists():
             (profile / f"{tag}.top.json").write_text(json.dumps(top_frames(out), indent=1))
-    return c1 - c0, t1 - t0
+    return c1 - c0, t1 - t0, {k: round(th1[k] - th0.get(k, 0.0), 2) for k in th1 if th1[k] - th0.get(k, 0.0) > 0}
 
 
 def run_one(tree: str, n: int, a: Any, rep: int) -> dict[str, Any]:
@@ -128,21 +156,22 @@ def run_one(tree: str, n: int, a: Any, rep: int) -> dict[str, Any]:
         row["refused"] = refused
         row["subscribed_s"] = round(time.monotonic() - deadline + a.subscribe_timeout, 1)
         time.sleep(2.0)
-        cpu, el = window(pid, a.idle_s, prof, "idle")
+        cpu, el, row["idle_thread_cpu_s"] = window(pid, a.idle_s, prof, "idle")
         row["idle_cpu_util"] = round(cpu / el, 4)
         row["idle_window_s"] = round(el, 2)
         for p in pubs:
             H.kvpub_command(p, "go")
         time.sleep(3.0)
-        b0 = published(pubs)
-        cpu, el = window(pid, a.trickle_s, prof, "trickle")
-        b1 = published(pubs)
+        b0, a0 = published(pubs), applied(pk)
+        cpu, el, row["trickle_thread_cpu_s"] = window(pid, a.trickle_s, prof, "trickle")
+        a1, b1 = applied(pk), published(pubs)
         row["trickle_cpu_util"] = round(cpu / el, 4)
         row["trickle_window_s"] = round(el, 2)
-        row["batches"] = b1 - b0
-        row["batches_per_s"] = round((b1 - b0) / el, 1)
-        row["cpu_us_per_batch_raw"] = round(cpu / max(b1 - b0, 1) * 1e6, 1)
-        row["cpu_us_per_batch"] = round((cpu - row["idle_cpu_util"] * el) / max(b1 - b0, 1) * 1e6, 1)
+        row["published"] = b1 - b0  # by every worker, subscribed or not
+        row["batches"] = a1 - a0  # applied (a little more than the window: the reads bracket it)
+        row["batches_per_s"] = round((a1 - a0) / el, 1)
+        row["cpu_us_per_batch_raw"] = round(cpu / max(a1 - a0, 1) * 1e6, 1)
+        row["cpu_us_per_batch"] = round((cpu - row["idle_cpu_util"] * el) / max(a1 - a0, 1) * 1e6, 1)
         row["rss_mb"] = round(H.prometheus_rss(H.get_text(H.picker_url(pk) + "/metrics")) / 2**20, 1)
         row["loadavg_1m"] = os.getloadavg()[0]
         t_stop = time.monotonic()
