@@ -194,12 +194,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--picker-args", default="", help="more picker flags (space-separated)")
     ap.add_argument("--subscribe-timeout", type=float, default=120.0)
     a = ap.parse_args(argv)
+    if a.quick:  # a smoke test: a few workers, windows of seconds
+        a.workers, a.idle_s, a.trickle_s, a.repeats = "20", 2.0, 2.0, 1
     rows = []
     for rep in range(a.repeats):
         for n in (int(x) for x in a.workers.split(",")):
             for tree in a.trees.split(","):  # trees alternate within a repeat: drift hits both alike
                 rows.append(run_one(tree, n, a, rep))
-    doc = {"bench": "ingest_idle", **H.meta(False), "argv": sys.argv[1:], "rows": rows}
+    doc = {"bench": "ingest_idle", **H.meta(a.quick), "argv": sys.argv[1:], "rows": rows}
     out = Path(a.out) if a.out.endswith(".json") else Path(a.out) / "ingest_idle.json"
     H.write_json(out, doc)
     return doc
