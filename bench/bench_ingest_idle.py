@@ -53,7 +53,8 @@ def applied(pk: procs.Proc) -> int:
 
 
 def thread_cpu(pid: int) -> collections.Counter[str]:
-    """CPU seconds per thread name of `pid` (the event loop is "python", libzmq's I/O thread "ZMQbg/IO/0")."""
+    """CPU seconds per thread name of `pid` (the event loop is "python", libzmq's I/O thread "ZMQbg/IO/0"),
+    and of it in the kernel ("NAME (kernel)")."""
     out: collections.Counter[str] = collections.Counter()
     tck = os.sysconf("SC_CLK_TCK")
     try:
@@ -65,6 +66,7 @@ def thread_cpu(pid: int) -> collections.Counter[str]:
             name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
             parts = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
             out[name] += (int(parts[11]) + int(parts[12])) / tck
+            out[f"{name} (kernel)"] += int(parts[12]) / tck
         except (OSError, IndexError, ValueError):
             pass
     return out
