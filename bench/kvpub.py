@@ -19,6 +19,8 @@ msgpack. Protocol on stdin/stdout, one JSON line per answer:
 * ``flood [RATE]`` / ``calm``: worker 0 also sends fresh 64-block chains, RATE batches/s (as fast as this
   process can without one): a flooding publisher, the hostile issue's case; answers ``{"flooding": true}``;
   ``calm`` stops it and answers ``{"flooded": batches}``;
+* ``beat``: one empty batch from every worker now (answers ``{"beat": workers}``): with a long
+  ``--heartbeat-s`` a caller checks the subscriptions and then has the workers silent;
 * ``stats``: ``{"published": batches, "rate": achieved batches/s, "behind_s": how late the schedule ran}``;
 * ``stop``: answers and exits.
 
@@ -137,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
             flooding, flooded = True, 0
             flood_every, flood_next = (1.0 / rate if rate > 0 else 0.0), time.monotonic()
             answer({"flooding": True})
+        elif cmd == "beat":
+            for i, s in enumerate(socks):
+                _send(s, seq[i], [])
+                seq[i] += 1
+            answer({"beat": a.workers})
         elif cmd == "calm":
             flooding = False
             answer({"flooded": flooded})

@@ -89,3 +89,58 @@ async def test_a_changed_fingerprint_is_picked_up_and_a_lost_worker_forgotten() 
     await until_async(lambda: w.state(srv.address) == "missing")
     assert w.get(srv.address) is None
     await stop(task, srv)
+
+
+class _CountingDict(dict):  # type: ignore[type-arg]
+    """A dict that counts the elements every pass over it yields (keys, values, items, plain iteration)."""
+
+    passed = 0
+
+    def _count(self, it: Any) -> Any:
+        for x in it:
+            self.passed += 1
+            yield x
+
+    def __iter__(self) -> Any:
+        return self._count(super().__iter__())
+
+    def keys(self) -> Any:
+        return self._count(super().keys())
+
+    def values(self) -> Any:
+        return self._count(super().values())
+
+    def items(self) -> Any:
+        return self._count(super().items())
+
+
+async def test_a_wake_up_costs_what_is_due_not_a_pass_over_the_pool() -> None:
+    """The reads come due a few workers at a time (each completes at its own moment), so the watcher wakes
+    often: at 10,000 workers three passes over every entry per wake-up (the due list, the next due time, the
+    connections to keep) cost the picker ~40% of a core doing nothing else. Counted, not timed: after the
+    admission round, the wake-ups of several refresh rounds together pass over fewer entries than the pool
+    holds once, while every worker keeps being re-read."""
+    n, refresh_s = 2000, 0.1
+    reg = EndpointRegistry()
+    w = FingerprintWatcher(reg, PickerMetrics(), refresh_s=refresh_s, retry_s=0.02, timeout_s=1.0)
+    w._entries = entries = _CountingDict()  # noqa: SLF001 - what a wake-up touches is the point
+    reads: dict[str, int] = {}
+
+    async def fetch(address: str) -> tuple[None, str]:
+        reads[address] = reads.get(address, 0) + 1
+        await asyncio.sleep((hash(address) % 40) * 0.002)  # completions (so due times) spread over 80 ms
+        return None, "missing"
+
+    w._fetch = fetch  # type: ignore[method-assign]  # noqa: SLF001 - no HTTP: the schedule is under test
+    task = asyncio.create_task(w.run())
+    reg.replace([Endpoint(f"w{i}", f"127.0.0.1:{20000 + i}") for i in range(n)])
+    await until_async(lambda: len(reads) == n)
+    await asyncio.sleep(0.1)  # the admission round has completed
+    entries.passed = 0
+    first = dict(reads)
+    await asyncio.sleep(8 * refresh_s)
+    rounds = min(reads[a] - first[a] for a in first)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert rounds >= 2  # every worker re-read, about every refresh_s
+    assert entries.passed < n, f"{entries.passed} entries passed over in {rounds}+ rounds of {n} workers"
