@@ -89,7 +89,11 @@ def attributes(tag: int, attrs: Mapping[str, Any]) -> bytes:
                 if len(_PAIRS) < _MAX_PAIRS:
                     _PAIRS[(tag, k, v)] = kv
         else:
-            kv = _ld(tag, _key(k) + _ld(0x12, _value(v)))
+            try:
+                kv = _ld(tag, _key(k) + _ld(0x12, _value(v)))
+            except Exception:  # a value the protocol has no type for: skipped, as the SDK's encoder skips it
+                log.exception("tracing: attribute %s not encoded", k)
+                continue
         out.append(kv)
     return b"".join(out)
 

@@ -146,3 +146,9 @@ def test_the_encoded_pairs_kept_for_reuse_are_bounded_and_pairs_past_the_bound_s
     assert wire(keep, records) == sdk(keep, records)
     assert len(otlp_wire._PAIRS) <= otlp_wire._MAX_PAIRS
     assert len(otlp_wire._KEYS) <= otlp_wire._MAX_KEYS
+
+
+def test_a_value_the_protocol_cannot_hold_is_skipped_as_the_sdk_skips_it() -> None:
+    keep = Keep()
+    record: Record = (0xABC, "", 0x1234, 0, 10, 20, {"ok": 1, "bad": object(), "after": "x"}, None, ())
+    assert wire(keep, [record]) == sdk(keep, [record])
