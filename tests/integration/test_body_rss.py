@@ -64,8 +64,11 @@ def _check(figures: dict[str, dict[str, float]], budget: int, calls: int) -> Non
         # on a loaded 2-core machine at a 64 MiB budget), a quarter of the budget at most, and it does not grow
         assert f["after"] - base <= budget // 4, (tag, (f["after"] - base) / 1e6)
         assert f["ended"] < calls, tag  # some bodies were held: the bound was met by holding, not refusing all
+    # no round keeps more than the least an earlier round kept: a first round's warm state released a round later
+    # (+11 MB, then 0, 0, 0 in one CI run) is not growth; 0, 7, 14 MB would be
     afters = [f["after"] for f in figures.values()]
-    assert max(afters) - min(afters) <= budget // 10, [round((a - base) / 1e6) for a in afters]  # no round keeps more
+    for i in range(1, len(afters)):
+        assert afters[i] - min(afters[:i]) <= budget // 10, [round((a - base) / 1e6) for a in afters]
 
 
 @pytest.fixture(scope="module")
