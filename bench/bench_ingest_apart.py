@@ -692,12 +692,30 @@ async def run_processes(mode: str, n: int, procs: int, path: Path, seconds: floa
 
 
 # ------------------------------------------------------------------ the channel itself
-def channel_server(n: int, sock_dir: str) -> None:
-    """A child process: one index of `n` workers holding the document, answering the same lookup over a
-    SEQPACKET socket (the product's answer code) and over a ZeroMQ REP on ipc://."""
-    from epp_extproc.ingest.server import IngestShard
+def _doc_batches(n: int, doc: list[int], tiers: bool) -> list[tuple[str, Any]]:
+    """Per simulated worker, the batch that stores its part of the document on the GPU (worker 0 all of it,
+    the others between half and all); with `tiers`, every other worker also holds the whole document in host
+    memory (vLLM's `CPU` medium, issue 44): its prefix goes on past its GPU part there."""
     from kvindex.events import BlockStored, DecodedBatch
     from kvindex.hashing import pack_tokens
+    from kvindex.tiers import TIER_CPU
+
+    out = []
+    for w in range(n):
+        k = DOC_BLOCKS if w == 0 else random.Random(w).randint(DOC_BLOCKS // 2, DOC_BLOCKS)
+        evs: list[Any] = [BlockStored([(w << 40) + j for j in range(k)], None, pack_tokens(doc[:k * BS]), BS)]
+        if tiers and w % 2:
+            evs.append(BlockStored([(w << 40) + j for j in range(DOC_BLOCKS)], None, pack_tokens(doc), BS,
+                                   tier=TIER_CPU))
+        out.append((f"127.0.0.1:{20000 + w}", DecodedBatch(events=evs, raw_event_count=len(evs))))
+    return out
+
+
+def channel_server(n: int, sock_dir: str, tiers: bool = False) -> None:
+    """A child process: one index of `n` workers holding the document, answering the same lookup over a
+    SEQPACKET socket (the product's answer code) and over a ZeroMQ REP on ipc://; with `tiers`, half of them
+    also hold it in host memory (`_doc_batches`)."""
+    from epp_extproc.ingest.server import IngestShard
 
     shard = IngestShard(sock_dir, 0, 1, block_size=BS)
     doc = make_doc()
@@ -705,10 +723,8 @@ def channel_server(n: int, sock_dir: str) -> None:
     async def serve() -> None:
         addresses = [f"127.0.0.1:{20000 + w}" for w in range(n)]
         await shard.want("bench", dict.fromkeys(addresses, ()))  # known workers, no subscriptions
-        for w, addr in enumerate(addresses):
-            k = DOC_BLOCKS if w == 0 else random.Random(w).randint(DOC_BLOCKS // 2, DOC_BLOCKS)
-            ev = BlockStored([(w << 40) + j for j in range(k)], None, pack_tokens(doc[:k * BS]), BS)
-            shard.index.apply_batch(addr, DecodedBatch(events=[ev], raw_event_count=1))
+        for addr, batch in _doc_batches(n, doc, tiers):
+            shard.index.apply_batch(addr, batch)
         await shard.start()
         zctx = zmq.asyncio.Context()
         rep = zctx.socket(zmq.REP)
@@ -776,6 +792,69 @@ async def run_channel(ns: list[int], lengths: list[int], reps: int) -> list[dict
                          "zmq_ipc_p50_ms": _ms(statistics.median(t_zmq)), "zmq_ipc_p99_ms": _ms(pct(t_zmq, 0.99))})
         req.close(0)
         zctx.term()
+        proc.kill()
+        proc.wait()
+    return rows
+
+
+async def run_tiers(ns: list[int], lengths: list[int], reps: int) -> list[dict[str, Any]]:
+    """What tier credit adds to a decision under `apart` (issue 44): while a shard holds blocks off the GPU,
+    `TieredCreditScorer.prepare` sends a second lookup (`RemoteKv.tiers`) after the overlap one
+    (`RemoteKv.overlap_array`). Per pool size and prompt length, both calls timed alternately against the
+    same shard (half its workers hold the document in host memory too), next to the in-process walks they
+    replace (`KvIndex.overlap_array`, `KvIndex.overlap_tiers`)."""
+    from epp_extproc.adapters.kv_remote import RemoteKv
+    from epp_extproc.adapters.worker_facts import Prompt
+    from epp_extproc.core.endpoints import EndpointRegistry
+    from kvindex.index import KvIndex
+
+    doc = make_doc()
+    rows = []
+    for n in ns:
+        d = tempfile.mkdtemp(prefix="epp-tiers-")
+        proc = subprocess.Popen([sys.executable, "-m", "bench.bench_ingest_apart", "--channel-server", str(n),
+                                 "--channel-tiers", "--play-dir", d], stdout=subprocess.PIPE)
+        assert proc.stdout is not None
+        proc.stdout.readline()
+        local = KvIndex(BS, 1_000_000)
+        for addr, batch in _doc_batches(n, doc, True):
+            local.apply_batch(addr, batch)
+        addresses = tuple(f"127.0.0.1:{20000 + w}" for w in range(n))
+        kv = RemoteKv(EndpointRegistry(), directory=d, shards=1, block_size=BS, prediction_ttl_s=0.0,
+                      lookup_timeout_s=1.0, ask_server_info=False)
+        for _ in range(200):  # the shard pushes its table (and its off-GPU flag) on its own schedule
+            kv.overlap_array(Prompt(doc[:BS], None), addresses)
+            if kv.has_tiers():
+                break
+            await asyncio.sleep(0.05)
+        assert kv.has_tiers() and local.has_tiers()
+        for length in lengths:
+            prompt = Prompt(doc[:length], None)
+            hashes = prompt.hashes(BS)
+            want = local.overlap_tiers(hashes, BS, addresses)
+            assert kv.tiers(prompt, addresses) == want  # the same runs over the channel
+            t_ov, t_ti, t_lov, t_lti = [], [], [], []
+            for _ in range(reps):
+                t = time.perf_counter()
+                kv.overlap_array(prompt, addresses)
+                t_ov.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                kv.tiers(prompt, addresses)
+                t_ti.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                local.overlap_array(hashes, BS, addresses)
+                t_lov.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                local.overlap_tiers(hashes, BS, addresses)
+                t_lti.append(time.perf_counter() - t)
+            row: dict[str, Any] = {"workers": n, "prompt_tokens": length}
+            for name, xs in (("overlap", t_ov), ("tiers", t_ti), ("in_process_overlap", t_lov),
+                             ("in_process_tiers", t_lti)):
+                row[f"{name}_p50_ms"] = _ms(statistics.median(xs))
+                row[f"{name}_p99_ms"] = _ms(pct(xs, 0.99))
+            row["tiers_over_overlap_p50"] = round(statistics.median(t_ti) / statistics.median(t_ov), 2)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
         proc.kill()
         proc.wait()
     return rows
@@ -878,9 +957,10 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
     events = Path(a.events)
     events.mkdir(parents=True, exist_ok=True)
     files = {}
+    replays = bool({"scale", "flood", "processes"} & set(a.parts.split(",")))  # the parts that play recordings
     for n in sizes:
         f = events / f"ingest-{n}w-{int(seconds)}s.bin"
-        if not f.exists():
+        if replays and not f.exists():
             record(n, f, seconds + 2, flood=(n == 8))
         files[n] = f
     out: dict[str, Any] = {"bench": "ingest_apart", "quick": a.quick, "seconds": seconds, "pinned": a.pin, "player_cpu": a.player_cpu if a.pin else None,
@@ -890,6 +970,8 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
     if "channel" in parts:
         out["channel"] = await run_channel([8, 256, 1000], [1024, DOC_BLOCKS * BS], 200 if a.quick else 2000)
         print(json.dumps(out["channel"], indent=1), flush=True)
+    if "tiers" in parts:
+        out["tiers"] = await run_tiers([8, 256, 1000], [1024, DOC_BLOCKS * BS], 200 if a.quick else 1000)
     out["scale"] = []
     modes = a.modes.split(",")
     for n in sizes if "scale" in parts else []:
@@ -926,7 +1008,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/ingest_apart.json")
     ap.add_argument("--events", default="/tmp/epp-ingest-events", help="recorded event files (made if absent)")
     ap.add_argument("--sizes", default="8,256,1000", help="simulated pool sizes")
-    ap.add_argument("--parts", default="channel,scale,flood,scrape,processes", help="which measurements")
+    ap.add_argument("--parts", default="channel,scale,flood,scrape,processes", help="which measurements (also: tiers, the second lookup tier credit adds under apart)")
     ap.add_argument("--modes", default="inprocess,apart",
                     help="scale/flood variants: inprocess (the default), inprocess-unpaced (no per-worker CPU "
                          "budget), apart (lookups on the shard's loop), "
@@ -946,6 +1028,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--play-dir", help=argparse.SUPPRESS)
     ap.add_argument("--channel-server", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--channel-tiers", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--fake-workers", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.play:
@@ -958,7 +1041,7 @@ def main(argv: list[str] | None = None) -> int:
         fake_workers(a.fake_workers)
         return 0
     if a.channel_server:
-        channel_server(a.channel_server, a.play_dir)
+        channel_server(a.channel_server, a.play_dir, a.channel_tiers)
         return 0
     if a.pin:
         _pin(os.getpid(), 0)
