@@ -2,6 +2,7 @@
 
     make bench-vllm-crosscheck          # = python -m bench.bench_vllm_crosscheck (needs .venv-vllm: make e2e-vllm)
     python -m bench.bench_vllm_crosscheck [--requests 200] [--rate 4] [--repeats 3] [--engines vllm,mock]
+                                          [--workload mooncake|system-prompt|multi-turn|...]
 
 `bench_trace` judges routers on `trtllm-mock` workers. Its figures count only if the mock ranks the routers as
 real engines would, so the same slice of the Mooncake trace (bench/trace_workload.py: whole prefix trees 1 in
@@ -16,6 +17,11 @@ prefix caching on, a deliberately small KV cache: `--num-gpu-blocks-override`) b
 and two `trtllm-mock` workers with bench_trace's timing model behind the mock's renderer. Each pool's KV
 capacity is set from ITS OWN tokenization of the slice: the working set W (distinct full 32-token blocks)
 over 4/3 over the two workers, the "75" point of bench_trace (so both pools are under the same pressure).
+
+`--workload` replays another workload of issue 42's suite instead of the trace (bench/workloads.py, content
+seed 0, its first `--requests` records, default 400; the same word mapping, so a hash id is 32 words): issue 42
+item 4 asks for the shared-system-prompt and multi-turn workloads beside the trace. Its records' own gaps set
+the schedule, rescaled to `--rate` as the trace's are.
 
 The ground truth is what each engine reports: `usage.prompt_tokens_details.cached_tokens` over
 `usage.prompt_tokens`, summed over the run (vLLM's `--enable-prompt-tokens-details`; the mock reports the same
@@ -45,6 +51,7 @@ from typing import Any
 
 from bench import harness as H
 from bench import trace_workload as T
+from bench import workloads as W
 from bench.bench_trace import Plan
 from epp_extproc.dev.procs import Proc, wait_all_ready
 
@@ -63,6 +70,7 @@ class Args:
     pools: tuple[str, ...]
     out: str
     quick: bool
+    workload: str = "mooncake"
 
 
 def spread(values: Sequence[float]) -> dict[str, float] | None:
@@ -91,7 +99,10 @@ class Slice:
 
 def make_slice(a: Args) -> Slice:
     scale = T.TraceScale(max_requests=a.requests)
-    rows = T.sample(T.load(T.find_trace()), scale)
+    if a.workload == "mooncake":
+        rows = T.sample(T.load(T.find_trace()), scale)
+    else:  # a generated workload: its records as bench_trace replays them (timestamps at its reference load)
+        rows = W.generate(a.workload, 0, a.requests)
     texts = [T.prompt_text(r, scale) for r in rows]
     outs = [min(a.max_tokens, T.output_tokens(r, scale)) for r in rows]
     return Slice(rows, texts, outs, 0.25 * T.mean_gap_ms(rows))
@@ -347,9 +358,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--engines", default="vllm,mock")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--quick", action="store_true", help="120 requests, one repeat: does it run at all")
+    ap.add_argument("--workload", choices=sorted(W.WORKLOADS), default="mooncake",
+                    help="which workload of bench/workloads.py (default: the Mooncake trace, as before)")
     ns = ap.parse_args(argv)
     a = Args(120 if ns.quick else ns.requests, ns.rate, 1 if ns.quick else ns.repeats, ns.max_tokens,
-             tuple(ns.engines.split(",")), ns.out, ns.quick)
+             tuple(ns.engines.split(",")), ns.out, ns.quick, ns.workload)
     H.install_sigterm()
     sl = make_slice(a)
     pools: dict[str, Any] = {}
@@ -363,10 +376,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 pool.stop()
     v, agree = verdicts(pools)
     doc = {"bench": "vllm-crosscheck", **H.meta(a.quick), "configs": CONFIGS,
-           "plan": {"requests": a.requests, "rate_rps": a.rate, "repeats": a.repeats, "max_tokens": a.max_tokens,
+           "plan": {"workload": a.workload, "requests": len(sl.rows), "rate_rps": a.rate, "repeats": a.repeats, "max_tokens": a.max_tokens,
                     "capacity": "75 (working set / (4/3) / 2 workers, each pool from its own tokens)"},
            "result": {"pools": pools, "verdicts": v, "agree": agree, "wall_s": round(time.monotonic() - t0, 1)}}
-    name = "vllm-crosscheck-quick" if a.quick else "vllm-crosscheck"
+    name = "vllm-crosscheck" + ("" if a.workload == "mooncake" else f"-{a.workload}") + ("-quick" if a.quick else "")
     return H.publish(doc, a.out, name, report, chart)
 
 
