@@ -255,8 +255,11 @@ class PlaneSubscribers:
             self._on_heartbeat(msg.data)
             return
         m = parse_live(msg.data, self.max_batch_bytes)
-        if m is None or worker_token(m.worker_id) != token:
-            self._refuse_message(self._by_token.get(token))
+        known = self._by_token.get(token)
+        # the id in the message must be the one its subject names; for a worker this picker follows the token
+        # was computed once, at `add` (no regex and hash per message on the hot path); anything else is checked
+        if m is None or (m.worker_id != known and worker_token(m.worker_id) != token):
+            self._refuse_message(known)
             return
         st = self._streams.get(m.worker_id)
         if st is None:
