@@ -12,13 +12,16 @@ Python thread and libzmq's I/O thread) per 1,000 batches applied over the steady
 nats-server's and kvpub's CPU over the same window beside it (from /proc). Lag is not measured here:
 `bench_ingest_cpu` does that for the ZeroMQ path.
 
-Fairness (why the first 256-worker smoke's spreads were wide): both planes' indexes start from the relay's
-dump (``--no-prime``: the ZeroMQ index starts empty, as before). Without it the direct index missed the shared
-prefix that kvpub stored at ``go``, so every batch's chain had an unknown parent and was skipped, and every
-removal named an unknown block: the direct plane did less index work for the same batches. Each window starts
-after a settle and a ``gc.collect()``; the time the collector spent inside the window is recorded
-(``gc_ms``). Windows run in ABBA order (zmq, nats, nats, zmq, ...), after ``--warmup`` discarded windows per
-plane. ``--pin`` puts this process on CPU 0 and kvpub, the relay and nats-server on the others.
+Fairness (the first 256-worker smoke's planes did not do the same work for the same batches): both
+planes' indexes start from the relay's dump (``--no-prime``: the ZeroMQ index starts empty, as before). Without
+it the direct index missed the shared prefix that kvpub stored at ``go``, so every batch's chain had an unknown
+parent and was skipped, and every removal named an unknown block: the direct plane did less index work for the
+same batches. And kvpub's ``go`` (the shared prefix) now waits until the relay's sockets had time to connect,
+and is checked in the relay's dumps (``relay_missed_warm_prefix_workers``): sent at once, the relay missed it
+at about half the workers, whose chains were then skipped on the plane too. Each window starts after a settle
+and a ``gc.collect()``; the time the collector spent inside the window is recorded (``gc_ms``). Windows run in
+ABBA order (zmq, nats, nats, zmq, ...), after ``--warmup`` discarded windows per plane. ``--pin`` puts this
+process on CPU 0 and kvpub, the relay and nats-server on the others.
 """
 
 from __future__ import annotations
@@ -181,7 +184,17 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                 for pid in others.values():
                     for task in os.listdir(f"/proc/{pid}/task"):  # every thread (libzmq's, the Go runtime's)
                         os.sched_setaffinity(int(task), set(range(1, ncpu)))
-            H.kvpub_command(pub, "go")
+            # the relay's SUB sockets connect after it is ready (ZeroMQ's slow joiner): a "go" sent at once lost
+            # the shared prefix at some workers, so their chains had an unknown parent on every plane
+            await asyncio.sleep(max(3.0, a.workers / 32))
+            warm = H.kvpub_command(pub, "go")["warm"]
+            await asyncio.sleep(1.0)
+            check = KvIndex(BS)
+            await prime(check, addrs, server)
+            relay_short = sum(1 for ad, n in zip(addrs, warm, strict=True) if check.blocks_indexed(ad) < n)
+            del check
+            if relay_short:
+                print(f"warning: the relay missed the warm prefix of {relay_short} workers", flush=True)
             warmups: list[dict[str, Any]] = []
             for _ in range(a.warmup):
                 for plane in ("zmq", "nats"):
@@ -207,6 +220,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                         else "none (spreads overlap)")
     summary["nats_over_zmq_median"] = round(n["median"] / z["median"], 3)
     return {"workers": a.workers, "rate_per_worker": a.rate, "seconds": a.seconds, "settle": a.settle,
+            "relay_missed_warm_prefix_workers": relay_short,
             "warmup": a.warmup, "primed": not a.no_prime, "pinned": bool(a.pin and ncpu > 1), "cpus": ncpu,
             "publisher": stats, "warmups": warmups, "rounds": rounds, "summary": summary}
 
