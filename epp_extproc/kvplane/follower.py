@@ -234,8 +234,12 @@ class PlaneSubscribers:
         if self._sub is None:
             # one subscription for the whole pool: every worker's batches and the relays' heartbeats, in the
             # order each relay sent them (a heartbeat never overtakes the batches before it); pending bounded
-            self._sub = await nc.subscribe(self.subjects.events_all, cb=self._on_message,
-                                           pending_msgs_limit=100_000, pending_bytes_limit=64 * 1024 * 1024)
+            # each message handled as the client parses it (`NatsLink.subscribe_direct`: no queue and task hop
+            # per message); a picker that cannot keep up backs up its socket until the server's slow-consumer
+            # limit cuts the link: the fallback, then a dump per worker
+            self._sub = await self.link.subscribe_direct(self.subjects.events_all, self._on_message,
+                                                         pending_msgs_limit=100_000,
+                                                         pending_bytes_limit=64 * 1024 * 1024)
         now = time.monotonic()
         for st in self._streams.values():
             st.last_heard = now
@@ -249,12 +253,12 @@ class PlaneSubscribers:
             self._fall_back(st, "NATS link lost", quiet=True)
 
     # ---------------------------------------------------------- live stream
-    async def _on_message(self, msg: Any) -> None:
-        token = msg.subject.rpartition(".")[2]
+    def _on_message(self, subject: str, data: bytes) -> None:
+        token = subject.rpartition(".")[2]
         if token == HEARTBEAT_TOKEN:
-            self._on_heartbeat(msg.data)
+            self._on_heartbeat(data)
             return
-        m = parse_live(msg.data, self.max_batch_bytes)
+        m = parse_live(data, self.max_batch_bytes)
         known = self._by_token.get(token)
         # the id in the message must be the one its subject names; for a worker this picker follows the token
         # was computed once, at `add` (no regex and hash per message on the hot path); anything else is checked

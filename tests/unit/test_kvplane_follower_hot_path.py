@@ -4,8 +4,6 @@ message whose id is not the one its subject names is still refused (issue 47's i
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import msgpack
 
 from epp_extproc.dev.kvwire import stored_event
@@ -35,22 +33,21 @@ async def test_live_messages_of_followed_workers_take_no_token_per_message_and_m
         calls: list[str] = []
         monkeypatch.setattr(F, "worker_token", lambda w: calls.append(w) or worker_token(w))
 
-        def msg(subject_worker: str, wid: str, seq: int) -> SimpleNamespace:
-            return SimpleNamespace(subject=subjects.events(subject_worker),
-                                   data=encode_live(KIND_BATCH, None, 7, seq, seq, wid, batch(seq)))
+        def msg(subject_worker: str, wid: str, seq: int) -> tuple[str, bytes]:
+            return subjects.events(subject_worker), encode_live(KIND_BATCH, None, 7, seq, seq, wid, batch(seq))
 
         for seq in (1, 2, 3):
-            await plane._on_message(msg(A, A, seq))
+            plane._on_message(*msg(A, A, seq))
         assert plane.stats(A).seq == 3 and idx.stats(A).batches == 3
         assert calls == []  # the followed worker's token was computed once, at add
         # B's id on A's subject: both followed, still refused (and counted on A, whose subject it came on)
-        await plane._on_message(msg(A, B, 1))
+        plane._on_message(*msg(A, B, 1))
         assert plane.garbage == 1 and plane.stats(A).garbage == 1 and plane.stats(B).seq == 0
         # an unknown worker's subject carrying A's id: refused as well
-        await plane._on_message(msg("10.0.0.9:8000", A, 4))
+        plane._on_message(*msg("10.0.0.9:8000", A, 4))
         assert plane.garbage == 2 and plane.stats(A).seq == 3
         # an unknown worker's own, well-formed message: not garbage, not ours
-        await plane._on_message(msg("10.0.0.9:8000", "10.0.0.9:8000", 1))
+        plane._on_message(*msg("10.0.0.9:8000", "10.0.0.9:8000", 1))
         assert plane.garbage == 2 and plane.unknown_workers == 1
     finally:
         await plane.close()
