@@ -57,13 +57,6 @@ def index_counters(idx: KvIndex, addrs: list[str]) -> dict[str, int]:
     return {k: sum(getattr(idx.stats(a), k) for a in addrs) for k in INDEX_COUNTERS}
 
 
-def machine_busy() -> tuple[float, float]:
-    """(busy, total) jiffies of the whole machine, from /proc/stat."""
-    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = f[3] + f[4]
-    return sum(f) - idle, sum(f)
-
-
 class GcClock:
     """Time the cyclic collector spends, by generation, while armed."""
 
@@ -122,13 +115,13 @@ async def one_window(plane: str, addrs: list[str], endpoints: list[str], server:
         clock = GcClock()
         gc.callbacks.append(clock)
         try:
-            i0, m0 = index_counters(idx, addrs), machine_busy()
+            i0, m0 = index_counters(idx, addrs), H.machine_busy()
             b0, c0, t0 = batches(idx, addrs), time.process_time(), time.monotonic()
             o0 = {k: proc_cpu_seconds(pid) for k, pid in others.items()}
             await asyncio.sleep(seconds)
             b1, c1, t1 = batches(idx, addrs), time.process_time(), time.monotonic()
             o1 = {k: proc_cpu_seconds(pid) for k, pid in others.items()}
-            i1, m1 = index_counters(idx, addrs), machine_busy()
+            i1, m1 = index_counters(idx, addrs), H.machine_busy()
         finally:
             gc.callbacks.remove(clock)
         n = max(1, b1 - b0)
@@ -138,7 +131,7 @@ async def one_window(plane: str, addrs: list[str], endpoints: list[str], server:
                                "gc_ms": round(clock.ms, 1), "gc_runs": clock.runs,
                                "primed_blocks": primed_blocks, "blocks_at_end": sum(idx.blocks_indexed(a) for a in addrs),
                                "index": {k: i1[k] - i0[k] for k in INDEX_COUNTERS},
-                               "machine_busy_cores": round((m1[0] - m0[0]) / (m1[1] - m0[1]) * (os.cpu_count() or 1), 3),
+                               "machine_busy_cores": H.busy_cores(m0, m1),
                                "loadavg_1m_end": float(Path("/proc/loadavg").read_text().split()[0])}
         for k in others:
             out[f"{k}_cpu_share"] = round((o1[k] - o0[k]) / (t1 - t0), 3)
