@@ -145,7 +145,7 @@ async def one_window(plane: str, addrs: list[str], endpoints: list[str], server:
 
 
 def spread(xs: list[float]) -> dict[str, Any]:
-    return {"median": round(statistics.median(xs), 1), "min": min(xs), "max": max(xs), "runs": xs}
+    return {"median": round(statistics.median(xs), 3), "min": min(xs), "max": max(xs), "runs": xs}
 
 
 def order(repeats: int) -> list[str]:
