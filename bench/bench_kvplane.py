@@ -2,7 +2,7 @@
 (issue 47). A short smoke by default; the issue's 256-worker figure is ``--workers 256``.
 
     python -m bench.bench_kvplane [--workers 32] [--rate 10] [--seconds 8] [--repeats 1] [--warmup 1]
-        [--no-prime] [--pin] [--out FILE]
+        [--planes zmq,nats[,nats-q]] [--no-prime] [--pin] [--out FILE]
 
 `bench.kvpub` publishes ``--rate`` batches a second per simulated worker (its own process); one `epp-kv-relay`
 process reads them all and publishes them on a real nats-server. In this process, for each plane in turn,
@@ -20,7 +20,7 @@ same batches. And kvpub's ``go`` (the shared prefix) now waits until the relay's
 and is checked in the relay's dumps (``relay_missed_warm_prefix_workers``): sent at once, the relay missed it
 at about half the workers, whose chains were then skipped on the plane too. Each window starts after a settle
 and a ``gc.collect()``; the time the collector spent inside the window is recorded (``gc_ms``). Windows run in
-ABBA order (zmq, nats, nats, zmq, ...), after ``--warmup`` discarded windows per plane. ``--pin`` puts this
+ABBA order (zmq, nats, nats, zmq, ...; ABCCBA with ``nats-q``), after ``--warmup`` discarded windows per plane. ``--pin`` puts this
 process on CPU 0 and kvpub, the relay and nats-server on the others.
 """
 
@@ -100,8 +100,9 @@ async def one_window(plane: str, addrs: list[str], endpoints: list[str], server:
     direct = SubscriberManager(idx)
     mgr: SubscriberManager | PlaneSubscribers = direct
     primed_blocks = None
-    if plane == "nats":
-        mgr = PlaneSubscribers(idx, direct, [server.url], Subjects(pool="bench"), dump_timeout_s=10)
+    if plane in ("nats", "nats-q"):
+        mgr = PlaneSubscribers(idx, direct, [server.url], Subjects(pool="bench"), dump_timeout_s=10,
+                               direct_dispatch=plane == "nats")
     elif primed:
         primed_blocks = await prime(idx, addrs, server)
     try:
@@ -148,11 +149,12 @@ def spread(xs: list[float]) -> dict[str, Any]:
     return {"median": round(statistics.median(xs), 3), "min": min(xs), "max": max(xs), "runs": xs}
 
 
-def order(repeats: int) -> list[str]:
-    """ABBA: zmq, nats, nats, zmq, zmq, nats, ... (each plane first as often as second, over pairs)."""
+def order(planes: list[str], repeats: int) -> list[str]:
+    """The planes in order, then reversed, and so on (ABBA for two, ABCCBA for three): each plane as often
+    early as late in the run."""
     out: list[str] = []
     for r in range(repeats):
-        out += ["zmq", "nats"] if r % 2 == 0 else ["nats", "zmq"]
+        out += planes if r % 2 == 0 else planes[::-1]
     return out
 
 
@@ -189,12 +191,13 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             if relay_short:
                 print(f"warning: the relay missed the warm prefix of {relay_short} workers", flush=True)
             warmups: list[dict[str, Any]] = []
+            planes = a.planes.split(",")
             for _ in range(a.warmup):
-                for plane in ("zmq", "nats"):
+                for plane in planes:
                     warmups.append(await one_window(plane, addrs, endpoints, server, a.seconds, a.settle,
                                                     not a.no_prime, others))
             rounds: list[dict[str, Any]] = []
-            for plane in order(a.repeats):
+            for plane in order(planes, a.repeats):
                 rounds.append(await one_window(plane, addrs, endpoints, server, a.seconds, a.settle,
                                                not a.no_prime, others))
                 print(json.dumps(rounds[-1]), flush=True)
@@ -202,16 +205,19 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         finally:
             await server.stop()
     summary: dict[str, Any] = {}
-    for plane in ("zmq", "nats"):
+    for plane in planes:
         rs = [x for x in rounds if x["plane"] == plane]
         summary[plane] = {k: spread([x[k] for x in rs])
                           for k in ("picker_cpu_ms_per_1k_batches", "picker_cpu_share", "gc_ms", "relay_cpu_share",
                                     "nats_server_cpu_share", "kvpub_cpu_share", "relay_cpu_ms_per_1k_batches",
                                     "nats_server_cpu_ms_per_1k_batches", "machine_busy_cores")}
-    z, n = summary["zmq"]["picker_cpu_ms_per_1k_batches"], summary["nats"]["picker_cpu_ms_per_1k_batches"]
-    summary["claim"] = ("nats < zmq" if n["max"] < z["min"] else "zmq < nats" if z["max"] < n["min"]
-                        else "none (spreads overlap)")
-    summary["nats_over_zmq_median"] = round(n["median"] / z["median"], 3)
+    for x, y in (("nats", "zmq"), ("nats-q", "zmq"), ("nats", "nats-q")):
+        if x in summary and y in summary:
+            fx, fy = summary[x]["picker_cpu_ms_per_1k_batches"], summary[y]["picker_cpu_ms_per_1k_batches"]
+            summary[f"{x}_vs_{y}"] = {
+                "ratio_of_medians": round(fx["median"] / fy["median"], 3),
+                "claim": (f"{x} < {y}" if fx["max"] < fy["min"] else f"{y} < {x}" if fy["max"] < fx["min"]
+                          else "none (spreads overlap)")}
     return {"workers": a.workers, "rate_per_worker": a.rate, "seconds": a.seconds, "settle": a.settle,
             "relay_missed_warm_prefix_workers": relay_short,
             "warmup": a.warmup, "primed": not a.no_prime, "pinned": bool(a.pin and ncpu > 1), "cpus": ncpu,
@@ -226,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=float, default=2.0, help="seconds between a plane's start and its window")
     ap.add_argument("--repeats", type=int, default=1, help="measured windows per plane, in ABBA order")
     ap.add_argument("--warmup", type=int, default=1, help="discarded windows per plane before the measured ones")
+    ap.add_argument("--planes", default="zmq,nats", help="zmq (direct sockets), nats (the plane), nats-q (the plane "
+                    "through nats-py's subscription queue and task, as before the direct dispatch)")
     ap.add_argument("--no-prime", action="store_true", help="the direct plane's index starts empty (the old bench)")
     ap.add_argument("--pin", action="store_true", help="this process on CPU 0, kvpub/relay/nats-server on the rest")
     ap.add_argument("--out", default=None)
