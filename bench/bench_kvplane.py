@@ -158,6 +158,34 @@ def order(planes: list[str], repeats: int) -> list[str]:
     return out
 
 
+def summarize(rounds: list[dict[str, Any]], planes: list[str]) -> dict[str, Any]:
+    """Per plane, median [min..max] of each figure; per pair of planes, the claim (disjoint spreads of the picker's
+    CPU per 1,000 batches) and, beside it, the paired ratios: within each repeat (one pass over the planes, run
+    back to back) the ratio of the two windows' figures, which cancels the load that changes between repeats
+    (other processes on the machine) but is not the claim rule."""
+    summary: dict[str, Any] = {}
+    for plane in planes:
+        rs = [x for x in rounds if x["plane"] == plane]
+        summary[plane] = {k: spread([x[k] for x in rs])
+                          for k in ("picker_cpu_ms_per_1k_batches", "picker_cpu_share", "gc_ms", "relay_cpu_share",
+                                    "nats_server_cpu_share", "kvpub_cpu_share", "relay_cpu_ms_per_1k_batches",
+                                    "nats_server_cpu_ms_per_1k_batches", "machine_busy_cores")}
+    k = "picker_cpu_ms_per_1k_batches"
+    blocks = [rounds[i:i + len(planes)] for i in range(0, len(rounds), len(planes))]
+    for x, y in (("nats", "zmq"), ("nats-q", "zmq"), ("nats", "nats-q")):
+        if x in summary and y in summary:
+            fx, fy = summary[x][k], summary[y][k]
+            ratios = [round(next(w[k] for w in b if w["plane"] == x) / next(w[k] for w in b if w["plane"] == y), 3)
+                      for b in blocks]
+            summary[f"{x}_vs_{y}"] = {
+                "ratio_of_medians": round(fx["median"] / fy["median"], 3),
+                "claim": (f"{x} < {y}" if fx["max"] < fy["min"] else f"{y} < {x}" if fy["max"] < fx["min"]
+                          else "none (spreads overlap)"),
+                "paired_ratios": {"median": round(statistics.median(ratios), 3), "min": min(ratios),
+                                  "max": max(ratios), "runs": ratios}}
+    return summary
+
+
 async def run(a: argparse.Namespace) -> dict[str, Any]:
     ncpu = os.cpu_count() or 1
     if a.pin and ncpu > 1:
@@ -204,20 +232,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             stats = H.kvpub_command(pub, "stats")
         finally:
             await server.stop()
-    summary: dict[str, Any] = {}
-    for plane in planes:
-        rs = [x for x in rounds if x["plane"] == plane]
-        summary[plane] = {k: spread([x[k] for x in rs])
-                          for k in ("picker_cpu_ms_per_1k_batches", "picker_cpu_share", "gc_ms", "relay_cpu_share",
-                                    "nats_server_cpu_share", "kvpub_cpu_share", "relay_cpu_ms_per_1k_batches",
-                                    "nats_server_cpu_ms_per_1k_batches", "machine_busy_cores")}
-    for x, y in (("nats", "zmq"), ("nats-q", "zmq"), ("nats", "nats-q")):
-        if x in summary and y in summary:
-            fx, fy = summary[x]["picker_cpu_ms_per_1k_batches"], summary[y]["picker_cpu_ms_per_1k_batches"]
-            summary[f"{x}_vs_{y}"] = {
-                "ratio_of_medians": round(fx["median"] / fy["median"], 3),
-                "claim": (f"{x} < {y}" if fx["max"] < fy["min"] else f"{y} < {x}" if fy["max"] < fx["min"]
-                          else "none (spreads overlap)")}
+    summary = summarize(rounds, planes)
     return {"workers": a.workers, "rate_per_worker": a.rate, "seconds": a.seconds, "settle": a.settle,
             "relay_missed_warm_prefix_workers": relay_short,
             "warmup": a.warmup, "primed": not a.no_prime, "pinned": bool(a.pin and ncpu > 1), "cpus": ncpu,
@@ -237,7 +252,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-prime", action="store_true", help="the direct plane's index starts empty (the old bench)")
     ap.add_argument("--pin", action="store_true", help="this process on CPU 0, kvpub/relay/nats-server on the rest")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--summarize", metavar="RESULT", help="summarize a result file's rounds again (paired ratios "
+                    "included) and print it; nothing is run")
     a = ap.parse_args(argv)
+    if a.summarize:
+        res = json.loads(Path(a.summarize).read_text())
+        planes = list(dict.fromkeys(x["plane"] for x in res["rounds"]))
+        emit(summarize(res["rounds"], planes), a.out)
+        return 0
     emit(asyncio.run(run(a)), a.out)
     return 0
 
