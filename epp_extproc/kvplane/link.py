@@ -115,8 +115,9 @@ class NatsLink:
 
     async def subscribe_direct(self, subject: str, handler: Callable[[str, bytes], None], **kw: Any) -> Any:
         """Subscribe (connected) with ``handler(subject, data)`` called from the client's read loop, in order,
-        for every message (see `_Client`); the few that nats-py queued before the handler was registered reach
-        it through an ordinary callback. Returns nats-py's subscription."""
+        for every message (see `_Client`). The few that nats-py may have parsed between the subscribe and the
+        handler's registration reach it through an ordinary callback, possibly after later ones (the plane's
+        sequence shows that as a gap or an old message: a dump, or nothing). Returns nats-py's subscription."""
         nc = self.nc
         assert nc is not None
 
