@@ -128,7 +128,8 @@ JSON result schema (`trace.json`), besides the common `bench`, `meta` keys, `con
         run: {seed, ttft_{p50,p90,p99,avg}_ms, itl_{p50,p90,p99,avg}_ms, output_tokens_per_s, requests, errors,
               aiperf_cached_ratio, aiperf_prompt_tokens, workers_cached_ratio, workers_prompt_tokens,
               per_worker_served, picker_picks, replay_sched_lag_p99_ms, benchmark_duration_s, aiperf_wall_s,
-              loadavg_1m; (r2, r3m, r3n, rs2, g2, g2e, g3) picks_per_picker; every picker configuration routed_without_picker;
+              loadavg_1m, machine_busy_cores (cores busy over the replay, anything on the machine);
+              (r2, r3m, r3n, rs2, g2, g2e, g3) picks_per_picker; every picker configuration routed_without_picker;
               (rs, rs2) restart: {drain_s,
               down_s, resubscribed_s, picks_before_restart, index_blocks_before, index_blocks_after_replay,
               picks_after_restart, error?; (rs2) envoy_unhealthy_s, envoy_healthy_again_s};
@@ -701,7 +702,7 @@ def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], rendere
             restarter.start()
         art = work / f"aiperf-{tag}"
         shutil.rmtree(art, ignore_errors=True)
-        t0 = time.monotonic()
+        t0, busy0 = time.monotonic(), H.machine_busy()
         try:
             run_aiperf(aiperf_command(env.url, input_file, tokenizer, art, plan.aiperf_timeout_s),
                        plan.aiperf_timeout_s + 120, work / f"aiperf-{tag}.log")
@@ -716,6 +717,7 @@ def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], rendere
             if replayer is not None:  # its last requests may end after AIPerf's
                 replayer.join(plan.aiperf_timeout_s + 30)
         wall = time.monotonic() - t0
+        extra["machine_busy_cores"] = H.busy_cores(busy0, H.machine_busy())  # everything on the machine, ours or not
         if replayer is not None:
             extra.update(OB.figures(replayer, art))
         wait_idle(workers)

@@ -80,6 +80,18 @@ def install_sigterm() -> None:
 
 
 # ----------------------------------------------------------------------------- the parts
+def machine_busy() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine so far, from /proc/stat: over an interval, busy/total x the
+    CPU count is how many cores everything on the machine kept busy (ours and anyone else's)."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(f) - f[3] - f[4], sum(f)
+
+
+def busy_cores(a: tuple[int, int], b: tuple[int, int]) -> float:
+    """Cores kept busy between two `machine_busy` readings."""
+    return round((b[0] - a[0]) / max(1, b[1] - a[1]) * (os.cpu_count() or 1), 3)
+
+
 def mock_worker(st: Stack, name: str, args: Sequence[str] = (), *, kv: bool = True) -> Proc:
     return st.add(procs.mock_worker(name, st.dir, kv=kv, args=["--log-level", "WARNING", *args]))
 

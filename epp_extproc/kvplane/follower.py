@@ -113,11 +113,13 @@ class PlaneSubscribers:
                  max_batch_events: int = 16_384, dump_timeout_s: float = 3.0, relay_stale_s: float = 5.0,
                  max_buffered: int = 10_000, max_dump_bytes: int | None = None,
                  dump_concurrency: int = 8, first_connect_grace_s: float = 2.0,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None, direct_dispatch: bool = True) -> None:
         """``relay_stale_s``: a worker whose relay said nothing (no batch, no heartbeat) this long falls back;
         ``first_connect_grace_s``: how long a starting picker waits for its first NATS connect before its
         workers fall back; ``max_buffered``: live messages kept per worker while its dump is in flight;
-        ``max_dump_bytes``: a dump's budget (None: twice the index's per-worker cap in pairs, 16 bytes each)."""
+        ``max_dump_bytes``: a dump's budget (None: twice the index's per-worker cap in pairs, 16 bytes each);
+        ``direct_dispatch``: the pool's messages handled from the client's read loop (`NatsLink.subscribe_direct`)
+        rather than through nats-py's subscription queue and task (False: only for ``bench_kvplane``'s A/B)."""
         if fallback_mode not in ("zmq", "load"):
             raise ValueError(f"fallback mode {fallback_mode!r}: zmq or load")
         self.idx = idx
@@ -131,6 +133,7 @@ class PlaneSubscribers:
         self.max_buffered = max_buffered
         self.max_dump_bytes = max_dump_bytes
         self.first_connect_grace_s = first_connect_grace_s
+        self.direct_dispatch = direct_dispatch
         self.link = NatsLink(servers, name, on_up=self._on_up, on_down=self._on_down)
         self._streams: dict[str, _Stream] = {}
         self._by_token: dict[str, str] = {}
@@ -233,9 +236,19 @@ class PlaneSubscribers:
             return
         if self._sub is None:
             # one subscription for the whole pool: every worker's batches and the relays' heartbeats, in the
-            # order each relay sent them (a heartbeat never overtakes the batches before it); pending bounded
-            self._sub = await nc.subscribe(self.subjects.events_all, cb=self._on_message,
-                                           pending_msgs_limit=100_000, pending_bytes_limit=64 * 1024 * 1024)
+            # order each relay sent them (a heartbeat never overtakes the batches before it). Each message is
+            # handled as the client parses it (`NatsLink.subscribe_direct`: no queue and task hop per message),
+            # so a picker that cannot keep up backs up its socket until the server's slow-consumer limit cuts
+            # the link: the fallback, then a dump per worker. The pending limits bound nats-py's queue (the
+            # messages parsed before the handler was registered; all of them without `direct_dispatch`).
+            limits = {"pending_msgs_limit": 100_000, "pending_bytes_limit": 64 * 1024 * 1024}
+            if self.direct_dispatch:
+                self._sub = await self.link.subscribe_direct(self.subjects.events_all, self._on_message, **limits)
+            else:
+                async def queued(msg: Any) -> None:
+                    self._on_message(msg.subject, msg.data)
+
+                self._sub = await nc.subscribe(self.subjects.events_all, cb=queued, **limits)
         now = time.monotonic()
         for st in self._streams.values():
             st.last_heard = now
@@ -249,14 +262,17 @@ class PlaneSubscribers:
             self._fall_back(st, "NATS link lost", quiet=True)
 
     # ---------------------------------------------------------- live stream
-    async def _on_message(self, msg: Any) -> None:
-        token = msg.subject.rpartition(".")[2]
+    def _on_message(self, subject: str, data: bytes) -> None:
+        token = subject.rpartition(".")[2]
         if token == HEARTBEAT_TOKEN:
-            self._on_heartbeat(msg.data)
+            self._on_heartbeat(data)
             return
-        m = parse_live(msg.data, self.max_batch_bytes)
-        if m is None or worker_token(m.worker_id) != token:
-            self._refuse_message(self._by_token.get(token))
+        m = parse_live(data, self.max_batch_bytes)
+        known = self._by_token.get(token)
+        # the id in the message must be the one its subject names; for a worker this picker follows the token
+        # was computed once, at `add` (no regex and hash per message on the hot path); anything else is checked
+        if m is None or (m.worker_id != known and worker_token(m.worker_id) != token):
+            self._refuse_message(known)
             return
         st = self._streams.get(m.worker_id)
         if st is None:

@@ -143,8 +143,9 @@ async def test_relay_publishes_each_batch_on_the_workers_subject_with_seq_and_id
     await nc.close()
 
 
-async def test_picker_follows_the_live_stream_into_the_same_index(plane):
-    p = plane()
+@pytest.mark.parametrize("direct_dispatch", [True, False], ids=["direct", "nats-py-queue"])
+async def test_picker_follows_the_live_stream_into_the_same_index(plane, direct_dispatch):
+    p = plane(direct_dispatch=direct_dispatch)
     await p.start_relay()
     await p.picker.add(W, p.sources)
     await until_async(lambda: p.stats().mode == "live", "the first dump")
