@@ -79,6 +79,18 @@ def chain_hashes(packed: array, n_tokens: int, block_size: int, seed: int) -> li
     return out
 
 
+def chain_blocks(packed: array, n_blocks: int, block_size: int, seed: int) -> list[int]:
+    """Chained hashes of the first ``n_blocks`` full blocks of a packed prompt (the index's form of
+    :func:`chain_hashes`: it counts blocks, not tokens)."""
+    out: list[int] = []
+    append = out.append
+    h = seed
+    for (chunk,) in block_chunks(packed, n_blocks, block_size):
+        h = _xxh3(chunk, h)
+        append(h)
+    return out
+
+
 def block_hashes(
     token_ids: Sequence[int],
     block_size: int,
