@@ -39,6 +39,7 @@ from kvindex.hashing import (
     block_chunks,
     block_hashes,
     chain_blocks,
+    chain_blocks_py,
     chain_hashes_with_keys,
     pack_tokens,
     root_seed,
@@ -614,7 +615,7 @@ class KvIndex:
         else:
             # the decoder checked that the tokens are exactly the blocks' (block_size x hashes)
             n = len(ev.block_hashes)
-            if chain_for_index is not chain_blocks:
+            if chain_for_index is not chain_blocks_py:
                 # the chain hashed in one call (kvindex._native), then inserted; bench_kvindex times the two apart
                 self._insert(w, slot, ev.block_hashes, chain_for_index(ev.token_ids, n, bs, h), wpred)
             else:
