@@ -9,6 +9,7 @@ even on a noisy machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import platform
@@ -18,17 +19,20 @@ import struct
 import sys
 import time
 import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import xxhash
 
+import kvindex.decode as kvindex_decode
+import kvindex.hashing as kvindex_hashing
 import kvindex.index as kvindex_index
 from epp_extproc.dev.kvwire import pack_batch, stored_event
 from kvindex.decode import decode_payload
 from kvindex.events import BlockStored
-from kvindex.hashing import block_hashes, chain_hashes, root_seed
+from kvindex.hashing import block_hashes, chain_blocks_py, chain_hashes_py, root_seed
 from kvindex.index import KvIndex
 
 BS = 32
@@ -190,11 +194,24 @@ def _best(fn: Any, repeats: int) -> float:
     return best
 
 
+@contextlib.contextmanager
+def _pure_python() -> Iterator[None]:
+    """The ingest without the C accelerator (what EPP_KVINDEX_PURE=1 selects at import), for the same run."""
+    saved = kvindex_decode._native_decode, kvindex_index.chain_for_index
+    kvindex_decode._native_decode, kvindex_index.chain_for_index = None, chain_blocks_py
+    try:
+        yield
+    finally:
+        kvindex_decode._native_decode, kvindex_index.chain_for_index = saved
+
+
 def bench_stages(dialect: str, n_blocks: int, rng: random.Random, repeats: int = 3) -> dict[str, Any]:
     """Ingest of one engine's stream, all together (decode + hashing + insert, what the subscriber does per
     batch) and each stage apart: decode alone (`decode_payload`), hashing alone (the chain hashes of every
     decoded event, as the index computes them), insert alone (`apply_batch` of the decoded batches with the
-    hashing answered from a table made beforehand); next to the naive baseline, same run, same bytes."""
+    hashing answered from a table made beforehand); next to the naive baseline, same run, same bytes.  With
+    the C accelerator loaded, the pure-Python path is timed too (`pure_*`), and msgpack's unpack alone (what
+    the pure decode starts with: its ceiling)."""
     batches = make_stream(dialect, n_blocks, rng)
     decoded = [decode_payload(p) for p in batches]
     stored = [ev for b in decoded for ev in b.events if type(ev) is BlockStored]
@@ -204,49 +221,63 @@ def bench_stages(dialect: str, n_blocks: int, rng: random.Random, repeats: int =
     pre: dict[int, list[int]] = {}
     for ev in stored:
         seed = root_seed() if ev.parent_block_hash is None else ours[ev.parent_block_hash]
-        hs = chain_hashes(ev.token_ids, len(ev.token_ids), BS, seed)
+        hs = chain_hashes_py(ev.token_ids, len(ev.token_ids), BS, seed)
         ours.update(zip(ev.block_hashes, hs, strict=True))
         pre[id(ev.token_ids)] = hs
 
     def total() -> Any:
         idx = KvIndex(default_block_size=BS, max_blocks_per_worker=10_000_000)
-        return lambda: [idx.apply_batch("w", decode_payload(p)) for p in batches]
+        return each(lambda p: idx.apply_batch("w", decode_payload(p)), batches)
+
+    def each(fn: Any, items: list[Any]) -> Any:
+        def run() -> None:  # results dropped as they come, as the subscriber drops them
+            for x in items:
+                fn(x)
+        return run
 
     def decode() -> Any:
-        return lambda: [decode_payload(p) for p in batches]
+        return each(decode_payload, batches)
 
-    def hashing() -> Any:
+    def hashing(chain: Any) -> Any:
         seed = root_seed()
 
         def run() -> None:
             for ev in stored:
-                chain_hashes(ev.token_ids, len(ev.token_ids), BS, seed)
-        return run
+                chain(ev.token_ids, len(ev.token_ids), BS, seed)
+        return lambda: run
 
     def insert() -> Any:
         idx = KvIndex(default_block_size=BS, max_blocks_per_worker=10_000_000)
-        return lambda: [idx.apply_batch("w", b) for b in decoded]
+        return each(lambda b: idx.apply_batch("w", b), decoded)
+
+    def unpack() -> Any:
+        return each(lambda p: msgpack.unpackb(p, raw=False, strict_map_key=False, use_list=False), batches)
 
     def naive() -> Any:
         base = NaiveIndex()
-        return lambda: [base.ingest("w", p) for p in batches]
+        return each(lambda p: base.ingest("w", p), batches)
 
-    t_total = _best(total, repeats)
-    t_decode = _best(decode, repeats)
-    t_hash = _best(hashing, repeats)
+    native = kvindex_decode._native_decode is not None
+    out: dict[str, Any] = {"dialect": dialect, "blocks": blocks, "batches": len(batches),
+                           "bytes": sum(map(len, batches)), "native": native}
+    out["blocks_per_s"] = blocks / _best(total, repeats)
+    out["decode_blocks_per_s"] = blocks / _best(decode, repeats)
+    out["hashing_blocks_per_s"] = blocks / _best(hashing(kvindex_hashing.chain_hashes), repeats)
     real_chain = kvindex_index.chain_for_index
     kvindex_index.chain_for_index = lambda packed, n, bs, seed: pre[id(packed)]
     try:
-        t_insert = _best(insert, repeats)
+        out["insert_blocks_per_s"] = blocks / _best(insert, repeats)
     finally:
         kvindex_index.chain_for_index = real_chain
-    t_naive = _best(naive, repeats)
-    return {
-        "dialect": dialect, "blocks": blocks, "batches": len(batches), "bytes": sum(map(len, batches)),
-        "blocks_per_s": blocks / t_total, "decode_blocks_per_s": blocks / t_decode,
-        "hashing_blocks_per_s": blocks / t_hash, "insert_blocks_per_s": blocks / t_insert,
-        "baseline_blocks_per_s": blocks / t_naive, "target_blocks_per_s": 1_000_000,
-    }
+    if native:
+        with _pure_python():
+            out["pure_blocks_per_s"] = blocks / _best(total, repeats)
+            out["pure_decode_blocks_per_s"] = blocks / _best(decode, repeats)
+        out["pure_hashing_blocks_per_s"] = blocks / _best(hashing(chain_hashes_py), repeats)
+    out["msgpack_unpack_blocks_per_s"] = blocks / _best(unpack, repeats)
+    out["baseline_blocks_per_s"] = blocks / _best(naive, repeats)
+    out["target_blocks_per_s"] = 1_000_000
+    return out
 
 
 def build_shared(n_workers: int, n_blocks: int, rng: random.Random) -> tuple[list[int], KvIndex, NaiveIndex]:
@@ -347,10 +378,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bench": "kvindex", "quick": args.quick, "python": sys.version.split()[0],
         "machine": platform.machine(), "ingest_stages": stages, "ingest": ingest, "lookup": lookup, "memory": memory,
     }
-    print(f"{'stream':>13} {'all':>10} {'decode':>10} {'hashing':>10} {'insert':>10} {'naive':>10}  blocks/s")
+    print(f"ingest, blocks/s, C accelerator {'on' if stages[0]['native'] else 'off'}; pure = the pure-Python path,"
+          " same run")
+    print(f"{'stream':>13} {'all':>10} {'decode':>10} {'hashing':>10} {'insert':>10} {'pure all':>10}"
+          f" {'pure dec':>10} {'pure hash':>10} {'unpack':>10} {'naive':>10}")
     for r in stages:
         print(f"{r['dialect']:>13} {r['blocks_per_s']:>10,.0f} {r['decode_blocks_per_s']:>10,.0f}"
               f" {r['hashing_blocks_per_s']:>10,.0f} {r['insert_blocks_per_s']:>10,.0f}"
+              f" {r.get('pure_blocks_per_s', 0):>10,.0f} {r.get('pure_decode_blocks_per_s', 0):>10,.0f}"
+              f" {r.get('pure_hashing_blocks_per_s', 0):>10,.0f} {r['msgpack_unpack_blocks_per_s']:>10,.0f}"
               f" {r['baseline_blocks_per_s']:>10,.0f}")
     print(f"ingest: {ingest['blocks_per_s']:>12,.0f} blocks/s   baseline {ingest['baseline_blocks_per_s']:>10,.0f}"
           f"   target {ingest['target_blocks_per_s']:,}")
