@@ -331,7 +331,7 @@ static int
 rd_tokens(Rd *r, PyObject **out, uint32_t *count)
 {
     uint32_t n;
-    if (rd_array(r, &n)) return -1;
+    if (rd_array(r, &n) || (size_t)n > (size_t)PY_SSIZE_T_MAX / 4) return -1;
     PyObject *b = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n * 4);
     if (b == NULL) return -2;
     uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(b);
