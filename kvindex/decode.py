@@ -18,6 +18,7 @@ from typing import Any
 import msgpack
 import xxhash
 
+from kvindex import native
 from kvindex.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -451,12 +452,58 @@ def peek_event_count(payload: bytes | bytearray | memoryview) -> int | None:
     return None
 
 
+_native_decode = native.MODULE.decode if native.MODULE is not None else None
+
+
+def _decode_native(payload: Any, max_events: int | None) -> DecodedBatch | None:
+    """The C accelerator's decode of the common batch shape (kvindex/_csrc/native.c: text chains, removals and
+    clears, nothing to count), or None: anything else, or no accelerator, is decoded by the pure path below,
+    which owns every rule.  Its events are exactly what the pure path makes of the same bytes (tested)."""
+    if not isinstance(payload, bytes | bytearray | memoryview) or len(payload) > MAX_PAYLOAD_BYTES:
+        return None
+    if max_events is not None:
+        n = peek_event_count(payload)
+        if n is not None and n > max_events:
+            return None
+    try:
+        got = _native_decode(payload)  # type: ignore[misc]
+    except Exception:  # noqa: BLE001 - a MemoryError building the objects: the pure path decides
+        return None
+    if got is None:
+        return None
+    ts, rank, n_events, raw = got
+    if max_events is not None and n_events > max_events:
+        return None
+    out: list[Event] = []
+    append = out.append
+    for ev in raw:
+        kind = ev[0]
+        if kind == 0:
+            packed = array("I")
+            packed.frombytes(ev[3])  # little-endian u32, as pack_tokens makes them on any host
+            append(BlockStored(ev[1], ev[2], packed, ev[4]))
+        elif kind == 1:
+            append(BlockRemoved(ev[1]))
+        else:
+            append(AllBlocksCleared())
+    return DecodedBatch(ts, out, rank, n_events, DecodeCounters())
+
+
 def decode_payload(payload: bytes | bytearray | memoryview, max_events: int | None = None) -> DecodedBatch:
     """Decode one msgpack batch payload.  Never raises; see :class:`DecodedBatch` for the outcome.
 
     ``max_events``: a batch with more events is refused (``garbage``, ``reason == TOO_MANY_EVENTS``,
     ``raw_event_count`` set) before any per-event work, so its cost is one C-level unpack of a bounded payload.
     """
+    if _native_decode is not None:
+        fast = _decode_native(payload, max_events)
+        if fast is not None:
+            return fast
+    return _decode_payload_py(payload, max_events)
+
+
+def _decode_payload_py(payload: bytes | bytearray | memoryview, max_events: int | None = None) -> DecodedBatch:
+    """:func:`decode_payload` in pure Python: every shape, every rule, every counter."""
     obj = _unpack_bounded(payload, max_events)
     if type(obj) is DecodedBatch:
         return obj

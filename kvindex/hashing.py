@@ -19,6 +19,8 @@ from typing import Protocol
 
 import xxhash
 
+from kvindex import native
+
 MASK64 = 0xFFFFFFFFFFFFFFFF
 BASE_SEED = 1337
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -68,8 +70,9 @@ def block_chunks(packed: array, n_blocks: int, block_size: int) -> Iterator[tupl
     return _cutter(step)(memoryview(packed).cast("B")[: n_blocks * step])
 
 
-def chain_hashes(packed: array, n_tokens: int, block_size: int, seed: int) -> list[int]:
-    """Chained hashes of the full blocks within the first ``n_tokens`` of an already packed prompt."""
+def chain_hashes_py(packed: array, n_tokens: int, block_size: int, seed: int) -> list[int]:
+    """Chained hashes of the full blocks within the first ``n_tokens`` of an already packed prompt (pure
+    Python; :func:`chain_hashes` is this or the C accelerator's, byte-identical)."""
     out: list[int] = []
     append = out.append
     h = seed
@@ -77,6 +80,32 @@ def chain_hashes(packed: array, n_tokens: int, block_size: int, seed: int) -> li
         h = _xxh3(chunk, h)
         append(h)
     return out
+
+
+def chain_blocks_py(packed: array, n_blocks: int, block_size: int, seed: int) -> list[int]:
+    """Chained hashes of the first ``n_blocks`` full blocks of a packed prompt (the index's form of
+    :func:`chain_hashes`: it counts blocks, not tokens); pure Python, :func:`chain_blocks` is this or the C
+    accelerator's."""
+    out: list[int] = []
+    append = out.append
+    h = seed
+    for (chunk,) in block_chunks(packed, n_blocks, block_size):
+        h = _xxh3(chunk, h)
+        append(h)
+    return out
+
+
+if native.MODULE is not None:
+    _native_chain = native.MODULE.chain
+    chain_blocks: Callable[[array, int, int, int], list[int]] = _native_chain
+
+    def chain_hashes(packed: array, n_tokens: int, block_size: int, seed: int) -> list[int]:
+        """Chained hashes of the full blocks within the first ``n_tokens`` of an already packed prompt: one C
+        call for the whole chain (kvindex/native.py), the same values as :func:`chain_hashes_py`."""
+        return _native_chain(packed, n_tokens // block_size, block_size, seed)
+else:
+    chain_blocks = chain_blocks_py
+    chain_hashes = chain_hashes_py
 
 
 def block_hashes(

@@ -22,4 +22,9 @@ def test_quick_bench_writes_ingest_lookup_and_memory_figures(tmp_path):
     assert data["ingest"]["blocks_per_s"] > 0 and data["ingest"]["baseline_blocks_per_s"] > 0
     assert {(r["tokens"], r["workers"]) for r in data["lookup"]} == {(1024, 8), (8192, 8), (1024, 64), (8192, 64)}
     assert all(r["p50_ms"] <= r["p99_ms"] for r in data["lookup"])
+    stages = {r["dialect"]: r for r in data["ingest_stages"]}
+    assert set(stages) == {"vllm", "vllm-array", "trtllm", "trtllm-int64"}  # both engines' wire forms
+    for r in stages.values():  # decode, hashing, insert apart and all together, next to the naive baseline
+        assert min(r[k] for k in ("blocks_per_s", "decode_blocks_per_s", "hashing_blocks_per_s",
+                                  "insert_blocks_per_s", "baseline_blocks_per_s")) > 0 and r["blocks"] > 0
     assert data["memory"]["bytes_per_entry"] > 0 and data["memory"]["entries"] > 0

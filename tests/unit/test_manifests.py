@@ -493,6 +493,14 @@ def test_dockerfile_copy_sources_exist_in_the_repository_root():
             assert (ROOT / src).exists(), f"COPY source {src} missing (build context is the repo root)"
 
 
+def test_dockerfile_builds_the_ingest_accelerator():
+    """setup.py declares kvindex._native (optional): the image copies it and has a compiler while installing."""
+    copied = {Path(s).name for instr, rest in _dockerfile() if instr == "COPY" for s in shlex.split(rest)[:-1]}
+    assert {"setup.py", "MANIFEST.in"} <= copied
+    install = next(rest for instr, rest in _dockerfile() if instr == "RUN" and "pip install ." in rest)
+    assert install.index("install -y --no-install-recommends gcc") < install.index("pip install .")
+
+
 def test_dockerfile_copies_every_package_pyproject_installs():
     copied = {Path(s).name for instr, rest in _dockerfile() if instr == "COPY" for s in shlex.split(rest)[:-1]}
     include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
