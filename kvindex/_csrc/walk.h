@@ -86,6 +86,12 @@ native_walk(PyObject *self, PyObject *args)
             return walk_fail(it, drops, alive);
         }
         Py_ssize_t p = (Py_ssize_t)(hv & part_mask);
+        /* the iterator runs Python code (a lazily hashed prompt): re-check what it could have changed */
+        if (p >= PyList_GET_SIZE(parts) || (pred != Py_None && p >= PyList_GET_SIZE(pred))) {
+            Py_DECREF(h);
+            PyErr_SetString(PyExc_ValueError, "walk: parts changed during the walk");
+            return walk_fail(it, drops, alive);
+        }
         PyObject *m = PyDict_GetItemWithError(PyList_GET_ITEM(parts, p), h); /* borrowed */
         if (m == NULL && PyErr_Occurred()) {
             Py_DECREF(h);

@@ -123,3 +123,17 @@ def _stored_batch(hashes: list[int], tokens: list[int]):
     from kvindex.decode import decode_payload
 
     return decode_payload(pack_batch([stored_event(hashes, None, tokens, BS)]))
+
+
+def test_parts_shrunk_by_the_hash_iterator_are_an_error_not_a_read_past_the_list():
+    blocks: list[dict[int, int]] = [{} for _ in range(PART_MASK + 1)]
+    last = PART_MASK  # a hash that falls in the last part
+    blocks[last][last] = 0b1
+
+    def chain():
+        yield last
+        del blocks[1:]  # Python code the walk runs between two hashes
+        yield last + PART_MASK + 1
+
+    with pytest.raises(ValueError):
+        _native.walk(chain(), blocks, None, 0b1, PART_MASK)
