@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 # The KV-event ingest's optional C accelerator (kvindex/native.py): `pip install -e` builds it; this rebuilds it in
 # place when its source changes (a failed compile leaves the pure-Python path, never a failed make).
 NATIVE := build/.native-built
-$(NATIVE): $(STAMP) setup.py kvindex/_csrc/native.c kvindex/_csrc/xxhash.h
+$(NATIVE): $(STAMP) setup.py kvindex/_csrc/native.c kvindex/_csrc/xxhash.h kvindex/_csrc/walk.h
 	$(BIN)/python setup.py -q build_ext --inplace
 	mkdir -p build && touch $(NATIVE)
 

@@ -12,7 +12,7 @@ setup(
         Extension(
             "kvindex._native",
             sources=["kvindex/_csrc/native.c"],
-            depends=["kvindex/_csrc/xxhash.h"],
+            depends=["kvindex/_csrc/xxhash.h", "kvindex/_csrc/walk.h"],
             optional=True,
         )
     ]

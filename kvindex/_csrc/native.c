@@ -568,9 +568,13 @@ done:
     return result;
 }
 
+#include "walk.h"
+
 static PyMethodDef methods[] = {
     {"chain", native_chain, METH_VARARGS, "chain(buf, n_blocks, block_size, seed) -> list of chained xxh3-64"},
     {"decode", native_decode, METH_O, "decode(payload) -> (ts, rank, n_events, events) or None"},
+    {"walk", native_walk, METH_VARARGS, "walk(hashes, parts, pred, alive, part_mask) -> [(count, dead), ...]"},
+    {"spread", native_spread, METH_VARARGS, "spread(drops, n) -> bytes of n native int64 counts"},
     {NULL, NULL, 0, NULL},
 };
 

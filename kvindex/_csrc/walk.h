@@ -1,0 +1,263 @@
+/* kvindex._native's lookup half (included by native.c): the index's mask walk and its spread onto slots, the
+ * two loops a lookup over a thousand workers spends its time in (issue 45).  Unlike decode, these read only the
+ * index's own structures (lists of dicts of Python ints), never bytes from the wire; they still check every
+ * type they are handed and fail with a Python exception, never a crash.  kvindex/index.py keeps the pure
+ * paths, and tests/unit/test_kvindex_native_walk.py checks both against each other.
+ */
+/* walk(hashes, parts, pred, alive, part_mask) -> list[(count, dead)]
+ *     KvIndex._walk in C: per chain hash h (any iterable of ints, consumed lazily, so a walk that stops early
+ *     does not pull the rest), the holders' mask parts[h & part_mask].get(h, 0) (OR pred[...] when pred is not
+ *     None), ANDed into `alive`; where the mask drops slots, (blocks held so far, the dropped slots' bits), a
+ *     zero count left out; stops when no slot is left, else ends with (blocks walked, alive).  The masks stay
+ *     Python ints: the same objects and the same arithmetic as the pure path, done without the interpreter.
+ */
+static PyObject *
+walk_fail(PyObject *it, PyObject *drops, PyObject *alive)
+{
+    Py_XDECREF(it);
+    Py_XDECREF(drops);
+    Py_XDECREF(alive);
+    return NULL;
+}
+
+static int
+walk_drop(PyObject *drops, Py_ssize_t count, PyObject *dead)
+{
+    PyObject *c = PyLong_FromSsize_t(count);
+    if (c == NULL)
+        return -1;
+    PyObject *t = PyTuple_New(2);
+    if (t == NULL) {
+        Py_DECREF(c);
+        return -1;
+    }
+    Py_INCREF(dead);
+    PyTuple_SET_ITEM(t, 0, c);
+    PyTuple_SET_ITEM(t, 1, dead);
+    int r = PyList_Append(drops, t);
+    Py_DECREF(t);
+    return r;
+}
+
+static PyObject *
+native_walk(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *hashes, *parts, *pred, *alive0;
+    unsigned long long part_mask;
+    if (!PyArg_ParseTuple(args, "OO!OO!K", &hashes, &PyList_Type, &parts, &pred, &PyLong_Type, &alive0,
+                          &part_mask))
+        return NULL;
+    Py_ssize_t nparts = PyList_GET_SIZE(parts);
+    if (pred != Py_None && (!PyList_Check(pred) || PyList_GET_SIZE(pred) != nparts)) {
+        PyErr_SetString(PyExc_TypeError, "walk: pred must be None or a list as long as parts");
+        return NULL;
+    }
+    if ((unsigned long long)nparts <= part_mask) {
+        PyErr_SetString(PyExc_ValueError, "walk: part_mask reaches past parts");
+        return NULL;
+    }
+    for (Py_ssize_t p = 0; p < nparts; p++) {
+        if (!PyDict_CheckExact(PyList_GET_ITEM(parts, p))
+            || (pred != Py_None && !PyDict_CheckExact(PyList_GET_ITEM(pred, p)))) {
+            PyErr_SetString(PyExc_TypeError, "walk: parts and pred must hold dicts");
+            return NULL;
+        }
+    }
+    PyObject *it = PyObject_GetIter(hashes);
+    if (it == NULL)
+        return NULL;
+    PyObject *drops = PyList_New(0);
+    if (drops == NULL)
+        return walk_fail(it, NULL, NULL);
+    PyObject *alive = alive0;
+    Py_INCREF(alive);
+    Py_ssize_t i = 0;
+    PyObject *h;
+    while ((h = PyIter_Next(it)) != NULL) {
+        if (!PyLong_Check(h)) {
+            Py_DECREF(h);
+            PyErr_SetString(PyExc_TypeError, "walk: a hash is not an int");
+            return walk_fail(it, drops, alive);
+        }
+        unsigned long long hv = PyLong_AsUnsignedLongLongMask(h);
+        if (hv == (unsigned long long)-1 && PyErr_Occurred()) {
+            Py_DECREF(h);
+            return walk_fail(it, drops, alive);
+        }
+        Py_ssize_t p = (Py_ssize_t)(hv & part_mask);
+        /* the iterator runs Python code (a lazily hashed prompt): re-check what it could have changed */
+        if (p >= PyList_GET_SIZE(parts) || (pred != Py_None && p >= PyList_GET_SIZE(pred))) {
+            Py_DECREF(h);
+            PyErr_SetString(PyExc_ValueError, "walk: parts changed during the walk");
+            return walk_fail(it, drops, alive);
+        }
+        PyObject *m = PyDict_GetItemWithError(PyList_GET_ITEM(parts, p), h); /* borrowed */
+        if (m == NULL && PyErr_Occurred()) {
+            Py_DECREF(h);
+            return walk_fail(it, drops, alive);
+        }
+        PyObject *held; /* new reference, or NULL for 0 */
+        if (pred != Py_None) {
+            PyObject *pm = PyDict_GetItemWithError(PyList_GET_ITEM(pred, p), h);
+            if (pm == NULL && PyErr_Occurred()) {
+                Py_DECREF(h);
+                return walk_fail(it, drops, alive);
+            }
+            if (m != NULL && pm != NULL)
+                held = PyNumber_Or(m, pm);
+            else {
+                held = m != NULL ? m : pm;
+                Py_XINCREF(held);
+            }
+            if (held == NULL && PyErr_Occurred()) {
+                Py_DECREF(h);
+                return walk_fail(it, drops, alive);
+            }
+        } else {
+            held = m;
+            Py_XINCREF(held);
+        }
+        Py_DECREF(h);
+        PyObject *masked = held != NULL ? PyNumber_And(held, alive) : PyLong_FromLong(0);
+        Py_XDECREF(held);
+        if (masked == NULL)
+            return walk_fail(it, drops, alive);
+        int ne = PyObject_RichCompareBool(masked, alive, Py_NE);
+        if (ne < 0) {
+            Py_DECREF(masked);
+            return walk_fail(it, drops, alive);
+        }
+        if (ne) {
+            if (i) {
+                PyObject *dead = PyNumber_Xor(alive, masked);
+                if (dead == NULL || walk_drop(drops, i, dead) < 0) {
+                    Py_XDECREF(dead);
+                    Py_DECREF(masked);
+                    return walk_fail(it, drops, alive);
+                }
+                Py_DECREF(dead);
+            }
+            Py_DECREF(alive);
+            alive = masked;
+            int any = PyObject_IsTrue(alive);
+            if (any < 0)
+                return walk_fail(it, drops, alive);
+            if (!any) {
+                Py_DECREF(it);
+                Py_DECREF(alive);
+                return drops;
+            }
+        } else {
+            Py_DECREF(masked);
+        }
+        i++;
+    }
+    if (PyErr_Occurred())
+        return walk_fail(it, drops, alive);
+    Py_DECREF(it);
+    if (i > 0 && walk_drop(drops, i, alive) < 0)
+        return walk_fail(NULL, drops, alive);
+    Py_DECREF(alive);
+    return drops;
+}
+
+/* spread(drops, n) -> bytes
+ *     index._spread in C: n native int64 counts, slot b's the count of the drop whose mask has bit b (the
+ *     drops' masks are disjoint; a later drop wins, as the pure path's assignment), 0 for none.  Bits at or
+ *     past n are ignored; a negative mask or count is a ValueError.
+ */
+static PyObject *
+native_spread(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *drops;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "O!n", &PyList_Type, &drops, &n))
+        return NULL;
+    if (n < 0 || n > (PY_SSIZE_T_MAX / 8) - 8) {
+        PyErr_SetString(PyExc_ValueError, "spread: bad slot count");
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
+    if (out == NULL)
+        return NULL;
+    int64_t *counts = (int64_t *)PyBytes_AS_STRING(out);
+    memset(counts, 0, (size_t)n * sizeof(int64_t));
+    size_t nbytes = ((size_t)n + 7) / 8;
+    unsigned char *bits = PyMem_Malloc(nbytes ? nbytes : 1);
+    if (bits == NULL) {
+        Py_DECREF(out);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(drops); k++) {
+        PyObject *d = PyList_GET_ITEM(drops, k);
+        if (!PyTuple_Check(d) || PyTuple_GET_SIZE(d) != 2 || !PyLong_Check(PyTuple_GET_ITEM(d, 0))
+            || !PyLong_Check(PyTuple_GET_ITEM(d, 1))) {
+            PyErr_SetString(PyExc_TypeError, "spread: a drop is not (int, int)");
+            goto fail;
+        }
+        long long count = PyLong_AsLongLong(PyTuple_GET_ITEM(d, 0));
+        if (count == -1 && PyErr_Occurred())
+            goto fail;
+        PyObject *mask = PyTuple_GET_ITEM(d, 1);
+        if (_PyLong_Sign(mask) < 0 || count < 0) {
+            PyErr_SetString(PyExc_ValueError, "spread: a negative count or mask");
+            goto fail;
+        }
+        if (nbytes == 0)
+            continue;
+        /* the mask's low n bits, little-endian; higher bits are dropped (masked first: AsByteArray would
+           refuse a mask wider than the buffer) */
+        size_t have = (_PyLong_NumBits(mask) + 7) / 8;
+        memset(bits, 0, nbytes);
+        if (have > 0) {
+            if (have <= nbytes) {
+#if PY_VERSION_HEX >= 0x030D0000
+                if (_PyLong_AsByteArray((PyLongObject *)mask, bits, nbytes, 1, 0, 1) < 0)
+#else
+                if (_PyLong_AsByteArray((PyLongObject *)mask, bits, nbytes, 1, 0) < 0)
+#endif
+                    goto fail;
+            } else {
+                unsigned char *wide = PyMem_Malloc(have);
+                if (wide == NULL) {
+                    PyErr_NoMemory();
+                    goto fail;
+                }
+#if PY_VERSION_HEX >= 0x030D0000
+                int r = _PyLong_AsByteArray((PyLongObject *)mask, wide, have, 1, 0, 1);
+#else
+                int r = _PyLong_AsByteArray((PyLongObject *)mask, wide, have, 1, 0);
+#endif
+                if (r == 0)
+                    memcpy(bits, wide, nbytes);
+                PyMem_Free(wide);
+                if (r < 0)
+                    goto fail;
+            }
+        }
+        for (size_t at = 0; at < nbytes; at += 8) { /* a word at a time: a drop's mask is mostly zeros */
+            uint64_t w = 0;
+            memcpy(&w, bits + at, nbytes - at < 8 ? nbytes - at : 8); /* little-endian bytes, host order below */
+#if PY_LITTLE_ENDIAN == 0
+            w = __builtin_bswap64(w);
+#endif
+            while (w) {
+                uint64_t low = w & (~w + 1);
+                size_t slot = at * 8;
+                for (uint64_t v = low; v > 1; v >>= 1)
+                    slot++;
+                if (slot < (size_t)n)
+                    counts[slot] = (int64_t)count;
+                w ^= low;
+            }
+        }
+    }
+    PyMem_Free(bits);
+    return out;
+fail:
+    PyMem_Free(bits);
+    Py_DECREF(out);
+    return NULL;
+}
