@@ -32,7 +32,6 @@ COMPRESSION_ERROR), as with `hpack`.
 
 from __future__ import annotations
 
-from array import array
 from collections import deque
 
 from hpack.exceptions import (
@@ -169,7 +168,10 @@ class Decoder:
                     raw, pos = _string(block, pos, end)
                     name = raw.decode()
                     name_octets = len(raw)
-                raw, pos = _string(block, pos, end)
+                if b & 0xF0 or block[pos] & 0x80 == 0:  # indexed, never indexed, or not Huffman-coded
+                    raw, pos = _string(block, pos, end)
+                else:
+                    raw, pos = _unindexed_huffman(block, pos, end)
                 header = (name, raw.decode())
                 entry_size = name_octets + len(raw) + ENTRY_OVERHEAD
                 out.append(header)
@@ -237,6 +239,33 @@ def _string(block: bytes, pos: int, end: int) -> tuple[bytes, int]:
     return block[pos:stop], stop
 
 
+# Huffman-coded values of literals without indexing (§6.2.2), decoded once: an encoder sends that way what it
+# will not put in its table but may well send again, such as Envoy's `:path` on every ext_proc stream (its
+# HTTP/2 codec never indexes `:path`): ~1.5 us of Huffman decoding per stream, for a dict lookup. Bounded in
+# entries and octets, first come first kept; never-indexed values (§6.2.3, what an encoder marks sensitive) are
+# not kept, nor values it indexes (those come back as table reads after their first block).
+_UNINDEXED: dict[bytes, bytes] = {}
+UNINDEXED_MAX_ENTRIES = 64
+UNINDEXED_MAX_OCTETS = 128
+
+
+def _unindexed_huffman(block: bytes, pos: int, end: int) -> tuple[bytes, int]:
+    """`_string` for the Huffman-coded value of a literal without indexing, through `_UNINDEXED`."""
+    length = block[pos] & 0x7F
+    if length == 0x7F or length > UNINDEXED_MAX_OCTETS:
+        return _string(block, pos, end)
+    stop = pos + 1 + length
+    if stop > end:
+        raise HPACKDecodingError("truncated header block: a string past its end")
+    coded = block[pos + 1:stop]
+    decoded = _UNINDEXED.get(coded)
+    if decoded is None:
+        decoded = huffman_decode(coded)
+        if len(_UNINDEXED) < UNINDEXED_MAX_ENTRIES:
+            _UNINDEXED[coded] = decoded
+    return decoded, stop
+
+
 # --- Huffman (RFC 7541 §5.2, Appendix B) ------------------------------------------------------------------
 #
 # The code is a complete binary tree of 257 leaves (256 octets and EOS), so 256 internal nodes: a decoder's
@@ -246,18 +275,20 @@ def _string(block: bytes, pos: int, end: int) -> tuple[bytes, int]:
 # the shortest code is 5 bits), or None where the path reaches EOS, which makes the join fail. Both are built
 # once, at the first Huffman string, from the RFC's code table (hpack.huffman_constants).
 
-_NEXT: array[int] | None = None
+_NEXT: list[int] | None = None
 _EMIT: list[bytes | None] = []
 _ACCEPT: frozenset[int] = frozenset()  # end states whose partial code is all ones and at most 7 bits (padding)
 
 
-def huffman_tables() -> tuple[array[int], list[bytes | None], frozenset[int]]:
-    """The transition tables, built at the first call (15-30 ms), ~1.3 MiB in all (`bench/bench_hpack.py`
-    measures 1,366 KiB; a test holds it under 1.5 MiB): 65,536 transitions as an array of 16-bit states
-    (128 KiB), a list of emissions (512 KiB of references) and the ~17,400 two-octet bytes objects it shares
-    (~700 KiB; b"" and one-octet bytes are the interpreter's singletons). A table of (state, emission) tuples
-    would take over 4 MiB; bytes-only tables (a count and two symbol columns) would save most of the 700 KiB
-    at the cost of more work per octet."""
+def huffman_tables() -> tuple[list[int], list[bytes | None], frozenset[int]]:
+    """The transition tables, built at the first call (15-30 ms), ~1.7 MiB in all (`bench/bench_hpack.py`
+    measures it; a test holds it under 2 MiB): 65,536 transitions as a list (512 KiB of references to 256
+    shared ints: reading a list hands back an existing int where an array of 16-bit states made a new one per
+    octet, ~20 ns, a quarter of the loop: ~0.8 us a fresh `traceparent`, and Envoy's `:path`, which its
+    encoder never indexes, on every stream), a list of emissions (512 KiB of references) and the ~17,400
+    two-octet bytes objects it shares (~700 KiB; b"" and one-octet bytes are the interpreter's singletons). A
+    table of (state, emission) tuples would take over 4 MiB; bytes-only tables (a count and two symbol
+    columns) would save most of the 700 KiB at the cost of more work per octet."""
     global _NEXT, _EMIT, _ACCEPT
     if _NEXT is not None:
         return _NEXT, _EMIT, _ACCEPT
@@ -291,13 +322,14 @@ def huffman_tables() -> tuple[array[int], list[bytes | None], frozenset[int]]:
             row.append((node, emitted))
         nibbles.append(row)
     shared: dict[bytes, bytes] = {}
-    next_states = array("H", bytes(2 * 65_536))
+    shifted = [node << 8 for node in range(256)]  # the 256 values a transition holds, shared
+    next_states: list[int] = [0] * 65_536
     emits: list[bytes | None] = [None] * 65_536
     for state in range(256):
         for high, (middle, first) in enumerate(nibbles[state]):
             base = state << 8 | high << 4
             for low, (node, second) in enumerate(nibbles[middle]):
-                next_states[base | low] = node << 8
+                next_states[base | low] = shifted[node]
                 if first is not None and second is not None:
                     both = first + second
                     emits[base | low] = shared.setdefault(both, both)

@@ -485,16 +485,17 @@ class Tracing:
                 return ExchangeSpan(self, trace_id, None, False, headers.get(TRACESTATE), path)
             # flags 02: not sampled, and a random trace id (Trace Context level 2, as the SDK marks its own)
             return Passed([(TRACEPARENT, f"00-{trace_id:032x}-{random.getrandbits(64) or 1:016x}-02")])
-        state_values = [v for k, v in metadata if k == TRACESTATE] if from_gateway else headers.get(TRACESTATE)
         parent: tuple[int, int, int] | None = None
         if given is not None:
             parent = _parse_traceparent(given)
             if parent is None:  # another version, or invalid: the specification's propagator decides
                 sc = trace.get_current_span(_W3C.extract({TRACEPARENT: given})).get_span_context()
                 parent = (sc.trace_id, sc.span_id, int(sc.trace_flags)) if sc.is_valid else None
+        if parent is not None and self._follows and not parent[2] & 1:
+            return None  # an unsampled parent, followed (Envoy's 90%): its own header goes on to the worker
+        # the tracestate only for a request that may be recorded (read from where its traceparent came)
+        state_values = [v for k, v in metadata if k == TRACESTATE] if from_gateway else headers.get(TRACESTATE)
         if parent is not None and self._follows:
-            if not parent[2] & 1:
-                return None  # an unsampled parent, followed: its own header goes on to the worker
             return ExchangeSpan(self, parent[0], parent[1], from_gateway, state_values, path)
         trace_id = parent[0] if parent is not None else (random.getrandbits(128) or 1)
         ctx = None
@@ -669,6 +670,9 @@ class TracedRenderer:
         u = urlsplit(base)
         self._base = base
         self._attrs: dict[str, Any] = {"http.request.method": "POST"}
+        from epp_extproc.adapters.render_client import CHAT_PATH, COMPLETIONS_PATH
+
+        self._chat_url, self._completions_url = base + CHAT_PATH, base + COMPLETIONS_PATH  # once, not per call
         if u.hostname:
             self._attrs["server.address"] = u.hostname
             self._attrs["server.port"] = u.port or (443 if u.scheme == "https" else 80)
@@ -684,10 +688,8 @@ class TracedRenderer:
         return self._traced(rec, kind, body)
 
     async def _traced(self, rec: ExchangeSpan, kind: str, body: bytes) -> Rendered:
-        from epp_extproc.adapters.render_client import CHAT_PATH, COMPLETIONS_PATH
-
         attrs = dict(self._attrs)
-        attrs["url.full"] = self._base + (CHAT_PATH if kind == "chat" else COMPLETIONS_PATH)
+        attrs["url.full"] = self._chat_url if kind == "chat" else self._completions_url
         t0 = time_ns()
         error: str | None = None
         try:

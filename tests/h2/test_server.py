@@ -677,3 +677,18 @@ async def test_the_huffman_tables_are_built_when_the_server_starts_not_on_a_requ
         assert hpack_decode._NEXT is not None
     finally:
         await server.stop(0)
+
+
+def test_invocation_metadata_is_the_request_headers_but_the_pseudo_headers_in_order() -> None:
+    """What a servicer reads with `context.invocation_metadata()` (the picker: Envoy's trace context)."""
+    import types
+
+    from h2grpc.call import Call
+
+    conn = types.SimpleNamespace(peer_initial_window=65_535, window_shift=0, stream_window=65_535,
+                                 loop=types.SimpleNamespace(time=lambda: 0.0))
+    headers = [(":method", "POST"), (":path", "/s/M"), ("te", "trailers"), ("", "empty name"),
+               ("traceparent", "00-1-2-01"), ("tracestate", ""), ("x-colon", ":value")]
+    call = Call(conn, 1, "/s/M", None, headers)  # type: ignore[arg-type]
+    assert call.invocation_metadata() == (("te", "trailers"), ("", "empty name"), ("traceparent", "00-1-2-01"),
+                                          ("tracestate", ""), ("x-colon", ":value"))

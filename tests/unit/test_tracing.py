@@ -226,6 +226,30 @@ async def test_an_unsampled_gateway_trace_costs_no_stage_span_and_exports_nothin
     assert span_count[0] == 0  # an unsampled parent, followed: no span object at all
 
 
+def test_envoys_unsampled_context_is_read_in_one_pass_up_to_its_traceparent() -> None:
+    """Envoy's tracer puts a fresh `traceparent` (and an empty `tracestate`) in every ext_proc stream's metadata;
+    for the 90% it does not sample, the picker reads no further than the `traceparent` (no `tracestate` scan)."""
+
+    class Metadata(list):  # type: ignore[type-arg]
+        def __init__(self, items: list[tuple[str, str]]) -> None:
+            super().__init__(items)
+            self.read: list[str] = []
+
+        def __iter__(self) -> Any:
+            for k, v in super().__iter__():
+                self.read.append(k)
+                yield k, v
+
+    tr, _ = memory_tracing()
+    md = Metadata([("x-forwarded-for", "192.0.2.2"), ("traceparent", UNSAMPLED), ("tracestate", ""),
+                   ("x-envoy-internal", "true")])
+    assert tr.exchange(md, {}, "POST", "/v1/chat/completions") is None
+    assert md.read == ["x-forwarded-for", "traceparent"]
+    md = Metadata([("traceparent", SAMPLED), ("tracestate", "k=v")])
+    span = tr.exchange(md, {}, "POST", "/v1/chat/completions")
+    assert isinstance(span, spans.ExchangeSpan) and span._state == "k=v"  # a sampled one keeps its tracestate
+
+
 async def test_a_client_unsampled_traceparent_goes_on_unchanged_and_costs_no_span(span_count: list[int]) -> None:
     tr, exporter = memory_tracing()
     out = await run(servicer(tr), request({"traceparent": UNSAMPLED}))

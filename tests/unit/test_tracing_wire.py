@@ -148,6 +148,40 @@ def test_the_encoded_pairs_kept_for_reuse_are_bounded_and_pairs_past_the_bound_s
     assert len(otlp_wire._KEYS) <= otlp_wire._MAX_KEYS
 
 
+def test_numbers_and_bools_are_encoded_once_per_key_and_type_and_equal_values_of_other_types_stay_apart(
+        monkeypatch: Any) -> None:
+    keep = Keep()
+    values: list[Any] = [1, True, 1.0, 0, False, 0.0, -0.0, float("nan"), -2**63, -1, 8001]
+    records: list[Any] = [(0xABC, "", 0x1000 + i, 0, 10, 20, {"v": v}, None, ()) for i, v in enumerate(values)]
+    assert wire(keep, records) == sdk(keep, records)  # 1 / True / 1.0 and 0.0 / -0.0 each encoded as itself
+    calls = [0]
+    real = otlp_wire._value
+
+    def counting(v: Any) -> bytes:
+        calls[0] += 1
+        return real(v)
+
+    monkeypatch.setattr(otlp_wire, "_value", counting)
+    assert wire(keep, records) == sdk(keep, records)  # the second time from what was kept
+    assert calls[0] == 0
+
+
+def test_the_http_exporter_is_handed_the_encoded_bytes_without_a_parse_into_a_message(monkeypatch: Any) -> None:
+    monkeypatch.setattr(http_module, "encode_spans", http_module.encode_spans)
+
+    def no_parse(data: bytes) -> Any:
+        raise AssertionError("parsed into a message")
+
+    monkeypatch.setattr(trace_service_pb2.ExportTraceServiceRequest, "FromString", no_parse)
+    with http_bodies() as (port, bodies):
+        exporter = HttpExporter(endpoint=f"http://127.0.0.1:{port}/v1/traces")
+        assert otlp_wire.install(exporter)
+        batch = Keep()._encoded([(0xABC, "", 0x1234, 0, 10, 20, {"a": 7}, None, ())])
+        assert exporter.export(batch) is SpanExportResult.SUCCESS
+        exporter.shutdown()
+    assert bodies == [("/v1/traces", batch.payload)]
+
+
 def test_a_value_the_protocol_cannot_hold_is_skipped_as_the_sdk_skips_it() -> None:
     keep = Keep()
     record: Record = (0xABC, "", 0x1234, 0, 10, 20, {"ok": 1, "bad": object(), "after": "x"}, None, ())
