@@ -94,25 +94,8 @@ class NaiveIndex:
 # ----------------------------------------------------------------------------- data
 def make_ingest_batches(n_blocks: int, rng: random.Random) -> list[bytes]:
     """Pre-encoded TRT batches (half compact, half all-int64): events of 1..64 blocks of 32 tokens, most
-    continuing the previous chain so parents resolve like in a real engine."""
-    batches = []
-    total = 0
-    parent = None
-    next_hash = 1
-    while total < n_blocks:
-        events = []
-        for _ in range(rng.randint(1, 4)):
-            k = rng.randint(1, 64)
-            hs = [rng.getrandbits(64) - (1 << 63) for _ in range(k)]
-            toks = [rng.randrange(150_000) for _ in range(k * BS)]
-            if parent is not None and rng.random() < 0.2:
-                parent = None
-            events.append(stored_event(hs, parent, toks, BS))
-            parent = hs[-1]
-            next_hash += k
-            total += k
-        batches.append(pack_batch(events, all_int64=len(batches) % 2 == 1))
-    return batches
+    continuing the previous chain so parents resolve like in a real engine (`_batches`)."""
+    return _batches(n_blocks, rng, lambda i: "trtllm-int64" if i % 2 else "trtllm")
 
 
 def bench_ingest(n_blocks: int, rng: random.Random) -> dict[str, Any]:
@@ -163,10 +146,16 @@ def _wire_event(dialect: str, hs: list[int], parent: int | None, toks: list[int]
 
 
 def make_stream(dialect: str, n_blocks: int, rng: random.Random) -> list[bytes]:
-    batches = []
+    return _batches(n_blocks, rng, lambda _i: dialect)
+
+
+def _batches(n_blocks: int, rng: random.Random, dialect_of: Any) -> list[bytes]:
+    """Batches of 1..4 events of 1..64 blocks until `n_blocks`, batch i in the wire form `dialect_of(i)`."""
+    batches: list[bytes] = []
     total = 0
     parent = None
     while total < n_blocks:
+        dialect = dialect_of(len(batches))
         events = []
         for _ in range(rng.randint(1, 4)):
             k = rng.randint(1, 64)
