@@ -16,7 +16,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterator
 
-from kvindex.index import PART_MASK, KvIndex
+from kvindex.index import KvIndex
 
 __all__ = ["export_slots", "load_slots", "worker_block_size"]
 
@@ -58,7 +58,6 @@ def load_slots(idx: KvIndex, worker_id: str, block_size: int, size_source: str,
     if dialect is not None:
         w.dialect = dialect
     st = w.stats
-    parts = idx._blocks
     wpred = w.pred
     added = 0
     last = None
@@ -70,26 +69,8 @@ def load_slots(idx: KvIndex, worker_id: str, block_size: int, size_source: str,
             st.skipped_rank += len(eng_a)
             continue
         slot = idx._slot(w, rank, bs)
-        eng, multi, bit = slot.engine, slot.multi, slot.bit
         confirm = wpred if bs == w.block_size else None
-        for eh, h in zip(eng_a, ours_a, strict=True):
-            prev = eng.get(eh)
-            if prev is not None:
-                del eng[eh]
-                eng[eh] = h  # to the young end of the eviction order, as a re-store does
-                if prev == h:
-                    continue
-                idx._unref(slot, prev)
-            else:
-                eng[eh] = h
-            blocks = parts[h & PART_MASK]
-            m = blocks.get(h, 0)
-            if m & bit:
-                multi[h] = multi.get(h, 1) + 1
-            else:
-                blocks[h] = m | bit
-            if confirm and h in confirm:
-                idx._confirm(w, h)
+        idx._insert(w, slot, eng_a, ours_a, confirm)  # a re-store's bookkeeping: eviction order, masks, confirms
         added += len(eng_a)
         last = slot
     w.n_blocks = sum(len(s.engine) for s in w.slots.values())
