@@ -186,6 +186,9 @@ def test_killed_worker_is_out_of_rotation_and_its_index_entries_dropped(stack: G
 
 def test_restarted_worker_is_back_in_rotation_with_an_index_matching_its_new_cache(stack: GatewayStack) -> None:
     victim = stack.mocks[0]
+    if victim.alive():  # run on its own (not after the kill test above): kill it here
+        victim.stop(signal.SIGKILL)
+        until(lambda: not endpoint(stack, victim)["healthy"], "the picker notices the dead worker")
     victim.start()
     until(lambda: endpoint(stack, victim)["healthy"], "the restarted worker is probed healthy")
     # concurrent long-ish requests: the least-loaded rule spreads them over both workers
