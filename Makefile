@@ -14,10 +14,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m epp_extproc.dev.otel_protos --repair
 	touch $(STAMP)
 
-# The KV-event ingest's optional C accelerator (kvindex/native.py): `pip install -e` builds it; this rebuilds it in
-# place when its source changes (a failed compile leaves the pure-Python path, never a failed make).
+# The optional C accelerators (kvindex/native.py: the KV-event ingest; h2grpc/native.py: HPACK's Huffman decode):
+# `pip install -e` builds them; this rebuilds them in place when a source changes (a failed compile leaves the
+# pure-Python path, never a failed make).
 NATIVE := build/.native-built
-$(NATIVE): $(STAMP) setup.py kvindex/_csrc/native.c kvindex/_csrc/xxhash.h kvindex/_csrc/walk.h
+$(NATIVE): $(STAMP) setup.py kvindex/_csrc/native.c kvindex/_csrc/xxhash.h kvindex/_csrc/walk.h h2grpc/_csrc/huffman.c
 	$(BIN)/python setup.py -q build_ext --inplace
 	mkdir -p build && touch $(NATIVE)
 

@@ -8,16 +8,19 @@ by one decoder per repeat, as a connection would:
 - (b) the same with a fresh random W3C `traceparent` per block (what Envoy's tracing adds to each stream): a
   Huffman-coded literal with incremental indexing, so the table also churns.
 
-Old and new alternate within each repeat (same process, same blocks); the figures are microseconds per block,
-the median and the best of the repeats. Also: the Huffman decode of one `traceparent` alone, and the memory and
-build time of the new decoder's Huffman tables (tracemalloc, built first, in this process).
+`hpack` and h2grpc's decoder (its Huffman strings on the pure path, and on the C decoder where built) alternate
+within each repeat (same process, same blocks); the figures are microseconds per block, the median and the
+best of the repeats. Also: the Huffman decode of one `traceparent` alone (hpack's, h2grpc's pure path and its C
+decoder `h2grpc._huffman` where built), and the memory and build time of the pure path's Huffman tables
+(tracemalloc, built first, in this process).
 
-    python -m bench.bench_hpack [--blocks 2000] [--repeats 7]
+    python -m bench.bench_hpack [--blocks 2000] [--repeats 7] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import time
@@ -29,7 +32,7 @@ from hpack.huffman import HuffmanEncoder
 from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 from hpack.huffman_table import decode_huffman
 
-from h2grpc import hpack_decode
+from h2grpc import hpack_decode, native
 
 USUAL = [(":method", "POST"), (":scheme", "http"),
          (":path", "/envoy.service.ext_proc.v3.ExternalProcessor/Process"), (":authority", "epp-extproc"),
@@ -88,27 +91,53 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=2_000)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     held, build_ms = table_memory()
-    print(f"Huffman tables: {held / 1024:.0f} KiB held, built in {build_ms:.0f} ms (once, at the first Huffman string)")
-    for name, tracing in (("(a) usual block, repeated", False), ("(b) + fresh traceparent", True)):
+    huffmans: list[tuple[str, Callable[[bytes], bytes]]] = [("pure", hpack_decode.huffman_decode_py)]
+    if native.MODULE is not None:
+        huffmans.append(("C", native.MODULE.decode))
+    result: dict[str, object] = {"blocks": args.blocks, "repeats": args.repeats, "huffman_c": native.MODULE is not None,
+                                 "pure_tables_kib": round(held / 1024), "pure_tables_build_ms": round(build_ms, 1)}
+    print(f"Huffman tables (pure path): {held / 1024:.0f} KiB held, built in {build_ms:.0f} ms (once, at the first "
+          f"Huffman string)")
+    active = hpack_decode.huffman_decode
+    for key, name, tracing in (("usual", "(a) usual block, repeated", False),
+                               ("traceparent", "(b) + fresh traceparent", True)):
         sequence = blocks(args.blocks, tracing)
         expected = [list(h) for h in map(hpack_decoder(), sequence)]  # type: ignore[call-overload]
-        decode = new_decoder()
-        assert [decode(b) for b in sequence] == expected, "the decoders disagree"
-        old, new = [], []
-        for _ in range(args.repeats):
-            old.append(per_block_us(hpack_decoder, sequence))
-            new.append(per_block_us(new_decoder, sequence))
+        times: dict[str, list[float]] = {"hpack": [], **{f"h2grpc {label}": [] for label, _ in huffmans}}
+        for label, huffman in huffmans:
+            hpack_decode.huffman_decode = huffman
+            decode = new_decoder()
+            assert [decode(b) for b in sequence] == expected, f"the decoders disagree (Huffman: {label})"
+        for _ in range(args.repeats):  # alternating, in this process
+            times["hpack"].append(per_block_us(hpack_decoder, sequence))
+            for label, huffman in huffmans:
+                hpack_decode.huffman_decode = huffman
+                times[f"h2grpc {label}"].append(per_block_us(new_decoder, sequence))
+        hpack_decode.huffman_decode = active
         octets = sum(map(len, sequence)) / len(sequence)
         print(f"{name}: {octets:.0f} octets a block on average; us per block, median (best) of {args.repeats}: "
-              f"hpack {statistics.median(old):.2f} ({min(old):.2f}), h2grpc {statistics.median(new):.2f} "
-              f"({min(new):.2f}), {statistics.median(old) / statistics.median(new):.1f}x")
+              + ", ".join(f"{label} {statistics.median(t):.2f} ({min(t):.2f})" for label, t in times.items()))
+        result[f"block_{key}_us"] = {"octets": round(octets, 1), **{
+            f"{label.replace(' ', '_')}_{stat}": round(fn(t), 3) for label, t in times.items()
+            for stat, fn in (("median", statistics.median), ("best", min))}}
     coded = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH).encode(traceparent(random.Random(2)).encode())
     runs = 20_000
-    for label, fn in (("hpack", decode_huffman), ("h2grpc", hpack_decode.huffman_decode)):
+    decoders: list[tuple[str, Callable[[bytes], bytes]]] = [("hpack", decode_huffman),
+                                                             ("h2grpc pure", hpack_decode.huffman_decode_py)]
+    if native.MODULE is not None:
+        decoders.append(("h2grpc C", native.MODULE.decode))
+    result["traceparent_huffman_octets"] = len(coded)
+    for label, fn in decoders:
         best = min(_loop(fn, coded, runs) for _ in range(args.repeats))
         print(f"Huffman decode of one traceparent ({len(coded)} octets), {label}: {best:.2f} us (best)")
+        result[f"traceparent_huffman_us_{label.replace(' ', '_')}"] = round(best, 3)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
 
 
 def _loop(fn: Callable[[bytes], bytes], data: bytes, runs: int) -> float:

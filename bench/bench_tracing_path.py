@@ -3,7 +3,7 @@ the whole picker behind a real Envoy, where two cores shared by a dozen processe
 percent run to run; this one counts the picker's own work per request, with nothing else running).
 
     PYTHONPATH=. python -m bench.bench_tracing_path [--requests 2000] [--repeats 7]      # CPU time
-    PYTHONPATH=. python -m bench.bench_tracing_path --callgrind [--requests 500]         # instructions
+    PYTHONPATH=. python -m bench.bench_tracing_path --callgrind [--requests 500] [--json PATH]   # instructions
 
 Each request is what a picker does for one ext_proc stream, minus the sockets: h2grpc's HPACK decoder reads the
 stream's header block (as Envoy 1.40 sends it, captured: `:method` indexed, `:path` a Huffman literal without
@@ -22,13 +22,15 @@ inside the measurement. The cases:
 `--callgrind` runs each case under `valgrind --tool=callgrind` twice, counting instructions only around the
 measured loop (`callgrind_control -i on/off`), with `--requests` and a fifth of it: the difference over the
 difference in requests is the instructions per request, the same on every run to a few hundred (about 4
-minutes in all).
+minutes in all). h2grpc's Huffman strings are decoded by its C decoder where built; `EPP_H2GRPC_PURE=1` (passed
+on to the runs) decodes them in pure Python.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import re
@@ -168,12 +170,12 @@ def instrumented(case: str, n: int) -> None:
     subprocess.run(["callgrind_control", "-i", "off", str(os.getpid())], check=True, capture_output=True)
 
 
-def callgrind(n: int) -> None:
+def callgrind(n: int, json_path: str | None = None, cases: tuple[str, ...] = CASES) -> None:
     if shutil.which("valgrind") is None:
         sys.exit("valgrind is not installed")
     small = max(50, n // 5)
     counts: dict[str, int] = {}
-    for c in CASES:
+    for c in cases:
         got = []
         for k in (small, n):
             out = subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", "--callgrind-out-file=/dev/null",
@@ -187,7 +189,20 @@ def callgrind(n: int) -> None:
         print(f"  {c:10s} {counts[c]:9,d} instructions per request  {counts[c] - counts.get('off', counts[c]):+8,d}",
               flush=True)
     base = counts["off"]
-    print("over off: " + ", ".join(f"{c} x{counts[c] / base:.3f}" for c in CASES))
+    print("over off: " + ", ".join(f"{c} x{counts[c] / base:.3f}" for c in cases))
+    if json_path:
+        try:
+            from h2grpc import native
+            huffman_c = native.MODULE is not None
+        except ImportError:  # a tree from before h2grpc's C decoder
+            huffman_c = False
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        with open(json_path, "w") as f:
+            json.dump({"requests": n, "commit": commit, "huffman_c": huffman_c,
+                       "instructions_per_request": counts,
+                       "over_off": {c: counts[c] - base for c in cases},
+                       "ratio_to_off": {c: round(counts[c] / base, 4) for c in cases}}, f, indent=1)
+            f.write("\n")
 
 
 def main() -> None:
@@ -195,12 +210,17 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=0, help="per case and repeat (2000; 500 with --callgrind)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--callgrind", action="store_true", help="instructions per request (valgrind), repeatable")
+    ap.add_argument("--json", help="with --callgrind: also write the counts to this file")
+    ap.add_argument("--cases", default=",".join(CASES), help="with --callgrind: these cases only (off first)")
     ap.add_argument("--instrumented", choices=CASES, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.instrumented:
         instrumented(a.instrumented, a.requests)
     elif a.callgrind:
-        callgrind(a.requests or 500)
+        cases = tuple(a.cases.split(","))
+        if cases[0] != "off" or not set(cases) <= set(CASES):
+            sys.exit(f"--cases: off first, then any of {', '.join(CASES[1:])}")
+        callgrind(a.requests or 500, a.json, cases)
     else:
         timed(a.requests or 2000, a.repeats)
 

@@ -22,6 +22,10 @@ The contract is `hpack.Decoder.decode(block, raw=False)`'s, checked by a differe
   field, an integer of more than five continuation octets (as `hpack`: enough for any 32-bit value), a Huffman
   string with an EOS symbol or with padding that is over 7 bits or not all ones (RFC 7541 §5.2).
 
+Huffman strings are decoded by the optional C accelerator `h2grpc._huffman` where it is built (h2grpc/native.py;
+`EPP_H2GRPC_PURE=1` turns it off), else by `huffman_decode_py`; the two give the same octets and the same errors
+(tests/unit/test_h2grpc_native.py).
+
 One difference, on purpose: a never-indexed field (RFC 7541 §6.2.3) comes back as a plain tuple, where `hpack`
 gives a `NeverIndexedHeaderTuple` (a tuple subclass that compares equal). The flag only matters to an
 intermediary that re-encodes the field; h2grpc never forwards request headers.
@@ -42,6 +46,8 @@ from hpack.exceptions import (
 )
 from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 from hpack.table import HeaderTable
+
+from h2grpc import native
 
 DEFAULT_TABLE_SIZE = 4_096  # RFC 9113 §6.5.2: the dynamic table's size until the peer sends an update
 ENTRY_OVERHEAD = 32  # RFC 7541 §4.1: an entry's size is its name's and value's octets plus 32
@@ -341,9 +347,10 @@ def huffman_tables() -> tuple[list[int], list[bytes | None], frozenset[int]]:
     return _NEXT, _EMIT, _ACCEPT
 
 
-def huffman_decode(data: bytes) -> bytes:
+def huffman_decode_py(data: bytes) -> bytes:
     """The octets a Huffman string encodes; an EOS symbol in it, or padding over 7 bits or not all ones at its
-    end, is an `HPACKDecodingError` (RFC 7541 §5.2)."""
+    end, is an `HPACKDecodingError` (RFC 7541 §5.2). The pure-Python path: `huffman_decode` is the C one where
+    it is built."""
     next_states, emits, accept = huffman_tables() if _NEXT is None else (_NEXT, _EMIT, _ACCEPT)
     state = 0
     out = []
@@ -359,3 +366,15 @@ def huffman_decode(data: bytes) -> bytes:
     if state not in accept:
         raise HPACKDecodingError("Huffman padding over 7 bits or not all ones")
     return decoded
+
+
+# `huffman_decode(data) -> bytes`: the C decoder (h2grpc/_csrc/huffman.c: a nibble-wide table of 16 KiB, built
+# at import) where it is built, else the pure path above; `_string` and `_unindexed_huffman` look it up here.
+huffman_decode = native.MODULE.decode if native.MODULE is not None else huffman_decode_py
+
+
+def warm() -> None:
+    """Build what the Huffman decoder needs before the first request that carries a Huffman string: the pure
+    path's tables (15-30 ms, ~1.7 MiB); nothing for the C decoder, whose 16 KiB table is built at import."""
+    if huffman_decode is huffman_decode_py:
+        huffman_tables()

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from h2grpc import hpack_decode
 from h2grpc.connection import Connection
-from h2grpc.hpack_decode import huffman_tables
 from h2grpc.limits import DEFAULT, Limits
 
 
@@ -109,9 +109,9 @@ class H2GrpcServer:
         return int(srv.sockets[0].getsockname()[1])
 
     async def start(self) -> None:
-        """Serve. The HPACK Huffman tables are built first (15-30 ms, once per process): not on the first
-        request that carries a Huffman-coded header."""
-        huffman_tables()
+        """Serve. The pure-Python HPACK Huffman tables, where that path runs, are built first (15-30 ms, once per
+        process): not on the first request that carries a Huffman-coded header."""
+        hpack_decode.warm()
         for srv in self._servers:
             await srv.start_serving()
 

@@ -9,7 +9,9 @@ import asyncio
 import gc
 import struct
 
-from h2grpc import Limits
+import pytest
+
+from h2grpc import Limits, hpack_decode, native
 from h2grpc import codec as h2
 from h2grpc.call import Call
 from tests.h2.wire import connect, frame, goaway_code, msg, request_block, rss, settle, status_of
@@ -205,6 +207,25 @@ async def test_an_hpack_header_list_bomb_is_a_compression_error() -> None:
     conn.data_received(frame(h2.HEADERS, 0, 1, first) + frame(h2.CONTINUATION, h2.END_HEADERS, 1, rest))
     assert goaway_code(t.take()) == h2.COMPRESSION_ERROR and t.closing
     assert not conn.calls and rss() - base < RSS_MARGIN
+    conn.connection_lost(None)
+
+
+@pytest.mark.parametrize("path", ["c", "pure"])
+@pytest.mark.parametrize("coded", [b"\xff\xff\xff\xff", b"\x18", b"\x1f\xff"],
+                         ids=["eos", "padding-not-ones", "padding-over-7-bits"])
+async def test_a_bad_huffman_string_is_a_compression_error(coded: bytes, path: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """RFC 7541 §5.2: an EOS symbol, or padding over 7 bits or not all ones, in a header's Huffman value; on
+    the C decoder (h2grpc._huffman) and on the pure path alike."""
+    if path == "c" and native.MODULE is None:
+        pytest.skip("h2grpc._huffman is not built or EPP_H2GRPC_PURE is set")
+    monkeypatch.setattr(hpack_decode, "huffman_decode",
+                        native.MODULE.decode if path == "c" else hpack_decode.huffman_decode_py)
+    server, _, conn, t = connect(NO_KEEPALIVE)
+    bad = b"\x40\x0bx-trace-bad" + h2.hpack_int(len(coded), 7, 0x80) + coded  # literal, incremental indexing
+    conn.data_received(frame(h2.HEADERS, h2.END_HEADERS, 1, request_block() + bad))
+    assert goaway_code(t.take()) == h2.COMPRESSION_ERROR and t.closing
+    assert not conn.calls
     conn.connection_lost(None)
 
 

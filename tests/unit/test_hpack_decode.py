@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 
 import hpack
 import pytest
@@ -15,11 +16,17 @@ from hpack.huffman_table import decode_huffman
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from h2grpc import hpack_decode
+from h2grpc import hpack_decode, native
 from h2grpc.codec import HPACKError, header_decoder, hpack_int
-from h2grpc.hpack_decode import Decoder, huffman_decode
+from h2grpc.hpack_decode import Decoder, huffman_decode_py
 
 HUFFMAN = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH)
+# the Huffman tests run on both paths: the pure one always, the C one (h2grpc._huffman) where it is built
+HUFFMAN_DECODERS = [
+    pytest.param(huffman_decode_py, id="pure"),
+    pytest.param(native.MODULE.decode if native.MODULE is not None else None, id="c",
+                 marks=pytest.mark.skipif(native.MODULE is None, reason="h2grpc._huffman is not built")),
+]
 
 
 def blocks(*hexes: str) -> list[bytes]:
@@ -165,9 +172,10 @@ def test_mutated_and_cut_blocks_decode_or_fail_as_hpacks_decoder_does(fields: li
             break  # the connection ends at the first error: the tables are undefined after it
 
 
+@pytest.mark.parametrize("huffman_decode", HUFFMAN_DECODERS)
 @settings(max_examples=1_000, deadline=None)
 @given(data=st.binary(max_size=24))
-def test_any_bytes_huffman_decode_or_fail_as_hpacks_huffman_decoder_does(data: bytes) -> None:
+def test_any_bytes_huffman_decode_or_fail_as_hpacks_huffman_decoder_does(huffman_decode: Callable[[bytes], bytes], data: bytes) -> None:
     try:
         theirs: bytes | None = decode_huffman(data)
     except HPACKError:
@@ -179,7 +187,8 @@ def test_any_bytes_huffman_decode_or_fail_as_hpacks_huffman_decoder_does(data: b
     assert ours == theirs
 
 
-def test_every_octet_value_round_trips_through_huffman() -> None:
+@pytest.mark.parametrize("huffman_decode", HUFFMAN_DECODERS)
+def test_every_octet_value_round_trips_through_huffman(huffman_decode: Callable[[bytes], bytes]) -> None:
     octets = bytes(range(256))
     assert huffman_decode(HUFFMAN.encode(octets)) == octets
     assert all(huffman_decode(HUFFMAN.encode(bytes((o,)) * 3)) == bytes((o,)) * 3 for o in range(256))
@@ -273,26 +282,32 @@ def test_a_header_list_at_the_limit_is_decoded() -> None:
     assert len(Decoder(4_033 * 16).decode(LITERAL + b"\xbe" * 15)) == 16
 
 
-def test_huffman_padding_over_7_bits_is_an_error() -> None:
+@pytest.mark.parametrize("huffman_decode", HUFFMAN_DECODERS)
+def test_huffman_padding_over_7_bits_is_an_error(huffman_decode: Callable[[bytes], bytes]) -> None:
     a = HUFFMAN.encode(b"a")  # 00011 + 111
     assert huffman_decode(a) == b"a"
     with pytest.raises(hpack.HPACKDecodingError, match="padding"):
         huffman_decode(a + b"\xff")
 
 
-def test_huffman_padding_not_all_ones_is_an_error() -> None:
+@pytest.mark.parametrize("huffman_decode", HUFFMAN_DECODERS)
+def test_huffman_padding_not_all_ones_is_an_error(huffman_decode: Callable[[bytes], bytes]) -> None:
     with pytest.raises(hpack.HPACKDecodingError, match="padding"):
         huffman_decode(b"\x18")  # "a" (00011) + padding 000
 
 
-def test_an_eos_symbol_in_a_huffman_string_is_an_error() -> None:
+@pytest.mark.parametrize("huffman_decode", HUFFMAN_DECODERS)
+def test_an_eos_symbol_in_a_huffman_string_is_an_error(huffman_decode: Callable[[bytes], bytes]) -> None:
     with pytest.raises(hpack.HPACKDecodingError, match="EOS"):
         huffman_decode(b"\xff\xff\xff\xff")  # EOS (30 ones) + two ones of padding
     with pytest.raises(hpack.HPACKDecodingError, match="EOS"):
         huffman_decode(b"\x1f\xff\xff\xff\xfc" + HUFFMAN.encode(b"a"))  # "a", EOS, then more
 
 
-def test_bad_huffman_in_a_field_value_is_a_block_error() -> None:
+@pytest.mark.parametrize("huffman_decode", HUFFMAN_DECODERS)
+def test_bad_huffman_in_a_field_value_is_a_block_error(huffman_decode: Callable[[bytes], bytes],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hpack_decode, "huffman_decode", huffman_decode)
     with pytest.raises(hpack.HPACKDecodingError, match="padding"):
         Decoder().decode(b"\x04\x81\x18")  # literal, name :path, a Huffman value of one octet: "a" + 000
 
