@@ -16,10 +16,11 @@ Default weights, per tier (flags `--router-host-cache-hit-weight`, `--router-dis
 names, and this plugin's parameters):
   gpu 1.0      the block is reused as it is;
   host 0.8     llm-d's cpu default (its scorer's medium weights: gpu 1.0, cpu_pinned 0.8); Dynamo's host
-               default is 0.75. The load-time model of issue 44 (64 KiB/token for Llama-3.1-8B FP8, 2 MiB per
-               32-token block over 25 GB/s = 84 us, against roughly 1-3 ms to prefill 32 tokens of an 8B model)
-               would allow ~0.95; 0.8 keeps the references' margin for a load that is not overlapped with compute
-               and for the host copy's own eviction before admission, and a GPU copy always wins a tie;
+               default is 0.75. The load-time model of issue 44 agrees: 64 KiB/token for Llama-3.1-8B FP8, 2 MiB
+               per 32-token block over 25 GB/s = 84 us, against 0.45 ms to prefill 32 tokens at the mock's
+               fitted ~70k tokens/s (trtllm_mock/config.py LOAD_VS_PREFILL: a load costs 0.185 of a prefill),
+               so a host block saves 0.815 of what a GPU one does; a GPU copy always wins a tie. A weight
+               of 0.97 was not distinguishable from 0.8 on the trace or multi-turn (bench/README.md, stop 53);
   disk 0.25    Dynamo's disk default (5 GB/s = 420 us per block, plus NVMe queueing and page-cache misses);
   shared 0.25  a store other workers mount loads at most at storage speed over a network: priced as disk;
   unknown 0.25 a medium no engine is known to send is at least off the GPU; llm-d credits unknown tiers 1.0,
