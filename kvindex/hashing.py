@@ -27,6 +27,10 @@ _xxh3 = xxhash.xxh3_64_intdigest
 _LITTLE = sys.byteorder == "little"
 
 
+_native_pack = native.MODULE.pack_u32 if native.MODULE is not None else None
+_ZERO_U32 = array("I", [0])
+
+
 @lru_cache(maxsize=1024)
 def root_seed(lora_name: str | None = None, salt: str | None = None) -> int:
     """Seed of the first block of a chain; cached because there are few distinct LoRA/salt values."""
@@ -46,8 +50,12 @@ def pack_tokens(token_ids: Sequence[int]) -> array:
     if isinstance(token_ids, array) and token_ids.typecode == "I":
         arr = token_ids
     elif type(token_ids) is list:  # what a parsed render answer is: fromlist takes it at about half the cost
-        arr = array("I")
-        arr.fromlist(token_ids)
+        if _native_pack is not None:  # the accelerator's loop: a fifth of fromlist's cost, the same ids and errors
+            arr = _ZERO_U32 * len(token_ids)
+            _native_pack(token_ids, arr)
+        else:
+            arr = array("I")
+            arr.fromlist(token_ids)
     else:
         arr = array("I", token_ids)
     if arr.itemsize != 4:  # pragma: no cover - exotic platforms only
