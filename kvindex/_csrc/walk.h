@@ -162,21 +162,6 @@ native_walk(PyObject *self, PyObject *args)
     return drops;
 }
 
-/* the digits of a non-negative int, least significant first (PyLong_SHIFT bits each), and how many */
-static inline const digit *
-long_digits(PyObject *v, Py_ssize_t *nd)
-{
-#if PY_VERSION_HEX >= 0x030C0000
-    PyLongObject *l = (PyLongObject *)v;
-    *nd = (Py_ssize_t)(l->long_value.lv_tag >> _PyLong_NON_SIZE_BITS);
-    return l->long_value.ob_digit;
-#else
-    Py_ssize_t size = Py_SIZE(v);
-    *nd = size < 0 ? -size : size;
-    return ((PyLongObject *)v)->ob_digit;
-#endif
-}
-
 /* the index of the lowest set bit of w (w != 0) */
 static inline int
 lowest_bit(uint64_t w)

@@ -135,6 +135,33 @@ def test_native_pack_u32_refuses_what_fromlist_refuses_with_the_same_error(bad):
 
 
 @needs_native
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, U64), st.integers(0, 2**30 + 5), st.integers(2**59, 2**61), st.booleans(),
+                          st.integers(0, U64).map(_Index), st.integers(0, U64).map(_Int)), max_size=300))
+def test_native_pack_u64_is_array_q(values):
+    """dec45: block hashes pack to the same u64s through the accelerator as through array('Q', list) (what a
+    lookup and a prediction send), whatever int-like values the list holds."""
+    got = hashing.pack_u64(values)
+    assert got == array("Q", values) and got.typecode == "Q"
+    assert hashing.pack_u64(got) is got and hashing.pack_u64(tuple(values)) == got
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [[1, -1], [2**64], [U64, 2**64 + 5], [-(2**70)], [1.5], ["2"], [None], [_Index(-3)],
+                                 [_Index(2**64)], [_Int(-1)], [2**90]])
+def test_native_pack_u64_refuses_what_array_q_refuses_with_the_same_error(bad):
+    with pytest.raises((TypeError, OverflowError)) as want:
+        array("Q", bad)
+    with pytest.raises(want.type) as got:
+        hashing.pack_u64(bad)
+    assert str(got.value) == str(want.value)
+    with pytest.raises(ValueError):
+        _native.pack_u64([1, 2], array("Q", [0]))
+    with pytest.raises(ValueError):
+        _native.pack_u64([1], array("I", [0, 0]))  # 8 bytes, but not of u64 items
+
+
+@needs_native
 def test_native_pack_u32_stops_when_the_list_changes_size_and_checks_its_buffer():
     ids: list = [1, 2, 3]
 
