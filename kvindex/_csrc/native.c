@@ -770,6 +770,8 @@ static PyMethodDef methods[] = {
     {"decode", native_decode, METH_O, "decode(payload) -> (ts, rank, n_events, events) or None"},
     {"walk", native_walk, METH_VARARGS, "walk(hashes, parts, pred, alive, part_mask) -> [(count, dead), ...]"},
     {"spread", native_spread, METH_VARARGS, "spread(drops, n) -> bytes of n native int64 counts"},
+    {"walk_spread", native_walk_spread, METH_VARARGS,
+     "walk_spread(hashes, parts, pred, alive, part_mask, n) -> spread(walk(...), n) in one pass"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -237,3 +237,171 @@ fail:
     Py_DECREF(out);
     return NULL;
 }
+
+/* walk_spread(hashes, parts, pred, alive, part_mask, n) -> bytes
+ *     spread(walk(hashes, parts, pred, alive, part_mask), n) in one pass, with no Python int made on the way:
+ *     `alive` is copied into C digits once, each block's mask is ANDed into them digit by digit (only the
+ *     digits still alive), and each slot that drops out gets the blocks held so far written straight into
+ *     the counts (the slots left at the end, the blocks walked).  The walk made an `alive & mask` int per
+ *     block and an `alive ^ masked` int per drop, and the spread read each drop back from its bytes: at a
+ *     thousand workers and 1,024 blocks the two cost a shard's answer 1.6M of its 1.9M instructions.
+ */
+static PyObject *
+native_walk_spread(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *hashes, *parts, *pred, *alive0;
+    unsigned long long part_mask;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OO!OO!Kn", &hashes, &PyList_Type, &parts, &pred, &PyLong_Type, &alive0,
+                          &part_mask, &n))
+        return NULL;
+    Py_ssize_t nparts = PyList_GET_SIZE(parts);
+    if (pred != Py_None && (!PyList_Check(pred) || PyList_GET_SIZE(pred) != nparts)) {
+        PyErr_SetString(PyExc_TypeError, "walk: pred must be None or a list as long as parts");
+        return NULL;
+    }
+    if ((unsigned long long)nparts <= part_mask) {
+        PyErr_SetString(PyExc_ValueError, "walk: part_mask reaches past parts");
+        return NULL;
+    }
+    if (n < 0 || n > (PY_SSIZE_T_MAX / 8) - 8) {
+        PyErr_SetString(PyExc_ValueError, "spread: bad slot count");
+        return NULL;
+    }
+    if (_PyLong_Sign(alive0) < 0) {
+        PyErr_SetString(PyExc_ValueError, "walk: a negative mask");
+        return NULL;
+    }
+    for (Py_ssize_t p = 0; p < nparts; p++) {
+        if (!PyDict_CheckExact(PyList_GET_ITEM(parts, p))
+            || (pred != Py_None && !PyDict_CheckExact(PyList_GET_ITEM(pred, p)))) {
+            PyErr_SetString(PyExc_TypeError, "walk: parts and pred must hold dicts");
+            return NULL;
+        }
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
+    if (out == NULL)
+        return NULL;
+    int64_t *counts = (int64_t *)PyBytes_AS_STRING(out);
+    memset(counts, 0, (size_t)n * sizeof(int64_t));
+    Py_ssize_t nd;
+    const digit *a0 = long_digits(alive0, &nd);
+    /* only the digits that hold slots below n matter (bits past n are dropped, as spread drops them) */
+    Py_ssize_t nd_n = (Py_ssize_t)(((size_t)n + PyLong_SHIFT - 1) / PyLong_SHIFT);
+    if (nd > nd_n)
+        nd = nd_n;
+    digit *alive = PyMem_Malloc((size_t)(nd ? nd : 1) * sizeof(digit));
+    if (alive == NULL) {
+        Py_DECREF(out);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t lo = 0, hi = nd; /* the digits [lo, hi) that may still hold a live slot */
+    for (Py_ssize_t j = 0; j < nd; j++)
+        alive[j] = a0[j];
+    if (nd > 0 && nd == nd_n && n % PyLong_SHIFT) /* no slot at or past n */
+        alive[nd - 1] &= (digit)(((digit)1 << (n % PyLong_SHIFT)) - 1);
+    while (lo < hi && alive[lo] == 0)
+        lo++;
+    while (hi > lo && alive[hi - 1] == 0)
+        hi--;
+    if (lo == hi) { /* nothing alive: no walk, all zeros (the pure walk would still consume the hashes) */
+        PyMem_Free(alive);
+        return out;
+    }
+    PyObject *it = PyObject_GetIter(hashes);
+    if (it == NULL)
+        goto fail;
+    Py_ssize_t i = 0;
+    PyObject *h;
+    while ((h = PyIter_Next(it)) != NULL) {
+        if (!PyLong_Check(h)) {
+            Py_DECREF(h);
+            PyErr_SetString(PyExc_TypeError, "walk: a hash is not an int");
+            goto fail_it;
+        }
+        unsigned long long hv = PyLong_AsUnsignedLongLongMask(h);
+        if (hv == (unsigned long long)-1 && PyErr_Occurred()) {
+            Py_DECREF(h);
+            goto fail_it;
+        }
+        Py_ssize_t p = (Py_ssize_t)(hv & part_mask);
+        if (p >= PyList_GET_SIZE(parts) || (pred != Py_None && p >= PyList_GET_SIZE(pred))) {
+            Py_DECREF(h);
+            PyErr_SetString(PyExc_ValueError, "walk: parts changed during the walk");
+            goto fail_it;
+        }
+        PyObject *m = PyDict_GetItemWithError(PyList_GET_ITEM(parts, p), h); /* borrowed */
+        if (m == NULL && PyErr_Occurred()) {
+            Py_DECREF(h);
+            goto fail_it;
+        }
+        PyObject *pm = NULL;
+        if (pred != Py_None) {
+            pm = PyDict_GetItemWithError(PyList_GET_ITEM(pred, p), h);
+            if (pm == NULL && PyErr_Occurred()) {
+                Py_DECREF(h);
+                goto fail_it;
+            }
+        }
+        Py_DECREF(h);
+        if ((m != NULL && (!PyLong_Check(m) || _PyLong_Sign(m) < 0))
+            || (pm != NULL && (!PyLong_Check(pm) || _PyLong_Sign(pm) < 0))) {
+            PyErr_SetString(PyExc_TypeError, "walk: a mask is not a non-negative int");
+            goto fail_it;
+        }
+        Py_ssize_t md = 0, pd = 0;
+        const digit *mg = m != NULL ? long_digits(m, &md) : NULL;
+        const digit *pg = pm != NULL ? long_digits(pm, &pd) : NULL;
+        if (pg == NULL && mg != NULL && md >= hi) { /* the usual block: one mask covering every live digit */
+            digit gone = 0;
+            for (Py_ssize_t j = lo; j < hi; j++)
+                gone |= alive[j] & ~mg[j];
+            if (!gone) { /* nothing drops at this block */
+                i++;
+                continue;
+            }
+        }
+        for (Py_ssize_t j = lo; j < hi; j++) {
+            digit held = (j < md ? mg[j] : 0) | (j < pd ? pg[j] : 0);
+            digit now = alive[j] & held;
+            if (now != alive[j]) {
+                if (i) { /* the dropped slots held the i blocks before this one (a zero count is left out) */
+                    uint64_t dead = (uint64_t)(alive[j] & ~now);
+                    size_t base = (size_t)j * PyLong_SHIFT;
+                    while (dead) {
+                        counts[base + (size_t)lowest_bit(dead)] = (int64_t)i;
+                        dead &= dead - 1;
+                    }
+                }
+                alive[j] = now;
+            }
+        }
+        while (lo < hi && alive[lo] == 0)
+            lo++;
+        while (hi > lo && alive[hi - 1] == 0)
+            hi--;
+        i++;
+        if (lo == hi)
+            break; /* no slot left: the walk stops here */
+    }
+    if (PyErr_Occurred())
+        goto fail_it;
+    Py_DECREF(it);
+    for (Py_ssize_t j = lo; j < hi; j++) { /* the slots that held every block walked */
+        uint64_t live = (uint64_t)alive[j];
+        size_t base = (size_t)j * PyLong_SHIFT;
+        while (live) {
+            counts[base + (size_t)lowest_bit(live)] = (int64_t)i;
+            live &= live - 1;
+        }
+    }
+    PyMem_Free(alive);
+    return out;
+fail_it:
+    Py_DECREF(it);
+fail:
+    PyMem_Free(alive);
+    Py_DECREF(out);
+    return NULL;
+}
