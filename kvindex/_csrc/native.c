@@ -123,58 +123,6 @@ compact_u32(PyObject *v, unsigned long *x)
 #endif
 }
 
-static PyObject *
-native_pack_u32(PyObject *self, PyObject *args)
-{
-    (void)self;
-    PyObject *list;
-    Py_buffer view;
-    if (!PyArg_ParseTuple(args, "O!w*", &PyList_Type, &list, &view))
-        return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(list);
-    if (view.len != n * 4 || view.itemsize != 4) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "pack_u32: out must hold 4 bytes per id");
-        return NULL;
-    }
-    uint32_t *out = (uint32_t *)view.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *v = PyList_GET_ITEM(list, i);
-        unsigned long x;
-        if (compact_u32(v, &x)) {
-            out[i] = (uint32_t)x; /* an exact int of one digit: no call, nothing can change the list */
-            continue;
-        }
-        if (PyLong_Check(v)) {
-            x = PyLong_AsUnsignedLong(v);
-        } else { /* array's setter: __index__ (may run Python code that changes the list: checked below) */
-            Py_INCREF(v);
-            PyObject *idx = PyNumber_Index(v);
-            Py_DECREF(v);
-            if (idx == NULL)
-                goto fail;
-            x = PyLong_AsUnsignedLong(idx);
-            Py_DECREF(idx);
-        }
-        if (x == (unsigned long)-1 && PyErr_Occurred())
-            goto fail; /* OverflowError, with the message fromlist gives */
-        if (x > 0xFFFFFFFFUL) {
-            PyErr_SetString(PyExc_OverflowError, "unsigned int is greater than maximum");
-            goto fail;
-        }
-        if (n != PyList_GET_SIZE(list)) {
-            PyErr_SetString(PyExc_RuntimeError, "list changed size during iteration");
-            goto fail;
-        }
-        out[i] = (uint32_t)x;
-    }
-    PyBuffer_Release(&view);
-    Py_RETURN_NONE;
-fail:
-    PyBuffer_Release(&view);
-    return NULL;
-}
-
 /* ---------------------------------------------------------------------------------------------- pack_u64 */
 /* 1 and the value for an exact non-negative int below 2**64 of at most three 30-bit digits (every block hash),
  * read in place as PyLong_AsUnsignedLongLong would; 0 for anything else (the caller asks the API) */
@@ -212,52 +160,83 @@ small_u64(PyObject *v, unsigned long long *x)
 #endif
 }
 
-static PyObject *
-native_pack_u64(PyObject *self, PyObject *args)
+/* pack_u32 and pack_u64: `list`'s values into `out` (4 or 8 bytes each), as array's setter stores them: an int
+ * read in place when it is small enough, anything else through __index__ and PyLong_AsUnsigned*, whose
+ * OverflowError (and message) is array's; the per-item size check is fromlist's */
+#if defined(__GNUC__) || defined(__clang__)
+__attribute__((always_inline))
+#endif
+static inline PyObject *
+pack_list(PyObject *args, const int wide) /* inlined into each width's entry point: its loop is that width's alone */
 {
-    (void)self;
     PyObject *list;
     Py_buffer view;
     if (!PyArg_ParseTuple(args, "O!w*", &PyList_Type, &list, &view))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(list);
-    if (view.len != n * 8 || view.itemsize != 8) {
+    Py_ssize_t size = wide ? 8 : 4;
+    if (view.len != n * size || view.itemsize != size) {
         PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "pack_u64: out must hold 8 bytes per value");
+        PyErr_SetString(PyExc_ValueError, wide ? "pack_u64: out must hold 8 bytes per value"
+                                               : "pack_u32: out must hold 4 bytes per id");
         return NULL;
     }
-    uint64_t *out = (uint64_t *)view.buf;
+    uint32_t *out32 = (uint32_t *)view.buf;
+    uint64_t *out64 = (uint64_t *)view.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *v = PyList_GET_ITEM(list, i);
         unsigned long long x;
-        if (small_u64(v, &x)) {
-            out[i] = (uint64_t)x;
+        unsigned long x32;
+        if (wide ? small_u64(v, &x) : compact_u32(v, &x32)) { /* no call: nothing can change the list */
+            if (wide)
+                out64[i] = (uint64_t)x;
+            else
+                out32[i] = (uint32_t)x32;
             continue;
         }
-        if (PyLong_Check(v)) {
-            x = PyLong_AsUnsignedLongLong(v);
-        } else { /* array's setter: __index__ (may run Python code that changes the list: checked below) */
-            Py_INCREF(v);
-            PyObject *idx = PyNumber_Index(v);
-            Py_DECREF(v);
+        PyObject *idx = v;
+        Py_INCREF(idx);
+        if (!PyLong_Check(v)) { /* array's setter: __index__ (may run Python code that changes the list) */
+            Py_SETREF(idx, PyNumber_Index(v));
             if (idx == NULL)
                 goto fail;
-            x = PyLong_AsUnsignedLongLong(idx);
-            Py_DECREF(idx);
         }
-        if (x == (unsigned long long)-1 && PyErr_Occurred())
-            goto fail; /* OverflowError, with the message array('Q') gives */
+        x = wide ? PyLong_AsUnsignedLongLong(idx) : (unsigned long long)PyLong_AsUnsignedLong(idx);
+        Py_DECREF(idx);
+        if (PyErr_Occurred())
+            goto fail; /* OverflowError, with the message array gives */
+        if (!wide && x > 0xFFFFFFFFULL) {
+            PyErr_SetString(PyExc_OverflowError, "unsigned int is greater than maximum");
+            goto fail;
+        }
         if (n != PyList_GET_SIZE(list)) {
             PyErr_SetString(PyExc_RuntimeError, "list changed size during iteration");
             goto fail;
         }
-        out[i] = (uint64_t)x;
+        if (wide)
+            out64[i] = (uint64_t)x;
+        else
+            out32[i] = (uint32_t)x;
     }
     PyBuffer_Release(&view);
     Py_RETURN_NONE;
 fail:
     PyBuffer_Release(&view);
     return NULL;
+}
+
+static PyObject *
+native_pack_u32(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return pack_list(args, 0);
+}
+
+static PyObject *
+native_pack_u64(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return pack_list(args, 1);
 }
 
 /* ------------------------------------------------------------------------------------------------ decode */

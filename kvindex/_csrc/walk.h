@@ -39,6 +39,61 @@ walk_drop(PyObject *drops, Py_ssize_t count, PyObject *dead)
     return r;
 }
 
+/* what both walks check of the index's structures: parts a list of dicts, pred None or one as long, the
+ * part mask within parts; -1 with the exception set */
+static int
+walk_args_ok(PyObject *parts, PyObject *pred, unsigned long long part_mask)
+{
+    Py_ssize_t nparts = PyList_GET_SIZE(parts);
+    if (pred != Py_None && (!PyList_Check(pred) || PyList_GET_SIZE(pred) != nparts)) {
+        PyErr_SetString(PyExc_TypeError, "walk: pred must be None or a list as long as parts");
+        return -1;
+    }
+    if ((unsigned long long)nparts <= part_mask) {
+        PyErr_SetString(PyExc_ValueError, "walk: part_mask reaches past parts");
+        return -1;
+    }
+    for (Py_ssize_t p = 0; p < nparts; p++) {
+        if (!PyDict_CheckExact(PyList_GET_ITEM(parts, p))
+            || (pred != Py_None && !PyDict_CheckExact(PyList_GET_ITEM(pred, p)))) {
+            PyErr_SetString(PyExc_TypeError, "walk: parts and pred must hold dicts");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* the holders' masks of block hash h, borrowed from the index's dicts (NULL: none): parts[h & part_mask].get(h)
+ * and, when pred is not None, pred's alike; -1 with the exception set. The hashes' iterator runs Python code
+ * (a lazily hashed prompt): what it could have changed is checked again here, per hash */
+static int
+walk_masks(PyObject *h, PyObject *parts, PyObject *pred, unsigned long long part_mask, PyObject **m,
+           PyObject **pm)
+{
+    *m = *pm = NULL;
+    if (!PyLong_Check(h)) {
+        PyErr_SetString(PyExc_TypeError, "walk: a hash is not an int");
+        return -1;
+    }
+    unsigned long long hv = PyLong_AsUnsignedLongLongMask(h);
+    if (hv == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    Py_ssize_t p = (Py_ssize_t)(hv & part_mask);
+    if (p >= PyList_GET_SIZE(parts) || (pred != Py_None && p >= PyList_GET_SIZE(pred))) {
+        PyErr_SetString(PyExc_ValueError, "walk: parts changed during the walk");
+        return -1;
+    }
+    *m = PyDict_GetItemWithError(PyList_GET_ITEM(parts, p), h);
+    if (*m == NULL && PyErr_Occurred())
+        return -1;
+    if (pred != Py_None) {
+        *pm = PyDict_GetItemWithError(PyList_GET_ITEM(pred, p), h);
+        if (*pm == NULL && PyErr_Occurred())
+            return -1;
+    }
+    return 0;
+}
+
 static PyObject *
 native_walk(PyObject *self, PyObject *args)
 {
@@ -48,22 +103,8 @@ native_walk(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "OO!OO!K", &hashes, &PyList_Type, &parts, &pred, &PyLong_Type, &alive0,
                           &part_mask))
         return NULL;
-    Py_ssize_t nparts = PyList_GET_SIZE(parts);
-    if (pred != Py_None && (!PyList_Check(pred) || PyList_GET_SIZE(pred) != nparts)) {
-        PyErr_SetString(PyExc_TypeError, "walk: pred must be None or a list as long as parts");
+    if (walk_args_ok(parts, pred, part_mask) < 0)
         return NULL;
-    }
-    if ((unsigned long long)nparts <= part_mask) {
-        PyErr_SetString(PyExc_ValueError, "walk: part_mask reaches past parts");
-        return NULL;
-    }
-    for (Py_ssize_t p = 0; p < nparts; p++) {
-        if (!PyDict_CheckExact(PyList_GET_ITEM(parts, p))
-            || (pred != Py_None && !PyDict_CheckExact(PyList_GET_ITEM(pred, p)))) {
-            PyErr_SetString(PyExc_TypeError, "walk: parts and pred must hold dicts");
-            return NULL;
-        }
-    }
     PyObject *it = PyObject_GetIter(hashes);
     if (it == NULL)
         return NULL;
@@ -75,35 +116,13 @@ native_walk(PyObject *self, PyObject *args)
     Py_ssize_t i = 0;
     PyObject *h;
     while ((h = PyIter_Next(it)) != NULL) {
-        if (!PyLong_Check(h)) {
-            Py_DECREF(h);
-            PyErr_SetString(PyExc_TypeError, "walk: a hash is not an int");
-            return walk_fail(it, drops, alive);
-        }
-        unsigned long long hv = PyLong_AsUnsignedLongLongMask(h);
-        if (hv == (unsigned long long)-1 && PyErr_Occurred()) {
-            Py_DECREF(h);
-            return walk_fail(it, drops, alive);
-        }
-        Py_ssize_t p = (Py_ssize_t)(hv & part_mask);
-        /* the iterator runs Python code (a lazily hashed prompt): re-check what it could have changed */
-        if (p >= PyList_GET_SIZE(parts) || (pred != Py_None && p >= PyList_GET_SIZE(pred))) {
-            Py_DECREF(h);
-            PyErr_SetString(PyExc_ValueError, "walk: parts changed during the walk");
-            return walk_fail(it, drops, alive);
-        }
-        PyObject *m = PyDict_GetItemWithError(PyList_GET_ITEM(parts, p), h); /* borrowed */
-        if (m == NULL && PyErr_Occurred()) {
+        PyObject *m, *pm; /* borrowed */
+        if (walk_masks(h, parts, pred, part_mask, &m, &pm) < 0) {
             Py_DECREF(h);
             return walk_fail(it, drops, alive);
         }
         PyObject *held; /* new reference, or NULL for 0 */
         if (pred != Py_None) {
-            PyObject *pm = PyDict_GetItemWithError(PyList_GET_ITEM(pred, p), h);
-            if (pm == NULL && PyErr_Occurred()) {
-                Py_DECREF(h);
-                return walk_fail(it, drops, alive);
-            }
             if (m != NULL && pm != NULL)
                 held = PyNumber_Or(m, pm);
             else {
@@ -178,6 +197,22 @@ lowest_bit(uint64_t w)
 #endif
 }
 
+/* n zeroed native int64 counts in a new bytes object (a spread's answer); NULL and ValueError for a bad n */
+static PyObject *
+new_counts(Py_ssize_t n, int64_t **counts)
+{
+    if (n < 0 || n > (PY_SSIZE_T_MAX / 8) - 8) {
+        PyErr_SetString(PyExc_ValueError, "spread: bad slot count");
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
+    if (out == NULL)
+        return NULL;
+    *counts = (int64_t *)PyBytes_AS_STRING(out);
+    memset(*counts, 0, (size_t)n * sizeof(int64_t));
+    return out;
+}
+
 /* spread(drops, n) -> bytes
  *     index._spread in C: n native int64 counts, slot b's the count of the drop whose mask has bit b (the
  *     drops' masks are disjoint; a later drop wins, as the pure path's assignment), 0 for none.  Bits at or
@@ -191,15 +226,10 @@ native_spread(PyObject *self, PyObject *args)
     Py_ssize_t n;
     if (!PyArg_ParseTuple(args, "O!n", &PyList_Type, &drops, &n))
         return NULL;
-    if (n < 0 || n > (PY_SSIZE_T_MAX / 8) - 8) {
-        PyErr_SetString(PyExc_ValueError, "spread: bad slot count");
-        return NULL;
-    }
-    PyObject *out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
+    int64_t *counts;
+    PyObject *out = new_counts(n, &counts);
     if (out == NULL)
         return NULL;
-    int64_t *counts = (int64_t *)PyBytes_AS_STRING(out);
-    memset(counts, 0, (size_t)n * sizeof(int64_t));
     for (Py_ssize_t k = 0; k < PyList_GET_SIZE(drops); k++) {
         PyObject *d = PyList_GET_ITEM(drops, k);
         if (!PyTuple_Check(d) || PyTuple_GET_SIZE(d) != 2 || !PyLong_Check(PyTuple_GET_ITEM(d, 0))
@@ -256,35 +286,16 @@ native_walk_spread(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "OO!OO!Kn", &hashes, &PyList_Type, &parts, &pred, &PyLong_Type, &alive0,
                           &part_mask, &n))
         return NULL;
-    Py_ssize_t nparts = PyList_GET_SIZE(parts);
-    if (pred != Py_None && (!PyList_Check(pred) || PyList_GET_SIZE(pred) != nparts)) {
-        PyErr_SetString(PyExc_TypeError, "walk: pred must be None or a list as long as parts");
+    if (walk_args_ok(parts, pred, part_mask) < 0)
         return NULL;
-    }
-    if ((unsigned long long)nparts <= part_mask) {
-        PyErr_SetString(PyExc_ValueError, "walk: part_mask reaches past parts");
-        return NULL;
-    }
-    if (n < 0 || n > (PY_SSIZE_T_MAX / 8) - 8) {
-        PyErr_SetString(PyExc_ValueError, "spread: bad slot count");
-        return NULL;
-    }
     if (_PyLong_Sign(alive0) < 0) {
         PyErr_SetString(PyExc_ValueError, "walk: a negative mask");
         return NULL;
     }
-    for (Py_ssize_t p = 0; p < nparts; p++) {
-        if (!PyDict_CheckExact(PyList_GET_ITEM(parts, p))
-            || (pred != Py_None && !PyDict_CheckExact(PyList_GET_ITEM(pred, p)))) {
-            PyErr_SetString(PyExc_TypeError, "walk: parts and pred must hold dicts");
-            return NULL;
-        }
-    }
-    PyObject *out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
+    int64_t *counts;
+    PyObject *out = new_counts(n, &counts);
     if (out == NULL)
         return NULL;
-    int64_t *counts = (int64_t *)PyBytes_AS_STRING(out);
-    memset(counts, 0, (size_t)n * sizeof(int64_t));
     Py_ssize_t nd;
     const digit *a0 = long_digits(alive0, &nd);
     /* only the digits that hold slots below n matter (bits past n are dropped, as spread drops them) */
@@ -315,34 +326,10 @@ native_walk_spread(PyObject *self, PyObject *args)
     Py_ssize_t i = 0;
     PyObject *h;
     while ((h = PyIter_Next(it)) != NULL) {
-        if (!PyLong_Check(h)) {
-            Py_DECREF(h);
-            PyErr_SetString(PyExc_TypeError, "walk: a hash is not an int");
-            goto fail_it;
-        }
-        unsigned long long hv = PyLong_AsUnsignedLongLongMask(h);
-        if (hv == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyObject *m, *pm; /* borrowed */
+        if (walk_masks(h, parts, pred, part_mask, &m, &pm) < 0) {
             Py_DECREF(h);
             goto fail_it;
-        }
-        Py_ssize_t p = (Py_ssize_t)(hv & part_mask);
-        if (p >= PyList_GET_SIZE(parts) || (pred != Py_None && p >= PyList_GET_SIZE(pred))) {
-            Py_DECREF(h);
-            PyErr_SetString(PyExc_ValueError, "walk: parts changed during the walk");
-            goto fail_it;
-        }
-        PyObject *m = PyDict_GetItemWithError(PyList_GET_ITEM(parts, p), h); /* borrowed */
-        if (m == NULL && PyErr_Occurred()) {
-            Py_DECREF(h);
-            goto fail_it;
-        }
-        PyObject *pm = NULL;
-        if (pred != Py_None) {
-            pm = PyDict_GetItemWithError(PyList_GET_ITEM(pred, p), h);
-            if (pm == NULL && PyErr_Occurred()) {
-                Py_DECREF(h);
-                goto fail_it;
-            }
         }
         Py_DECREF(h);
         if ((m != NULL && (!PyLong_Check(m) || _PyLong_Sign(m) < 0))
