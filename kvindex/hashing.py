@@ -27,6 +27,26 @@ _xxh3 = xxhash.xxh3_64_intdigest
 _LITTLE = sys.byteorder == "little"
 
 
+_native_pack = native.MODULE.pack_u32 if native.MODULE is not None else None
+_native_pack64 = native.MODULE.pack_u64 if native.MODULE is not None else None
+_ZERO_U32 = array("I", [0])
+_ZERO_U64 = array("Q", [0])
+
+
+def pack_u64(values: Sequence[int]) -> array:
+    """Block hashes as an ``array('Q')`` (native byte order: what the ingest wire carries), the same values and
+    errors as ``array('Q', values)``; an ``array('Q')`` is taken as it is. A list goes through the accelerator
+    when it is built: ``array('Q', list)`` converts each 64-bit int byte by byte (0.2M instructions for a
+    32k-token prompt's 1,023 hashes, which a decision sends twice: its lookup and its prediction)."""
+    if isinstance(values, array) and values.typecode == "Q":
+        return values
+    if type(values) is list and _native_pack64 is not None:
+        arr = _ZERO_U64 * len(values)
+        _native_pack64(values, arr)
+        return arr
+    return array("Q", values)
+
+
 @lru_cache(maxsize=1024)
 def root_seed(lora_name: str | None = None, salt: str | None = None) -> int:
     """Seed of the first block of a chain; cached because there are few distinct LoRA/salt values."""
@@ -46,8 +66,12 @@ def pack_tokens(token_ids: Sequence[int]) -> array:
     if isinstance(token_ids, array) and token_ids.typecode == "I":
         arr = token_ids
     elif type(token_ids) is list:  # what a parsed render answer is: fromlist takes it at about half the cost
-        arr = array("I")
-        arr.fromlist(token_ids)
+        if _native_pack is not None:  # the accelerator's loop: a fifth of fromlist's cost, the same ids and errors
+            arr = _ZERO_U32 * len(token_ids)
+            _native_pack(token_ids, arr)
+        else:
+            arr = array("I")
+            arr.fromlist(token_ids)
     else:
         arr = array("I", token_ids)
     if arr.itemsize != 4:  # pragma: no cover - exotic platforms only

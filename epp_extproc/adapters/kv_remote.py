@@ -156,7 +156,8 @@ class RemoteKv:
         self._sizes_gen = 0
         self._sizes_memo: tuple[Sequence[str], int, np.ndarray] | None = None
         # per-answer row of each worker of the last tuple asked about, for the shard's table it was built on
-        self._rows_memo: tuple[Sequence[str], wire.Meta, np.ndarray] | None = None
+        # (None: the workers are the table's first rows, in order)
+        self._rows_memo: tuple[Sequence[str], wire.Meta, np.ndarray | None] | None = None
         # several shards: (workers, their owning shards, the shards asked) and (workers, every shard's table,
         # each worker's place in the shards' answers laid end to end, where each shard's answer starts)
         self._owners_memo: tuple[Sequence[str], int, np.ndarray, tuple[int, ...]] | None = None
@@ -349,10 +350,16 @@ class RemoteKv:
             row_of = {w: i for i, w in enumerate(meta.workers) if w}
             spare = len(meta.workers)  # an unknown worker reads the padding below: 0
             rows = np.fromiter((row_of.get(w, spare) for w in workers), np.intp, len(workers))
+            if len(rows) and rows[-1] == len(rows) - 1 and bool((rows == np.arange(len(rows))).all()):
+                rows = None  # the workers are the shard's first rows, in order (the registry's order, usually)
             if isinstance(workers, tuple):
                 self._rows_memo = (workers, meta, rows)
-        held = np.zeros(len(meta.workers) + 1, np.int64)
         m = min(len(counts), len(meta.workers))  # rows past the table: workers added since the picker's copy
+        if rows is None and m >= len(workers):  # no gather: the answer's first rows are the workers'
+            return np.frombuffer(counts, np.uint32, len(workers)).astype(np.int64)
+        if rows is None:
+            rows = np.arange(len(workers), dtype=np.intp)
+        held = np.zeros(len(meta.workers) + 1, np.int64)
         held[:m] = np.frombuffer(counts, np.uint32, m)
         return held[rows]
 

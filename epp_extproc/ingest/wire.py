@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING
 import orjson
 import xxhash
 
+from kvindex.hashing import pack_u64
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -114,7 +116,7 @@ def pack_lookup(req_id: int, meta_version: int, predicted: bool, sections: Seque
     parts = [_REQ.pack(OP_LOOKUP, req_id, meta_version, flags, len(sections),
                        len(filt) if workers is not None else 0xFFFFFFFF)]
     for bs, hashes in sections:
-        arr = hashes if isinstance(hashes, array) and hashes.typecode == "Q" else array("Q", hashes)
+        arr = pack_u64(hashes)
         parts.append(_SECTION.pack(bs, len(arr)))
         parts.append(arr.tobytes())
     parts.append(filt)
@@ -258,7 +260,7 @@ def frame_header(buf: bytes) -> tuple[int, int]:
 def pack_prediction(address: str, block_size: int, ttl_s: float, sent_wall: float, hashes: Sequence[int]) -> bytes:
     """A prediction: the worker, the block size its hashes were made in, lifetime, when it was made."""
     a = address.encode()
-    arr = hashes if isinstance(hashes, array) and hashes.typecode == "Q" else array("Q", hashes)
+    arr = pack_u64(hashes)
     return _PRED.pack(len(a), block_size, ttl_s, sent_wall, len(arr)) + a + arr.tobytes()
 
 

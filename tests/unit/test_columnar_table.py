@@ -19,7 +19,7 @@ from epp_extproc.core.load import LoadTracker
 from epp_extproc.core.request import RequestContext
 from epp_extproc.core.scheduling.block_cost_scorer import BlockCostScorer
 from epp_extproc.core.scheduling.bounded_load_picker import BoundedLoadPicker
-from epp_extproc.core.scheduling.least_cost import least_cost
+from epp_extproc.core.scheduling.least_cost import least_cost, ordered_sum
 from epp_extproc.core.scheduling.min_cost_picker import MinCostPicker
 from epp_extproc.core.scheduling.profile import Profile, TableSource
 from epp_extproc.core.scheduling.softmax_picker import SoftmaxPicker
@@ -131,6 +131,43 @@ def test_every_picker_draws_the_same_row_from_the_same_random_stream(n: int) -> 
                 a, b = p1.pick(_req(), lt, pool), p2.pick(_req(), ct, pool)
                 assert a == b and type(b) is int
             assert r1.getstate() == r2.getstate()
+
+
+def test_the_weighed_bound_masks_the_rows_that_do_not_fit_as_the_list_gathers_them() -> None:
+    """The columnar weighed picker prices every row and masks those over the bound (dec45) where it gathered the
+    fitting ones: tight bounds (few fit), loose ones (all fit), pools that are not the table, both temperatures."""
+    rng = random.Random(45)
+    partial = 0
+    for trial in range(150):
+        n = rng.choice([96, 130, 300])
+        lt, ct = _tables(rng, n)
+        if trial % 2:
+            s = BlockCostScorer(rng.choice([1.0, 2.0]), 1.0)
+            lt.cost[:] = s.score(_req(), lt)
+        else:  # any cost a scorer may give: a row over the bound may be the cheapest, and must still lose
+            lt.cost[:] = [float(rng.randint(0, 5000)) for _ in range(n)]
+        ct.cost[:] = lt.cost
+        pool: Any = range(n) if trial % 3 else sorted(rng.sample(range(n), rng.randint(1, n)))
+        bound, t = rng.choice([0.0, 0.05, 0.25, 4.0]), rng.choice([0.0, 0.0, 0.5])
+        held = np.asarray([ld.decode_blocks + ld.unbooked_blocks for ld in lt.loads])
+        partial += bool((held > (1.0 + bound) * held.mean() + np.maximum(ct.prompt_blocks, 1.0)).any())
+        seed = rng.random()
+        r1, r2 = random.Random(seed), random.Random(seed)
+        p1, p2 = BoundedLoadPicker(bound, t, r1), BoundedLoadPicker(bound, t, r2)
+        for _ in range(3):
+            a, b = p1.pick(_req(), lt, pool), p2.pick(_req(), ct, pool)
+            assert a == b and type(b) is int
+        assert r1.getstate() == r2.getstate()
+    assert partial > 20  # the bound left rows out often enough to test the mask
+
+
+def test_ordered_sum_is_pythons_sum_of_the_list_bit_for_bit() -> None:
+    rng = random.Random(46)
+    for _ in range(300):
+        x = np.array([rng.choice([0.0, -0.0, rng.uniform(0, 1e-3), rng.uniform(0, 1e6), rng.randint(0, 9) / 3, 1e16])
+                      for _ in range(rng.randint(1, 400))])
+        a, b = ordered_sum(x), sum(x.tolist())
+        assert a == b and repr(a) == repr(b)  # repr: -0.0 is not 0.0
 
 
 def test_least_cost_on_an_array_with_exact_ties_draws_as_the_list() -> None:

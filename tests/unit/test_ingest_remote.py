@@ -8,6 +8,8 @@ import tempfile
 import threading
 from array import array
 
+import numpy as np
+
 from epp_extproc.adapters.kv_remote import RemoteKv
 from epp_extproc.core.contract import PromptIdentity
 from epp_extproc.core.endpoints import Endpoint, EndpointRegistry
@@ -144,6 +146,28 @@ def test_the_overlap_array_is_the_overlap_dict_in_the_order_asked() -> None:
         assert kv.block_sizes_of(sizes).tolist() == [4, 8, 4] == [kv.block_size(w) for w in sizes]
         done.set()
         t.join(5)
+
+
+def test_workers_in_the_tables_order_take_the_answer_without_a_gather() -> None:
+    """dec45: when the workers asked about are the shard table's first rows in order (the registry's order, as
+    a pool's tuple usually is) the answer is read as it is; the same figures as the dict, a short answer (rows
+    past it: workers the shard has not answered for yet) padded with zeros either way."""
+    rows = [("w:1", 4, True, None), ("v:2", 4, True, None), ("u:3", 4, True, None)]
+    for counts in ([2, 1, 5], [2, 1]):
+        with tempfile.TemporaryDirectory(prefix="epp-t-") as d:
+            done = threading.Event()
+            t = answering_shard(wire.lookup_socket(d, 0), done, counts, wire.encode_meta(rows, [4]))
+            kv = kv_at(d, 2.0)
+            prompt = kv.prompt(list(range(40)), PromptIdentity())
+            for workers in (("w:1", "v:2", "u:3"), ("w:1", "v:2"), ("v:2", "w:1"), ()):
+                want = kv.overlap(prompt, list(workers))
+                for _ in range(2):  # the second time from the kept rows
+                    got = kv.overlap_array(prompt, workers)
+                    assert got is not None and got.dtype == np.int64
+                    assert got.tolist() == [want.get(w, 0) for w in workers]
+            assert kv._rows_memo is not None
+            done.set()
+            t.join(5)
 
 
 def test_no_shard_means_an_overlap_array_of_zeros() -> None:

@@ -93,6 +93,95 @@ def test_native_chain_equals_the_pure_chain(toks, bs, seed):
     assert _native.chain(packed.tobytes(), n, bs, seed) == hashing.chain_blocks_py(packed, n, bs, seed)
 
 
+def _fromlist(ids: list) -> array:
+    """What pack_tokens did before the accelerator packed lists (and still does without it)."""
+    a = array("I")
+    a.fromlist(ids)
+    return a
+
+
+class _Index:
+    def __init__(self, v: int) -> None:
+        self.v = v
+
+    def __index__(self) -> int:
+        return self.v
+
+
+class _Int(int):
+    pass
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 2**32 - 1), st.integers(0, 2**30 + 5), st.booleans(),
+                          st.integers(0, 2**32 - 1).map(_Index), st.integers(0, 2**32 - 1).map(_Int)), max_size=300))
+def test_native_pack_u32_is_fromlist(ids):
+    """dec45: a list of token ids packs to the same u32s through the accelerator as through array.fromlist,
+    whatever int-like values it holds (bools, int subclasses, objects with __index__, 1- and 2-digit ints)."""
+    assert hashing.pack_tokens(ids) == _fromlist(ids)
+    assert hashing.pack_tokens(ids).typecode == "I"
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [[1, -1], [1, 2**32], [2**64], [-(2**70)], [1, 1.5], [1, "2"], [None], [1, _Index(-3)],
+                                 [_Index(2**32)], [_Int(-1)]])
+def test_native_pack_u32_refuses_what_fromlist_refuses_with_the_same_error(bad):
+    with pytest.raises((TypeError, OverflowError)) as want:
+        _fromlist(bad)
+    with pytest.raises(want.type) as got:
+        hashing.pack_tokens(bad)
+    assert str(got.value) == str(want.value)
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, U64), st.integers(0, 2**30 + 5), st.integers(2**59, 2**61), st.booleans(),
+                          st.integers(0, U64).map(_Index), st.integers(0, U64).map(_Int)), max_size=300))
+def test_native_pack_u64_is_array_q(values):
+    """dec45: block hashes pack to the same u64s through the accelerator as through array('Q', list) (what a
+    lookup and a prediction send), whatever int-like values the list holds."""
+    got = hashing.pack_u64(values)
+    assert got == array("Q", values) and got.typecode == "Q"
+    assert hashing.pack_u64(got) is got and hashing.pack_u64(tuple(values)) == got
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [[1, -1], [2**64], [U64, 2**64 + 5], [-(2**70)], [1.5], ["2"], [None], [_Index(-3)],
+                                 [_Index(2**64)], [_Int(-1)], [2**90]])
+def test_native_pack_u64_refuses_what_array_q_refuses_with_the_same_error(bad):
+    with pytest.raises((TypeError, OverflowError)) as want:
+        array("Q", bad)
+    with pytest.raises(want.type) as got:
+        hashing.pack_u64(bad)
+    assert str(got.value) == str(want.value)
+    with pytest.raises(ValueError):
+        _native.pack_u64([1, 2], array("Q", [0]))
+    with pytest.raises(ValueError):
+        _native.pack_u64([1], array("I", [0, 0]))  # 8 bytes, but not of u64 items
+
+
+@needs_native
+def test_native_pack_u32_stops_when_the_list_changes_size_and_checks_its_buffer():
+    ids: list = [1, 2, 3]
+
+    class Shrinks:
+        def __index__(self) -> int:
+            ids.pop()
+            return 7
+
+    ids.insert(1, Shrinks())
+    with pytest.raises(RuntimeError, match="changed size"):
+        _native.pack_u32(ids, array("I", [0]) * len(ids))
+    with pytest.raises(ValueError):
+        _native.pack_u32([1, 2], array("I", [0]))
+    with pytest.raises(ValueError):
+        _native.pack_u32([1], bytearray(4))  # 4 bytes, but not of u32 items
+    with pytest.raises(TypeError):
+        _native.pack_u32((1, 2), array("I", [0, 0]))  # a list only: pack_tokens sends anything else to array()
+    assert hashing.pack_tokens([]) == array("I")
+
+
 @needs_native
 @pytest.mark.parametrize("args", [(1, 4, 0), (-1, 4, 0), (0, 0, 0), (0, -1, 0), (1, 1 << 62, 0)])
 def test_native_chain_refuses_a_buffer_shorter_than_its_blocks(args):

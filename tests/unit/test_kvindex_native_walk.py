@@ -53,6 +53,40 @@ def test_the_c_walk_and_spread_equal_the_pure_ones_on_any_masks(seed, n_blocks, 
     assert np.array_equal(np.frombuffer(_native.spread(got, slots), np.int64), kvindex_index._spread_py(want, slots))
 
 
+@settings(max_examples=400, deadline=None)
+@given(seed=st.integers(0, 2**32), n_blocks=st.integers(0, 40), slots=st.integers(1, 300),
+       n_delta=st.integers(-70, 70), with_pred=st.booleans(), held=st.floats(0.3, 1.0))
+def test_the_fused_walk_spread_is_the_pure_walk_then_spread(seed, n_blocks, slots, n_delta, with_pred, held):
+    """dec45: `walk_spread` (one pass in C digits) equals `_spread_py(_walk_py(...))`, with slot counts below and
+    above the masks' widths (bits at or past n ignored), predictions ORed in, and an `alive` of any width."""
+    rng = random.Random(seed)
+    hashes = [rng.getrandbits(64) for _ in range(n_blocks)]
+    blocks = random_parts(rng, hashes, slots, held)
+    pred = random_parts(rng, hashes, slots, 0.3) if with_pred else None
+    alive = rng.choice([rng.getrandbits(slots) | rng.getrandbits(slots), (1 << slots) - 1, rng.getrandbits(slots), 0])
+    n = max(0, slots + n_delta)
+    drops = KvIndex._walk_py(Maps(blocks, pred), iter(hashes), alive, True)  # type: ignore[arg-type]
+    # an index's masks never reach past its slots (n >= slots): the pure spread; past n, the C spread's rule
+    want = kvindex_index._spread_py(drops, n) if n >= slots else np.frombuffer(_native.spread(drops, n), np.int64)
+    got = np.frombuffer(_native.walk_spread(iter(hashes), blocks, pred, alive, PART_MASK, n), np.int64)
+    assert got.tolist() == want.tolist()
+
+
+def test_the_fused_walk_spread_refuses_what_is_not_an_index():
+    parts: list[dict[int, int]] = [{} for _ in range(PART_MASK + 1)]
+    for args, error in (((iter([1]), parts, None, -1, PART_MASK, 8), ValueError),
+                        ((iter([1]), parts, None, 1, PART_MASK, -1), ValueError),
+                        ((iter([1]), parts[:1], None, 1, PART_MASK, 8), ValueError),
+                        ((iter([1]), parts, [{}], 1, PART_MASK, 8), TypeError),
+                        ((iter(["x"]), parts, None, 1, PART_MASK, 8), TypeError)):
+        with pytest.raises(error):
+            _native.walk_spread(*args)
+    bad = [{} for _ in range(PART_MASK + 1)]
+    bad[1 & PART_MASK][1] = "mask"
+    with pytest.raises(TypeError):
+        _native.walk_spread(iter([1]), bad, None, 1, PART_MASK, 8)
+
+
 def test_an_index_answers_the_same_through_either_walk(monkeypatch):
     idx = KvIndex(BS)
     toks = list(range(1, 33))
@@ -66,6 +100,7 @@ def test_an_index_answers_the_same_through_either_walk(monkeypatch):
     c = (idx.overlap_hashes(hashes, BS), idx.overlap_array(hashes, BS, workers).tolist())
     monkeypatch.setattr(kvindex_index, "_native_walk", None)
     monkeypatch.setattr(kvindex_index, "_native_spread", None)
+    monkeypatch.setattr(kvindex_index, "_native_walk_spread", None)
     assert (idx.overlap_hashes(hashes, BS), idx.overlap_array(hashes, BS, workers).tolist()) == c
     assert c[0]["w7"] == 8 and c[0]["w3"] == 5  # w3 holds 4 blocks and a prediction of the fifth
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from epp_extproc.core.scheduling.least_cost import as_rows, is_whole, least_cost
+from epp_extproc.core.scheduling.least_cost import as_rows, is_whole, least_cost, ordered_sum
 from epp_extproc.core.scheduling.table import CandidateTable, SchedulingRequest
 
 if TYPE_CHECKING:
@@ -89,19 +89,23 @@ class BoundedLoadPicker:
 
     def _vector(self, table: CandidateTable, pool: Sequence[int], t: float) -> int:
         """The loop above over a columnar table, in the same order of operations, so the same row is drawn from
-        the same random stream: `held` elementwise; its sum by Python's `sum` over the same floats (NumPy's
-        adds pairwise and may differ in the last bit, and Python 3.12's `sum` compensates: the list path's
-        own function keeps any version's rounding); the candidates in pool order."""
+        the same random stream: `held` elementwise; its sum in the order of Python's `sum` (`ordered_sum`:
+        NumPy's `sum` adds pairwise and may differ in the last bit); the candidates in pool order.
+
+        Every figure is computed over the whole pool and masked by `fit` rather than gathered at the fitting
+        rows (at 1,000 candidates each gather cost more than the arithmetic): a fitting row's adjusted cost is
+        the same subtraction of the same affinity, and the least of them is found with the rows that do not fit
+        set to +inf (the cost and the affinity are finite, and at least one row fits once `best` > 0)."""
         assert table.decode_load is not None and table.unbooked_load is not None
         whole = is_whole(pool, len(table))
         rows = None if whole else as_rows(pool)
         if rows is None:
             held = table.decode_load + table.unbooked_load
-            pb, credited = table.prompt_blocks, table.credited
+            pb, credited, cost = table.prompt_blocks, table.credited, table.cost
         else:
             held = table.decode_load[rows] + table.unbooked_load[rows]
-            pb, credited = table.prompt_blocks[rows], table.credited[rows]
-        average = sum(held.tolist()) / len(held)
+            pb, credited, cost = table.prompt_blocks[rows], table.credited[rows], table.cost[rows]
+        average = ordered_sum(held) / len(held)
         ceiling = (1.0 + self.bound) * average
         slack = np.maximum(pb, 1.0)  # `p if p > 1.0 else 1.0` (no NaN can arise)
         fit = held <= ceiling + slack
@@ -112,9 +116,22 @@ class BoundedLoadPicker:
         if self.rule == "longest":
             ties = np.flatnonzero(effective == best)  # positions in the pool, in its order
             return least_cost(table.cost, ties if rows is None else rows[ties], t, self.rng)
-        fits = np.flatnonzero(fit)  # positions in the pool
-        affinity = (ceiling + slack[fits]) * np.minimum(credited[fits] / slack[fits], 1.0)
-        fit_rows = fits if rows is None else rows[fits]
-        adjusted = table.cost.copy()
-        adjusted[fit_rows] -= affinity
-        return least_cost(adjusted, fit_rows, t, self.rng)
+        affinity = (ceiling + slack) * np.minimum(credited / slack, 1.0)  # each fitting row's, as the loop's
+        if t > 0 and not fit.all():  # the softmax over the fitting rows alone: their weights, as the loop's
+            fits = np.flatnonzero(fit)
+            fit_rows = fits if rows is None else rows[fits]
+            adjusted = table.cost.copy()
+            adjusted[fit_rows] -= affinity[fits]
+            return least_cost(adjusted, fit_rows, t, self.rng)
+        adjusted = cost - affinity  # `adjusted[i] -= affinity` of each fitting row
+        if t > 0:  # every row fits: the pool itself
+            k = least_cost(adjusted, range(len(adjusted)), t, self.rng)
+            return k if rows is None else int(rows[k])
+        adjusted[~fit] = np.inf
+        ties = np.flatnonzero(adjusted == adjusted.min())  # positions in the pool, in its order
+        if rows is not None:
+            ties = rows[ties]
+        return int(ties[0]) if len(ties) == 1 else int(self._rng().choice(ties.tolist()))
+
+    def _rng(self) -> random.Random:
+        return self.rng or random  # type: ignore[return-value]

@@ -129,26 +129,23 @@ class TableSource:
         """The same figures as the list path, as arrays (the same operations per row: `n / block size` is one
         IEEE division either way, so every figure is bit for bit the list path's)."""
         rows = self._rows(columns, addresses)
-        table = CandidateTable.of_columns(addresses, self._loads(), rows, columns.prefill[rows], columns.decode[rows],
-                                          columns.unbooked[rows])
         kv = self.kv
-        if req.prompt is None or kv is None:
-            return table
-        sizes_of = getattr(kv, "block_sizes_of", None)
-        if sizes_of is not None:
-            sizes = sizes_of(addresses)
-        else:
-            size = kv.block_size
-            sizes = np.fromiter((size(a) for a in addresses), np.int64, len(addresses))
-        table.prompt_blocks = req.prompt_tokens / sizes
-        overlap_array = getattr(kv, "overlap_array", None)
-        ov = overlap_array(req.prompt, addresses) if overlap_array is not None else None
-        if ov is None:
-            get = kv.overlap(req.prompt, addresses).get
-            ov = np.fromiter((get(a, 0) for a in addresses), np.int64, len(addresses))
-        table.overlap = ov
-        table.credited = ov.astype(np.float64)
-        return table
+        prompt = None
+        if req.prompt is not None and kv is not None:  # the prompt's columns first, so no zeros are made for them
+            sizes_of = getattr(kv, "block_sizes_of", None)
+            if sizes_of is not None:
+                sizes = sizes_of(addresses)
+            else:
+                size = kv.block_size
+                sizes = np.fromiter((size(a) for a in addresses), np.int64, len(addresses))
+            overlap_array = getattr(kv, "overlap_array", None)
+            ov = overlap_array(req.prompt, addresses) if overlap_array is not None else None
+            if ov is None:
+                get = kv.overlap(req.prompt, addresses).get
+                ov = np.fromiter((get(a, 0) for a in addresses), np.int64, len(addresses))
+            prompt = (req.prompt_tokens / sizes, ov, ov.astype(np.float64))
+        return CandidateTable.of_columns(addresses, self._loads(), rows, columns.prefill[rows], columns.decode[rows],
+                                         columns.unbooked[rows], prompt)
 
 
 @dataclass(slots=True)

@@ -135,16 +135,21 @@ class CandidateTable:
 
     @classmethod
     def of_columns(cls, addresses: Sequence[str], loads: Mapping[str, EndpointLoad], rows: np.ndarray,
-                   prefill: np.ndarray, decode: np.ndarray, unbooked: np.ndarray) -> CandidateTable:
+                   prefill: np.ndarray, decode: np.ndarray, unbooked: np.ndarray,
+                   prompt: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> CandidateTable:
         """A columnar table (see the module docstring): the load columns as gathered at `rows` (the
-        tracker's row of each address, 0: no load), the others zero."""
+        tracker's row of each address, 0: no load); `prompt`: (prompt_blocks, overlap, credited), else zero;
+        the cost zero."""
         t = cls.__new__(cls)
         n = len(addresses)
         t.addresses = addresses
         t.loads = LoadRows(loads, addresses, rows)
-        t.prompt_blocks = np.zeros(n, np.float64)
-        t.overlap = np.zeros(n, np.int64)
-        t.credited = np.zeros(n, np.float64)
+        if prompt is None:
+            t.prompt_blocks = np.zeros(n, np.float64)
+            t.overlap = np.zeros(n, np.int64)
+            t.credited = np.zeros(n, np.float64)
+        else:
+            t.prompt_blocks, t.overlap, t.credited = prompt
         t.cost = np.zeros(n, np.float64)
         t.notes = {}
         t.columnar = True
