@@ -490,7 +490,8 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
             or list(self.links.values())
         for link in links:
             link.offer(booking_id)
-        self.metrics.first_chunks.labels("forwarded").inc()
+        if links:
+            self.metrics.first_chunks.labels("forwarded").inc()
 
     def on_predict(self, address: str, block_size: int, hashes: Sequence[int], ttl_s: float) -> None:
         """A local prediction (a `WorkerFacts.predict_listeners` entry): the peers count it too."""
