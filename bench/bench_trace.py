@@ -447,6 +447,20 @@ def picker_timings(pk: H.Proc) -> dict[str, float | None]:
     return out
 
 
+_LEAN = re.compile(r'^epp_lean_signals_total\{signal="([^"]+)"\} (\S+)$', re.M)
+
+
+def lean_signals(pks: Sequence[H.Proc]) -> dict[str, int]:
+    """Lean mode's signals summed over the pickers: with several replicas behind one Envoy, a request's
+    first-chunk signal reaches a replica its own stream may not have (first_chunk = its own booking,
+    first_chunk_forwarded = handed to the replica that booked it over the sync, first_chunk_unknown = lost)."""
+    out: dict[str, int] = {}
+    for p in pks:
+        for k, v in _LEAN.findall(H.get_text(H.picker_url(p) + "/metrics")):
+            out[k] = out.get(k, 0) + int(float(v))
+    return out
+
+
 def picker_picks(pk: H.Proc) -> dict[str, int]:
     return {ep: int(float(v)) for ep, v in _PICKS.findall(H.get_text(H.picker_url(pk) + "/metrics"))}
 
@@ -730,6 +744,11 @@ def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], rendere
                 pass
         if picks is not None and len(pks) > 1:
             extra["picks_per_picker"] = [sum(picker_picks(p).values()) for p in pks]
+        if picks is not None and all(p.alive() for p in pks):
+            try:
+                extra["lean_signals"] = lean_signals(pks)
+            except OSError:
+                pass
         if restarter is not None and picks is not None and pks[0].alive():  # the new process's own share
             restarter.info["picks_after_restart"] = sum(picker_picks(pks[0]).values())
     if restarter is not None:

@@ -193,11 +193,30 @@ class SyncMetrics:
                                      "they went away", registry=r)
         self.bookings_expired = Counter("epp_replica_peer_bookings_expired", "Bookings dropped because "
                                         "their replica went away", registry=r)
+        self.first_chunks = Counter("epp_replica_sync_first_chunks", "Lean mode's first-chunk signals of "
+                                    "another replica's booking: sent on to it (forwarded), and received for one "
+                                    "of ours (applied: its prefill ended here)", ["direction"], registry=r)
+
+
+# what a batch carries, in order: booking changes, predictions, and (a str) the booking id of a forwarded
+# first-chunk signal (`Batch.first_chunks`)
+SyncItem = pb.BookingDelta | pb.Prediction | str
+
+
+def fill_batch(batch: pb.Batch, items: Iterable[SyncItem]) -> None:
+    """Put queued items in their fields of `batch` (either plane)."""
+    for it in items:
+        if isinstance(it, pb.BookingDelta):
+            batch.deltas.append(it)
+        elif isinstance(it, str):
+            batch.first_chunks.append(it)
+        else:
+            batch.predictions.append(it)
 
 
 @dataclass(slots=True)
 class _Outgoing:
-    items: list[pb.BookingDelta | pb.Prediction] = field(default_factory=list)
+    items: list[SyncItem] = field(default_factory=list)
     oldest: float = 0.0  # monotonic
     oldest_unix: float = 0.0
     # (position in `items`, its span) of the bookings of sampled requests; None (no list made) for the rest
@@ -265,7 +284,7 @@ class PeerLink:
         await cancel_and_wait([self._task])
         self.sync.metrics.link_up.labels(self.target).set(0)
 
-    def offer(self, item: pb.BookingDelta | pb.Prediction, pub: PublishSpan | None = None) -> None:
+    def offer(self, item: SyncItem, pub: PublishSpan | None = None) -> None:
         """Queue a change for the next batch; `pub`: the span of a sampled request's booking (ended when the
         batch carrying it is handed to the stream)."""
         cur = self._cur
@@ -385,8 +404,7 @@ class PeerLink:
             sent_now = _split_traced(pending, session.pending)
             session.seq += 1
             batch = pb.Batch(seq=session.seq, oldest_change_unix=pending.oldest_unix if items else 0.0)
-            for it in items:
-                (batch.deltas if isinstance(it, pb.BookingDelta) else batch.predictions).append(it)
+            fill_batch(batch, items)
             if items:
                 session.acks[session.seq] = pending.oldest
                 sync.metrics.batches_sent.labels(self.target).inc()
@@ -445,6 +463,7 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
         self._server: grpc.aio.Server | None = None
         self.addresses: list[str] = []
         load.add_listener(self._on_change)
+        load.add_first_chunk_forwarder(self._forward_first_chunk)
 
     # ------------------------------------------------------------------ local changes -> every link
 
@@ -463,6 +482,16 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
         if pub is not None:
             pub.attrs["epp.replica_sync.peers"] = pub.waiting  # the links that were up and took it
             pub.settle()
+
+    def _forward_first_chunk(self, owner: str | None, booking_id: str) -> None:
+        """Lean mode's first chunk of `owner`'s booking came to us: it goes on the link to that replica (to
+        every link when the owner is not known yet: only the one that made the booking acts on it)."""
+        links = [lk for lk in self.links.values() if owner is not None and lk.peer_id == owner] \
+            or list(self.links.values())
+        for link in links:
+            link.offer(booking_id)
+        if links:
+            self.metrics.first_chunks.labels("forwarded").inc()
 
     def on_predict(self, address: str, block_size: int, hashes: Sequence[int], ttl_s: float) -> None:
         """A local prediction (a `WorkerFacts.predict_listeners` entry): the peers count it too."""
@@ -574,7 +603,7 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
                     if msg.batch.oldest_change_unix > 0:
                         self.metrics.visible_lag.observe(max(time.time() - msg.batch.oldest_change_unix, 0.0))
                     now = time.monotonic()
-                    heartbeat = not (msg.batch.deltas or msg.batch.predictions)
+                    heartbeat = not (msg.batch.deltas or msg.batch.predictions or msg.batch.first_chunks)
                     if heartbeat or now - last_ack >= ACK_INTERVAL_S:
                         last_ack = now
                         await context.write(pb.SyncResponse(ack=pb.Ack(seq=msg.batch.seq)))
@@ -599,7 +628,7 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
         return None if msg is grpc.aio.EOF else msg
 
     def _apply(self, peer: str, batch: pb.Batch) -> None:
-        apply_batch(self.load, self.registry, self.index, peer, batch)
+        apply_batch(self.load, self.registry, self.index, peer, batch, self.metrics)
 
     def _expire(self, peer: str, gen: int) -> None:
         inb = self.inbound.get(peer)
@@ -623,13 +652,19 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
 
 
 def apply_batch(load: LoadTracker, registry: EndpointRegistry, idx: PredictionSink | None, peer: str,
-                batch: pb.Batch) -> None:
+                batch: pb.Batch, metrics: SyncMetrics | None = None) -> None:
     """A peer's batch applied here, whichever plane brought it (this mesh, or NATS subjects)."""
     change = load.peer_change
     for d in batch.deltas:
         kind = _PB_TO_KIND.get(d.kind)
         if kind is not None:
             change(peer, BookingChange(kind, d.id, d.address, d.prefill_blocks, d.decode_blocks))
+    for booking_id in batch.first_chunks[:MAX_BATCH_ITEMS]:  # first chunks Envoy showed the peer: ours end here
+        b = load.booking(booking_id)
+        if b is not None:
+            b.prefill_done()  # its PREFILL_DONE goes to every peer as any local change does
+            if metrics is not None:
+                metrics.first_chunks.labels("applied").inc()
     if idx is None:
         return
     for p in batch.predictions:

@@ -30,9 +30,11 @@ from prometheus_client import CollectorRegistry, Counter
 from epp_extproc.adapters.replica_sync import (
     _KIND_TO_PB,
     MAX_BATCH_ITEMS,
+    SyncItem,
     SyncMetrics,
     apply_batch,
     default_replica_id,
+    fill_batch,
 )
 from epp_extproc.adapters.worker_facts import PredictionSink
 from epp_extproc.core.endpoints import EndpointRegistry
@@ -119,7 +121,7 @@ class NatsReplicaSync:
                             registry=reg)
         self.link = NatsLink(servers, f"sync-{self.replica_id}", on_up=self._on_up, on_down=lambda: None)
         self.peers: dict[str, _Peer] = {}
-        self._pending: list[pb.BookingDelta | pb.Prediction] = []
+        self._pending: list[SyncItem] = []
         self._traced: list[tuple[int, PublishSpan]] = []  # (position in `_pending`, span): sampled bookings only
         self._oldest_unix = 0.0
         self._need_snapshot = True
@@ -130,9 +132,10 @@ class NatsReplicaSync:
         self._subs: list[Any] = []
         self._started_at: float | None = None
         load.add_listener(self._on_change)
+        load.add_first_chunk_forwarder(self._forward_first_chunk)
 
     # ------------------------------------------------------------ local changes
-    def _queue(self, item: pb.BookingDelta | pb.Prediction, pub: PublishSpan | None = None) -> None:
+    def _queue(self, item: SyncItem, pub: PublishSpan | None = None) -> None:
         if not self._pending:
             self._oldest_unix = time.time()
         self._pending.append(item)
@@ -161,6 +164,12 @@ class NatsReplicaSync:
                 if pub is not None:
                     pub.attrs["epp.replica_sync.peers"] = sum(1 for p in self.peers.values() if p.connected)
         self._queue(d, pub)
+
+    def _forward_first_chunk(self, owner: str | None, booking_id: str) -> None:
+        """Lean mode's first chunk of another replica's booking came to us: published with our next batch
+        (every replica hears it; only the one that made the booking acts on it)."""
+        self._queue(booking_id)
+        self.metrics.first_chunks.labels("forwarded").inc()
 
     def on_predict(self, address: str, block_size: int, hashes: Sequence[int], ttl_s: float) -> None:
         if hashes:
@@ -268,8 +277,7 @@ class NatsReplicaSync:
                 self._oldest_unix = time.time()
             self._seq += 1
             batch = pb.Batch(seq=self._seq, oldest_change_unix=oldest)
-            batch.deltas.extend(i for i in items if isinstance(i, pb.BookingDelta))
-            batch.predictions.extend(i for i in items if isinstance(i, pb.Prediction))
+            fill_batch(batch, items)
             ok = await self._publish(pb.SyncRequest(batch=batch), self._seq)
             if not ok:
                 self._need_snapshot = True  # lost: the peers see the gap too and ask
@@ -323,7 +331,7 @@ class NatsReplicaSync:
                 self.gaps.inc()
                 await self._want(rid)
             p.seq = seq
-            apply_batch(self.load, self.registry, self.index, rid, req.batch)
+            apply_batch(self.load, self.registry, self.index, rid, req.batch, self.metrics)
             if req.batch.oldest_change_unix > 0:
                 self.metrics.visible_lag.observe(max(time.time() - req.batch.oldest_change_unix, 0.0))
         self.metrics.peer_bookings.labels(rid).set(self.load.peer_inflight(rid))

@@ -194,3 +194,8 @@ class Bookings(Protocol):
     def booking(self, booking_id: str) -> BookingHandle | None:
         """A live booking by id (lean mode's signals name it); None once freed."""
         ...
+
+    def first_chunk_elsewhere(self, booking_id: str) -> bool:
+        """Lean mode's first chunk of a booking that is not ours (another replica made it): handed on to that
+        replica; False when nobody could take it."""
+        ...

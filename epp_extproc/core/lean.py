@@ -26,6 +26,8 @@ class LeanSignals:
         if b is not None:
             b.prefill_done()
             self.metrics.lean_signals.labels("first_chunk").inc()
+        elif self.bookings.first_chunk_elsewhere(booking_id):  # another replica's request: handed to it
+            self.metrics.lean_signals.labels("first_chunk_forwarded").inc()
         else:
             self.metrics.lean_signals.labels("first_chunk_unknown").inc()
 

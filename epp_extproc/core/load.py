@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -31,6 +32,9 @@ from prometheus_client import Gauge
 log = logging.getLogger(__name__)
 
 ChangeKind = Literal["book", "prefill_done", "move", "free"]
+# (peer replica that holds the booking or None when no peer is known to, booking id): lean mode's first-chunk
+# signal for a booking this replica did not make, to be handed to the replica that made it (`first_chunk_elsewhere`)
+FirstChunkForwarder = Callable[[str | None, str], None]
 
 
 @dataclass(slots=True)
@@ -192,10 +196,16 @@ class Booking:
 
 
 class LoadTracker:
-    def __init__(self, gauge: Gauge | None = None, *, max_bookings_per_peer: int = 100_000) -> None:
+    def __init__(self, gauge: Gauge | None = None, *, max_bookings_per_peer: int = 100_000,
+                 id_prefix: str | None = None) -> None:
         self._loads: dict[str, EndpointLoad] = {}
         self._bookings: dict[str, Booking] = {}
         self._ids = itertools.count(1)
+        # Booking ids are unique across replicas (random per process unless given): lean mode's first-chunk
+        # signal names a booking on a stream Envoy may open to ANOTHER replica, which must never take it for
+        # one of its own (with a bare counter, replicas' "epp-57" collided and the wrong booking lost its prefill)
+        self.id_prefix = id_prefix if id_prefix is not None else f"{random.getrandbits(32):08x}"
+        self._forwarders: list[FirstChunkForwarder] = []
         self._gauge = gauge
         self._release_listeners: list[Callable[[], None]] = []
         self._listeners: list[BookingListener] = []
@@ -262,7 +272,7 @@ class LoadTracker:
         return b
 
     def _book(self, address: str, prefill: float, decode: float) -> Booking:
-        b = Booking(self, f"epp-{next(self._ids)}", address, prefill, decode)
+        b = Booking(self, f"epp-{self.id_prefix}-{next(self._ids)}", address, prefill, decode)
         self._bookings[b.id] = b
         self._add(address, prefill, decode, True)
         self._notify(BookingChange("book", b.id, address, prefill, decode))
@@ -339,6 +349,39 @@ class LoadTracker:
         for hb in held.values():
             self._sub(hb.address, hb.prefill_blocks, hb.decode_blocks, hb.prefilling)
         return len(held)
+
+    def add_first_chunk_forwarder(self, fn: FirstChunkForwarder) -> None:
+        """`fn` is handed the first-chunk signals of bookings this replica did not make (replica sync sends
+        them to the replica that did); it must not raise or block."""
+        self._forwarders.append(fn)
+
+    def first_chunk_elsewhere(self, booking_id: str) -> bool:
+        """Lean mode's first-chunk signal named a booking that is not ours: Envoy round-robins each ext_proc
+        stream on its own, so the observer stream of a request lands on another replica than its main stream
+        (with 3 replicas and one Envoy, every time). A peer's booking we hold loses its prefill here at once,
+        and the signal goes to the forwarders (replica sync), so the replica that made the booking ends its
+        prefill too, and with it its TTFT sample and held prediction. Without that, the booking kept its
+        prefill blocks (weighted `prefillLoadScale`, 8 by default) until the request ended. False when there is
+        nothing to do: no peer holds it and no forwarder is there to ask."""
+        if booking_id.startswith(f"epp-{self.id_prefix}-"):
+            return False  # ours, already freed (its stream ended first): nothing is left to end
+        owner: str | None = None
+        for peer, held in self._remote.items():
+            hb = held.get(booking_id)
+            if hb is not None:
+                owner = peer
+                if hb.prefilling:
+                    hb.prefilling = False
+                    self._release_prefill(hb.address, hb.prefill_blocks)
+                break
+        if not self._forwarders:
+            return owner is not None
+        for fn in self._forwarders:  # not held (its booking not seen yet): every peer is asked, its owner acts
+            try:
+                fn(owner, booking_id)
+            except Exception:
+                log.exception("first-chunk forwarder failed on %s", booking_id)
+        return True
 
     def peer_inflight(self, peer: str | None = None) -> int:
         """Bookings held for `peer` (all peers when None)."""

@@ -80,6 +80,20 @@ async def test_a_booking_on_one_replica_is_load_on_the_other(mesh) -> None:  # n
     assert b.load.peer_inflight() == 0 and b.load.total_inflight() == 0
 
 
+async def test_a_first_chunk_seen_by_another_replica_ends_the_prefill_where_it_was_booked(mesh) -> None:  # noqa: ANN001
+    """Lean mode: Envoy round-robins the observer stream on its own, so a request's first chunk is reported to
+    another replica than the one that booked it. B hands it to A over the sync; A ends the booking's prefill
+    (and says so to C). Before, A and C counted the prompt as prefilling until the request ended."""
+    a, b, c = await mesh(3)
+    booking = a.load.book(WORKER, 10)
+    await until_async(lambda: all(x.load.load(WORKER).prefill_blocks == 10 for x in (b, c)), "the booking at B, C")
+    b.picker.first_chunk(booking.id)
+    await until_async(lambda: not booking.prefilling, "prefill done at A")
+    await until_async(lambda: all(x.load.load(WORKER).prefill_blocks == 0 for x in (a, b, c)), "prefill 0 at A, B, C")
+    assert all(x.load.load(WORKER).decode_blocks == 10 for x in (a, b, c))
+    assert b.metrics.lean_signals.labels("first_chunk_forwarded")._value.get() == 1
+
+
 async def test_three_replicas_each_see_the_sum_of_all_bookings(mesh) -> None:  # noqa: ANN001
     apps = await mesh(3)
     held = [app.load.book(WORKER, 1) for app in apps for _ in range(2)]

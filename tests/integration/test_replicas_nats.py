@@ -60,6 +60,17 @@ async def test_a_booking_on_one_replica_is_load_on_the_others(replicas) -> None:
     await until_async(lambda: all(x.load.load(WORKER).inflight == 0 for x in (b, c)), "the free at B, C")
 
 
+async def test_a_first_chunk_seen_by_another_replica_ends_the_prefill_where_it_was_booked(replicas) -> None:
+    """As on the mesh: B is shown A's first chunk (Envoy's observer stream went to B) and publishes it; A
+    ends the booking's prefill, and its PREFILL_DONE reaches C."""
+    a, b, c = await replicas(3)
+    booking = a.load.book(WORKER, 10)
+    await until_async(lambda: all(x.load.load(WORKER).prefill_blocks == 10 for x in (b, c)), "the booking at B, C")
+    b.picker.first_chunk(booking.id)
+    await until_async(lambda: not booking.prefilling, "prefill done at A")
+    await until_async(lambda: all(x.load.load(WORKER).prefill_blocks == 0 for x in (a, b, c)), "prefill 0 at A, B, C")
+
+
 async def test_a_prediction_on_one_replica_credits_the_others(replicas) -> None:
     a, b = await replicas(2, tokenizer_protocol="trtllm-render", tokenizer_service_url="http://127.0.0.1:1",
                           prediction_ttl_s=5.0)

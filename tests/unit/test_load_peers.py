@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from epp_extproc.config import Config
+from epp_extproc.core.lean import LeanSignals
 from epp_extproc.core.load import BookingChange, HeldBooking, LoadTracker
+from epp_extproc.metrics import PickerMetrics
 from epp_extproc.processes import child_configs
 
 
@@ -49,6 +51,43 @@ def test_dropping_a_peer_leaves_no_residue() -> None:
     assert t.drop_peer("p1") == 5
     assert t.load("a").inflight == t.load("b").inflight == 0 and t.load("a").decode_blocks == 0
     assert t.peers() == []
+
+
+def test_booking_ids_never_collide_across_replicas() -> None:
+    """Envoy opens a request's observer stream to any replica: a first chunk naming replica A's booking must
+    not end the prefill of replica B's own booking that happens to have the same id (with a bare per-process
+    counter both replicas' third booking was "epp-3")."""
+    a, b = LoadTracker(), LoadTracker()
+    mine = [b.book("w", 4) for _ in range(3)]
+    theirs = [a.book("w", 4) for _ in range(3)]
+    assert not {x.id for x in mine} & {x.id for x in theirs}
+    LeanSignals(b, PickerMetrics()).first_chunk(theirs[2].id)
+    assert all(x.prefilling for x in mine) and b.load("w").prefill_blocks == 12
+
+
+def test_a_first_chunk_of_a_peers_booking_ends_its_prefill_here_and_goes_to_the_peer() -> None:
+    t = LoadTracker()
+    forwarded: list[tuple[str | None, str]] = []
+    t.add_first_chunk_forwarder(lambda owner, bid: forwarded.append((owner, bid)))
+    t.peer_change("p1", BookingChange("book", "epp-0a-1", "w", 5, 5))
+    m = PickerMetrics()
+    LeanSignals(t, m).first_chunk("epp-0a-1")
+    assert t.load("w").prefill_blocks == 0 and t.load("w").decode_blocks == 5
+    assert forwarded == [("p1", "epp-0a-1")]
+    assert m.lean_signals.labels("first_chunk_forwarded")._value.get() == 1
+    LeanSignals(t, m).first_chunk("epp-0b-9")  # not held (its booking not seen yet): every peer is asked
+    assert forwarded[-1] == (None, "epp-0b-9")
+
+
+def test_a_first_chunk_of_our_own_freed_booking_is_not_forwarded() -> None:
+    t = LoadTracker()
+    forwarded: list[tuple[str | None, str]] = []
+    t.add_first_chunk_forwarder(lambda owner, bid: forwarded.append((owner, bid)))
+    b = t.book("w", 2)
+    b.free()
+    m = PickerMetrics()
+    LeanSignals(t, m).first_chunk(b.id)
+    assert forwarded == [] and m.lean_signals.labels("first_chunk_unknown")._value.get() == 1
 
 
 def test_changes_for_unknown_ids_are_ignored() -> None:

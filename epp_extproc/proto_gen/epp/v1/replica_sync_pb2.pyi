@@ -74,16 +74,18 @@ class Prediction(_message.Message):
     def __init__(self, address: _Optional[str] = ..., block_size: _Optional[int] = ..., hashes: _Optional[_Iterable[int]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("seq", "deltas", "predictions", "oldest_change_unix")
+    __slots__ = ("seq", "deltas", "predictions", "oldest_change_unix", "first_chunks")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
     OLDEST_CHANGE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    FIRST_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     deltas: _containers.RepeatedCompositeFieldContainer[BookingDelta]
     predictions: _containers.RepeatedCompositeFieldContainer[Prediction]
     oldest_change_unix: float
-    def __init__(self, seq: _Optional[int] = ..., deltas: _Optional[_Iterable[_Union[BookingDelta, _Mapping]]] = ..., predictions: _Optional[_Iterable[_Union[Prediction, _Mapping]]] = ..., oldest_change_unix: _Optional[float] = ...) -> None: ...
+    first_chunks: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq: _Optional[int] = ..., deltas: _Optional[_Iterable[_Union[BookingDelta, _Mapping]]] = ..., predictions: _Optional[_Iterable[_Union[Prediction, _Mapping]]] = ..., oldest_change_unix: _Optional[float] = ..., first_chunks: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SyncRequest(_message.Message):
     __slots__ = ("hello", "snapshot", "batch")
