@@ -42,6 +42,12 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
        their own; KV events still straight from the workers): issue 47 item 3, routing quality of synced
        replicas on each plane. Targets r3m_/r3n_within_spread_of_c, as (r2)'s. (g3): the same three
        pickers with NO replica sync, their control (what three processes on the machine cost by themselves)
+  (c3i) issue 47's control for (r3n): (c) with two more pickers synced with it over NATS that Envoy never
+       sends a request to (they ingest, probe and sync, and apply every booking and prediction of the first);
+       (c3u) the same three with no sync at all. With --envoy-timings (off by default) every run also writes
+       Envoy's per-request timing log, joined with AIPerf's records (work dir requests-*.jsonl), and each
+       configuration is compared with (c) of the same seed request by request (request_deltas: the same
+       worker and cached tokens, then where the time went)
   (rs) (c) with the workers' KV event replay, SIGTERMed at ~1/3 of the schedule and started again at once
        with the same flags (same ports): issue 28.9, routing quality across a restart; the new process
        re-warms its index from the workers' replay. Envoy's ext_proc filter has failure_mode_allow off and
@@ -89,7 +95,7 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
         own (`oob`), TTFT over every request (`all_ttft_p50_ms`, `all_ttft_p90_ms`, claimed between the
         pairs too) and `routed_without_picker` (= the out-of-band count). out_of_band.py says how the two
         replays share one clock and how well they met (`oob.sync_lag_ms`).
-       (r2, r3m, r3n, rs, rs2, rsz, rsn, cv, g2, g2e, g3 and the X-oobNN run only when named in --only; the default
+       (r2, r3m, r3n, rs, rs2, rsz, rsn, cv, g2, g2e, g3, c3i, c3u and the X-oobNN run only when named in --only; the default
        set is unchanged)
   (d)  offline cached-token ratios of the same prompts in arrival order: `pooled_lru` (one LRU cache with
        the capacity of all four workers together, the figure earlier recordings called "the oracle"),
@@ -129,7 +135,13 @@ JSON result schema (`trace.json`), besides the common `bench`, `meta` keys, `con
               aiperf_cached_ratio, aiperf_prompt_tokens, workers_cached_ratio, workers_prompt_tokens,
               per_worker_served, picker_picks, replay_sched_lag_p99_ms, benchmark_duration_s, aiperf_wall_s,
               loadavg_1m, machine_busy_cores (cores busy over the replay, anything on the machine);
-              (r2, r3m, r3n, rs2, g2, g2e, g3) picks_per_picker; every picker configuration routed_without_picker;
+              (r2, r3m, r3n, rs2, g2, g2e, g3, c3i, c3u) picks_per_picker, pickers_decision_mean_ms (every
+              replica's); every picker configuration routed_without_picker;
+              (--envoy-timings) envoy_to_upstream_p50_ms, envoy_worker_headers_p50_ms,
+              envoy_worker_first_body_p50_ms, envoy_timed_requests, and for every configuration but (c) against
+              (c) of its seed: vs_c: {requests, same_worker, same_cached, less_cached, compared},
+              vs_c_same_worker_share, vs_c_same_cached_share, vs_c_dttft_ms, vs_c_dto_upstream_ms,
+              vs_c_dworker_first_body_ms, vs_c_rest_ms (request_deltas);
               (rs, rs2) restart: {drain_s,
               down_s, resubscribed_s, picks_before_restart, index_blocks_before, index_blocks_after_replay,
               picks_after_restart, error?; (rs2) envoy_unhealthy_s, envoy_healthy_again_s};
@@ -199,11 +211,13 @@ CONFIGS = {"a": "envoy round-robin", "b": "picker, load only", "c": "picker, KV-
            "g3": "3 KV-aware pickers, NO replica sync (r3m/r3n's control: three processes, no sync)",
            "c3i": "(c) with 2 more pickers synced over NATS that Envoy never sends a request to (issue 47's "
                   "control: the sync's traffic and two more processes, without replication's split)",
+           "c3u": "(c) with 2 more pickers, NOT synced, that Envoy never sends a request to (issue 47: what two "
+                  "more processes cost by themselves, (c3i) without the sync)",
            **{OB.name(base, share): f"{what}, {share:.0%} of requests out of band (straight to a worker)"
               for share in (0.1, 0.3) for base, what in (("c", "picker, KV-aware (defaults)"),
                                                          ("e", "picker, prediction only (no KV events)"))}}
 # only with --only: the default set (and its cost) stays what it was
-OPT_IN = ("r2", "r3m", "r3n", "rs", "rs2", "cv", "rsz", "rsn", "g2", "g2e", "g3", "c3i", "c-oob10", "e-oob10",
+OPT_IN = ("r2", "r3m", "r3n", "rs", "rs2", "cv", "rsz", "rsn", "g2", "g2e", "g3", "c3i", "c3u", "c-oob10", "e-oob10",
           "c-oob30", "e-oob30")
 BS = 32
 # (rs2)'s replicas: the product's default shutdown grace period, named so the benchmark follows it
@@ -527,6 +541,8 @@ def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc,
         nats = st.add(nats_server_proc(st.dir))
         return start_replicas(st, "sync", H.endpoints_spec(workers), workers, renderer, replicas=3,
                               nats_url=f"nats://127.0.0.1:{nats.port}", serving=1)
+    if cfg == "c3u":  # the same three pickers with no sync at all: only the first gets requests
+        return start_replicas(st, "nosync", H.endpoints_spec(workers), workers, renderer, replicas=3, serving=1)
     if cfg == "g2e":  # the same pair of (e) pickers: each predicts only what it routed itself
         return start_replicas(st, "nosync", prediction_spec(workers), workers, renderer, extra=E_FLAGS,
                               kv_events=False)
@@ -1081,7 +1097,7 @@ def compare(x: dict[str, Any], base: dict[str, Any], metric: str) -> dict[str, A
 
 PAIRS = (("b", "a"), ("c", "a"), ("c1", "a"), ("e", "a"), ("c", "b"), ("c", "e"), ("c", "c1"),
          ("r2", "c"), ("r3m", "c"), ("r3n", "c"), ("r3n", "r3m"), ("g3", "c"), ("r3n", "g3"), ("r3m", "g3"),
-         ("c3i", "c"), ("r3n", "c3i"),
+         ("c3i", "c"), ("r3n", "c3i"), ("c3u", "c"), ("c3i", "c3u"),
          ("rs", "c"), ("rs2", "c"), ("cv", "c"), ("cv", "e"),
          ("g2", "g2e"), ("g2", "c"), ("g2e", "e"),
          ("rsz", "c"), ("rsn", "c"), ("rsz", "e"), ("rsn", "e"), ("rsn", "rsz"))
