@@ -3,7 +3,7 @@
     python -m bench.trace_requests WORK_DIR --configs r3n,c3i [--capacity 75] [--rate 5]
 
 Reads the per-request records that `bench_trace --envoy-timings` leaves in its work dir
-(``requests-<cfg>-<cap>-<rate>rps-s<seed>.jsonl``: AIPerf's TTFT and cached tokens joined with Envoy's timing
+(``requests-<cfg>-<cap>-<rate>rps-s<seed>.jsonl``, or the same gzipped as results keep them: AIPerf's TTFT and cached tokens joined with Envoy's timing
 log). The same seed replays the same requests in the same order, so each request of a configuration is paired
 with the same request under (c). Routing: how many went to the same worker with the same cached tokens, and
 how many got fewer cached tokens. Overhead, over the pairs with the same worker and cached tokens (equal
@@ -17,6 +17,7 @@ medians (request_deltas); this pools the requests of every seed, which the per-s
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 from pathlib import Path
@@ -24,7 +25,8 @@ from typing import Any
 
 
 def load(path: Path) -> dict[int, dict[str, Any]]:
-    return {r["i"]: r for r in map(json.loads, path.read_text().splitlines()) if r.get("ttft_ms") is not None}
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return {r["i"]: r for r in map(json.loads, text.splitlines()) if r.get("ttft_ms") is not None}
 
 
 def legs(r: dict[str, Any]) -> dict[str, float] | None:
@@ -37,12 +39,18 @@ def legs(r: dict[str, Any]) -> dict[str, float] | None:
             "rest": r["ttft_ms"] - up - fb}
 
 
-def compare(work: Path, cfg: str, cap: str, rate: str) -> dict[str, Any] | None:
+def seed_of(path: Path) -> int:
+    return int(path.name.split("rps-s", 1)[1].split(".", 1)[0])
+
+
+def compare(work: Path, cfg: str, cap: str, rate: str, seeds: set[int] | None = None) -> dict[str, Any] | None:
+    """(c) against ``cfg`` over the seeds in the work dir (only ``seeds`` when given)."""
     pairs: list[tuple[dict[str, Any], dict[str, Any]]] = []
     seeds = 0
-    for base_file in sorted(work.glob(f"requests-c-{cap}-{rate}rps-s*.jsonl")):
+    for base_file in sorted([*work.glob(f"requests-c-{cap}-{rate}rps-s*.jsonl"),
+                             *work.glob(f"requests-c-{cap}-{rate}rps-s*.jsonl.gz")]):
         other = work / base_file.name.replace("requests-c-", f"requests-{cfg}-", 1)
-        if not other.exists():
+        if not other.exists() or (seeds is not None and seed_of(base_file) not in seeds):
             continue
         seeds += 1
         base, x = load(base_file), load(other)
@@ -72,8 +80,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--configs", required=True, help="comma-separated configurations to pair with (c)")
     ap.add_argument("--capacity", default="75")
     ap.add_argument("--rate", default="5")
+    ap.add_argument("--seeds", help="comma-separated seeds to pool (default: every seed present)")
     a = ap.parse_args(argv)
-    rows = [r for r in (compare(Path(a.work), c, a.capacity, a.rate) for c in a.configs.split(",")) if r]
+    seeds = {int(x) for x in a.seeds.split(",")} if a.seeds else None
+    rows = [r for r in (compare(Path(a.work), c, a.capacity, a.rate, seeds) for c in a.configs.split(",")) if r]
     for r in rows:
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}))
     return rows
