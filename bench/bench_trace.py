@@ -44,7 +44,8 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
        pickers with NO replica sync, their control (what three processes on the machine cost by themselves)
   (c3i) issue 47's control for (r3n): (c) with two more pickers synced with it over NATS that Envoy never
        sends a request to (they ingest, probe and sync, and apply every booking and prediction of the first);
-       (c3u) the same three with no sync at all. With --envoy-timings (off by default) every run also writes
+       (c3u) the same three with no sync at all; (c3in) (c3i) with the two idle pickers and the nats-server at
+       nice 19. With --envoy-timings (off by default) every run also writes
        Envoy's per-request timing log, joined with AIPerf's records (work dir requests-*.jsonl), and each
        configuration is compared with (c) of the same seed request by request (request_deltas: the same
        worker and cached tokens, then where the time went)
@@ -95,8 +96,8 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
         own (`oob`), TTFT over every request (`all_ttft_p50_ms`, `all_ttft_p90_ms`, claimed between the
         pairs too) and `routed_without_picker` (= the out-of-band count). out_of_band.py says how the two
         replays share one clock and how well they met (`oob.sync_lag_ms`).
-       (r2, r3m, r3n, rs, rs2, rsz, rsn, cv, g2, g2e, g3, c3i, c3u and the X-oobNN run only when named in --only; the default
-       set is unchanged)
+       (r2, r3m, r3n, rs, rs2, rsz, rsn, cv, g2, g2e, g3, c3i, c3in, c3u and the X-oobNN run only when named in
+       --only; the default set is unchanged)
   (d)  offline cached-token ratios of the same prompts in arrival order: `pooled_lru` (one LRU cache with
        the capacity of all four workers together, the figure earlier recordings called "the oracle"),
        `infinite`, and `clairvoyant` (bench/clairvoyant.py: placement and Belady eviction knowing the future
@@ -135,7 +136,7 @@ JSON result schema (`trace.json`), besides the common `bench`, `meta` keys, `con
               aiperf_cached_ratio, aiperf_prompt_tokens, workers_cached_ratio, workers_prompt_tokens,
               per_worker_served, picker_picks, replay_sched_lag_p99_ms, benchmark_duration_s, aiperf_wall_s,
               loadavg_1m, machine_busy_cores (cores busy over the replay, anything on the machine);
-              (r2, r3m, r3n, rs2, g2, g2e, g3, c3i, c3u) picks_per_picker, pickers_decision_mean_ms (every
+              (r2, r3m, r3n, rs2, g2, g2e, g3, c3i, c3in, c3u) picks_per_picker, pickers_decision_mean_ms (every
               replica's); every picker configuration routed_without_picker;
               (--envoy-timings) envoy_to_upstream_p50_ms, envoy_worker_headers_p50_ms,
               envoy_worker_first_body_p50_ms, envoy_timed_requests, and for every configuration but (c) against
@@ -211,13 +212,15 @@ CONFIGS = {"a": "envoy round-robin", "b": "picker, load only", "c": "picker, KV-
            "g3": "3 KV-aware pickers, NO replica sync (r3m/r3n's control: three processes, no sync)",
            "c3i": "(c) with 2 more pickers synced over NATS that Envoy never sends a request to (issue 47's "
                   "control: the sync's traffic and two more processes, without replication's split)",
+           "c3in": "(c3i) with its two idle pickers and the nats-server at nice 19 (issue 47: whether the sync's "
+                   "wakeups cost the request's processes the CPU, or something in the serving picker)",
            "c3u": "(c) with 2 more pickers, NOT synced, that Envoy never sends a request to (issue 47: what two "
                   "more processes cost by themselves, (c3i) without the sync)",
            **{OB.name(base, share): f"{what}, {share:.0%} of requests out of band (straight to a worker)"
               for share in (0.1, 0.3) for base, what in (("c", "picker, KV-aware (defaults)"),
                                                          ("e", "picker, prediction only (no KV events)"))}}
 # only with --only: the default set (and its cost) stays what it was
-OPT_IN = ("r2", "r3m", "r3n", "rs", "rs2", "cv", "rsz", "rsn", "g2", "g2e", "g3", "c3i", "c3u", "c-oob10", "e-oob10",
+OPT_IN = ("r2", "r3m", "r3n", "rs", "rs2", "cv", "rsz", "rsn", "g2", "g2e", "g3", "c3i", "c3in", "c3u", "c-oob10", "e-oob10",
           "c-oob30", "e-oob30")
 BS = 32
 # (rs2)'s replicas: the product's default shutdown grace period, named so the benchmark follows it
@@ -541,6 +544,15 @@ def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc,
         nats = st.add(nats_server_proc(st.dir))
         return start_replicas(st, "sync", H.endpoints_spec(workers), workers, renderer, replicas=3,
                               nats_url=f"nats://127.0.0.1:{nats.port}", serving=1)
+    if cfg == "c3in":  # (c3i), its idle pickers and nats-server at the lowest priority
+        from epp_extproc.dev.nats import nats_server_proc
+
+        nats = st.add(nats_server_proc(st.dir))
+        env, pks = start_replicas(st, "sync", H.endpoints_spec(workers), workers, renderer, replicas=3,
+                                  nats_url=f"nats://127.0.0.1:{nats.port}", serving=1)
+        for p in (nats, *pks[1:]):
+            renice_session(p, 19)
+        return env, pks
     if cfg == "c3u":  # the same three pickers with no sync at all: only the first gets requests
         return start_replicas(st, "nosync", H.endpoints_spec(workers), workers, renderer, replicas=3, serving=1)
     if cfg == "g2e":  # the same pair of (e) pickers: each predicts only what it routed itself
@@ -576,6 +588,25 @@ def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc,
         pk = H.picker(st, prediction_spec(workers), "trtllm-render", renderer,
                       extra=[*E_FLAGS, *E_VARIANTS.get(cfg, [])])
     return H.envoy(st, picker_proc=pk), [pk]
+
+
+def renice_session(p: H.Proc, nice: int) -> int:
+    """Every thread of every process of ``p``'s session (Proc starts each in a session of its own) to ``nice``
+    (a thread's niceness is its own; the ones it starts later inherit it). Returns the threads changed."""
+    assert p.proc is not None
+    n = 0
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if os.getsid(int(d.name)) != p.proc.pid:
+                continue
+            for t in (d / "task").iterdir():
+                os.setpriority(os.PRIO_PROCESS, int(t.name), nice)
+                n += 1
+        except (ProcessLookupError, FileNotFoundError, PermissionError):
+            continue
+    return n
 
 
 def prediction_spec(workers: Sequence[H.Proc]) -> str:
@@ -1097,7 +1128,7 @@ def compare(x: dict[str, Any], base: dict[str, Any], metric: str) -> dict[str, A
 
 PAIRS = (("b", "a"), ("c", "a"), ("c1", "a"), ("e", "a"), ("c", "b"), ("c", "e"), ("c", "c1"),
          ("r2", "c"), ("r3m", "c"), ("r3n", "c"), ("r3n", "r3m"), ("g3", "c"), ("r3n", "g3"), ("r3m", "g3"),
-         ("c3i", "c"), ("r3n", "c3i"), ("c3u", "c"), ("c3i", "c3u"),
+         ("c3i", "c"), ("r3n", "c3i"), ("c3u", "c"), ("c3i", "c3u"), ("c3in", "c"), ("c3in", "c3i"),
          ("rs", "c"), ("rs2", "c"), ("cv", "c"), ("cv", "e"),
          ("g2", "g2e"), ("g2", "c"), ("g2e", "e"),
          ("rsz", "c"), ("rsn", "c"), ("rsz", "e"), ("rsn", "e"), ("rsn", "rsz"))
