@@ -46,13 +46,13 @@ def seed_of(path: Path) -> int:
 def compare(work: Path, cfg: str, cap: str, rate: str, seeds: set[int] | None = None) -> dict[str, Any] | None:
     """(c) against ``cfg`` over the seeds in the work dir (only ``seeds`` when given)."""
     pairs: list[tuple[dict[str, Any], dict[str, Any]]] = []
-    seeds = 0
+    used = 0
     for base_file in sorted([*work.glob(f"requests-c-{cap}-{rate}rps-s*.jsonl"),
                              *work.glob(f"requests-c-{cap}-{rate}rps-s*.jsonl.gz")]):
         other = work / base_file.name.replace("requests-c-", f"requests-{cfg}-", 1)
         if not other.exists() or (seeds is not None and seed_of(base_file) not in seeds):
             continue
-        seeds += 1
+        used += 1
         base, x = load(base_file), load(other)
         pairs += [(base[i], x[i]) for i in base if i in x]
     if not pairs:
@@ -60,7 +60,7 @@ def compare(work: Path, cfg: str, cap: str, rate: str, seeds: set[int] | None = 
     equal = [(b, x) for b, x in pairs if b["worker"] == x["worker"] and b["cached_tokens"] == x["cached_tokens"]]
     timed = [(lb, lx) for lb, lx in ((legs(b), legs(x)) for b, x in equal) if lb is not None and lx is not None]
     out: dict[str, Any] = {
-        "config": cfg, "seeds": seeds, "requests": len(pairs), "same_worker_and_cached": len(equal),
+        "config": cfg, "seeds": used, "requests": len(pairs), "same_worker_and_cached": len(equal),
         "same_cached": sum(1 for b, x in pairs if b["cached_tokens"] == x["cached_tokens"]),
         "less_cached": sum(1 for b, x in pairs if x["cached_tokens"] < b["cached_tokens"]),
         "more_cached": sum(1 for b, x in pairs if x["cached_tokens"] > b["cached_tokens"]),
