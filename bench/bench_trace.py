@@ -45,10 +45,10 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
   (c3i) issue 47's control for (r3n): (c) with two more pickers synced with it over NATS that Envoy never
        sends a request to (they ingest, probe and sync, and apply every booking and prediction of the first);
        (c3u) the same three with no sync at all; (c3in) (c3i) with the two idle pickers and the nats-server at
-       nice 19. With --envoy-timings (off by default) every run also writes
-       Envoy's per-request timing log, joined with AIPerf's records (work dir requests-*.jsonl), and each
-       configuration is compared with (c) of the same seed request by request (request_deltas: the same
-       worker and cached tokens, then where the time went)
+       nice 19; (c1n) (c) alone with NATS replica sync on (it publishes, no peer receives). With
+       --envoy-timings (off by default) every run also writes Envoy's per-request timing log, joined with
+       AIPerf's records (work dir requests-*.jsonl), and each configuration is compared with (c) of the same
+       seed request by request (request_deltas: the same worker and cached tokens, then where the time went)
   (rs) (c) with the workers' KV event replay, SIGTERMed at ~1/3 of the schedule and started again at once
        with the same flags (same ports): issue 28.9, routing quality across a restart; the new process
        re-warms its index from the workers' replay. Envoy's ext_proc filter has failure_mode_allow off and
@@ -96,7 +96,7 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
         own (`oob`), TTFT over every request (`all_ttft_p50_ms`, `all_ttft_p90_ms`, claimed between the
         pairs too) and `routed_without_picker` (= the out-of-band count). out_of_band.py says how the two
         replays share one clock and how well they met (`oob.sync_lag_ms`).
-       (r2, r3m, r3n, rs, rs2, rsz, rsn, cv, g2, g2e, g3, c3i, c3in, c3u and the X-oobNN run only when named in
+       (r2, r3m, r3n, rs, rs2, rsz, rsn, cv, g2, g2e, g3, c3i, c3in, c3u, c1n and the X-oobNN run only when named in
        --only; the default set is unchanged)
   (d)  offline cached-token ratios of the same prompts in arrival order: `pooled_lru` (one LRU cache with
        the capacity of all four workers together, the figure earlier recordings called "the oracle"),
@@ -214,14 +214,16 @@ CONFIGS = {"a": "envoy round-robin", "b": "picker, load only", "c": "picker, KV-
                   "control: the sync's traffic and two more processes, without replication's split)",
            "c3in": "(c3i) with its two idle pickers and the nats-server at nice 19 (issue 47: whether the sync's "
                    "wakeups cost the request's processes the CPU, or something in the serving picker)",
+           "c1n": "(c) publishing its replica sync on NATS with no peer to hear it (issue 47: the serving "
+                  "picker's own share of the sync's cost)",
            "c3u": "(c) with 2 more pickers, NOT synced, that Envoy never sends a request to (issue 47: what two "
                   "more processes cost by themselves, (c3i) without the sync)",
            **{OB.name(base, share): f"{what}, {share:.0%} of requests out of band (straight to a worker)"
               for share in (0.1, 0.3) for base, what in (("c", "picker, KV-aware (defaults)"),
                                                          ("e", "picker, prediction only (no KV events)"))}}
 # only with --only: the default set (and its cost) stays what it was
-OPT_IN = ("r2", "r3m", "r3n", "rs", "rs2", "cv", "rsz", "rsn", "g2", "g2e", "g3", "c3i", "c3in", "c3u", "c-oob10", "e-oob10",
-          "c-oob30", "e-oob30")
+OPT_IN = ("r2", "r3m", "r3n", "rs", "rs2", "cv", "rsz", "rsn", "g2", "g2e", "g3", "c3i", "c3in", "c3u", "c1n",
+          "c-oob10", "e-oob10", "c-oob30", "e-oob30")
 BS = 32
 # (rs2)'s replicas: the product's default shutdown grace period, named so the benchmark follows it
 GRACE_PERIOD_S = Config.__dataclass_fields__["graceful_shutdown_grace_period_s"].default
@@ -553,6 +555,12 @@ def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc,
         for p in (nats, *pks[1:]):
             renice_session(p, 19)
         return env, pks
+    if cfg == "c1n":  # (c) with NATS replica sync and no peers: it publishes every change, nobody receives
+        from epp_extproc.dev.nats import nats_server_proc
+
+        nats = st.add(nats_server_proc(st.dir))
+        return start_replicas(st, "sync", H.endpoints_spec(workers), workers, renderer, replicas=1,
+                              nats_url=f"nats://127.0.0.1:{nats.port}")
     if cfg == "c3u":  # the same three pickers with no sync at all: only the first gets requests
         return start_replicas(st, "nosync", H.endpoints_spec(workers), workers, renderer, replicas=3, serving=1)
     if cfg == "g2e":  # the same pair of (e) pickers: each predicts only what it routed itself
@@ -1128,7 +1136,8 @@ def compare(x: dict[str, Any], base: dict[str, Any], metric: str) -> dict[str, A
 
 PAIRS = (("b", "a"), ("c", "a"), ("c1", "a"), ("e", "a"), ("c", "b"), ("c", "e"), ("c", "c1"),
          ("r2", "c"), ("r3m", "c"), ("r3n", "c"), ("r3n", "r3m"), ("g3", "c"), ("r3n", "g3"), ("r3m", "g3"),
-         ("c3i", "c"), ("r3n", "c3i"), ("c3u", "c"), ("c3i", "c3u"), ("c3in", "c"), ("c3in", "c3i"),
+         ("c3i", "c"), ("r3n", "c3i"), ("c3u", "c"), ("c3i", "c3u"), ("c3in", "c"), ("c3in", "c3i"), ("c1n", "c"),
+         ("c3i", "c1n"),
          ("rs", "c"), ("rs2", "c"), ("cv", "c"), ("cv", "e"),
          ("g2", "g2e"), ("g2", "c"), ("g2e", "e"),
          ("rsz", "c"), ("rsn", "c"), ("rsz", "e"), ("rsn", "e"), ("rsn", "rsz"))
