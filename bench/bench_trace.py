@@ -42,6 +42,13 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
        their own; KV events still straight from the workers): issue 47 item 3, routing quality of synced
        replicas on each plane. Targets r3m_/r3n_within_spread_of_c, as (r2)'s. (g3): the same three
        pickers with NO replica sync, their control (what three processes on the machine cost by themselves)
+  (c3i) issue 47's control for (r3n): (c) with two more pickers synced with it over NATS that Envoy never
+       sends a request to (they ingest, probe and sync, and apply every booking and prediction of the first);
+       (c3u) the same three with no sync at all; (c3in) (c3i) with the two idle pickers and the nats-server at
+       nice 19; (c1n) (c) alone with NATS replica sync on (it publishes, no peer receives). With
+       --envoy-timings (off by default) every run also writes Envoy's per-request timing log, joined with
+       AIPerf's records (work dir requests-*.jsonl), and each configuration is compared with (c) of the same
+       seed request by request (request_deltas: the same worker and cached tokens, then where the time went)
   (rs) (c) with the workers' KV event replay, SIGTERMed at ~1/3 of the schedule and started again at once
        with the same flags (same ports): issue 28.9, routing quality across a restart; the new process
        re-warms its index from the workers' replay. Envoy's ext_proc filter has failure_mode_allow off and
@@ -89,8 +96,8 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
         own (`oob`), TTFT over every request (`all_ttft_p50_ms`, `all_ttft_p90_ms`, claimed between the
         pairs too) and `routed_without_picker` (= the out-of-band count). out_of_band.py says how the two
         replays share one clock and how well they met (`oob.sync_lag_ms`).
-       (r2, r3m, r3n, rs, rs2, rsz, rsn, cv, g2, g2e, g3 and the X-oobNN run only when named in --only; the default
-       set is unchanged)
+       (r2, r3m, r3n, rs, rs2, rsz, rsn, cv, g2, g2e, g3, c3i, c3in, c3u, c1n and the X-oobNN run only when named in
+       --only; the default set is unchanged)
   (d)  offline cached-token ratios of the same prompts in arrival order: `pooled_lru` (one LRU cache with
        the capacity of all four workers together, the figure earlier recordings called "the oracle"),
        `infinite`, and `clairvoyant` (bench/clairvoyant.py: placement and Belady eviction knowing the future
@@ -129,7 +136,13 @@ JSON result schema (`trace.json`), besides the common `bench`, `meta` keys, `con
               aiperf_cached_ratio, aiperf_prompt_tokens, workers_cached_ratio, workers_prompt_tokens,
               per_worker_served, picker_picks, replay_sched_lag_p99_ms, benchmark_duration_s, aiperf_wall_s,
               loadavg_1m, machine_busy_cores (cores busy over the replay, anything on the machine);
-              (r2, r3m, r3n, rs2, g2, g2e, g3) picks_per_picker; every picker configuration routed_without_picker;
+              (r2, r3m, r3n, rs2, g2, g2e, g3, c3i, c3in, c3u) picks_per_picker, pickers_decision_mean_ms (every
+              replica's); every picker configuration routed_without_picker;
+              (--envoy-timings) envoy_to_upstream_p50_ms, envoy_worker_headers_p50_ms,
+              envoy_worker_first_body_p50_ms, envoy_timed_requests, and for every configuration but (c) against
+              (c) of its seed: vs_c: {requests, same_worker, same_cached, less_cached, compared},
+              vs_c_same_worker_share, vs_c_same_cached_share, vs_c_dttft_ms, vs_c_dto_upstream_ms,
+              vs_c_dworker_first_body_ms, vs_c_rest_ms (request_deltas);
               (rs, rs2) restart: {drain_s,
               down_s, resubscribed_s, picks_before_restart, index_blocks_before, index_blocks_after_replay,
               picks_after_restart, error?; (rs2) envoy_unhealthy_s, envoy_healthy_again_s};
@@ -197,12 +210,20 @@ CONFIGS = {"a": "envoy round-robin", "b": "picker, load only", "c": "picker, KV-
            "g2": "2 KV-aware pickers, NO replica sync (two gateways' pickers)",
            "g2e": "2 prediction-only pickers, no replica sync (two gateways' pickers)",
            "g3": "3 KV-aware pickers, NO replica sync (r3m/r3n's control: three processes, no sync)",
+           "c3i": "(c) with 2 more pickers synced over NATS that Envoy never sends a request to (issue 47's "
+                  "control: the sync's traffic and two more processes, without replication's split)",
+           "c3in": "(c3i) with its two idle pickers and the nats-server at nice 19 (issue 47: whether the sync's "
+                   "wakeups cost the request's processes the CPU, or something in the serving picker)",
+           "c1n": "(c) publishing its replica sync on NATS with no peer to hear it (issue 47: the serving "
+                  "picker's own share of the sync's cost)",
+           "c3u": "(c) with 2 more pickers, NOT synced, that Envoy never sends a request to (issue 47: what two "
+                  "more processes cost by themselves, (c3i) without the sync)",
            **{OB.name(base, share): f"{what}, {share:.0%} of requests out of band (straight to a worker)"
               for share in (0.1, 0.3) for base, what in (("c", "picker, KV-aware (defaults)"),
                                                          ("e", "picker, prediction only (no KV events)"))}}
 # only with --only: the default set (and its cost) stays what it was
-OPT_IN = ("r2", "r3m", "r3n", "rs", "rs2", "cv", "rsz", "rsn", "g2", "g2e", "g3", "c-oob10", "e-oob10",
-          "c-oob30", "e-oob30")
+OPT_IN = ("r2", "r3m", "r3n", "rs", "rs2", "cv", "rsz", "rsn", "g2", "g2e", "g3", "c3i", "c3in", "c3u", "c1n",
+          "c-oob10", "e-oob10", "c-oob30", "e-oob30")
 BS = 32
 # (rs2)'s replicas: the product's default shutdown grace period, named so the benchmark follows it
 GRACE_PERIOD_S = Config.__dataclass_fields__["graceful_shutdown_grace_period_s"].default
@@ -254,6 +275,10 @@ class Plan:
     # issue 47: the restart window's longest span (wall seconds of the replay, from the restart's scheduled
     # time; it ends earlier at the schedule's last arrival)
     restart_window_s: float = 60.0
+    # issue 47: Envoy's per-request timing log (envoy_config.timing_access_log) in every run, joined with
+    # AIPerf's per-request records (request_records) and compared request by request with (c) of the same
+    # seed (request_deltas). Off by default: it is one more file write per request in Envoy.
+    envoy_timings: bool = False
 
     def rates_for(self, capacity: str) -> tuple[float, ...]:
         """The offered loads at one capacity: the workload's own three when the plan has them."""
@@ -515,6 +540,29 @@ def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc,
         return start_replicas(st, "nosync", H.endpoints_spec(workers), workers, renderer)
     if cfg == "g3":  # (r3m)/(r3n) without the sync: what three picker processes cost on their own
         return start_replicas(st, "nosync", H.endpoints_spec(workers), workers, renderer, replicas=3)
+    if cfg == "c3i":  # (r3n)'s three synced pickers, but Envoy sends every request to the first one
+        from epp_extproc.dev.nats import nats_server_proc
+
+        nats = st.add(nats_server_proc(st.dir))
+        return start_replicas(st, "sync", H.endpoints_spec(workers), workers, renderer, replicas=3,
+                              nats_url=f"nats://127.0.0.1:{nats.port}", serving=1)
+    if cfg == "c3in":  # (c3i), its idle pickers and nats-server at the lowest priority
+        from epp_extproc.dev.nats import nats_server_proc
+
+        nats = st.add(nats_server_proc(st.dir))
+        env, pks = start_replicas(st, "sync", H.endpoints_spec(workers), workers, renderer, replicas=3,
+                                  nats_url=f"nats://127.0.0.1:{nats.port}", serving=1)
+        for p in (nats, *pks[1:]):
+            renice_session(p, 19)
+        return env, pks
+    if cfg == "c1n":  # (c) with NATS replica sync and no peers: it publishes every change, nobody receives
+        from epp_extproc.dev.nats import nats_server_proc
+
+        nats = st.add(nats_server_proc(st.dir))
+        return start_replicas(st, "sync", H.endpoints_spec(workers), workers, renderer, replicas=1,
+                              nats_url=f"nats://127.0.0.1:{nats.port}")
+    if cfg == "c3u":  # the same three pickers with no sync at all: only the first gets requests
+        return start_replicas(st, "nosync", H.endpoints_spec(workers), workers, renderer, replicas=3, serving=1)
     if cfg == "g2e":  # the same pair of (e) pickers: each predicts only what it routed itself
         return start_replicas(st, "nosync", prediction_spec(workers), workers, renderer, extra=E_FLAGS,
                               kv_events=False)
@@ -550,6 +598,25 @@ def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc,
     return H.envoy(st, picker_proc=pk), [pk]
 
 
+def renice_session(p: H.Proc, nice: int) -> int:
+    """Every thread of every process of ``p``'s session (Proc starts each in a session of its own) to ``nice``
+    (a thread's niceness is its own; the ones it starts later inherit it). Returns the threads changed."""
+    assert p.proc is not None
+    n = 0
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if os.getsid(int(d.name)) != p.proc.pid:
+                continue
+            for t in (d / "task").iterdir():
+                os.setpriority(os.PRIO_PROCESS, int(t.name), nice)
+                n += 1
+        except (ProcessLookupError, FileNotFoundError, PermissionError):
+            continue
+    return n
+
+
 def prediction_spec(workers: Sequence[H.Proc]) -> str:
     """(e)'s `--endpoints`: names and addresses only, no KV event endpoint."""
     return ",".join(f"{m.name}={m.address}" for m in workers)
@@ -557,17 +624,19 @@ def prediction_spec(workers: Sequence[H.Proc]) -> str:
 
 def start_replicas(st: H.Stack, mode: str, spec: str, workers: Sequence[H.Proc], renderer: H.Proc,
                    extra: Sequence[str] = (), kv_events: bool = True, replicas: int = 2,
-                   nats_url: str | None = None) -> tuple[H.Proc, list[H.Proc]]:
+                   nats_url: str | None = None, serving: int | None = None) -> tuple[H.Proc, list[H.Proc]]:
     """``replicas`` pickers (two unless said; bench_replicas.pickers_for's ``mode``: "sync" = replica sync
     between them, on NATS with ``nats_url``, else the gRPC mesh; "nosync" = none) behind one Envoy that
     round-robins ext_proc streams across them, once each has every worker's first KV batch (``kv_events``)
-    and Envoy holds them all healthy."""
+    and Envoy holds them all healthy. ``serving``: only the first that many are in Envoy's picker cluster (the
+    others run, ingest and sync, but get no request: (c3i))."""
     pks = BR.pickers_for(st, mode, spec, renderer, extra=extra, replicas=replicas, nats_url=nats_url, pool="trace")
     if kv_events:
         for p in pks:
             H.wait_subscribed(p, [m.address for m in workers])
-    env = H.envoy(st, picker_proc=pks[0], more_pickers=pks[1:])
-    wait_pickers_healthy(env, len(pks))
+    n = len(pks) if serving is None else serving
+    env = H.envoy(st, picker_proc=pks[0], more_pickers=pks[1:n])
+    wait_pickers_healthy(env, n)
     return env, pks
 
 
@@ -703,7 +772,11 @@ def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], rendere
     before = stats(workers)
     extra: dict[str, Any] = {}
     replayer: OB.Replayer | None = None
+    timing_log = work / f"envoy-timing-{tag}.log" if plan.envoy_timings else None
+    if timing_log is not None:
+        timing_log.unlink(missing_ok=True)
     with H.Stack(prefix=f"epp-trace-{cfg}-") as st:
+        st.envoy_timing_log = timing_log
         env, pks = start_config(st, OB.base_config(cfg), workers, renderer, plan_file)
         if oob is not None:
             input_file = oob.file
@@ -740,6 +813,8 @@ def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], rendere
         if pks and cfg not in ("cv",) and pks[0].alive():
             try:
                 extra.update(picker_timings(pks[0]))
+                if len(pks) > 1 and all(p.alive() for p in pks):  # every replica's, weighted by its picks
+                    extra["pickers_decision_mean_ms"] = pickers_decision_mean(pks)
             except OSError:
                 pass
         if picks is not None and len(pks) > 1:
@@ -771,7 +846,108 @@ def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], rendere
            "aiperf_wall_s": round(wall, 1), "loadavg_1m": os.getloadavg()[0], **extra}
     if window:
         row.update(restart_window(plan, input_file, art, row))
+    if timing_log is not None:  # read once Envoy has exited (its file logger has flushed)
+        reqs = request_records(art, timing_log)
+        row["_requests"] = reqs  # request_deltas; not kept in the row
+        row.update(timing_medians(reqs))
+        T.write_jsonl([{"i": i, **r} for i, r in sorted(reqs.items())], work / f"requests-{tag}.jsonl")
     return row
+
+
+def pickers_decision_mean(pks: Sequence[H.Proc]) -> float | None:
+    """The mean decision time in ms over every picker of a configuration (sum of their histograms' sums over
+    the sum of their counts): replica 0's alone hides a replica that decides slower."""
+    n = total = 0.0
+    for p in pks:
+        for name, kind, v in _SUMS.findall(H.get_text(H.picker_url(p) + "/metrics")):
+            if name == "epp_decision_seconds":
+                n, total = (n + float(v), total) if kind == "count" else (n, total + float(v))
+    return round(total / n * 1000, 3) if n else None
+
+
+def request_records(artifacts: Path, timing_log: Path) -> dict[int, dict[str, Any]]:
+    """Per request of the schedule (its index, as `aiperf_usage`): AIPerf's own figures (TTFT, the time to the
+    response's first bytes `ack_ms`, prompt and cached tokens) joined by X-Correlation-ID with Envoy's timing
+    log (which worker served it, and where Envoy's time went: envoy_config.TIMING_LOG_FIELDS). Failed
+    requests are left out."""
+    envoy = {r["correlation_id"]: r for r in envoy_config.parse_timing_log(
+        timing_log.read_text() if timing_log.exists() else "")}
+    records, _ = OB.profiling_records(artifacts)
+    out: dict[int, dict[str, Any]] = {}
+    for rec in records:
+        if rec.get("error"):
+            continue
+        meta, m = rec.get("metadata") or {}, rec.get("metrics") or {}
+        i = int(str(meta["conversation_id"]).rsplit("_", 1)[1])
+        ack = meta.get("request_ack_ns")
+        e = envoy.get(str(meta.get("x_correlation_id")), {})
+        out[i] = {"ttft_ms": (m.get("time_to_first_token") or {}).get("value"),
+                  "ack_ms": (ack - meta["request_start_ns"]) / 1e6 if ack else None,
+                  "prompt_tokens": (m.get("usage_prompt_tokens") or {}).get("value"),
+                  "cached_tokens": (m.get("usage_prompt_cache_read_tokens") or {}).get("value") or 0,
+                  "worker": e.get("upstream_host"),
+                  **{k: e.get(k) for k, _ in envoy_config.TIMING_LOG_FIELDS if k.endswith("_us")}}
+    return out
+
+
+# where a request's time went, from request_records: the medians kept in each row (ms)
+TIMING_PARTS = (("envoy_to_upstream_p50_ms", "to_upstream_us"), ("envoy_worker_headers_p50_ms", "upstream_headers_us"),
+                ("envoy_worker_first_body_p50_ms", "upstream_first_body_us"))
+
+
+def timing_medians(reqs: dict[int, dict[str, Any]]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for name, key in TIMING_PARTS:
+        v = sorted(r[key] for r in reqs.values() if r.get(key) is not None)
+        out[name] = round(v[len(v) // 2] / 1000, 3) if v else None
+    out["envoy_timed_requests"] = sum(1 for r in reqs.values() if r.get("to_upstream_us") is not None)
+    return out
+
+
+# request_deltas' figures in each row, summarised per cell where present
+DELTA_METRICS = ("vs_c_same_worker_share", "vs_c_same_cached_share", "vs_c_dttft_ms", "vs_c_dto_upstream_ms",
+                 "vs_c_dworker_first_body_ms", "vs_c_rest_ms")
+
+
+def request_deltas(seed_rows: Sequence[dict[str, Any]]) -> None:
+    """Within one seed (the same requests in the same order): every configuration against (c), request by
+    request. Routing: the share of requests served by the same worker and with the same cached tokens.
+    Overhead, over the requests with the same worker and cached tokens (so the placement is equal): the
+    median difference of the TTFT, of Envoy's time to the upstream request (the picker's share and Envoy's
+    forwarding), of the worker's time to its first body bytes, and of the rest (the TTFT less those two: the
+    client <-> Envoy legs and the response's way back). Then drops the per-request records."""
+    base = next((r.get("_requests") for r in seed_rows if r["config"] == "c"), None)
+    for x in seed_rows:
+        reqs = x.get("_requests")
+        if base is None or reqs is None or x["config"] == "c":
+            continue
+        both = [i for i in base if i in reqs]
+        same_w = [i for i in both if base[i]["worker"] and base[i]["worker"] == reqs[i]["worker"]]
+        same = [i for i in same_w if base[i]["cached_tokens"] == reqs[i]["cached_tokens"]
+                and None not in (base[i]["to_upstream_us"], reqs[i]["to_upstream_us"],
+                                 base[i]["upstream_first_body_us"], reqs[i]["upstream_first_body_us"],
+                                 base[i]["ttft_ms"], reqs[i]["ttft_ms"])]
+
+        def med(v: list[float]) -> float | None:
+            v = sorted(v)
+            return round(v[len(v) // 2], 3) if v else None
+
+        def rest(r: dict[str, Any]) -> float:
+            return r["ttft_ms"] - (r["to_upstream_us"] + r["upstream_first_body_us"]) / 1000
+
+        x["vs_c"] = {"requests": len(both), "same_worker": len(same_w),
+                     "same_cached": sum(1 for i in both if base[i]["cached_tokens"] == reqs[i]["cached_tokens"]),
+                     "less_cached": sum(1 for i in both if reqs[i]["cached_tokens"] < base[i]["cached_tokens"]),
+                     "compared": len(same)}
+        x["vs_c_same_worker_share"] = round(len(same_w) / len(both), 4) if both else None
+        x["vs_c_same_cached_share"] = round(x["vs_c"]["same_cached"] / len(both), 4) if both else None
+        x["vs_c_dttft_ms"] = med([reqs[i]["ttft_ms"] - base[i]["ttft_ms"] for i in same])
+        x["vs_c_dto_upstream_ms"] = med([(reqs[i]["to_upstream_us"] - base[i]["to_upstream_us"]) / 1000 for i in same])
+        x["vs_c_dworker_first_body_ms"] = med([(reqs[i]["upstream_first_body_us"] - base[i]["upstream_first_body_us"])
+                                               / 1000 for i in same])
+        x["vs_c_rest_ms"] = med([rest(reqs[i]) - rest(base[i]) for i in same])
+    for x in seed_rows:
+        x.pop("_requests", None)
 
 
 # ----------------------------------------------------------------------------- the trace, once
@@ -898,6 +1074,7 @@ def run_capacity(plan: Plan, configs: Sequence[str], wl: Workload, cap: str, wor
                     seed_rows.append(row)
                     print_run(cap, row)
                 matched_windows(seed_rows)
+                request_deltas(seed_rows)
     return info, runs
 
 
@@ -908,6 +1085,8 @@ def cells(runs: Sequence[dict[str, Any]], metrics: Sequence[str] = METRICS) -> l
         keys.setdefault((r["capacity"], r["config"], r["offered_rps"]), []).append(r)
     return [{"capacity": cap, "config": cfg, "offered_rps": rate, "divisor": rs[0]["divisor"],
              "summary": S.summarize(rs, [*metrics, *(m for m in OOB_METRICS if OB.parse(cfg)),
+                                         *(m for m in (*DELTA_METRICS, *(n for n, _ in TIMING_PARTS),
+                                                       "pickers_decision_mean_ms") if any(m in r for r in rs)),
                                          *(m for m in WINDOW_METRICS if any(m in r for r in rs))]), "runs": rs}
             for (cap, cfg, rate), rs in keys.items()]
 
@@ -957,6 +1136,8 @@ def compare(x: dict[str, Any], base: dict[str, Any], metric: str) -> dict[str, A
 
 PAIRS = (("b", "a"), ("c", "a"), ("c1", "a"), ("e", "a"), ("c", "b"), ("c", "e"), ("c", "c1"),
          ("r2", "c"), ("r3m", "c"), ("r3n", "c"), ("r3n", "r3m"), ("g3", "c"), ("r3n", "g3"), ("r3m", "g3"),
+         ("c3i", "c"), ("r3n", "c3i"), ("c3u", "c"), ("c3i", "c3u"), ("c3in", "c"), ("c3in", "c3i"), ("c1n", "c"),
+         ("c3i", "c1n"),
          ("rs", "c"), ("rs2", "c"), ("cv", "c"), ("cv", "e"),
          ("g2", "g2e"), ("g2", "c"), ("g2e", "e"),
          ("rsz", "c"), ("rsn", "c"), ("rsz", "e"), ("rsn", "e"), ("rsn", "rsz"))
@@ -1413,6 +1594,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--capacities", help=f"comma-separated KV capacities per worker ({','.join(CAPACITIES)}; "
                                          "default ample,75,scarce)")
     ap.add_argument("--work", help="directory for AIPerf inputs, artifacts and logs (default: a temp dir)")
+    ap.add_argument("--envoy-timings", action="store_true",
+                    help="issue 47: Envoy's per-request timing log in every run, joined with AIPerf's records "
+                         "(work dir requests-*.jsonl) and compared request by request with (c) of the same seed")
     ap.add_argument("--host-tier", type=float, default=0.0,
                     help="issue 44: every worker also keeps host memory of this many times its GPU blocks, "
                          "published as vLLM's self-describing offload events (e.g. 4, with --variant "
@@ -1441,6 +1625,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         configs = [k for k in CONFIGS if k in a.only.split(",")]
     plan.oob_seed = a.oob_seed
     plan.restart_window_s = a.restart_window_s
+    plan.envoy_timings = a.envoy_timings
     plan.workload, plan.workload_seed = a.workload, a.seed
     if a.requests:
         plan.requests = a.requests

@@ -50,6 +50,9 @@ class Stack:
     def __init__(self, prefix: str = "epp-bench-") -> None:
         self.dir = Path(tempfile.mkdtemp(prefix=prefix))
         self.procs: list[Proc] = []
+        # a file for Envoy's per-request timing log (envoy_config.timing_access_log) or None (none: the
+        # default, nothing written); `envoy` gives it to every Envoy this stack starts
+        self.envoy_timing_log: Path | None = None
 
     def __enter__(self) -> Stack:
         install_sigterm()
@@ -143,7 +146,8 @@ def envoy(st: Stack, *, picker_proc: Proc | None = None, upstreams: Sequence[str
                                      with_picker=picker_proc is not None, static_upstreams=tuple(upstreams),
                                      picker_max_inflight=PICKER_MAX_INFLIGHT, response_mode=response_mode,
                                      extra_picker_ports=tuple(p.port for p in more_pickers if p.port),
-                                     lean_response_headers=lean_response_headers)
+                                     lean_response_headers=lean_response_headers,
+                                     timing_log_path=str(st.envoy_timing_log) if st.envoy_timing_log else None)
     return st.add(procs.envoy(st.dir, opts, name=f"envoy-{len(st.procs)}"), timeout=60)
 
 

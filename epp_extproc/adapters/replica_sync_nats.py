@@ -119,7 +119,12 @@ class NatsReplicaSync:
                                registry=reg)
         self.gaps = Counter("epp_replica_sync_nats_gaps", "Sequence gaps or unknown peers answered by a snapshot",
                             registry=reg)
-        self.link = NatsLink(servers, f"sync-{self.replica_id}", on_up=self._on_up, on_down=lambda: None)
+        # no_echo: every replica subscribes to the pool's subjects, its own among them. With echo the server
+        # sent each of our batches back to us, and we read and parsed it only to drop it: a third of all the
+        # sync's receive work with 3 replicas, on the CPU that Envoy and the workers share on one host
+        # (issue 47: the synced replicas' TTFT p50 at 5 req/s).
+        self.link = NatsLink(servers, f"sync-{self.replica_id}", on_up=self._on_up, on_down=lambda: None,
+                             no_echo=True)
         self.peers: dict[str, _Peer] = {}
         self._pending: list[SyncItem] = []
         self._traced: list[tuple[int, PublishSpan]] = []  # (position in `_pending`, span): sampled bookings only
@@ -130,6 +135,7 @@ class NatsReplicaSync:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._subs: list[Any] = []
+        self._wants: set[asyncio.Task[None]] = set()  # snapshot requests sent for gaps seen in the read loop
         self._started_at: float | None = None
         load.add_listener(self._on_change)
         load.add_first_chunk_forwarder(self._forward_first_chunk)
@@ -199,7 +205,7 @@ class NatsReplicaSync:
                         await self.link.nc.flush()
                 except Exception:
                     pass
-        await cancel_and_wait(self._tasks)
+        await cancel_and_wait([*self._tasks, *self._wants])
         for p in self.peers.values():
             if p.expiry is not None:
                 p.expiry.cancel()
@@ -218,8 +224,11 @@ class NatsReplicaSync:
         if nc is None:
             return
         if not self._subs:
-            self._subs = [await nc.subscribe(self.subject_all, cb=self._on_message,
-                                             pending_msgs_limit=100_000, pending_bytes_limit=64 * 1024 * 1024),
+            # handled in the client's read loop (NatsLink.subscribe_direct), as the KV plane's messages are:
+            # nats-py's own callback path costs a queue, a task switch and a Msg object per message
+            self._subs = [await self.link.subscribe_direct(self.subject_all, self._on_data,
+                                                           pending_msgs_limit=100_000,
+                                                           pending_bytes_limit=64 * 1024 * 1024),
                           await nc.subscribe(self.subject_want, cb=self._on_want)]
         self._need_snapshot = True  # whatever was missed while away: the snapshot says it
         self._wake.set()
@@ -298,7 +307,13 @@ class NatsReplicaSync:
 
     # ------------------------------------------------------------- inbound
     async def _on_message(self, msg: Any) -> None:
-        got = decode(msg.data, self.max_message_bytes)
+        """A nats-py message (its callback path): `_on_data`."""
+        self._on_data(getattr(msg, "subject", ""), msg.data)
+
+    def _on_data(self, subject: str, data: bytes) -> None:
+        """One message on the pool's subjects, from the client's read loop: applied at once; a sequence gap
+        or an unknown peer is answered by a snapshot request sent from a task (never awaited here)."""
+        got = decode(data, self.max_message_bytes)
         if got is None:
             self.refused.inc()
             return
@@ -325,11 +340,13 @@ class NatsReplicaSync:
             p.snapshot_at, p.seq = now, seq
             if self.tracing is not None:
                 self.tracing.snapshot_loaded("nats", rid, len(req.snapshot.bookings), start_ns,
-                                             during_start=starting, subject=getattr(msg, "subject", ""))
+                                             during_start=starting, subject=subject)
         else:
             if p.seq is None or seq != p.seq + 1:
                 self.gaps.inc()
-                await self._want(rid)
+                task = asyncio.get_running_loop().create_task(self._want(rid))
+                self._wants.add(task)
+                task.add_done_callback(self._wants.discard)
             p.seq = seq
             apply_batch(self.load, self.registry, self.index, rid, req.batch, self.metrics)
             if req.batch.oldest_change_unix > 0:

@@ -59,6 +59,7 @@ from envoy_data_plane.envoy.config.core.v3 import (
     HealthCheckTlsOptions,
     Http2ProtocolOptions,
     SocketAddress,
+    SubstitutionFormatString,
     TransportSocket,
     TypedExtensionConfig,
 )
@@ -80,6 +81,7 @@ from envoy_data_plane.envoy.config.route.v3 import (
     VirtualHost,
 )
 from envoy_data_plane.envoy.config.trace.v3 import OpenTelemetryConfig, TracingHttp
+from envoy_data_plane.envoy.extensions.access_loggers.file.v3 import FileAccessLog
 from envoy_data_plane.envoy.extensions.access_loggers.grpc.v3 import (
     CommonGrpcAccessLogConfig,
     HttpGrpcAccessLogConfig,
@@ -254,6 +256,9 @@ class EnvoyOptions:
     tracing_otlp: str | None = None
     tracing_sample_percent: float = 100.0  # where a trace's sampling is decided: the picker follows it
     tracing_service_name: str = "epp-gateway"
+    # benchmarks only: one line per request to this file with where Envoy's time went (`timing_access_log`);
+    # None (the default) writes nothing
+    timing_log_path: str | None = None
 
     def processing_options(self) -> ProcessingOptions:
         if self.processing is not None:
@@ -342,6 +347,50 @@ def observer_filter(opts: EnvoyOptions) -> HttpFilter:
 def usage_filter() -> HttpFilter:
     lua = Lua(default_source_code=DataSource(inline_string=USAGE_LUA % {"ns": USAGE_FILTER}))
     return HttpFilter(name=USAGE_FILTER, typed_config=AnyPb.pack(lua))
+
+
+# The timing log's columns (tab-separated, one line per request), in this order. Durations are Envoy's own
+# stream timestamps in microseconds: DS = the client's side, US = the worker's; `-` when a point was not
+# reached. `to_upstream_us` is the picker's whole share as Envoy sees it (the ext_proc stream opened, the
+# request sent to it, the decision back) plus Envoy's own forwarding; `upstream_headers_us` is the worker
+# from the request's first byte to its response headers; `upstream_first_body_us` to its first body bytes.
+TIMING_LOG_FIELDS: tuple[tuple[str, str], ...] = (
+    ("correlation_id", "%REQ(X-CORRELATION-ID)%"),
+    ("start", "%START_TIME(%s.%6f)%"),
+    ("upstream_host", "%UPSTREAM_HOST%"),
+    ("request_rx_us", "%COMMON_DURATION(DS_RX_BEG:DS_RX_END:us)%"),
+    ("to_upstream_us", "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)%"),
+    ("upstream_headers_us", "%COMMON_DURATION(US_TX_BEG:US_RX_BEG:us)%"),
+    ("upstream_first_body_us", "%COMMON_DURATION(US_TX_BEG:US_RX_BODY_BEG:us)%"),
+    ("to_client_headers_us", "%COMMON_DURATION(DS_RX_BEG:DS_TX_BEG:us)%"),
+    ("response_flags", "%RESPONSE_FLAGS%"),
+)
+
+
+def timing_access_log(path: str) -> AccessLog:
+    """A benchmark's per-request record of where Envoy's time went (TIMING_LOG_FIELDS), written to a file
+    off the request path (Envoy's file logger buffers and flushes from its own thread). Keyed by the client's
+    X-Correlation-ID (AIPerf sends one per request), so a benchmark can join it with the client's records."""
+    fmt = "\t".join(op for _, op in TIMING_LOG_FIELDS) + "\n"
+    cfg = FileAccessLog(path=path, log_format=SubstitutionFormatString(
+        text_format_source=DataSource(inline_string=fmt)))
+    return AccessLog(name="envoy.access_loggers.file", typed_config=AnyPb.pack(cfg))
+
+
+def parse_timing_log(text: str) -> list[dict[str, str | int | None]]:
+    """The lines of a `timing_access_log` file as dicts of TIMING_LOG_FIELDS (durations as int µs, None for
+    `-`)."""
+    out: list[dict[str, str | int | None]] = []
+    names = [n for n, _ in TIMING_LOG_FIELDS]
+    for line in text.splitlines():
+        parts = line.split("\t")
+        if len(parts) != len(names):
+            continue
+        row: dict[str, str | int | None] = {}
+        for n, v in zip(names, parts, strict=True):
+            row[n] = (None if v == "-" else int(v)) if n.endswith("_us") else v
+        out.append(row)
+    return out
 
 
 def access_log(opts: EnvoyOptions) -> AccessLog:
@@ -496,7 +545,8 @@ def build(opts: EnvoyOptions) -> Bootstrap:
         stream_idle_timeout=_secs(opts.upstream_timeout_s), request_timeout=_secs(0),
         route_config=RouteConfiguration(virtual_hosts=[VirtualHost(name="all", domains=["*"], routes=[route])]),
         http_filters=http_filters(opts),
-        access_log=[access_log(opts)] if opts.with_picker and opts.response_mode == "lean" else [],
+        access_log=([access_log(opts)] if opts.with_picker and opts.response_mode == "lean" else [])
+        + ([timing_access_log(opts.timing_log_path)] if opts.timing_log_path else []),
         tracing=tracing(opts))
     listener = Listener(
         name="gateway", address=_addr(opts.listen_address, opts.listen_port),

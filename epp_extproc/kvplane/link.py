@@ -58,9 +58,11 @@ class _Client(Client):
 class NatsLink:
     def __init__(self, servers: Sequence[str], name: str, *, on_up: Callable[[], Awaitable[None]],
                  on_down: Callable[[], None], ping_interval_s: int = 1, connect_timeout_s: float = 2.0,
-                 reconnect_wait_s: float = 0.5, pending_bytes: int = 8 * 1024 * 1024) -> None:
+                 reconnect_wait_s: float = 0.5, pending_bytes: int = 8 * 1024 * 1024, no_echo: bool = False) -> None:
         """``pending_bytes``: what the client buffers while disconnected before publishing fails (bounded:
-        a publisher counts those as dropped, and the sequence gap tells the subscribers)."""
+        a publisher counts those as dropped, and the sequence gap tells the subscribers). ``no_echo``: the
+        server never delivers this connection's own publishes back to it (for a publisher that also
+        subscribes to its own subject and would only drop them: replica sync)."""
         self.servers = list(servers)
         self.name = name
         self.on_up = on_up
@@ -69,6 +71,7 @@ class NatsLink:
         self.connect_timeout_s = connect_timeout_s
         self.reconnect_wait_s = reconnect_wait_s
         self.pending_bytes = pending_bytes
+        self.no_echo = no_echo
         self.nc: _Client | None = None
         self.connects = 0  # first connects and reconnects
         self.disconnects = 0
@@ -94,6 +97,7 @@ class NatsLink:
                     self.servers, name=self.name, connect_timeout=self.connect_timeout_s,
                     allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=self.reconnect_wait_s,
                     ping_interval=self.ping_interval_s, max_outstanding_pings=2, pending_size=self.pending_bytes,
+                    no_echo=self.no_echo,
                     disconnected_cb=self._disconnected, reconnected_cb=self._reconnected, error_cb=self._error)
             except asyncio.CancelledError:
                 with contextlib.suppress(Exception):

@@ -121,3 +121,20 @@ async def test_visible_lag_of_a_booking_is_milliseconds(replicas) -> None:
     lags.sort()
     print(f"booking visible at the peer: p50 {lags[10] * 1000:.2f} ms, max {lags[-1] * 1000:.2f} ms")
     assert lags[10] < 0.1
+
+
+async def test_a_replicas_own_batches_never_come_back_to_it(replicas) -> None:
+    """Issue 47: every replica subscribes to the pool's subjects, its own among them. Its own batches must not
+    be delivered back to it (the server's echo): it only parsed them to drop them, a third of the sync's
+    receive work with three replicas, on the CPU a single host shares with Envoy and the workers."""
+    (a,) = await replicas(1)
+    nc = sync(a).link.nc
+    assert nc is not None
+    received, sent = nc.stats["in_msgs"], nc.stats["out_msgs"]
+    for _ in range(5):
+        a.load.book(WORKER, 3).free()
+        await until_async(lambda: not sync(a)._pending, "the batch published")
+    await nc.flush()
+    await until_async(lambda: nc.stats["out_msgs"] >= sent + 5, "five batches published")
+    await nc.flush()  # a round trip to the server: anything it echoed has arrived by now
+    assert nc.stats["in_msgs"] == received

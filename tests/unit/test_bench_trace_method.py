@@ -251,3 +251,42 @@ def test_matched_windows_give_the_unrestarted_run_s_ratio_over_the_requests_the_
     BT.matched_windows([c, rsn])
     assert c["window"]["matched"] == {"rsn": pytest.approx(0.7)}
     assert "_window_usage" not in c and "_window_usage" not in rsn
+
+
+def test_envoy_writes_the_timing_log_only_when_a_benchmark_asks_for_it() -> None:
+    from epp_extproc.dev import envoy_config as E
+
+    def loggers(opts: E.EnvoyOptions) -> list[str]:
+        hcm = E.to_dict(opts)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        return [a["name"] for a in hcm.get("access_log", [])]
+
+    assert "envoy.access_loggers.file" not in loggers(E.EnvoyOptions())
+    assert "envoy.access_loggers.file" in loggers(E.EnvoyOptions(timing_log_path="/tmp/t.log"))
+
+
+def test_the_timing_log_parses_durations_as_microseconds_and_dashes_as_missing() -> None:
+    from epp_extproc.dev import envoy_config as E
+
+    line = "\t".join(["fixed-schedule-session_000007", "1796490552.670058", "127.0.0.1:27958", "87", "5121",
+                      "1316", "-", "6400", "-"])
+    (row,) = E.parse_timing_log(line + "\nnot a timing line\n")
+    assert row["correlation_id"] == "fixed-schedule-session_000007" and row["upstream_host"] == "127.0.0.1:27958"
+    assert row["to_upstream_us"] == 5121 and row["upstream_first_body_us"] is None
+
+
+def _req(worker: str, cached: int, ttft: float, up_us: int, first_body_us: int) -> dict[str, Any]:
+    return {"ttft_ms": ttft, "cached_tokens": cached, "worker": worker, "to_upstream_us": up_us,
+            "upstream_first_body_us": first_body_us}
+
+
+def test_request_deltas_compare_only_equal_placements_and_split_the_ttft_into_its_legs() -> None:
+    c = {0: _req("w0", 64, 10.0, 4000, 5000), 1: _req("w1", 0, 20.0, 4000, 15000), 2: _req("w2", 32, 12.0, 4000, 7000)}
+    x = {0: _req("w0", 64, 12.0, 4500, 5500), 1: _req("w3", 0, 90.0, 9000, 80000),  # another worker: routing
+         2: _req("w2", 32, 14.0, 4500, 7500)}
+    rows = [{"config": "c", "_requests": c}, {"config": "r3n", "_requests": x}]
+    BT.request_deltas(rows)
+    r = rows[1]
+    assert r["vs_c"] == {"requests": 3, "same_worker": 2, "same_cached": 3, "less_cached": 0, "compared": 2}
+    assert r["vs_c_dttft_ms"] == 2.0 and r["vs_c_dto_upstream_ms"] == 0.5
+    assert r["vs_c_dworker_first_body_ms"] == 0.5 and r["vs_c_rest_ms"] == 1.0
+    assert "_requests" not in rows[0] and "_requests" not in rows[1] and "vs_c" not in rows[0]
