@@ -306,10 +306,6 @@ class NatsReplicaSync:
             self._wake.set()
 
     # ------------------------------------------------------------- inbound
-    async def _on_message(self, msg: Any) -> None:
-        """A nats-py message (its callback path): `_on_data`."""
-        self._on_data(getattr(msg, "subject", ""), msg.data)
-
     def _on_data(self, subject: str, data: bytes) -> None:
         """One message on the pool's subjects, from the client's read loop: applied at once; a sequence gap
         or an unknown peer is answered by a snapshot request sent from a task (never awaited here)."""
