@@ -287,6 +287,34 @@ async def test_a_sampler_of_another_kind_is_asked_and_tracestate_goes_on_with_th
     assert {format(s.context.trace_id, "032x") for s in exporter.get_finished_spans()} == {TRACE_ID}
 
 
+def test_the_worker_headers_wire_entries_are_the_messages_append_would_make() -> None:
+    """The trace context's headers go into the header mutation as wire bytes (`_set_header_wire`, merged):
+    the same message, field for field and in order, as appending HeaderValueOption messages made."""
+    from epp_extproc.envoy import extproc
+
+    class Routed:
+        address, prefill = "10.0.0.1:8000", None
+
+    overwrite = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+    long_state = ",".join(f"v{i}=" + "x" * 20 for i in range(20))  # over 127 and 255 bytes: two-byte lengths
+    cases = [[], [("traceparent", SAMPLED)], [("traceparent", UNSAMPLED), ("tracestate", "vendor=abc")],
+             [("traceparent", SAMPLED), ("tracestate", long_state)], [("tracestate", "")],
+             [("x-" + "k" * 130, "v\u00e9\u4e2d")]]
+    for extra in cases:
+        for _ in range(2):  # the second time from the prefix kept
+            got = extproc._header_mutation(Routed(), ["x-drop"], 12, extra)  # type: ignore[arg-type]
+            want = pb.HeaderMutation(remove_headers=["x-drop"])
+            want.set_headers.append(base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=extproc.DEST_HEADER, raw_value=b"10.0.0.1:8000")))
+            want.set_headers.append(base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key="content-length", raw_value=b"12")))
+            for k, v in extra:
+                want.set_headers.append(base_pb2.HeaderValueOption(
+                    header=base_pb2.HeaderValue(key=k, raw_value=v.encode()), append_action=overwrite))
+            assert got == want
+            assert got.SerializeToString(deterministic=True) == want.SerializeToString(deterministic=True)
+
+
 def test_traceparent_fast_parse_accepts_only_version_00() -> None:
     assert spans._parse_traceparent(SAMPLED) == (int(TRACE_ID, 16), int(PARENT_ID, 16), 1)
     assert spans._parse_traceparent(UNSAMPLED) == (int(TRACE_ID, 16), int(PARENT_ID, 16), 0)
