@@ -79,9 +79,12 @@ def blocks(case: str, n: int) -> list[bytes]:
 
 
 class Context:
-    """The servicer context as h2grpc's `Call` is one: its metadata filtered from the decoded fields when asked."""
+    """The servicer context as h2grpc's `Call` is one: its metadata filtered from the decoded fields when asked,
+    or one field of it (`metadata_value`, where the tree's Call has it)."""
 
     invocation_metadata = Call.invocation_metadata
+    if hasattr(Call, "metadata_value"):
+        metadata_value = Call.metadata_value
 
     def __init__(self, headers: list[tuple[str, str]]) -> None:
         self.headers = headers

@@ -41,7 +41,7 @@ from epp_extproc.gaie import (
 )
 
 if TYPE_CHECKING:
-    from epp_extproc.tracing.spans import ExchangeSpan, Passed, Tracing
+    from epp_extproc.tracing.spans import ExchangeSpan, Tracing
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +258,8 @@ class _Stream:
         self.routed: Routed | None = None
         self.finished = False  # an ImmediateResponse was sent, or an observer is done: stop reading
         # the request's span (tracing on and its trace sampled), from its headers to the end
-        self.trace: ExchangeSpan | Passed | None = None
+        self.trace: ExchangeSpan | None = None
+        self.trace_headers: Sequence[tuple[str, str]] = ()  # set for the worker: the trace context, when we pass it
         self.deadline = asyncio.get_running_loop().time() + svc.body_timeout_s
 
     async def run(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
@@ -375,7 +376,7 @@ class _Stream:
         slo, malformed = parse_slo(headers)  # llm-d's SLO headers become plain numbers here
         self.ctx = RequestContext(method, path, headers, None, _subset_hint(req), slo, malformed)
         if self.svc.tracing is not None:  # the gateway's context rides in the stream's initial metadata
-            self.trace = self.svc.tracing.exchange(self.context.invocation_metadata() or (), headers, method, path)
+            self.trace, self.trace_headers = self.svc.tracing.exchange(self.context, headers, method, path)
         if req.request_headers.end_of_stream:
             self.body_done = True
             async for r in self._decide(None):
@@ -443,9 +444,7 @@ class _Stream:
         fwd = routed.body
         spoofed = self.ctx.spoofed_headers()
         metadata = _lb_metadata(routed)
-        extra: list[tuple[str, str]] = []
-        if self.trace is not None:
-            extra = self.trace.worker_headers()
+        extra = self.trace_headers
         if body is None:
             yield pb.ProcessingResponse(
                 request_headers=pb.HeadersResponse(response=pb.CommonResponse(

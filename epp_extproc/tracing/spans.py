@@ -28,7 +28,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from time import time_ns
 from typing import Any
 from urllib.parse import urlsplit
@@ -186,6 +186,8 @@ def _int_env(environ: Mapping[str, str], name: str, default: int) -> int:
 
 
 _LOW64 = (1 << 64) - 1
+_LOW128 = (1 << 128) - 1
+_getrandbits = random.getrandbits  # the module's generator (seeded as `random.seed` seeds it), bound once
 _SAMPLED = TraceFlags(0x01)
 _SCOPE = InstrumentationScope("epp_extproc")
 _UNSET = Status(StatusCode.UNSET)
@@ -222,32 +224,6 @@ def _sampling_shape(sampler: otel_sampling.Sampler) -> tuple[bool, float | None]
     if isinstance(root, otel_sampling.TraceIdRatioBased):
         return follows, root.rate
     return follows, None
-
-
-class Passed:
-    """A request this picker does not record (its trace is not sampled): no span object at all; the worker
-    still gets the unsampled context the picker started, so the engine makes the same decision."""
-
-    __slots__ = ("_headers",)
-
-    def __init__(self, headers: list[tuple[str, str]]) -> None:
-        self._headers = headers
-
-    def attach(self) -> None:
-        return None
-
-    @staticmethod
-    def detach(token: object) -> None:
-        return None
-
-    def worker_headers(self) -> list[tuple[str, str]]:
-        return self._headers
-
-    def failed(self, err: PickError) -> None:
-        return None
-
-    def end(self) -> None:
-        return None
 
 
 # The sampled request whose decision is running (set by ExchangeSpan.attach): the stage wrappers record into it.
@@ -462,17 +438,24 @@ class Tracing:
         self.queue.shutdown()
 
     # ------------------------------------------------------------------------------ the decision
-    def exchange(self, metadata: Iterable[tuple[str, str]], headers: Mapping[str, list[str]], method: str,
-                 path: str) -> ExchangeSpan | Passed | None:
-        """The request's span when its trace is sampled; otherwise no span at all: None when the context it
-        came with reaches the worker anyway (Envoy's, or the client's header), `Passed` when the picker starts
-        the trace. With the usual samplers this is a string check and a random number: the 90% of requests a
-        10% sampling does not record cost about a microsecond."""
-        gateway = None
-        for k, v in metadata:
-            if k == TRACEPARENT:
-                gateway = v
-                break
+    def exchange(self, context: Any, headers: Mapping[str, list[str]], method: str, path: str
+                 ) -> tuple[ExchangeSpan | None, Sequence[tuple[str, str]]]:
+        """(the request's span when its trace is sampled, else None; the headers the worker must get). No span
+        object for an unsampled trace: no header when the context it came with reaches the worker anyway
+        (Envoy's, or the client's header), a fresh unsampled `traceparent` when the picker starts the trace.
+        `context` is the stream's servicer context: its initial metadata holds Envoy's context (read with
+        h2grpc's `metadata_value` where the context has it: one field, not the tuple). With the usual samplers
+        this is a string check and a random number: the 90% of requests a 10% sampling does not record cost
+        about a microsecond."""
+        lookup = getattr(context, "metadata_value", None)
+        if lookup is not None:
+            gateway = lookup(TRACEPARENT)
+        else:
+            gateway = None
+            for k, v in context.invocation_metadata() or ():
+                if k == TRACEPARENT:
+                    gateway = v
+                    break
         from_gateway = gateway is not None
         if from_gateway:
             given: str | None = gateway
@@ -480,11 +463,19 @@ class Tracing:
             values = headers.get(TRACEPARENT)
             given = values[0] if values else None
         if given is None and self._fast_root:  # the usual case of a picker that starts its traces
-            trace_id = random.getrandbits(128) or 1
+            # one draw: the trace id (the low 128 bits) and the exchange's span id (the top 64); W3C: never zero
+            r = _getrandbits(192)
+            trace_id, span_id = r & _LOW128, r >> 128
+            if not trace_id or not span_id:
+                trace_id, span_id = trace_id or 1, span_id or 1
+                r = span_id << 128 | trace_id
             if (trace_id & _LOW64) < self._bound:  # TraceIdRatioBased's rule
-                return ExchangeSpan(self, trace_id, None, False, headers.get(TRACESTATE), path)
-            # flags 02: not sampled, and a random trace id (Trace Context level 2, as the SDK marks its own)
-            return Passed([(TRACEPARENT, f"00-{trace_id:032x}-{random.getrandbits(64) or 1:016x}-02")])
+                span = ExchangeSpan(self, trace_id, None, False, headers.get(TRACESTATE), path, span_id)
+                return span, span.worker_headers
+            # flags 02: not sampled, and a random trace id (Trace Context level 2, as the SDK marks its own);
+            # the hex of both ids at once: `r` is the span id's 8 bytes, then the trace id's 16
+            ids = r.to_bytes(24, "big").hex()
+            return None, [(TRACEPARENT, f"00-{ids[16:]}-{ids[:16]}-02")]
         parent: tuple[int, int, int] | None = None
         if given is not None:
             parent = _parse_traceparent(given)
@@ -492,22 +483,25 @@ class Tracing:
                 sc = trace.get_current_span(_W3C.extract({TRACEPARENT: given})).get_span_context()
                 parent = (sc.trace_id, sc.span_id, int(sc.trace_flags)) if sc.is_valid else None
         if parent is not None and self._follows and not parent[2] & 1:
-            return None  # an unsampled parent, followed (Envoy's 90%): its own header goes on to the worker
+            return None, ()  # an unsampled parent, followed (Envoy's 90%): its own header goes on to the worker
         # the tracestate only for a request that may be recorded (read from where its traceparent came)
-        state_values = [v for k, v in metadata if k == TRACESTATE] if from_gateway else headers.get(TRACESTATE)
+        state_values = [v for k, v in context.invocation_metadata() or () if k == TRACESTATE] if from_gateway \
+            else headers.get(TRACESTATE)
         if parent is not None and self._follows:
-            return ExchangeSpan(self, parent[0], parent[1], from_gateway, state_values, path)
-        trace_id = parent[0] if parent is not None else (random.getrandbits(128) or 1)
+            span = ExchangeSpan(self, parent[0], parent[1], from_gateway, state_values, path)
+            return span, span.worker_headers
+        trace_id = parent[0] if parent is not None else (_getrandbits(128) or 1)
         ctx = None
         if parent is not None:
             ctx = trace.set_span_in_context(NonRecordingSpan(SpanContext(
                 parent[0], parent[1], is_remote=True, trace_flags=TraceFlags(parent[2]))))
         if self.sampler.should_sample(ctx, trace_id, EXCHANGE_SPAN, SpanKind.SERVER).decision.is_sampled():
-            return ExchangeSpan(self, trace_id, parent[1] if parent is not None else None, from_gateway,
+            span = ExchangeSpan(self, trace_id, parent[1] if parent is not None else None, from_gateway,
                                 state_values, path)
+            return span, span.worker_headers
         if parent is not None:
-            return None
-        return Passed([(TRACEPARENT, f"00-{trace_id:032x}-{random.getrandbits(64) or 1:016x}-02")])
+            return None, ()
+        return None, [(TRACEPARENT, f"00-{trace_id:032x}-{_getrandbits(64) or 1:016x}-02")]
 
     # ------------------------------------------------------------------------------ the stages
     def renderer(self, inner: Renderer) -> TracedRenderer:
@@ -592,13 +586,13 @@ class ExchangeSpan:
     """One sampled ext_proc stream: its server span and the stages recorded under it, exported at `end()`."""
 
     __slots__ = ("tracing", "trace_id", "span_id", "parent_id", "from_gateway", "start", "attrs", "children",
-                 "current", "decision", "error", "_state", "_ended")
+                 "current", "decision", "error", "worker_headers", "_state", "_ended")
 
     def __init__(self, tracing: Tracing, trace_id: int, parent_id: int | None, from_gateway: bool,
-                 state_values: list[str] | None, path: str) -> None:
+                 state_values: list[str] | None, path: str, span_id: int = 0) -> None:
         self.tracing = tracing
         self.trace_id = trace_id
-        self.span_id = random.getrandbits(64) or 1
+        self.span_id = span_id or (_getrandbits(64) or 1)
         self.parent_id = parent_id
         # Envoy's tracing on: its gRPC client put the request's span in the stream's metadata (the request's own
         # header, if any, is the client's, and Envoy already continued it). Off: the client's header, if any.
@@ -616,6 +610,13 @@ class ExchangeSpan:
         self.decision = 0  # the last decision span's id: the parent of its booking's publish to the peers
         self.error: str | None = None
         self._ended = False
+        # the `traceparent` the chosen worker must get: none when the gateway traces (its router injects its
+        # own), else this span's, so that the engine's spans join the request's trace
+        self.worker_headers: list[tuple[str, str]] = []
+        if not from_gateway:
+            self.worker_headers.append((TRACEPARENT, f"00-{trace_id:032x}-{self.span_id:016x}-01"))
+            if self._state:
+                self.worker_headers.append((TRACESTATE, self._state))
 
     def attach(self) -> object:
         """Make this request current (logs carry its ids, the stages record under it) until `detach`."""
@@ -625,16 +626,6 @@ class ExchangeSpan:
     def detach(token: object) -> None:
         if token is not None:
             _CURRENT.reset(token)  # type: ignore[arg-type]
-
-    def worker_headers(self) -> list[tuple[str, str]]:
-        """The `traceparent` the chosen worker must get: none when the gateway traces (its router injects its
-        own), else this span's, so that the engine's spans join the request's trace."""
-        if self.from_gateway:
-            return []
-        out = [(TRACEPARENT, f"00-{self.trace_id:032x}-{self.span_id:016x}-01")]
-        if self._state:
-            out.append((TRACESTATE, self._state))
-        return out
 
     def child(self, name: str, kind: SpanKind, start: int, attrs: dict[str, Any], error: str | None = None,
               span_id: int = 0, parent_id: int = 0) -> None:

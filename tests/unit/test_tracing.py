@@ -243,11 +243,93 @@ def test_envoys_unsampled_context_is_read_in_one_pass_up_to_its_traceparent() ->
     tr, _ = memory_tracing()
     md = Metadata([("x-forwarded-for", "192.0.2.2"), ("traceparent", UNSAMPLED), ("tracestate", ""),
                    ("x-envoy-internal", "true")])
-    assert tr.exchange(md, {}, "POST", "/v1/chat/completions") is None
+    assert tr.exchange(Context(md), {}, "POST", "/v1/chat/completions") == (None, ())  # type: ignore[arg-type]
     assert md.read == ["x-forwarded-for", "traceparent"]
     md = Metadata([("traceparent", SAMPLED), ("tracestate", "k=v")])
-    span = tr.exchange(md, {}, "POST", "/v1/chat/completions")
+    span, sent = tr.exchange(Context(md), {}, "POST", "/v1/chat/completions")  # type: ignore[arg-type]
     assert isinstance(span, spans.ExchangeSpan) and span._state == "k=v"  # a sampled one keeps its tracestate
+    assert sent == []  # Envoy traces: its router passes the context on
+
+
+def test_h2grpcs_call_is_asked_for_the_traceparent_alone_and_the_answer_is_the_same() -> None:
+    """h2grpc's context gives one metadata field without building the tuple (`metadata_value`): the same
+    decision, span and parent as from `invocation_metadata()`; the tracestate is read only for a sampled one."""
+    import types
+
+    from h2grpc.call import Call
+
+    class Watched:
+        def __init__(self, call: Call) -> None:
+            self.call = call
+            self.asked: list[str] = []
+
+        def metadata_value(self, key: str) -> str | None:
+            self.asked.append(key)
+            return self.call.metadata_value(key)
+
+        def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+            self.asked.append("*")
+            return self.call.invocation_metadata()
+
+    conn = types.SimpleNamespace(peer_initial_window=65_535, window_shift=0, stream_window=65_535,
+                                 loop=types.SimpleNamespace(time=lambda: 0.0))
+    tr, _ = memory_tracing()
+    for tp, state in ((UNSAMPLED, ""), (SAMPLED, "k=v"), (None, "")):
+        fields = [(":method", "POST"), (":path", "/p"), ("x-forwarded-for", "192.0.2.2")]
+        if tp is not None:
+            fields += [("traceparent", tp), ("tracestate", state)]
+        call = Call(conn, 1, "/p", None, fields)  # type: ignore[arg-type]
+        watched = Watched(call)
+        got = tr.exchange(watched, {}, "POST", "/p")
+        want = tr.exchange(Context(call.invocation_metadata()), {}, "POST", "/p")
+        asked = watched.asked
+        if tp == UNSAMPLED:
+            assert got == want == (None, ()) and asked == ["traceparent"]
+        elif tp == SAMPLED:
+            assert got[0] is not None and want[0] is not None and asked == ["traceparent", "*"]
+            assert (got[0].trace_id, got[0].parent_id, got[0]._state, got[1]) == \
+                (want[0].trace_id, want[0].parent_id, "k=v", [])
+        else:  # no context: the picker starts a trace (always_on: sampled) and passes it on
+            assert got[0] is not None and got[0].parent_id is None and asked == ["traceparent"]
+            assert got[1] == [("traceparent", f"00-{got[0].trace_id:032x}-{got[0].span_id:016x}-01")]
+
+
+def test_a_trace_the_picker_starts_unsampled_gets_valid_distinct_ids_from_one_draw(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 90% a 10% root ratio does not sample: a fresh `traceparent` for the worker (flags 02: not sampled,
+    random trace id), its ids from one 192-bit draw: 32 and 16 lower-case hex digits, never all zero, the
+    sampling rule read from the trace id's low 64 bits as TraceIdRatioBased reads it."""
+    import re
+
+    tr, _ = memory_tracing(ParentBased(TraceIdRatioBased(0.1)))
+    bound = round(0.1 * (1 << 64))
+    shape = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-02")
+    seen = set()
+    for _ in range(2000):
+        span, sent = tr.exchange(Context(), {}, "POST", "/p")
+        if span is not None:
+            assert span.trace_id & ((1 << 64) - 1) < bound and sent[0][1].endswith("-01")
+            continue
+        (name, value), = sent
+        m = shape.fullmatch(value)
+        assert name == "traceparent" and m is not None, value
+        trace_id, span_id = int(m.group(1), 16), int(m.group(2), 16)
+        assert trace_id & ((1 << 64) - 1) >= bound  # not sampled by the ratio's rule
+        assert trace_id and span_id
+        seen.add(value)
+        seen.add(m.group(1))
+    assert len(seen) > 2 * 1700  # every traceparent and every trace id its own
+    # the draw: the low 128 bits are the trace id, the top 64 the span id; a zero part becomes 1
+    high = 0xFFFF_FFFF_FFFF_FFF0  # low 64 bits of a trace id over the bound: not sampled
+    for drawn, want in ((7 << 128 | 5 << 64 | high, f"00-{5 << 64 | high:032x}-{7:016x}-02"),
+                        (0xAB << 64 | high, f"00-{0xAB << 64 | high:032x}-{1:016x}-02")):
+        monkeypatch.setattr(spans, "_getrandbits", lambda bits, v=drawn: v)
+        assert tr.exchange(Context(), {}, "POST", "/p") == (None, [("traceparent", want)])
+    for drawn, ids in ((3 << 128, (1, 3)), (0, (1, 1))):  # trace id 1: under the bound, sampled
+        monkeypatch.setattr(spans, "_getrandbits", lambda bits, v=drawn: v)
+        span, sent = tr.exchange(Context(), {}, "POST", "/p")
+        assert span is not None and (span.trace_id, span.span_id) == ids
+        assert sent == [("traceparent", f"00-{ids[0]:032x}-{ids[1]:016x}-01")]
 
 
 async def test_a_client_unsampled_traceparent_goes_on_unchanged_and_costs_no_span(span_count: list[int]) -> None:
