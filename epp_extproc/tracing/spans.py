@@ -29,6 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from operator import itemgetter
 from time import time_ns
 from typing import Any
 from urllib.parse import urlsplit
@@ -258,6 +259,9 @@ class SpanQueue:
         self.resource = resource
         self._convert = self._encoded if wire else self._spans
         self._resource_attrs = dict(resource.attributes)
+        # the request's resource and scope, the same in every batch: encoded once
+        self._envelope = otlp_wire.envelope(self._resource_attrs, resource.schema_url, _SCOPE.name,
+                                            _SCOPE.version or "")
         self.max_queue = max_queue
         self.delay_s = delay_s
         self.batch = batch
@@ -335,24 +339,24 @@ class SpanQueue:
     def _encoded(self, records: Sequence[Record | Loose]) -> otlp_wire.Encoded:
         """The records as one OTLP request's bytes: what `_spans` makes, without its objects."""
         out: list[bytes] = []
-        span = otlp_wire.span
+        span, head_of, server, error = otlp_wire.span, otlp_wire.span_head, SpanKind.SERVER.value, _ERROR
         for record in records:
-            if isinstance(record[0], str):
+            if record[0].__class__ is str:
                 name, kind, trace_id, span_id, parent_id, t0, t1, attrs, err = record  # type: ignore[misc]
-                out.append(span(trace_id.to_bytes(16, "big"), span_id, "", parent_id, False, name, kind, t0, t1,
-                                attrs, _wire_status(err)))
+                out.append(span(head_of(trace_id), span_id, b"", parent_id, False, name, kind, t0, t1, attrs,
+                                None if err is None else (error, err)))
                 continue
             trace_id, state_header, span_id, parent_id, t0, t1, attrs, err, children = record  # type: ignore[misc]
-            tid = trace_id.to_bytes(16, "big")
-            state = _state_text(state_header)
-            out.append(span(tid, span_id, state, parent_id, True, EXCHANGE_SPAN, SpanKind.SERVER.value, t0, t1,
-                            attrs, _wire_status(err)))
-            known = {span_id, *(child[2] for child in children)}  # a parent outside the record: none (as `_spans`)
+            head = head_of(trace_id)  # the trace id's bytes, once for the record's spans
+            state = otlp_wire.trace_state(_state_text(state_header)) if state_header else b""
+            out.append(span(head, span_id, state, parent_id, True, EXCHANGE_SPAN, server, t0, t1, attrs,
+                            None if err is None else (error, err)))
+            known = set(map(_ID_OF, children))  # a parent outside the record: none (as `_spans`)
+            known.add(span_id)
             for name, kind, cid, pid, c0, c1, cattrs, cerr in children:
-                out.append(span(tid, cid, state, pid if pid in known else 0, False, name, kind, c0, c1, cattrs,
-                                _wire_status(cerr)))
-        return otlp_wire.Encoded(out, otlp_wire.request(self._resource_attrs, self.resource.schema_url,
-                                                        _SCOPE.name, _SCOPE.version or "", out))
+                out.append(span(head, cid, state, pid if pid in known else 0, False, name, kind, c0, c1, cattrs,
+                                None if cerr is None else (error, cerr)))
+        return otlp_wire.Encoded(out, otlp_wire.request_from(self._envelope, out))
 
     def _loose(self, record: Loose) -> ReadableSpan:
         name, kind, trace_id, span_id, parent_id, t0, t1, attrs, err = record
@@ -382,9 +386,8 @@ def _status(err: str | None) -> Status:
     return _UNSET if err is None else Status(StatusCode.ERROR, err or None)
 
 
-def _wire_status(err: str | None) -> tuple[int, str] | None:
-    """`_status` as (code, message) for `otlp_wire.span`."""
-    return None if err is None else (StatusCode.ERROR.value, err)
+_ERROR = StatusCode.ERROR.value
+_ID_OF = itemgetter(2)  # a child's span id
 
 
 def _state_text(header: str) -> str:
