@@ -127,9 +127,16 @@ def _header_mutation(routed: Routed | None, remove: list[str], content_length: i
     if content_length is not None:
         m.set_headers.append(base_pb2.HeaderValueOption(
             header=base_pb2.HeaderValue(key="content-length", raw_value=str(content_length).encode())))
+    _add_set_headers(m, extra)
+    return m
+
+
+def _add_set_headers(m: pb.HeaderMutation, extra: Sequence[tuple[str, str]]) -> None:
+    """`extra` appended to `m.set_headers` (OVERWRITE_IF_EXISTS_OR_ADD), as wire bytes merged into it. Merged
+    into the response's own mutation once it is built (`_Stream._decide`): a message given to a constructor is
+    copied (upb serializes and parses it), and the response is three constructors deep."""
     for k, v in extra:
         m.MergeFromString(_set_header_wire(k, v))  # appended after the others, as `append` would
-    return m
 
 
 def _varint(n: int) -> bytes:
@@ -444,26 +451,35 @@ class _Stream:
         fwd = routed.body
         spoofed = self.ctx.spoofed_headers()
         metadata = _lb_metadata(routed)
-        extra = self.trace_headers
+        extra = self.trace_headers  # the trace context for the worker: added to the built response, in place
         if body is None:
-            yield pb.ProcessingResponse(
+            resp = pb.ProcessingResponse(
                 request_headers=pb.HeadersResponse(response=pb.CommonResponse(
-                    header_mutation=_header_mutation(routed, spoofed, None, extra), clear_route_cache=True)),
+                    header_mutation=_header_mutation(routed, spoofed, None), clear_route_cache=True)),
                 dynamic_metadata=metadata)
+            if extra:
+                _add_set_headers(resp.request_headers.response.header_mutation, extra)
+            yield resp
         elif self.mode == BUFFERED:
             assert fwd is not None
             changed = fwd is not body
-            yield pb.ProcessingResponse(
+            resp = pb.ProcessingResponse(
                 request_body=pb.BodyResponse(response=pb.CommonResponse(
-                    header_mutation=_header_mutation(routed, [], len(fwd), extra),
+                    header_mutation=_header_mutation(routed, [], len(fwd)),
                     body_mutation=pb.BodyMutation(body=fwd) if changed else None,
                     clear_route_cache=True)),
                 dynamic_metadata=metadata)
+            if extra:
+                _add_set_headers(resp.request_body.response.header_mutation, extra)
+            yield resp
         else:
             assert fwd is not None
-            yield pb.ProcessingResponse(
+            resp = pb.ProcessingResponse(
                 request_headers=pb.HeadersResponse(response=pb.CommonResponse(
-                    header_mutation=_header_mutation(routed, spoofed, None, extra), clear_route_cache=True)),
+                    header_mutation=_header_mutation(routed, spoofed, None), clear_route_cache=True)),
                 dynamic_metadata=metadata)
+            if extra:
+                _add_set_headers(resp.request_headers.response.header_mutation, extra)
+            yield resp
             for r in _streamed_chunks(fwd, end_of_stream=not trailers):
                 yield r

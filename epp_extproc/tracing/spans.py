@@ -187,7 +187,6 @@ def _int_env(environ: Mapping[str, str], name: str, default: int) -> int:
 
 
 _LOW64 = (1 << 64) - 1
-_LOW128 = (1 << 128) - 1
 _getrandbits = random.getrandbits  # the module's generator (seeded as `random.seed` seeds it), bound once
 _SAMPLED = TraceFlags(0x01)
 _SCOPE = InstrumentationScope("epp_extproc")
@@ -229,6 +228,11 @@ def _sampling_shape(sampler: otel_sampling.Sampler) -> tuple[bool, float | None]
 
 # The sampled request whose decision is running (set by ExchangeSpan.attach): the stage wrappers record into it.
 _CURRENT = CURRENT
+# How many sampled requests are attached right now (`ExchangeSpan.attach` .. `detach`), in any task. While none
+# is, no task's request can be recorded, and the stage wrappers pass straight on without the context lookup
+# (~700 instructions each, four or five per request: most of what an unsampled request's stages cost); while one
+# is (a sampled decision waiting on its render call, say), every wrapper asks the context, as before.
+_attached = 0
 
 
 # One sampled request, as it waits for the exporter: only ints, strings and dicts of them, so that the cyclic
@@ -387,6 +391,7 @@ def _status(err: str | None) -> Status:
 
 
 _ERROR = StatusCode.ERROR.value
+_CLIENT, _INTERNAL = SpanKind.CLIENT.value, SpanKind.INTERNAL.value
 _ID_OF = itemgetter(2)  # a child's span id
 
 
@@ -466,19 +471,18 @@ class Tracing:
             values = headers.get(TRACEPARENT)
             given = values[0] if values else None
         if given is None and self._fast_root:  # the usual case of a picker that starts its traces
-            # one draw: the trace id (the low 128 bits) and the exchange's span id (the top 64); W3C: never zero
+            # one draw: the trace id (the top 128 bits) and the exchange's span id (the low 64)
             r = _getrandbits(192)
-            trace_id, span_id = r & _LOW128, r >> 128
-            if not trace_id or not span_id:
-                trace_id, span_id = trace_id or 1, span_id or 1
-                r = span_id << 128 | trace_id
+            trace_id = r >> 64
+            if (trace_id & _LOW64) >= self._bound and trace_id and r & _LOW64:  # not sampled, no id zero
+                # TraceIdRatioBased's rule said no. Flags 02: not sampled, and a random trace id (Trace Context
+                # level 2, as the SDK marks its own). Both ids' hex at once: 16 bytes, a dash, 8 bytes.
+                return None, [(TRACEPARENT, f"00-{r.to_bytes(24, 'big').hex('-', -16)}-02")]
+            trace_id, span_id = trace_id or 1, r & _LOW64 or 1  # W3C: an id is never zero
             if (trace_id & _LOW64) < self._bound:  # TraceIdRatioBased's rule
                 span = ExchangeSpan(self, trace_id, None, False, headers.get(TRACESTATE), path, span_id)
                 return span, span.worker_headers
-            # flags 02: not sampled, and a random trace id (Trace Context level 2, as the SDK marks its own);
-            # the hex of both ids at once: `r` is the span id's 8 bytes, then the trace id's 16
-            ids = r.to_bytes(24, "big").hex()
-            return None, [(TRACEPARENT, f"00-{ids[16:]}-{ids[:16]}-02")]
+            return None, [(TRACEPARENT, f"00-{trace_id:032x}-{span_id:016x}-02")]
         parent: tuple[int, int, int] | None = None
         if given is not None:
             parent = _parse_traceparent(given)
@@ -529,7 +533,7 @@ class Tracing:
         (a context lookup otherwise, and no object): a child of its decision, ended by the sync plane when
         the booking left (`PublishSpan`). `plane` grpc (the mesh: the RPC conventions' attributes) or nats
         (the messaging conventions', `subject` its destination)."""
-        rec = _CURRENT.get()
+        rec = _CURRENT.get() if _attached else None
         if rec is None:
             return None
         name, attrs = _sync_span(plane, subject, "send", "publish")
@@ -567,13 +571,13 @@ class Tracing:
         root span of its own trace, ending now; sampled by the sampler's rule for a root (its ratio), so a
         pool that restarts at 10% sampling records one load in ten. Rare by nature: the SDK's sampler is asked
         when the picker's own shortcut does not apply."""
-        trace_id = random.getrandbits(128) or 1
+        trace_id = _getrandbits(128) or 1
         if self._fast_root:
             if (trace_id & _LOW64) >= self._bound:
                 return
         elif not self.sampler.should_sample(None, trace_id, name, kind).decision.is_sampled():
             return
-        self.queue.put((name, kind.value, trace_id, random.getrandbits(64) or 1, 0, start_ns, time_ns(), attrs,
+        self.queue.put((name, kind.value, trace_id, _getrandbits(64) or 1, 0, start_ns, time_ns(), attrs,
                         error))
 
 
@@ -582,7 +586,7 @@ def _clip(text: str, limit: int = 256) -> str:
 
 
 # ------------------------------------------------------------------------------------------ the exchange
-_Child = tuple[str, SpanKind, int, int, int, int, dict[str, Any], Status | None]  # name, kind, id, parent, t0, t1
+_Child = tuple[str, int, int, int, int, int, dict[str, Any], "str | None"]  # name, kind, id, parent, t0, t1
 
 
 class ExchangeSpan:
@@ -623,17 +627,23 @@ class ExchangeSpan:
 
     def attach(self) -> object:
         """Make this request current (logs carry its ids, the stages record under it) until `detach`."""
-        return _CURRENT.set(self)
+        global _attached
+        token = _CURRENT.set(self)
+        _attached += 1
+        return token
 
     @staticmethod
     def detach(token: object) -> None:
+        global _attached
         if token is not None:
             _CURRENT.reset(token)  # type: ignore[arg-type]
+            _attached -= 1  # after the reset: if that raised, the count errs high (a lookup), never low
 
-    def child(self, name: str, kind: SpanKind, start: int, attrs: dict[str, Any], error: str | None = None,
+    def child(self, name: str, kind: int, start: int, attrs: dict[str, Any], error: str | None = None,
               span_id: int = 0, parent_id: int = 0) -> None:
-        """A stage's span, ending now; `error` (its description, may be empty) makes its status ERROR."""
-        self.children.append((name, kind.value, span_id or (random.getrandbits(64) or 1),
+        """A stage's span, ending now; `kind` a SpanKind's value (`_CLIENT`, `_INTERNAL`: the enum's `.value` is a
+        property, a microsecond); `error` (its description, may be empty) makes its status ERROR."""
+        self.children.append((name, kind, span_id or (_getrandbits(64) or 1),
                               parent_id or self.current, start, time_ns(), attrs, error))
 
     def failed(self, err: PickError) -> None:
@@ -676,7 +686,7 @@ class TracedRenderer:
 
     def render(self, kind: str, body: bytes, *, count: bool = True) -> Awaitable[Rendered]:
         """The inner call itself when the request is not recorded: no coroutine of this wrapper in between."""
-        rec = _CURRENT.get()
+        rec = _CURRENT.get() if _attached else None
         if rec is None or not count:
             return self.inner.render(kind, body, count=count)
         return self._traced(rec, kind, body)
@@ -702,7 +712,7 @@ class TracedRenderer:
             attrs["http.response.status_code"] = 200
             return out
         finally:
-            rec.child("POST", SpanKind.CLIENT, t0, attrs, error)
+            rec.child("POST", _CLIENT, t0, attrs, error)
 
 
 class TracedKv:
@@ -729,27 +739,27 @@ class TracedKv:
         return getattr(self.inner, name)
 
     def overlap(self, prompt: PromptKey, workers: Sequence[str]) -> Mapping[str, int]:
-        rec = _CURRENT.get()
+        rec = _CURRENT.get() if _attached else None
         if rec is None:
             return self.inner.overlap(prompt, workers)
         t0, outer, first = time_ns(), rec.current, len(rec.children)
-        span_id = rec.current = random.getrandbits(64) or 1
+        span_id = rec.current = _getrandbits(64) or 1
         try:
             out = self.inner.overlap(prompt, workers)
         finally:
             rec.current = outer
         attrs = {"epp.kv.workers": len(workers), "epp.kv.best_overlap_blocks": max(out.values(), default=0)}
         _unanswered(rec, first, attrs)
-        rec.child(KV_LOOKUP_SPAN, SpanKind.INTERNAL, t0, attrs, span_id=span_id, parent_id=outer)
+        rec.child(KV_LOOKUP_SPAN, _INTERNAL, t0, attrs, span_id=span_id, parent_id=outer)
         return out
 
     def _overlap_array(self, prompt: PromptKey, workers: Sequence[str]) -> Any:
-        rec = _CURRENT.get()
+        rec = _CURRENT.get() if _attached else None
         assert self._array is not None
         if rec is None:
             return self._array(prompt, workers)
         t0, outer, first = time_ns(), rec.current, len(rec.children)
-        span_id = rec.current = random.getrandbits(64) or 1
+        span_id = rec.current = _getrandbits(64) or 1
         try:
             out = self._array(prompt, workers)
         finally:
@@ -759,12 +769,14 @@ class TracedKv:
             return None
         attrs = {"epp.kv.workers": len(workers), "epp.kv.best_overlap_blocks": int(out.max()) if len(out) else 0}
         _unanswered(rec, first, attrs)
-        rec.child(KV_LOOKUP_SPAN, SpanKind.INTERNAL, t0, attrs, span_id=span_id, parent_id=outer)
+        rec.child(KV_LOOKUP_SPAN, _INTERNAL, t0, attrs, span_id=span_id, parent_id=outer)
         return out
 
 
 def _unanswered(rec: ExchangeSpan, first: int, attrs: dict[str, Any]) -> None:
     """The lookup's shards that did not answer (their spans since `first`): their workers got no KV credit."""
+    if len(rec.children) == first:  # no shard's span (in-process ingest): nothing to count
+        return
     n = sum(1 for c in rec.children[first:] if c[0] == INGEST_LOOKUP_SPAN and c[7] is not None)
     if n:
         attrs["epp.kv.ingest.unanswered_shards"] = n
@@ -782,7 +794,7 @@ def ingest_answered(shard: int, result: str, start_ns: int, service_s: float | N
     the request is sampled: `result` ok, timeout or unavailable; `service_s` the shard's own time on it (the
     rest of the wait is the channel and the lookup's queue behind the shard's batch apply, `queued_s`);
     `batch_lag_s` how old the shard's newest applied event batch was when applied (its publisher's stamp)."""
-    rec = _CURRENT.get()
+    rec = _CURRENT.get() if _attached else None
     if rec is None:
         return
     attrs: dict[str, Any] = {"network.transport": "unix", "epp.kv.ingest.shard": shard,
@@ -796,7 +808,7 @@ def ingest_answered(shard: int, result: str, start_ns: int, service_s: float | N
         attrs["epp.kv.ingest.queued_s"] = max(0.0, (time_ns() - start_ns) / 1e9 - service_s)
     if batch_lag_s is not None:
         attrs["epp.kv.ingest.batch_lag_s"] = batch_lag_s
-    rec.child(INGEST_LOOKUP_SPAN, SpanKind.CLIENT, start_ns, attrs, error)
+    rec.child(INGEST_LOOKUP_SPAN, _CLIENT, start_ns, attrs, error)
 
 
 def _plugin_names(handler: Any) -> tuple[str, list[str], list[str]]:
@@ -830,11 +842,11 @@ class TracedScheduler:
         return getattr(self.inner, name)
 
     def schedule(self, req: SchedulingRequest, addresses: Sequence[str]) -> SchedulingResult:
-        rec = _CURRENT.get()
+        rec = _CURRENT.get() if _attached else None
         if rec is None:
             return self.inner.schedule(req, addresses)
         t0, outer = time_ns(), rec.current
-        span_id = rec.current = rec.decision = random.getrandbits(64) or 1
+        span_id = rec.current = rec.decision = _getrandbits(64) or 1
         attrs = dict(self._static)
         error: str | None = None
         try:
@@ -851,7 +863,7 @@ class TracedScheduler:
             raise
         finally:
             rec.current = outer
-            rec.child(SCHEDULE_SPAN, SpanKind.INTERNAL, t0, attrs, error, span_id=span_id, parent_id=outer)
+            rec.child(SCHEDULE_SPAN, _INTERNAL, t0, attrs, error, span_id=span_id, parent_id=outer)
 
 
 def decision_attributes(req: SchedulingRequest, addresses: Sequence[str], result: SchedulingResult,
@@ -895,7 +907,7 @@ def traced_admission(inner: Callable[[RequestContext], Awaitable[Ticket]]
     """Flow control's wait for a ticket as a span (`epp.flow_control.waited_s`; an error when it drops)."""
 
     def admit(ctx: RequestContext) -> Awaitable[Ticket]:
-        rec = _CURRENT.get()
+        rec = _CURRENT.get() if _attached else None
         if rec is None:
             return inner(ctx)  # no coroutine of this wrapper in between
         return traced(rec, ctx)
@@ -905,11 +917,11 @@ def traced_admission(inner: Callable[[RequestContext], Awaitable[Ticket]]
         try:
             ticket = await inner(ctx)
         except PickError as e:
-            rec.child(FLOW_WAIT_SPAN, SpanKind.INTERNAL, t0,
+            rec.child(FLOW_WAIT_SPAN, _INTERNAL, t0,
                       {"error.type": e.problem.value, "epp.flow_control.waited_s": time.perf_counter() - started},
                       _clip(str(e), 200))
             raise
-        rec.child(FLOW_WAIT_SPAN, SpanKind.INTERNAL, t0, {"epp.flow_control.waited_s": ticket.waited_s})
+        rec.child(FLOW_WAIT_SPAN, _INTERNAL, t0, {"epp.flow_control.waited_s": ticket.waited_s})
         return ticket
 
     return admit
@@ -922,7 +934,7 @@ class TraceHook:
     name = "trace"
 
     def committed(self, p: Proposal, booking: BookingHandle) -> Stopwatch | None:
-        rec = _CURRENT.get()
+        rec = _CURRENT.get() if _attached else None
         if rec is None:
             return None
         rec.attrs["epp.endpoint"] = p.address  # the decision span has the rest
@@ -1000,5 +1012,5 @@ class PublishSpan:
         if self._ended:
             return
         self._ended = True
-        self.tracing.queue.put((self.name, SpanKind.PRODUCER.value, self.trace_id, random.getrandbits(64) or 1,
+        self.tracing.queue.put((self.name, SpanKind.PRODUCER.value, self.trace_id, _getrandbits(64) or 1,
                                 self.parent_id, self.start, time_ns(), self.attrs, self.error))

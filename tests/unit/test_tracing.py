@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -35,6 +36,7 @@ from epp_extproc.core.plan import Plan
 from epp_extproc.core.request import RequestContext
 from epp_extproc.dev import envoy_config
 from epp_extproc.envoy.extproc import ExtProcServicer
+from epp_extproc.gaie import DEST_HEADER
 from epp_extproc.metrics import PickerMetrics
 from epp_extproc.tracing import spans
 from epp_extproc.tracing.logs import TraceIds
@@ -299,8 +301,6 @@ def test_a_trace_the_picker_starts_unsampled_gets_valid_distinct_ids_from_one_dr
     """The 90% a 10% root ratio does not sample: a fresh `traceparent` for the worker (flags 02: not sampled,
     random trace id), its ids from one 192-bit draw: 32 and 16 lower-case hex digits, never all zero, the
     sampling rule read from the trace id's low 64 bits as TraceIdRatioBased reads it."""
-    import re
-
     tr, _ = memory_tracing(ParentBased(TraceIdRatioBased(0.1)))
     bound = round(0.1 * (1 << 64))
     shape = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-02")
@@ -319,17 +319,74 @@ def test_a_trace_the_picker_starts_unsampled_gets_valid_distinct_ids_from_one_dr
         seen.add(value)
         seen.add(m.group(1))
     assert len(seen) > 2 * 1700  # every traceparent and every trace id its own
-    # the draw: the low 128 bits are the trace id, the top 64 the span id; a zero part becomes 1
+    # the draw: the top 128 bits are the trace id, the low 64 the span id; a zero part becomes 1
     high = 0xFFFF_FFFF_FFFF_FFF0  # low 64 bits of a trace id over the bound: not sampled
-    for drawn, want in ((7 << 128 | 5 << 64 | high, f"00-{5 << 64 | high:032x}-{7:016x}-02"),
-                        (0xAB << 64 | high, f"00-{0xAB << 64 | high:032x}-{1:016x}-02")):
+    for drawn, want in (((5 << 64 | high) << 64 | 7, f"00-{5 << 64 | high:032x}-{7:016x}-02"),
+                        ((0xAB << 64 | high) << 64, f"00-{0xAB << 64 | high:032x}-{1:016x}-02")):
         monkeypatch.setattr(spans, "_getrandbits", lambda bits, v=drawn: v)
         assert tr.exchange(Context(), {}, "POST", "/p") == (None, [("traceparent", want)])
-    for drawn, ids in ((3 << 128, (1, 3)), (0, (1, 1))):  # trace id 1: under the bound, sampled
+    for drawn, ids in ((3, (1, 3)), (0, (1, 1))):  # trace id 1: under the bound, sampled
         monkeypatch.setattr(spans, "_getrandbits", lambda bits, v=drawn: v)
         span, sent = tr.exchange(Context(), {}, "POST", "/p")
         assert span is not None and (span.trace_id, span.span_id) == ids
         assert sent == [("traceparent", f"00-{ids[0]:032x}-{ids[1]:016x}-01")]
+
+
+async def test_unsampled_requests_beside_a_sampled_one_waiting_on_its_render_call_record_nothing_into_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stage wrappers skip the context lookup while no sampled request is attached anywhere (`_attached`);
+    while one is (here: waiting on its render call), every wrapper asks its own task's context: the unsampled
+    requests beside it record nothing, the sampled one records each of its stages once, and the count is back
+    to 0 after, a refused request's included."""
+    import asyncio
+
+    class Counting:
+        def __init__(self) -> None:
+            self.gets = 0
+
+        def get(self) -> Any:
+            self.gets += 1
+            return spans.CURRENT.get()
+
+        def set(self, value: Any) -> Any:
+            return spans.CURRENT.set(value)
+
+        def reset(self, token: Any) -> None:
+            spans.CURRENT.reset(token)
+
+    gate = asyncio.Event()
+    real = FakeRenderer.render
+
+    async def render(self: FakeRenderer, kind: str, body: bytes, *, count: bool = True) -> Any:
+        if spans.CURRENT.get() is not None:  # the sampled request waits here, attached
+            await gate.wait()
+        return await real(self, kind, body, count=count)
+
+    monkeypatch.setattr(FakeRenderer, "render", render)
+    lookups = Counting()
+    monkeypatch.setattr(spans, "_CURRENT", lookups)
+    tr, exporter = memory_tracing()
+    svc = servicer(tr)
+    await run(svc, request(), (("traceparent", UNSAMPLED),))
+    assert lookups.gets == 0 and spans._attached == 0  # nothing attached: no lookup at all
+    sampled = asyncio.create_task(run(svc, request(), (("traceparent", SAMPLED),)))
+    for _ in range(100):
+        await asyncio.sleep(0)
+        if spans._attached:
+            break
+    assert spans._attached == 1  # the sampled one waits on its render call, attached
+    for _ in range(3):
+        out = await run(svc, request(), (("traceparent", UNSAMPLED),))
+        assert out[0].WhichOneof("response") == "request_headers"
+    assert lookups.gets > 0 and exporter.get_finished_spans() == ()
+    gate.set()
+    await sampled
+    assert spans._attached == 0
+    names = sorted(s.name for s in exporter.get_finished_spans())
+    assert names == sorted([spans.EXCHANGE_SPAN, "POST", spans.KV_LOOKUP_SPAN, spans.SCHEDULE_SPAN])
+    assert {format(s.context.trace_id, "032x") for s in exporter.get_finished_spans()} == {TRACE_ID}
+    await run(svc, request(body=b"{"), (("traceparent", SAMPLED),))  # refused: attached for its log line
+    assert spans._attached == 0
 
 
 async def test_a_client_unsampled_traceparent_goes_on_unchanged_and_costs_no_span(span_count: list[int]) -> None:
@@ -395,6 +452,39 @@ def test_the_worker_headers_wire_entries_are_the_messages_append_would_make() ->
                     header=base_pb2.HeaderValue(key=k, raw_value=v.encode()), append_action=overwrite))
             assert got == want
             assert got.SerializeToString(deterministic=True) == want.SerializeToString(deterministic=True)
+
+
+async def test_the_workers_traceparent_is_the_last_header_set_in_every_body_mode() -> None:
+    """The trace context is merged into the built response's own header mutation (not copied in with it): in
+    FULL_DUPLEX_STREAMED (the headers response), BUFFERED (the body response, after content-length) and for a
+    request without a body (the headers response), once, last, overwriting a client's copy."""
+    from epp_extproc.conformance.protocol import request_messages
+
+    tr, exporter = memory_tracing(ParentBased(ALWAYS_OFF))  # the picker starts every trace, unsampled
+    base = servicer(tr)
+    svc = ExtProcServicer(base.picker, allowed_modes=("FULL_DUPLEX_STREAMED", "BUFFERED"), body_timeout_s=5,
+                          tracing=tr)
+    first, rest = request_messages("BUFFERED", BODY)
+    bodiless = pb.ProcessingRequest()
+    bodiless.CopyFrom(request()[0])
+    bodiless.request_headers.end_of_stream = True
+    overwrite = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+    for msgs, which in ((request(), "request_headers"), ([first, *rest], "request_body"),
+                        ([bodiless], "request_headers")):
+        out = await run(svc, msgs)
+        decided = [r for r in out if r.WhichOneof("response") in ("request_headers", "request_body")
+                   and r.request_headers.response.clear_route_cache | r.request_body.response.clear_route_cache]
+        assert len(decided) == 1 and decided[0].WhichOneof("response") == which
+        mutation = getattr(decided[0], which).response.header_mutation
+        keys = [h.header.key for h in mutation.set_headers]
+        assert keys.count("traceparent") == 1 and keys[-1] == "traceparent", keys
+        assert keys[0] == DEST_HEADER
+        if which == "request_body":
+            assert keys[-2] == "content-length"
+        last = mutation.set_headers[-1]
+        assert last.append_action == overwrite and re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-02",
+                                                                last.header.raw_value.decode())
+    assert exporter.get_finished_spans() == ()
 
 
 def test_traceparent_fast_parse_accepts_only_version_00() -> None:
