@@ -27,6 +27,8 @@ _F32 = struct.Struct("<I").pack
 def _varint(n: int) -> bytes:
     if n < 0x80:
         return bytes((n,))
+    if n < 0x4000:  # a span's length, most attributes' blocks: two bytes, no loop
+        return bytes(((n & 0x7F) | 0x80, n >> 7))
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)
@@ -174,10 +176,12 @@ def request_from(env: tuple[bytes, bytes, bytes], spans: Iterable[bytes]) -> byt
     (each `span`'s bytes), its `envelope` made before: one resource and one instrumentation scope, the picker's."""
     resource, scope, schema = env
     body = [scope]
+    append = body.append
     for s in spans:
         n = len(s)
-        body.append(bytes((0x12, n)) if n < 0x80 else b"\x12" + _varint(n))
-        body.append(s)
+        append(bytes((0x12, n)) if n < 0x80 else bytes((0x12, (n & 0x7F) | 0x80, n >> 7)) if n < 0x4000
+               else b"\x12" + _varint(n))
+        append(s)
     scope_spans = _ld(0x12, b"".join(body))
     return _ld(0x0A, resource + scope_spans + schema)
 

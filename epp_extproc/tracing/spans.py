@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from operator import itemgetter
 from time import time_ns
 from typing import Any
@@ -191,6 +192,20 @@ _getrandbits = random.getrandbits  # the module's generator (seeded as `random.s
 _SAMPLED = TraceFlags(0x01)
 _SCOPE = InstrumentationScope("epp_extproc")
 _UNSET = Status(StatusCode.UNSET)
+
+
+def _first(metadata: Iterable[tuple[str, str]] | None, key: str) -> str | None:
+    """The first value of `key` in a servicer context's metadata (grpc.aio's: a tuple, or None)."""
+    for k, v in metadata or ():
+        if k == key:
+            return v
+    return None
+
+
+# A version-00 `traceparent` that `_parse_traceparent` reads as valid and unsampled (lower-case hex, neither id
+# zero, flags 00): what Envoy's tracer sends for the requests it does not sample, checked by one regex match
+# (~3.6k instructions) where the parse makes three ints (~9k). Anything else is parsed.
+_UNSAMPLED_V00 = re.compile(r"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-00").fullmatch
 
 
 def _parse_traceparent(value: str) -> tuple[int, int, int] | None:
@@ -456,14 +471,7 @@ class Tracing:
         this is a string check and a random number: the 90% of requests a 10% sampling does not record cost
         about a microsecond."""
         lookup = getattr(context, "metadata_value", None)
-        if lookup is not None:
-            gateway = lookup(TRACEPARENT)
-        else:
-            gateway = None
-            for k, v in context.invocation_metadata() or ():
-                if k == TRACEPARENT:
-                    gateway = v
-                    break
+        gateway = lookup(TRACEPARENT) if lookup is not None else _first(context.invocation_metadata(), TRACEPARENT)
         from_gateway = gateway is not None
         if from_gateway:
             given: str | None = gateway
@@ -483,6 +491,8 @@ class Tracing:
                 span = ExchangeSpan(self, trace_id, None, False, headers.get(TRACESTATE), path, span_id)
                 return span, span.worker_headers
             return None, [(TRACEPARENT, f"00-{trace_id:032x}-{span_id:016x}-02")]
+        if self._follows and given is not None and given.endswith("-00") and _UNSAMPLED_V00(given) is not None:
+            return None, ()  # Envoy's 90%: a valid unsampled parent, followed, without parsing its ids
         parent: tuple[int, int, int] | None = None
         if given is not None:
             parent = _parse_traceparent(given)

@@ -48,6 +48,7 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
 SAMPLED = f"00-{TRACE_ID}-{PARENT_ID}-01"
 UNSAMPLED = f"00-{TRACE_ID}-{PARENT_ID}-00"
+TRACEPARENT_KEY = "traceparent"
 BODY = b'{"model":"m","messages":[{"role":"user","content":"secret prompt text"}]}'
 
 
@@ -485,6 +486,38 @@ async def test_the_workers_traceparent_is_the_last_header_set_in_every_body_mode
         assert last.append_action == overwrite and re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-02",
                                                                 last.header.raw_value.decode())
     assert exporter.get_finished_spans() == ()
+
+
+def test_an_unsampled_parent_matched_without_a_parse_is_decided_as_the_parse_decides(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Envoy's unsampled `traceparent` is recognised by one regex (`_UNSAMPLED_V00`), not parsed: for every
+    shape, valid or not, the exchange decides what the parse alone decides (followed, or a trace of its own)."""
+    odd = [UNSAMPLED, UNSAMPLED.upper().replace("X", "x"), f"00-{'0' * 32}-{PARENT_ID}-00",
+           f"00-{TRACE_ID}-{'0' * 16}-00", f"00-{TRACE_ID}-{PARENT_ID}-02", f"00-{TRACE_ID[:-1]}_-{PARENT_ID}-00",
+           f"00-{TRACE_ID}-{PARENT_ID}-00-x", f"01-{TRACE_ID}-{PARENT_ID}-00", f"00-{TRACE_ID}-{PARENT_ID}-0",
+           f"00-+{TRACE_ID[1:]}-{PARENT_ID}-00", f"00-{TRACE_ID}-{PARENT_ID}-00 ", SAMPLED, "garbage-00"]
+
+    def decide(tr: Tracing, sampler: Any, tp: str, where: str) -> tuple[Any, ...]:
+        md, hs = (((TRACEPARENT_KEY, tp),), {}) if where == "gateway" else ((), {"traceparent": [tp]})
+        span, sent = tr.exchange(Context(md), hs, "POST", "/p")
+        if span is None:  # followed (nothing sent), or a trace of its own, unsampled (fresh random ids)
+            return ("followed",) if not sent else ("root",)
+        if span.parent_id is None:  # a trace of its own, sampled (at ratio 0.5, by its random id)
+            return ("root",) if sampler is ratio else ("root", "sampled")
+        return "span", span.trace_id, span.parent_id, [k for k, _ in sent]
+
+    ratio = ParentBased(TraceIdRatioBased(0.5))
+
+    for sampler in (ParentBased(ALWAYS_ON), ratio, ALWAYS_ON):
+        tr, _ = memory_tracing(sampler)
+        for where in ("gateway", "client"):
+            for tp in odd:
+                fast = decide(tr, sampler, tp, where)
+                monkeypatch.setattr(spans, "_UNSAMPLED_V00", lambda value: None)  # every one parsed
+                parsed = decide(tr, sampler, tp, where)
+                monkeypatch.undo()
+                assert fast == parsed, (tp, where, sampler)
+    assert spans._UNSAMPLED_V00(UNSAMPLED) is not None  # the fast path is taken for Envoy's shape
 
 
 def test_traceparent_fast_parse_accepts_only_version_00() -> None:

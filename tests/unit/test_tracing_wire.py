@@ -154,6 +154,7 @@ def test_the_resource_and_scope_encoded_once_are_what_the_sdk_writes_with_or_wit
     for schema in ("", "https://opentelemetry.io/schemas/1.21.0"):
         keep = Keep(Resource.create({"service.name": "epp", "n": 3}, schema_url=schema or None))
         records: list[Any] = [(0xABC, "", 0x1234, 0, 10, 20, {"long": "v" * 200}, None, ()),
+                              (0xABE, "", 0x1236, 0, 10, 20, {"longer": "w" * 20_000}, None, ()),  # 3-byte lengths
                               (0xABD, "", 0x1235, 0, 10, 20, {}, None, ())]
         assert wire(keep, records) == sdk(keep, records)
         assert wire(keep, records[1:]) == sdk(keep, records[1:])
