@@ -15,7 +15,8 @@ One trace per request, joined to the gateway's:
   that writes what only a committed decision knows onto the exchange's span.
 
 Cheap when on: the sampling decision is made once per request, before any span object exists; a request
-that is not sampled makes none (a context lookup per stage, about a microsecond in all), and a sampled one
+that is not sampled makes none (a counter test per stage; a context lookup while another request's sampled
+decision is attached), and a sampled one
 records its stages as tuples, queued as one record and written as OTLP's bytes on the exporter's thread, for
 the SDK's own OTLP exporters (`Tracing`, `SpanQueue` and `otlp_wire` say why). No prompt text and no token ids
 are ever put in a span.
