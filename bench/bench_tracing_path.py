@@ -17,12 +17,15 @@ inside the measurement. The cases:
   - envoyonly: tracing off, Envoy's context in the metadata (90% flags 00, 10% 01): the header block alone;
   - gw00 / gw01: tracing on (parent-based), every request's context unsampled / sampled;
   - envoy10: tracing on, Envoy samples 10% (gw00 nine times in ten, gw01 the tenth);
-  - picker10: tracing on, no context, the picker samples 10% itself (`parentbased_traceidratio` 0.1).
+  - picker10: tracing on, no context, the picker samples 10% itself (`parentbased_traceidratio` 0.1);
+  - picker0 / picker100: the same at a ratio of 0 / 1 (every trace the picker starts unsampled / sampled):
+    picker10's two halves, whose 0.9/0.1 mix (printed) is picker10 without the draw of which requests the
+    ratio samples (the trace ids are random: in 400 requests, 40 +- 6 are sampled, ~+-2k instructions).
 
 `--callgrind` runs each case under `valgrind --tool=callgrind` twice, counting instructions only around the
 measured loop (`callgrind_control -i on/off`), with `--requests` and a fifth of it: the difference over the
 difference in requests is the instructions per request, the same on every run to a few hundred (about 4
-minutes in all). h2grpc's Huffman strings are decoded by its C decoder where built; `EPP_H2GRPC_PURE=1` (passed
+minutes in all; the module `random`, which draws the trace ids, is seeded the same in every run). h2grpc's Huffman strings are decoded by its C decoder where built; `EPP_H2GRPC_PURE=1` (passed
 on to the runs) decodes them in pure Python.
 """
 
@@ -47,7 +50,7 @@ import hpack
 from h2grpc import hpack_decode
 from h2grpc.call import Call
 
-CASES = ("off", "envoyonly", "gw00", "gw01", "envoy10", "picker10")
+CASES = ("off", "envoyonly", "gw00", "gw01", "envoy10", "picker10", "picker0", "picker100")
 # Envoy 1.40's first two representations of every ext_proc stream: `:method POST` (static index 3) and `:path`
 # as a literal without indexing, its value Huffman-coded (captured from its HTTP/2 codec)
 ENVOY_HEAD = bytes.fromhex("8304a560b5773fa5d05b3b98855cbe5315761c8bf7657c1e525b2a1d1aec390a841ec635d8721508")
@@ -63,7 +66,7 @@ def metadata(rng: random.Random, flags: str | None) -> list[tuple[str, str]]:
 
 
 def flags_of(case: str, i: int) -> str | None:
-    if case in ("off", "picker10"):
+    if case in ("off", "picker10", "picker0", "picker100"):
         return None
     if case == "gw00":
         return "00"
@@ -79,9 +82,12 @@ def blocks(case: str, n: int) -> list[bytes]:
 
 
 class Context:
-    """The servicer context as h2grpc's `Call` is one: its metadata filtered from the decoded fields when asked."""
+    """The servicer context as h2grpc's `Call` is one: its metadata filtered from the decoded fields when asked,
+    or one field of it (`metadata_value`, where the tree's Call has it)."""
 
     invocation_metadata = Call.invocation_metadata
+    if hasattr(Call, "metadata_value"):
+        metadata_value = Call.metadata_value
 
     def __init__(self, headers: list[tuple[str, str]]) -> None:
         self.headers = headers
@@ -111,7 +117,8 @@ class Setup:
         if case not in ("off", "envoyonly"):
             queue = SpanQueue(Null(), Resource.create({"service.name": "bench"}), wire=True, delay_s=3600,
                               batch=1 << 30, max_queue=1 << 30)  # never exported: encoded below, timed
-            root = ParentBased(TraceIdRatioBased(0.1)) if case == "picker10" else ParentBased(ALWAYS_ON)
+            ratio = {"picker10": 0.1, "picker0": 0.0, "picker100": 1.0}.get(case)
+            root = ParentBased(TraceIdRatioBased(ratio)) if ratio is not None else ParentBased(ALWAYS_ON)
             self.tracing = Tracing(queue, root)
         self.svc = servicer(self.tracing)
         self.msgs = request({"content-type": "application/json",
@@ -162,6 +169,7 @@ def timed(n: int, repeats: int) -> None:
 
 def instrumented(case: str, n: int) -> None:
     """Run under callgrind with instrumentation off: on around the measured loop only."""
+    random.seed(46)  # the trace ids the picker draws: the same in every run of one tree
     setup = Setup(case)
     asyncio.run(setup.run(blocks(case, 300)))  # warm
     sequence = blocks(case, n)
@@ -190,6 +198,10 @@ def callgrind(n: int, json_path: str | None = None, cases: tuple[str, ...] = CAS
               flush=True)
     base = counts["off"]
     print("over off: " + ", ".join(f"{c} x{counts[c] / base:.3f}" for c in cases))
+    mix = None
+    if "picker0" in counts and "picker100" in counts:
+        mix = round(0.9 * counts["picker0"] + 0.1 * counts["picker100"]) - base
+        print(f"picker10 as 0.9 picker0 + 0.1 picker100: {mix:+,d} over off (x{(base + mix) / base:.3f})")
     if json_path:
         try:
             from h2grpc import native
@@ -201,6 +213,7 @@ def callgrind(n: int, json_path: str | None = None, cases: tuple[str, ...] = CAS
             json.dump({"requests": n, "commit": commit, "huffman_c": huffman_c,
                        "instructions_per_request": counts,
                        "over_off": {c: counts[c] - base for c in cases},
+                       "picker10_mix_over_off": mix,
                        "ratio_to_off": {c: round(counts[c] / base, 4) for c in cases}}, f, indent=1)
             f.write("\n")
 

@@ -27,6 +27,8 @@ _F32 = struct.Struct("<I").pack
 def _varint(n: int) -> bytes:
     if n < 0x80:
         return bytes((n,))
+    if n < 0x4000:  # a span's length, most attributes' blocks: two bytes, no loop
+        return bytes(((n & 0x7F) | 0x80, n >> 7))
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)
@@ -114,40 +116,80 @@ def attributes(tag: int, attrs: Mapping[str, Any]) -> bytes:
 _NAMES: dict[str, bytes] = {}  # a span's name field, encoded once (the picker's span names are a handful)
 _NO_STATUS = b"\x7A\x00"  # an empty Status (UNSET, no message)
 _FLAGS = {True: b"\x85\x01" + _F32(_HAS_IS_REMOTE | _IS_REMOTE), False: b"\x85\x01" + _F32(_HAS_IS_REMOTE)}
+_FLAGS_REMOTE, _FLAGS_LOCAL = _FLAGS[True], _FLAGS[False]
+# the fixed-size fields, packed in one call each: span_id = 2 (the id's 8 bytes, big-endian as the SDK writes
+# ids), with or without parent_span_id = 4 after it; kind = 6, start = 7 and end = 8 (fixed64, little-endian)
+_SID = struct.Struct(">Q").pack
+_SID_PARENT = struct.Struct(">QHQ").pack
+_PARENT = struct.Struct(">HQ").pack
+_TIMES = struct.Struct("<BBBQBQ").pack
+_HEAD = struct.Struct(">HQQH").pack
+_LOW64 = (1 << 64) - 1
 
 
-def span(trace_id: bytes, span_id: int, trace_state: str, parent_id: int, parent_remote: bool, name: str,
+def span_head(trace_id: int) -> bytes:
+    """A span's first bytes up to its span id's value: trace_id = 1 (16 bytes) and span_id's tag and length;
+    the same for every span of a trace (`span` takes it made once)."""
+    return _HEAD(0x0A10, trace_id >> 64, trace_id & _LOW64, 0x1208)
+
+
+def trace_state(text: str) -> bytes:
+    """A span's trace_state = 3 field (empty: none), the same for every span of a trace."""
+    return _string(0x1A, text)
+
+
+def span(head: bytes, span_id: int, state: bytes, parent_id: int, parent_remote: bool, name: str,
          kind: int, start: int, end: int, attrs: Mapping[str, Any], status: tuple[int, str] | None) -> bytes:
-    """One Span (trace.proto), its fields in number order as protobuf's own encoder writes them. `kind` is the
-    SDK's SpanKind value (the wire's is one more); `status` (code, message) or None for UNSET."""
-    out = [b"\x0A\x10", trace_id, b"\x12\x08", span_id.to_bytes(8, "big")]
-    if trace_state:
-        out.append(_string(0x1A, trace_state))
-    if parent_id:
-        out += (b"\x22\x08", parent_id.to_bytes(8, "big"))
+    """One Span (trace.proto), its fields in number order as protobuf's own encoder writes them. `head`:
+    `span_head(trace id)`; `state`: `trace_state(its text)`; `kind` is the SDK's SpanKind value (the wire's is one
+    more); `status` (code, message) or None for UNSET."""
+    if state:
+        ids = _SID(span_id) + state + (_PARENT(0x2208, parent_id) if parent_id else b"")
+    elif parent_id:
+        ids = _SID_PARENT(span_id, 0x2208, parent_id)
+    else:
+        ids = _SID(span_id)
     field = _NAMES.get(name)
     if field is None:
         field = _string(0x2A, name)
         if len(_NAMES) < _MAX_KEYS:
             _NAMES[name] = field
-    out += (field, b"\x30", bytes((kind + 1,)), b"\x39", _F64(start), b"\x41", _F64(end), attributes(0x4A, attrs))
     if status is None:
-        out.append(_NO_STATUS)
+        st = _NO_STATUS
     else:
         code, message = status
-        out.append(_ld(0x7A, _string(0x12, message) + (b"\x18" + _varint(code) if code else b"")))
-    out.append(_FLAGS[bool(parent_id and parent_remote)])
-    return b"".join(out)
+        st = _ld(0x7A, _string(0x12, message) + (b"\x18" + _varint(code) if code else b""))
+    return b"".join((head, ids, field, _TIMES(0x30, kind + 1, 0x39, start, 0x41, end), attributes(0x4A, attrs), st,
+                     _FLAGS_REMOTE if parent_id and parent_remote else _FLAGS_LOCAL))
+
+
+def envelope(resource_attrs: Mapping[str, Any], resource_schema: str, scope_name: str, scope_version: str
+             ) -> tuple[bytes, bytes, bytes]:
+    """What `request` writes around the spans, the same for every batch of one picker: (the Resource field, the
+    scope field, the schema_url field); made once (`request_from`)."""
+    return (_ld(0x0A, attributes(0x0A, resource_attrs)), _ld(0x0A, _string(0x0A, scope_name) +
+            _string(0x12, scope_version)), _string(0x1A, resource_schema))
+
+
+def request_from(env: tuple[bytes, bytes, bytes], spans: Iterable[bytes]) -> bytes:
+    """ExportTraceServiceRequest { ResourceSpans { Resource, ScopeSpans { scope, spans } } } around `spans`
+    (each `span`'s bytes), its `envelope` made before: one resource and one instrumentation scope, the picker's."""
+    resource, scope, schema = env
+    body = [scope]
+    append = body.append
+    for s in spans:
+        n = len(s)
+        append(bytes((0x12, n)) if n < 0x80 else bytes((0x12, (n & 0x7F) | 0x80, n >> 7)) if n < 0x4000
+               else b"\x12" + _varint(n))
+        append(s)
+    scope_spans = _ld(0x12, b"".join(body))
+    return _ld(0x0A, resource + scope_spans + schema)
 
 
 def request(resource_attrs: Mapping[str, Any], resource_schema: str, scope_name: str, scope_version: str,
             spans: Iterable[bytes]) -> bytes:
-    """ExportTraceServiceRequest { ResourceSpans { Resource, ScopeSpans { scope, spans } } } around `spans`
-    (each `span`'s bytes): one resource and one instrumentation scope, the picker's."""
-    resource = _ld(0x0A, attributes(0x0A, resource_attrs))
-    scope = _ld(0x0A, _string(0x0A, scope_name) + _string(0x12, scope_version))
-    scope_spans = _ld(0x12, scope + b"".join(_ld(0x12, s) for s in spans))
-    return _ld(0x0A, resource + scope_spans + _string(0x1A, resource_schema))
+    """`request_from` with the envelope made for this call."""
+    return request_from(envelope(resource_attrs, resource_schema, scope_name, scope_version), spans)
 
 
 class Encoded(Sequence[bytes]):

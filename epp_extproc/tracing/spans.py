@@ -15,7 +15,8 @@ One trace per request, joined to the gateway's:
   that writes what only a committed decision knows onto the exchange's span.
 
 Cheap when on: the sampling decision is made once per request, before any span object exists; a request
-that is not sampled makes none (a context lookup per stage, about a microsecond in all), and a sampled one
+that is not sampled makes none (a counter test per stage; a context lookup while another request's sampled
+decision is attached), and a sampled one
 records its stages as tuples, queued as one record and written as OTLP's bytes on the exporter's thread, for
 the SDK's own OTLP exporters (`Tracing`, `SpanQueue` and `otlp_wire` say why). No prompt text and no token ids
 are ever put in a span.
@@ -25,10 +26,12 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from operator import itemgetter
 from time import time_ns
 from typing import Any
 from urllib.parse import urlsplit
@@ -186,9 +189,24 @@ def _int_env(environ: Mapping[str, str], name: str, default: int) -> int:
 
 
 _LOW64 = (1 << 64) - 1
+_getrandbits = random.getrandbits  # the module's generator (seeded as `random.seed` seeds it), bound once
 _SAMPLED = TraceFlags(0x01)
 _SCOPE = InstrumentationScope("epp_extproc")
 _UNSET = Status(StatusCode.UNSET)
+
+
+def _first(metadata: Iterable[tuple[str, str]] | None, key: str) -> str | None:
+    """The first value of `key` in a servicer context's metadata (grpc.aio's: a tuple, or None)."""
+    for k, v in metadata or ():
+        if k == key:
+            return v
+    return None
+
+
+# A version-00 `traceparent` that `_parse_traceparent` reads as valid and unsampled (lower-case hex, neither id
+# zero, flags 00): what Envoy's tracer sends for the requests it does not sample, checked by one regex match
+# (~3.6k instructions) where the parse makes three ints (~9k). Anything else is parsed.
+_UNSAMPLED_V00 = re.compile(r"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-00").fullmatch
 
 
 def _parse_traceparent(value: str) -> tuple[int, int, int] | None:
@@ -224,34 +242,13 @@ def _sampling_shape(sampler: otel_sampling.Sampler) -> tuple[bool, float | None]
     return follows, None
 
 
-class Passed:
-    """A request this picker does not record (its trace is not sampled): no span object at all; the worker
-    still gets the unsampled context the picker started, so the engine makes the same decision."""
-
-    __slots__ = ("_headers",)
-
-    def __init__(self, headers: list[tuple[str, str]]) -> None:
-        self._headers = headers
-
-    def attach(self) -> None:
-        return None
-
-    @staticmethod
-    def detach(token: object) -> None:
-        return None
-
-    def worker_headers(self) -> list[tuple[str, str]]:
-        return self._headers
-
-    def failed(self, err: PickError) -> None:
-        return None
-
-    def end(self) -> None:
-        return None
-
-
 # The sampled request whose decision is running (set by ExchangeSpan.attach): the stage wrappers record into it.
 _CURRENT = CURRENT
+# How many sampled requests are attached right now (`ExchangeSpan.attach` .. `detach`), in any task. While none
+# is, no task's request can be recorded, and the stage wrappers pass straight on without the context lookup
+# (~700 instructions each, four or five per request: most of what an unsampled request's stages cost); while one
+# is (a sampled decision waiting on its render call, say), every wrapper asks the context, as before.
+_attached = 0
 
 
 # One sampled request, as it waits for the exporter: only ints, strings and dicts of them, so that the cyclic
@@ -282,6 +279,9 @@ class SpanQueue:
         self.resource = resource
         self._convert = self._encoded if wire else self._spans
         self._resource_attrs = dict(resource.attributes)
+        # the request's resource and scope, the same in every batch: encoded once
+        self._envelope = otlp_wire.envelope(self._resource_attrs, resource.schema_url, _SCOPE.name,
+                                            _SCOPE.version or "")
         self.max_queue = max_queue
         self.delay_s = delay_s
         self.batch = batch
@@ -359,24 +359,24 @@ class SpanQueue:
     def _encoded(self, records: Sequence[Record | Loose]) -> otlp_wire.Encoded:
         """The records as one OTLP request's bytes: what `_spans` makes, without its objects."""
         out: list[bytes] = []
-        span = otlp_wire.span
+        span, head_of, server, error = otlp_wire.span, otlp_wire.span_head, SpanKind.SERVER.value, _ERROR
         for record in records:
-            if isinstance(record[0], str):
+            if record[0].__class__ is str:
                 name, kind, trace_id, span_id, parent_id, t0, t1, attrs, err = record  # type: ignore[misc]
-                out.append(span(trace_id.to_bytes(16, "big"), span_id, "", parent_id, False, name, kind, t0, t1,
-                                attrs, _wire_status(err)))
+                out.append(span(head_of(trace_id), span_id, b"", parent_id, False, name, kind, t0, t1, attrs,
+                                None if err is None else (error, err)))
                 continue
             trace_id, state_header, span_id, parent_id, t0, t1, attrs, err, children = record  # type: ignore[misc]
-            tid = trace_id.to_bytes(16, "big")
-            state = _state_text(state_header)
-            out.append(span(tid, span_id, state, parent_id, True, EXCHANGE_SPAN, SpanKind.SERVER.value, t0, t1,
-                            attrs, _wire_status(err)))
-            known = {span_id, *(child[2] for child in children)}  # a parent outside the record: none (as `_spans`)
+            head = head_of(trace_id)  # the trace id's bytes, once for the record's spans
+            state = otlp_wire.trace_state(_state_text(state_header)) if state_header else b""
+            out.append(span(head, span_id, state, parent_id, True, EXCHANGE_SPAN, server, t0, t1, attrs,
+                            None if err is None else (error, err)))
+            known = set(map(_ID_OF, children))  # a parent outside the record: none (as `_spans`)
+            known.add(span_id)
             for name, kind, cid, pid, c0, c1, cattrs, cerr in children:
-                out.append(span(tid, cid, state, pid if pid in known else 0, False, name, kind, c0, c1, cattrs,
-                                _wire_status(cerr)))
-        return otlp_wire.Encoded(out, otlp_wire.request(self._resource_attrs, self.resource.schema_url,
-                                                        _SCOPE.name, _SCOPE.version or "", out))
+                out.append(span(head, cid, state, pid if pid in known else 0, False, name, kind, c0, c1, cattrs,
+                                None if cerr is None else (error, cerr)))
+        return otlp_wire.Encoded(out, otlp_wire.request_from(self._envelope, out))
 
     def _loose(self, record: Loose) -> ReadableSpan:
         name, kind, trace_id, span_id, parent_id, t0, t1, attrs, err = record
@@ -406,9 +406,9 @@ def _status(err: str | None) -> Status:
     return _UNSET if err is None else Status(StatusCode.ERROR, err or None)
 
 
-def _wire_status(err: str | None) -> tuple[int, str] | None:
-    """`_status` as (code, message) for `otlp_wire.span`."""
-    return None if err is None else (StatusCode.ERROR.value, err)
+_ERROR = StatusCode.ERROR.value
+_CLIENT, _INTERNAL = SpanKind.CLIENT.value, SpanKind.INTERNAL.value
+_ID_OF = itemgetter(2)  # a child's span id
 
 
 def _state_text(header: str) -> str:
@@ -462,17 +462,17 @@ class Tracing:
         self.queue.shutdown()
 
     # ------------------------------------------------------------------------------ the decision
-    def exchange(self, metadata: Iterable[tuple[str, str]], headers: Mapping[str, list[str]], method: str,
-                 path: str) -> ExchangeSpan | Passed | None:
-        """The request's span when its trace is sampled; otherwise no span at all: None when the context it
-        came with reaches the worker anyway (Envoy's, or the client's header), `Passed` when the picker starts
-        the trace. With the usual samplers this is a string check and a random number: the 90% of requests a
-        10% sampling does not record cost about a microsecond."""
-        gateway = None
-        for k, v in metadata:
-            if k == TRACEPARENT:
-                gateway = v
-                break
+    def exchange(self, context: Any, headers: Mapping[str, list[str]], method: str, path: str
+                 ) -> tuple[ExchangeSpan | None, Sequence[tuple[str, str]]]:
+        """(the request's span when its trace is sampled, else None; the headers the worker must get). No span
+        object for an unsampled trace: no header when the context it came with reaches the worker anyway
+        (Envoy's, or the client's header), a fresh unsampled `traceparent` when the picker starts the trace.
+        `context` is the stream's servicer context: its initial metadata holds Envoy's context (read with
+        h2grpc's `metadata_value` where the context has it: one field, not the tuple). With the usual samplers
+        this is a string check and a random number: the 90% of requests a 10% sampling does not record cost
+        about a microsecond."""
+        lookup = getattr(context, "metadata_value", None)
+        gateway = lookup(TRACEPARENT) if lookup is not None else _first(context.invocation_metadata(), TRACEPARENT)
         from_gateway = gateway is not None
         if from_gateway:
             given: str | None = gateway
@@ -480,11 +480,20 @@ class Tracing:
             values = headers.get(TRACEPARENT)
             given = values[0] if values else None
         if given is None and self._fast_root:  # the usual case of a picker that starts its traces
-            trace_id = random.getrandbits(128) or 1
+            # one draw: the trace id (the top 128 bits) and the exchange's span id (the low 64)
+            r = _getrandbits(192)
+            trace_id = r >> 64
+            if (trace_id & _LOW64) >= self._bound and trace_id and r & _LOW64:  # not sampled, no id zero
+                # TraceIdRatioBased's rule said no. Flags 02: not sampled, and a random trace id (Trace Context
+                # level 2, as the SDK marks its own). Both ids' hex at once: 16 bytes, a dash, 8 bytes.
+                return None, [(TRACEPARENT, f"00-{r.to_bytes(24, 'big').hex('-', -16)}-02")]
+            trace_id, span_id = trace_id or 1, r & _LOW64 or 1  # W3C: an id is never zero
             if (trace_id & _LOW64) < self._bound:  # TraceIdRatioBased's rule
-                return ExchangeSpan(self, trace_id, None, False, headers.get(TRACESTATE), path)
-            # flags 02: not sampled, and a random trace id (Trace Context level 2, as the SDK marks its own)
-            return Passed([(TRACEPARENT, f"00-{trace_id:032x}-{random.getrandbits(64) or 1:016x}-02")])
+                span = ExchangeSpan(self, trace_id, None, False, headers.get(TRACESTATE), path, span_id)
+                return span, span.worker_headers
+            return None, [(TRACEPARENT, f"00-{trace_id:032x}-{span_id:016x}-02")]
+        if self._follows and given is not None and given.endswith("-00") and _UNSAMPLED_V00(given) is not None:
+            return None, ()  # Envoy's 90%: a valid unsampled parent, followed, without parsing its ids
         parent: tuple[int, int, int] | None = None
         if given is not None:
             parent = _parse_traceparent(given)
@@ -492,22 +501,25 @@ class Tracing:
                 sc = trace.get_current_span(_W3C.extract({TRACEPARENT: given})).get_span_context()
                 parent = (sc.trace_id, sc.span_id, int(sc.trace_flags)) if sc.is_valid else None
         if parent is not None and self._follows and not parent[2] & 1:
-            return None  # an unsampled parent, followed (Envoy's 90%): its own header goes on to the worker
+            return None, ()  # an unsampled parent, followed (Envoy's 90%): its own header goes on to the worker
         # the tracestate only for a request that may be recorded (read from where its traceparent came)
-        state_values = [v for k, v in metadata if k == TRACESTATE] if from_gateway else headers.get(TRACESTATE)
+        state_values = [v for k, v in context.invocation_metadata() or () if k == TRACESTATE] if from_gateway \
+            else headers.get(TRACESTATE)
         if parent is not None and self._follows:
-            return ExchangeSpan(self, parent[0], parent[1], from_gateway, state_values, path)
-        trace_id = parent[0] if parent is not None else (random.getrandbits(128) or 1)
+            span = ExchangeSpan(self, parent[0], parent[1], from_gateway, state_values, path)
+            return span, span.worker_headers
+        trace_id = parent[0] if parent is not None else (_getrandbits(128) or 1)
         ctx = None
         if parent is not None:
             ctx = trace.set_span_in_context(NonRecordingSpan(SpanContext(
                 parent[0], parent[1], is_remote=True, trace_flags=TraceFlags(parent[2]))))
         if self.sampler.should_sample(ctx, trace_id, EXCHANGE_SPAN, SpanKind.SERVER).decision.is_sampled():
-            return ExchangeSpan(self, trace_id, parent[1] if parent is not None else None, from_gateway,
+            span = ExchangeSpan(self, trace_id, parent[1] if parent is not None else None, from_gateway,
                                 state_values, path)
+            return span, span.worker_headers
         if parent is not None:
-            return None
-        return Passed([(TRACEPARENT, f"00-{trace_id:032x}-{random.getrandbits(64) or 1:016x}-02")])
+            return None, ()
+        return None, [(TRACEPARENT, f"00-{trace_id:032x}-{_getrandbits(64) or 1:016x}-02")]
 
     # ------------------------------------------------------------------------------ the stages
     def renderer(self, inner: Renderer) -> TracedRenderer:
@@ -532,7 +544,7 @@ class Tracing:
         (a context lookup otherwise, and no object): a child of its decision, ended by the sync plane when
         the booking left (`PublishSpan`). `plane` grpc (the mesh: the RPC conventions' attributes) or nats
         (the messaging conventions', `subject` its destination)."""
-        rec = _CURRENT.get()
+        rec = _CURRENT.get() if _attached else None
         if rec is None:
             return None
         name, attrs = _sync_span(plane, subject, "send", "publish")
@@ -570,13 +582,13 @@ class Tracing:
         root span of its own trace, ending now; sampled by the sampler's rule for a root (its ratio), so a
         pool that restarts at 10% sampling records one load in ten. Rare by nature: the SDK's sampler is asked
         when the picker's own shortcut does not apply."""
-        trace_id = random.getrandbits(128) or 1
+        trace_id = _getrandbits(128) or 1
         if self._fast_root:
             if (trace_id & _LOW64) >= self._bound:
                 return
         elif not self.sampler.should_sample(None, trace_id, name, kind).decision.is_sampled():
             return
-        self.queue.put((name, kind.value, trace_id, random.getrandbits(64) or 1, 0, start_ns, time_ns(), attrs,
+        self.queue.put((name, kind.value, trace_id, _getrandbits(64) or 1, 0, start_ns, time_ns(), attrs,
                         error))
 
 
@@ -585,20 +597,20 @@ def _clip(text: str, limit: int = 256) -> str:
 
 
 # ------------------------------------------------------------------------------------------ the exchange
-_Child = tuple[str, SpanKind, int, int, int, int, dict[str, Any], Status | None]  # name, kind, id, parent, t0, t1
+_Child = tuple[str, int, int, int, int, int, dict[str, Any], "str | None"]  # name, kind, id, parent, t0, t1
 
 
 class ExchangeSpan:
     """One sampled ext_proc stream: its server span and the stages recorded under it, exported at `end()`."""
 
     __slots__ = ("tracing", "trace_id", "span_id", "parent_id", "from_gateway", "start", "attrs", "children",
-                 "current", "decision", "error", "_state", "_ended")
+                 "current", "decision", "error", "worker_headers", "_state", "_ended")
 
     def __init__(self, tracing: Tracing, trace_id: int, parent_id: int | None, from_gateway: bool,
-                 state_values: list[str] | None, path: str) -> None:
+                 state_values: list[str] | None, path: str, span_id: int = 0) -> None:
         self.tracing = tracing
         self.trace_id = trace_id
-        self.span_id = random.getrandbits(64) or 1
+        self.span_id = span_id or (_getrandbits(64) or 1)
         self.parent_id = parent_id
         # Envoy's tracing on: its gRPC client put the request's span in the stream's metadata (the request's own
         # header, if any, is the client's, and Envoy already continued it). Off: the client's header, if any.
@@ -616,30 +628,33 @@ class ExchangeSpan:
         self.decision = 0  # the last decision span's id: the parent of its booking's publish to the peers
         self.error: str | None = None
         self._ended = False
+        # the `traceparent` the chosen worker must get: none when the gateway traces (its router injects its
+        # own), else this span's, so that the engine's spans join the request's trace
+        self.worker_headers: list[tuple[str, str]] = []
+        if not from_gateway:
+            self.worker_headers.append((TRACEPARENT, f"00-{trace_id:032x}-{self.span_id:016x}-01"))
+            if self._state:
+                self.worker_headers.append((TRACESTATE, self._state))
 
     def attach(self) -> object:
         """Make this request current (logs carry its ids, the stages record under it) until `detach`."""
-        return _CURRENT.set(self)
+        global _attached
+        token = _CURRENT.set(self)
+        _attached += 1
+        return token
 
     @staticmethod
     def detach(token: object) -> None:
+        global _attached
         if token is not None:
             _CURRENT.reset(token)  # type: ignore[arg-type]
+            _attached -= 1  # after the reset: if that raised, the count errs high (a lookup), never low
 
-    def worker_headers(self) -> list[tuple[str, str]]:
-        """The `traceparent` the chosen worker must get: none when the gateway traces (its router injects its
-        own), else this span's, so that the engine's spans join the request's trace."""
-        if self.from_gateway:
-            return []
-        out = [(TRACEPARENT, f"00-{self.trace_id:032x}-{self.span_id:016x}-01")]
-        if self._state:
-            out.append((TRACESTATE, self._state))
-        return out
-
-    def child(self, name: str, kind: SpanKind, start: int, attrs: dict[str, Any], error: str | None = None,
+    def child(self, name: str, kind: int, start: int, attrs: dict[str, Any], error: str | None = None,
               span_id: int = 0, parent_id: int = 0) -> None:
-        """A stage's span, ending now; `error` (its description, may be empty) makes its status ERROR."""
-        self.children.append((name, kind.value, span_id or (random.getrandbits(64) or 1),
+        """A stage's span, ending now; `kind` a SpanKind's value (`_CLIENT`, `_INTERNAL`: the enum's `.value` is a
+        property, a microsecond); `error` (its description, may be empty) makes its status ERROR."""
+        self.children.append((name, kind, span_id or (_getrandbits(64) or 1),
                               parent_id or self.current, start, time_ns(), attrs, error))
 
     def failed(self, err: PickError) -> None:
@@ -682,7 +697,7 @@ class TracedRenderer:
 
     def render(self, kind: str, body: bytes, *, count: bool = True) -> Awaitable[Rendered]:
         """The inner call itself when the request is not recorded: no coroutine of this wrapper in between."""
-        rec = _CURRENT.get()
+        rec = _CURRENT.get() if _attached else None
         if rec is None or not count:
             return self.inner.render(kind, body, count=count)
         return self._traced(rec, kind, body)
@@ -708,7 +723,7 @@ class TracedRenderer:
             attrs["http.response.status_code"] = 200
             return out
         finally:
-            rec.child("POST", SpanKind.CLIENT, t0, attrs, error)
+            rec.child("POST", _CLIENT, t0, attrs, error)
 
 
 class TracedKv:
@@ -735,27 +750,27 @@ class TracedKv:
         return getattr(self.inner, name)
 
     def overlap(self, prompt: PromptKey, workers: Sequence[str]) -> Mapping[str, int]:
-        rec = _CURRENT.get()
+        rec = _CURRENT.get() if _attached else None
         if rec is None:
             return self.inner.overlap(prompt, workers)
         t0, outer, first = time_ns(), rec.current, len(rec.children)
-        span_id = rec.current = random.getrandbits(64) or 1
+        span_id = rec.current = _getrandbits(64) or 1
         try:
             out = self.inner.overlap(prompt, workers)
         finally:
             rec.current = outer
         attrs = {"epp.kv.workers": len(workers), "epp.kv.best_overlap_blocks": max(out.values(), default=0)}
         _unanswered(rec, first, attrs)
-        rec.child(KV_LOOKUP_SPAN, SpanKind.INTERNAL, t0, attrs, span_id=span_id, parent_id=outer)
+        rec.child(KV_LOOKUP_SPAN, _INTERNAL, t0, attrs, span_id=span_id, parent_id=outer)
         return out
 
     def _overlap_array(self, prompt: PromptKey, workers: Sequence[str]) -> Any:
-        rec = _CURRENT.get()
+        rec = _CURRENT.get() if _attached else None
         assert self._array is not None
         if rec is None:
             return self._array(prompt, workers)
         t0, outer, first = time_ns(), rec.current, len(rec.children)
-        span_id = rec.current = random.getrandbits(64) or 1
+        span_id = rec.current = _getrandbits(64) or 1
         try:
             out = self._array(prompt, workers)
         finally:
@@ -765,12 +780,14 @@ class TracedKv:
             return None
         attrs = {"epp.kv.workers": len(workers), "epp.kv.best_overlap_blocks": int(out.max()) if len(out) else 0}
         _unanswered(rec, first, attrs)
-        rec.child(KV_LOOKUP_SPAN, SpanKind.INTERNAL, t0, attrs, span_id=span_id, parent_id=outer)
+        rec.child(KV_LOOKUP_SPAN, _INTERNAL, t0, attrs, span_id=span_id, parent_id=outer)
         return out
 
 
 def _unanswered(rec: ExchangeSpan, first: int, attrs: dict[str, Any]) -> None:
     """The lookup's shards that did not answer (their spans since `first`): their workers got no KV credit."""
+    if len(rec.children) == first:  # no shard's span (in-process ingest): nothing to count
+        return
     n = sum(1 for c in rec.children[first:] if c[0] == INGEST_LOOKUP_SPAN and c[7] is not None)
     if n:
         attrs["epp.kv.ingest.unanswered_shards"] = n
@@ -788,7 +805,7 @@ def ingest_answered(shard: int, result: str, start_ns: int, service_s: float | N
     the request is sampled: `result` ok, timeout or unavailable; `service_s` the shard's own time on it (the
     rest of the wait is the channel and the lookup's queue behind the shard's batch apply, `queued_s`);
     `batch_lag_s` how old the shard's newest applied event batch was when applied (its publisher's stamp)."""
-    rec = _CURRENT.get()
+    rec = _CURRENT.get() if _attached else None
     if rec is None:
         return
     attrs: dict[str, Any] = {"network.transport": "unix", "epp.kv.ingest.shard": shard,
@@ -802,7 +819,7 @@ def ingest_answered(shard: int, result: str, start_ns: int, service_s: float | N
         attrs["epp.kv.ingest.queued_s"] = max(0.0, (time_ns() - start_ns) / 1e9 - service_s)
     if batch_lag_s is not None:
         attrs["epp.kv.ingest.batch_lag_s"] = batch_lag_s
-    rec.child(INGEST_LOOKUP_SPAN, SpanKind.CLIENT, start_ns, attrs, error)
+    rec.child(INGEST_LOOKUP_SPAN, _CLIENT, start_ns, attrs, error)
 
 
 def _plugin_names(handler: Any) -> tuple[str, list[str], list[str]]:
@@ -836,11 +853,11 @@ class TracedScheduler:
         return getattr(self.inner, name)
 
     def schedule(self, req: SchedulingRequest, addresses: Sequence[str]) -> SchedulingResult:
-        rec = _CURRENT.get()
+        rec = _CURRENT.get() if _attached else None
         if rec is None:
             return self.inner.schedule(req, addresses)
         t0, outer = time_ns(), rec.current
-        span_id = rec.current = rec.decision = random.getrandbits(64) or 1
+        span_id = rec.current = rec.decision = _getrandbits(64) or 1
         attrs = dict(self._static)
         error: str | None = None
         try:
@@ -857,7 +874,7 @@ class TracedScheduler:
             raise
         finally:
             rec.current = outer
-            rec.child(SCHEDULE_SPAN, SpanKind.INTERNAL, t0, attrs, error, span_id=span_id, parent_id=outer)
+            rec.child(SCHEDULE_SPAN, _INTERNAL, t0, attrs, error, span_id=span_id, parent_id=outer)
 
 
 def decision_attributes(req: SchedulingRequest, addresses: Sequence[str], result: SchedulingResult,
@@ -901,7 +918,7 @@ def traced_admission(inner: Callable[[RequestContext], Awaitable[Ticket]]
     """Flow control's wait for a ticket as a span (`epp.flow_control.waited_s`; an error when it drops)."""
 
     def admit(ctx: RequestContext) -> Awaitable[Ticket]:
-        rec = _CURRENT.get()
+        rec = _CURRENT.get() if _attached else None
         if rec is None:
             return inner(ctx)  # no coroutine of this wrapper in between
         return traced(rec, ctx)
@@ -911,11 +928,11 @@ def traced_admission(inner: Callable[[RequestContext], Awaitable[Ticket]]
         try:
             ticket = await inner(ctx)
         except PickError as e:
-            rec.child(FLOW_WAIT_SPAN, SpanKind.INTERNAL, t0,
+            rec.child(FLOW_WAIT_SPAN, _INTERNAL, t0,
                       {"error.type": e.problem.value, "epp.flow_control.waited_s": time.perf_counter() - started},
                       _clip(str(e), 200))
             raise
-        rec.child(FLOW_WAIT_SPAN, SpanKind.INTERNAL, t0, {"epp.flow_control.waited_s": ticket.waited_s})
+        rec.child(FLOW_WAIT_SPAN, _INTERNAL, t0, {"epp.flow_control.waited_s": ticket.waited_s})
         return ticket
 
     return admit
@@ -928,7 +945,7 @@ class TraceHook:
     name = "trace"
 
     def committed(self, p: Proposal, booking: BookingHandle) -> Stopwatch | None:
-        rec = _CURRENT.get()
+        rec = _CURRENT.get() if _attached else None
         if rec is None:
             return None
         rec.attrs["epp.endpoint"] = p.address  # the decision span has the rest
@@ -1006,5 +1023,5 @@ class PublishSpan:
         if self._ended:
             return
         self._ended = True
-        self.tracing.queue.put((self.name, SpanKind.PRODUCER.value, self.trace_id, random.getrandbits(64) or 1,
+        self.tracing.queue.put((self.name, SpanKind.PRODUCER.value, self.trace_id, _getrandbits(64) or 1,
                                 self.parent_id, self.start, time_ns(), self.attrs, self.error))

@@ -711,3 +711,9 @@ def test_invocation_metadata_is_the_request_headers_but_the_pseudo_headers_in_or
     call = Call(conn, 1, "/s/M", None, headers)  # type: ignore[arg-type]
     assert call.invocation_metadata() == (("te", "trailers"), ("", "empty name"), ("traceparent", "00-1-2-01"),
                                           ("tracestate", ""), ("x-colon", ":value"))
+    # one field without the tuple: the first of that name, as the tuple holds it; never a pseudo-header
+    call = Call(conn, 1, "/s/M", None, headers + [("traceparent", "second")])  # type: ignore[arg-type]
+    for key in ("te", "", "traceparent", "tracestate", "x-colon", ":path", ":method", "absent"):
+        want = next((v for k, v in call.invocation_metadata() if k == key), None)
+        assert call.metadata_value(key) == want, key
+    assert call.metadata_value("traceparent") == "00-1-2-01" and call.metadata_value(":path") is None

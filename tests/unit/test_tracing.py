@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -35,6 +36,7 @@ from epp_extproc.core.plan import Plan
 from epp_extproc.core.request import RequestContext
 from epp_extproc.dev import envoy_config
 from epp_extproc.envoy.extproc import ExtProcServicer
+from epp_extproc.gaie import DEST_HEADER
 from epp_extproc.metrics import PickerMetrics
 from epp_extproc.tracing import spans
 from epp_extproc.tracing.logs import TraceIds
@@ -46,6 +48,7 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
 SAMPLED = f"00-{TRACE_ID}-{PARENT_ID}-01"
 UNSAMPLED = f"00-{TRACE_ID}-{PARENT_ID}-00"
+TRACEPARENT_KEY = "traceparent"
 BODY = b'{"model":"m","messages":[{"role":"user","content":"secret prompt text"}]}'
 
 
@@ -243,11 +246,148 @@ def test_envoys_unsampled_context_is_read_in_one_pass_up_to_its_traceparent() ->
     tr, _ = memory_tracing()
     md = Metadata([("x-forwarded-for", "192.0.2.2"), ("traceparent", UNSAMPLED), ("tracestate", ""),
                    ("x-envoy-internal", "true")])
-    assert tr.exchange(md, {}, "POST", "/v1/chat/completions") is None
+    assert tr.exchange(Context(md), {}, "POST", "/v1/chat/completions") == (None, ())  # type: ignore[arg-type]
     assert md.read == ["x-forwarded-for", "traceparent"]
     md = Metadata([("traceparent", SAMPLED), ("tracestate", "k=v")])
-    span = tr.exchange(md, {}, "POST", "/v1/chat/completions")
+    span, sent = tr.exchange(Context(md), {}, "POST", "/v1/chat/completions")  # type: ignore[arg-type]
     assert isinstance(span, spans.ExchangeSpan) and span._state == "k=v"  # a sampled one keeps its tracestate
+    assert sent == []  # Envoy traces: its router passes the context on
+
+
+def test_h2grpcs_call_is_asked_for_the_traceparent_alone_and_the_answer_is_the_same() -> None:
+    """h2grpc's context gives one metadata field without building the tuple (`metadata_value`): the same
+    decision, span and parent as from `invocation_metadata()`; the tracestate is read only for a sampled one."""
+    import types
+
+    from h2grpc.call import Call
+
+    class Watched:
+        def __init__(self, call: Call) -> None:
+            self.call = call
+            self.asked: list[str] = []
+
+        def metadata_value(self, key: str) -> str | None:
+            self.asked.append(key)
+            return self.call.metadata_value(key)
+
+        def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+            self.asked.append("*")
+            return self.call.invocation_metadata()
+
+    conn = types.SimpleNamespace(peer_initial_window=65_535, window_shift=0, stream_window=65_535,
+                                 loop=types.SimpleNamespace(time=lambda: 0.0))
+    tr, _ = memory_tracing()
+    for tp, state in ((UNSAMPLED, ""), (SAMPLED, "k=v"), (None, "")):
+        fields = [(":method", "POST"), (":path", "/p"), ("x-forwarded-for", "192.0.2.2")]
+        if tp is not None:
+            fields += [("traceparent", tp), ("tracestate", state)]
+        call = Call(conn, 1, "/p", None, fields)  # type: ignore[arg-type]
+        watched = Watched(call)
+        got = tr.exchange(watched, {}, "POST", "/p")
+        want = tr.exchange(Context(call.invocation_metadata()), {}, "POST", "/p")
+        asked = watched.asked
+        if tp == UNSAMPLED:
+            assert got == want == (None, ()) and asked == ["traceparent"]
+        elif tp == SAMPLED:
+            assert got[0] is not None and want[0] is not None and asked == ["traceparent", "*"]
+            assert (got[0].trace_id, got[0].parent_id, got[0]._state, got[1]) == \
+                (want[0].trace_id, want[0].parent_id, "k=v", [])
+        else:  # no context: the picker starts a trace (always_on: sampled) and passes it on
+            assert got[0] is not None and got[0].parent_id is None and asked == ["traceparent"]
+            assert got[1] == [("traceparent", f"00-{got[0].trace_id:032x}-{got[0].span_id:016x}-01")]
+
+
+def test_a_trace_the_picker_starts_unsampled_gets_valid_distinct_ids_from_one_draw(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 90% a 10% root ratio does not sample: a fresh `traceparent` for the worker (flags 02: not sampled,
+    random trace id), its ids from one 192-bit draw: 32 and 16 lower-case hex digits, never all zero, the
+    sampling rule read from the trace id's low 64 bits as TraceIdRatioBased reads it."""
+    tr, _ = memory_tracing(ParentBased(TraceIdRatioBased(0.1)))
+    bound = round(0.1 * (1 << 64))
+    shape = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-02")
+    seen = set()
+    for _ in range(2000):
+        span, sent = tr.exchange(Context(), {}, "POST", "/p")
+        if span is not None:
+            assert span.trace_id & ((1 << 64) - 1) < bound and sent[0][1].endswith("-01")
+            continue
+        (name, value), = sent
+        m = shape.fullmatch(value)
+        assert name == "traceparent" and m is not None, value
+        trace_id, span_id = int(m.group(1), 16), int(m.group(2), 16)
+        assert trace_id & ((1 << 64) - 1) >= bound  # not sampled by the ratio's rule
+        assert trace_id and span_id
+        seen.add(value)
+        seen.add(m.group(1))
+    assert len(seen) > 2 * 1700  # every traceparent and every trace id its own
+    # the draw: the top 128 bits are the trace id, the low 64 the span id; a zero part becomes 1
+    high = 0xFFFF_FFFF_FFFF_FFF0  # low 64 bits of a trace id over the bound: not sampled
+    for drawn, want in (((5 << 64 | high) << 64 | 7, f"00-{5 << 64 | high:032x}-{7:016x}-02"),
+                        ((0xAB << 64 | high) << 64, f"00-{0xAB << 64 | high:032x}-{1:016x}-02")):
+        monkeypatch.setattr(spans, "_getrandbits", lambda bits, v=drawn: v)
+        assert tr.exchange(Context(), {}, "POST", "/p") == (None, [("traceparent", want)])
+    for drawn, ids in ((3, (1, 3)), (0, (1, 1))):  # trace id 1: under the bound, sampled
+        monkeypatch.setattr(spans, "_getrandbits", lambda bits, v=drawn: v)
+        span, sent = tr.exchange(Context(), {}, "POST", "/p")
+        assert span is not None and (span.trace_id, span.span_id) == ids
+        assert sent == [("traceparent", f"00-{ids[0]:032x}-{ids[1]:016x}-01")]
+
+
+async def test_unsampled_requests_beside_a_sampled_one_waiting_on_its_render_call_record_nothing_into_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stage wrappers skip the context lookup while no sampled request is attached anywhere (`_attached`);
+    while one is (here: waiting on its render call), every wrapper asks its own task's context: the unsampled
+    requests beside it record nothing, the sampled one records each of its stages once, and the count is back
+    to 0 after, a refused request's included."""
+    import asyncio
+
+    class Counting:
+        def __init__(self) -> None:
+            self.gets = 0
+
+        def get(self) -> Any:
+            self.gets += 1
+            return spans.CURRENT.get()
+
+        def set(self, value: Any) -> Any:
+            return spans.CURRENT.set(value)
+
+        def reset(self, token: Any) -> None:
+            spans.CURRENT.reset(token)
+
+    gate = asyncio.Event()
+    real = FakeRenderer.render
+
+    async def render(self: FakeRenderer, kind: str, body: bytes, *, count: bool = True) -> Any:
+        if spans.CURRENT.get() is not None:  # the sampled request waits here, attached
+            await gate.wait()
+        return await real(self, kind, body, count=count)
+
+    monkeypatch.setattr(FakeRenderer, "render", render)
+    lookups = Counting()
+    monkeypatch.setattr(spans, "_CURRENT", lookups)
+    tr, exporter = memory_tracing()
+    svc = servicer(tr)
+    await run(svc, request(), (("traceparent", UNSAMPLED),))
+    assert lookups.gets == 0 and spans._attached == 0  # nothing attached: no lookup at all
+    sampled = asyncio.create_task(run(svc, request(), (("traceparent", SAMPLED),)))
+    for _ in range(100):
+        await asyncio.sleep(0)
+        if spans._attached:
+            break
+    assert spans._attached == 1  # the sampled one waits on its render call, attached
+    for _ in range(3):
+        out = await run(svc, request(), (("traceparent", UNSAMPLED),))
+        assert out[0].WhichOneof("response") == "request_headers"
+    assert lookups.gets > 0 and exporter.get_finished_spans() == ()
+    gate.set()
+    await sampled
+    assert spans._attached == 0
+    names = sorted(s.name for s in exporter.get_finished_spans())
+    assert names == sorted([spans.EXCHANGE_SPAN, "POST", spans.KV_LOOKUP_SPAN, spans.SCHEDULE_SPAN])
+    assert {format(s.context.trace_id, "032x") for s in exporter.get_finished_spans()} == {TRACE_ID}
+    await run(svc, request(body=b"{"), (("traceparent", SAMPLED),))  # refused: attached for its log line
+    assert spans._attached == 0
 
 
 async def test_a_client_unsampled_traceparent_goes_on_unchanged_and_costs_no_span(span_count: list[int]) -> None:
@@ -285,6 +425,99 @@ async def test_a_sampler_of_another_kind_is_asked_and_tracestate_goes_on_with_th
     future = f"01-{TRACE_ID}-{PARENT_ID}-01-more"  # a later version: the specification's propagator reads it
     await run(servicer(tr), request({"traceparent": future}))
     assert {format(s.context.trace_id, "032x") for s in exporter.get_finished_spans()} == {TRACE_ID}
+
+
+def test_the_worker_headers_wire_entries_are_the_messages_append_would_make() -> None:
+    """The trace context's headers go into the header mutation as wire bytes (`_set_header_wire`, merged):
+    the same message, field for field and in order, as appending HeaderValueOption messages made."""
+    from epp_extproc.envoy import extproc
+
+    class Routed:
+        address, prefill = "10.0.0.1:8000", None
+
+    overwrite = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+    long_state = ",".join(f"v{i}=" + "x" * 20 for i in range(20))  # over 127 and 255 bytes: two-byte lengths
+    cases = [[], [("traceparent", SAMPLED)], [("traceparent", UNSAMPLED), ("tracestate", "vendor=abc")],
+             [("traceparent", SAMPLED), ("tracestate", long_state)], [("tracestate", "")],
+             [("x-" + "k" * 130, "v\u00e9\u4e2d")]]
+    for extra in cases:
+        for _ in range(2):  # the second time from the prefix kept
+            got = extproc._header_mutation(Routed(), ["x-drop"], 12, extra)  # type: ignore[arg-type]
+            want = pb.HeaderMutation(remove_headers=["x-drop"])
+            want.set_headers.append(base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=extproc.DEST_HEADER, raw_value=b"10.0.0.1:8000")))
+            want.set_headers.append(base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key="content-length", raw_value=b"12")))
+            for k, v in extra:
+                want.set_headers.append(base_pb2.HeaderValueOption(
+                    header=base_pb2.HeaderValue(key=k, raw_value=v.encode()), append_action=overwrite))
+            assert got == want
+            assert got.SerializeToString(deterministic=True) == want.SerializeToString(deterministic=True)
+
+
+async def test_the_workers_traceparent_is_the_last_header_set_in_every_body_mode() -> None:
+    """The trace context is merged into the built response's own header mutation (not copied in with it): in
+    FULL_DUPLEX_STREAMED (the headers response), BUFFERED (the body response, after content-length) and for a
+    request without a body (the headers response), once, last, overwriting a client's copy."""
+    from epp_extproc.conformance.protocol import request_messages
+
+    tr, exporter = memory_tracing(ParentBased(ALWAYS_OFF))  # the picker starts every trace, unsampled
+    base = servicer(tr)
+    svc = ExtProcServicer(base.picker, allowed_modes=("FULL_DUPLEX_STREAMED", "BUFFERED"), body_timeout_s=5,
+                          tracing=tr)
+    first, rest = request_messages("BUFFERED", BODY)
+    bodiless = pb.ProcessingRequest()
+    bodiless.CopyFrom(request()[0])
+    bodiless.request_headers.end_of_stream = True
+    overwrite = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+    for msgs, which in ((request(), "request_headers"), ([first, *rest], "request_body"),
+                        ([bodiless], "request_headers")):
+        out = await run(svc, msgs)
+        decided = [r for r in out if r.WhichOneof("response") in ("request_headers", "request_body")
+                   and r.request_headers.response.clear_route_cache | r.request_body.response.clear_route_cache]
+        assert len(decided) == 1 and decided[0].WhichOneof("response") == which
+        mutation = getattr(decided[0], which).response.header_mutation
+        keys = [h.header.key for h in mutation.set_headers]
+        assert keys.count("traceparent") == 1 and keys[-1] == "traceparent", keys
+        assert keys[0] == DEST_HEADER
+        if which == "request_body":
+            assert keys[-2] == "content-length"
+        last = mutation.set_headers[-1]
+        assert last.append_action == overwrite and re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-02",
+                                                                last.header.raw_value.decode())
+    assert exporter.get_finished_spans() == ()
+
+
+def test_an_unsampled_parent_matched_without_a_parse_is_decided_as_the_parse_decides(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Envoy's unsampled `traceparent` is recognised by one regex (`_UNSAMPLED_V00`), not parsed: for every
+    shape, valid or not, the exchange decides what the parse alone decides (followed, or a trace of its own)."""
+    odd = [UNSAMPLED, UNSAMPLED.upper().replace("X", "x"), f"00-{'0' * 32}-{PARENT_ID}-00",
+           f"00-{TRACE_ID}-{'0' * 16}-00", f"00-{TRACE_ID}-{PARENT_ID}-02", f"00-{TRACE_ID[:-1]}_-{PARENT_ID}-00",
+           f"00-{TRACE_ID}-{PARENT_ID}-00-x", f"01-{TRACE_ID}-{PARENT_ID}-00", f"00-{TRACE_ID}-{PARENT_ID}-0",
+           f"00-+{TRACE_ID[1:]}-{PARENT_ID}-00", f"00-{TRACE_ID}-{PARENT_ID}-00 ", SAMPLED, "garbage-00"]
+
+    def decide(tr: Tracing, sampler: Any, tp: str, where: str) -> tuple[Any, ...]:
+        md, hs = (((TRACEPARENT_KEY, tp),), {}) if where == "gateway" else ((), {"traceparent": [tp]})
+        span, sent = tr.exchange(Context(md), hs, "POST", "/p")
+        if span is None:  # followed (nothing sent), or a trace of its own, unsampled (fresh random ids)
+            return ("followed",) if not sent else ("root",)
+        if span.parent_id is None:  # a trace of its own, sampled (at ratio 0.5, by its random id)
+            return ("root",) if sampler is ratio else ("root", "sampled")
+        return "span", span.trace_id, span.parent_id, [k for k, _ in sent]
+
+    ratio = ParentBased(TraceIdRatioBased(0.5))
+
+    for sampler in (ParentBased(ALWAYS_ON), ratio, ALWAYS_ON):
+        tr, _ = memory_tracing(sampler)
+        for where in ("gateway", "client"):
+            for tp in odd:
+                fast = decide(tr, sampler, tp, where)
+                monkeypatch.setattr(spans, "_UNSAMPLED_V00", lambda value: None)  # every one parsed
+                parsed = decide(tr, sampler, tp, where)
+                monkeypatch.undo()
+                assert fast == parsed, (tp, where, sampler)
+    assert spans._UNSAMPLED_V00(UNSAMPLED) is not None  # the fast path is taken for Envoy's shape
 
 
 def test_traceparent_fast_parse_accepts_only_version_00() -> None:

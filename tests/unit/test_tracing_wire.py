@@ -29,8 +29,8 @@ RESOURCE = Resource.create({"service.name": "epp-test", "k8s.pod.name": "picker-
 class Keep(SpanQueue):
     """The queue's records, kept instead of exported."""
 
-    def __init__(self) -> None:
-        super().__init__(InMemorySpanExporter(), RESOURCE, immediate=True)
+    def __init__(self, resource: Resource = RESOURCE) -> None:
+        super().__init__(InMemorySpanExporter(), resource, immediate=True)
         self.records: list[Any] = []
 
     def put(self, record: Any) -> None:
@@ -146,6 +146,18 @@ def test_the_encoded_pairs_kept_for_reuse_are_bounded_and_pairs_past_the_bound_s
     assert wire(keep, records) == sdk(keep, records)
     assert len(otlp_wire._PAIRS) <= otlp_wire._MAX_PAIRS
     assert len(otlp_wire._KEYS) <= otlp_wire._MAX_KEYS
+
+
+def test_the_resource_and_scope_encoded_once_are_what_the_sdk_writes_with_or_without_a_schema_url() -> None:
+    """The queue encodes the request's resource and scope once (`otlp_wire.envelope`), at its start: every batch
+    still equals the SDK's encoding, a resource with a schema URL too, and a batch of spans over 127 bytes."""
+    for schema in ("", "https://opentelemetry.io/schemas/1.21.0"):
+        keep = Keep(Resource.create({"service.name": "epp", "n": 3}, schema_url=schema or None))
+        records: list[Any] = [(0xABC, "", 0x1234, 0, 10, 20, {"long": "v" * 200}, None, ()),
+                              (0xABE, "", 0x1236, 0, 10, 20, {"longer": "w" * 20_000}, None, ()),  # 3-byte lengths
+                              (0xABD, "", 0x1235, 0, 10, 20, {}, None, ())]
+        assert wire(keep, records) == sdk(keep, records)
+        assert wire(keep, records[1:]) == sdk(keep, records[1:])
 
 
 def test_numbers_and_bools_are_encoded_once_per_key_and_type_and_equal_values_of_other_types_stay_apart(
