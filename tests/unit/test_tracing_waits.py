@@ -312,11 +312,6 @@ class FakeNc:
         self.published.append((subject, data))
 
 
-class Msg:
-    def __init__(self, subject: str, data: bytes) -> None:
-        self.subject, self.data = subject, data
-
-
 async def test_a_sampled_bookings_nats_publish_follows_the_messaging_conventions_and_a_peers_snapshot_is_a_root()\
         -> None:
     import asyncio
@@ -332,7 +327,7 @@ async def test_a_sampled_bookings_nats_publish_follows_the_messaging_conventions
     s.link.nc = nc  # type: ignore[assignment]
     s._need_snapshot = False
     snap = pb.SyncRequest(snapshot=pb.Snapshot(bookings=[pb.Booking(id="x", address=WORKER, prefill_blocks=3)]))
-    await s._on_message(Msg("epp.sync.p.r.b", encode("b", 7, 0, snap)))
+    s._on_data("epp.sync.p.r.b", encode("b", 7, 0, snap))
     sender = asyncio.create_task(s._sender())
     try:
         rec, decision = booked_in_sampled_request(tr, s.load)
@@ -365,7 +360,7 @@ async def test_with_tracing_off_the_sync_planes_make_no_span(span_count: list[in
     nc = FakeNc()
     s.link.nc = nc  # type: ignore[assignment]
     s._need_snapshot = False
-    await s._on_message(Msg("epp.sync.p.r.b", encode("b", 7, 0, pb.SyncRequest(snapshot=pb.Snapshot()))))
+    s._on_data("epp.sync.p.r.b", encode("b", 7, 0, pb.SyncRequest(snapshot=pb.Snapshot())))
     sender = asyncio.create_task(s._sender())
     try:
         s.load.book(WORKER, 10)
