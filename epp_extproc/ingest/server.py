@@ -453,7 +453,9 @@ class IngestShard:
                 for addr, sources in ws.items():
                     if addr not in wanted or (sources and not wanted[addr]):
                         wanted[addr] = sources
+            removed = False  # a worker's objects dropped: its frozen cycles need the full refreeze (heap.py)
             for addr in [a for a in self._current if a not in wanted]:
+                removed = True
                 await self.subscribers.remove(addr)
                 self.index.drop_worker(addr)
                 self.pacer.forget(addr)
@@ -462,6 +464,7 @@ class IngestShard:
                 if self._current.get(addr) == sources:
                     continue
                 if addr in self._current:
+                    removed = True
                     await self.subscribers.remove(addr)
                 self._current[addr] = sources
                 self.index.add_worker(addr)  # numbers it: its row in answers and the worker table
@@ -471,7 +474,7 @@ class IngestShard:
                     await self.subscribers.add(addr, [KvSource(pub, replay, rank, storage=storage)
                                                       for pub, replay, rank, storage in sources])
             self._refresh_meta()
-            self.refreezer.changed()
+            self.refreezer.changed(removed=removed)
 
     # ------------------------------------------------------------------ control
     async def _serve_control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -543,5 +546,6 @@ class IngestShard:
                           "lookup_mode": self.lookup_mode, "answers_dropped": self.answers_dropped, "batch_lag_s": self.index.batch_lag.summary(),
                           "prediction_lag_s": self.prediction_lag.summary(), "answer_s": self.answer_time.summary(),
                           "meta_version": self.meta_version,
-                          "heap_refreezes": self.refreezer.refreezes}
+                          "heap_refreezes": self.refreezer.refreezes,
+                          "heap_full_refreezes": self.refreezer.full_refreezes}
         return snap
