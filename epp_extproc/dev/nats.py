@@ -10,13 +10,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from epp_extproc.dev.procs import Proc, free_port
+
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def _dies_with(owner: int) -> Callable[[], None]:
+    """For the child before exec: SIGKILL once the thread that started it is gone. The server runs in a
+    session of its own (so `stop` and the fault tests signal it alone), so a harness that was killed
+    (`timeout`'s SIGTERM, SIGKILL, a crashed test worker) never reaches its `stop`: without this the server
+    was left running, a port and a process per run (five of a benchmark's were found hours later). An owner
+    that died before the signal was set is seen by the parent's pid having changed."""
+    def preexec() -> None:
+        with contextlib.suppress(Exception):
+            _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        if os.getppid() != owner:
+            os._exit(1)
+    return preexec
+
+
+try:  # resolved once in the parent: the child only calls it
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+except (OSError, AttributeError):
+    _prctl = None
 
 
 def nats_server_binary() -> str:
@@ -51,7 +75,9 @@ class NatsServer:
             args += ["-c", str(conf)]
         out = open(self.log_path, "ab") if self.log_path else asyncio.subprocess.DEVNULL  # noqa: SIM115
         try:
-            self.proc = await asyncio.create_subprocess_exec(*args, stdout=out, stderr=out, start_new_session=True)
+            self.proc = await asyncio.create_subprocess_exec(
+                *args, stdout=out, stderr=out, start_new_session=True,
+                preexec_fn=_dies_with(os.getpid()) if _prctl is not None else None)
         finally:
             if not isinstance(out, int):
                 out.close()
