@@ -39,6 +39,7 @@ from epp_extproc.gaie import (
     SUBSET_KEY,
     SUBSET_NAMESPACE,
 )
+from epp_extproc.tracing.otlp_wire import varint
 
 if TYPE_CHECKING:
     from epp_extproc.tracing.spans import ExchangeSpan, Tracing
@@ -139,20 +140,11 @@ def _add_set_headers(m: pb.HeaderMutation, extra: Sequence[tuple[str, str]]) -> 
         m.MergeFromString(_set_header_wire(k, v))  # appended after the others, as `append` would
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 # (key, the value's length in bytes) -> the bytes of a `set_headers` entry before the value: the trace context's
 # headers have one or a few lengths (a `traceparent` always 55). Bounded: past it, prefixes are made every time.
 _SET_PREFIXES: dict[tuple[str, int], bytes] = {}
 _MAX_SET_PREFIXES = 256
-_APPEND_OVERWRITE = b"\x18" + _varint(_OVERWRITE)  # HeaderValueOption.append_action = 3
+_APPEND_OVERWRITE = b"\x18" + varint(_OVERWRITE)  # HeaderValueOption.append_action = 3
 
 
 def _set_header_wire(key: str, value: str) -> bytes:
@@ -165,11 +157,11 @@ def _set_header_wire(key: str, value: str) -> bytes:
     prefix = _SET_PREFIXES.get((key, len(raw)))
     if prefix is None:
         k = key.encode()
-        header = b"\x0a" + _varint(len(k)) + k + b"\x1a" + _varint(len(raw))  # HeaderValue: key 1, raw_value 3
+        header = b"\x0a" + varint(len(k)) + k + b"\x1a" + varint(len(raw))  # HeaderValue: key 1, raw_value 3
         n_header = len(header) + len(raw)
-        option = b"\x0a" + _varint(n_header) + header  # HeaderValueOption.header = 1
+        option = b"\x0a" + varint(n_header) + header  # HeaderValueOption.header = 1
         n_option = len(option) + len(raw) + len(_APPEND_OVERWRITE)
-        prefix = b"\x0a" + _varint(n_option) + option  # HeaderMutation.set_headers = 1
+        prefix = b"\x0a" + varint(n_option) + option  # HeaderMutation.set_headers = 1
         if len(_SET_PREFIXES) < _MAX_SET_PREFIXES:
             _SET_PREFIXES[(key, len(raw))] = prefix
     return prefix + raw + _APPEND_OVERWRITE
@@ -452,15 +444,8 @@ class _Stream:
         spoofed = self.ctx.spoofed_headers()
         metadata = _lb_metadata(routed)
         extra = self.trace_headers  # the trace context for the worker: added to the built response, in place
-        if body is None:
-            resp = pb.ProcessingResponse(
-                request_headers=pb.HeadersResponse(response=pb.CommonResponse(
-                    header_mutation=_header_mutation(routed, spoofed, None), clear_route_cache=True)),
-                dynamic_metadata=metadata)
-            if extra:
-                _add_set_headers(resp.request_headers.response.header_mutation, extra)
-            yield resp
-        elif self.mode == BUFFERED:
+        buffered = body is not None and self.mode == BUFFERED
+        if buffered:
             assert fwd is not None
             changed = fwd is not body
             resp = pb.ProcessingResponse(
@@ -469,17 +454,17 @@ class _Stream:
                     body_mutation=pb.BodyMutation(body=fwd) if changed else None,
                     clear_route_cache=True)),
                 dynamic_metadata=metadata)
-            if extra:
-                _add_set_headers(resp.request_body.response.header_mutation, extra)
-            yield resp
-        else:
-            assert fwd is not None
+            mutation = resp.request_body.response.header_mutation
+        else:  # no body, or a streamed one: the headers carry the decision, the body follows
             resp = pb.ProcessingResponse(
                 request_headers=pb.HeadersResponse(response=pb.CommonResponse(
                     header_mutation=_header_mutation(routed, spoofed, None), clear_route_cache=True)),
                 dynamic_metadata=metadata)
-            if extra:
-                _add_set_headers(resp.request_headers.response.header_mutation, extra)
-            yield resp
+            mutation = resp.request_headers.response.header_mutation
+        if extra:
+            _add_set_headers(mutation, extra)
+        yield resp
+        if body is not None and not buffered:
+            assert fwd is not None
             for r in _streamed_chunks(fwd, end_of_stream=not trailers):
                 yield r

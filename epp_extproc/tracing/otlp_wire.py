@@ -24,7 +24,8 @@ _D64 = struct.Struct("<d").pack
 _F32 = struct.Struct("<I").pack
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
+    """A protobuf varint (also the edge's header mutation wire bytes: envoy/extproc.py)."""
     if n < 0x80:
         return bytes((n,))
     if n < 0x4000:  # a span's length, most attributes' blocks: two bytes, no loop
@@ -40,7 +41,7 @@ def _varint(n: int) -> bytes:
 def _ld(tag: int, payload: bytes) -> bytes:
     """A length-delimited field (tag already holds the field number and wire type 2)."""
     n = len(payload)
-    return bytes((tag, n)) + payload if n < 0x80 else bytes((tag,)) + _varint(n) + payload
+    return bytes((tag, n)) + payload if n < 0x80 else bytes((tag,)) + varint(n) + payload
 
 
 def _string(tag: int, text: str) -> bytes:
@@ -55,7 +56,7 @@ def _value(v: Any) -> bytes:
     if v.__class__ is bool:
         return b"\x10\x01" if v else b"\x10\x00"  # bool_value = 2
     if v.__class__ is int:
-        return b"\x18" + _varint(v & 0xFFFFFFFFFFFFFFFF)  # int_value = 3 (int64: two's complement)
+        return b"\x18" + varint(v & 0xFFFFFFFFFFFFFFFF)  # int_value = 3 (int64: two's complement)
     if v.__class__ is float:
         return b"\x21" + _D64(v)  # double_value = 4
     from opentelemetry.exporter.otlp.proto.common._internal import _encode_value
@@ -158,7 +159,7 @@ def span(head: bytes, span_id: int, state: bytes, parent_id: int, parent_remote:
         st = _NO_STATUS
     else:
         code, message = status
-        st = _ld(0x7A, _string(0x12, message) + (b"\x18" + _varint(code) if code else b""))
+        st = _ld(0x7A, _string(0x12, message) + (b"\x18" + varint(code) if code else b""))
     return b"".join((head, ids, field, _TIMES(0x30, kind + 1, 0x39, start, 0x41, end), attributes(0x4A, attrs), st,
                      _FLAGS_REMOTE if parent_id and parent_remote else _FLAGS_LOCAL))
 
@@ -180,7 +181,7 @@ def request_from(env: tuple[bytes, bytes, bytes], spans: Iterable[bytes]) -> byt
     for s in spans:
         n = len(s)
         append(bytes((0x12, n)) if n < 0x80 else bytes((0x12, (n & 0x7F) | 0x80, n >> 7)) if n < 0x4000
-               else b"\x12" + _varint(n))
+               else b"\x12" + varint(n))
         append(s)
     scope_spans = _ld(0x12, b"".join(body))
     return _ld(0x0A, resource + scope_spans + schema)
