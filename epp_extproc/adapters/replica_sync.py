@@ -62,6 +62,8 @@ MAX_PREDICTION_TTL_S = 60.0
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a snapshot of 100k bookings fits with room to spare
 RECONNECT_INITIAL_S = 0.05  # a link's reconnect schedule (kvindex.backoff): a restarted peer is back soon
 RECONNECT_MAX_S = 2.0
+STOP_RECANCEL_S = 1.0  # a link's stop: how long each cancel is waited for, and how many more are sent
+STOP_RECANCELS = 5
 
 
 TLS_FILES = ("tls.crt", "tls.key", "ca.crt")
@@ -262,6 +264,7 @@ class PeerLink:
         self.handshake_at: float | None = None  # monotonic time of the last Hello received
         self._cur: _Session | None = None
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     @property
     def up(self) -> bool:
@@ -281,7 +284,19 @@ class PeerLink:
         while (cur := self._cur) is not None and cur.open and (cur.pending.items or cur.acks) and \
                 time.monotonic() < deadline:
             await asyncio.sleep(0.005)
-        await cancel_and_wait([self._task])
+        # Python 3.11's `asyncio.timeout` turns a cancel that lands in the instant its own deadline fires into
+        # TimeoutError: the link took that for a failed stream and reconnected, and this stop waited for it
+        # forever (seen once in CI, a test's teardown hung). So the loop also checks `_stopping`, and a cancel
+        # that was swallowed is sent again.
+        self._stopping = True
+        left = await cancel_and_wait([self._task], timeout=STOP_RECANCEL_S)
+        for _ in range(STOP_RECANCELS):
+            if not left:
+                break
+            left = await cancel_and_wait(left, timeout=STOP_RECANCEL_S)
+        if left:
+            log.warning("replica sync to %s: the link did not stop after %d cancels; left running", self.target,
+                        STOP_RECANCELS + 1)
         self.sync.metrics.link_up.labels(self.target).set(0)
 
     def offer(self, item: SyncItem, pub: PublishSpan | None = None) -> None:
@@ -311,7 +326,7 @@ class PeerLink:
 
     async def _run(self) -> None:
         backoff = Backoff(RECONNECT_INITIAL_S, RECONNECT_MAX_S)
-        while True:
+        while not self._stopping:
             self.attempts += 1
             session = self._cur = _Session()
             was_up = False
@@ -330,6 +345,8 @@ class PeerLink:
                 if self._cur is session:
                     self._cur = None
             self.sync.metrics.link_up.labels(self.target).set(0)
+            if self._stopping:
+                return
             if was_up:
                 backoff.succeeded()  # a stream that worked: retry at once-ish, the peer probably restarted
             await asyncio.sleep(backoff.failed())
