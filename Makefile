@@ -34,8 +34,8 @@ test: $(STAMP) $(NATIVE)
 	EPP_TEST_EXTPROC_TRANSPORT=grpcio $(BIN)/python -m pytest -q -m transport tests/integration
 
 # The tests `make test` leaves out (marked `slow`: the quick runs of the overhead, trace, tokens, flow-control,
-# multimodal and P/D benchmarks, bench_trace's r2/rs/cv and item-3 (g2, out-of-band) smokes, the sidecar's CPU
-# measurement; about 8 minutes).
+# multimodal and P/D benchmarks, the workload suite's --quick (issue 42), bench_trace's r2/rs/cv and item-3 (g2, out-of-band) smokes, the sidecar's CPU
+# measurement; about 11 minutes).
 test-slow: $(STAMP) $(NATIVE)
 	$(BIN)/python -m pytest -q -m slow
 
