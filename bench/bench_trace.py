@@ -48,7 +48,8 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
        nice 19; (c1n) (c) alone with NATS replica sync on (it publishes, no peer receives). With
        --envoy-timings (off by default) every run also writes Envoy's per-request timing log, joined with
        AIPerf's records (work dir requests-*.jsonl), and each configuration is compared with (c) of the same
-       seed request by request (request_deltas: the same worker and cached tokens, then where the time went)
+       seed request by request (request_deltas: the same worker and cached tokens, then where the time went);
+       with --proc-counters every run records each process's CPU and context switches over the replay
   (rs) (c) with the workers' KV event replay, SIGTERMed at ~1/3 of the schedule and started again at once
        with the same flags (same ports): issue 28.9, routing quality across a restart; the new process
        re-warms its index from the workers' replay. Envoy's ext_proc filter has failure_mode_allow off and
@@ -143,6 +144,8 @@ JSON result schema (`trace.json`), besides the common `bench`, `meta` keys, `con
               (c) of its seed: vs_c: {requests, same_worker, same_cached, less_cached, compared},
               vs_c_same_worker_share, vs_c_same_cached_share, vs_c_dttft_ms, vs_c_dto_upstream_ms,
               vs_c_dworker_first_body_ms, vs_c_rest_ms (request_deltas);
+              (--proc-counters) proc_counters: {process name: {cpu_ms, vcsw, ivcsw and each per request}} over
+              the replay (workers, renderer, pickers, Envoy, nats-server; harness.proc_counters);
               (rs, rs2) restart: {drain_s,
               down_s, resubscribed_s, picks_before_restart, index_blocks_before, index_blocks_after_replay,
               picks_after_restart, error?; (rs2) envoy_unhealthy_s, envoy_healthy_again_s};
@@ -279,6 +282,8 @@ class Plan:
     # AIPerf's per-request records (request_records) and compared request by request with (c) of the same
     # seed (request_deltas). Off by default: it is one more file write per request in Envoy.
     envoy_timings: bool = False
+    # issue 47: every process's CPU and context switches over each replay (where the sync's cost lands)
+    proc_counters: bool = False
 
     def rates_for(self, capacity: str) -> tuple[float, ...]:
         """The offered loads at one capacity: the workload's own three when the plan has them."""
@@ -789,6 +794,8 @@ def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], rendere
             restarter.start()
         art = work / f"aiperf-{tag}"
         shutil.rmtree(art, ignore_errors=True)
+        counted = [*workers, renderer, *st.procs] if plan.proc_counters else []
+        counters0 = H.counters_of(counted)
         t0, busy0 = time.monotonic(), H.machine_busy()
         try:
             run_aiperf(aiperf_command(env.url, input_file, tokenizer, art, plan.aiperf_timeout_s),
@@ -808,6 +815,7 @@ def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], rendere
         if replayer is not None:
             extra.update(OB.figures(replayer, art))
         wait_idle(workers)
+        counters1 = H.counters_of(counted)
         after = stats(workers)
         picks = all_picks(pks)
         if pks and cfg not in ("cv",) and pks[0].alive():
@@ -838,6 +846,8 @@ def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], rendere
     served = {k: after[k]["requests_served"] - before[k]["requests_served"] for k in after}
     if picks is not None:
         extra["routed_without_picker"] = sum(served.values()) - sum(picks.values())
+    if counted:
+        extra["proc_counters"] = H.counters_delta(counters0, counters1, sum(served.values()))
     dp = sum(after[k]["prompt_tokens_total"] - before[k]["prompt_tokens_total"] for k in after)
     dc = sum(after[k]["cached_tokens_total"] - before[k]["cached_tokens_total"] for k in after)
     row = {"config": cfg, "divisor": divisor, **aiperf_figures(art), "per_worker_served": served,
@@ -1597,6 +1607,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--envoy-timings", action="store_true",
                     help="issue 47: Envoy's per-request timing log in every run, joined with AIPerf's records "
                          "(work dir requests-*.jsonl) and compared request by request with (c) of the same seed")
+    ap.add_argument("--proc-counters", action="store_true",
+                    help="issue 47: each process's CPU and context switches over every replay (proc_counters)")
     ap.add_argument("--host-tier", type=float, default=0.0,
                     help="issue 44: every worker also keeps host memory of this many times its GPU blocks, "
                          "published as vLLM's self-describing offload events (e.g. 4, with --variant "
@@ -1626,6 +1638,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plan.oob_seed = a.oob_seed
     plan.restart_window_s = a.restart_window_s
     plan.envoy_timings = a.envoy_timings
+    plan.proc_counters = a.proc_counters
     plan.workload, plan.workload_seed = a.workload, a.seed
     if a.requests:
         plan.requests = a.requests

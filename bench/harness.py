@@ -95,6 +95,54 @@ def busy_cores(a: tuple[int, int], b: tuple[int, int]) -> float:
     return round((b[0] - a[0]) / max(1, b[1] - a[1]) * (os.cpu_count() or 1), 3)
 
 
+def proc_counters(pid: int) -> tuple[int, int, int] | None:
+    """(CPU ms, voluntary, involuntary context switches) of one process so far, every thread summed: where a
+    configuration's extra time goes (a wake-up per message shows as a voluntary switch; being pushed off a
+    core by another process, as an involuntary one). None once the process has gone."""
+    tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cpu = round((int(f[11]) + int(f[12])) * tick_ms)  # utime, stime (fields 14 and 15 of proc(5))
+        vol = invol = 0
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    vol += int(line.split()[1])
+                elif line.startswith("nonvoluntary_ctxt_switches:"):
+                    invol += int(line.split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return cpu, vol, invol
+
+
+def counters_of(procs_: Sequence[Proc]) -> dict[str, tuple[int, int, int]]:
+    """proc_counters of every live process, by name (a repeated name gets #2, #3)."""
+    out: dict[str, tuple[int, int, int]] = {}
+    for p in procs_:
+        if p.proc is None or (c := proc_counters(p.proc.pid)) is None:
+            continue
+        name, k = p.name, 1
+        while name in out:
+            k += 1
+            name = f"{p.name}#{k}"
+        out[name] = c
+    return out
+
+
+def counters_delta(before: dict[str, tuple[int, int, int]], after: dict[str, tuple[int, int, int]],
+                   requests: int) -> dict[str, dict[str, float]]:
+    """Per process seen both times, over the interval: CPU ms and context switches, in all and per request."""
+    out: dict[str, dict[str, float]] = {}
+    n = max(requests, 1)
+    for name, (c1, v1, i1) in after.items():
+        if name not in before:
+            continue
+        c0, v0, i0 = before[name]
+        out[name] = {"cpu_ms": c1 - c0, "vcsw": v1 - v0, "ivcsw": i1 - i0, "cpu_ms_per_req": round((c1 - c0) / n, 3),
+                     "vcsw_per_req": round((v1 - v0) / n, 2), "ivcsw_per_req": round((i1 - i0) / n, 2)}
+    return out
+
+
 def mock_worker(st: Stack, name: str, args: Sequence[str] = (), *, kv: bool = True) -> Proc:
     return st.add(procs.mock_worker(name, st.dir, kv=kv, args=["--log-level", "WARNING", *args]))
 
