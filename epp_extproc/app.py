@@ -137,6 +137,7 @@ class PickerApp:
                                         pool=config.kv_plane_pool, heartbeat_s=config.peer_timeout_ms / 4000,
                                         peer_timeout_s=config.peer_timeout_ms / 1000,
                                         expiry_s=config.peer_expiry_ms / 1000,
+                                        linger_s=config.replica_sync_linger_ms / 1000,
                                         metrics_registry=self.metrics.registry, tracing=self.tracing)
             if self.kv is not None and self.slot.ingest_dir is None:
                 self.kv.facts.predict_listeners.append(self.sync.on_predict)
@@ -147,7 +148,7 @@ class PickerApp:
                                     heartbeat_s=config.peer_timeout_ms / 4000,
                                     peer_timeout_s=config.peer_timeout_ms / 1000,
                                     expiry_s=config.peer_expiry_ms / 1000, metrics_registry=self.metrics.registry,
-                                    tls=tls, tracing=self.tracing)
+                                    tls=tls, tracing=self.tracing, linger_s=config.replica_sync_linger_ms / 1000)
             if self.kv is not None and self.slot.ingest_dir is None:  # siblings sharing an ingest see them there
                 self.kv.facts.predict_listeners.append(self.sync.on_predict)
         self._started_at = time.monotonic()

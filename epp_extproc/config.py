@@ -192,6 +192,10 @@ class Config:
         "how replicas share bookings and predictions: `grpc` (the mesh: a stream to each of --peers or "
         "--peer-service) or `nats` (one subject per replica on --nats-url, pool --kv-plane-pool; replicas find "
         "each other there, no peer list); see docs/kv-event-plane.md", ("grpc", "nats"))
+    replica_sync_linger_ms: float = opt("DYN_EPP_REPLICA_SYNC_LINGER_MS", 0.0, float,
+        "hold a replica's changes this long before sending them (both planes): the changes of that time go "
+        "in one message, and the peers wake later, after the request's own critical steps; a booking is seen "
+        "by the peers this much later (0: each change is sent at once)")
     # Endpoints
     endpoints: str | None = opt("DYN_EPP_ENDPOINTS", None, _opt_str,
         "static endpoints, comma separated `name=ip:port` (or just `ip:port`)")
@@ -566,7 +570,8 @@ SECTIONS: tuple[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], ...] = (
     ("replicas", (
         ("replicas (several pickers sharing load)",
          ("processes", "peers", "peer_service", "replica_sync_plane", "pod_ip", "replica_sync_port",
-          "peer_timeout_ms", "peer_expiry_ms", "replica_sync_tls_path", "replica_sync_server_name")),)),
+          "peer_timeout_ms", "peer_expiry_ms", "replica_sync_linger_ms", "replica_sync_tls_path",
+          "replica_sync_server_name")),)),
 )
 
 # --help's groups, in order: the sections' help groups.
@@ -826,6 +831,10 @@ def _check_replicas(r: Any) -> None:
                          f"{n('peer_service')} yet")
     _positive(r, "peer_timeout_ms")
     _at_least(r, "peer_expiry_ms", 0, "")
+    _at_least(r, "replica_sync_linger_ms", 0, " (0 = off)")
+    if r.replica_sync_linger_ms >= r.peer_timeout_ms / 4:  # a held change must not outlast the heartbeat
+        raise ValueError(f"{n('replica_sync_linger_ms')} must be under a quarter of {n('peer_timeout_ms')} "
+                         f"(the heartbeat), got {r.replica_sync_linger_ms} >= {r.peer_timeout_ms / 4}")
 
 
 _CHECKS: tuple[tuple[str, Callable[[Any], None]], ...] = (

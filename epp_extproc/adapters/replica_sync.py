@@ -414,6 +414,10 @@ class PeerLink:
                         await session.wake.wait()
             if session.reset:
                 return  # this stream is over; the next one starts with its own snapshot
+            if sync.linger_s > 0 and session.pending.items:  # the changes of the next linger_s go along
+                await asyncio.sleep(sync.linger_s)
+                if session.reset:
+                    return
             pending, session.pending = session.pending, _Outgoing()
             items, rest = pending.items[:MAX_BATCH_ITEMS], pending.items[MAX_BATCH_ITEMS:]
             if rest:
@@ -459,9 +463,10 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
                  replica_id: str | None = None, heartbeat_s: float = 0.5, peer_timeout_s: float = 2.0,
                  expiry_s: float = 5.0, max_backlog: int = 100_000,
                  metrics_registry: CollectorRegistry | None = None, tls: SyncTls | None = None,
-                 tracing: Tracing | None = None) -> None:
+                 tracing: Tracing | None = None, linger_s: float = 0.0) -> None:
         """`tracing` (None: off) records a sampled request's booking on its way to the peers, and each peer's
-        snapshot loaded here."""
+        snapshot loaded here. `linger_s` (`--replica-sync-linger-ms`): how long the first change of a batch
+        waits for others before it is sent to a peer (0: at once)."""
         self.load = load
         self.tracing = tracing
         self.registry = registry
@@ -469,6 +474,7 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
         self.replica_id = replica_id or default_replica_id()
         self.incarnation = random.getrandbits(64)
         self.heartbeat_s = heartbeat_s
+        self.linger_s = linger_s
         self.peer_timeout_s = peer_timeout_s
         self.expiry_s = expiry_s
         self.max_backlog = max_backlog

@@ -80,6 +80,25 @@ async def test_a_booking_on_one_replica_is_load_on_the_other(mesh) -> None:  # n
     assert b.load.peer_inflight() == 0 and b.load.total_inflight() == 0
 
 
+def sent(app: PickerApp) -> tuple[float, float]:
+    """Batches and changes this replica has pushed, over every peer."""
+    m = app.sync.metrics  # type: ignore[union-attr]
+    return (sum(s.value for f in m.batches_sent.collect() for s in f.samples if s.name.endswith("_total")),
+            sum(s.value for f in m.changes_sent.collect() for s in f.samples if s.name.endswith("_total")))
+
+
+async def test_changes_made_within_the_linger_reach_a_peer_in_one_batch(mesh) -> None:  # noqa: ANN001
+    a, b = await mesh(2, replica_sync_linger_ms=300)
+    before = sent(a)
+    booking = a.load.book(WORKER, 4)
+    await asyncio.sleep(0.05)
+    assert sent(a) == before and inflight(b) == 0  # still held at A
+    booking.free()
+    await until_async(lambda: sent(a) != before, "the batch sent")
+    assert (sent(a)[0] - before[0], sent(a)[1] - before[1]) == (1, 2)  # booking and free together
+    assert inflight(b) == 0
+
+
 async def test_a_first_chunk_seen_by_another_replica_ends_the_prefill_where_it_was_booked(mesh) -> None:  # noqa: ANN001
     """Lean mode: Envoy round-robins the observer stream on its own, so a request's first chunk is reported to
     another replica than the one that booked it. B hands it to A over the sync; A ends the booking's prefill

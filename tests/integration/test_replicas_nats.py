@@ -3,6 +3,7 @@ nats-server: the mesh's behaviours (tests/integration/test_replicas.py) without 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -138,3 +139,31 @@ async def test_a_replicas_own_batches_never_come_back_to_it(replicas) -> None:
     await until_async(lambda: nc.stats["out_msgs"] >= sent + 5, "five batches published")
     await nc.flush()  # a round trip to the server: anything it echoed has arrived by now
     assert nc.stats["in_msgs"] == received
+
+
+def _sent(app: PickerApp) -> tuple[float, float]:
+    m = sync(app).metrics
+    return m.batches_sent.labels("nats")._value.get(), m.changes_sent.labels("nats")._value.get()
+
+
+async def test_changes_made_within_the_linger_go_to_the_peers_in_one_message(replicas) -> None:
+    a, b = await replicas(2, replica_sync_linger_ms=300)
+    before = _sent(a)
+    booking = a.load.book(WORKER, 4)
+    await asyncio.sleep(0.05)
+    assert _sent(a) == before and b.load.load(WORKER).inflight == 0  # still held at A
+    booking.free()
+    await until_async(lambda: _sent(a) != before, "the batch sent")
+    batches, changes = _sent(a)
+    assert (batches - before[0], changes - before[1]) == (1, 2)  # booking and free together
+    assert b.load.load(WORKER).inflight == 0
+
+
+async def test_without_a_linger_each_change_is_sent_at_once(replicas) -> None:
+    a, b = await replicas(2)
+    before = _sent(a)
+    booking = a.load.book(WORKER, 4)
+    await until_async(lambda: b.load.load(WORKER).inflight == 1, "the booking at B")
+    booking.free()
+    await until_async(lambda: b.load.load(WORKER).inflight == 0, "the free at B")
+    assert _sent(a)[0] - before[0] == 2

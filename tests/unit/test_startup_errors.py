@@ -77,6 +77,9 @@ def test_an_unknown_env_choice_lists_the_choices() -> None:
     (["--endpoints", "1.2.3.4:1", "--endpoints-file", "f"], "--endpoints (DYN_EPP_ENDPOINTS) and "
                                                             "--endpoints-file (DYN_EPP_ENDPOINTS_FILE)"),
     (["--allowed-body-modes", "STREAMED"], "--allowed-body-modes (DYN_EPP_ALLOWED_BODY_MODES): unknown"),
+    (["--replica-sync-linger-ms", "500"], "--replica-sync-linger-ms (DYN_EPP_REPLICA_SYNC_LINGER_MS) must be under "
+                                          "a quarter of --peer-timeout-ms (DYN_EPP_PEER_TIMEOUT_MS)"),
+    (["--replica-sync-linger-ms", "-1"], "--replica-sync-linger-ms (DYN_EPP_REPLICA_SYNC_LINGER_MS) must be >= 0"),
 ])
 def test_value_errors_name_the_flag_and_its_env(argv: list[str], named: str) -> None:
     with pytest.raises(SystemExit) as e:
