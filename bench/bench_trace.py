@@ -46,7 +46,8 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
        sends a request to (they ingest, probe and sync, and apply every booking and prediction of the first);
        (c3u) the same three with no sync at all; (c3in) (c3i) with the two idle pickers and the nats-server at
        nice 19; (c1n) (c) alone with NATS replica sync on (it publishes, no peer receives); (c3il), (r3nl)
-       (c3i), (r3n) with --replica-sync-linger-ms SYNC_LINGER_MS (changes held that long, then sent together). With
+       (c3i), (r3n) with --replica-sync-linger-ms SYNC_LINGER_MS (changes held that long, then sent together);
+       (c3is), (r3ns) (c3i), (r3n) with --replica-sync-share-metrics (each worker's /metrics read by one replica). With
        --envoy-timings (off by default) every run also writes Envoy's per-request timing log, joined with
        AIPerf's records (work dir requests-*.jsonl), and each configuration is compared with (c) of the same
        seed request by request (request_deltas: the same worker and cached tokens, then where the time went);
@@ -98,8 +99,8 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
         own (`oob`), TTFT over every request (`all_ttft_p50_ms`, `all_ttft_p90_ms`, claimed between the
         pairs too) and `routed_without_picker` (= the out-of-band count). out_of_band.py says how the two
         replays share one clock and how well they met (`oob.sync_lag_ms`).
-       (r2, r3m, r3n, rs, rs2, rsz, rsn, cv, g2, g2e, g3, c3i, c3in, c3u, c1n, c3il, r3nl and the X-oobNN run only when named in
-       --only; the default set is unchanged)
+       (r2, r3m, r3n, rs, rs2, rsz, rsn, cv, g2, g2e, g3, c3i, c3in, c3u, c1n, c3il, r3nl, c3is, r3ns and the
+       X-oobNN run only when named in --only; the default set is unchanged)
   (d)  offline cached-token ratios of the same prompts in arrival order: `pooled_lru` (one LRU cache with
        the capacity of all four workers together, the figure earlier recordings called "the oracle"),
        `infinite`, and `clairvoyant` (bench/clairvoyant.py: placement and Belady eviction knowing the future
@@ -138,7 +139,7 @@ JSON result schema (`trace.json`), besides the common `bench`, `meta` keys, `con
               aiperf_cached_ratio, aiperf_prompt_tokens, workers_cached_ratio, workers_prompt_tokens,
               per_worker_served, picker_picks, replay_sched_lag_p99_ms, benchmark_duration_s, aiperf_wall_s,
               loadavg_1m, machine_busy_cores (cores busy over the replay, anything on the machine);
-              (r2, r3m, r3n, r3nl, rs2, g2, g2e, g3, c3i, c3il, c3in, c3u) picks_per_picker, pickers_decision_mean_ms (every
+              (r2, r3m, r3n, r3nl, r3ns, rs2, g2, g2e, g3, c3i, c3il, c3is, c3in, c3u) picks_per_picker, pickers_decision_mean_ms (every
               replica's); every picker configuration routed_without_picker;
               (--envoy-timings) envoy_to_upstream_p50_ms, envoy_worker_headers_p50_ms,
               envoy_worker_first_body_p50_ms, envoy_timed_requests, and for every configuration but (c) against
@@ -203,6 +204,7 @@ from trtllm_mock.config import LLAMA_8B_H100
 AIPERF = str(H.BIN / "aiperf")
 SYNC_LINGER_MS = 5  # (c3il), (r3nl): past a request's own CPU steps at 5 req/s (Envoy, the worker's HTTP)
 LINGER = ("--replica-sync-linger-ms", str(SYNC_LINGER_MS))
+SHARE = ("--replica-sync-share-metrics",)  # (c3is), (r3ns): the replicas split the workers' /metrics reads
 CONFIGS = {"a": "envoy round-robin", "b": "picker, load only", "c": "picker, KV-aware (defaults)",
            "c1": "picker, KV-aware, overlap credit 1.0", "e": "picker, prediction only (no KV events)",
            "r2": "2 picker replicas, replica sync", "rs": "picker restarted at 1/3 of the run",
@@ -227,12 +229,15 @@ CONFIGS = {"a": "envoy round-robin", "b": "picker, load only", "c": "picker, KV-
            "c3il": f"(c3i) with --replica-sync-linger-ms {SYNC_LINGER_MS} (issue 47: the peers' wake-ups moved "
                    "past the request's own steps, and changes coalesced)",
            "r3nl": f"(r3n) with --replica-sync-linger-ms {SYNC_LINGER_MS}",
+           "c3is": "(c3i) with --replica-sync-share-metrics (issue 47: each worker's /metrics read by one of "
+                   "the three, the samples sent on the sync)",
+           "r3ns": "(r3n) with --replica-sync-share-metrics",
            **{OB.name(base, share): f"{what}, {share:.0%} of requests out of band (straight to a worker)"
               for share in (0.1, 0.3) for base, what in (("c", "picker, KV-aware (defaults)"),
                                                          ("e", "picker, prediction only (no KV events)"))}}
 # only with --only: the default set (and its cost) stays what it was
 OPT_IN = ("r2", "r3m", "r3n", "rs", "rs2", "cv", "rsz", "rsn", "g2", "g2e", "g3", "c3i", "c3in", "c3u", "c1n", "c3il", "r3nl",
-          "c-oob10", "e-oob10", "c-oob30", "e-oob30")
+          "c3is", "r3ns", "c-oob10", "e-oob10", "c-oob30", "e-oob30")
 BS = 32
 # (rs2)'s replicas: the product's default shutdown grace period, named so the benchmark follows it
 GRACE_PERIOD_S = Config.__dataclass_fields__["graceful_shutdown_grace_period_s"].default
@@ -538,12 +543,13 @@ def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc,
         return start_replicas(st, "sync", H.endpoints_spec(workers), workers, renderer)
     if cfg == "r3m":  # issue 47 item 3: three synced replicas, the gRPC full mesh (each peers the other two)
         return start_replicas(st, "sync", H.endpoints_spec(workers), workers, renderer, replicas=3)
-    if cfg in ("r3n", "r3nl"):  # the same three on NATS subjects (a nats-server of their own; KV events direct)
+    if cfg in ("r3n", "r3nl", "r3ns"):  # the same three on NATS subjects (a nats-server of their own; KV events direct)
         from epp_extproc.dev.nats import nats_server_proc
 
         nats = st.add(nats_server_proc(st.dir))
         return start_replicas(st, "sync", H.endpoints_spec(workers), workers, renderer, replicas=3,
-                              nats_url=f"nats://127.0.0.1:{nats.port}", extra=LINGER if cfg == "r3nl" else ())
+                              nats_url=f"nats://127.0.0.1:{nats.port}",
+                              extra={"r3nl": LINGER, "r3ns": SHARE}.get(cfg, ()))
     if cfg == "rs2":  # (r2) with the replay endpoints and the product's grace period; replica 0 restarts
         return start_replicas(st, "sync", procs.endpoint_spec(workers, replay=True), workers, renderer,
                               extra=["--graceful-shutdown-grace-period-s", str(GRACE_PERIOD_S)])
@@ -551,13 +557,13 @@ def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc,
         return start_replicas(st, "nosync", H.endpoints_spec(workers), workers, renderer)
     if cfg == "g3":  # (r3m)/(r3n) without the sync: what three picker processes cost on their own
         return start_replicas(st, "nosync", H.endpoints_spec(workers), workers, renderer, replicas=3)
-    if cfg in ("c3i", "c3il"):  # (r3n)'s three synced pickers, but Envoy sends every request to the first one
+    if cfg in ("c3i", "c3il", "c3is"):  # (r3n)'s three synced pickers, but Envoy sends every request to the first one
         from epp_extproc.dev.nats import nats_server_proc
 
         nats = st.add(nats_server_proc(st.dir))
         return start_replicas(st, "sync", H.endpoints_spec(workers), workers, renderer, replicas=3,
                               nats_url=f"nats://127.0.0.1:{nats.port}", serving=1,
-                              extra=LINGER if cfg == "c3il" else ())
+                              extra={"c3il": LINGER, "c3is": SHARE}.get(cfg, ()))
     if cfg == "c3in":  # (c3i), its idle pickers and nats-server at the lowest priority
         from epp_extproc.dev.nats import nats_server_proc
 
@@ -1155,6 +1161,7 @@ PAIRS = (("b", "a"), ("c", "a"), ("c1", "a"), ("e", "a"), ("c", "b"), ("c", "e")
          ("r2", "c"), ("r3m", "c"), ("r3n", "c"), ("r3n", "r3m"), ("g3", "c"), ("r3n", "g3"), ("r3m", "g3"),
          ("c3i", "c"), ("r3n", "c3i"), ("c3u", "c"), ("c3i", "c3u"), ("c3in", "c"), ("c3in", "c3i"), ("c1n", "c"),
          ("c3i", "c1n"), ("c3il", "c"), ("c3il", "c3i"), ("r3nl", "c"), ("r3nl", "r3n"),
+         ("c3is", "c"), ("c3is", "c3i"), ("r3ns", "c"), ("r3ns", "r3n"),
          ("rs", "c"), ("rs2", "c"), ("cv", "c"), ("cv", "e"),
          ("g2", "g2e"), ("g2", "c"), ("g2e", "e"),
          ("rsz", "c"), ("rsn", "c"), ("rsz", "e"), ("rsn", "e"), ("rsn", "rsz"))

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from epp_extproc.adapters.discovery_static import FileDiscovery, parse_flag
 from epp_extproc.adapters.endpoint_probe import EndpointProber
+from epp_extproc.adapters.metrics_share import MetricsShare
 from epp_extproc.adapters.model_rewrites import ModelRewriteCrdPoller, ModelRewritesFile
 from epp_extproc.adapters.objectives import ObjectiveCrdPoller, ObjectivesFile
 from epp_extproc.adapters.render_client import RenderClient
@@ -151,6 +152,13 @@ class PickerApp:
                                     tls=tls, tracing=self.tracing, linger_s=config.replica_sync_linger_ms / 1000)
             if self.kv is not None and self.slot.ingest_dir is None:  # siblings sharing an ingest see them there
                 self.kv.facts.predict_listeners.append(self.sync.on_predict)
+        self.metrics_share: MetricsShare | None = None
+        if self.sync is not None and self.scraper is not None and config.replica_sync_share_metrics:
+            # samples wait up to half an interval for a batch that goes out anyway, then go alone
+            share = self.metrics_share = MetricsShare(self.sync, max_delay_s=self.scraper.interval_s / 2,
+                                                      grace_s=0.0, registry=self.metrics.registry)
+            self.scraper.share_with(share)
+            self.sync.on_loads = share.receive
         self._started_at = time.monotonic()
         self.draining = False
         self.health = Health()
@@ -508,6 +516,8 @@ class PickerApp:
         await cancel_and_wait(list(self._tasks))
         if self._grpc is not None:
             await self._drain(grace)
+        if self.metrics_share is not None:
+            self.metrics_share.close()
         if self.sync is not None:
             await self.sync.close()
         if self._health_server is not None:

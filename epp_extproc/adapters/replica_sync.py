@@ -26,7 +26,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -216,11 +216,17 @@ def fill_batch(batch: pb.Batch, items: Iterable[SyncItem]) -> None:
             batch.predictions.append(it)
 
 
+# a peer's worker samples (--replica-sync-share-metrics) go to this: (peer, samples)
+LoadsSink = Callable[[str, Sequence[pb.WorkerLoad]], None]
+
+
 @dataclass(slots=True)
 class _Outgoing:
     items: list[SyncItem] = field(default_factory=list)
     oldest: float = 0.0  # monotonic
     oldest_unix: float = 0.0
+    # worker samples waiting for a batch (the latest per worker): they ride along, `kick` sends them alone
+    loads: dict[str, pb.WorkerLoad] = field(default_factory=dict)
     # (position in `items`, its span) of the bookings of sampled requests; None (no list made) for the rest
     traced: list[tuple[int, PublishSpan]] | None = None
 
@@ -235,7 +241,7 @@ class _Session:
     """One Sync stream's own queue. A new stream gets a new one, so the request generator of a stream that
     already failed (gRPC may still be pulling it) can never take changes meant for the next stream."""
 
-    __slots__ = ("pending", "wake", "acks", "seq", "open", "reset")
+    __slots__ = ("pending", "wake", "acks", "seq", "open", "reset", "kicked")
 
     def __init__(self) -> None:
         self.pending = _Outgoing()
@@ -244,6 +250,7 @@ class _Session:
         self.seq = 0
         self.open = False  # the snapshot is out: changes from now on go into `pending`
         self.reset = False
+        self.kicked = False  # worker samples are queued and due: send them even with no change
 
     def close(self) -> None:
         self.open = False
@@ -323,6 +330,19 @@ class PeerLink:
             cur.close()
             return
         cur.wake.set()
+
+    def offer_loads(self, loads: Sequence[pb.WorkerLoad]) -> None:
+        """Worker samples for the next batch: they wake nothing (`kick` does)."""
+        cur = self._cur
+        if cur is not None and cur.open:
+            for wl in loads:
+                cur.pending.loads[wl.address] = wl
+
+    def kick(self) -> None:
+        cur = self._cur
+        if cur is not None and cur.open and (cur.pending.items or cur.pending.loads):
+            cur.kicked = True
+            cur.wake.set()
 
     async def _run(self) -> None:
         backoff = Backoff(RECONNECT_INITIAL_S, RECONNECT_MAX_S)
@@ -406,7 +426,7 @@ class PeerLink:
             pb.Booking(id=b.id, address=b.address, prefill_blocks=b.prefill_blocks,
                        decode_blocks=b.decode_blocks, prefilling=b.prefilling) for b in sync.load.bookings()]))
         while True:
-            if not session.pending.items:
+            if not session.pending.items and not session.kicked:  # samples alone wait for a kick or heartbeat
                 session.wake.clear()
                 idle = min(sync.heartbeat_s, ACK_INTERVAL_S) if session.acks else sync.heartbeat_s
                 with contextlib.suppress(TimeoutError):
@@ -419,6 +439,7 @@ class PeerLink:
                 if session.reset:
                     return
             pending, session.pending = session.pending, _Outgoing()
+            session.kicked = False
             items, rest = pending.items[:MAX_BATCH_ITEMS], pending.items[MAX_BATCH_ITEMS:]
             if rest:
                 session.pending = _Outgoing(rest, pending.oldest, pending.oldest_unix)
@@ -426,6 +447,8 @@ class PeerLink:
             session.seq += 1
             batch = pb.Batch(seq=session.seq, oldest_change_unix=pending.oldest_unix if items else 0.0)
             fill_batch(batch, items)
+            if pending.loads:
+                batch.loads.extend(pending.loads.values())
             if items:
                 session.acks[session.seq] = pending.oldest
                 sync.metrics.batches_sent.labels(self.target).inc()
@@ -485,6 +508,7 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
         self._peers_known = False
         self._server: grpc.aio.Server | None = None
         self.addresses: list[str] = []
+        self.on_loads: LoadsSink | None = None  # the peers' worker samples (--replica-sync-share-metrics)
         load.add_listener(self._on_change)
         load.add_first_chunk_forwarder(self._forward_first_chunk)
 
@@ -524,7 +548,21 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
         for link in self.links.values():
             link.offer(p)
 
+    def offer_loads(self, loads: Sequence[pb.WorkerLoad]) -> None:
+        """This replica's worker samples, for every peer's next batch (`MetricsShare`)."""
+        for link in self.links.values():
+            link.offer_loads(loads)
+
+    def kick(self) -> None:
+        """Send the queued samples now, on every link that has some."""
+        for link in self.links.values():
+            link.kick()
+
     # ------------------------------------------------------------------ peers
+
+    def live_replicas(self) -> list[str]:
+        """The peers whose stream from us is up: they get our samples (`MetricsShare`'s owners)."""
+        return [lk.peer_id for lk in self.links.values() if lk.up and lk.peer_id is not None]
 
     def set_peers(self, targets: Iterable[str]) -> None:
         """The current peer set (gRPC targets: host:port or unix:path); links open and close to match."""
@@ -626,7 +664,8 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
                     if msg.batch.oldest_change_unix > 0:
                         self.metrics.visible_lag.observe(max(time.time() - msg.batch.oldest_change_unix, 0.0))
                     now = time.monotonic()
-                    heartbeat = not (msg.batch.deltas or msg.batch.predictions or msg.batch.first_chunks)
+                    heartbeat = not (msg.batch.deltas or msg.batch.predictions or msg.batch.first_chunks
+                                     or msg.batch.loads)  # (a batch of samples alone is acked as changes are)
                     if heartbeat or now - last_ack >= ACK_INTERVAL_S:
                         last_ack = now
                         await context.write(pb.SyncResponse(ack=pb.Ack(seq=msg.batch.seq)))
@@ -651,7 +690,7 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
         return None if msg is grpc.aio.EOF else msg
 
     def _apply(self, peer: str, batch: pb.Batch) -> None:
-        apply_batch(self.load, self.registry, self.index, peer, batch, self.metrics)
+        apply_batch(self.load, self.registry, self.index, peer, batch, self.metrics, self.on_loads)
 
     def _expire(self, peer: str, gen: int) -> None:
         inb = self.inbound.get(peer)
@@ -675,8 +714,10 @@ class ReplicaSync(pb_grpc.ReplicaSyncServicer):
 
 
 def apply_batch(load: LoadTracker, registry: EndpointRegistry, idx: PredictionSink | None, peer: str,
-                batch: pb.Batch, metrics: SyncMetrics | None = None) -> None:
+                batch: pb.Batch, metrics: SyncMetrics | None = None, on_loads: LoadsSink | None = None) -> None:
     """A peer's batch applied here, whichever plane brought it (this mesh, or NATS subjects)."""
+    if batch.loads and on_loads is not None:
+        on_loads(peer, batch.loads)
     change = load.peer_change
     for d in batch.deltas:
         kind = _PB_TO_KIND.get(d.kind)

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter
 from epp_extproc.adapters.replica_sync import (
     _KIND_TO_PB,
     MAX_BATCH_ITEMS,
+    LoadsSink,
     SyncItem,
     SyncMetrics,
     apply_batch,
@@ -130,6 +131,8 @@ class NatsReplicaSync:
                              no_echo=True)
         self.peers: dict[str, _Peer] = {}
         self._pending: list[SyncItem] = []
+        self._loads: dict[str, pb.WorkerLoad] = {}  # worker samples for the next batch, the latest per worker
+        self.on_loads: LoadsSink | None = None  # the peers' worker samples (--replica-sync-share-metrics)
         self._traced: list[tuple[int, PublishSpan]] = []  # (position in `_pending`, span): sampled bookings only
         self._oldest_unix = 0.0
         self._need_snapshot = True
@@ -184,6 +187,19 @@ class NatsReplicaSync:
         if hashes:
             self._queue(pb.Prediction(address=address, block_size=block_size, hashes=hashes,
                                       ttl_ms=int(ttl_s * 1000)))
+
+    def offer_loads(self, loads: Sequence[pb.WorkerLoad]) -> None:
+        """This replica's worker samples (`MetricsShare`): they ride in the next batch and wake nothing."""
+        for wl in loads:
+            self._loads[wl.address] = wl
+
+    def kick(self) -> None:
+        if self._pending or self._loads:
+            self._wake.set()
+
+    def live_replicas(self) -> list[str]:
+        """The peers heard within the peer timeout (`MetricsShare`'s owners)."""
+        return [rid for rid, p in self.peers.items() if p.connected]
 
     # ------------------------------------------------------------ lifecycle
     def set_peers(self, targets: Iterable[str]) -> None:
@@ -293,6 +309,9 @@ class NatsReplicaSync:
             self._seq += 1
             batch = pb.Batch(seq=self._seq, oldest_change_unix=oldest)
             fill_batch(batch, items)
+            if self._loads:
+                batch.loads.extend(self._loads.values())
+                self._loads.clear()
             ok = await self._publish(pb.SyncRequest(batch=batch), self._seq)
             if not ok:
                 self._need_snapshot = True  # lost: the peers see the gap too and ask
@@ -353,7 +372,7 @@ class NatsReplicaSync:
                 self._wants.add(task)
                 task.add_done_callback(self._wants.discard)
             p.seq = seq
-            apply_batch(self.load, self.registry, self.index, rid, req.batch, self.metrics)
+            apply_batch(self.load, self.registry, self.index, rid, req.batch, self.metrics, self.on_loads)
             if req.batch.oldest_change_unix > 0:
                 self.metrics.visible_lag.observe(max(time.time() - req.batch.oldest_change_unix, 0.0))
         self.metrics.peer_bookings.labels(rid).set(self.load.peer_inflight(rid))

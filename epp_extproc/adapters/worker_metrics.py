@@ -49,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from epp_extproc.adapters.endpoint_probe import round_length
+from epp_extproc.adapters.metrics_share import MetricsShare
 from epp_extproc.adapters.worker_http import BodyTooLarge, HttpError, TimedOut, WorkerHttp
 from epp_extproc.core.endpoints import EndpointRegistry
 from epp_extproc.core.load import LoadTracker
@@ -205,6 +206,14 @@ class WorkerMetricsScraper:
         self._idle_streak: dict[str, int] = {}  # scrapes in a row that found the worker idle
         self._idle_until: dict[str, float] = {}  # an idle worker's next scrape, unless this picker books on it
         self.scrapes = 0  # GETs sent (tests, /debug)
+        self.share: MetricsShare | None = None  # synced replicas split the scrapes (`share_with`)
+
+    def share_with(self, share: MetricsShare) -> None:
+        """Read only the workers `share` gives this replica (and those nobody else read in time); apply the
+        peers' samples of the others as if read here."""
+        self.share = share
+        share.on_remote = self.observe_remote
+        share.grace_s = max(share.grace_s, self.timeout_s + self.interval_s)
 
     async def run(self) -> None:
         tasks: set[asyncio.Task[None]] = set()
@@ -224,9 +233,13 @@ class WorkerMetricsScraper:
                     self._idle_until.pop(gone, None)
                 await self._http.retain(known)
                 now = time.monotonic()
+                share = self.share
+                if share is not None:
+                    share.forget(known)
                 due = [a for a in known - self._inflight
                        if self._retry_at.get(a, 0.0) <= now  # else backing off a worker whose metrics keep failing
-                       and self._due_while_idle(a, now)]
+                       and self._due_while_idle(a, now)
+                       and (share is None or share.should_read(a, now))]  # else a peer reads it for us
                 self.round_s = round_length(self.interval_s, len(due), self.max_rate)
                 spread = self.round_s > self.interval_s  # over budget: pace the round as the prober does
                 if spread:
@@ -308,17 +321,36 @@ class WorkerMetricsScraper:
         # booked while it was answered (the larger); a request of ours would otherwise pass for another
         # gateway's until the next scrape and keep a free slot idle
         ours = max(inflight, self.load.load(address).inflight)
-        sample = WorkerSample(g.waiting or 0.0, g.running or 0.0, g.kv_utilization, sent, ours,
-                              g.max_running)
-        self.detector.observe(address, sample)
-        self._note_idle(address, not g.waiting and not g.running and ours == 0)
-        self.load.set_unbooked(address, self.detector.unbooked_requests(address) * self._mean_blocks)
+        self._observe(address, g.waiting or 0.0, g.running or 0.0, g.kv_utilization, g.max_running, sent, ours)
         self._errors_logged.discard(address)
         self._failures.pop(address, None)
         self._retry_at.pop(address, None)
+        if self.share is not None:
+            now = time.monotonic()
+            until = self._idle_until.get(address)
+            self.share.publish(address, g.waiting, g.running, g.kv_utilization, g.max_running, now - sent,
+                               max(self.round_s, until - now if until is not None else 0.0))
         if self.on_sample is not None:
             self.on_sample()
         return True
+
+    def observe_remote(self, address: str, waiting: float, running: float, kv: float | None,
+                       max_running: float | None, read_at: float) -> bool:
+        """A peer's sample of `address`, read at `read_at` (this clock): applied as a scrape of ours is,
+        with this replica's bookings (the sync makes them every replica's) as the ones the worker counted.
+        False for a worker that is not in this pool."""
+        if address not in self.registry:
+            return False
+        self._observe(address, waiting, running, kv, max_running, read_at, self.load.load(address).inflight)
+        if self.on_sample is not None:
+            self.on_sample()
+        return True
+
+    def _observe(self, address: str, waiting: float, running: float, kv: float | None,
+                 max_running: float | None, sent: float, ours: int) -> None:
+        self.detector.observe(address, WorkerSample(waiting, running, kv, sent, ours, max_running))
+        self._note_idle(address, not waiting and not running and ours == 0)
+        self.load.set_unbooked(address, self.detector.unbooked_requests(address) * self._mean_blocks)
 
     def _failed(self, address: str, why: str, backoff: bool = True) -> bool:
         self._note_idle(address, False)

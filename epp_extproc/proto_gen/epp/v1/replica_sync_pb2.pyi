@@ -73,19 +73,39 @@ class Prediction(_message.Message):
     ttl_ms: int
     def __init__(self, address: _Optional[str] = ..., block_size: _Optional[int] = ..., hashes: _Optional[_Iterable[int]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
+class WorkerLoad(_message.Message):
+    __slots__ = ("address", "waiting", "running", "kv_utilization", "max_running", "age_us", "next_ms")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    KV_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    AGE_US_FIELD_NUMBER: _ClassVar[int]
+    NEXT_MS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    waiting: float
+    running: float
+    kv_utilization: float
+    max_running: float
+    age_us: int
+    next_ms: int
+    def __init__(self, address: _Optional[str] = ..., waiting: _Optional[float] = ..., running: _Optional[float] = ..., kv_utilization: _Optional[float] = ..., max_running: _Optional[float] = ..., age_us: _Optional[int] = ..., next_ms: _Optional[int] = ...) -> None: ...
+
 class Batch(_message.Message):
-    __slots__ = ("seq", "deltas", "predictions", "oldest_change_unix", "first_chunks")
+    __slots__ = ("seq", "deltas", "predictions", "oldest_change_unix", "first_chunks", "loads")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
     OLDEST_CHANGE_UNIX_FIELD_NUMBER: _ClassVar[int]
     FIRST_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     deltas: _containers.RepeatedCompositeFieldContainer[BookingDelta]
     predictions: _containers.RepeatedCompositeFieldContainer[Prediction]
     oldest_change_unix: float
     first_chunks: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, seq: _Optional[int] = ..., deltas: _Optional[_Iterable[_Union[BookingDelta, _Mapping]]] = ..., predictions: _Optional[_Iterable[_Union[Prediction, _Mapping]]] = ..., oldest_change_unix: _Optional[float] = ..., first_chunks: _Optional[_Iterable[str]] = ...) -> None: ...
+    loads: _containers.RepeatedCompositeFieldContainer[WorkerLoad]
+    def __init__(self, seq: _Optional[int] = ..., deltas: _Optional[_Iterable[_Union[BookingDelta, _Mapping]]] = ..., predictions: _Optional[_Iterable[_Union[Prediction, _Mapping]]] = ..., oldest_change_unix: _Optional[float] = ..., first_chunks: _Optional[_Iterable[str]] = ..., loads: _Optional[_Iterable[_Union[WorkerLoad, _Mapping]]] = ...) -> None: ...
 
 class SyncRequest(_message.Message):
     __slots__ = ("hello", "snapshot", "batch")
