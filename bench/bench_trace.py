@@ -47,7 +47,8 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
        (c3u) the same three with no sync at all; (c3in) (c3i) with the two idle pickers and the nats-server at
        nice 19; (c1n) (c) alone with NATS replica sync on (it publishes, no peer receives); (c3il), (r3nl)
        (c3i), (r3n) with --replica-sync-linger-ms SYNC_LINGER_MS (changes held that long, then sent together);
-       (c3is), (r3ns) (c3i), (r3n) with --replica-sync-share-metrics (each worker's /metrics read by one replica). With
+       (c3is), (r3ns) (c3i), (r3n) with --replica-sync-share-metrics true (each worker's /metrics read by one
+       replica; the default since 2026-12-05, so the same as (c3i), (r3n) from then on). With
        --envoy-timings (off by default) every run also writes Envoy's per-request timing log, joined with
        AIPerf's records (work dir requests-*.jsonl), and each configuration is compared with (c) of the same
        seed request by request (request_deltas: the same worker and cached tokens, then where the time went);
@@ -204,7 +205,9 @@ from trtllm_mock.config import LLAMA_8B_H100
 AIPERF = str(H.BIN / "aiperf")
 SYNC_LINGER_MS = 5  # (c3il), (r3nl): past a request's own CPU steps at 5 req/s (Envoy, the worker's HTTP)
 LINGER = ("--replica-sync-linger-ms", str(SYNC_LINGER_MS))
-SHARE = ("--replica-sync-share-metrics",)  # (c3is), (r3ns): the replicas split the workers' /metrics reads
+# (c3is), (r3ns): the replicas split the workers' /metrics reads. The product's default since 2026-12-05
+# (recorded runs before it: off), so (c3i), (r3n) and every synced config share them too from then on.
+SHARE = ("--replica-sync-share-metrics", "true")
 CONFIGS = {"a": "envoy round-robin", "b": "picker, load only", "c": "picker, KV-aware (defaults)",
            "c1": "picker, KV-aware, overlap credit 1.0", "e": "picker, prediction only (no KV events)",
            "r2": "2 picker replicas, replica sync", "rs": "picker restarted at 1/3 of the run",

@@ -196,11 +196,12 @@ class Config:
         "hold a replica's changes this long before sending them (both planes): the changes of that time go "
         "in one message, and the peers wake later, after the request's own critical steps; a booking is seen "
         "by the peers this much later (0: each change is sent at once)")
-    replica_sync_share_metrics: bool = opt("DYN_EPP_REPLICA_SYNC_SHARE_METRICS", False, _bool,
+    replica_sync_share_metrics: bool = opt("DYN_EPP_REPLICA_SYNC_SHARE_METRICS", True, _bool,
         "synced replicas split the workers' /metrics scrapes (each worker read by one live replica, chosen by "
         "rendezvous hashing) and send each other the samples with their sync: a worker answers one scrape "
         "per interval instead of one per replica; a worker whose reader goes quiet is read by the others "
-        "again after its next read is overdue (counted in epp_worker_metrics_takeovers)")
+        "again after its next read is overdue (counted in epp_worker_metrics_takeovers); false: every "
+        "replica reads every worker (as before 2026-12; no effect without replica sync or worker metrics)")
     # Endpoints
     endpoints: str | None = opt("DYN_EPP_ENDPOINTS", None, _opt_str,
         "static endpoints, comma separated `name=ip:port` (or just `ip:port`)")
@@ -859,9 +860,6 @@ def _check_across(s: Any) -> None:
     if sched.eviction_aware and k.kv_ingest != "inprocess":
         raise ValueError(f"{n('eviction_aware')} reads the in-process KV index's removals: it needs "
                          f"{n('kv_ingest')} inprocess")
-    if s.replicas.replica_sync_share_metrics and w.worker_metrics_interval_ms == 0:
-        raise ValueError(f"{n('replica_sync_share_metrics')} shares the worker metrics scrapes: it needs them "
-                         f"on ({n('worker_metrics_interval_ms')} > 0)")
     if s.replicas.processes > 1 and s.serving.grpc_port == 0:
         raise ValueError(f"{n('processes')} > 1 needs a fixed {n('grpc_port')} (the processes share it); "
                          "got port 0")

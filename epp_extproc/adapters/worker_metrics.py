@@ -35,6 +35,10 @@ evenly over it in a random order, so each worker is read every due / max_rate se
 interval (1,000 idle workers at the default 500/s: every 2 s, not every 1 s; 1,000 busy ones: every 2 s, not
 every 100 ms), and the picker never sends more than `max_rate` GETs a second. Below that the round is
 today's: every due scrape at the start of each interval.
+
+Synced replicas can split the reads (`share_with`, `--replica-sync-share-metrics`, adapters/metrics_share.py):
+each worker is then read by one of them and the others apply its samples (`observe_remote`) as scrapes of
+their own, so a worker answers one GET per interval however many replicas there are.
 """
 
 from __future__ import annotations

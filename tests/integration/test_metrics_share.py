@@ -104,7 +104,7 @@ async def reads_over(apps: list[PickerApp], seconds: float) -> list[dict[str, in
 
 
 async def test_each_worker_is_read_by_one_replica_and_every_replica_has_its_sample(mesh, workers) -> None:  # noqa: ANN001
-    apps = await mesh(2, replica_sync_share_metrics=True)
+    apps = await mesh(2)
     await until_async(lambda: settled(apps, workers), "fresh samples of every worker at both")
     reads = await reads_over(apps, 0.6)
     assert fresh_everywhere(apps, workers)
@@ -114,8 +114,14 @@ async def test_each_worker_is_read_by_one_replica_and_every_replica_has_its_samp
     assert shared(apps[0], "received") > 0 and shared(apps[1], "received") > 0
 
 
-async def test_without_sharing_every_replica_reads_every_worker(mesh, workers) -> None:  # noqa: ANN001
+async def test_sharing_is_on_by_default(mesh, workers) -> None:  # noqa: ANN001
     apps = await mesh(2)
+    await until_async(lambda: settled(apps, workers), "settled")
+    assert all(a.metrics_share is not None for a in apps)
+
+
+async def test_with_sharing_off_every_replica_reads_every_worker(mesh, workers) -> None:  # noqa: ANN001
+    apps = await mesh(2, replica_sync_share_metrics=False)
     await until_async(lambda: fresh_everywhere(apps, workers), "fresh samples")
     reads = await reads_over(apps, 0.6)
     assert all(set(r) == set(workers) for r in reads), reads
@@ -123,7 +129,7 @@ async def test_without_sharing_every_replica_reads_every_worker(mesh, workers) -
 
 
 async def test_a_peers_sample_is_applied_as_a_scrape_of_ours(mesh, workers) -> None:  # noqa: ANN001
-    a, b = await mesh(2, replica_sync_share_metrics=True)
+    a, b = await mesh(2)
     await until_async(lambda: settled([a, b], workers), "settled")
     theirs = next(w for w in workers if not a.metrics_share.owns(w))  # type: ignore[union-attr]
     booking = b.load.book(theirs, 3)  # B's request, synced to A: both count it as booked, not as unbooked load
@@ -135,7 +141,7 @@ async def test_a_peers_sample_is_applied_as_a_scrape_of_ours(mesh, workers) -> N
 
 
 async def test_a_replica_that_leaves_has_its_workers_read_by_the_others(mesh, workers) -> None:  # noqa: ANN001
-    a, b = await mesh(2, replica_sync_share_metrics=True)
+    a, b = await mesh(2)
     await until_async(lambda: settled([a, b], workers), "settled")
     assert len(a.sync.live_replicas()) == 1  # type: ignore[union-attr]
     reads = counting(a)
@@ -147,7 +153,7 @@ async def test_a_replica_that_leaves_has_its_workers_read_by_the_others(mesh, wo
 async def test_a_worker_whose_samples_stop_coming_is_read_here_as_a_takeover(mesh, workers) -> None:  # noqa: ANN001
     """B is still a live peer (its sync heartbeats) but sends no samples (a reader stuck on a slow worker):
     A reads B's workers itself once their next sample is overdue, and counts it."""
-    a, b = await mesh(2, replica_sync_share_metrics=True)
+    a, b = await mesh(2)
     await until_async(lambda: settled([a, b], workers), "settled")
     b.metrics_share.publish = lambda *args, **kw: None  # type: ignore[union-attr,method-assign]
     reads = counting(a)
@@ -181,7 +187,7 @@ async def nats_replicas(nats_server: NatsServer, workers: list[str]) \
 
 
 async def test_over_nats_each_worker_is_read_by_one_of_three_replicas(nats_replicas, workers) -> None:  # noqa: ANN001
-    apps = await nats_replicas(3, replica_sync_share_metrics=True)
+    apps = await nats_replicas(3)
     await until_async(lambda: settled(apps, workers), "fresh samples of every worker everywhere")
     reads = await reads_over(apps, 0.6)
     for w in workers:
@@ -194,7 +200,7 @@ async def test_over_nats_each_worker_is_read_by_one_of_three_replicas(nats_repli
 async def test_samples_go_out_within_the_delay_when_no_change_carries_them(mesh, workers) -> None:  # noqa: ANN001
     """No booking traffic and a heartbeat every 2 s: the samples still reach the peer within half an
     interval of being read (a kick), so the peer never has to read the worker itself."""
-    a, b = await mesh(2, replica_sync_share_metrics=True, peer_timeout_ms=8000, peer_expiry_ms=8000)
+    a, b = await mesh(2, peer_timeout_ms=8000, peer_expiry_ms=8000)
     await until_async(lambda: settled([a, b], workers), "settled")
     takeovers = [x.metrics_share.takeovers._value.get() for x in (a, b)]  # type: ignore[union-attr]
     worst = 0.0
