@@ -15,6 +15,7 @@ import pytest
 from epp_extproc.app import PickerApp
 from epp_extproc.config import Config, ProcessSlot
 from epp_extproc.dev.nats import NatsServer
+from tests.integration.test_replicas import started
 from tests.mock.test_mock_support import running_worker
 from tests.natsutil import nats_server  # noqa: F401  (fixture)
 from tests.netutil import free_port
@@ -66,12 +67,7 @@ async def mesh(workers: list[str]) -> AsyncIterator[Callable[..., Awaitable[list
                                 **extra))  # type: ignore[arg-type]
             cfg.validate()
             new.append(PickerApp(cfg, ProcessSlot()))
-        for a in new:
-            await a.start()
-            apps.append(a)
-        await until_async(lambda: all(a.ready() and all(lk.up for lk in a.sync.links.values()) for a in new),
-                          "every link up")  # type: ignore[union-attr]
-        return new
+        return await started(apps, new)
 
     yield make
     for a in apps:

@@ -49,17 +49,22 @@ async def mesh() -> AsyncIterator[Callable[..., Awaitable[list[PickerApp]]]]:
 
     async def make(n: int, **extra: object) -> list[PickerApp]:
         ports = [free_port() for _ in range(n)]
-        new = [replica(p, [q for q in ports if q != p], **extra) for p in ports]
-        for a in new:
-            await a.start()
-            apps.append(a)
-        await until_async(lambda: all(a.ready() and all(lk.up for lk in a.sync.links.values()) for a in new),
-                          "every link up")  # type: ignore[union-attr]
-        return new
+        return await started(apps, [replica(p, [q for q in ports if q != p], **extra) for p in ports])
 
     yield make
     for a in apps:
         await a.stop(0)
+
+
+async def started(apps: list[PickerApp], new: list[PickerApp]) -> list[PickerApp]:
+    """Start `new` (each kept in `apps` for the teardown) and wait until every replica is ready and every
+    link up."""
+    for a in new:
+        await a.start()
+        apps.append(a)
+    await until_async(lambda: all(a.ready() and all(lk.up for lk in a.sync.links.values()) for a in new),
+                      "every link up")  # type: ignore[union-attr]
+    return new
 
 
 def inflight(app: PickerApp) -> int:
