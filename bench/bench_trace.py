@@ -48,7 +48,12 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
        nice 19; (c1n) (c) alone with NATS replica sync on (it publishes, no peer receives); (c3il), (r3nl)
        (c3i), (r3n) with --replica-sync-linger-ms SYNC_LINGER_MS (changes held that long, then sent together);
        (c3is), (r3ns) (c3i), (r3n) with --replica-sync-share-metrics true (each worker's /metrics read by one
-       replica; the default since 2026-12-05, so the same as (c3i), (r3n) from then on). With
+       replica; the default since 2026-12-05, so the same as (c3i), (r3n) from then on).
+  (cnd) issue 47 item 4 under the trace: (c) with its KV events through epp-kv-relay on NATS, workers without
+       engine replay, the nats-server stopped at 1/3 of the schedule and started again (same port) at 2/3;
+       (cnr) the same plane with the relay restarted at 1/3; (r3nd) (r3n) with its nats-server down as (cnd)'s.
+       The row's `fault` says when and what the pickers counted (fallbacks, recoveries, sync gaps); the window
+       figures (from 1/3 to the end) are computed as for the restarts. With
        --envoy-timings (off by default) every run also writes Envoy's per-request timing log, joined with
        AIPerf's records (work dir requests-*.jsonl), and each configuration is compared with (c) of the same
        seed request by request (request_deltas: the same worker and cached tokens, then where the time went);
@@ -100,8 +105,8 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
         own (`oob`), TTFT over every request (`all_ttft_p50_ms`, `all_ttft_p90_ms`, claimed between the
         pairs too) and `routed_without_picker` (= the out-of-band count). out_of_band.py says how the two
         replays share one clock and how well they met (`oob.sync_lag_ms`).
-       (r2, r3m, r3n, rs, rs2, rsz, rsn, cv, g2, g2e, g3, c3i, c3in, c3u, c1n, c3il, r3nl, c3is, r3ns and the
-       X-oobNN run only when named in --only; the default set is unchanged)
+       (r2, r3m, r3n, rs, rs2, rsz, rsn, cv, g2, g2e, g3, c3i, c3in, c3u, c1n, c3il, r3nl, c3is, r3ns, cnd, cnr,
+       r3nd and the X-oobNN run only when named in --only; the default set is unchanged)
   (d)  offline cached-token ratios of the same prompts in arrival order: `pooled_lru` (one LRU cache with
        the capacity of all four workers together, the figure earlier recordings called "the oracle"),
        `infinite`, and `clairvoyant` (bench/clairvoyant.py: placement and Belady eviction knowing the future
@@ -235,12 +240,16 @@ CONFIGS = {"a": "envoy round-robin", "b": "picker, load only", "c": "picker, KV-
            "c3is": "(c3i) with --replica-sync-share-metrics (issue 47: each worker's /metrics read by one of "
                    "the three, the samples sent on the sync)",
            "r3ns": "(r3n) with --replica-sync-share-metrics",
+           "cnd": "(c) with KV events through epp-kv-relay on NATS, workers without engine replay; the "
+                  "nats-server down for the middle third of the run (issue 47 item 4)",
+           "cnr": "(cnd)'s plane, its relay restarted at 1/3 of the run (issue 47 item 4)",
+           "r3nd": "(r3n) with its nats-server (the replica sync) down for the middle third of the run",
            **{OB.name(base, share): f"{what}, {share:.0%} of requests out of band (straight to a worker)"
               for share in (0.1, 0.3) for base, what in (("c", "picker, KV-aware (defaults)"),
                                                          ("e", "picker, prediction only (no KV events)"))}}
 # only with --only: the default set (and its cost) stays what it was
 OPT_IN = ("r2", "r3m", "r3n", "rs", "rs2", "cv", "rsz", "rsn", "g2", "g2e", "g3", "c3i", "c3in", "c3u", "c1n", "c3il", "r3nl",
-          "c3is", "r3ns", "c-oob10", "e-oob10", "c-oob30", "e-oob30")
+          "c3is", "r3ns", "cnd", "cnr", "r3nd", "c-oob10", "e-oob10", "c-oob30", "e-oob30")
 BS = 32
 # (rs2)'s replicas: the product's default shutdown grace period, named so the benchmark follows it
 GRACE_PERIOD_S = Config.__dataclass_fields__["graceful_shutdown_grace_period_s"].default
@@ -259,6 +268,11 @@ OOB_CLAIMED_METRICS = ("all_ttft_p90_ms",)
 # between the pairs that both have it
 RESTARTS = ("rs", "rs2", "rsz", "rsn")
 RESTART_AT = 1 / 3
+# issue 47 item 4 under the trace: (cnd) the KV plane's nats-server stopped from RESTART_AT of the schedule for
+# FAULT_DOWN of it, then started again on its port; (cnr) the relay restarted at RESTART_AT; (r3nd) (r3n)'s
+# nats-server (its replica sync) down as (cnd)'s. The window figures are computed for them as for a restart.
+FAULTS = ("cnd", "cnr", "r3nd")
+FAULT_DOWN = 1 / 3
 WINDOW_METRICS = ("window_cached_ratio", "window_requests", "window_failed", "window_s")
 WINDOW_CLAIMED_METRICS = ("window_cached_ratio",)
 
@@ -546,7 +560,7 @@ def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc,
         return start_replicas(st, "sync", H.endpoints_spec(workers), workers, renderer)
     if cfg == "r3m":  # issue 47 item 3: three synced replicas, the gRPC full mesh (each peers the other two)
         return start_replicas(st, "sync", H.endpoints_spec(workers), workers, renderer, replicas=3)
-    if cfg in ("r3n", "r3nl", "r3ns"):  # the same three on NATS subjects (a nats-server of their own; KV events direct)
+    if cfg in ("r3n", "r3nl", "r3ns", "r3nd"):  # the same three on NATS subjects (a nats-server of their own; KV events direct)
         from epp_extproc.dev.nats import nats_server_proc
 
         nats = st.add(nats_server_proc(st.dir))
@@ -587,9 +601,9 @@ def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc,
     if cfg == "g2e":  # the same pair of (e) pickers: each predicts only what it routed itself
         return start_replicas(st, "nosync", prediction_spec(workers), workers, renderer, extra=E_FLAGS,
                               kv_events=False)
-    if cfg in ("rsz", "rsn"):  # issue 47: restarted in front of workers with no replay, on ZeroMQ or the plane
+    if cfg in ("rsz", "rsn", "cnd", "cnr"):  # issue 47: workers with no replay, on ZeroMQ or the plane
         extra: list[str] = []
-        if cfg == "rsn":
+        if cfg != "rsz":
             from epp_extproc.dev.nats import nats_server_proc, relay_proc
 
             nats = st.add(nats_server_proc(st.dir))
@@ -764,6 +778,61 @@ class Restarter(threading.Thread):
         return picker_health(self.envoy).get(self.host) == "healthy"
 
 
+class Fault(threading.Thread):
+    """(cnd, cnr, r3nd): once the picker has routed its first request, waits `at_fraction` of the schedule,
+    stops `target` (the nats-server or the relay: SIGTERM, SIGKILL after 5 s), waits `down_fraction` of the
+    schedule (0: a restart at once) and starts it again with the same argv, on the same port. Records when."""
+
+    def __init__(self, pk: H.Proc, target: H.Proc, span_s: float, down_fraction: float,
+                 at_fraction: float = RESTART_AT) -> None:
+        super().__init__(daemon=True, name="fault")
+        self.pk, self.target = pk, target
+        self.delay, self.down = span_s * at_fraction, span_s * down_fraction
+        self.info: dict[str, Any] = {"target": target.name, "at_fraction": at_fraction,
+                                     "down_fraction": down_fraction}
+        self._cancel = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def run(self) -> None:
+        try:
+            deadline = time.monotonic() + 120
+            while sum(picker_picks(self.pk).values()) == 0:
+                if self._cancel.wait(0.2) or time.monotonic() > deadline:
+                    self.info["error"] = "no request reached the picker"
+                    return
+            if self._cancel.wait(self.delay):
+                self.info["error"] = "the run ended before the fault"
+                return
+            t0 = time.monotonic()
+            self.info["stopped_epoch_ns"] = time.time_ns()
+            self.target.stop(signal.SIGTERM, grace=5.0)
+            self.info["stop_s"] = round(time.monotonic() - t0, 3)
+            self._cancel.wait(max(0.0, self.down - (time.monotonic() - t0)))  # back even if the run ended
+            self.target.start(60)
+            self.info["back_s"] = round(time.monotonic() - t0, 3)  # stopped -> listening (ready) again
+        except Exception as e:  # noqa: BLE001 - reported in the row: a failed fault must not pass silently
+            self.info["error"] = repr(e)
+
+
+_FAULT_COUNTERS = re.compile(r"^(epp_kv_plane_(?:fallbacks|recoveries|relay_restarts|dumps|dump_failures)_total|"
+                             r"epp_replica_sync_nats_gaps_total|epp_replica_peer_expired_total) (\S+)$", re.M)
+
+
+def fault_counters(pks: Sequence[H.Proc]) -> dict[str, int]:
+    """What the pickers counted of a fault (the plane's fallbacks and recoveries, the sync's gaps), summed."""
+    out: dict[str, int] = {}
+    for p in pks:
+        try:
+            text = H.get_text(H.picker_url(p) + "/metrics")
+        except OSError:
+            continue
+        for k, v in _FAULT_COUNTERS.findall(text):
+            out[k] = out.get(k, 0) + int(float(v))
+    return out
+
+
 def index_blocks(pk: H.Proc) -> int:
     """Blocks the picker's index holds (all workers, deduplicated): how warm it is."""
     return int(H.get_json(H.picker_url(pk) + "/debug/kv").get("unique_blocks", 0))
@@ -808,6 +877,10 @@ def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], rendere
                               envoy=env if cfg == "rs2" else None) if cfg in ("rs", "rs2", "rsz", "rsn") else None
         if restarter is not None:
             restarter.start()
+        fault = Fault(pks[0], next(p for p in st.procs if p.name == ("kv-relay" if cfg == "cnr" else "nats")),
+                      schedule_span_s(input_file), 0.0 if cfg == "cnr" else FAULT_DOWN) if cfg in FAULTS else None
+        if fault is not None:
+            fault.start()
         art = work / f"aiperf-{tag}"
         shutil.rmtree(art, ignore_errors=True)
         counted = [*workers, renderer, *st.procs] if plan.proc_counters else []
@@ -824,6 +897,9 @@ def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], rendere
             if restarter is not None:
                 restarter.cancel()
                 restarter.join(90)
+            if fault is not None:
+                fault.cancel()
+                fault.join(90)
             if replayer is not None:  # its last requests may end after AIPerf's
                 replayer.join(plan.aiperf_timeout_s + 30)
         wall = time.monotonic() - t0
@@ -848,6 +924,9 @@ def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], rendere
                 extra["lean_signals"] = lean_signals(pks)
             except OSError:
                 pass
+        if fault is not None:
+            fault.info["pickers"] = fault_counters(pks)
+            extra["fault"] = fault.info
         if restarter is not None and picks is not None and pks[0].alive():  # the new process's own share
             restarter.info["picks_after_restart"] = sum(picker_picks(pks[0]).values())
     if restarter is not None:
@@ -1094,7 +1173,7 @@ def run_capacity(plan: Plan, configs: Sequence[str], wl: Workload, cap: str, wor
                     share = (OB.parse(cfg) or (cfg, None))[1]
                     row = run_one(cfg, d, plan, workers, renderer, f, work / "tokenizer", work, f"{cfg}-{tag}", pf,
                                   parts.get(share) if share is not None else None,
-                                  window=share is None and any(c in RESTARTS for c in configs))
+                                  window=share is None and any(c in RESTARTS or c in FAULTS for c in configs))
                     row.update(capacity=cap, offered_rps=rate, seed=seed)
                     runs.append(row)
                     seed_rows.append(row)
@@ -1167,7 +1246,8 @@ PAIRS = (("b", "a"), ("c", "a"), ("c1", "a"), ("e", "a"), ("c", "b"), ("c", "e")
          ("c3is", "c"), ("c3is", "c3i"), ("r3ns", "c"), ("r3ns", "r3n"),
          ("rs", "c"), ("rs2", "c"), ("cv", "c"), ("cv", "e"),
          ("g2", "g2e"), ("g2", "c"), ("g2e", "e"),
-         ("rsz", "c"), ("rsn", "c"), ("rsz", "e"), ("rsn", "e"), ("rsn", "rsz"))
+         ("rsz", "c"), ("rsn", "c"), ("rsz", "e"), ("rsn", "e"), ("rsn", "rsz"),
+         ("cnd", "c"), ("cnr", "c"), ("r3nd", "c"), ("r3nd", "r3n"))
 # issue 42 item 3, "events earn their keep where predictions cannot see": in each situation the KV-aware
 # configuration against the prediction-only one under the same conditions (the X-oobNN pairs are added per
 # share present: oob_pairs)
