@@ -244,6 +244,7 @@ class PickerApp:
     def flow_snapshot(self) -> dict[str, object]:
         """GET /debug/flow: the queue and what the detector thinks of each worker."""
         workers = {}
+        share = self.metrics_share
         for ep in self.registry.all():
             st = self.detector.state(ep.address)
             s = self.detector.fresh(ep.address)
@@ -251,7 +252,9 @@ class PickerApp:
                                    "why": st.why, "waiting_est": st.waiting_est,
                                    "scraped": None if s is None else {"waiting": s.waiting, "running": s.running,
                                                                       "kv_utilization": s.kv_utilization},
-                                   "unbooked_blocks": round(self.load.load(ep.address).unbooked_blocks, 3)}
+                                   "unbooked_blocks": round(self.load.load(ep.address).unbooked_blocks, 3),
+                                   # --replica-sync-share-metrics: whose reads these are ("here": this replica's)
+                                   "metrics_read_by": "here" if share is None or share.owns(ep.address) else "a peer"}
         return {"enabled": self.flow is not None, "queue": self.flow.snapshot() if self.flow else None,
                 "objectives": self.objectives.snapshot(), "workers": workers}
 
