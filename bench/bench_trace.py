@@ -703,6 +703,21 @@ def schedule_span_s(input_file: Path) -> float:
     return (max(ts) - min(ts)) / 1000 if ts else 0.0
 
 
+def wait_for_moment(pk: H.Proc, cancel: threading.Event, delay_s: float, timeout_s: float, info: dict[str, Any],
+                    what: str) -> bool:
+    """Until the picker has routed its first request, then `delay_s` more (the restart's and the fault's
+    moment on the schedule); False, with the reason in `info["error"]`, when the run ended first."""
+    deadline = time.monotonic() + timeout_s
+    while sum(picker_picks(pk).values()) == 0:
+        if cancel.wait(0.2) or time.monotonic() > deadline:
+            info["error"] = "no request reached the picker"
+            return False
+    if cancel.wait(delay_s):
+        info["error"] = f"the run ended before {what}"
+        return False
+    return True
+
+
 class Restarter(threading.Thread):
     """(rs, rs2): once the picker has routed its first request, waits `at_fraction` of the schedule, SIGTERMs
     the picker, waits for it to exit (its grace period if it has one, then its drain: no new streams, the
@@ -730,13 +745,7 @@ class Restarter(threading.Thread):
             self.info["error"] = repr(e)
 
     def _run(self) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        while sum(picker_picks(self.pk).values()) == 0:
-            if self._cancel.wait(0.2) or time.monotonic() > deadline:
-                self.info["error"] = "no request reached the picker"
-                return
-        if self._cancel.wait(self.delay):
-            self.info["error"] = "the run ended before the restart"
+        if not wait_for_moment(self.pk, self._cancel, self.delay, self.timeout_s, self.info, "the restart"):
             return
         self.info["picks_before_restart"] = sum(picker_picks(self.pk).values())
         self.info["index_blocks_before"] = index_blocks(self.pk)
@@ -797,13 +806,7 @@ class Fault(threading.Thread):
 
     def run(self) -> None:
         try:
-            deadline = time.monotonic() + 120
-            while sum(picker_picks(self.pk).values()) == 0:
-                if self._cancel.wait(0.2) or time.monotonic() > deadline:
-                    self.info["error"] = "no request reached the picker"
-                    return
-            if self._cancel.wait(self.delay):
-                self.info["error"] = "the run ended before the fault"
+            if not wait_for_moment(self.pk, self._cancel, self.delay, 120, self.info, "the fault"):
                 return
             t0 = time.monotonic()
             self.info["stopped_epoch_ns"] = time.time_ns()

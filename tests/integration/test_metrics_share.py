@@ -116,13 +116,19 @@ def assert_one_reader_each(apps: list[PickerApp], workers: list[str], reads: lis
     assert extra == took <= len(apps), (reads, took)
 
 
-async def test_each_worker_is_read_by_one_replica_and_every_replica_has_its_sample(mesh, workers) -> None:  # noqa: ANN001
-    apps = await mesh(2)
-    await until_async(lambda: settled(apps, workers), "fresh samples of every worker at both")
+async def one_reader_window(apps: list[PickerApp], workers: list[str]) -> list[dict[str, int]]:
+    """Once settled, 0.6 s of reads: each worker read by one replica, every replica holding fresh samples."""
+    await until_async(lambda: settled(apps, workers), "fresh samples of every worker everywhere")
     took = takeovers(apps)
     reads = await reads_over(apps, 0.6)
     assert_one_reader_each(apps, workers, reads, takeovers(apps) - took)
     assert fresh_everywhere(apps, workers)
+    return reads
+
+
+async def test_each_worker_is_read_by_one_replica_and_every_replica_has_its_sample(mesh, workers) -> None:  # noqa: ANN001
+    apps = await mesh(2)
+    await one_reader_window(apps, workers)
     for w in workers:
         assert [a.flow_snapshot()["workers"][w]["metrics_read_by"] for a in apps].count("here") == 1  # /debug/flow
     assert shared(apps[0], "received") > 0 and shared(apps[1], "received") > 0
@@ -202,11 +208,7 @@ async def nats_replicas(nats_server: NatsServer, workers: list[str]) \
 
 async def test_over_nats_each_worker_is_read_by_one_of_three_replicas(nats_replicas, workers) -> None:  # noqa: ANN001
     apps = await nats_replicas(3)
-    await until_async(lambda: settled(apps, workers), "fresh samples of every worker everywhere")
-    took = takeovers(apps)
-    reads = await reads_over(apps, 0.6)
-    assert_one_reader_each(apps, workers, reads, takeovers(apps) - took)
-    assert fresh_everywhere(apps, workers)
+    reads = await one_reader_window(apps, workers)
     readers = sum(1 for r in reads if r)
     assert sum(shared(a, "received") > 0 for a in apps) >= min(3, readers + 1)  # each got what it did not read
 
