@@ -87,6 +87,13 @@ def settled(apps: list[PickerApp], workers: list[str]) -> bool:
         for a in apps for w in workers)
 
 
+def reader_and_silent(a: PickerApp, b: PickerApp, workers: list[str]) -> tuple[PickerApp, PickerApp]:
+    """(x, y) with y owning at least one worker: replica ids are random, and one replica of two owns all four
+    workers one time in eight."""
+    theirs = [w for w in workers if not a.metrics_share.owns(w)]  # type: ignore[union-attr]
+    return (a, b) if theirs else (b, a)
+
+
 def shared(app: PickerApp, direction: str) -> float:
     share = app.metrics_share
     assert share is not None
@@ -151,6 +158,7 @@ async def test_with_sharing_off_every_replica_reads_every_worker(mesh, workers) 
 async def test_a_peers_sample_is_applied_as_a_scrape_of_ours(mesh, workers) -> None:  # noqa: ANN001
     a, b = await mesh(2)
     await until_async(lambda: settled([a, b], workers), "settled")
+    a, b = reader_and_silent(a, b, workers)
     theirs = next(w for w in workers if not a.metrics_share.owns(w))  # type: ignore[union-attr]
     booking = b.load.book(theirs, 3)  # B's request, synced to A: both count it as booked, not as unbooked load
     await until_async(lambda: a.load.load(theirs).inflight == 1, "the booking at A")
@@ -175,6 +183,7 @@ async def test_a_worker_whose_samples_stop_coming_is_read_here_as_a_takeover(mes
     A reads B's workers itself once their next sample is overdue, and counts it."""
     a, b = await mesh(2)
     await until_async(lambda: settled([a, b], workers), "settled")
+    a, b = reader_and_silent(a, b, workers)  # B owns a worker: A has something to take over
     b.metrics_share.publish = lambda *args, **kw: None  # type: ignore[union-attr,method-assign]
     reads = counting(a)
     await until_async(lambda: set(reads) == set(workers), "A reads every worker", timeout=10)
