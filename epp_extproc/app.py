@@ -156,7 +156,7 @@ class PickerApp:
         if self.sync is not None and self.scraper is not None and config.replica_sync_share_metrics:
             # samples wait up to half an interval for a batch that goes out anyway, then go alone
             share = self.metrics_share = MetricsShare(self.sync, max_delay_s=self.scraper.interval_s / 2,
-                                                      grace_s=0.0, registry=self.metrics.registry)
+                                                      registry=self.metrics.registry)
             self.scraper.share_with(share)
             self.sync.on_loads = share.receive
         self._started_at = time.monotonic()

@@ -74,11 +74,12 @@ def owner_of(address: str, replicas: Sequence[str]) -> str:
 class MetricsShare:
     """Which workers this replica reads, what it tells its peers, and what they told it."""
 
-    def __init__(self, plane: LoadPlane, *, max_delay_s: float, grace_s: float,
+    def __init__(self, plane: LoadPlane, *, max_delay_s: float, grace_s: float = 0.0,
                  registry: CollectorRegistry | None = None) -> None:
         self.plane = plane
         self.max_delay_s = max_delay_s  # a sample waits at most this for a batch going out anyway
-        self.grace_s = grace_s  # past the owner's announced next read, the worker is read here
+        # past the owner's announced next read, the worker is read here (the scraper sets it: `share_with`)
+        self.grace_s = grace_s
         self.on_remote: RemoteSample | None = None  # (address, waiting, running, kv, max_running, sent)
         self._covered_until: dict[str, float] = {}  # monotonic; a peer's sample said it reads the worker
         self._owners: dict[str, bool] = {}  # address -> this replica owns it, for `_owners_of`
@@ -103,9 +104,7 @@ class MetricsShare:
             self._owners_of = live
             self._owners.clear()
         mine = self._owners.get(address)
-        if mine is None:
-            if len(self._owners) > 1_000_000:  # addresses come and go: the cache never outgrows a pool
-                self._owners.clear()
+        if mine is None:  # (`forget` keeps the cache near the pool's size)
             mine = self._owners[address] = owner_of(address, (*live, self.plane.replica_id)) == \
                 self.plane.replica_id
         return mine

@@ -217,7 +217,7 @@ class WorkerMetricsScraper:
         peers' samples of the others as if read here."""
         self.share = share
         share.on_remote = self.observe_remote
-        share.grace_s = max(share.grace_s, self.timeout_s + self.interval_s)
+        share.grace_s = self.timeout_s + self.interval_s  # a late answer, then one more interval
 
     async def run(self) -> None:
         tasks: set[asyncio.Task[None]] = set()
