@@ -13,8 +13,18 @@ replay:
   after the dump's sequence, and follows the live stream from there;
 * **gap**: a sequence jump on the plane (a message NATS or the relay dropped), or a relay heartbeat that says
   the stream went further than what arrived (the tail was lost), is answered with a new dump;
-* **restart**: another epoch on a worker's messages is another relay process (it rebuilt its index): a new
-  dump; a clear message is the relay's own gap or engine restart, applied as the clear it was there;
+* **restart**: another epoch on a worker's messages is another relay process (it rebuilt its index). When
+  the new relay's stream reaches the picker from its first message (the relay queues what it reads before its
+  first connect) and continues the engine's numbering (each rank's first batch comes after the last one the
+  picker applied), the picker **carries** what it holds and follows the new stream without a dump: the new
+  relay knows only what it read since it started (the engine keeps no replay unless configured), and
+  replacing the picker's entries with that partial index cost the trace benchmark 10% of its cached tokens
+  after a relay restart (``cnr``). The engine batches nobody relayed meanwhile are lost either way and
+  counted (``carried_missed``); a stale entry they leave is an eviction the picker did not see, as after a
+  ZeroMQ gap, until the engine stores or drops that block again. A rank whose numbering went back (the engine
+  restarted too) or that the picker has no position for is cleared at its first message; a new stream
+  whose first message did not arrive gets a dump, as before. A clear message is the relay's own gap or
+  engine restart, applied as the clear it was there;
 * **faults**: NATS down (the client noticed, pings every second), or no heartbeat from a worker's relay for
   ``relay_stale_s``: the worker falls back to today's direct ZeroMQ subscription (or, with ``--kv-plane-fallback
   load``, its entries are dropped and it routes by load), counted; when the plane is back, a dump brings the
@@ -59,7 +69,7 @@ from kvindex.backoff import Backoff
 from kvindex.decode import TOO_MANY_EVENTS, decode_payload
 from kvindex.dump import load_slots
 from kvindex.index import KvIndex
-from kvindex.subscriber import KvSource, SubscriberManager
+from kvindex.subscriber import FAR_JUMP, KvSource, SubscriberManager
 
 if TYPE_CHECKING:
     from epp_extproc.tracing.spans import Tracing
@@ -90,6 +100,9 @@ class PlaneStats:
     garbage: int = 0
     fallbacks: int = 0
     recoveries: int = 0
+    carried: int = 0  # relay restarts followed without a dump, the worker's entries kept (see the module doc)
+    carried_missed: int = 0  # engine batches no relay published across those restarts
+    carry_cleared: int = 0  # ranks cleared at a carried restart: their numbering went back, or was unknown
 
 
 @dataclass(slots=True)
@@ -102,6 +115,11 @@ class _Stream:
     dump_task: asyncio.Task[None] | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     backoff: Backoff = field(default_factory=lambda: Backoff(0.2, 5.0))
+    # per rank (None: one rank), the engine seq of the last batch the worker's entries contain, as far as the
+    # plane told it (live batches, a dump's `engine_seqs`): what a carried restart is checked against
+    engine_seq: dict[int | None, int] = field(default_factory=dict)
+    # after a carried restart: the ranks whose first message in the new epoch was checked (None: no carry)
+    carry_checked: set[int | None] | None = None
 
 
 class PlaneSubscribers:
@@ -204,8 +222,10 @@ class PlaneSubscribers:
         once the restarted engine's stream shows the restart. Fallback subscriptions resync as today."""
         self.idx.clear_worker(worker_id)
         st = self._streams.get(worker_id)
-        if st is not None and st.stats.fallback:
-            self.fallback.resync(worker_id)
+        if st is not None:
+            st.engine_seq.clear()
+            if st.stats.fallback:
+                self.fallback.resync(worker_id)
 
     def workers(self) -> list[str]:
         return list(self._streams)
@@ -301,11 +321,12 @@ class PlaneSubscribers:
             return
         if m.epoch != s.epoch:
             s.relay_restarts += 1
-            log.warning("kv plane: %s comes from another relay process now (epoch %d -> %d): asking its dump",
-                        st.worker_id, s.epoch, m.epoch)
-            st.buffer.append(m)
-            self._dump(st)
-            return
+            if not (m.seq == 1 and self._carry(st, m.epoch)):
+                log.warning("kv plane: %s comes from another relay process now (epoch %d -> %d): asking its "
+                            "dump", st.worker_id, s.epoch, m.epoch)
+                st.buffer.append(m)
+                self._dump(st)
+                return
         assert s.seq is not None
         if m.seq <= s.seq:
             return  # already in the dump
@@ -319,15 +340,57 @@ class PlaneSubscribers:
 
     def _apply(self, st: _Stream, m: LiveMessage) -> None:
         st.stats.seq = m.seq
+        if st.carry_checked is not None and m.rank not in st.carry_checked:
+            self._check_carry(st, m)
         if m.kind != KIND_BATCH:
-            self.idx.clear_worker(st.worker_id, m.rank)
+            self._clear_rank(st, m.rank)
             return
         batch = decode_payload(m.payload, self.max_batch_events)
         if batch.reason == TOO_MANY_EVENTS:
             st.stats.oversized += 1
-            self.idx.clear_worker(st.worker_id, m.rank)
+            self._clear_rank(st, m.rank)
             return
         self.idx.apply_batch(st.worker_id, batch, m.rank)
+        st.engine_seq[m.rank] = m.engine_seq
+
+    def _clear_rank(self, st: _Stream, rank: int | None) -> None:
+        self.idx.clear_worker(st.worker_id, rank)
+        if rank is None:
+            st.engine_seq.clear()
+        else:
+            st.engine_seq.pop(rank, None)
+
+    # ------------------------------------------------------- carried restarts
+    def _carry(self, st: _Stream, epoch: int) -> bool:
+        """A new relay's stream from its start: follow it on what the worker's entries hold (see the module
+        doc), or False (nothing to carry: the picker knows no engine position) and the caller asks a dump."""
+        if not st.engine_seq:
+            return False
+        s = st.stats
+        log.warning("kv plane: %s comes from another relay process now (epoch %d -> %d): following its stream "
+                    "from its start, the worker's entries kept", st.worker_id, s.epoch, epoch)
+        s.epoch, s.seq = epoch, 0
+        s.carried += 1
+        st.carry_checked = set()
+        return True
+
+    def _check_carry(self, st: _Stream, m: LiveMessage) -> None:
+        """The first message of a rank after a carried restart: does it continue the engine's numbering?"""
+        assert st.carry_checked is not None
+        st.carry_checked.add(m.rank)
+        if m.rank is None:
+            st.carry_checked = None  # (a worker of one rank, or a clear of all: nothing left to check)
+        if m.kind != KIND_BATCH:
+            return  # the new relay cleared the rank itself: nothing is kept to check
+        last = st.engine_seq.get(m.rank)
+        if last is not None and last < m.engine_seq and m.engine_seq - last <= FAR_JUMP:
+            st.stats.carried_missed += m.engine_seq - last - 1
+            return
+        st.stats.carry_cleared += 1
+        log.warning("kv plane: %s rank %s: the new relay's stream starts at engine seq %d, the picker's entries "
+                    "end at %s: another engine process, or no position; cleared", st.worker_id, m.rank,
+                    m.engine_seq, last)
+        self._clear_rank(st, m.rank)
 
     def _on_heartbeat(self, data: bytes) -> None:
         hb = parse_heartbeat(data, self.max_batch_bytes)
@@ -344,6 +407,8 @@ class PlaneSubscribers:
             s = st.stats
             if s.mode == "wait":
                 self._dump(st)
+            elif s.mode == "live" and hb.epoch != s.epoch and seq == 0 and self._carry(st, hb.epoch):
+                s.relay_restarts += 1  # a new relay that has sent nothing for this worker yet: its first comes
             elif s.mode == "live" and (hb.epoch != s.epoch or s.seq is None or seq > s.seq):
                 if hb.epoch != s.epoch:
                     s.relay_restarts += 1
@@ -469,6 +534,7 @@ class PlaneSubscribers:
             s.recoveries += 1
             log.info("kv plane: %s back on the plane (dump of %d blocks at seq %d)", wid, blocks, first.seq)
         s.epoch, s.seq, s.mode = first.epoch, first.seq, "live"
+        st.engine_seq, st.carry_checked = dict(first.engine_seqs), None
         buffered, st.buffer = st.buffer, deque()
         for m in buffered:
             if s.mode != "live":
@@ -494,6 +560,7 @@ class PlaneSubscribers:
         async with st.lock:
             if not st.stats.fallback or self._streams.get(st.worker_id) is not st:
                 return
+            st.engine_seq.clear()  # fed off the plane from here: the next dump says where it stands
             if self.fallback_mode == "zmq" and st.sources:
                 await self.fallback.add(st.worker_id, st.sources)
             else:
@@ -531,7 +598,8 @@ class PlaneSubscribers:
 
     def totals(self) -> dict[str, int]:
         keys = ("messages", "gaps", "dropped_batches", "relay_restarts", "dumps", "dump_failures", "dumps_refused",
-                "buffer_overflows", "oversized", "fallbacks", "recoveries")
+                "buffer_overflows", "oversized", "fallbacks", "recoveries", "carried", "carried_missed",
+                "carry_cleared")
         out = {k: sum(getattr(st.stats, k) for st in self._streams.values()) for k in keys}
         out["fallback_workers"] = sum(1 for st in self._streams.values() if st.stats.fallback)
         out["garbage"] = self.garbage
@@ -551,6 +619,9 @@ class _PlaneCollector(Collector):
                           ("dumps_refused", "Malformed dumps refused"),
                           ("garbage", "Malformed messages on the plane's subjects refused"),
                           ("gaps", "Sequence gaps on the plane"), ("relay_restarts", "Relay restarts seen"),
+                          ("carried", "Relay restarts followed without a dump, the worker's entries kept"),
+                          ("carried_missed", "Engine batches no relay published across carried restarts"),
+                          ("carry_cleared", "Ranks cleared at a carried restart (another engine, or no position)"),
                           ("messages", "Live messages received")):
             m = CounterMetricFamily(f"epp_kv_plane_{key}", text)
             m.add_metric([], t[key])

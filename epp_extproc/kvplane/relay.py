@@ -67,16 +67,24 @@ class RelaySubscribers(SubscriberManager):
     def __init__(self, idx: KvIndex, emit: Any, **kwargs: Any) -> None:
         super().__init__(idx, **kwargs)
         self.emit = emit
+        # per worker and rank, the engine's seq of the last batch applied: a dump says where its state stands
+        # in the engine's numbering (`DumpChunk.engine_seqs`)
+        self.engine_seqs: dict[str, dict[int | None, int]] = {}
 
     def _apply(self, sub: Subscription, seq: int, payload: bytes) -> None:
         before = sub.stats.oversized
         super()._apply(sub, seq, payload)
+        self.engine_seqs.setdefault(sub.worker_id, {})[sub.source.rank] = seq
         if sub.stats.oversized == before:  # an oversized batch was refused and cleared: `_clear` told them
             self.emit(KIND_BATCH, sub.worker_id, sub.source.rank, seq, payload)
 
     def _clear(self, sub: Subscription) -> None:
         super()._clear(sub)
         self.emit(KIND_CLEAR, sub.worker_id, sub.source.rank, sub.applied or 0, b"")
+
+    async def remove(self, worker_id: str) -> None:
+        self.engine_seqs.pop(worker_id, None)
+        await super().remove(worker_id)
 
 
 class Relay:
@@ -131,6 +139,7 @@ class Relay:
     async def _on_up(self) -> None:
         """Connected (first time or again): serve the dumps (the client re-subscribes on reconnects itself)."""
         nc = self.link.nc
+        self._outbox_ready.set()  # what was emitted before the first connect goes out now
         if nc is None or self._dump_subs:
             return
         for wid in self.workers:
@@ -144,7 +153,11 @@ class Relay:
         self.seq[worker_id] = seq
         if not self.publish_live:
             return
-        if len(self._outbox) >= self.outbox_messages or not self.link.connected:
+        # Before the first connect the outbox keeps them (bounded): a restarted relay's stream then reaches
+        # the pickers from its first message, which lets them carry what they hold across the restart instead
+        # of replacing it with this relay's partial index (`PlaneSubscribers`). Once the link was up, a message
+        # that cannot go now is dropped: its sequence gap sends the pickers to a dump.
+        if len(self._outbox) >= self.outbox_messages or (self.link.connects and not self.link.connected):
             self.dropped += 1
             return
         self._outbox.append((self._subjects[worker_id],
@@ -157,9 +170,11 @@ class Relay:
             await self._outbox_ready.wait()
             self._outbox_ready.clear()
             nc = self.link.nc
+            if nc is None:
+                continue  # not connected yet: `_on_up` wakes this once it is
             while box:
                 subject, data = box.popleft()
-                if nc is None or not nc.is_connected:
+                if not nc.is_connected:
                     self.dropped += 1 + len(box)
                     box.clear()
                     break
@@ -208,7 +223,8 @@ class Relay:
             chunks[-1].append(DumpSlot(rank, size, eng.tobytes(), ours.tobytes()))
             room -= len(eng)
         n = len(chunks)
-        return [encode_dump_chunk(DumpChunk(worker_id, self.epoch, seq, i, n, bs, src, slots, dialect))
+        engine_seqs = dict(self.subs.engine_seqs.get(worker_id, {}))
+        return [encode_dump_chunk(DumpChunk(worker_id, self.epoch, seq, i, n, bs, src, slots, dialect, engine_seqs))
                 for i, slots in enumerate(chunks)]
 
     def stats(self) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgpack
 import xxhash
@@ -142,6 +142,10 @@ class DumpChunk:
     size_source: str
     slots: list[DumpSlot]
     dialect: str | None = None  # how the worker's engine keys media blocks (kvindex.hashing DIALECT_*), if seen
+    # per rank (None: a worker of one rank), the engine's seq of the last batch the dump's state contains: a
+    # picker that loaded it can tell, at a relay restart, whether the new relay's stream continues the same
+    # engine's (`PlaneSubscribers`' carry). Absent from a relay of an earlier release: then nothing is known.
+    engine_seqs: dict[int | None, int] = field(default_factory=dict)
 
 
 def encode_dump_request(worker_id: str) -> bytes:
@@ -161,7 +165,8 @@ def parse_dump_request(data: bytes) -> str | None:
 def encode_dump_chunk(c: DumpChunk) -> bytes:
     return DUMP_MAGIC + msgpack.packb({
         "v": 1, "w": c.worker_id, "e": c.epoch, "s": c.seq, "i": c.index, "n": c.count, "bs": c.block_size,
-        "src": c.size_source, "d": c.dialect, "slots": [[s.rank, s.block_size, s.engine, s.ours] for s in c.slots]},
+        "src": c.size_source, "d": c.dialect, "slots": [[s.rank, s.block_size, s.engine, s.ours] for s in c.slots],
+        "es": [[-1 if r is None else r, q & U64] for r, q in c.engine_seqs.items()]},
         use_bin_type=True)
 
 
@@ -196,6 +201,7 @@ def parse_dump_chunk(data: bytes, max_bytes: int) -> DumpChunk:
     if dialect is not None and (not isinstance(dialect, str) or len(dialect) > 32):
         raise Malformed("dump chunk: dialect")
     chunk.dialect = dialect
+    chunk.engine_seqs = _engine_seqs(obj.get("es"))
     for s in raw_slots:
         if (not isinstance(s, list) or len(s) != 4 or type(s[0]) is not int or type(s[1]) is not int
                 or not isinstance(s[2], bytes) or not isinstance(s[3], bytes)):
@@ -205,6 +211,20 @@ def parse_dump_chunk(data: bytes, max_bytes: int) -> DumpChunk:
             raise Malformed("dump chunk: slot bounds or hash arrays")
         chunk.slots.append(DumpSlot(rank, bs, eng, ours))
     return chunk
+
+
+def _engine_seqs(raw: object) -> dict[int | None, int]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, list):
+        raise Malformed("dump chunk: engine seqs")
+    out: dict[int | None, int] = {}
+    for pair in raw:
+        if (not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) is not int or type(pair[1]) is not int
+                or not -1 <= pair[0] < MAX_RANK or not 0 <= pair[1] <= U64):
+            raise Malformed("dump chunk: an engine seq is not [rank, seq]")
+        out[None if pair[0] < 0 else pair[0]] = pair[1]
+    return out
 
 
 # ------------------------------------------------------------------------------------------ heartbeats

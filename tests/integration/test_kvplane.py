@@ -215,20 +215,63 @@ async def test_a_lost_tail_is_seen_in_the_relays_heartbeat(plane):
     assert p.stats().gaps == 1
 
 
-async def test_a_relay_restart_is_a_new_epoch_and_a_new_dump(plane):
-    p = plane()
-    await p.start_relay()
-    await p.picker.add(W, p.sources)
-    await p.store()
-    await p.until_overlap(1)
+async def test_a_relay_restart_carries_the_pickers_entries_when_the_engines_numbering_continues(plane):
+    p = await live_with_one_block(plane())
     old_epoch = p.relay.epoch
     await p.stop_relay()
-    await p.start_relay()  # rebuilt from new events (no engine replay): it knows block 2 only as a child of 1
+    await p.start_relay()  # no engine replay: the new relay knows nothing of block 1
     assert p.relay.epoch != old_epoch
+    await p.store()  # block 2, a child of block 1: only the picker still knows its parent
+    await p.until_overlap(2, "the new relay's stream on top of what the picker held")
+    s = p.stats()
+    assert (s.relay_restarts, s.carried, s.carry_cleared, s.dumps, s.epoch) == (1, 1, 0, 1, p.relay.epoch)
+
+
+async def test_engine_batches_nobody_relayed_during_a_carried_restart_are_counted(plane):
+    p = await live_with_one_block(plane())
+    await p.stop_relay()
+    await p.store()  # block 2, published while no relay listens: lost
+    await p.start_relay()
+    await p.store()  # block 3: its parent (2) is unknown to the picker, block 1 stays credited
+    await until_async(lambda: p.stats().carried == 1 and p.stats().seq and p.stats().carried_missed >= 1)
+    assert p.overlap() == 1 and p.stats().carry_cleared == 0
+
+
+async def test_a_carried_restart_clears_what_an_engine_restarted_meanwhile_no_longer_holds(plane):
+    p = await live_with_one_block(plane())
+    await p.stop_relay()
+    p.worker.seq = 0  # the engine restarted too: its numbering starts again
+    await p.start_relay()
+    await until_async(lambda: p.stats().carry_cleared == 1, "the new stream's first message checked")
+    assert p.overlap() == 0 and p.stats().carried == 1
+
+
+async def test_a_new_relays_stream_whose_first_message_was_lost_is_answered_by_a_dump(plane):
+    p = await live_with_one_block(plane())
+    await p.stop_relay()
+    relay = await p.start_relay(outbox_messages=0)  # its first messages are dropped: the picker sees none
+    relay.outbox_messages = 100
     await p.worker.publish([stored_event([1], None, block(0), BS)])  # the engine re-stores (a new request)
     await p.store()
-    await p.until_overlap(2, "the new relay's stream")
-    assert p.stats().relay_restarts >= 1 and p.stats().epoch == p.relay.epoch
+    await p.until_overlap(2, "the new relay's dump and stream")
+    s = p.stats()
+    assert s.relay_restarts >= 1 and s.carried == 0 and s.dumps == 2 and s.epoch == relay.epoch
+
+
+async def test_a_relay_keeps_what_it_read_before_its_first_connect_and_publishes_it_once_up(plane, nats_server):  # noqa: F811
+    """So that a restarted relay's stream reaches the pickers from its first message (they carry what they
+    hold rather than ask for this relay's partial dump)."""
+    p = plane()
+    await nats_server.stop()
+    p.relay = Relay([nats_server.url], p.subjects, {W: p.sources}, block_size=BS, heartbeat_s=0.2)
+    await p.relay.start()
+    await p.worker.sync(p.relay.subs, W)  # applied while NATS is down
+    await p.store()
+    await until_async(lambda: p.relay.idx.blocks_indexed(W) == 1)
+    emitted = p.relay.seq[W]
+    await nats_server.start()
+    await until_async(lambda: p.relay.published >= emitted, "the queued messages published")
+    assert p.relay.dropped == 0
 
 
 async def test_nats_stopped_falls_back_to_direct_zmq_and_recovers_when_it_returns(plane, nats_server):  # noqa: F811
