@@ -445,6 +445,17 @@ class SubscriberManager:
         """Workers with open subscriptions."""
         return list(self._subs)
 
+    async def detach(self, worker_id: str) -> dict[int | None, int]:
+        """Close a worker's subscriptions and leave its entries (and the worker) in the index, for a caller that
+        feeds the index another way from here (the KV plane after a fallback). Returns, per rank, the seq of
+        the last batch applied, read after the sockets closed (nothing more can come): where the entries end
+        in the publisher's numbering. Ranks with none applied are left out."""
+        self._refused.pop(worker_id, None)
+        subs = self._subs.pop(worker_id, [])
+        for sub in subs:
+            await self._stop(sub)
+        return {sub.source.rank: sub.applied for sub in subs if sub.applied is not None}
+
     def refused(self) -> dict[str, str]:
         """Workers whose subscription was refused for want of a socket, and why (readiness, /debug/kv)."""
         return {w: why for w, (why, _) in self._refused.items()}

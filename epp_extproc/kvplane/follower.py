@@ -83,7 +83,7 @@ WATCH_PERIOD_S = 0.5
 class PlaneStats:
     """One worker's plane counters (``/debug/kv`` under ``kv_plane``, and the ``epp_kv_plane_*`` metrics)."""
 
-    mode: str = "wait"  # wait (no relay yet) | dumping | live
+    mode: str = "wait"  # wait (no relay yet) | dumping | rejoining (see `_rejoin`) | live
     fallback: bool = False  # fed by the direct ZeroMQ subscription (or load-only) meanwhile
     epoch: int | None = None
     seq: int | None = None
@@ -120,6 +120,7 @@ class _Stream:
     engine_seq: dict[int | None, int] = field(default_factory=dict)
     # after a carried restart: the ranks whose first message in the new epoch was checked (None: no carry)
     carry_checked: set[int | None] | None = None
+    rejoined: bool = False  # that carry came from the direct subscription (`PlaneSubscribers._rejoin`)
 
 
 class PlaneSubscribers:
@@ -317,7 +318,10 @@ class PlaneSubscribers:
                 s.buffer_overflows += 1
             st.buffer.append(m)
             if s.mode == "wait" and self.link.connected:
-                self._dump(st)
+                if m.seq == 1 and m.epoch != s.epoch and self._can_rejoin(st):
+                    self._start_rejoin(st, m.epoch)
+                else:
+                    self._dump(st)
             return
         if m.epoch != s.epoch:
             s.relay_restarts += 1
@@ -340,8 +344,8 @@ class PlaneSubscribers:
 
     def _apply(self, st: _Stream, m: LiveMessage) -> None:
         st.stats.seq = m.seq
-        if st.carry_checked is not None and m.rank not in st.carry_checked:
-            self._check_carry(st, m)
+        if st.carry_checked is not None and m.rank not in st.carry_checked and not self._check_carry(st, m):
+            return
         if m.kind != KIND_BATCH:
             self._clear_rank(st, m.rank)
             return
@@ -371,26 +375,71 @@ class PlaneSubscribers:
                     "from its start, the worker's entries kept", st.worker_id, s.epoch, epoch)
         s.epoch, s.seq = epoch, 0
         s.carried += 1
-        st.carry_checked = set()
+        st.carry_checked, st.rejoined = set(), False
         return True
 
-    def _check_carry(self, st: _Stream, m: LiveMessage) -> None:
-        """The first message of a rank after a carried restart: does it continue the engine's numbering?"""
+    def _check_carry(self, st: _Stream, m: LiveMessage) -> bool:
+        """The first message of a rank after a carried restart: does it continue the engine's numbering?
+        False: skip it (after `_rejoin`, a batch the direct subscription had applied already)."""
         assert st.carry_checked is not None
+        last = st.engine_seq.get(m.rank)
+        if st.rejoined and m.kind == KIND_BATCH and last is not None and m.engine_seq <= last:
+            return False  # (the direct subscription followed this engine itself, restarts included)
         st.carry_checked.add(m.rank)
         if m.rank is None:
             st.carry_checked = None  # (a worker of one rank, or a clear of all: nothing left to check)
         if m.kind != KIND_BATCH:
-            return  # the new relay cleared the rank itself: nothing is kept to check
-        last = st.engine_seq.get(m.rank)
+            return True  # the new relay cleared the rank itself: nothing is kept to check
         if last is not None and last < m.engine_seq and m.engine_seq - last <= FAR_JUMP:
             st.stats.carried_missed += m.engine_seq - last - 1
-            return
+            return True
         st.stats.carry_cleared += 1
         log.warning("kv plane: %s rank %s: the new relay's stream starts at engine seq %d, the picker's entries "
                     "end at %s: another engine process, or no position; cleared", st.worker_id, m.rank,
                     m.engine_seq, last)
         self._clear_rank(st, m.rank)
+        return True
+
+    def _can_rejoin(self, st: _Stream) -> bool:
+        return st.stats.fallback and self.fallback_mode == "zmq" and st.worker_id in self.fallback.workers()
+
+    def _start_rejoin(self, st: _Stream, epoch: int) -> None:
+        st.stats.mode = "rejoining"
+        self._spawn(self._rejoin(st, epoch))
+
+    async def _rejoin(self, st: _Stream, epoch: int) -> None:
+        """A new relay's stream from its start while the worker's own ZeroMQ events feed it (the relay was
+        silent past ``relay_stale_s``, or this picker has not had a relay for it yet): back onto the plane
+        without a dump, carrying what the direct subscription built. The new relay knows only what it read
+        since it started; the direct subscription followed the engine all along. Its sockets are closed
+        first, then each rank's position is read (nothing more can come), and the new stream's batches up to
+        that position are skipped, the next ones applied; the relay's messages meanwhile are buffered."""
+        s = st.stats
+        async with st.lock:
+            if (self._streams.get(st.worker_id) is not st or s.mode != "rejoining" or not s.fallback
+                    or not self.link.connected):
+                if s.mode == "rejoining":
+                    s.mode = "wait"
+                return
+            positions = await self._detach(st.worker_id)
+            s.fallback = False
+            s.recoveries += 1
+            st.engine_seq = positions
+            s.mode = "live"
+            if not self._carry(st, epoch):  # no batch came through the direct subscription: nothing to carry
+                s.mode = "dumping"
+                self._dump(st)
+                return
+            st.rejoined = True
+            log.info("kv plane: %s back on the plane, its entries carried from its direct events (engine seqs %s)",
+                     st.worker_id, positions)
+            buffered, st.buffer = st.buffer, deque()
+            for m in buffered:
+                if s.mode != "live":
+                    st.buffer.append(m)
+                else:
+                    self._on_live(st, m)
+                    s.messages -= 1  # counted when it arrived
 
     def _on_heartbeat(self, data: bytes) -> None:
         hb = parse_heartbeat(data, self.max_batch_bytes)
@@ -406,7 +455,10 @@ class PlaneSubscribers:
             st.last_heard = now
             s = st.stats
             if s.mode == "wait":
-                self._dump(st)
+                if hb.epoch != s.epoch and seq == 0 and self._can_rejoin(st):
+                    self._start_rejoin(st, hb.epoch)  # a new relay that has sent nothing for it yet
+                else:
+                    self._dump(st)
             elif s.mode == "live" and hb.epoch != s.epoch and seq == 0 and self._carry(st, hb.epoch):
                 s.relay_restarts += 1  # a new relay that has sent nothing for this worker yet: its first comes
             elif s.mode == "live" and (hb.epoch != s.epoch or s.seq is None or seq > s.seq):
@@ -566,13 +618,11 @@ class PlaneSubscribers:
             else:
                 self.idx.clear_worker(st.worker_id)
 
-    async def _detach(self, worker_id: str) -> None:
+    async def _detach(self, worker_id: str) -> dict[int | None, int]:
         """Close the worker's direct subscriptions without touching the index (``SubscriberManager.remove``
-        would drop the worker: its predictions, learned block size and number)."""
-        mgr = self.fallback
-        mgr._refused.pop(worker_id, None)
-        for sub in mgr._subs.pop(worker_id, []):
-            await mgr._stop(sub)
+        would drop the worker: its predictions, learned block size and number); returns where each rank's
+        entries end in the engine's numbering."""
+        return await self.fallback.detach(worker_id)
 
     async def _watch(self) -> None:
         """A worker whose relay said nothing (no batch, no heartbeat) for ``relay_stale_s`` falls back: the

@@ -258,6 +258,21 @@ async def test_a_new_relays_stream_whose_first_message_was_lost_is_answered_by_a
     assert s.relay_restarts >= 1 and s.carried == 0 and s.dumps == 2 and s.epoch == relay.epoch
 
 
+async def test_a_worker_on_its_direct_events_rejoins_a_new_relays_stream_carrying_what_they_built(plane):
+    p = await live_with_one_block(plane())
+    await p.stop_relay()  # silent past relay_stale_s: the worker falls back to its own ZeroMQ events
+    await until_async(lambda: p.stats().fallback and W in p.fallback.workers(), "the fallback")
+    await p.worker.sync(p.fallback, W)
+    await p.store()  # block 2: only the direct subscription sees it
+    await p.until_overlap(2)
+    await p.start_relay()  # a new relay that knows neither block
+    await p.store()  # block 3
+    await p.until_overlap(3, "the new relay's stream on top of what the direct events built")
+    s = p.stats()
+    assert (s.mode, s.fallback, s.carried, s.dumps, s.recoveries) == ("live", False, 1, 1, 1)
+    assert W not in p.fallback.workers()
+
+
 async def test_a_relay_keeps_what_it_read_before_its_first_connect_and_publishes_it_once_up(plane, nats_server):  # noqa: F811
     """So that a restarted relay's stream reaches the pickers from its first message (they carry what they
     hold rather than ask for this relay's partial dump)."""
