@@ -11,9 +11,10 @@ clear a rank (a gap the engine could not replay, a restart, an oversized batch) 
 A dump is the worker's slots (:mod:`kvindex.dump`) with the sequence it was taken at, in chunks that fit the
 server's max payload. It is read in one synchronous step, so it is exactly the state after that sequence.
 
-Bounded: the index by ``--max-index-blocks-per-worker``; the outbox by ``--outbox-messages`` (past it, and
-while NATS is down, messages are dropped and counted: the sequence gap tells the pickers to ask for a dump);
-the client's own buffer by :class:`~epp_extproc.kvplane.link.NatsLink`'s ``pending_bytes``.
+Bounded: the index by ``--max-index-blocks-per-worker``; the outbox by ``--outbox-messages`` and
+``--outbox-bytes`` (past them, and while NATS is down after a first connect, messages are dropped and counted:
+the sequence gap tells the pickers to ask for a dump); the client's own buffer by
+:class:`~epp_extproc.kvplane.link.NatsLink`'s ``pending_bytes``.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ class Relay:
     def __init__(self, servers: Sequence[str], subjects: Subjects, workers: dict[str, list[KvSource]], *,
                  publish_live: bool = True, name: str | None = None, topic: str = "",
                  block_size: int = 32, max_blocks_per_worker: int = 1_000_000, heartbeat_s: float = 1.0,
-                 outbox_messages: int = 100_000, registry: CollectorRegistry | None = None,
+                 outbox_messages: int = 100_000, outbox_bytes: int = 64 * 1024 * 1024,
+                 registry: CollectorRegistry | None = None,
                  epoch: int | None = None) -> None:
         self.subjects = subjects
         self.workers = workers
@@ -109,6 +111,8 @@ class Relay:
         self._subjects = {w: subjects.events(w) for w in workers}
         self._outbox: deque[tuple[str, bytes]] = deque()
         self.outbox_messages = outbox_messages
+        self.outbox_bytes = outbox_bytes  # a batch may be 16 MiB: the count alone would not bound the memory
+        self.queued_bytes = 0
         self._outbox_ready = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._dump_subs: list[Any] = []
@@ -157,11 +161,16 @@ class Relay:
         # the pickers from its first message, which lets them carry what they hold across the restart instead
         # of replacing it with this relay's partial index (`PlaneSubscribers`). Once the link was up, a message
         # that cannot go now is dropped: its sequence gap sends the pickers to a dump.
-        if len(self._outbox) >= self.outbox_messages or (self.link.connects and not self.link.connected):
+        if (len(self._outbox) >= self.outbox_messages or self.queued_bytes + len(payload) > self.outbox_bytes
+                or (self.link.connects and not self.link.connected)):
             self.dropped += 1
             return
-        self._outbox.append((self._subjects[worker_id],
-                             encode_live(kind, rank, self.epoch, seq, engine_seq, worker_id, payload)))
+        self._enqueue(self._subjects[worker_id], encode_live(kind, rank, self.epoch, seq, engine_seq, worker_id,
+                                                             payload))
+
+    def _enqueue(self, subject: str, data: bytes) -> None:
+        self._outbox.append((subject, data))
+        self.queued_bytes += len(data)
         self._outbox_ready.set()
 
     async def _publisher(self) -> None:
@@ -174,9 +183,11 @@ class Relay:
                 continue  # not connected yet: `_on_up` wakes this once it is
             while box:
                 subject, data = box.popleft()
+                self.queued_bytes -= len(data)
                 if not nc.is_connected:
                     self.dropped += 1 + len(box)
                     box.clear()
+                    self.queued_bytes = 0
                     break
                 try:
                     await nc.publish(subject, data)
@@ -192,9 +203,7 @@ class Relay:
             await asyncio.sleep(self.heartbeat_s)
             if not self.link.connected or len(self._outbox) >= self.outbox_messages:
                 continue  # (a full outbox: the batches' own sequence shows the loss; the next heartbeat comes)
-            self._outbox.append((self.subjects.heartbeat, encode_heartbeat(
-                Heartbeat(self.name, self.epoch, dict(self.seq)))))
-            self._outbox_ready.set()
+            self._enqueue(self.subjects.heartbeat, encode_heartbeat(Heartbeat(self.name, self.epoch, dict(self.seq))))
 
     # ------------------------------------------------------------------ dumps
     async def _on_dump_request(self, msg: Any) -> None:
@@ -229,7 +238,8 @@ class Relay:
 
     def stats(self) -> dict[str, Any]:
         return {"relay": self.name, "epoch": self.epoch, "connected": self.link.connected,
-                "published": self.published, "dropped": self.dropped, "dumps_served": self.dumps_served,
+                "published": self.published, "dropped": self.dropped, "queued_bytes": self.queued_bytes,
+                "dumps_served": self.dumps_served,
                 "dump_requests_refused": self.dump_requests_refused, "nats_connects": self.link.connects,
                 "nats_disconnects": self.link.disconnects,
                 "workers": {w: {"seq": self.seq.get(w, 0), "blocks": self.idx.blocks_indexed(w)}
@@ -284,7 +294,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-block-size", type=int, default=32)
     p.add_argument("--max-index-blocks-per-worker", type=int, default=1_000_000)
     p.add_argument("--heartbeat-s", type=float, default=1.0)
-    p.add_argument("--outbox-messages", type=int, default=100_000)
+    p.add_argument("--outbox-messages", type=int, default=100_000,
+                   help="messages queued for NATS at most (past it they are dropped and counted: pickers see a gap)")
+    p.add_argument("--outbox-bytes", type=int, default=64 * 1024 * 1024,
+                   help="bytes of batches queued for NATS at most (before the first connect, and a burst)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = none)")
     p.add_argument("--name", default=None)
     p.add_argument("--log-level", default="INFO")
@@ -311,7 +324,8 @@ async def run(args: argparse.Namespace) -> None:
                   Subjects(args.subject_prefix, args.pool), workers_of(args),
                   publish_live=args.kv_event_plane == "nats", name=args.name, topic=args.kv_event_topic,
                   block_size=args.kv_cache_block_size, max_blocks_per_worker=args.max_index_blocks_per_worker,
-                  heartbeat_s=args.heartbeat_s, outbox_messages=args.outbox_messages, registry=registry)
+                  heartbeat_s=args.heartbeat_s, outbox_messages=args.outbox_messages, outbox_bytes=args.outbox_bytes,
+                  registry=registry)
     if registry is not None:
         start_http_server(args.metrics_port, registry=registry)
     stop = asyncio.Event()

@@ -289,6 +289,19 @@ async def test_a_relay_keeps_what_it_read_before_its_first_connect_and_publishes
     assert p.relay.dropped == 0
 
 
+async def test_what_a_relay_queues_before_its_first_connect_is_bounded_in_bytes(plane, nats_server):  # noqa: F811
+    p = plane()
+    await nats_server.stop()
+    p.relay = Relay([nats_server.url], p.subjects, {W: p.sources}, block_size=BS, heartbeat_s=0.2,
+                    outbox_bytes=300)  # room for about two small batches
+    await p.relay.start()
+    await p.worker.sync(p.relay.subs, W)
+    for _ in range(5):
+        await p.store()
+    await until_async(lambda: p.relay.idx.blocks_indexed(W) == 5)
+    assert p.relay.dropped >= 3 and p.relay.queued_bytes <= 300
+
+
 async def test_nats_stopped_falls_back_to_direct_zmq_and_recovers_when_it_returns(plane, nats_server):  # noqa: F811
     p = await live_with_one_block(plane())  # (a picker starts on ZeroMQ until its first connect)
     fallbacks, recoveries = p.stats().fallbacks, p.stats().recoveries
