@@ -8,7 +8,6 @@ through A is load B sees, as soon as A books it.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -17,6 +16,7 @@ from epp_extproc.config import Config
 from tests.gateway_client import request
 from tests.netutil import free_port
 from tests.stack import GatewayStack
+from tests.waiting import until
 
 PROMPTS = [f"Shared system prompt number {g} for the replica test. " * 12 for g in range(4)]
 
@@ -48,10 +48,8 @@ def test_replica_b_converges_on_the_index_built_from_replica_a_traffic(replicas)
         assert r.status == 200
         placed[i] = r.headers["x-trtllm-mock-worker"]
     a = stack.app
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and blocks_by_worker(b) != blocks_by_worker(a):
-        time.sleep(0.05)
-    assert blocks_by_worker(b) == blocks_by_worker(a)
+    until(lambda: blocks_by_worker(b) == blocks_by_worker(a),
+          lambda: f"B's index to equal A's: {blocks_by_worker(b)} != {blocks_by_worker(a)}", interval=0.05)
     truth = {m.address: len(m.get("/mock/cache")["blocks"]) for m in stack.mocks}
     assert blocks_by_worker(a) == truth
 
@@ -76,17 +74,12 @@ def test_a_request_in_flight_through_replica_a_is_load_on_replica_b(replicas) ->
     worker = stack.mocks[0].address
     held = stack.bg.run(_book(stack.app, worker, 10))  # a long request in flight through replica A
     try:
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and b.load.load(worker).inflight == 0:
-            time.sleep(0.01)
+        until(lambda: b.load.load(worker).inflight, "A's booking to reach B")
         assert b.load.load(worker).inflight == 1 and b.load.load(worker).prefill_blocks == 10
         assert b.load.total_inflight() == 0  # B counts it as load, not as its own request
     finally:
         stack.bg.run(_free(held))
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and b.load.load(worker).inflight:
-        time.sleep(0.01)
-    assert b.load.load(worker).inflight == 0
+    until(lambda: b.load.load(worker).inflight == 0, lambda: f"A's free to reach B: {b.load.load(worker)}")
 
 
 async def _free(booking) -> None:  # noqa: ANN001 - on A's loop, where its sync links run
@@ -102,9 +95,7 @@ def test_replica_b_avoids_the_worker_replica_a_just_loaded(replicas) -> None:  #
     target = before["pick"]
     held = stack.bg.run(_book(stack.app, target, 1000))
     try:
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and b.load.load(target).inflight == 0:
-            time.sleep(0.01)
+        until(lambda: b.load.load(target).inflight, "A's booking to reach B")
         after = request(f"http://127.0.0.1:{b.admin_port}", path="/debug/score",
                         body=json.dumps(body).encode()).json()
         assert after["pick"] != target, f"B still picks {names[target]}, which A loaded"
