@@ -1235,6 +1235,7 @@ class KvIndex:
         wpred = w.pred
         new: list[int] = []
         held = w.held
+        fresh = 0
         for h in hashes:
             part = h & PART_MASK
             if blocks[part].get(h, 0) & bit:
@@ -1246,8 +1247,9 @@ class KvIndex:
             if not pb & bit:
                 p[h] = pb | bit
                 if not pb:
-                    self._n_pred += 1
+                    fresh += 1
             new.append(h)
+        self._n_pred += fresh
         if new:
             heapq.heappush(self._pred_heap, (exp, next(self._counter), w, w.pred_gen, tuple(new)))
 
@@ -1348,20 +1350,36 @@ class KvIndex:
             self._n_pred -= 1
 
     def _expire(self, now: float) -> None:
+        """`_unpredict` inlined per hash, with the worker's bit and the counters once per entry: an entry is a
+        whole prompt's blocks (500 of them for a 16k-token prompt), expired on every replica that was told."""
         heap = self._pred_heap
+        parts = self._pred
         while heap and heap[0][0] <= now:
             _, _, w, gen, hashes = heapq.heappop(heap)
             if gen != w.pred_gen or not w.slots:
                 continue
             wpred = w.pred
+            held = w.held
+            keep = 0  # the worker's bit cleared: found at the first expired hash (it may create the slot)
+            expired = dropped = 0
             for h in hashes:
                 e = wpred.get(h)
                 if e is not None and e <= now:
                     del wpred[h]
-                    if w.held:
-                        w.held.pop(h, None)
-                    self._unpredict(w, h)
-                    w.stats.predictions_expired += 1
+                    if held:
+                        held.pop(h, None)
+                    if not keep:
+                        keep = ~self._pred_bit(w)
+                    p = parts[h & PART_MASK]
+                    m = p.get(h, 0) & keep
+                    if m:
+                        p[h] = m
+                    elif p.pop(h, None) is not None:
+                        dropped += 1
+                    expired += 1
+            if expired:
+                self._n_pred -= dropped
+                w.stats.predictions_expired += expired
 
     # ------------------------------------------------------------------- lookup
     def _allowed(self, workers: Iterable[str] | None) -> int:

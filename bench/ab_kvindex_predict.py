@@ -1,0 +1,86 @@
+"""The index's predictions (`KvIndex.predict_hashes`, their expiry) at two revisions of `kvindex/index.py`.
+
+    python -m bench.ab_kvindex_predict [--old REV] [--new REV] [--rounds 30] [--prompts 200] [--blocks 527]
+
+Why: every picker predicts each request's prompt on the worker it picked, and with replica sync every peer
+predicts it too (issue 47: the two idle pickers of three spent ~2 ms of CPU per request on the sync), and
+each prediction is later confirmed by the worker's stored blocks or expires. On the Mooncake trace a prompt is
+527 blocks (16,855 tokens on average), so the per-hash work of predict and expire is paid ~500 times per
+request per replica. The copies are loaded as `ab_kvindex_store` loads them (old twice, for the A/A noise
+floor), and each round predicts `--prompts` prompts of random hashes, round-robin over 8 workers that each
+hold one stored block (expiry skips workers without slots), then lets every prediction expire; the least
+process CPU over the rounds is kept, per prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import time
+from types import ModuleType
+from typing import Any
+
+from bench.ab_kvindex_store import WORKTREE, load_index
+from epp_extproc.dev.kvwire import pack_batch, stored_event
+from kvindex.decode import decode_payload
+
+WORKERS = 8
+
+
+def predict_and_expire_cpu(mod: ModuleType, prompts: list[list[int]]) -> float:
+    """CPU seconds of one fresh index predicting every prompt (1 s ttl, 0.1 s apart) and expiring them all."""
+    now = [0.0]
+    idx = mod.KvIndex(default_block_size=32, clock=lambda: now[0])
+    workers = [f"w{i}" for i in range(WORKERS)]
+    seed_block = decode_payload(pack_batch([stored_event([5], None, list(range(1, 33)), 32)]))
+    for w in workers:
+        idx.add_worker(w)
+        idx.apply_batch(w, seed_block)
+    t0 = time.process_time()
+    for i, hashes in enumerate(prompts):
+        idx.predict_hashes(workers[i % WORKERS], hashes, 1.0)
+        now[0] += 0.1
+    now[0] += 10.0
+    idx.predict_hashes(workers[0], [], 1.0)  # expires every one of them
+    dt = time.process_time() - t0
+    assert sum(idx.stats(w).predictions_expired for w in workers) == sum(len(p) for p in prompts)
+    return dt
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--old", default="main", help="the git revision whose kvindex/index.py is the baseline")
+    ap.add_argument("--new", default=WORKTREE, help="the revision under test (default: the checkout's file)")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--prompts", type=int, default=200)
+    ap.add_argument("--blocks", type=int, default=527, help="blocks per prompt (527: the trace's mean)")
+    args = ap.parse_args(argv)
+    copies = {"old": load_index(args.old, "_abp_old"), "old_again": load_index(args.old, "_abp_old_again"),
+              "new": load_index(args.new, "_abp_new")}
+    rnd = random.Random(3)
+    prompts = [[rnd.getrandbits(64) for _ in range(args.blocks)] for _ in range(args.prompts)]
+    best = dict.fromkeys(copies, float("inf"))
+    order_rng = random.Random(1)
+    gc.disable()
+    try:
+        for _ in range(args.rounds):
+            order = list(copies)
+            order_rng.shuffle(order)
+            for c in order:
+                best[c] = min(best[c], predict_and_expire_cpu(copies[c], prompts))
+            gc.collect()
+    finally:
+        gc.enable()
+    us = {c: best[c] / args.prompts * 1e6 for c in copies}
+    out = {"old": args.old, "new": args.new, "rounds": args.rounds, "prompts": args.prompts, "blocks": args.blocks,
+           "us_per_prompt": {c: round(v, 1) for c, v in us.items()},
+           "noise_old_over_old_again": round(us["old"] / us["old_again"], 3),
+           "speed_new_over_old": round(min(us["old"], us["old_again"]) / us["new"], 3)}
+    print(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
