@@ -103,7 +103,10 @@ class PredictionSink(Protocol):
 
     def block_size(self, address: str, /) -> int: ...
 
-    def predict_hashes(self, address: str, hashes: Sequence[int], ttl_s: float, /) -> None: ...
+    def predict_hashes(self, address: str, hashes: Sequence[int], ttl_s: float, /) -> Sequence[int] | None:
+        """Credit `hashes`; returns those credited (not held by the worker already), or None when the sink
+        cannot tell at once (a remote shard): then every hash is what was predicted."""
+        ...
 
 
 class WorkerFacts:
@@ -212,10 +215,11 @@ class WorkerFacts:
         worker hashes it, and tell the listeners."""
         size = sink.block_size(address)
         hashes = self.hashes(prompt, address, size)
-        sink.predict_hashes(address, hashes, ttl_s)
-        self.predicted(address, size, hashes, ttl_s)
+        credited = sink.predict_hashes(address, hashes, ttl_s)
+        if credited is None or credited:
+            self.predicted(address, size, hashes if credited is None else credited, ttl_s)
 
-    def predicted(self, address: str, size: int, hashes: list[int], ttl_s: float) -> None:
+    def predicted(self, address: str, size: int, hashes: Sequence[int], ttl_s: float) -> None:
         """A local prediction was made: every listener hears of it (replica sync sends it to the peers)."""
         for fn in self.predict_listeners:
             fn(address, size, hashes, ttl_s)

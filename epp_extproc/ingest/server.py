@@ -124,9 +124,9 @@ class LaggedIndex(KvIndex):
         with self.lock:
             super().count_garbage_frames(worker_id, n)
 
-    def predict_hashes(self, worker_id: str, hashes: Sequence[int], ttl_s: float) -> None:
+    def predict_hashes(self, worker_id: str, hashes: Sequence[int], ttl_s: float) -> list[int]:
         with self.lock:
-            super().predict_hashes(worker_id, hashes, ttl_s)
+            return super().predict_hashes(worker_id, hashes, ttl_s)
 
     def snapshot(self) -> dict[str, Any]:
         with self.lock:

@@ -112,3 +112,23 @@ async def test_a_large_pool_joining_at_once_is_asked_about_itself_a_few_workers_
             assert asked == n and peak == worker_facts.MAX_LEARNING
         finally:
             await kv.close()
+
+
+async def test_the_listeners_hear_only_the_blocks_a_prediction_credited_not_those_the_worker_holds() -> None:
+    """Replica sync sends a prediction to every peer, whose index holds the same stored blocks: the held
+    part of a prompt (~60% on the trace) was sent and re-checked there for nothing."""
+    from epp_extproc.dev.kvwire import pack_batch, stored_event
+    from kvindex.decode import decode_payload
+
+    _, local, _, _ = views()
+    heard: list[tuple[Any, ...]] = []
+    local.facts.predict_listeners.append(lambda *a: heard.append(a))
+    try:
+        local.index.apply_batch(W, decode_payload(pack_batch([stored_event([1, 2], None, TOKENS[:32], 16)])))
+        prompt = local.prompt(TOKENS, PromptIdentity())
+        local.predict(W, prompt)
+        assert [list(h) for _, _, h, _ in heard] == [prompt.hashes(16)[2:]]
+        local.predict(W, local.prompt(TOKENS[:33], PromptIdentity()))  # held whole: nothing to tell
+        assert len(heard) == 1
+    finally:
+        await local.close()
