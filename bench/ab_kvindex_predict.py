@@ -28,7 +28,7 @@ import time
 from types import ModuleType
 from typing import Any
 
-from bench.ab_kvindex_store import WORKTREE, load_index
+from bench.ab_kvindex_store import WORKTREE, ab_ratios, load_index
 from epp_extproc.dev.kvwire import pack_batch, stored_event
 from kvindex.decode import decode_payload
 
@@ -105,9 +105,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            "blocks": args.blocks}
     for kind, per, unit in (("expire", args.prompts, 1e6), ("confirm", n_blocks, 1e9), ("store", n_blocks, 1e9)):
         v = {c: best[(c, kind)] / per * unit for c in copies}
-        out[kind] = {("us_per_prompt" if kind == "expire" else "ns_per_block"): {c: round(x, 1) for c, x in v.items()},
-                     "noise_old_over_old_again": round(v["old"] / v["old_again"], 3),
-                     "speed_new_over_old": round(min(v["old"], v["old_again"]) / v["new"], 3)}
+        unit_name = "us_per_prompt" if kind == "expire" else "ns_per_block"
+        out[kind] = {unit_name: {c: round(x, 1) for c, x in v.items()}, **ab_ratios(v)}
     print(json.dumps(out, indent=1))
     return out
 

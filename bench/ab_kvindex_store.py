@@ -59,6 +59,12 @@ def load_index(rev: str, name: str) -> ModuleType:
     return mod
 
 
+def ab_ratios(per_copy: dict[str, float]) -> dict[str, float]:
+    """The A/A noise floor and the change, from one figure per copy (old, old_again, new; lower is better)."""
+    return {"noise_old_over_old_again": round(per_copy["old"] / per_copy["old_again"], 3),
+            "speed_new_over_old": round(min(per_copy["old"], per_copy["old_again"]) / per_copy["new"], 3)}
+
+
 def with_media(batches: list[DecodedBatch]) -> list[DecodedBatch]:
     """The same chains, each fourth block keyed with one image item: what a vision engine's events carry."""
     key = mm_pair_key([("img-0", 0)])
@@ -108,9 +114,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"old": args.old, "new": args.new, "rounds": args.rounds, "blocks": blocks}
     for kind in kinds:
         ns = {c: best[(c, kind)] / blocks * 1e9 for c in copies}
-        out[kind] = {"ns_per_block": {c: round(v, 1) for c, v in ns.items()},
-                     "noise_old_over_old_again": round(ns["old"] / ns["old_again"], 3),
-                     "speed_new_over_old": round(min(ns["old"], ns["old_again"]) / ns["new"], 3)}
+        out[kind] = {"ns_per_block": {c: round(v, 1) for c, v in ns.items()}, **ab_ratios(ns)}
     print(json.dumps(out, indent=1))
     return out
 
