@@ -20,7 +20,6 @@ The least process CPU over the rounds is kept: us per prompt (expire), ns per bl
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import random
@@ -28,7 +27,7 @@ import time
 from types import ModuleType
 from typing import Any
 
-from bench.ab_kvindex_store import WORKTREE, ab_ratios, load_index
+from bench.ab_kvindex_store import ab_parser, ab_ratios, load_index
 from epp_extproc.dev.kvwire import pack_batch, stored_event
 from kvindex.decode import decode_payload
 
@@ -71,10 +70,7 @@ def confirm_cpu(mod: ModuleType, prompts: list[list[int]], batches: list[Any], p
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--old", default="main", help="the git revision whose kvindex/index.py is the baseline")
-    ap.add_argument("--new", default=WORKTREE, help="the revision under test (default: the checkout's file)")
-    ap.add_argument("--rounds", type=int, default=30)
+    ap = ab_parser(__doc__, rounds=30)
     ap.add_argument("--prompts", type=int, default=200)
     ap.add_argument("--blocks", type=int, default=527, help="blocks per prompt (527: the trace's mean)")
     args = ap.parse_args(argv)

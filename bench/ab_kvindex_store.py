@@ -59,6 +59,15 @@ def load_index(rev: str, name: str) -> ModuleType:
     return mod
 
 
+def ab_parser(doc: str | None, rounds: int) -> argparse.ArgumentParser:
+    """The options every A/B of `kvindex/index.py` takes: the two revisions and the rounds."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--old", default="main", help="the git revision whose kvindex/index.py is the baseline")
+    ap.add_argument("--new", default=WORKTREE, help="the revision under test (default: the checkout's file)")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    return ap
+
+
 def ab_ratios(per_copy: dict[str, float]) -> dict[str, float]:
     """The A/A noise floor and the change, from one figure per copy (old, old_again, new; lower is better)."""
     return {"noise_old_over_old_again": round(per_copy["old"] / per_copy["old_again"], 3),
@@ -86,10 +95,7 @@ def ingest_cpu(mod: ModuleType, batches: list[DecodedBatch]) -> tuple[float, int
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--old", default="main", help="the git revision whose kvindex/index.py is the baseline")
-    ap.add_argument("--new", default=WORKTREE, help="the revision under test (default: the checkout's file)")
-    ap.add_argument("--rounds", type=int, default=40)
+    ap = ab_parser(__doc__, rounds=40)
     ap.add_argument("--blocks", type=int, default=20_000)
     args = ap.parse_args(argv)
     copies = {"old": load_index(args.old, "_ab_old"), "old_again": load_index(args.old, "_ab_old_again"),
