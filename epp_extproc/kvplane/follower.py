@@ -317,10 +317,10 @@ class PlaneSubscribers:
                 st.buffer.popleft()  # the next dump or the gap after it brings this back
                 s.buffer_overflows += 1
             st.buffer.append(m)
-            if s.mode == "wait" and self.link.connected:
+            if s.mode in ("wait", "dumping") and self.link.connected:
                 if m.seq == 1 and m.epoch != s.epoch and self._can_rejoin(st):
                     self._start_rejoin(st, m.epoch)
-                else:
+                elif s.mode == "wait":
                     self._dump(st)
             return
         if m.epoch != s.epoch:
@@ -371,7 +371,7 @@ class PlaneSubscribers:
         if not st.engine_seq:
             return False
         s = st.stats
-        log.warning("kv plane: %s comes from another relay process now (epoch %d -> %d): following its stream "
+        log.warning("kv plane: %s comes from another relay process now (epoch %s -> %s): following its stream "
                     "from its start, the worker's entries kept", st.worker_id, s.epoch, epoch)
         s.epoch, s.seq = epoch, 0
         s.carried += 1
@@ -413,7 +413,8 @@ class PlaneSubscribers:
         without a dump, carrying what the direct subscription built. The new relay knows only what it read
         since it started; the direct subscription followed the engine all along. Its sockets are closed
         first, then each rank's position is read (nothing more can come), and the new stream's batches up to
-        that position are skipped, the next ones applied; the relay's messages meanwhile are buffered."""
+        that position are skipped, the next ones applied; the relay's messages meanwhile are buffered. A dump
+        being retried meanwhile (no relay had answered this picker for the worker yet) is cancelled."""
         s = st.stats
         async with st.lock:
             if (self._streams.get(st.worker_id) is not st or s.mode != "rejoining" or not s.fallback
@@ -421,6 +422,9 @@ class PlaneSubscribers:
                 if s.mode == "rejoining":
                     s.mode = "wait"
                 return
+            # a dump still being retried (this picker had no relay for the worker yet) is not needed any more;
+            # it is never inside this lock, where it loads, so cancelling it leaves nothing half done
+            await cancel_and_wait([st.dump_task])
             positions = await self._detach(st.worker_id)
             s.fallback = False
             s.recoveries += 1
@@ -454,11 +458,10 @@ class PlaneSubscribers:
                 continue
             st.last_heard = now
             s = st.stats
-            if s.mode == "wait":
-                if hb.epoch != s.epoch and seq == 0 and self._can_rejoin(st):
-                    self._start_rejoin(st, hb.epoch)  # a new relay that has sent nothing for it yet
-                else:
-                    self._dump(st)
+            if s.mode in ("wait", "dumping") and hb.epoch != s.epoch and seq == 0 and self._can_rejoin(st):
+                self._start_rejoin(st, hb.epoch)  # a new relay that has sent nothing for it yet
+            elif s.mode == "wait":
+                self._dump(st)
             elif s.mode == "live" and hb.epoch != s.epoch and seq == 0 and self._carry(st, hb.epoch):
                 s.relay_restarts += 1  # a new relay that has sent nothing for this worker yet: its first comes
             elif s.mode == "live" and (hb.epoch != s.epoch or s.seq is None or seq > s.seq):

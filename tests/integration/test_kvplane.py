@@ -273,6 +273,28 @@ async def test_a_worker_on_its_direct_events_rejoins_a_new_relays_stream_carryin
     assert W not in p.fallback.workers()
 
 
+async def test_a_worker_retrying_its_first_dump_on_its_direct_events_rejoins_a_relays_first_stream(plane, nats_server):  # noqa: F811
+    """A picker started before any relay: its dump fails and is retried, the worker fed by its own events;
+    the relay's first message carries what those built, where a retried dump would have replaced it."""
+    from epp_extproc.dev.kvwire import pack_batch
+
+    p = plane(dump_timeout_s=0.5)
+    await p.picker.add(W, p.sources)  # nobody serves the dump subject: "no responders", the fallback
+    await until_async(lambda: p.stats().fallback and W in p.fallback.workers(), "the fallback")
+    await p.worker.sync(p.fallback, W)
+    await p.store()  # block 1, through the direct subscription
+    await p.until_overlap(1)
+    nc = await raw_client(nats_server)  # a hand-made relay: its first live message, block 2 after block 1
+    batch = pack_batch([stored_event([2], 1, block(1), BS)])
+    await nc.publish(p.subjects.events(W), encode_live(KIND_BATCH, None, 7, 1, p.worker.seq + 1, W, batch))
+    await nc.flush()
+    p.n = 2
+    await p.until_overlap(2, "the relay's first message on top of the direct events' blocks")
+    s = p.stats()
+    assert (s.mode, s.fallback, s.carried, s.dumps, s.carried_missed) == ("live", False, 1, 0, 0)
+    await nc.close()
+
+
 async def test_a_relay_keeps_what_it_read_before_its_first_connect_and_publishes_it_once_up(plane, nats_server):  # noqa: F811
     """So that a restarted relay's stream reaches the pickers from its first message (they carry what they
     hold rather than ask for this relay's partial dump)."""
