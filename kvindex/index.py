@@ -1340,17 +1340,28 @@ class KvIndex:
         return len(w.held) if w is not None else 0
 
     def _confirm_all(self, w: _Worker, hashes: list[int]) -> None:
-        """A store's predicted blocks confirmed together, after its insert loop: `_end_prediction`'s work
-        inline, the worker's bit and the counters once (one call chain per block cost 2.4x the block's store,
-        and a trace prompt confirms ~500). A hash listed twice (stored twice in one event) counts once."""
+        """A store's predicted blocks confirmed together, after its insert loop (one call chain per block cost
+        2.4x the block's store, and a trace prompt confirms ~500). A hash listed twice counts once."""
         wpred = w.pred
+        ended = [h for h in hashes if wpred.pop(h, None) is not None]
+        if ended:
+            self._end_predictions(w, ended)
+            w.stats.predictions_confirmed += len(ended)
+
+    def _cancel(self, w: _Worker, h: int) -> None:
+        del w.pred[h]
+        self._end_predictions(w, (h,))
+        w.stats.predictions_cancelled += 1
+
+    def _end_predictions(self, w: _Worker, ended: Sequence[int]) -> None:
+        """The rest of ending predictions already taken out of ``w.pred``: their holds, and the worker's bit in
+        the shared prediction masks, the bit and the count read once for the lot (expiry and confirmation end
+        a whole prompt's blocks at a time, on every replica that was told of it)."""
         held = w.held
         parts = self._pred
         keep = ~self._pred_bit(w)
-        confirmed = dropped = 0
-        for h in hashes:
-            if wpred.pop(h, None) is None:
-                continue
+        dropped = 0
+        for h in ended:
             if held:
                 held.pop(h, None)
             p = parts[h & PART_MASK]
@@ -1359,59 +1370,24 @@ class KvIndex:
                 p[h] = m
             elif p.pop(h, None) is not None:
                 dropped += 1
-            confirmed += 1
         self._n_pred -= dropped
-        w.stats.predictions_confirmed += confirmed
-
-    def _cancel(self, w: _Worker, h: int) -> None:
-        self._end_prediction(w, h)
-        w.stats.predictions_cancelled += 1
-
-    def _end_prediction(self, w: _Worker, h: int) -> None:
-        del w.pred[h]
-        if w.held:
-            w.held.pop(h, None)
-        self._unpredict(w, h)
-
-    def _unpredict(self, w: _Worker, h: int) -> None:
-        pred = self._pred[h & PART_MASK]
-        m = pred.get(h, 0) & ~self._pred_bit(w)
-        if m:
-            pred[h] = m
-        elif pred.pop(h, None) is not None:
-            self._n_pred -= 1
 
     def _expire(self, now: float) -> None:
-        """`_unpredict` inlined per hash, with the worker's bit and the counters once per entry: an entry is a
-        whole prompt's blocks (500 of them for a 16k-token prompt), expired on every replica that was told."""
         heap = self._pred_heap
-        parts = self._pred
         while heap and heap[0][0] <= now:
             _, _, w, gen, hashes = heapq.heappop(heap)
             if gen != w.pred_gen or not w.slots:
                 continue
             wpred = w.pred
-            held = w.held
-            keep = 0  # the worker's bit cleared: found at the first expired hash (it may create the slot)
-            expired = dropped = 0
+            ended = []
             for h in hashes:
                 e = wpred.get(h)
                 if e is not None and e <= now:
                     del wpred[h]
-                    if held:
-                        held.pop(h, None)
-                    if not keep:
-                        keep = ~self._pred_bit(w)
-                    p = parts[h & PART_MASK]
-                    m = p.get(h, 0) & keep
-                    if m:
-                        p[h] = m
-                    elif p.pop(h, None) is not None:
-                        dropped += 1
-                    expired += 1
-            if expired:
-                self._n_pred -= dropped
-                w.stats.predictions_expired += expired
+                    ended.append(h)
+            if ended:
+                self._end_predictions(w, ended)
+                w.stats.predictions_expired += len(ended)
 
     # ------------------------------------------------------------------- lookup
     def _allowed(self, workers: Iterable[str] | None) -> int:
