@@ -207,7 +207,7 @@ class PlaneSubscribers:
             await cancel_and_wait([st.dump_task])
             async with st.lock:
                 if st.stats.fallback:
-                    await self._detach(worker_id)
+                    await self.fallback.detach(worker_id)
         self.idx.drop_worker(worker_id)
 
     async def close(self) -> None:
@@ -425,7 +425,7 @@ class PlaneSubscribers:
             # a dump still being retried (this picker had no relay for the worker yet) is not needed any more;
             # it is never inside this lock, where it loads, so cancelling it leaves nothing half done
             await cancel_and_wait([st.dump_task])
-            positions = await self._detach(st.worker_id)
+            positions = await self.fallback.detach(st.worker_id)
             s.fallback = False
             s.recoveries += 1
             st.engine_seq = positions
@@ -508,7 +508,7 @@ class PlaneSubscribers:
             else:
                 async with st.lock:
                     if st.stats.fallback:
-                        await self._detach(st.worker_id)
+                        await self.fallback.detach(st.worker_id)
                     if self._streams.get(st.worker_id) is not st:
                         return
                     self._load(st, chunks)  # synchronous from here: nothing is applied in between
@@ -620,12 +620,6 @@ class PlaneSubscribers:
                 await self.fallback.add(st.worker_id, st.sources)
             else:
                 self.idx.clear_worker(st.worker_id)
-
-    async def _detach(self, worker_id: str) -> dict[int | None, int]:
-        """Close the worker's direct subscriptions without touching the index (``SubscriberManager.remove``
-        would drop the worker: its predictions, learned block size and number); returns where each rank's
-        entries end in the engine's numbering."""
-        return await self.fallback.detach(worker_id)
 
     async def _watch(self) -> None:
         """A worker whose relay said nothing (no batch, no heartbeat) for ``relay_stale_s`` falls back: the
