@@ -824,7 +824,7 @@ class Fault(threading.Thread):
             self.info["error"] = repr(e)
 
 
-_FAULT_COUNTERS = re.compile(r"^(epp_kv_plane_(?:fallbacks|recoveries|relay_restarts|carried|carried_missed|carry_cleared|dumps|"
+_FAULT_COUNTERS = re.compile(r"^(epp_kv_plane_(?:fallbacks|recoveries|relay_restarts|carried|carried_missed|carry_cleared|dumps_merged|dumps|"
                              r"dump_failures)_total|"
                              r"epp_replica_sync_nats_gaps_total|epp_replica_peer_expired_total) (\S+)$", re.M)
 

@@ -22,9 +22,12 @@ replay:
   after a relay restart (``cnr``). The engine batches nobody relayed meanwhile are lost either way and
   counted (``carried_missed``); a stale entry they leave is an eviction the picker did not see, as after a
   ZeroMQ gap, until the engine stores or drops that block again. A rank whose numbering went back (the engine
-  restarted too) or that the picker has no position for is cleared at its first message; a new stream
-  whose first message did not arrive gets a dump, as before. A clear message is the relay's own gap or
-  engine restart, applied as the clear it was there;
+  restarted too) or that the picker has no position for is cleared at its first message. A new stream
+  whose first message did not arrive gets a dump; the dump says per rank where the relay's history begins
+  (its first batch since it started, or since it last cleared the rank), and a dump of another relay than
+  the one the entries followed is loaded **on top** of them when that history begins after where they end
+  (the same rule as the carry's first batch; `_merges`), else in their place. A clear message is the relay's
+  own gap or engine restart, applied as the clear it was there;
 * **faults**: NATS down (the client noticed, pings every second), or no heartbeat from a worker's relay for
   ``relay_stale_s``: the worker falls back to today's direct ZeroMQ subscription (or, with ``--kv-plane-fallback
   load``, its entries are dropped and it routes by load), counted; when the plane is back, a dump brings the
@@ -103,6 +106,7 @@ class PlaneStats:
     carried: int = 0  # relay restarts followed without a dump, the worker's entries kept (see the module doc)
     carried_missed: int = 0  # engine batches no relay published across those restarts
     carry_cleared: int = 0  # ranks cleared at a carried restart: their numbering went back, or was unknown
+    dumps_merged: int = 0  # a new relay's dumps loaded on top of the worker's entries (see `_merges`)
 
 
 @dataclass(slots=True)
@@ -507,11 +511,10 @@ class PlaneSubscribers:
                                              error=(type(exc).__name__, str(exc)))
             else:
                 async with st.lock:
-                    if st.stats.fallback:
-                        await self.fallback.detach(st.worker_id)
+                    direct = await self.fallback.detach(st.worker_id) if st.stats.fallback else None
                     if self._streams.get(st.worker_id) is not st:
                         return
-                    self._load(st, chunks)  # synchronous from here: nothing is applied in between
+                    self._load(st, chunks, direct)  # synchronous from here: nothing is applied in between
                 if self.tracing is not None:
                     self.tracing.dump_loaded(st.worker_id, asked_ns, blocks=s.dump_blocks, chunks=len(chunks),
                                              subject=self.subjects.dump(st.worker_id))
@@ -570,11 +573,22 @@ class PlaneSubscribers:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
-    def _load(self, st: _Stream, chunks: list[DumpChunk]) -> None:
+    def _load(self, st: _Stream, chunks: list[DumpChunk], direct: dict[int | None, int] | None = None) -> None:
+        """Load a dump in place of the worker's entries, or on top of them where it comes from a relay whose
+        history begins after what they hold (`_merges`). ``direct``: the fallback's positions, read as its
+        sockets closed (None: the worker was not on its direct events)."""
         s = st.stats
         first = chunks[0]
         wid = st.worker_id
-        self.idx.clear_worker(wid)
+        held = st.engine_seq if direct is None else direct
+        merged = self._merges(st, first, held, direct is not None)
+        if merged is None:
+            self.idx.clear_worker(wid)
+        else:
+            s.dumps_merged += 1
+            s.carried_missed += merged
+            log.info("kv plane: %s: the dump of relay epoch %s begins after the picker's entries (engine seqs %s "
+                     "-> %s): loaded on top of them", wid, first.epoch, held, first.first_seqs)
         blocks = 0
         for c in chunks:
             blocks += load_slots(self.idx, wid, first.block_size, first.size_source,
@@ -589,7 +603,13 @@ class PlaneSubscribers:
             s.recoveries += 1
             log.info("kv plane: %s back on the plane (dump of %d blocks at seq %d)", wid, blocks, first.seq)
         s.epoch, s.seq, s.mode = first.epoch, first.seq, "live"
-        st.engine_seq, st.carry_checked = dict(first.engine_seqs), None
+        if merged is None:
+            st.engine_seq, st.carry_checked = dict(first.engine_seqs), None
+        else:  # a rank the new relay has said nothing of yet is checked at its first batch, as in a carry
+            assert first.first_seqs is not None
+            st.engine_seq = {**held, **first.engine_seqs}
+            unchecked = held.keys() - first.first_seqs.keys()
+            st.carry_checked, st.rejoined = (set(first.first_seqs) if unchecked else None), direct is not None
         buffered, st.buffer = st.buffer, deque()
         for m in buffered:
             if s.mode != "live":
@@ -597,6 +617,28 @@ class PlaneSubscribers:
             else:
                 self._on_live(st, m)
                 s.messages -= 1  # counted when it arrived
+
+    @staticmethod
+    def _merges(st: _Stream, first: DumpChunk, held: dict[int | None, int], followed: bool) -> int | None:
+        """Whether a dump goes on top of the worker's entries: the engine batches neither covers (counted in
+        ``carried_missed``), or None to replace them. On top only when the dump comes from another relay process
+        than the one the entries were last following (the same relay saw everything since it started: its dump
+        is the truth) and, per rank, the relay's history begins where the entries end, within `FAR_JUMP` (a rank
+        it has nothing of since it started is kept, and checked at its first batch).
+        Entries the picker followed from the plane must end before the relay's first batch: a first batch at or
+        before their end may be another engine process's numbering, as in `_check_carry`. Entries built from the
+        direct events up to this dump (``followed``) may also overlap the relay's history: they followed the
+        same engine until now, restarts included. What the lost batches removed stays as stale credit, as after
+        a carried restart; a dump of an earlier relay has no first seqs and replaces, as before."""
+        if first.first_seqs is None or first.epoch == st.stats.epoch or not held:
+            return None
+        missed = 0
+        for rank in held.keys() & first.first_seqs.keys():
+            last, begins = held[rank], first.first_seqs[rank]
+            if begins - last > FAR_JUMP or (begins <= last and not followed):
+                return None
+            missed += max(0, begins - last - 1)
+        return missed
 
     # ------------------------------------------------------------- fallback
     def _fall_back(self, st: _Stream, why: str, quiet: bool = False) -> None:
@@ -646,7 +688,7 @@ class PlaneSubscribers:
     def totals(self) -> dict[str, int]:
         keys = ("messages", "gaps", "dropped_batches", "relay_restarts", "dumps", "dump_failures", "dumps_refused",
                 "buffer_overflows", "oversized", "fallbacks", "recoveries", "carried", "carried_missed",
-                "carry_cleared")
+                "carry_cleared", "dumps_merged")
         out = {k: sum(getattr(st.stats, k) for st in self._streams.values()) for k in keys}
         out["fallback_workers"] = sum(1 for st in self._streams.values() if st.stats.fallback)
         out["garbage"] = self.garbage
@@ -669,6 +711,7 @@ class _PlaneCollector(Collector):
                           ("carried", "Relay restarts followed without a dump, the worker's entries kept"),
                           ("carried_missed", "Engine batches no relay published across carried restarts"),
                           ("carry_cleared", "Ranks cleared at a carried restart (another engine, or no position)"),
+                          ("dumps_merged", "A new relay's dumps loaded on top of the worker's entries"),
                           ("messages", "Live messages received")):
             m = CounterMetricFamily(f"epp_kv_plane_{key}", text)
             m.add_metric([], t[key])

@@ -71,20 +71,27 @@ class RelaySubscribers(SubscriberManager):
         # per worker and rank, the engine's seq of the last batch applied: a dump says where its state stands
         # in the engine's numbering (`DumpChunk.engine_seqs`)
         self.engine_seqs: dict[str, dict[int | None, int]] = {}
+        # per worker and rank, the engine's seq of the first batch applied since the rank was last empty (this
+        # relay's start, or a clear): where the dump's history begins (`DumpChunk.first_seqs`), so a picker that
+        # holds what an earlier relay told it can load this one's dump on top rather than in place
+        self.first_seqs: dict[str, dict[int | None, int]] = {}
 
     def _apply(self, sub: Subscription, seq: int, payload: bytes) -> None:
         before = sub.stats.oversized
         super()._apply(sub, seq, payload)
         self.engine_seqs.setdefault(sub.worker_id, {})[sub.source.rank] = seq
+        self.first_seqs.setdefault(sub.worker_id, {}).setdefault(sub.source.rank, seq)
         if sub.stats.oversized == before:  # an oversized batch was refused and cleared: `_clear` told them
             self.emit(KIND_BATCH, sub.worker_id, sub.source.rank, seq, payload)
 
     def _clear(self, sub: Subscription) -> None:
         super()._clear(sub)
+        self.first_seqs.get(sub.worker_id, {}).pop(sub.source.rank, None)
         self.emit(KIND_CLEAR, sub.worker_id, sub.source.rank, sub.applied or 0, b"")
 
     async def remove(self, worker_id: str) -> None:
         self.engine_seqs.pop(worker_id, None)
+        self.first_seqs.pop(worker_id, None)
         await super().remove(worker_id)
 
 
@@ -233,7 +240,9 @@ class Relay:
             room -= len(eng)
         n = len(chunks)
         engine_seqs = dict(self.subs.engine_seqs.get(worker_id, {}))
-        return [encode_dump_chunk(DumpChunk(worker_id, self.epoch, seq, i, n, bs, src, slots, dialect, engine_seqs))
+        first_seqs = dict(self.subs.first_seqs.get(worker_id, {}))
+        return [encode_dump_chunk(DumpChunk(worker_id, self.epoch, seq, i, n, bs, src, slots, dialect, engine_seqs,
+                                            first_seqs))
                 for i, slots in enumerate(chunks)]
 
     def stats(self) -> dict[str, Any]:

@@ -146,6 +146,11 @@ class DumpChunk:
     # picker that loaded it can tell, at a relay restart, whether the new relay's stream continues the same
     # engine's (`PlaneSubscribers`' carry). Absent from a relay of an earlier release: then nothing is known.
     engine_seqs: dict[int | None, int] = field(default_factory=dict)
+    # per rank, the engine's seq of the first batch in the dump's state (the relay's start, or its last clear of
+    # the rank; a rank missing: nothing since): where the relay's history begins. A picker holding entries from
+    # before it (an earlier relay's stream, its direct events) loads the dump on top of them
+    # (`PlaneSubscribers._merges`). None: a relay of an earlier release, which does not say.
+    first_seqs: dict[int | None, int] | None = None
 
 
 def encode_dump_request(worker_id: str) -> bytes:
@@ -166,8 +171,12 @@ def encode_dump_chunk(c: DumpChunk) -> bytes:
     return DUMP_MAGIC + msgpack.packb({
         "v": 1, "w": c.worker_id, "e": c.epoch, "s": c.seq, "i": c.index, "n": c.count, "bs": c.block_size,
         "src": c.size_source, "d": c.dialect, "slots": [[s.rank, s.block_size, s.engine, s.ours] for s in c.slots],
-        "es": [[-1 if r is None else r, q & U64] for r, q in c.engine_seqs.items()]},
+        "es": _seq_pairs(c.engine_seqs), **({} if c.first_seqs is None else {"fs": _seq_pairs(c.first_seqs)})},
         use_bin_type=True)
+
+
+def _seq_pairs(seqs: dict[int | None, int]) -> list[list[int]]:
+    return [[-1 if r is None else r, q & U64] for r, q in seqs.items()]
 
 
 def _int(obj: dict, key: str, lo: int, hi: int) -> int:
@@ -202,6 +211,7 @@ def parse_dump_chunk(data: bytes, max_bytes: int) -> DumpChunk:
         raise Malformed("dump chunk: dialect")
     chunk.dialect = dialect
     chunk.engine_seqs = _engine_seqs(obj.get("es"))
+    chunk.first_seqs = None if obj.get("fs") is None else _engine_seqs(obj["fs"])
     for s in raw_slots:
         if (not isinstance(s, list) or len(s) != 4 or type(s[0]) is not int or type(s[1]) is not int
                 or not isinstance(s[2], bytes) or not isinstance(s[3], bytes)):

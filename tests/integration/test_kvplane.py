@@ -143,6 +143,22 @@ async def test_relay_publishes_each_batch_on_the_workers_subject_with_seq_and_id
     await nc.close()
 
 
+async def test_a_relays_dump_says_where_its_history_begins_and_begins_again_after_a_clear(plane):
+    from epp_extproc.kvplane.wire import parse_dump_chunk
+
+    p = plane()
+    relay = await p.start_relay()
+    begins = relay.subs.first_seqs[W][None]
+    await p.store()
+    await until_async(lambda: relay.subs.engine_seqs[W][None] == p.worker.seq, "the relay to apply the store")
+    chunk = parse_dump_chunk(relay.dump(W, 1 << 20)[0], 1 << 20)
+    assert chunk.first_seqs == {None: begins} and chunk.engine_seqs == {None: p.worker.seq} and begins < p.worker.seq
+    p.worker.seq = 0  # the engine restarted: the relay clears the worker, its history begins again
+    await p.store()
+    await until_async(lambda: relay.subs.first_seqs[W].get(None) == 1, "the relay's clear and first batch")
+    assert parse_dump_chunk(relay.dump(W, 1 << 20)[0], 1 << 20).first_seqs == {None: 1}
+
+
 @pytest.mark.parametrize("direct_dispatch", [True, False], ids=["direct", "nats-py-queue"])
 async def test_picker_follows_the_live_stream_into_the_same_index(plane, direct_dispatch):
     p = plane(direct_dispatch=direct_dispatch)
@@ -199,7 +215,7 @@ async def test_a_lost_plane_message_is_a_gap_answered_by_a_dump(plane):
     relay.outbox_messages = 100
     await p.store()
     await p.until_overlap(3, "recovery from the gap")
-    assert p.stats().gaps == 1 and p.stats().dumps == 2
+    assert p.stats().gaps == 1 and p.stats().dumps == 2 and p.stats().dumps_merged == 0  # the same relay's dump
 
 
 async def test_a_lost_tail_is_seen_in_the_relays_heartbeat(plane):
@@ -246,16 +262,30 @@ async def test_a_carried_restart_clears_what_an_engine_restarted_meanwhile_no_lo
     assert p.overlap() == 0 and p.stats().carried == 1
 
 
-async def test_a_new_relays_stream_whose_first_message_was_lost_is_answered_by_a_dump(plane):
+async def test_a_new_relays_dump_after_its_first_message_was_lost_goes_on_top_of_what_the_picker_held(plane):
     p = await live_with_one_block(plane())
     await p.stop_relay()
     relay = await p.start_relay(outbox_messages=0)  # its first messages are dropped: the picker sees none
     relay.outbox_messages = 100
-    await p.worker.publish([stored_event([1], None, block(0), BS)])  # the engine re-stores (a new request)
-    await p.store()
-    await p.until_overlap(2, "the new relay's dump and stream")
+    await p.worker.publish([stored_event([50], None, block(9), BS)])  # a new prompt: only the new relay knows it
+    await until_async(lambda: p.stats().dumps == 2, "the new relay's dump")
+    assert p.overlap() == 1, "block 1, which the new relay never saw, is kept"
+    assert p.idx.overlap(block(9) + [0], exclude_last_token=False).get(W) == 1, "the dump's block is loaded"
+    await p.store()  # block 2, a child of block 1: the new relay cannot chain it, the picker can
+    await p.until_overlap(2, "the new relay's stream on top of both")
     s = p.stats()
-    assert s.relay_restarts >= 1 and s.carried == 0 and s.dumps == 2 and s.epoch == relay.epoch
+    assert (s.carried, s.dumps, s.dumps_merged, s.epoch) == (0, 2, 1, relay.epoch) and s.relay_restarts >= 1
+
+
+async def test_a_new_relays_dump_replaces_the_entries_when_the_engine_restarted_meanwhile(plane):
+    p = await live_with_one_block(plane())
+    await p.stop_relay()
+    p.worker.seq = 0  # the engine restarted: block 1 is gone and its numbering starts again
+    relay = await p.start_relay(outbox_messages=0)  # and the new relay's first messages are lost
+    relay.outbox_messages = 100
+    await p.worker.publish([stored_event([50], None, block(9), BS)])  # another block of the new engine
+    await until_async(lambda: p.stats().dumps == 2, "the new relay's dump")
+    assert p.overlap() == 0 and p.stats().dumps_merged == 0
 
 
 async def test_a_worker_on_its_direct_events_rejoins_a_new_relays_stream_carrying_what_they_built(plane):
@@ -293,6 +323,25 @@ async def test_a_worker_retrying_its_first_dump_on_its_direct_events_rejoins_a_r
     s = p.stats()
     assert (s.mode, s.fallback, s.carried, s.dumps, s.carried_missed) == ("live", False, 1, 0, 0)
     await nc.close()
+
+
+async def test_a_retried_first_dump_answered_by_a_relay_goes_on_top_of_what_the_direct_events_built(plane):
+    """A picker started before any relay is fed by its direct events; the relay's first messages are lost, so
+    its dump, not its stream, brings the worker onto the plane: it keeps the direct events' blocks."""
+    p = plane(dump_timeout_s=0.5)
+    await p.picker.add(W, p.sources)  # nobody serves the dump subject: "no responders", the fallback
+    await until_async(lambda: p.stats().fallback and W in p.fallback.workers(), "the fallback")
+    await p.worker.sync(p.fallback, W)
+    await p.store()  # block 1, through the direct subscription only
+    await p.until_overlap(1)
+    relay = await p.start_relay(outbox_messages=0)
+    relay.outbox_messages = 100
+    await p.store()  # block 2: the relay cannot chain it (it never saw block 1), the direct events do
+    await until_async(lambda: not p.stats().fallback, "back on the plane by the relay's dump")
+    assert p.overlap() == 2, "the direct events' blocks are kept"
+    s = p.stats()
+    assert (s.mode, s.dumps, s.dumps_merged, s.carried) == ("live", 1, 1, 0)
+    assert W not in p.fallback.workers()
 
 
 async def test_a_relay_keeps_what_it_read_before_its_first_connect_and_publishes_it_once_up(plane, nats_server):  # noqa: F811

@@ -127,6 +127,8 @@ def test_random_bytes_never_raise_from_any_parser():
     lambda d: d.__setitem__("es", [[0, -5]]),
     lambda d: d.__setitem__("es", [[-2, 5]]),
     lambda d: d.__setitem__("es", [[0, 5, 6]]),
+    lambda d: d.__setitem__("fs", [[0, -1]]),  # first seqs: the same shape
+    lambda d: d.__setitem__("fs", 3),
 ])
 def test_a_malformed_dump_chunk_is_refused(mutate):
     import msgpack
@@ -144,11 +146,19 @@ def test_a_dump_chunk_says_where_its_state_stands_in_the_engines_numbering_per_r
     assert parse_dump_chunk(encode_dump_chunk(c), 1 << 20).engine_seqs == {None: 7, 3: 1 << 40}
 
 
+def test_a_dump_chunk_says_where_its_relays_history_begins_per_rank():
+    c = DumpChunk("w", 1, 2, 0, 1, 4, "events", [], engine_seqs={None: 7}, first_seqs={None: 3, 2: 1 << 40})
+    assert parse_dump_chunk(encode_dump_chunk(c), 1 << 20).first_seqs == {None: 3, 2: 1 << 40}
+
+
 def test_a_dump_chunk_of_an_earlier_relay_without_engine_seqs_still_parses_with_none_known():
     import msgpack
 
     d = {"v": 1, "w": "w", "e": 1, "s": 2, "i": 0, "n": 1, "bs": 4, "src": "events", "d": None, "slots": []}
-    assert parse_dump_chunk(b"KVD1" + msgpack.packb(d), 1 << 20).engine_seqs == {}
+    c = parse_dump_chunk(b"KVD1" + msgpack.packb(d), 1 << 20)
+    assert c.engine_seqs == {} and c.first_seqs is None  # (None: it does not say; {}: nothing since its start)
+    assert parse_dump_chunk(encode_dump_chunk(DumpChunk("w", 1, 2, 0, 1, 4, "events", [], first_seqs={})),
+                            1 << 20).first_seqs == {}
 
 
 def test_worker_tokens_are_subject_safe_and_distinct():
