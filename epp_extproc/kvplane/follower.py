@@ -107,6 +107,7 @@ class PlaneStats:
     carried_missed: int = 0  # engine batches no relay published across those restarts
     carry_cleared: int = 0  # ranks cleared at a carried restart: their numbering went back, or was unknown
     dumps_merged: int = 0  # a new relay's dumps loaded on top of the worker's entries (see `_merges`)
+    other_relay: int = 0  # messages, heartbeats and dump chunks of a second relay for the worker, ignored
 
 
 @dataclass(slots=True)
@@ -124,7 +125,15 @@ class _Stream:
     engine_seq: dict[int | None, int] = field(default_factory=dict)
     # after a carried restart: the ranks whose first message in the new epoch was checked (None: no carry)
     carry_checked: set[int | None] | None = None
-    rejoined: bool = False  # that carry came from the direct subscription (`PlaneSubscribers._rejoin`)
+    # in that carry, a batch up to the entries' position was applied already, not another engine's numbering:
+    # the direct subscription followed the engine (`PlaneSubscribers._rejoin`), or the relay followed until
+    # now is still heard (a handover between two relays, `_carry`): such batches are skipped, not checked
+    overlapped: bool = False
+    # the relay followed (`stats.epoch`): when it was last heard, and whether it said goodbye. While it is
+    # heard, another relay's messages for the worker are a second relay publishing it, not a restart
+    followed_heard: float = 0.0
+    followed_gone: bool = False
+    warned_epochs: set[int] = field(default_factory=set)  # second relays already logged (bounded, see `_other`)
 
 
 class PlaneSubscribers:
@@ -328,13 +337,19 @@ class PlaneSubscribers:
                     self._dump(st)
             return
         if m.epoch != s.epoch:
-            s.relay_restarts += 1
-            if not (m.seq == 1 and self._carry(st, m.epoch)):
+            if m.seq == 1 and self._carry(st, m.epoch):
+                s.relay_restarts += 1
+            elif self._other(st, m.epoch):
+                return
+            else:
+                s.relay_restarts += 1
                 log.warning("kv plane: %s comes from another relay process now (epoch %d -> %d): asking its "
                             "dump", st.worker_id, s.epoch, m.epoch)
                 st.buffer.append(m)
                 self._dump(st)
                 return
+        else:
+            st.followed_heard = st.last_heard
         assert s.seq is not None
         if m.seq <= s.seq:
             return  # already in the dump
@@ -377,17 +392,45 @@ class PlaneSubscribers:
         s = st.stats
         log.warning("kv plane: %s comes from another relay process now (epoch %s -> %s): following its stream "
                     "from its start, the worker's entries kept", st.worker_id, s.epoch, epoch)
+        handover = self._followed_alive(st)
         s.epoch, s.seq = epoch, 0
         s.carried += 1
-        st.carry_checked, st.rejoined = set(), False
+        st.carry_checked, st.overlapped = set(), handover
+        self._follow(st)
+        return True
+
+    @staticmethod
+    def _follow(st: _Stream) -> None:
+        """The worker now follows the relay of ``st.stats.epoch``, heard just now."""
+        st.followed_heard, st.followed_gone = time.monotonic(), False
+        st.warned_epochs.clear()
+
+    def _followed_alive(self, st: _Stream) -> bool:
+        return not st.followed_gone and time.monotonic() - st.followed_heard <= self.relay_stale_s
+
+    def _other(self, st: _Stream, epoch: int) -> bool:
+        """Is ``epoch`` a second relay publishing the worker while the one followed is alive (a pool relay's
+        rolling update, or two relays configured for one worker)? Then its messages are ignored, counted, and
+        logged once: following both would be a relay restart at every message, each answered by a dump. A
+        restart is told apart by the new relay's first message (carried) or the old one's silence (its goodbye,
+        or ``relay_stale_s``), after which the other stream is taken as the restart it is."""
+        if not self._followed_alive(st):
+            return False
+        st.stats.other_relay += 1
+        if epoch not in st.warned_epochs and len(st.warned_epochs) < 16:
+            st.warned_epochs.add(epoch)
+            log.warning("kv plane: a second relay (epoch %d) publishes %s beside the one followed (epoch %s): "
+                        "ignored while that one is heard (a relay's rolling update hands over at the new relay's "
+                        "first message; two relays configured for one worker only add load)", epoch, st.worker_id,
+                        st.stats.epoch)
         return True
 
     def _check_carry(self, st: _Stream, m: LiveMessage) -> bool:
         """The first message of a rank after a carried restart: does it continue the engine's numbering?
-        False: skip it (after `_rejoin`, a batch the direct subscription had applied already)."""
+        False: skip it (``overlapped``: a batch the picker had applied already)."""
         assert st.carry_checked is not None
         last = st.engine_seq.get(m.rank)
-        if st.rejoined and m.kind == KIND_BATCH and last is not None and m.engine_seq <= last:
+        if st.overlapped and m.kind == KIND_BATCH and last is not None and m.engine_seq <= last:
             return False  # (the direct subscription followed this engine itself, restarts included)
         st.carry_checked.add(m.rank)
         if m.rank is None:
@@ -438,7 +481,7 @@ class PlaneSubscribers:
                 s.mode = "dumping"
                 self._dump(st)
                 return
-            st.rejoined = True
+            st.overlapped = True
             log.info("kv plane: %s back on the plane, its entries carried from its direct events (engine seqs %s)",
                      st.worker_id, positions)
             buffered, st.buffer = st.buffer, deque()
@@ -460,14 +503,21 @@ class PlaneSubscribers:
             st = self._streams.get(wid)
             if st is None:
                 continue
-            st.last_heard = now
             s = st.stats
+            if hb.bye:  # its relay stops: what comes next for the worker is a restart, whatever its first message
+                st.followed_gone = st.followed_gone or hb.epoch == s.epoch
+                continue
+            st.last_heard = now
+            if hb.epoch == s.epoch:
+                st.followed_heard = now
             if s.mode in ("wait", "dumping") and hb.epoch != s.epoch and seq == 0 and self._can_rejoin(st):
                 self._start_rejoin(st, hb.epoch)  # a new relay that has sent nothing for it yet
             elif s.mode == "wait":
                 self._dump(st)
             elif s.mode == "live" and hb.epoch != s.epoch and seq == 0 and self._carry(st, hb.epoch):
                 s.relay_restarts += 1  # a new relay that has sent nothing for this worker yet: its first comes
+            elif s.mode == "live" and hb.epoch != s.epoch and self._other(st, hb.epoch):
+                continue
             elif s.mode == "live" and (hb.epoch != s.epoch or s.seq is None or seq > s.seq):
                 if hb.epoch != s.epoch:
                     s.relay_restarts += 1
@@ -549,26 +599,35 @@ class PlaneSubscribers:
         try:
             await nc.publish(self.subjects.dump(worker_id), encode_dump_request(worker_id), reply=inbox)
             deadline = time.monotonic() + self.dump_timeout_s
-            chunks: dict[int, DumpChunk] = {}
-            first: DumpChunk | None = None
+            # per relay (epoch): where two relays serve the worker (see `_other`), both answer; the first whole
+            # dump is taken, the other relay's chunks are counted and dropped
+            chunks: dict[int, dict[int, DumpChunk]] = {}
+            firsts: dict[int, DumpChunk] = {}
             total = 0
-            while first is None or len(chunks) < first.count:
+            while True:
                 async with asyncio.timeout(max(0.001, deadline - time.monotonic())):  # (not wait_for: test_aio)
                     data = await got.get()
                 if not data:
+                    if firsts:
+                        continue  # (another relay's answer is coming)
                     raise ConnectionError("no relay serves this worker's dumps")
                 total += len(data)
                 if overflow or total > budget:
                     raise Malformed(f"dump larger than its budget ({budget} bytes: twice the index's cap)")
                 c = parse_dump_chunk(data, max_chunk)
-                if first is None:
-                    first = c
-                if (c.worker_id, c.epoch, c.seq, c.count) != (worker_id, first.epoch, first.seq, first.count):
-                    raise Malformed("dump chunks disagree (worker, epoch, seq or count)")
-                if c.index in chunks:
+                if c.epoch not in firsts and len(firsts) >= 2:
+                    raise Malformed("dump chunks of more than two relays")
+                first = firsts.setdefault(c.epoch, c)
+                if (c.worker_id, c.seq, c.count) != (worker_id, first.seq, first.count):
+                    raise Malformed("dump chunks disagree (worker, seq or count)")
+                got_epoch = chunks.setdefault(c.epoch, {})
+                if c.index in got_epoch:
                     raise Malformed("dump chunk repeated")
-                chunks[c.index] = c
-            return [chunks[i] for i in range(first.count)]
+                got_epoch[c.index] = c
+                if len(got_epoch) == first.count:
+                    if len(firsts) > 1 and (st := self._streams.get(worker_id)) is not None:
+                        st.stats.other_relay += sum(len(v) for e, v in chunks.items() if e != c.epoch)
+                    return [got_epoch[i] for i in range(first.count)]
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -603,13 +662,14 @@ class PlaneSubscribers:
             s.recoveries += 1
             log.info("kv plane: %s back on the plane (dump of %d blocks at seq %d)", wid, blocks, first.seq)
         s.epoch, s.seq, s.mode = first.epoch, first.seq, "live"
+        self._follow(st)
         if merged is None:
             st.engine_seq, st.carry_checked = dict(first.engine_seqs), None
         else:  # a rank the new relay has said nothing of yet is checked at its first batch, as in a carry
             assert first.first_seqs is not None
             st.engine_seq = {**held, **first.engine_seqs}
             unchecked = held.keys() - first.first_seqs.keys()
-            st.carry_checked, st.rejoined = (set(first.first_seqs) if unchecked else None), direct is not None
+            st.carry_checked, st.overlapped = (set(first.first_seqs) if unchecked else None), direct is not None
         buffered, st.buffer = st.buffer, deque()
         for m in buffered:
             if s.mode != "live":
@@ -688,7 +748,7 @@ class PlaneSubscribers:
     def totals(self) -> dict[str, int]:
         keys = ("messages", "gaps", "dropped_batches", "relay_restarts", "dumps", "dump_failures", "dumps_refused",
                 "buffer_overflows", "oversized", "fallbacks", "recoveries", "carried", "carried_missed",
-                "carry_cleared", "dumps_merged")
+                "carry_cleared", "dumps_merged", "other_relay")
         out = {k: sum(getattr(st.stats, k) for st in self._streams.values()) for k in keys}
         out["fallback_workers"] = sum(1 for st in self._streams.values() if st.stats.fallback)
         out["garbage"] = self.garbage
@@ -712,6 +772,8 @@ class _PlaneCollector(Collector):
                           ("carried_missed", "Engine batches no relay published across carried restarts"),
                           ("carry_cleared", "Ranks cleared at a carried restart (another engine, or no position)"),
                           ("dumps_merged", "A new relay's dumps loaded on top of the worker's entries"),
+                          ("other_relay", "Messages of a second relay for a worker, ignored while the followed "
+                                          "one is heard"),
                           ("messages", "Live messages received")):
             m = CounterMetricFamily(f"epp_kv_plane_{key}", text)
             m.add_metric([], t[key])

@@ -144,8 +144,22 @@ class Relay:
 
     async def close(self) -> None:
         await cancel_and_wait(self._tasks)
+        await self._goodbye()
         await self.subs.close()
         await self.link.close()
+
+    async def _goodbye(self) -> None:
+        """A last heartbeat saying this relay stops: the pickers then take the next relay's stream for these
+        workers as its restart at once, rather than as a second relay beside a live one (`PlaneSubscribers`
+        ignores those while the relay it follows is heard). A relay that crashes sends none: its silence past
+        the pickers' ``relay_stale_s`` says the same."""
+        nc = self.link.nc
+        if nc is None or not nc.is_connected or not self.publish_live:
+            return
+        with contextlib.suppress(Exception):
+            await nc.publish(self.subjects.heartbeat,
+                             encode_heartbeat(Heartbeat(self.name, self.epoch, dict(self.seq), bye=True)))
+            await nc.flush(timeout=1)
 
     async def _on_up(self) -> None:
         """Connected (first time or again): serve the dumps (the client re-subscribes on reconnects itself)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 import xxhash
@@ -243,10 +244,14 @@ class Heartbeat:
     relay: str
     epoch: int
     workers: dict[str, int]  # worker id -> the last seq the relay published for it
+    bye: bool = False  # the relay's last word as it stops: pickers take the next relay's stream as its restart
 
 
 def encode_heartbeat(hb: Heartbeat) -> bytes:
-    return HEARTBEAT_MAGIC + msgpack.packb({"v": 1, "r": hb.relay, "e": hb.epoch, "w": hb.workers})
+    obj: dict[str, Any] = {"v": 1, "r": hb.relay, "e": hb.epoch, "w": hb.workers}
+    if hb.bye:
+        obj["bye"] = True
+    return HEARTBEAT_MAGIC + msgpack.packb(obj)
 
 
 def parse_heartbeat(data: bytes, max_bytes: int) -> Heartbeat | None:
@@ -265,4 +270,4 @@ def parse_heartbeat(data: bytes, max_bytes: int) -> Heartbeat | None:
     for k, v in workers.items():
         if not isinstance(k, str) or type(v) is not int or not 0 <= v <= U64:
             return None
-    return Heartbeat(relay, epoch, workers)
+    return Heartbeat(relay, epoch, workers, obj.get("bye") is True)

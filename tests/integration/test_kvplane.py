@@ -5,6 +5,7 @@ lost message; malformed messages and dumps). One behaviour per test."""
 from __future__ import annotations
 
 import asyncio
+from array import array
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -342,6 +343,112 @@ async def test_a_retried_first_dump_answered_by_a_relay_goes_on_top_of_what_the_
     s = p.stats()
     assert (s.mode, s.dumps, s.dumps_merged, s.carried) == ("live", 1, 1, 0)
     assert W not in p.fallback.workers()
+
+
+async def second_relay(p: Plane) -> Relay:
+    """Another relay for the same worker beside ``p.relay`` (a pool relay's rolling update, or a mistake)."""
+    r = Relay([p.server.url], p.subjects, {W: p.sources}, block_size=BS, heartbeat_s=0.2)
+    await r.start()
+    await until_async(lambda: r.link.connected, "the second relay connected")
+    await p.worker.sync(r.subs, W)
+    return r
+
+
+async def crash(r: Relay) -> None:
+    """Stop a relay without its goodbye, as a killed process."""
+    async def silent() -> None:
+        return None
+
+    r._goodbye = silent  # type: ignore[method-assign]
+    await r.close()
+
+
+async def test_a_second_relay_for_a_worker_is_handed_over_to_not_followed_from_dump_to_dump(plane):
+    p = await live_with_one_block(plane())
+    r2 = await second_relay(p)
+    try:
+        for _ in range(5):
+            await p.store()
+            await asyncio.sleep(0.1)
+        await p.until_overlap(6, "the followed relay's stream")
+        await asyncio.sleep(0.5)  # a few heartbeats of both
+        s = p.stats()
+        assert s.other_relay > 0 and s.dumps == 1 and s.carry_cleared == 0 and p.overlap() == 6
+        assert (s.epoch, s.relay_restarts) == (r2.epoch, 1), "handed over at the new relay's first message"
+        await p.stop_relay()  # a rolling update ends: the old relay goes
+        await p.store()
+        await p.until_overlap(7, "the new relay's stream")
+    finally:
+        await r2.close()
+
+
+async def test_the_second_relays_stream_is_followed_once_the_first_one_crashed(plane):
+    p = await live_with_one_block(plane(relay_stale_s=1.0))
+    r2 = await second_relay(p)
+    try:
+        await p.store()
+        await p.until_overlap(2)
+        followed = p.stats().epoch
+        other = r2 if followed == p.relay.epoch else p.relay
+        await crash(p.relay if other is r2 else r2)
+        await asyncio.sleep(1.2)  # the crashed relay silent past relay_stale_s
+        await p.store()
+        await until_async(lambda: p.stats().epoch == other.epoch and p.overlap() == 3, lambda: f"{p.stats()}")
+    finally:
+        await r2.close()
+
+
+async def test_a_picker_joining_two_relays_of_one_worker_takes_one_whole_dump_and_refuses_nothing(
+        plane, nats_server):  # noqa: F811
+    """Two relays answer the dump request; their chunks interleave (here from one hand-made responder, in a
+    fixed order): the first whole dump is loaded, the other relay's chunks are counted, nothing is refused."""
+    from epp_extproc.kvplane.wire import DumpChunk, DumpSlot, encode_dump_chunk
+
+    p = plane()
+    nc = await raw_client(nats_server)
+
+    def chunks(epoch: int, hashes: list[int]) -> list[bytes]:
+        return [encode_dump_chunk(DumpChunk(W, epoch, 5, i, len(hashes), BS, "events",
+                                            [DumpSlot(0, BS, array("Q", [h]).tobytes(),
+                                                      array("Q", [h + 1000]).tobytes())]))
+                for i, h in enumerate(hashes)]
+
+    async def answer(m: Any) -> None:
+        a, b = chunks(1, [11, 12]), chunks(2, [21, 22, 23])
+        for data in (b[0], a[0], b[1], a[1], b[2]):  # relay 1's dump completes first
+            await nc.publish(m.reply, data)
+
+    await nc.subscribe(p.subjects.dump(W), cb=answer)
+    await nc.flush()
+    await p.picker.add(W, p.sources)
+    await until_async(lambda: p.stats().mode == "live", lambda: f"one relay's dump: {p.stats()}")
+    s = p.stats()
+    assert (s.epoch, s.dumps, s.dump_blocks, s.dumps_refused, s.garbage, s.fallback) == (1, 1, 2, 0, 0, False)
+    assert s.other_relay == 2  # relay 2's two chunks that came before relay 1's dump was whole
+    await nc.close()
+
+
+async def test_a_stopping_relay_says_goodbye_and_a_crashed_one_does_not(plane, nats_server):  # noqa: F811
+    from epp_extproc.kvplane.wire import parse_heartbeat
+
+    p = plane()
+    nc = await raw_client(nats_server)
+    got: list[Any] = []
+
+    async def on(m: Any) -> None:
+        hb = parse_heartbeat(m.data, 1 << 20)
+        if hb is not None and hb.bye:
+            got.append(hb)
+
+    await nc.subscribe(p.subjects.heartbeat, cb=on)
+    await nc.flush()
+    relay = await p.start_relay()
+    await crash(relay)
+    relay = await p.start_relay()
+    await p.stop_relay()
+    await until_async(lambda: len(got) == 1, "the goodbye")
+    assert (got[0].epoch, got[0].workers.get(W, -1) >= 0) == (relay.epoch, True)
+    await nc.close()
 
 
 async def test_a_relay_keeps_what_it_read_before_its_first_connect_and_publishes_it_once_up(plane, nats_server):  # noqa: F811

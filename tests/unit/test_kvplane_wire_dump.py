@@ -167,3 +167,10 @@ def test_worker_tokens_are_subject_safe_and_distinct():
     assert Subjects("epp.kv", "pool-a").events("10.0.0.1:8000").startswith("epp.kv.pool-a.ev.")
     with pytest.raises(ValueError):
         Subjects("epp.kv", "bad.pool")
+
+
+def test_a_heartbeat_says_goodbye_only_when_its_relay_stops():
+    from epp_extproc.kvplane.wire import Heartbeat, encode_heartbeat, parse_heartbeat
+
+    assert parse_heartbeat(encode_heartbeat(Heartbeat("r", 1, {"w": 3})), 1 << 20).bye is False
+    assert parse_heartbeat(encode_heartbeat(Heartbeat("r", 1, {"w": 3}, bye=True)), 1 << 20).bye is True
