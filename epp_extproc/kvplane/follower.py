@@ -431,7 +431,7 @@ class PlaneSubscribers:
         assert st.carry_checked is not None
         last = st.engine_seq.get(m.rank)
         if st.overlapped and m.kind == KIND_BATCH and last is not None and m.engine_seq <= last:
-            return False  # (the direct subscription followed this engine itself, restarts included)
+            return False  # (applied through the direct subscription, or the relay followed until the handover)
         st.carry_checked.add(m.rank)
         if m.rank is None:
             st.carry_checked = None  # (a worker of one rank, or a clear of all: nothing left to check)
