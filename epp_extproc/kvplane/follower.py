@@ -564,10 +564,10 @@ class PlaneSubscribers:
                     direct = await self.fallback.detach(st.worker_id) if st.stats.fallback else None
                     if self._streams.get(st.worker_id) is not st:
                         return
-                    self._load(st, chunks, direct)  # synchronous from here: nothing is applied in between
+                    merged = self._load(st, chunks, direct)  # synchronous from here: nothing applied in between
                 if self.tracing is not None:
                     self.tracing.dump_loaded(st.worker_id, asked_ns, blocks=s.dump_blocks, chunks=len(chunks),
-                                             subject=self.subjects.dump(st.worker_id))
+                                             subject=self.subjects.dump(st.worker_id), merged=merged)
                 st.backoff.succeeded()
                 if s.mode != "dumping":
                     return
@@ -632,9 +632,9 @@ class PlaneSubscribers:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
-    def _load(self, st: _Stream, chunks: list[DumpChunk], direct: dict[int | None, int] | None = None) -> None:
-        """Load a dump in place of the worker's entries, or on top of them where it comes from a relay whose
-        history begins after what they hold (`_merges`). ``direct``: the fallback's positions, read as its
+    def _load(self, st: _Stream, chunks: list[DumpChunk], direct: dict[int | None, int] | None = None) -> bool:
+        """Load a dump in place of the worker's entries, or on top of them (True) where it comes from a relay
+        whose history begins after what they hold (`_merges`). ``direct``: the fallback's positions, read as its
         sockets closed (None: the worker was not on its direct events)."""
         s = st.stats
         first = chunks[0]
@@ -677,6 +677,7 @@ class PlaneSubscribers:
             else:
                 self._on_live(st, m)
                 s.messages -= 1  # counted when it arrived
+        return merged is not None
 
     @staticmethod
     def _merges(st: _Stream, first: DumpChunk, held: dict[int | None, int], followed: bool) -> int | None:

@@ -561,9 +561,10 @@ class Tracing:
         self.background(SYNC_SNAPSHOT_SPAN, start_ns, attrs, kind=SpanKind.CONSUMER)
 
     def dump_loaded(self, worker: str, start_ns: int, *, blocks: int = 0, chunks: int = 0, subject: str = "",
-                    error: tuple[str, str] | None = None) -> None:
+                    merged: bool = False, error: tuple[str, str] | None = None) -> None:
         """A KV-plane relay's dump of one worker's index (`--kv-event-plane nats`: at start, when a worker
-        joins, after a gap), asked and loaded: a root span; `error` (type, description) when none loaded."""
+        joins, after a gap), asked and loaded: a root span; `merged` when it went on top of the worker's entries
+        (a new relay's partial history); `error` (type, description) when none loaded."""
         attrs: dict[str, Any] = {"messaging.system": "nats", "messaging.operation.type": "receive",
                                  "epp.kv_plane.worker": _clip(worker, 128)}
         if subject:
@@ -571,6 +572,7 @@ class Tracing:
         if error is None:
             attrs["epp.kv_plane.dump_blocks"] = blocks
             attrs["epp.kv_plane.dump_chunks"] = chunks
+            attrs["epp.kv_plane.dump_merged"] = merged
             self.background(PLANE_DUMP_SPAN, start_ns, attrs, kind=SpanKind.CLIENT)
             return
         attrs["error.type"] = error[0]

@@ -391,3 +391,14 @@ def test_a_start_up_load_is_sampled_by_the_roots_ratio() -> None:
     tr.dump_loaded("w:1", time.time_ns(), error=("timeout", "no dump within 3 s"))
     got, = exporter.get_finished_spans()
     assert got.name == spans.PLANE_DUMP_SPAN and got.parent is None and got.status.status_code is StatusCode.ERROR
+
+
+def test_a_dump_loaded_on_top_of_the_workers_entries_says_so() -> None:
+    import time
+
+    tr, exporter = memory_tracing(ParentBased(TraceIdRatioBased(1.0)))
+    tr.dump_loaded("w:1", time.time_ns(), blocks=3, chunks=1, merged=True)
+    tr.dump_loaded("w:1", time.time_ns(), blocks=3, chunks=1)
+    merged, replaced = exporter.get_finished_spans()
+    assert merged.attributes["epp.kv_plane.dump_merged"] is True
+    assert replaced.attributes["epp.kv_plane.dump_merged"] is False
