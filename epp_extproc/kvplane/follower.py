@@ -134,6 +134,7 @@ class _Stream:
     followed_heard: float = 0.0
     followed_gone: bool = False
     warned_epochs: set[int] = field(default_factory=set)  # second relays already logged (bounded, see `_other`)
+    other_ahead_since: float | None = None  # a second relay's batches ahead of the entries since (`_overtaken`)
 
 
 class PlaneSubscribers:
@@ -339,6 +340,9 @@ class PlaneSubscribers:
         if m.epoch != s.epoch:
             if m.seq == 1 and self._carry(st, m.epoch):
                 s.relay_restarts += 1
+            elif self._overtaken(st, m) and self._carry(st, m.epoch):
+                s.seq = m.seq - 1  # followed from this message on; what it published before is missed, counted
+                s.relay_restarts += 1
             elif self._other(st, m.epoch):
                 return
             else:
@@ -375,6 +379,7 @@ class PlaneSubscribers:
             return
         self.idx.apply_batch(st.worker_id, batch, m.rank)
         st.engine_seq[m.rank] = m.engine_seq
+        st.other_ahead_since = None  # the relay followed delivers
 
     def _clear_rank(self, st: _Stream, rank: int | None) -> None:
         self.idx.clear_worker(st.worker_id, rank)
@@ -402,8 +407,27 @@ class PlaneSubscribers:
     @staticmethod
     def _follow(st: _Stream) -> None:
         """The worker now follows the relay of ``st.stats.epoch``, heard just now."""
-        st.followed_heard, st.followed_gone = time.monotonic(), False
+        st.followed_heard, st.followed_gone, st.other_ahead_since = time.monotonic(), False, None
         st.warned_epochs.clear()
+
+    def _overtaken(self, st: _Stream, m: LiveMessage) -> bool:
+        """A second relay's batch while the one followed is heard: has that one delivered nothing for
+        ``relay_stale_s`` while this one kept publishing batches past the entries' position? (Its process is
+        alive, its heartbeats say so, but its subscription to the worker is not.) Then the worker follows this
+        relay from this message: the batches it published before are missed, counted as after a restart."""
+        if m.kind != KIND_BATCH or m.engine_seq <= st.engine_seq.get(m.rank, -1) or not self._followed_alive(st):
+            return False
+        now = time.monotonic()
+        if st.other_ahead_since is None:
+            st.other_ahead_since = now
+            return False
+        if now - st.other_ahead_since <= self.relay_stale_s:
+            return False
+        log.warning("kv plane: %s: the relay followed (epoch %s) has delivered none of the batches a second relay "
+                    "(epoch %d) published for %.1fs: following that one", st.worker_id, st.stats.epoch, m.epoch,
+                    now - st.other_ahead_since)
+        st.followed_gone = True  # (the carry that follows is no handover: nothing was applied through it)
+        return True
 
     def _followed_alive(self, st: _Stream) -> bool:
         return not st.followed_gone and time.monotonic() - st.followed_heard <= self.relay_stale_s

@@ -398,6 +398,31 @@ async def test_the_second_relays_stream_is_followed_once_the_first_one_crashed(p
         await r2.close()
 
 
+async def test_a_followed_relay_that_delivers_nothing_a_second_one_publishes_is_left_for_it(plane):
+    """Its process is alive (heartbeats) but its subscription to the worker is not: after relay_stale_s of
+    the second relay's batches alone, the worker follows the second relay."""
+    p = await live_with_one_block(plane(relay_stale_s=1.0))
+    r2 = await second_relay(p)
+    try:
+        await p.store()
+        await p.until_overlap(2)
+        followed = p.relay if p.stats().epoch == p.relay.epoch else r2
+        other = r2 if followed is p.relay else p.relay
+        await followed.subs.remove(W)  # it stops reading the worker, and keeps sending heartbeats
+        p.n = 0  # new chains from here
+        for _ in range(12):  # ~1.2 s of the other relay's batches
+            await p.store()
+            await asyncio.sleep(0.1)
+        await until_async(lambda: p.stats().epoch == other.epoch, lambda: f"the switch: {p.stats()}")
+        p.n = 100
+        await p.worker.publish([stored_event([5000], None, block(100), BS)])  # a new prompt after the switch
+        await until_async(lambda: p.idx.overlap(block(100) + [0], exclude_last_token=False).get(W) == 1,
+                          "the new relay's stream applied")
+        assert p.stats().carried_missed > 0 and p.stats().other_relay > 0
+    finally:
+        await r2.close()
+
+
 async def test_a_picker_joining_two_relays_of_one_worker_takes_one_whole_dump_and_refuses_nothing(
         plane, nats_server):  # noqa: F811
     """Two relays answer the dump request; their chunks interleave (here from one hand-made responder, in a
