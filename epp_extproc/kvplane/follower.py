@@ -28,6 +28,10 @@ replay:
   the one the entries followed is loaded **on top** of them when that history begins after where they end
   (the same rule as the carry's first batch; `_merges`), else in their place. A clear message is the relay's
   own gap or engine restart, applied as the clear it was there;
+* **two relays for one worker** (a pool relay's rolling update, or a mistake): the worker follows one; the
+  new relay's first message hands over to it, and the other's messages are ignored while the followed one is
+  heard (`_other`), unless it delivers none of the other's batches for ``relay_stale_s`` (`_overtaken`). A
+  stopping relay says goodbye, so what follows it is a restart at once;
 * **faults**: NATS down (the client noticed, pings every second), or no heartbeat from a worker's relay for
   ``relay_stale_s``: the worker falls back to today's direct ZeroMQ subscription (or, with ``--kv-plane-fallback
   load``, its entries are dropped and it routes by load), counted; when the plane is back, a dump brings the
