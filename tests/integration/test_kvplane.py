@@ -423,10 +423,10 @@ async def test_a_followed_relay_that_delivers_nothing_a_second_one_publishes_is_
         await r2.close()
 
 
-async def test_a_picker_joining_two_relays_of_one_worker_takes_one_whole_dump_and_refuses_nothing(
+async def test_a_picker_joining_several_relays_of_one_worker_takes_one_whole_dump_and_refuses_nothing(
         plane, nats_server):  # noqa: F811
-    """Two relays answer the dump request; their chunks interleave (here from one hand-made responder, in a
-    fixed order): the first whole dump is loaded, the other relay's chunks are counted, nothing is refused."""
+    """Relays answer the dump request; their chunks interleave (here from one hand-made responder, in a fixed
+    order): the first whole dump is loaded, the other relays' chunks are counted, nothing is refused."""
     from epp_extproc.kvplane.wire import DumpChunk, DumpSlot, encode_dump_chunk
 
     p = plane()
@@ -439,8 +439,8 @@ async def test_a_picker_joining_two_relays_of_one_worker_takes_one_whole_dump_an
                 for i, h in enumerate(hashes)]
 
     async def answer(m: Any) -> None:
-        a, b = chunks(1, [11, 12]), chunks(2, [21, 22, 23])
-        for data in (b[0], a[0], b[1], a[1], b[2]):  # relay 1's dump completes first
+        a, b, x = chunks(1, [11, 12]), chunks(2, [21, 22, 23]), chunks(3, [31, 32])
+        for data in (b[0], a[0], x[0], b[1], a[1], b[2]):  # relay 1's dump completes first; a third is ignored
             await nc.publish(m.reply, data)
 
     await nc.subscribe(p.subjects.dump(W), cb=answer)
@@ -449,7 +449,7 @@ async def test_a_picker_joining_two_relays_of_one_worker_takes_one_whole_dump_an
     await until_async(lambda: p.stats().mode == "live", lambda: f"one relay's dump: {p.stats()}")
     s = p.stats()
     assert (s.epoch, s.dumps, s.dump_blocks, s.dumps_refused, s.garbage, s.fallback) == (1, 1, 2, 0, 0, False)
-    assert s.other_relay == 2  # relay 2's two chunks that came before relay 1's dump was whole
+    assert s.other_relay == 3  # relay 2's two chunks and relay 3's one that came before relay 1's dump was whole
     await nc.close()
 
 
