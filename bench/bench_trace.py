@@ -51,7 +51,8 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
        replica; the default since 2026-12-05, so the same as (c3i), (r3n) from then on).
   (cnd) issue 47 item 4 under the trace: (c) with its KV events through epp-kv-relay on NATS, workers without
        engine replay, the nats-server stopped at 1/3 of the schedule and started again (same port) at 2/3;
-       (cnr) the same plane with the relay restarted at 1/3; (cnl) its relay down from 1/3 to 2/3 (past the
+       (cnr) the same plane with the relay restarted at 1/3; (cnu) its relay replaced by a rolling update (a second
+       relay from 1/3, the first stopped at 1/2); (cnl) its relay down from 1/3 to 2/3 (past the
        picker's relay_stale_s: the workers' own ZeroMQ events meanwhile); (r3nd) (r3n) with its nats-server down
        as (cnd)'s.
        The row's `fault` says when and what the pickers counted (fallbacks, recoveries, sync gaps); the window
@@ -108,7 +109,7 @@ token costs what the 16 real tokens it stands for would, with its per-step budge
         pairs too) and `routed_without_picker` (= the out-of-band count). out_of_band.py says how the two
         replays share one clock and how well they met (`oob.sync_lag_ms`).
        (r2, r3m, r3n, rs, rs2, rsz, rsn, cv, g2, g2e, g3, c3i, c3in, c3u, c1n, c3il, r3nl, c3is, r3ns, cnd, cnr,
-       cnl, r3nd and the X-oobNN run only when named in --only; the default set is unchanged)
+       cnl, cnu, r3nd and the X-oobNN run only when named in --only; the default set is unchanged)
   (d)  offline cached-token ratios of the same prompts in arrival order: `pooled_lru` (one LRU cache with
        the capacity of all four workers together, the figure earlier recordings called "the oracle"),
        `infinite`, and `clairvoyant` (bench/clairvoyant.py: placement and Belady eviction knowing the future
@@ -247,13 +248,15 @@ CONFIGS = {"a": "envoy round-robin", "b": "picker, load only", "c": "picker, KV-
            "cnr": "(cnd)'s plane, its relay restarted at 1/3 of the run (issue 47 item 4)",
            "cnl": "(cnd)'s plane, its relay down for the middle third of the run (the workers' own ZeroMQ "
                   "events meanwhile)",
+           "cnu": "(cnd)'s plane, its relay replaced by a rolling update at 1/3 of the run: a second relay for the "
+                  "same workers started, the first stopped 1/6 of the run later (both publish meanwhile)",
            "r3nd": "(r3n) with its nats-server (the replica sync) down for the middle third of the run",
            **{OB.name(base, share): f"{what}, {share:.0%} of requests out of band (straight to a worker)"
               for share in (0.1, 0.3) for base, what in (("c", "picker, KV-aware (defaults)"),
                                                          ("e", "picker, prediction only (no KV events)"))}}
 # only with --only: the default set (and its cost) stays what it was
 OPT_IN = ("r2", "r3m", "r3n", "rs", "rs2", "cv", "rsz", "rsn", "g2", "g2e", "g3", "c3i", "c3in", "c3u", "c1n", "c3il", "r3nl",
-          "c3is", "r3ns", "cnd", "cnr", "cnl", "r3nd", "c-oob10", "e-oob10", "c-oob30", "e-oob30")
+          "c3is", "r3ns", "cnd", "cnr", "cnl", "cnu", "r3nd", "c-oob10", "e-oob10", "c-oob30", "e-oob30")
 BS = 32
 # (rs2)'s replicas: the product's default shutdown grace period, named so the benchmark follows it
 GRACE_PERIOD_S = Config.__dataclass_fields__["graceful_shutdown_grace_period_s"].default
@@ -275,9 +278,11 @@ RESTART_AT = 1 / 3
 # issue 47 item 4 under the trace: (cnd) the KV plane's nats-server stopped from RESTART_AT of the schedule for
 # FAULT_DOWN of it, then started again on its port; (cnr) the relay restarted at RESTART_AT, (cnl) stopped for
 # FAULT_DOWN; (r3nd) (r3n)'s
-# nats-server (its replica sync) down as (cnd)'s. The window figures are computed for them as for a restart.
-FAULTS = ("cnd", "cnr", "cnl", "r3nd")
+# nats-server (its replica sync) down as (cnd)'s; (cnu) a rolling update of the relay: a second relay started at
+# RESTART_AT, the first stopped UPDATE_OVERLAP later. The window figures are computed for them as for a restart.
+FAULTS = ("cnd", "cnr", "cnl", "cnu", "r3nd")
 FAULT_DOWN = 1 / 3
+UPDATE_OVERLAP = 1 / 6
 WINDOW_METRICS = ("window_cached_ratio", "window_requests", "window_failed", "window_s")
 WINDOW_CLAIMED_METRICS = ("window_cached_ratio",)
 
@@ -606,7 +611,7 @@ def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc,
     if cfg == "g2e":  # the same pair of (e) pickers: each predicts only what it routed itself
         return start_replicas(st, "nosync", prediction_spec(workers), workers, renderer, extra=E_FLAGS,
                               kv_events=False)
-    if cfg in ("rsz", "rsn", "cnd", "cnr", "cnl"):  # issue 47: workers with no replay, on ZeroMQ or the plane
+    if cfg in ("rsz", "rsn", "cnd", "cnr", "cnl", "cnu"):  # issue 47: workers with no replay, on ZeroMQ or the plane
         extra: list[str] = []
         if cfg != "rsz":
             from epp_extproc.dev.nats import nats_server_proc, relay_proc
@@ -618,6 +623,9 @@ def start_config(st: H.Stack, cfg: str, workers: list[H.Proc], renderer: H.Proc,
                                                      for m in workers]}))
             url = f"nats://127.0.0.1:{nats.port}"
             st.add(relay_proc(st.dir, nats_url=url, endpoints_file=eps, pool="trace", block_size=BS))
+            if cfg == "cnu":  # the rolling update's new relay: started by the Fault, stopped with the stack
+                st.procs.append(relay_proc(st.dir, nats_url=url, endpoints_file=eps, pool="trace", block_size=BS,
+                                           name="kv-relay-new"))
             extra = ["--kv-event-plane", "nats", "--nats-url", url, "--kv-plane-pool", "trace"]
         pk = H.picker(st, procs.endpoint_spec(workers, replay=False), "trtllm-render", renderer, extra=extra)
         H.wait_subscribed(pk, addrs)
@@ -795,12 +803,15 @@ class Restarter(threading.Thread):
 class Fault(threading.Thread):
     """(cnd, cnr, cnl, r3nd): once the picker has routed its first request, waits `at_fraction` of the schedule,
     stops `target` (the nats-server or the relay: SIGTERM, SIGKILL after 5 s), waits `down_fraction` of the
-    schedule (0: a restart at once) and starts it again with the same argv, on the same port. Records when."""
+    schedule (0: a restart at once) and starts it again with the same argv, on the same port. (cnu) with
+    `surge`: a rolling update, as a Deployment with maxSurge 1 makes it: `surge` (the new relay) started
+    first, `target` stopped `down_fraction` of the schedule after it is ready, and not started again. Records
+    when."""
 
     def __init__(self, pk: H.Proc, target: H.Proc, span_s: float, down_fraction: float,
-                 at_fraction: float = RESTART_AT) -> None:
+                 at_fraction: float = RESTART_AT, surge: H.Proc | None = None) -> None:
         super().__init__(daemon=True, name="fault")
-        self.pk, self.target = pk, target
+        self.pk, self.target, self.surge = pk, target, surge
         self.delay, self.down = span_s * at_fraction, span_s * down_fraction
         self.info: dict[str, Any] = {"target": target.name, "at_fraction": at_fraction,
                                      "down_fraction": down_fraction}
@@ -814,6 +825,16 @@ class Fault(threading.Thread):
             if not wait_for_moment(self.pk, self._cancel, self.delay, 120, self.info, "the fault"):
                 return
             t0 = time.monotonic()
+            if self.surge is not None:
+                self.surge.start(60)
+                self.info["surge_ready_s"] = round(time.monotonic() - t0, 3)
+                if self._cancel.wait(self.down):
+                    self.info["error"] = "the run ended before the old relay was stopped"
+                    return
+                self.info["stopped_epoch_ns"] = time.time_ns()
+                self.target.stop(signal.SIGTERM, grace=5.0)
+                self.info["stop_s"] = round(time.monotonic() - t0, 3)
+                return
             self.info["stopped_epoch_ns"] = time.time_ns()
             self.target.stop(signal.SIGTERM, grace=5.0)
             self.info["stop_s"] = round(time.monotonic() - t0, 3)
@@ -824,7 +845,7 @@ class Fault(threading.Thread):
             self.info["error"] = repr(e)
 
 
-_FAULT_COUNTERS = re.compile(r"^(epp_kv_plane_(?:fallbacks|recoveries|relay_restarts|carried|carried_missed|carry_cleared|dumps_merged|dumps|"
+_FAULT_COUNTERS = re.compile(r"^(epp_kv_plane_(?:fallbacks|recoveries|relay_restarts|carried|carried_missed|carry_cleared|dumps_merged|other_relay|dumps|"
                              r"dump_failures)_total|"
                              r"epp_replica_sync_nats_gaps_total|epp_replica_peer_expired_total) (\S+)$", re.M)
 
@@ -886,8 +907,11 @@ def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], rendere
                               envoy=env if cfg == "rs2" else None) if cfg in ("rs", "rs2", "rsz", "rsn") else None
         if restarter is not None:
             restarter.start()
-        fault = Fault(pks[0], next(p for p in st.procs if p.name == ("kv-relay" if cfg in ("cnr", "cnl") else "nats")),
-                      schedule_span_s(input_file), 0.0 if cfg == "cnr" else FAULT_DOWN) if cfg in FAULTS else None
+        fault = Fault(pks[0],
+                      next(p for p in st.procs if p.name == ("kv-relay" if cfg in ("cnr", "cnl", "cnu") else "nats")),
+                      schedule_span_s(input_file),
+                      {"cnr": 0.0, "cnu": UPDATE_OVERLAP}.get(cfg, FAULT_DOWN),
+                      surge=next((p for p in st.procs if p.name == "kv-relay-new"), None)) if cfg in FAULTS else None
         if fault is not None:
             fault.start()
         art = work / f"aiperf-{tag}"
@@ -1256,7 +1280,7 @@ PAIRS = (("b", "a"), ("c", "a"), ("c1", "a"), ("e", "a"), ("c", "b"), ("c", "e")
          ("rs", "c"), ("rs2", "c"), ("cv", "c"), ("cv", "e"),
          ("g2", "g2e"), ("g2", "c"), ("g2e", "e"),
          ("rsz", "c"), ("rsn", "c"), ("rsz", "e"), ("rsn", "e"), ("rsn", "rsz"),
-         ("cnd", "c"), ("cnr", "c"), ("cnl", "c"), ("r3nd", "c"), ("r3nd", "r3n"))
+         ("cnd", "c"), ("cnr", "c"), ("cnl", "c"), ("cnu", "c"), ("r3nd", "c"), ("r3nd", "r3n"))
 # issue 42 item 3, "events earn their keep where predictions cannot see": in each situation the KV-aware
 # configuration against the prediction-only one under the same conditions (the X-oobNN pairs are added per
 # share present: oob_pairs)
