@@ -83,8 +83,10 @@ def in_flight_per_worker(cell: dict[str, Any]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def judge(docs: Sequence[dict[str, Any]], config: str = "c") -> dict[str, Any]:
-    """Every (workload, capacity, load) cell of `config` judged against the baselines present."""
+def judge(docs: Sequence[dict[str, Any]], config: str = "c", also: Sequence[str] = ()) -> dict[str, Any]:
+    """Every (workload, capacity, load) cell of `config` judged against the baselines present; `also`:
+    configurations compared beside them without being baselines of the rule (round-robin, "a", is left out
+    unless named: it is no baseline, and most recordings do not have it)."""
     rows: list[dict[str, Any]] = []
     for doc in docs:
         w = doc["result"].get("workload")
@@ -97,7 +99,8 @@ def judge(docs: Sequence[dict[str, Any]], config: str = "c") -> dict[str, Any]:
                                    "min_worker_share_median": (statistics.median(worker_shares(x))
                                                                if worker_shares(x) else None),
                                    "in_flight_per_worker": in_flight_per_worker(x), "against": {}}
-            for base in BASELINES + tuple(k for k in doc["configs"] if k not in (config, *BASELINES, "a")):
+            extra = tuple(k for k in doc["configs"] if k not in (config, *BASELINES) and (k != "a" or "a" in also))
+            for base in BASELINES + extra:
                 b = next((c for c in cells if c["config"] == base and c["capacity"] == x["capacity"]
                           and c["offered_rps"] == x["offered_rps"]), None)
                 if b is None:
@@ -166,10 +169,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("paths", nargs="+", help="trace.json files or folders holding them")
     ap.add_argument("--config", default="c", help="the configuration judged (default: c, the picker's defaults)")
+    ap.add_argument("--also", default="", help="comma-separated configurations compared beside the baselines, "
+                    "not judged by the rule (a: round-robin)")
     ap.add_argument("--json", help="write the verdict here")
     ap.add_argument("--markdown", action="store_true", help="print the table for bench/README.md")
     a = ap.parse_args(argv)
-    result = judge(documents(a.paths), a.config)
+    result = judge(documents(a.paths), a.config, tuple(x for x in a.also.split(",") if x))
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2, default=lambda s: s.as_dict()))
     if a.markdown:

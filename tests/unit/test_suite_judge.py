@@ -44,3 +44,11 @@ def test_a_loaded_pool_with_a_worker_under_15_percent_in_any_run_fails_the_share
     r = J.judge([idle])
     assert r["idle_worker_cells"] == ["rag 75 10 req/s"] and not r["holds"]
     assert r["cells"][0]["min_worker_share"] == 0.1
+
+
+def test_round_robin_is_compared_only_when_asked_and_never_decides_the_verdict() -> None:
+    doc = _doc("rag", _cell("c", [50, 51, 52]), _cell("b", [100, 101, 102]), _cell("a", [20, 21, 22]))
+    plain, asked = J.judge([doc]), J.judge([doc], also=("a",))
+    assert "a" not in plain["cells"][0]["against"]
+    assert asked["cells"][0]["against"]["a"]["ttft_p90_ms"]["claim"] is not None  # (c) claimed worse than (a)
+    assert plain["holds"] and asked["holds"] and asked["losses"] == []
