@@ -46,6 +46,7 @@ def test_overhead_quick(tmp_path: Path) -> None:
     assert floor["render_call"]["aiohttp_us_per_call"] > 0 and floor["render_call"]["picker_render_client_us_per_call"] > 0
 
 
+@pytest.mark.slow  # a benchmark's whole quick run (15-25 s): make test-slow
 @pytest.mark.timeout(120)
 def test_routing_quick(tmp_path: Path) -> None:
     doc = run_bench("routing", tmp_path)
@@ -107,6 +108,7 @@ def test_run_all_rejects_unknown_names(tmp_path: Path) -> None:
     assert proc.returncode != 0 and "unknown benchmark" in proc.stderr + proc.stdout
 
 
+@pytest.mark.slow  # a benchmark's whole quick run (15-25 s): make test-slow
 @pytest.mark.timeout(150)
 def test_passthrough_quick(tmp_path: Path) -> None:
     doc = run_bench("passthrough", tmp_path, timeout=140)
