@@ -981,6 +981,12 @@ def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], rendere
     row = {"config": cfg, "divisor": divisor, **aiperf_figures(art), "per_worker_served": served,
            "workers_cached_ratio": dc / dp if dp else 0.0, "workers_prompt_tokens": dp,
            "workers_cached_tokens": dc, "picker_picks": picks,
+           # the engines' KV room: requests preempted for it (vLLM dialects, kv_admission preempt) and what
+           # their resumptions computed again
+           "workers_preemptions": sum(after[k].get("preemptions", 0) - before[k].get("preemptions", 0)
+                                      for k in after),
+           "workers_recomputed_tokens": sum(after[k].get("recomputed_tokens_total", 0)
+                                            - before[k].get("recomputed_tokens_total", 0) for k in after),
            "aiperf_wall_s": round(wall, 1), "loadavg_1m": os.getloadavg()[0], **extra}
     if window:
         row.update(restart_window(plan, input_file, art, row))

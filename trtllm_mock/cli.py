@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--step-prefill-ms-per-token", type=float, default=d.step_prefill_ms_per_token)
     a("--step-decode-ms-per-token", type=float, default=d.step_decode_ms_per_token)
     a("--step-kv-read-ms-per-token", type=float, default=d.step_kv_read_ms_per_token)
+    a("--kv-admission", choices=["auto", "reserve", "preempt"], default=d.kv_admission,
+      help="iteration: reserve prompt + max_tokens at admission (TensorRT-LLM) or allocate per step and preempt "
+           "the newest request when full (vLLM); auto = preempt for the vllm event dialects")
     a("--multimodal", action="store_true", default=d.multimodal,
       help="vision mode: image_url parts become Qwen2/2.5-VL placeholder runs (docs/mock-vision.md)")
     a("--url-image-size", default=d.url_image_size, help="size an http(s) image stands in as (never fetched)")

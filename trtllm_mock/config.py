@@ -12,6 +12,7 @@ EventDialect = Literal["trtllm", "vllm", "vllm-array", "sglang"]
 ErrorShape = Literal["current", "legacy"]
 RenderDialect = Literal["trtllm", "vllm"]
 Scheduler = Literal["independent", "iteration"]
+KvAdmission = Literal["auto", "reserve", "preempt"]
 
 # Step-time constants fitted to TensorRT-LLM's published throughput of Llama-3.1-8B-Instruct-FP8 on one H100
 # SXM 80GB (docs/source/performance/perf-overview.md, "Llama 3.1 8B FP8", TP 1, 11 ISL/OSL rows): a
@@ -136,6 +137,22 @@ class MockConfig:
     step_prefill_ms_per_token: float = LLAMA_8B_H100["step_prefill_ms_per_token"]
     step_decode_ms_per_token: float = LLAMA_8B_H100["step_decode_ms_per_token"]
     step_kv_read_ms_per_token: float = LLAMA_8B_H100["step_kv_read_ms_per_token"]
+    # How a request gets KV room (iteration scheduler). reserve: prompt + max_tokens at admission, then it never
+    # waits again (TensorRT-LLM's default GUARANTEED_NO_EVICT capacity scheduler). preempt: the prompt's blocks at
+    # admission, one more block whenever decoding crosses into it; when none is free the NEWEST running request
+    # is preempted (its blocks freed, back to the front of the queue, recomputed on resume), as vLLM V1's
+    # scheduler does (vllm/v1/core/sched/scheduler.py, vllm-project/vllm 00024d31: allocate_slots per step,
+    # self.running.pop() on failure). auto: preempt for the vLLM event dialects, reserve otherwise.
+    kv_admission: KvAdmission = "auto"
+
+    @property
+    def preempts(self) -> bool:
+        """Whether the iteration scheduler allocates as it goes and preempts (see ``kv_admission``)."""
+        if self.scheduler != "iteration":
+            return False
+        if self.kv_admission == "auto":
+            return self.event_dialect in ("vllm", "vllm-array")
+        return self.kv_admission == "preempt"
 
     def validate(self) -> None:
         """Reject nonsensical settings up front, so a typo fails at start rather than as odd behaviour later."""
@@ -199,3 +216,7 @@ class MockConfig:
             raise ValueError("host_blocks/storage_blocks: off-GPU tiers are text-only in the mock (no media keys)")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
+        if self.kv_admission not in ("auto", "reserve", "preempt"):
+            raise ValueError("kv_admission must be auto, reserve or preempt")
+        if self.kv_admission == "preempt" and self.scheduler != "iteration":
+            raise ValueError("kv_admission preempt needs scheduler iteration (preemption happens between steps)")

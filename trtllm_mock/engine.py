@@ -1,8 +1,13 @@
 """Scheduler and timing model: a FIFO waiting queue in front of at most ``max_batch_size`` running requests.
 
-Admission is the same for both timing models: a request reserves KV blocks for prompt + max_tokens (evicting
-least recently used cached blocks if it must, TensorRT-LLM's GUARANTEED_NO_EVICT policy) or waits in FIFO
-order. Its full prompt blocks are stored and published when its prefill completes.
+Admission (``kv_admission``): a request reserves KV blocks for prompt + max_tokens (evicting least recently used
+cached blocks if it must, TensorRT-LLM's GUARANTEED_NO_EVICT policy) or waits in FIFO order. With ``preempt``
+(the iteration scheduler only; the default for the vLLM dialects) it reserves its prompt's blocks, takes one more
+whenever a decode step crosses into a new block, and when none can be had the newest running request is
+preempted: its blocks are freed (its stored prompt blocks stay cached), it goes back to the front of the queue
+and, once admitted again, recomputes its prompt and the tokens it already produced (less what the cache still
+holds, or loads from an off-GPU tier) before its next token, as vLLM V1's scheduler does. Its full prompt blocks
+are stored and published when its prefill completes.
 
 ``scheduler="independent"`` (default, fast tests): each request sleeps ``prefill_ms_per_token`` per UNCACHED
 prompt token, then ``decode_ms_per_token`` per output token, independently of the others.
@@ -48,6 +53,7 @@ class _Waiter:
     future: asyncio.Future[Allocation] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+    resume: _Seq | None = None  # a preempted request: admitting it puts it back among the running
 
 
 @dataclass
@@ -64,6 +70,8 @@ class EngineStats:
     encoder_ms_total: float = 0.0  # vision mode: simulated encoder time charged for uncached images
     loaded_tokens_total: int = 0  # off-GPU tiers: prompt tokens loaded from host memory or storage
     load_ms_total: float = 0.0  # and the simulated time it took (config.LOAD_VS_PREFILL)
+    preemptions: int = 0  # kv_admission preempt: running requests sent back to the queue for want of KV room
+    recomputed_tokens_total: int = 0  # and the tokens their resumptions computed again
 
 
 @dataclass(eq=False)
@@ -77,6 +85,7 @@ class _Seq:
     encoder_ms: float = 0.0  # vision mode: added to the first step that computes part of this prompt
     produced: int = 0
     out: asyncio.Queue[Prefilled | int | None] = field(default_factory=asyncio.Queue)
+    waiter: _Waiter | None = None  # set while preempted: its place in the waiting queue
 
 
 @dataclass
@@ -132,7 +141,10 @@ class Engine:
             self._publish(events)
             self.waiting.popleft()
             self.running += 1
-            head.future.set_result(alloc)
+            if head.resume is not None:
+                self._resume(head.resume, alloc)
+            else:
+                head.future.set_result(alloc)
 
     def _finish(self, alloc: Allocation) -> None:
         self.cache.release(alloc)
@@ -179,12 +191,20 @@ class Engine:
         )
 
     def plan_step(self) -> StepPlan:
-        """Decode first (one token per generating request), then prefill chunks within the token budget."""
+        """Decode first (one token per generating request), then prefill chunks within the token budget.
+
+        With ``kv_admission`` preempt a decode that needs a new block gets it here or preempts the newest running
+        request (itself last), as vLLM's ``schedule`` does for its running requests."""
         budget = self.config.max_num_tokens
         tpb = self.cache.tokens_per_block
         plan = StepPlan()
-        for seq in self._active:
+        preempts = self.config.preempts
+        for seq in list(self._active):
+            if seq not in self._active:
+                continue  # preempted for an earlier request's block in this very plan
             if seq.prefill_left == 0 and budget > 0:
+                if preempts and not self._room_to_decode(seq):
+                    continue
                 plan.decode.append(seq)
                 plan.context_tokens += seq.prompt_len + seq.produced
                 budget -= 1
@@ -226,10 +246,56 @@ class Engine:
                     seq.prefill_left -= n
                     if seq.prefill_left == 0:
                         self._publish(self.cache.commit_prefill(seq.alloc))
-                        seq.out.put_nowait(Prefilled(seq.alloc.cached_tokens))
-                        self._emit_token(seq)  # the context step also samples the first token
+                        if seq.produced == 0:  # (a resumed request's first token went out before it was preempted)
+                            seq.out.put_nowait(Prefilled(seq.alloc.cached_tokens))
+                        self._emit_token(seq)  # the context step also samples the first (or next) token
         finally:
             self._loop = None
+
+    def _room_to_decode(self, seq: _Seq) -> bool:
+        """The block this decode step writes into, preempting the newest running requests for it if it must;
+        False if ``seq`` itself had to go."""
+        need = self.cache.blocks_needed(seq.prompt_len + seq.produced) - len(seq.alloc.held) - seq.alloc.private
+        if need <= 0:
+            return True
+        while (events := self.cache.grow(seq.alloc, need)) is None:
+            victim = next(reversed(self._active))
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self._publish(events)
+        return True
+
+    def _preempt(self, seq: _Seq) -> None:
+        """Free a running request's blocks and queue it first, to recompute what it had when admitted again."""
+        self._active.pop(seq, None)
+        self.cache.release(seq.alloc)
+        self.running -= 1
+        self.stats.preemptions += 1
+        seq.waiter = _Waiter(seq.alloc.prompt, seq.alloc.salt, seq.prompt_len + seq.produced, seq.alloc.mm_blocks,
+                             resume=seq)
+        self.waiting.appendleft(seq.waiter)
+
+    def _resume(self, seq: _Seq, alloc: Allocation) -> None:
+        """A preempted request admitted again: it recomputes its prompt and output so far, less what is cached."""
+        seq.waiter = None
+        seq.alloc = alloc
+        seq.prefill_left = seq.prompt_len + seq.produced - alloc.cached_tokens
+        seq.encoder_ms = self._load_ms(alloc)
+        self.stats.recomputed_tokens_total += seq.prefill_left
+        self._active[seq] = None
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop().create_task(self._run_steps())
+
+    def _end(self, seq: _Seq) -> None:
+        """A request leaves (done, failed or cancelled): its blocks back, or its place in the queue given up."""
+        self._active.pop(seq, None)
+        if seq.waiter is not None:
+            seq.waiter.future.cancel()  # skipped when it reaches the head
+            seq.waiter = None
+            self._schedule()
+        else:
+            self._finish(seq.alloc)
 
     def _emit_token(self, seq: _Seq) -> None:
         seq.out.put_nowait(seq.tokens[seq.produced])
@@ -238,24 +304,17 @@ class Engine:
             seq.out.put_nowait(None)
             self._active.pop(seq, None)
 
-    async def _generate_iteration(
-        self, prompt: list[int], alloc: Allocation, max_tokens: int, encoder_ms: float = 0.0
-    ) -> AsyncIterator[Prefilled | int]:
-        seq = _Seq(alloc, len(prompt), output_token_ids(prompt, max_tokens), len(prompt) - alloc.cached_tokens,
-                   encoder_ms)
+    async def _generate_iteration(self, seq: _Seq) -> AsyncIterator[Prefilled | int]:
         self._active[seq] = None
         if self._loop is None:
             self._loop = asyncio.get_running_loop().create_task(self._run_steps())
-        try:
-            while (item := await seq.out.get()) is not None:
-                if isinstance(item, Prefilled):
-                    self.stats.prompt_tokens_total += len(prompt)
-                    self.stats.cached_tokens_total += item.cached_tokens
-                else:
-                    self.stats.completion_tokens_total += 1
-                yield item
-        finally:
-            self._active.pop(seq, None)
+        while (item := await seq.out.get()) is not None:
+            if isinstance(item, Prefilled):
+                self.stats.prompt_tokens_total += seq.prompt_len
+                self.stats.cached_tokens_total += item.cached_tokens
+            else:
+                self.stats.completion_tokens_total += 1
+            yield item
 
     def _load_ms(self, alloc: Allocation) -> float:
         """Time to load the blocks the prompt found off the GPU: per token, the tier's fixed fraction of this
@@ -287,12 +346,17 @@ class Engine:
         if vision is None and self.encoder is not None:
             vision = VisionPrompt(prompt)  # a multimodal model keys (and publishes) text blocks with no items
         mm_blocks = vision.block_keys(self.cache.tokens_per_block) if vision is not None else None
-        alloc = await self._admit(prompt, salt, len(prompt) + max_tokens, mm_blocks)
+        # preempt: the prompt's blocks now, the output's as decoding reaches them (see the module docstring)
+        reserve = len(prompt) + (0 if self.config.preempts else max_tokens)
+        alloc = await self._admit(prompt, salt, reserve, mm_blocks)
         self.stats.requests_started += 1
+        seq: _Seq | None = None
         try:
             encoder_ms = self._encoder_ms(vision, alloc.cached_tokens) + self._load_ms(alloc)
             if self.config.scheduler == "iteration":
-                async for item in self._generate_iteration(prompt, alloc, max_tokens, encoder_ms):
+                seq = _Seq(alloc, len(prompt), output_token_ids(prompt, max_tokens),
+                           len(prompt) - alloc.cached_tokens, encoder_ms)
+                async for item in self._generate_iteration(seq):
                     yield item
                 self.stats.requests_served += 1
                 return
@@ -308,4 +372,7 @@ class Engine:
                 yield tok
             self.stats.requests_served += 1
         finally:
-            self._finish(alloc)
+            if seq is None:
+                self._finish(alloc)
+            else:
+                self._end(seq)

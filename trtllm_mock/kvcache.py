@@ -251,20 +251,11 @@ class KVCache:
         need_new = self.blocks_needed(total_tokens) - len(reused)
         for b in reused:
             self._pin(b)
-        free = self.num_blocks - self.used_blocks
-        evictable = len(self._lru)
-        if need_new > free + evictable:
+        if not self._fits(need_new):
             for b in reused:
                 self._unpin(b)
             return None
-        removed: list[int] = []
-        victims: list[Block] = []
-        while self.num_blocks - self.used_blocks < need_new:
-            victim = self._evict_one()
-            if victim is None:  # cannot happen: evictable counted leaves-eventually
-                break
-            removed.append(victim.engine_hash)
-            victims.append(victim)
+        victims = self._make_room(need_new)
         self.private_in_use += need_new
         hashes = self.chain_hashes(prompt, salt, mm_blocks)
         reusable = max(len(prompt) - 1, 0) // self.tokens_per_block
@@ -280,13 +271,39 @@ class KVCache:
             cached_tokens=(len(reused) + len(loaded)) * self.tokens_per_block,
             loaded=loaded,
         )
+        return alloc, self._eviction_events(victims)
+
+    def grow(self, alloc: Allocation, blocks: int) -> list[dict[str, Any]] | None:
+        """``blocks`` more private blocks for a running request (a decode step crossing into a new block, vLLM's
+        ``allocate_slots``), evicting LRU blocks if it must: the events to publish, or None when even evicting
+        every unreferenced block would not make room (the engine then preempts a request)."""
+        if not self._fits(blocks):
+            return None
+        victims = self._make_room(blocks)
+        self.private_in_use += blocks
+        alloc.private += blocks
+        return self._eviction_events(victims)
+
+    def _fits(self, blocks: int) -> bool:
+        return blocks <= self.num_blocks - self.used_blocks + len(self._lru)
+
+    def _make_room(self, blocks: int) -> list[Block]:
+        """Evict LRU leaves until ``blocks`` are free (the caller checked :meth:`_fits`): the victims."""
+        victims: list[Block] = []
+        while self.num_blocks - self.used_blocks < blocks:
+            victim = self._evict_one()
+            if victim is None:  # cannot happen: evictable counted leaves-eventually
+                break
+            victims.append(victim)
+        return victims
+
+    def _eviction_events(self, victims: list[Block]) -> list[dict[str, Any]]:
         # the offload first: vLLM copies a block to host memory before its GPU copy can be evicted
         events: list[dict[str, Any]] = self._offload(victims) if victims and self.tiers else []
-        if removed:
-            events.append(
-                {"type": "BlockRemoved", "block_hashes": [wire_hash(h) for h in removed], "medium": "GPU"}
-            )
-        return alloc, events
+        if victims:
+            events.append({"type": "BlockRemoved", "block_hashes": [wire_hash(v.engine_hash) for v in victims],
+                           "medium": "GPU"})
+        return events
 
     def commit_prefill(self, alloc: Allocation) -> list[dict[str, Any]]:
         """Store the request's full prompt blocks once prefill completes; return coalesced BlockStored events.

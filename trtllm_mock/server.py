@@ -710,6 +710,8 @@ class MockWorker:
                 "cached_tokens_total": s.cached_tokens_total,
                 "completion_tokens_total": s.completion_tokens_total,
                 "running": self.engine.running,
+                "preemptions": s.preemptions,
+                "recomputed_tokens_total": s.recomputed_tokens_total,
                 "vision": None if self.engine.encoder is None else {
                     **self.engine.encoder.stats(), "encoder_ms_total": round(self.engine.stats.encoder_ms_total, 6)},
                 "waiting": len(self.engine.waiting),
