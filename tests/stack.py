@@ -21,7 +21,7 @@ from epp_extproc.config import Config
 from epp_extproc.dev import envoy_config, procs
 from epp_extproc.dev.procs import MOCK, Proc
 from tests.gateway_client import Reply, request
-from tests.harness import BackgroundLoop, EnvoyProcess
+from tests.harness import BackgroundLoop, EnvoyProcess, remove_test_dir
 from tests.waiting import until
 
 __all__ = ["MOCK", "GatewayStack", "MockProc"]
@@ -239,3 +239,4 @@ class GatewayStack:
         for m in [*self.mocks, self.renderer]:
             m.stop()
         self.bg.close()
+        remove_test_dir(self.dir)
