@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,3 +155,6 @@ class ConformanceGateway:
         self._envoys.clear()
         for w in [*self.workers.values(), *([self.decoy] if self.decoy else [])]:
             await w.stop()
+        if self._dir is not None:  # the Envoys' configs and logs: no report names them, so none outlives a run
+            await asyncio.to_thread(shutil.rmtree, self._dir, True)
+            self._dir = None

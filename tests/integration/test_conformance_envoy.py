@@ -9,6 +9,7 @@ picker's messages).
 from __future__ import annotations
 
 import json
+import tempfile
 
 import pytest
 
@@ -36,7 +37,10 @@ def results(rows: dict[str, Row]) -> dict[str, str]:
     return {n: r.verdict.status for n, r in rows.items()}
 
 
-async def test_this_picker_passes_every_check_through_envoy(tmp_path) -> None:  # noqa: ANN001
+async def test_this_picker_passes_every_check_through_envoy(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    temp = tmp_path / "temp"  # where the checker's Envoys keep their configs and logs while it runs
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     pool = a_pool()
     objectives = tmp_path / "objectives.yaml"
     objectives.write_text("batch: -1\n")
@@ -57,6 +61,7 @@ async def test_this_picker_passes_every_check_through_envoy(tmp_path) -> None:  
     assert {n: r.verdict.why for n, r in rows.items() if r.verdict.status != "pass"} == {}
     assert set(rows) == {c.name for c in ENVOY_CHECKS}
     assert "via Envoy" in render_table("t", list(rows.values()))
+    assert list(temp.iterdir()) == []  # the run left nothing behind
 
 
 # The direct suite's mutants whose rule a gateway shows: every one but the missing-metadata pickers (Envoy routes
