@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="off-GPU tier: blocks of host memory that GPU evictions are offloaded to (0 = none; issue 44)")
     a("--storage-blocks", type=int, default=d.storage_blocks,
       help="off-GPU tier: blocks of storage that host-memory evictions go to (0 = none)")
+    a("--host-offload", choices=["auto", "evict", "compute"], default=d.host_offload,
+      help="when a block reaches host memory: once computed (vLLM's OffloadingConnector) or when the GPU evicts "
+           "it; auto = compute for the vllm dialects")
     a("--max-seq-len", type=int, default=d.max_seq_len)
     a("--default-max-tokens", type=int, default=d.default_max_tokens)
     a("--no-kv-events", dest="kv_events", action="store_false", help="do not bind a KV-event PUB")

@@ -13,6 +13,7 @@ ErrorShape = Literal["current", "legacy"]
 RenderDialect = Literal["trtllm", "vllm"]
 Scheduler = Literal["independent", "iteration"]
 KvAdmission = Literal["auto", "reserve", "preempt"]
+HostOffload = Literal["auto", "evict", "compute"]
 
 # Step-time constants fitted to TensorRT-LLM's published throughput of Llama-3.1-8B-Instruct-FP8 on one H100
 # SXM 80GB (docs/source/performance/perf-overview.md, "Llama 3.1 8B FP8", TP 1, 11 ISL/OSL rows): a
@@ -76,6 +77,10 @@ class MockConfig:
     # publishes no tier moves, as the engine (its host tier is invisible to a picker). 0 = no such tier.
     host_blocks: int = 0
     storage_blocks: int = 0
+    # When a block reaches host memory: compute = as soon as its prefill computes it (vLLM's OffloadingConnector
+    # stores every block that fills up, each scheduler step: offloading/scheduler.py `_get_reqs_to_store`),
+    # evict = when the GPU evicts it. auto: compute for the vLLM dialects, evict otherwise.
+    host_offload: HostOffload = "auto"
     max_seq_len: int = 32768
     default_max_tokens: int = 16
 
@@ -144,6 +149,13 @@ class MockConfig:
     # scheduler does (vllm/v1/core/sched/scheduler.py, vllm-project/vllm 00024d31: allocate_slots per step,
     # self.running.pop() on failure). auto: preempt for the vLLM event dialects, reserve otherwise.
     kv_admission: KvAdmission = "auto"
+
+    @property
+    def offloads_on_compute(self) -> bool:
+        """Whether a block is stored to host memory when computed rather than when evicted (``host_offload``)."""
+        if self.host_offload == "auto":
+            return self.event_dialect in ("vllm", "vllm-array")
+        return self.host_offload == "compute"
 
     @property
     def preempts(self) -> bool:
@@ -216,6 +228,8 @@ class MockConfig:
             raise ValueError("host_blocks/storage_blocks: off-GPU tiers are text-only in the mock (no media keys)")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
+        if self.host_offload not in ("auto", "evict", "compute"):
+            raise ValueError("host_offload must be auto, evict or compute")
         if self.kv_admission not in ("auto", "reserve", "preempt"):
             raise ValueError("kv_admission must be auto, reserve or preempt")
         if self.kv_admission == "preempt" and self.scheduler != "iteration":

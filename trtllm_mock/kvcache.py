@@ -14,8 +14,9 @@ Rules copied from the real engine because a picker that ignores them must get me
   so the tree never holds a child whose parent was evicted.
 
 Off-GPU tiers (issue 44, ``host_blocks`` / ``storage_blocks``): a block evicted from the GPU is offloaded to
-host memory (an LRU of ``host_blocks``), a block evicted from host memory to storage (``storage_blocks``) or
-away. A prompt continuing past its GPU-cached chain into an offloaded one LOADS those blocks instead of
+host memory (an LRU of ``host_blocks``), or, with ``offload_on_compute`` (vLLM's OffloadingConnector), every
+prompt block is stored there as soon as its prefill computes it; a block evicted from host memory goes to
+storage (``storage_blocks``) or away. A prompt continuing past its GPU-cached chain into an offloaded one LOADS those blocks instead of
 computing them (the engine charges the load time, engine.py); they are GPU blocks again once the prefill
 commits, and their offloaded copies stay. Every tier move is published as vLLM's self-describing offload events
 do (vllm-project/vllm 896c8e6e .../kv_connector/v1/offloading/events.py): a ``BlockStored`` at the new medium
@@ -105,9 +106,13 @@ class Allocation:
 class KVCache:
     """The simulated cache; see the module docstring for the rules it enforces."""
 
-    def __init__(self, tokens_per_block: int, num_blocks: int, host_blocks: int = 0, storage_blocks: int = 0) -> None:
+    def __init__(self, tokens_per_block: int, num_blocks: int, host_blocks: int = 0, storage_blocks: int = 0,
+                 offload_on_compute: bool = False) -> None:
         self.tokens_per_block = tokens_per_block
         self.num_blocks = num_blocks
+        # when a block reaches host memory: as soon as it is computed (vLLM's OffloadingConnector stores every
+        # block that fills up, each step: offloading/scheduler.py `_get_reqs_to_store`), or when the GPU evicts it
+        self.offload_on_compute = offload_on_compute
         # off-GPU tiers, in TIER_MEDIA order: (medium, capacity, LRU of the blocks it holds); empty = GPU only
         self.tiers: list[tuple[str, int, OrderedDict[int, OffBlock]]] = [
             (m, n, OrderedDict()) for m, n in zip(TIER_MEDIA, (host_blocks, storage_blocks), strict=True) if n > 0]
@@ -298,8 +303,10 @@ class KVCache:
         return victims
 
     def _eviction_events(self, victims: list[Block]) -> list[dict[str, Any]]:
-        # the offload first: vLLM copies a block to host memory before its GPU copy can be evicted
-        events: list[dict[str, Any]] = self._offload(victims) if victims and self.tiers else []
+        # the offload first: a block reaches host memory before its GPU copy can be evicted (stored already when
+        # it was computed, with offload_on_compute)
+        offload = victims and self.tiers and not self.offload_on_compute
+        events: list[dict[str, Any]] = self._offload(victims) if offload else []
         if victims:
             events.append({"type": "BlockRemoved", "block_hashes": [wire_hash(v.engine_hash) for v in victims],
                            "medium": "GPU"})
@@ -369,6 +376,10 @@ class KVCache:
             alloc.held.append(b)
             run.append(b)
         flush()
+        if self.offload_on_compute and self.tiers:
+            # every full prompt block goes to host memory once computed; one a tier holds already is only
+            # touched (vLLM's prepare_store filters stored hashes), loaded ones included
+            events.extend(self._offload(alloc.held[: len(alloc.hashes)]))
         return events
 
     def release(self, alloc: Allocation) -> None:

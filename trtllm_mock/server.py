@@ -145,7 +145,8 @@ class MockWorker:
     def __init__(self, config: MockConfig) -> None:
         config.validate()
         self.config = config
-        self.cache = KVCache(config.tokens_per_block, config.num_blocks, config.host_blocks, config.storage_blocks)
+        self.cache = KVCache(config.tokens_per_block, config.num_blocks, config.host_blocks, config.storage_blocks,
+                             offload_on_compute=config.offloads_on_compute)
         self.publisher: KvEventPublisher | None = None
         if config.role == "worker" and config.kv_events:
             self.publisher = KvEventPublisher(config, on_restart=self._restarted)

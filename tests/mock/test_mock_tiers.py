@@ -107,9 +107,9 @@ def test_the_trtllm_dialect_publishes_no_tier_moves():
     assert {e["medium"] for e in offload_events("trtllm")} == {"GPU"}
 
 
-@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
-def test_the_pickers_index_holds_exactly_the_mocks_tiers(dialect):
-    cache = KVCache(TPB, 5, host_blocks=6, storage_blocks=4)
+@pytest.mark.parametrize(("dialect", "on_compute"), [("vllm", False), ("vllm", True), ("sglang", False)])
+def test_the_pickers_index_holds_exactly_the_mocks_tiers(dialect, on_compute):
+    cache = KVCache(TPB, 5, host_blocks=6, storage_blocks=4, offload_on_compute=on_compute)
     pub = KvEventPublisher(MockConfig(event_dialect=dialect, kv_events=False, tokens_per_block=TPB))
     idx = KvIndex(default_block_size=TPB)
     for i in range(12):
@@ -125,3 +125,47 @@ def test_the_pickers_index_holds_exactly_the_mocks_tiers(dialect):
     assert held["gpu"] == snap["cached_blocks"]
     assert held.get("cpu", 0) == len(snap["tiers"]["CPU"]) and held.get("disk", 0) == len(snap["tiers"]["DISK"])
     assert idx.stats("w").garbage == 0 and idx.stats("w").skipped_unknown_parent == 0
+
+
+def stored(events: list[dict], medium: str) -> list[int]:
+    return [h for e in events if e["type"] == "BlockStored" and e["medium"] == medium for h in e["block_hashes"]]
+
+
+def test_offload_on_compute_stores_a_prefills_blocks_in_host_memory_at_once():
+    cache = KVCache(TPB, 8, host_blocks=8, offload_on_compute=True)
+    _, _, events = run(cache, ids(2) + [1])
+    chain = [wire_hash(h) for h in cache.chain_hashes(ids(2), None)]
+    assert stored(events, "GPU") == chain and stored(events, "CPU") == chain  # GPU first, then its host copy
+    assert [e["medium"] for e in events if e["type"] == "BlockStored"] == ["GPU", "CPU", "CPU"]
+    assert cache.snapshot()["tiers"]["CPU"] == chain
+
+
+def test_offload_on_compute_stores_a_block_once_and_an_eviction_adds_no_host_copy():
+    cache = KVCache(TPB, 5, host_blocks=16, offload_on_compute=True)
+    run(cache, ids(2) + [1])
+    _, _, again = run(cache, ids(2) + [1])
+    assert stored(again, "CPU") == []  # held already: touched, not stored again
+    _, _, evicting = run(cache, ids(3, start=50_000) + [1])  # evicts the first chain from the GPU
+    assert any(e["type"] == "BlockRemoved" and e["medium"] == "GPU" for e in evicting)
+    assert stored(evicting, "CPU") == [wire_hash(h) for h in cache.chain_hashes(ids(3, start=50_000), None)]
+    cached, loaded, _ = run(cache, ids(2) + [1])
+    assert loaded == ["CPU"] and cached == 2 * TPB  # its evicted block still loads from host memory
+
+
+def test_host_offload_follows_the_engine_each_dialect_stands_for():
+    assert MockConfig(event_dialect="vllm").offloads_on_compute
+    assert MockConfig(event_dialect="vllm-array").offloads_on_compute
+    assert not MockConfig(event_dialect="sglang").offloads_on_compute
+    assert not MockConfig(event_dialect="vllm", host_offload="evict").offloads_on_compute
+
+
+def test_offload_on_compute_keeps_what_was_computed_last_not_what_was_evicted_last():
+    def a_after_eviction(on_compute: bool) -> list[str]:
+        cache = KVCache(TPB, 5, host_blocks=3, offload_on_compute=on_compute)
+        run(cache, ids(2) + [1])  # A
+        run(cache, ids(2, start=20_000) + [1])  # B: with on_compute, B's copies push A's out of host memory
+        run(cache, ids(3, start=50_000) + [1])  # C evicts A from the GPU
+        return run(cache, ids(2) + [1])[1]
+
+    assert a_after_eviction(on_compute=False) == ["CPU", "CPU"]  # the eviction put A in host memory
+    assert a_after_eviction(on_compute=True) == []  # host memory holds the last computed: C's blocks
