@@ -28,7 +28,7 @@ from epp_extproc.core.endpoints import Endpoint
 from epp_extproc.dev.envoy_config import command as envoy_command
 from epp_extproc.dev.procs import Proc
 from tests.gateway_client import request
-from tests.harness import BackgroundLoop
+from tests.harness import BackgroundLoop, remove_test_dir
 from tests.netutil import free_port
 from tests.stack import MOCK, GatewayStack, MockProc
 
@@ -160,6 +160,7 @@ class GaieGateway:
         self.bg.close()
         for m in self.mocks:
             m.stop()
+        remove_test_dir(self.dir)
 
 
 @pytest.fixture(scope="module")

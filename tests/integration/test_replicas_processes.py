@@ -22,7 +22,7 @@ import pytest
 from epp_extproc.dev.envoy_config import EnvoyOptions
 from epp_extproc.dev.procs import Proc
 from tests.gateway_client import request
-from tests.harness import EnvoyProcess
+from tests.harness import EnvoyProcess, remove_test_dir
 from tests.netutil import free_port, wait_port
 from tests.stack import GatewayStack
 
@@ -76,6 +76,7 @@ def process_group(*extra: str) -> Iterator[tuple[GatewayStack, Any, EnvoyProcess
         picker.stop(grace=15)
         for m in [*stack.mocks, stack.renderer]:
             m.stop()
+        remove_test_dir(stack.dir)
 
 
 @pytest.fixture(scope="module")
