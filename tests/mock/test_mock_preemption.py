@@ -9,10 +9,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from trtllm_mock import MockConfig
 from trtllm_mock.engine import Engine, Prefilled
 from trtllm_mock.kvcache import KVCache
+from trtllm_mock.tokenizer import output_token_ids
 
 TPB = 32
 
@@ -150,3 +153,36 @@ async def test_a_preempted_prompt_evicted_to_host_memory_is_loaded_on_resume_not
     gpu_only, host = await recomputed(0), await recomputed(32)
     assert gpu_only[1] == 0 and host[1] > 0
     assert host[0] == gpu_only[0] - host[1]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(6, 24), st.lists(st.tuples(st.integers(1, 5), st.integers(1, 96), st.integers(0, 3),
+                                              st.booleans()), min_size=1, max_size=8), st.integers(0, 16))
+def test_any_mix_of_requests_and_clients_leaving_ends_with_every_token_and_nothing_held(
+        num_blocks: int, jobs: list[tuple[int, int, int, bool]], host_blocks: int) -> None:
+    """Whatever preempts whom: each request that stays gets exactly its tokens once, and when all are done
+    no block is pinned or private, nothing waits and nothing runs."""
+    async def scenario() -> None:
+        e = engine("preempt", num_blocks, host_blocks=host_blocks)
+
+        async def one(i: int, blocks: int, max_tokens: int, seed: int, leaves: bool) -> None:
+            ids = prompt(blocks, seed * 10 + i)
+            if not e.fits_at_all(len(ids) + max_tokens):
+                return
+            got: list[int] = []
+            gen = e.generate(ids, None, max_tokens)
+            try:
+                async for item in gen:
+                    if not isinstance(item, Prefilled):
+                        got.append(item)
+                        if leaves and len(got) == max(1, max_tokens // 2):
+                            return  # the client goes away mid-answer
+            finally:
+                await gen.aclose()  # what the server does when a client disconnects
+            assert got == output_token_ids(ids, max_tokens)
+
+        await asyncio.gather(*(one(i, *job) for i, job in enumerate(jobs)))
+        assert e.running == 0 and not e.waiting and e.cache.private_in_use == 0
+        assert all(b.ref_count == 0 for b in e.cache.blocks.values())
+
+    asyncio.run(scenario())
