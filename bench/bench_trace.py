@@ -976,17 +976,17 @@ def run_one(cfg: str, divisor: float, plan: Plan, workers: list[H.Proc], rendere
         extra["routed_without_picker"] = sum(served.values()) - sum(picks.values())
     if counted:
         extra["proc_counters"] = H.counters_delta(counters0, counters1, sum(served.values()))
-    dp = sum(after[k]["prompt_tokens_total"] - before[k]["prompt_tokens_total"] for k in after)
-    dc = sum(after[k]["cached_tokens_total"] - before[k]["cached_tokens_total"] for k in after)
+    def moved(counter: str) -> int:  # summed over the workers (0 where an older mock lacks the counter)
+        return sum(after[k].get(counter, 0) - before[k].get(counter, 0) for k in after)
+
+    dp, dc = moved("prompt_tokens_total"), moved("cached_tokens_total")
     row = {"config": cfg, "divisor": divisor, **aiperf_figures(art), "per_worker_served": served,
            "workers_cached_ratio": dc / dp if dp else 0.0, "workers_prompt_tokens": dp,
            "workers_cached_tokens": dc, "picker_picks": picks,
            # the engines' KV room: requests preempted for it (vLLM dialects, kv_admission preempt) and what
            # their resumptions computed again
-           "workers_preemptions": sum(after[k].get("preemptions", 0) - before[k].get("preemptions", 0)
-                                      for k in after),
-           "workers_recomputed_tokens": sum(after[k].get("recomputed_tokens_total", 0)
-                                            - before[k].get("recomputed_tokens_total", 0) for k in after),
+           "workers_preemptions": moved("preemptions"),
+           "workers_recomputed_tokens": moved("recomputed_tokens_total"),
            "aiperf_wall_s": round(wall, 1), "loadavg_1m": os.getloadavg()[0], **extra}
     if window:
         row.update(restart_window(plan, input_file, art, row))

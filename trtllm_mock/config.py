@@ -14,6 +14,7 @@ RenderDialect = Literal["trtllm", "vllm"]
 Scheduler = Literal["independent", "iteration"]
 KvAdmission = Literal["auto", "reserve", "preempt"]
 HostOffload = Literal["auto", "evict", "compute"]
+VLLM_DIALECTS = ("vllm", "vllm-array")  # whose engine allocates as it goes and offloads on compute (auto)
 
 # Step-time constants fitted to TensorRT-LLM's published throughput of Llama-3.1-8B-Instruct-FP8 on one H100
 # SXM 80GB (docs/source/performance/perf-overview.md, "Llama 3.1 8B FP8", TP 1, 11 ISL/OSL rows): a
@@ -154,7 +155,7 @@ class MockConfig:
     def offloads_on_compute(self) -> bool:
         """Whether a block is stored to host memory when computed rather than when evicted (``host_offload``)."""
         if self.host_offload == "auto":
-            return self.event_dialect in ("vllm", "vllm-array")
+            return self.event_dialect in VLLM_DIALECTS
         return self.host_offload == "compute"
 
     @property
@@ -163,7 +164,7 @@ class MockConfig:
         if self.scheduler != "iteration":
             return False
         if self.kv_admission == "auto":
-            return self.event_dialect in ("vllm", "vllm-array")
+            return self.event_dialect in VLLM_DIALECTS
         return self.kv_admission == "preempt"
 
     def validate(self) -> None:

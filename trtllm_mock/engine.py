@@ -255,7 +255,7 @@ class Engine:
     def _room_to_decode(self, seq: _Seq) -> bool:
         """The block this decode step writes into, preempting the newest running requests for it if it must;
         False if ``seq`` itself had to go."""
-        need = self.cache.blocks_needed(seq.prompt_len + seq.produced) - len(seq.alloc.held) - seq.alloc.private
+        need = self.cache.blocks_needed(seq.prompt_len + seq.produced) - seq.alloc.blocks
         if need <= 0:
             return True
         while (events := self.cache.grow(seq.alloc, need)) is None:

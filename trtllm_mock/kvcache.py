@@ -16,9 +16,9 @@ Rules copied from the real engine because a picker that ignores them must get me
 Off-GPU tiers (issue 44, ``host_blocks`` / ``storage_blocks``): a block evicted from the GPU is offloaded to
 host memory (an LRU of ``host_blocks``), or, with ``offload_on_compute`` (vLLM's OffloadingConnector), every
 prompt block is stored there as soon as its prefill computes it; a block evicted from host memory goes to
-storage (``storage_blocks``) or away. A prompt continuing past its GPU-cached chain into an offloaded one LOADS those blocks instead of
-computing them (the engine charges the load time, engine.py); they are GPU blocks again once the prefill
-commits, and their offloaded copies stay. Every tier move is published as vLLM's self-describing offload events
+storage (``storage_blocks``) or away. A prompt continuing past its GPU-cached chain into an offloaded one LOADS
+those blocks instead of computing them (the engine charges the load time, engine.py); they are GPU blocks again
+once the prefill commits, and their offloaded copies stay. Every tier move is published as vLLM's self-describing offload events
 do (vllm-project/vllm 896c8e6e .../kv_connector/v1/offloading/events.py): a ``BlockStored`` at the new medium
 with the block's hash, parent, tokens and GPU block size, a ``BlockRemoved`` at the old one.
 """
@@ -102,6 +102,11 @@ class Allocation:
     loaded: list[str] = field(default_factory=list)  # per loaded block (after the GPU ones), its medium
     committed: bool = False
 
+    @property
+    def blocks(self) -> int:
+        """Physical blocks it holds: its cached (pinned) ones and its private ones."""
+        return len(self.held) + self.private
+
 
 class KVCache:
     """The simulated cache; see the module docstring for the rules it enforces."""
@@ -178,7 +183,8 @@ class KVCache:
         return out
 
     def _offload(self, victims: list[Block]) -> list[dict[str, Any]]:
-        """GPU victims into the first tier, its overflow into the next, the last one's away: the events.
+        """GPU blocks (evicted ones, or just computed ones with offload_on_compute) into the first tier, its
+        overflow into the next, the last one's away: the events. A block a tier holds already is only touched.
 
         Stores go parent first (by position): eviction takes leaves, so a chain leaves the GPU child first,
         but vLLM offloads a request's blocks in chain order when they are computed, and an event's parent must
@@ -379,7 +385,7 @@ class KVCache:
         if self.offload_on_compute and self.tiers:
             # every full prompt block goes to host memory once computed; one a tier holds already is only
             # touched (vLLM's prepare_store filters stored hashes), loaded ones included
-            events.extend(self._offload(alloc.held[: len(alloc.hashes)]))
+            events.extend(self._offload(alloc.held))
         return events
 
     def release(self, alloc: Allocation) -> None:
