@@ -1576,6 +1576,48 @@ def item3_targets(doc: dict[str, Any], cap: str) -> dict[str, Any]:
     return out
 
 
+# issue 44's proof: a variant is tiered when its flags turn tier credit on (config.py `_tiered_credit_enabled`)
+TIER_FLAGS = ("--tiered-credit", "--router-host-cache-hit-weight", "--router-disk-cache-hit-weight")
+
+
+def tiered_configs(doc: dict[str, Any]) -> list[str]:
+    """The configurations whose picker credits tiers, read from the recorded descriptions (a variant's is
+    "picker, KV-aware, FLAGS"), so a recorded run is judged again without its command line."""
+    return [k for k, text in doc.get("configs", {}).items() if any(f in text.split() for f in TIER_FLAGS)]
+
+
+def tier_targets(doc: dict[str, Any], cap: str) -> dict[str, Any]:
+    """Issue 44's two targets for each tiered configuration at a capacity run with a host tier: TTFT p90 at
+    saturation >= 1.5x lower than GPU-only credit (c), by a claim; and the cached-or-loaded ratio (the mocks'
+    cached tokens, which count blocks loaded from host memory) within 10% of the bound that knows both tiers
+    (`oracle_gpu_and_host`, the pooled LRU over GPU + host blocks) at every load. Saturation is (a)'s, as for
+    issue 16's targets; a run without (a) is judged at its top load."""
+    info = next(i for i in doc["result"]["capacities"] if i["name"] == cap)
+    if "oracle_gpu_and_host" not in info:
+        return {}
+    bound = info["oracle_gpu_and_host"]["pooled_lru"]
+    cells = [c for c in doc["result"]["cells"] if c["capacity"] == cap]
+    sat = saturating_rate(doc, cap)
+    if sat is None and cells:
+        sat = max(c["offered_rps"] for c in cells)
+    out: dict[str, Any] = {}
+    for x in tiered_configs(doc):
+        xc, cc = (_cell(doc, cap, x, sat), _cell(doc, cap, "c", sat)) if sat is not None else (None, None)
+        if xc is not None and cc is not None:  # compared here: `claims` pairs only this run's --variant names
+            k = compare(xc, cc, "ttft_p90_ms")
+            out[f"{x}_ttft_p90_1.5x_below_c_at_saturation"] = {
+                "saturating_rps": sat, **k, "met": k["claim"] is not None and k["claim"] >= 1.5}
+        per = []
+        for c in sorted((c for c in cells if c["config"] == x), key=lambda c: c["offered_rps"]):
+            med = _median(c, "aiperf_cached_ratio")
+            per.append({"offered_rps": c["offered_rps"], x: med, "two_tier_bound": bound,
+                        "over_bound": H.ratio(med, bound)})
+        if per:
+            out[f"{x}_cached_or_loaded_within_10pct_of_two_tier_bound"] = {
+                "per_load": per, "met": all((p["over_bound"] or 0) >= 0.9 for p in per)}
+    return out
+
+
 def targets(doc: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for i in doc["result"]["capacities"]:
@@ -1583,6 +1625,7 @@ def targets(doc: dict[str, Any]) -> dict[str, Any]:
         t.update(replica_restart_targets(doc, i["name"]))
         t.update(item3_targets(doc, i["name"]))
         t.update(restart_window_targets(doc, i["name"]))
+        t.update(tier_targets(doc, i["name"]))
         half = half_gap_targets(doc, i["name"])
         if half is not None:
             t["c_closes_half_the_gap_from_e_to_clairvoyant"] = half

@@ -290,3 +290,51 @@ def test_request_deltas_compare_only_equal_placements_and_split_the_ttft_into_it
     assert r["vs_c_dttft_ms"] == 2.0 and r["vs_c_dto_upstream_ms"] == 0.5
     assert r["vs_c_dworker_first_body_ms"] == 0.5 and r["vs_c_rest_ms"] == 1.0
     assert "_requests" not in rows[0] and "_requests" not in rows[1] and "vs_c" not in rows[0]
+
+
+def _tier_doc(t_ttft: float, t_cached: float, with_a: bool = True) -> dict[str, Any]:
+    """(a), (c) GPU-only credit and (t) tiered credit at two loads, with a host tier whose bound is 0.65."""
+    def cell(cfg: str, rate: float, ttft: float, cached: float) -> dict[str, Any]:
+        runs = _runs([ttft * 0.95, ttft, ttft * 1.05], [cached - 0.005, cached, cached + 0.005])
+        return {"capacity": "scarce", "config": cfg, "offered_rps": rate, "divisor": 1.0, "runs": runs,
+                "summary": {"ttft_p90_ms": {"median": ttft}, "aiperf_cached_ratio": {"median": cached}}}
+    cells = [cell("c", 17.5, 250.0, 0.52), cell("t", 17.5, 200.0, 0.62),
+             cell("c", 25.0, 800.0, 0.45), cell("t", 25.0, t_ttft, t_cached)]
+    if with_a:
+        cells += [cell("a", 17.5, 1000.0, 0.35), cell("a", 25.0, 3100.0, 0.36)]
+    doc: dict[str, Any] = {
+        "configs": {"a": "envoy round-robin", "c": "picker, KV-aware (defaults)",
+                    "t": "picker, KV-aware, --tiered-credit"},
+        "result": {"cells": cells, "capacities": [
+            {"name": "scarce", "oracle": {"pooled_lru": 0.58},
+             "oracle_gpu_and_host": {"pooled_lru": 0.65, "infinite": 0.65},
+             "clairvoyant": [{"offered_rps": r, "cached_ratio": {"median": 0.64}} for r in (17.5, 25.0)]}]}}
+    doc["claims"] = claims(doc)
+    return doc
+
+
+def test_a_tiered_variant_is_judged_on_ttft_against_gpu_only_credit_at_saturation_by_a_claim() -> None:
+    t = targets(_tier_doc(t_ttft=400.0, t_cached=0.60))["scarce"]
+    k = t["t_ttft_p90_1.5x_below_c_at_saturation"]
+    assert k["saturating_rps"] == 25.0 and k["claim"] == pytest.approx(2.0) and k["met"] is True
+    t = targets(_tier_doc(t_ttft=600.0, t_cached=0.60))["scarce"]
+    assert t["t_ttft_p90_1.5x_below_c_at_saturation"]["met"] is False  # 1.33x
+
+
+def test_a_tiered_variant_s_cached_or_loaded_ratio_is_judged_against_the_two_tier_bound_at_every_load() -> None:
+    t = targets(_tier_doc(t_ttft=400.0, t_cached=0.59))["scarce"]["t_cached_or_loaded_within_10pct_of_two_tier_bound"]
+    assert [p["over_bound"] for p in t["per_load"]] == pytest.approx([0.62 / 0.65, 0.59 / 0.65])
+    assert t["met"] is True
+    t = targets(_tier_doc(t_ttft=400.0, t_cached=0.57))["scarce"]["t_cached_or_loaded_within_10pct_of_two_tier_bound"]
+    assert t["met"] is False  # 0.877 of the bound at 25 req/s
+
+
+def test_without_round_robin_the_tier_targets_are_judged_at_the_top_load() -> None:
+    t = targets(_tier_doc(t_ttft=400.0, t_cached=0.60, with_a=False))["scarce"]
+    assert t["t_ttft_p90_1.5x_below_c_at_saturation"]["saturating_rps"] == 25.0
+
+
+def test_a_run_without_a_host_tier_has_no_tier_targets() -> None:
+    doc = _tier_doc(t_ttft=400.0, t_cached=0.60)
+    del doc["result"]["capacities"][0]["oracle_gpu_and_host"]
+    assert not [k for k in targets(doc)["scarce"] if k.startswith("t_")]
