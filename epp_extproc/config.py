@@ -325,11 +325,13 @@ class Config:
         "`blocks`: the KV-router block cost (load and overlap in blocks); `time`: each worker's predicted TTFT "
         "(+ a TPOT term) learned online from its answers, honouring x-slo-ttft-ms / x-slo-tpot-ms (a sheddable "
         "request no worker is predicted to meet gets 429); see docs/time-cost.md", ("blocks", "time"))
-    affinity_load_bound: float = opt("DYN_EPP_AFFINITY_LOAD_BOUND", 0.5, float,
+    affinity_load_bound: float | None = opt("DYN_EPP_AFFINITY_LOAD_BOUND", None, lambda s: float(s) if s else None,
         "bounded-load affinity: the longest cached prefix wins among the workers whose load is within "
         "(1 + this) x the pool's average (plus the request's blocks), ties by the block cost (not applied with "
-        "--cost-model time: a value other than the default is named in a start-up warning); 0 = "
-        "the block cost alone places (the rule before 0.5 became the default); see docs/bounded-affinity.md")
+        "--cost-model time: a value set is named in a start-up warning); unset = 0.5, and 2.0 with tier credit "
+        "on while any worker holds blocks off the GPU (a prefix kept in host memory is worth holding its worker "
+        "further past the average; README 'Tiered KV credit'); 0 = the block cost alone places (the rule before "
+        "0.5 became the default); see docs/bounded-affinity.md")
     affinity_rule: str = opt("DYN_EPP_AFFINITY_RULE", "weighed", str,
         "how much affinity a cached prefix buys within the load bound: `weighed` = each fitting worker's cost "
         "is lowered by (1 + bound) x the pool's average held load x the share of the prompt it holds, the least "
@@ -474,6 +476,11 @@ class Config:
         """`--tiered-credit`, or a tier weight set (Dynamo's way of turning host/disk credit on)."""
         return _tiered_credit_enabled(self)
 
+    def affinity_bounds(self) -> tuple[float, float | None]:
+        """`--affinity-load-bound` as set, else 0.5, and the bound while blocks sit off the GPU (2.0 with tier
+        credit on and the bound unset; None = the same)."""
+        return _affinity_bounds(self)
+
     def body_modes(self) -> tuple[str, ...]:
         return _body_modes(self)
 
@@ -612,13 +619,29 @@ def _tiered_credit_enabled(s: Any) -> bool:
                 or s.router_disk_cache_hit_weight is not None)
 
 
+# --affinity-load-bound when unset: 0.5 was swept on GPU-only pools (docs/bounded-affinity.md). With tier credit
+# and blocks off the GPU, a prefix the GPU evicted is still loadable from host memory at a fraction of its
+# prefill, so holding requests on its worker further past the average keeps more of that reuse
+# (bench/README.md "Tiered KV credit", stop 60); a GPU-only pool keeps 0.5 with the flag on or off.
+AFFINITY_LOAD_BOUND = 0.5
+AFFINITY_LOAD_BOUND_TIERED = 2.0
+
+
+def _affinity_bounds(s: Any) -> tuple[float, float | None]:
+    """(the load bound, the bound while any worker holds blocks off the GPU or None for the same): a bound
+    set is used as set; unset, 0.5, and 2.0 off the GPU when tier credit is on."""
+    if s.affinity_load_bound is not None:
+        return float(s.affinity_load_bound), None
+    return AFFINITY_LOAD_BOUND, AFFINITY_LOAD_BOUND_TIERED if _tiered_credit_enabled(s) else None
+
+
 def _body_modes(s: Any) -> tuple[str, ...]:
     return tuple(m.strip().upper() for m in s.allowed_body_modes.split(",") if m.strip())
 
 
 _SECTION_METHODS: dict[str, dict[str, Callable[..., Any]]] = {
     "serving": {"body_modes": _body_modes},
-    "scheduling": {"tiered_credit_enabled": _tiered_credit_enabled},
+    "scheduling": {"tiered_credit_enabled": _tiered_credit_enabled, "affinity_bounds": _affinity_bounds},
     "replicas": {"sync_enabled": _sync_enabled, "peer_list": _peer_list},
 }
 
@@ -802,7 +825,8 @@ def _check_scheduling(s: Any) -> None:
     if _tiered_credit_enabled(s) and s.cost_model == "time":
         raise ValueError(f"{n('tiered_credit')} adds to the credited overlap, which {n('cost_model')} time "
                          "does not read: use the block cost with tier weights")
-    _at_least(s, "affinity_load_bound", 0, " (0 = off)")
+    if s.affinity_load_bound is not None:
+        _at_least(s, "affinity_load_bound", 0, " (0 = off)")
 
 
 def _check_worker_metrics(w: Any) -> None:

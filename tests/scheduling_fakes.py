@@ -187,6 +187,11 @@ def choose_bounded(rows: Sequence[Row], params: CostParams, bound: float, rng: r
     return _run(rows, params, BoundedLoadPicker(bound, params.temperature, rng, rule))
 
 
+def choose_with(rows: Sequence[Row], params: CostParams, picker: Any) -> Row:
+    """The block cost priced, then `picker` picks (a picker a test configured itself)."""
+    return _run(rows, params, picker)
+
+
 def apply_eviction(scorer: EvictionScorer, rows: Sequence[Row]) -> None:
     """The eviction scorer over rows with a known prompt: each row's discount, penalty and figures."""
     t = table_of([Row(r.address, r.load, r.prompt_blocks, r.overlap_blocks) for r in rows])

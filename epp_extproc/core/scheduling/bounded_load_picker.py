@@ -22,12 +22,20 @@ release (`--affinity-rule longest`), for comparison.
 
 A request no admissible worker holds any of goes by the cost over every candidate, at the picker's
 temperature, under either rule.
+
+With tier credit (`tieredBound`; the flags set 2.0 when `--tiered-credit` is on and `--affinity-load-bound` is
+not set) the bound widens while any worker holds blocks off the GPU. The 0.5 default was swept on GPU-only
+pools, where holding a prefix's worker further past the average makes its GPU evict other prefixes for good;
+with a host tier that stores what the GPU computed, an evicted prefix is still loaded at a fraction of its
+prefill, so the wider bound keeps more reuse (on the trace at saturation, scarce GPU, host 4x: 0.92 of the
+two-tier bound against 0.88; bench/README.md "Tiered KV credit", stop 60). A GPU-only pool decides as without
+tier credit: the index holds no tier, the bound stays `bound`.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +57,10 @@ class BoundedLoadPicker:
     rng: random.Random | None = None  # seeded in tests; None: the module's generator
     rule: str = "weighed"
     name: str = "bounded-load-picker"
+    # `tieredBound`: the bound while any worker holds blocks off the GPU (`has_tiers`, the KV view's answer),
+    # where a prefix the GPU evicted is still cheap to load on its worker; None = `bound` always
+    tiered_bound: float | None = None
+    has_tiers: Callable[[], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -56,18 +68,34 @@ class BoundedLoadPicker:
 
     @classmethod
     def create(cls, params: Mapping[str, Any], deps: SchedulingDeps) -> BoundedLoadPicker:
+        tiered = params.get("tieredBound")
+        has_tiers = None
+        if tiered is not None:
+            kv = deps.kv
+            if kv is None or not hasattr(kv, "has_tiers"):
+                raise ValueError("bounded-load-picker's tieredBound reads the KV index's tiers: it needs a "
+                                 "KV-aware picker (--tokenizer-protocol)")
+            has_tiers = kv.has_tiers
         return cls(float(params["bound"]), float(params.get("temperature", 0.0)),
-                   rule=str(params.get("rule", "weighed")))
+                   rule=str(params.get("rule", "weighed")),
+                   tiered_bound=None if tiered is None else float(tiered), has_tiers=has_tiers)
+
+    def current_bound(self) -> float:
+        """`tiered_bound` while any worker holds blocks off the GPU, else `bound`."""
+        if self.tiered_bound is not None and self.has_tiers is not None and self.has_tiers():
+            return self.tiered_bound
+        return self.bound
 
     def pick(self, req: SchedulingRequest, table: CandidateTable, pool: Sequence[int]) -> int:
         t = self.temperature if req.temperature is None else req.temperature
+        bound = self.bound if self.tiered_bound is None else self.current_bound()
         if table.columnar:
-            return self._vector(table, pool, t)
+            return self._vector(table, pool, t, bound)
         loads, pb, credited = table.loads, table.prompt_blocks, table.credited
         # the blocks of work a worker holds, as the bound weighs them: its bookings and its unbooked load
         held = [loads[i].decode_blocks + loads[i].unbooked_blocks for i in pool]
         average = sum(held) / len(pool)
-        ceiling = (1.0 + self.bound) * average
+        ceiling = (1.0 + bound) * average
         best = 0.0
         fits: list[tuple[int, float]] = []  # (row, its slack: the prompt's blocks, at least 1)
         for i, h in zip(pool, held, strict=True):
@@ -87,7 +115,7 @@ class BoundedLoadPicker:
             adjusted[i] -= (ceiling + slack) * (share if share < 1.0 else 1.0)
         return least_cost(adjusted, [i for i, _ in fits], t, self.rng)
 
-    def _vector(self, table: CandidateTable, pool: Sequence[int], t: float) -> int:
+    def _vector(self, table: CandidateTable, pool: Sequence[int], t: float, bound: float) -> int:
         """The loop above over a columnar table, in the same order of operations, so the same row is drawn from
         the same random stream: `held` elementwise; its sum in the order of Python's `sum` (`ordered_sum`:
         NumPy's `sum` adds pairwise and may differ in the last bit); the candidates in pool order.
@@ -106,7 +134,7 @@ class BoundedLoadPicker:
             held = table.decode_load[rows] + table.unbooked_load[rows]
             pb, credited, cost = table.prompt_blocks[rows], table.credited[rows], table.cost[rows]
         average = ordered_sum(held) / len(held)
-        ceiling = (1.0 + self.bound) * average
+        ceiling = (1.0 + bound) * average
         slack = np.maximum(pb, 1.0)  # `p if p > 1.0 else 1.0` (no NaN can arise)
         fit = held <= ceiling + slack
         effective = np.where(fit, credited, 0.0)

@@ -109,6 +109,7 @@ class _Param:
 
 
 _REQUIRED = object()
+_ABSENT = object()  # an optional parameter without a default: left out of the checked parameters when not given
 
 
 def _int_at_least(low: int) -> Callable[[Any], int]:
@@ -172,9 +173,11 @@ OUR_TYPES: Mapping[str, _Type] = MappingProxyType({
         "bound": _Param(_float_check(0.0, strict=True), _REQUIRED),
         "temperature": _Param(_float_check(0.0, strict=False), 0.0),
         "rule": _Param(_choice(("weighed", "longest")), "weighed"),
+        "tieredBound": _Param(_float_check(0.0, strict=True), _ABSENT),
     }, "the cached prefix first among workers whose load is within (1 + bound) x the average: `weighed` lowers "
        "each one's cost by (1 + bound) x the average load x the share of the prompt it holds; `longest` lets "
-       "the longest prefix win"),
+       "the longest prefix win; `tieredBound`: the bound instead while any worker holds blocks off the GPU "
+       "(host memory, disk, shared storage; the flags' default with tier credit: 2.0)"),
     "random-picker": _Type("picker", {}, "uniform over the candidates"),
     "tiered-credit": _Type("scorer", {
         "gpuWeight": _Param(_float_check(0.0, strict=False), 1.0),
@@ -464,7 +467,7 @@ def _check_ours(type_: str, name: str, params: Mapping[str, Any], extra: frozens
                 raise _fail(f"plugins[{name}].parameters.{k}", f"must be {e}, got {_show(params[k])}") from None
         elif p.default is _REQUIRED:
             raise _fail(f"plugins[{name}].parameters.{k}", f"required by {type_}")
-        else:
+        elif p.default is not _ABSENT:
             out[k] = p.default
     return out
 
@@ -1162,19 +1165,19 @@ def spec_from_config(config: Any) -> SchedulingSpec:
                                    _check_ours("predicted-time-scorer", "predicted-time-scorer", block_params),
                                    "predicted-time-scorer"), 1.0)]
         picker = plain
-        default_bound = type(config).__dataclass_fields__["affinity_load_bound"].default
-        if config.affinity_load_bound > 0 and config.affinity_load_bound != default_bound:
+        if config.affinity_load_bound:  # set, and not 0: a bound the time cost ignores
             notes.append(Note("affinity_load_bound", "warning",
                               f"affinity_load_bound {config.affinity_load_bound:g} does not apply with cost_model "
                               "time: the predicted time prices the load itself (a config file may combine "
                               "predicted-time-scorer with bounded-load-picker)"))
     else:
         decode_scorers = [block]
-        if config.affinity_load_bound > 0:
-            picker = _plugin("bounded-load-picker", "bounded-load-picker",
-                             {"bound": float(config.affinity_load_bound), "temperature": temperature,
-                              "rule": str(config.affinity_rule)},
-                             "bounded-load-picker")
+        bound, tiered_bound = config.affinity_bounds()
+        if bound > 0:
+            params: dict[str, Any] = {"bound": bound, "temperature": temperature, "rule": str(config.affinity_rule)}
+            if tiered_bound is not None:
+                params["tieredBound"] = tiered_bound
+            picker = _plugin("bounded-load-picker", "bounded-load-picker", params, "bounded-load-picker")
         else:
             picker = plain
     prefill_scorers = [block]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -12,7 +14,17 @@ from epp_extproc.cli import load_config
 from epp_extproc.config import Config
 from epp_extproc.core.load import EndpointLoad
 from epp_extproc.core.scheduling.bounded_load_picker import BoundedLoadPicker
-from tests.scheduling_fakes import ADDRS, CostParams, Row, chat, choose, choose_bounded, decide, make
+from tests.scheduling_fakes import (
+    ADDRS,
+    CostParams,
+    Row,
+    chat,
+    choose,
+    choose_bounded,
+    choose_with,
+    decide,
+    make,
+)
 
 P = CostParams(overlap_credit=2.0)
 
@@ -141,9 +153,57 @@ async def test_the_pipeline_leaves_a_worker_above_the_bound() -> None:
 
 
 def test_the_bound_is_on_by_default_and_refuses_a_negative_value() -> None:
-    assert Config().affinity_load_bound == 0.5
+    assert Config().affinity_bounds() == (0.5, None)
     with pytest.raises(ValueError, match="must be >= 0"):
         Config(affinity_load_bound=-1).validate()
+
+
+@pytest.mark.parametrize("tiers", [{"tiered_credit": True}, {"router_host_cache_hit_weight": 0.75},
+                                   {"router_disk_cache_hit_weight": 0.3}])
+def test_tier_credit_widens_the_unset_bound_to_2_while_blocks_sit_off_the_gpu(tiers: dict[str, Any]) -> None:
+    assert Config(**tiers).affinity_bounds() == (0.5, 2.0)
+    assert Config(**tiers).sections.scheduling.affinity_bounds() == (0.5, 2.0)
+
+
+def test_a_bound_set_is_the_bound_with_or_without_tiers() -> None:
+    assert Config(tiered_credit=True, affinity_load_bound=0.5).affinity_bounds() == (0.5, None)
+    assert Config(tiered_credit=True, affinity_load_bound=0.0).affinity_bounds() == (0.0, None)
+
+
+def test_the_flag_and_its_env_name_set_the_bound_and_unset_leaves_the_defaults() -> None:
+    assert load_config(["--affinity-load-bound", "1.5", "--tiered-credit"], env={}).affinity_bounds() == (1.5, None)
+    assert load_config([], env={"DYN_EPP_AFFINITY_LOAD_BOUND": "0.25"}).affinity_bounds() == (0.25, None)
+    assert load_config(["--tiered-credit"], env={}).affinity_bounds() == (0.5, 2.0)
+
+
+def test_the_tiered_bound_keeps_a_cached_worker_past_the_gpu_bound_only_while_blocks_sit_off_the_gpu() -> None:
+    # average 450: 1.5 x 450 + 40 = 715 blocks leaves the hot worker (900) out; 3 x 450 + 40 = 1,390 keeps it
+    cands = [cand("hot", 900, overlap=36), cand("cold", 100), cand("c2", 400), cand("c3", 400)]
+    off_gpu = [False]
+    picker = BoundedLoadPicker(0.5, tiered_bound=2.0, has_tiers=lambda: off_gpu[0])
+    assert choose_with(cands, P, picker).address == "cold"
+    off_gpu[0] = True
+    assert choose_with(cands, P, picker).address == "hot"
+
+
+class _TierView:
+    def __init__(self) -> None:
+        self.off_gpu = False
+
+    def has_tiers(self) -> bool:
+        return self.off_gpu
+
+
+def test_the_picker_built_with_a_tiered_bound_asks_the_kv_view_whether_blocks_sit_off_the_gpu() -> None:
+    view = _TierView()
+    deps = SimpleNamespace(kv=view)
+    picker = BoundedLoadPicker.create({"bound": 0.5, "tieredBound": 2.0}, deps)  # type: ignore[arg-type]
+    assert picker.current_bound() == 0.5
+    view.off_gpu = True
+    assert picker.current_bound() == 2.0
+    assert BoundedLoadPicker.create({"bound": 0.5}, deps).current_bound() == 0.5  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="tieredBound"):
+        BoundedLoadPicker.create({"bound": 0.5, "tieredBound": 2.0}, SimpleNamespace(kv=None))  # type: ignore[arg-type]
 
 
 async def test_the_time_cost_ignores_the_bound() -> None:

@@ -354,10 +354,30 @@ def test_defaults_compile_to_the_expected_profiles() -> None:
     {}, {"affinity_load_bound": 0.0}, {"affinity_load_bound": 0.0, "router_temperature": 0.7},
     {"affinity_load_bound": 0.25, "router_temperature": 0.3}, {"eviction_aware": True},
     {"cost_model": "time"}, {"kv_overlap_score_credit": 1.0, "prefill_load_scale": 0.5, "pd_min_uncached_tokens": 0},
+    {"tiered_credit": True}, {"tiered_credit": True, "affinity_load_bound": 1.0},
 ], ids=str)
 def test_each_flag_combination_round_trips_through_the_yaml(flags: dict[str, Any]) -> None:
     spec = spec_from_config(replace(Config(), **flags))
     assert parse_config(spec_to_yaml(spec)) == spec
+
+
+def test_tier_credit_flags_give_the_bounded_picker_a_tiered_bound_unless_a_bound_is_set() -> None:
+    def params(**flags: Any) -> dict[str, Any]:
+        return dict(spec_from_config(replace(Config(), **flags)).profiles["decode"].picker.parameters)
+
+    assert params(tiered_credit=True) == {"bound": 0.5, "temperature": 0.0, "rule": "weighed", "tieredBound": 2.0}
+    assert "tieredBound" not in params(tiered_credit=True, affinity_load_bound=0.5)
+    assert "tieredBound" not in params()
+
+
+def test_a_config_file_s_tiered_bound_is_checked_like_the_bound() -> None:
+    def picker(tiered: Any) -> dict[str, Any]:
+        return doc([{"type": "bounded-load-picker", "parameters": {"bound": 0.5, "tieredBound": tiered}}],
+                   one_profile("bounded-load-picker"))
+
+    spec = parse_config(picker(2.0))
+    assert dict(spec.profiles["default"].picker.parameters)["tieredBound"] == 2.0
+    assert "tieredBound" in error(picker(-1))
 
 
 def test_flag_combinations_pick_the_picker_the_flags_name() -> None:
