@@ -1612,9 +1612,9 @@ def tier_targets(doc: dict[str, Any], cap: str) -> dict[str, Any]:
             med = _median(c, "aiperf_cached_ratio")
             per.append({"offered_rps": c["offered_rps"], x: med, "two_tier_bound": bound,
                         "over_bound": H.ratio(med, bound)})
-        if per:
+        if per:  # a workload with nothing to reuse (bound 0) has no such target: met is None, not False
             out[f"{x}_cached_or_loaded_within_10pct_of_two_tier_bound"] = {
-                "per_load": per, "met": all((p["over_bound"] or 0) >= 0.9 for p in per)}
+                "per_load": per, "met": all((p["over_bound"] or 0) >= 0.9 for p in per) if bound > 0 else None}
     return out
 
 

@@ -338,3 +338,10 @@ def test_a_run_without_a_host_tier_has_no_tier_targets() -> None:
     doc = _tier_doc(t_ttft=400.0, t_cached=0.60)
     del doc["result"]["capacities"][0]["oracle_gpu_and_host"]
     assert not [k for k in targets(doc)["scarce"] if k.startswith("t_")]
+
+
+def test_a_workload_with_nothing_to_reuse_has_no_cached_or_loaded_verdict() -> None:
+    doc = _tier_doc(t_ttft=400.0, t_cached=0.0)
+    doc["result"]["capacities"][0]["oracle_gpu_and_host"] = {"pooled_lru": 0.0, "infinite": 0.0}
+    t = targets(doc)["scarce"]["t_cached_or_loaded_within_10pct_of_two_tier_bound"]
+    assert t["met"] is None and t["per_load"][0]["over_bound"] is None
