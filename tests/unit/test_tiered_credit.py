@@ -278,6 +278,14 @@ async def test_a_gpu_only_pool_decides_exactly_as_without_the_flag() -> None:
     assert on == off
 
 
+def test_start_up_says_the_load_bound_widens_while_blocks_sit_off_the_gpu() -> None:
+    (note,) = [n for n in spec_from_config(Config(tiered_credit=True)).notes if n.entry == "tiered_credit"]
+    assert "the load bound is 2.0 while any worker holds blocks off the GPU (0.5 otherwise" in note.detail
+    (note,) = [n for n in spec_from_config(Config(tiered_credit=True, affinity_load_bound=1.0)).notes
+               if n.entry == "tiered_credit"]
+    assert "load bound" not in note.detail
+
+
 def test_start_up_says_vllm_needs_self_describing_events() -> None:
     spec = spec_from_config(Config(tiered_credit=True))
     (note,) = [n for n in spec.notes if n.entry == "tiered_credit"]

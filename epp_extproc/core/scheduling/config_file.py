@@ -1160,7 +1160,9 @@ def spec_from_config(config: Any) -> SchedulingSpec:
     temperature = float(config.router_temperature)
     plain = (_plugin("softmax-picker", "softmax-picker", {"temperature": temperature}, "softmax-picker")
              if temperature > 0 else _plugin("min-cost-picker", "min-cost-picker", {}, "min-cost-picker"))
+    bound, tiered_bound = config.affinity_bounds()
     if config.cost_model == "time":
+        tiered_bound = None  # no bounded-load picker under the time cost
         decode_scorers = [(_plugin("predicted-time-scorer", "predicted-time-scorer",
                                    _check_ours("predicted-time-scorer", "predicted-time-scorer", block_params),
                                    "predicted-time-scorer"), 1.0)]
@@ -1172,7 +1174,6 @@ def spec_from_config(config: Any) -> SchedulingSpec:
                               "predicted-time-scorer with bounded-load-picker)"))
     else:
         decode_scorers = [block]
-        bound, tiered_bound = config.affinity_bounds()
         if bound > 0:
             params: dict[str, Any] = {"bound": bound, "temperature": temperature, "rule": str(config.affinity_rule)}
             if tiered_bound is not None:
@@ -1197,8 +1198,11 @@ def spec_from_config(config: Any) -> SchedulingSpec:
                           "tiered-credit"), 1.0)
         decode_scorers.append(tiered)
         prefill_scorers.append(tiered)
+        widened = (f"; the load bound is {_show(tiered_bound)} while any worker holds blocks off the GPU "
+                   f"({_show(bound)} otherwise; --affinity-load-bound sets one bound for both)"
+                   if tiered_bound is not None and bound > 0 else "")
         notes.append(Note("tiered_credit", "mapped", "blocks off the GPU are credited per tier (" + ", ".join(
-            f"{k}={_show(v)}" for k, v in tiered[0].parameters.items()) + "); vLLM workers need "
+            f"{k}={_show(v)}" for k, v in tiered[0].parameters.items()) + ")" + widened + "; vLLM workers need "
             "self_describing_kv_events=true on their OffloadingConnector (vLLM 0.32.0 has it): without it they publish "
             "placeholder offload events, which earn nothing (counted as skipped_placeholder in /debug/kv)"))
     handler = _plugin("pd-profile-handler", "pd-profile-handler",
