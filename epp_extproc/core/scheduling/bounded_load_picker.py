@@ -88,7 +88,7 @@ class BoundedLoadPicker:
 
     def pick(self, req: SchedulingRequest, table: CandidateTable, pool: Sequence[int]) -> int:
         t = self.temperature if req.temperature is None else req.temperature
-        bound = self.bound if self.tiered_bound is None else self.current_bound()
+        bound = self.current_bound()
         if table.columnar:
             return self._vector(table, pool, t, bound)
         loads, pb, credited = table.loads, table.prompt_blocks, table.credited

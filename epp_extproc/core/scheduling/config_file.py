@@ -1200,7 +1200,7 @@ def spec_from_config(config: Any) -> SchedulingSpec:
         prefill_scorers.append(tiered)
         widened = (f"; the load bound is {_show(tiered_bound)} while any worker holds blocks off the GPU "
                    f"({_show(bound)} otherwise; --affinity-load-bound sets one bound for both)"
-                   if tiered_bound is not None and bound > 0 else "")
+                   if tiered_bound is not None else "")
         notes.append(Note("tiered_credit", "mapped", "blocks off the GPU are credited per tier (" + ", ".join(
             f"{k}={_show(v)}" for k, v in tiered[0].parameters.items()) + ")" + widened + "; vLLM workers need "
             "self_describing_kv_events=true on their OffloadingConnector (vLLM 0.32.0 has it): without it they publish "
