@@ -32,7 +32,13 @@ the SEQPACKET round trip the adapter uses, and a ZeroMQ REQ/REP over ipc:// to t
 1k and 32k tokens against 8, 256 and 1,000 workers: where the channel costs more than the walk it replaces.
 
 Pinning: nothing is pinned by default; `--pin` puts the measuring process on CPU 0 and the ingest shard and
-the player on CPU 1 (what helps on a 2-core box: the decision's core is never shared with ingest).
+the player on CPU 1 (what helps on a 2-core box: the decision's core is never shared with ingest), the player
+at SCHED_IDLE (`--player-policy`). The player stands in for workers on other machines, so wherever it runs it
+takes CPU a real host would not lose; `--player-cpu 0` puts it beside the decisions instead, which sleep
+between two decisions and so preempt it at once, while the shard, busy with ingest most of the time, was kept
+waiting behind it on CPU 1 (stop 61: the lookup p99 at 1,000 workers 0.73-0.91 ms in 9 of 10 rounds with the
+player on CPU 0, 0.99-2.05 in 3 on CPU 1, and the 8-worker decision p99 the same on either; bench/README.md). The issue 45
+rounds since stop 61 use `--player-cpu 0` for `apart`; `inprocess` keeps CPU 1 for it (its CPU 0 ingests).
 """
 
 from __future__ import annotations
@@ -63,7 +69,8 @@ CAP = 4096
 FLOOD_BATCHES = 20_000
 FLOOD_BLOCKS = 64
 _REC = struct.Struct("<IQI")  # worker, seq, payload length
-PLAYER_NICE = 19  # --pin: the player yields its CPU to the shard or the decisions (see Player)
+PLAYER_NICE = 19  # --pin --player-policy nice: the player yields its CPU to the shard or the decisions (see Player)
+PLAYER_POLICY = ["idle"]  # --pin: how the player yields its CPU (--player-policy; see `_yield_cpu`)
 PLAYER_CPU = [1]  # --pin: the player's CPU (--player-cpu): with the shard by default
 _TS_OFFSET = 2  # msgpack [ts, events, rank]: 0x93, 0xcb, then ts as big-endian float64
 
@@ -249,10 +256,7 @@ class Player:
         if pin:  # its threads exist now: pin them all, and let the shard have CPU 1 whenever it wants it (the
             # player stands in for workers on other machines: on a real host it takes nothing from the picker)
             _pin(self.proc.pid, PLAYER_CPU[0])
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, self.proc.pid, PLAYER_NICE)
-                for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
-                    os.setpriority(os.PRIO_PROCESS, int(tid), PLAYER_NICE)
+            _yield_cpu(self.proc.pid, PLAYER_POLICY[0])
 
     def _line(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -285,6 +289,28 @@ def _pin(pid: int, cpu: int) -> None:
     for tid in tids:
         with contextlib.suppress(OSError):
             os.sched_setaffinity(tid, {cpu})
+
+
+def _yield_cpu(pid: int, policy: str) -> None:
+    """Make every thread of `pid` (the player) give its CPU up to the measured processes.
+
+    ``nice``: nice 19, what every run before stop 61 used. ``idle`` (default): SCHED_IDLE, which a normal
+    task's wake-up preempts at once (`check_preempt_wakeup_fair`). On this VM's kernel (6.18, EEVDF) nice 19
+    did not keep the player out of the shard's way: with the player on CPU 1 beside the shard, the lookup
+    p99 at 1,000 workers was 2.2-2.5 ms with nice 19 and 1.6 ms with SCHED_IDLE (same session, 2 rounds each,
+    `results/ingest_apart-stop61/policy/`). Even SCHED_IDLE leaves a share of the waits there: after preempting
+    the player's main thread the scheduler may run the player's libzmq I/O thread before the shard it just woke
+    (`results/ingest_apart-stop61/diagnosis/`); `--player-cpu 0` keeps the player off the shard's CPU."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        with contextlib.suppress(OSError):
+            if policy == "idle":
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            else:
+                os.setpriority(os.PRIO_PROCESS, tid, PLAYER_NICE)
 
 
 # ------------------------------------------------------------------ measuring
@@ -1005,6 +1031,7 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
             record(n, f, seconds + 2, flood=(n == 8))
         files[n] = f
     out: dict[str, Any] = {"bench": "ingest_apart", "quick": a.quick, "seconds": seconds, "pinned": a.pin, "player_cpu": a.player_cpu if a.pin else None,
+                           "player_policy": a.player_policy if a.pin else None,
                            "cpus": os.cpu_count(), "python": sys.version.split()[0],
                            "load_avg_at_start": os.getloadavg(), "events": {str(n): str(f) for n, f in files.items()}}
     parts = a.parts.split(",")
@@ -1059,6 +1086,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pin", action="store_true", help="measuring process on CPU 0, ingest and player on CPU 1")
     ap.add_argument("--player-cpu", type=int, default=1,
                     help="with --pin: the player's CPU (0: beside the decisions, leaving CPU 1 to the shard)")
+    ap.add_argument("--player-policy", choices=("idle", "nice"), default="idle",
+                    help="--pin: how the player yields its CPU: SCHED_IDLE (default) or nice 19 (runs before stop 61)")
     ap.add_argument("--process-modes", default="inprocess,apart", help="modes of the processes part")
     ap.add_argument("--process-sizes", default="256", help="pool sizes of the processes part (must be in --sizes)")
     ap.add_argument("--play", help=argparse.SUPPRESS)
@@ -1087,6 +1116,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.pin:
         _pin(os.getpid(), 0)
         PLAYER_CPU[0] = a.player_cpu
+        PLAYER_POLICY[0] = a.player_policy
     t = time.monotonic()
     out = asyncio.run(amain(a))
     out["wall_s"] = round(time.monotonic() - t, 1)
