@@ -277,16 +277,20 @@ class Player:
         self.proc.wait()
 
 
+def _threads(pid: int) -> list[int]:
+    """Every thread of `pid`: a call on the pid alone reaches its main thread only, and libzmq's I/O threads and
+    a shard's lookup threads would stay as they were."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return [pid]
+
+
 def _pin(pid: int, cpu: int) -> None:
-    """Every thread of `pid` (sched_setaffinity(pid) moves its main thread only; libzmq's I/O threads and
-    a shard's lookup threads would stay free)."""
+    """Every thread of `pid` on `cpu`."""
     if cpu >= (os.cpu_count() or 1):
         return
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        tids = [pid]
-    for tid in tids:
+    for tid in _threads(pid):
         with contextlib.suppress(OSError):
             os.sched_setaffinity(tid, {cpu})
 
@@ -301,11 +305,7 @@ def _yield_cpu(pid: int, policy: str) -> None:
     `results/ingest_apart-stop61/policy/`). Even SCHED_IDLE leaves a share of the waits there: after preempting
     the player's main thread the scheduler may run the player's libzmq I/O thread before the shard it just woke
     (`results/ingest_apart-stop61/diagnosis/`); `--player-cpu 0` keeps the player off the shard's CPU."""
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        tids = [pid]
-    for tid in tids:
+    for tid in _threads(pid):
         with contextlib.suppress(OSError):
             if policy == "idle":
                 os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
