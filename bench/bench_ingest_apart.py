@@ -36,9 +36,10 @@ the player on CPU 1 (what helps on a 2-core box: the decision's core is never sh
 at SCHED_IDLE (`--player-policy`). The player stands in for workers on other machines, so wherever it runs it
 takes CPU a real host would not lose; `--player-cpu 0` puts it beside the decisions instead, which sleep
 between two decisions and so preempt it at once, while the shard, busy with ingest most of the time, was kept
-waiting behind it on CPU 1 (stop 61: the lookup p99 at 1,000 workers 0.73-0.91 ms in 9 of 10 rounds with the
-player on CPU 0, 0.99-2.05 in 3 on CPU 1, and the 8-worker decision p99 the same on either; bench/README.md). The issue 45
-rounds since stop 61 use `--player-cpu 0` for `apart`; `inprocess` keeps CPU 1 for it (its CPU 0 ingests).
+waiting behind it on CPU 1 (stop 61: the lookup p99 at 1,000 workers 0.73-0.91 ms in 9 of 10 rounds with
+the player on CPU 0, 0.99-2.05 in 3 on CPU 1, and the 8-worker decision p99 the same on either;
+bench/README.md). The issue 45 rounds since stop 61 use `--player-cpu 0` for `apart`; `inprocess` keeps CPU 1
+for it (its CPU 0 ingests).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ CAP = 4096
 FLOOD_BATCHES = 20_000
 FLOOD_BLOCKS = 64
 _REC = struct.Struct("<IQI")  # worker, seq, payload length
-PLAYER_NICE = 19  # --pin --player-policy nice: the player yields its CPU to the shard or the decisions (see Player)
+PLAYER_NICE = 19  # --pin --player-policy nice: the player yields its CPU (see `_yield_cpu`)
 PLAYER_POLICY = ["idle"]  # --pin: how the player yields its CPU (--player-policy; see `_yield_cpu`)
 PLAYER_CPU = [1]  # --pin: the player's CPU (--player-cpu): with the shard by default
 _TS_OFFSET = 2  # msgpack [ts, events, rank]: 0x93, 0xcb, then ts as big-endian float64

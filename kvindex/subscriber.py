@@ -86,11 +86,12 @@ FDS_PER_SOCKET = 2  # a socket holds its mailbox (an eventfd) and, for a SUB or 
 
 
 def _recv_frames(sock: zmq.Socket) -> list[bytes]:
-    """``sock.recv_multipart(NOBLOCK)``, at half its cost per message (5 against 10 us for a batch's three
-    frames, `bench/results/ingest_apart-stop61/`): pyzmq's reads the ``RCVMORE`` option after every frame (an
-    enum lookup in each option read) and evaluates a `typing.cast` of a subscripted ``Union`` per call; a frame
-    received without a copy says itself whether another follows. Raises `zmq.Again` when nothing is queued; the
-    frames of a message after its first are never missing (libzmq delivers a message whole)."""
+    """``sock.recv_multipart(NOBLOCK)`` without its overhead: pyzmq's reads the ``RCVMORE`` option after every
+    frame (an enum lookup in each option read) and evaluates a `typing.cast` of a subscripted ``Union`` per call;
+    a frame received without a copy says itself whether another follows. With the wake path's fewer ``EVENTS``
+    reads, a batch's plain path costs 36-37 us against 42-44 (`python -m bench.bench_wake_path`,
+    `bench/results/ingest_apart-stop61/wake_path.txt`). Raises `zmq.Again` when nothing is queued; the frames of
+    a message after its first are never missing (libzmq delivers a message whole)."""
     frame = sock.recv(_NOBLOCK, copy=False)
     frames = [frame.bytes]
     while frame.more:
